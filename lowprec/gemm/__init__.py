@@ -1,0 +1,120 @@
+"""Block-scaled GEMMs: ``D = A · Bᵀ`` on quantized operands with FP32 accumulation."""
+
+from __future__ import annotations
+
+import torch
+
+from ..runtime import kernel_failed, use_kernel
+from ..tensor import QuantizedTensor
+from .reference import gemm_reference, grouped_gemm_contiguous_reference, grouped_gemm_masked_reference
+
+__all__ = ["gemm", "grouped_gemm"]
+
+_OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _check_operand(name: str, t: QuantizedTensor, ndim: int) -> None:
+    if not isinstance(t, QuantizedTensor):
+        raise TypeError(f"{name}: expected a QuantizedTensor (lowprec.quantize), got {type(t).__name__}")
+    if t.dim() != ndim:
+        raise ValueError(f"{name}: expected {ndim} dims, got shape {tuple(t.shape)}")
+
+
+def _check_common(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype) -> None:
+    if a.shape[-1] != b.shape[-1]:
+        raise ValueError(f"b: K mismatch: a has K={a.shape[-1]}, b has K={b.shape[-1]} (b is [N, K]: D = a · bᵀ)")
+    if a.device != b.device:
+        raise ValueError(f"b: on {b.device}, but a is on {a.device}")
+    if out_dtype not in _OUT_DTYPES:
+        raise TypeError(f"out_dtype: expected one of {[str(d) for d in _OUT_DTYPES]}, got {out_dtype}")
+
+
+def _sm90_unsupported(a: QuantizedTensor, b: QuantizedTensor, bias: torch.Tensor | None) -> str | None:
+    """Why the Hopper kernel cannot take these operands (None: it can)."""
+    if a.recipe.name != "fp8_block1x128" or a.recipe.scale_rounding not in ("exact", "pow2"):
+        return f"a's recipe is {a.recipe.name}, the kernel takes fp8_block1x128"
+    if b.recipe.name not in ("fp8_block128x128", "fp8_block1x128"):
+        return f"b's recipe is {b.recipe.name}, the kernel takes fp8_block128x128 or fp8_block1x128"
+    n, k = b.shape
+    if n % 16 or k % 16:
+        return f"N={n} and K={k} must be multiples of 16"
+    if bias is not None and bias.dtype not in (torch.float32, torch.bfloat16):
+        return f"bias dtype {bias.dtype}"
+    return None
+
+
+def gemm(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype = torch.bfloat16,
+         bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``D[M, N] = dequant(a)[M, K] · dequant(b)[N, K]ᵀ (+ bias)``, accumulated in FP32.
+
+    Any recipes work through the reference path. On Hopper (sm_90a), ``a`` in
+    ``fp8_block1x128`` and ``b`` in ``fp8_block128x128`` (weights) or ``fp8_block1x128``
+    (weight gradients) run the CuTe DSL kernel (``LOWPREC_BACKEND`` chooses, see
+    :mod:`lowprec.runtime.backend`).
+
+    Args:
+        a: quantized ``[M, K]``.
+        b: quantized ``[N, K]`` (row-major weights, as ``nn.Linear.weight``).
+        out_dtype: bfloat16 (default), float16 or float32.
+        bias: optional ``[N]`` tensor added before the cast.
+    """
+    _check_operand("a", a, 2)
+    _check_operand("b", b, 2)
+    _check_common(a, b, out_dtype)
+    n = b.shape[0]
+    if bias is not None:
+        if not isinstance(bias, torch.Tensor) or bias.shape != (n,):
+            raise ValueError(f"bias: expected a tensor of shape ({n},), got {getattr(bias, 'shape', type(bias))}")
+        if bias.device != a.device:
+            raise ValueError(f"bias: on {bias.device}, but a is on {a.device}")
+    if use_kernel("gemm", a.device, ("sm_90a",), _sm90_unsupported(a, b, bias)):
+        try:
+            from .sm90.interface import gemm_blockwise_fp8
+
+            return gemm_blockwise_fp8(a.data, a.scale, b.data, b.scale, out_dtype=out_dtype, bias=bias)
+        except Exception as err:
+            kernel_failed("gemm", err)
+    return gemm_reference(a, b, out_dtype, bias)
+
+
+def grouped_gemm(a: QuantizedTensor, b: QuantizedTensor, *, group_ends: torch.Tensor | None = None,
+                 masked_counts: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """One GEMM per group (expert) against that group's weights ``b[e]``.
+
+    Two layouts, pick one by the keyword given:
+
+    - contiguous (``group_ends``): ``a`` is ``[M, K]`` with the rows of group ``e`` in
+      ``group_ends[e-1]:group_ends[e]`` (int32 cumulative ends, non-decreasing); ``b`` is
+      ``[E, N, K]``. Returns ``[M, N]``; rows after ``group_ends[-1]`` are zero.
+    - masked (``masked_counts``): ``a`` is ``[E, M_max, K]`` and group ``e`` uses its first
+      ``masked_counts[e]`` rows; returns ``[E, M_max, N]`` with the other rows zero.
+    """
+    if (group_ends is None) == (masked_counts is None):
+        raise ValueError("grouped_gemm: pass exactly one of group_ends= (contiguous) or masked_counts= (masked)")
+    _check_operand("b", b, 3)
+    num_groups = b.shape[0]
+    if group_ends is not None:
+        _check_operand("a", a, 2)
+        _check_common(a, b, out_dtype)
+        _check_groups("group_ends", group_ends, num_groups, a.device)
+        if group_ends.numel() and (bool((group_ends.diff() < 0).any()) or int(group_ends[-1]) > a.shape[0]
+                                   or int(group_ends[0]) < 0):
+            raise ValueError(
+                f"group_ends: must be non-decreasing within [0, M={a.shape[0]}], got {group_ends.tolist()}")
+        return grouped_gemm_contiguous_reference(a, b, group_ends, out_dtype)
+    _check_operand("a", a, 3)
+    _check_common(a, b, out_dtype)
+    if a.shape[0] != num_groups:
+        raise ValueError(f"a: masked layout needs a [E, M_max, K] with E={num_groups} like b, got {tuple(a.shape)}")
+    _check_groups("masked_counts", masked_counts, num_groups, a.device)
+    if bool((masked_counts < 0).any()) or bool((masked_counts > a.shape[1]).any()):
+        raise ValueError(f"masked_counts: each count must be in [0, M_max={a.shape[1]}], got {masked_counts.tolist()}")
+    return grouped_gemm_masked_reference(a, b, masked_counts, out_dtype)
+
+
+def _check_groups(name: str, t: torch.Tensor, num_groups: int, device: torch.device) -> None:
+    if not isinstance(t, torch.Tensor) or t.dtype not in (torch.int32, torch.int64) or t.shape != (num_groups,):
+        raise ValueError(f"{name}: expected an int32 tensor of shape ({num_groups},), got "
+                         f"{getattr(t, 'dtype', type(t))} {tuple(getattr(t, 'shape', ()))}")
+    if t.device != device:
+        raise ValueError(f"{name}: on {t.device}, but a is on {device}")

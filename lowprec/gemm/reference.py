@@ -1,0 +1,42 @@
+"""Reference GEMMs in plain torch: the semantics the kernels are checked against.
+
+Every product is an FP32 (or FP64) matmul of the dequantized operands, ``D = A · Bᵀ``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..tensor import QuantizedTensor
+
+__all__ = ["gemm_reference", "grouped_gemm_contiguous_reference", "grouped_gemm_masked_reference"]
+
+
+def gemm_reference(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype, bias: torch.Tensor | None,
+                   compute_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    d = a.dequantize(compute_dtype) @ b.dequantize(compute_dtype).T
+    if bias is not None:
+        d = d + bias.to(compute_dtype)
+    return d.to(out_dtype)
+
+
+def grouped_gemm_contiguous_reference(a: QuantizedTensor, b: QuantizedTensor, group_ends: torch.Tensor,
+                                      out_dtype: torch.dtype,
+                                      compute_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    a_deq = a.dequantize(compute_dtype)
+    b_deq = b.dequantize(compute_dtype)
+    out = a_deq.new_zeros(a.shape[0], b.shape[1])
+    start = 0
+    for expert, end in enumerate(group_ends.tolist()):
+        if end > start:
+            out[start:end] = a_deq[start:end] @ b_deq[expert].T
+        start = end
+    return out.to(out_dtype)
+
+
+def grouped_gemm_masked_reference(a: QuantizedTensor, b: QuantizedTensor, counts: torch.Tensor,
+                                  out_dtype: torch.dtype, compute_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    out = a.dequantize(compute_dtype) @ b.dequantize(compute_dtype).transpose(-1, -2)
+    rows = torch.arange(a.shape[1], device=out.device)
+    valid = rows[None, :] < counts.to(out.device)[:, None]
+    return torch.where(valid[..., None], out, torch.zeros((), dtype=out.dtype, device=out.device)).to(out_dtype)

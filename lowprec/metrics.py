@@ -1,0 +1,68 @@
+"""Error metrics, computed in FP64: ``x`` is the approximation, ``ref`` the reference."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = ["cos_sim", "rel_l1", "rel_l2", "rmse", "sqnr_db", "calc_diff", "max_rel_err", "error_report"]
+
+
+def _pair(x: torch.Tensor, ref: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    if x.shape != ref.shape:
+        raise ValueError(f"x: shape {tuple(x.shape)} differs from ref's {tuple(ref.shape)}")
+    return x.detach().to(torch.float64).flatten(), ref.detach().to(torch.float64).flatten().to(x.device)
+
+
+def cos_sim(x: torch.Tensor, ref: torch.Tensor) -> float:
+    """Cosine similarity (1.0 = same direction)."""
+    x, ref = _pair(x, ref)
+    denom = x.norm() * ref.norm()
+    return 1.0 if float(denom) == 0 else float(x @ ref / denom)
+
+
+def rel_l1(x: torch.Tensor, ref: torch.Tensor) -> float:
+    """Σ|x − ref| / Σ|ref|."""
+    x, ref = _pair(x, ref)
+    return float((x - ref).abs().sum() / ref.abs().sum().clamp_min(1e-300))
+
+
+def rel_l2(x: torch.Tensor, ref: torch.Tensor) -> float:
+    """‖x − ref‖₂ / ‖ref‖₂."""
+    x, ref = _pair(x, ref)
+    return float((x - ref).norm() / ref.norm().clamp_min(1e-300))
+
+
+def rmse(x: torch.Tensor, ref: torch.Tensor) -> float:
+    """Root mean squared error."""
+    x, ref = _pair(x, ref)
+    return float((x - ref).pow(2).mean().sqrt())
+
+
+def sqnr_db(x: torch.Tensor, ref: torch.Tensor) -> float:
+    """Signal-to-quantization-noise ratio, 10·log10(Σref² / Σ(x − ref)²), in dB (inf if exact)."""
+    x, ref = _pair(x, ref)
+    noise = float((x - ref).pow(2).sum())
+    signal = float(ref.pow(2).sum())
+    if noise == 0:
+        return math.inf
+    return 10 * math.log10(max(signal, 1e-300) / noise)
+
+
+def calc_diff(x: torch.Tensor, ref: torch.Tensor) -> float:
+    """DeepGEMM's metric: 1 − 2·Σ(x·ref) / Σ(x² + ref²) (0 = identical)."""
+    x, ref = _pair(x, ref)
+    denom = float((x * x + ref * ref).sum())
+    return 0.0 if denom == 0 else 1 - 2 * float((x * ref).sum()) / denom
+
+
+def max_rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
+    """max|x − ref| / max|ref|: the worst element error relative to the tensor's range."""
+    x, ref = _pair(x, ref)
+    return float((x - ref).abs().max() / ref.abs().max().clamp_min(1e-300))
+
+
+def error_report(x: torch.Tensor, ref: torch.Tensor) -> dict[str, float]:
+    """All metrics at once."""
+    return {f.__name__: f(x, ref) for f in (cos_sim, rel_l1, rel_l2, rmse, sqnr_db, calc_diff, max_rel_err)}

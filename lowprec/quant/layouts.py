@@ -1,0 +1,106 @@
+"""Scale layouts: explicit, tested conversions between the plain row-major scale grid and what
+kernels read.
+
+- Row-major ``[..., rows, cols]``: what :func:`lowprec.quantize` returns.
+- MN-major, TMA-aligned (Hopper, DeepGEMM): same logical shape, ``stride(-2) == 1`` and
+  ``stride(-1) == round_up(rows, 16 / itemsize)`` so each column starts 16-byte aligned.
+- Blocked 128x4 (Blackwell tcgen05 / cuBLAS block scaling): the grid zero-padded to multiples
+  of 128 x 4, stored tile by tile (row-tile major); inside a tile, element ``(r, c)`` sits at
+  ``(r % 32) * 16 + (r // 32) * 4 + c`` (512 bytes per tile of 1-byte scales).
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = [
+    "to_mn_major_tma_aligned",
+    "is_mn_major_tma_aligned",
+    "to_row_major",
+    "to_blocked",
+    "from_blocked",
+    "blocked_offset",
+]
+
+
+def _round_up(x: int, m: int) -> int:
+    return (x + m - 1) // m * m
+
+
+def _tma_align(scale: torch.Tensor) -> int:
+    return max(16 // scale.element_size(), 1)
+
+
+def to_mn_major_tma_aligned(scale: torch.Tensor) -> torch.Tensor:
+    """Same values and shape ``[..., rows, cols]``, laid out column-major with 16-byte aligned columns.
+
+    Returns ``scale`` itself when it already has that layout.
+    """
+    if scale.dim() < 2:
+        raise ValueError(f"scale: expected ≥ 2 dims [..., rows, cols], got shape {tuple(scale.shape)}")
+    if is_mn_major_tma_aligned(scale):
+        return scale
+    rows, cols = scale.shape[-2:]
+    ld = _round_up(rows, _tma_align(scale))
+    buf = scale.new_zeros(*scale.shape[:-2], cols, ld)
+    buf[..., :rows] = scale.transpose(-1, -2)
+    return buf[..., :rows].transpose(-1, -2)
+
+
+def is_mn_major_tma_aligned(scale: torch.Tensor) -> bool:
+    """True when ``scale`` is column-major with 16-byte aligned columns and a dense batch stride."""
+    if scale.dim() < 2:
+        return False
+    rows, cols = scale.shape[-2:]
+    ld = _round_up(rows, _tma_align(scale))
+    if scale.stride(-2) != 1 and rows > 1:
+        return False
+    if scale.stride(-1) != ld and cols > 1:
+        return False
+    expected = ld * cols
+    for size, stride in zip(reversed(scale.shape[:-2]), reversed(scale.stride()[:-2])):
+        if size > 1 and stride != expected:
+            return False
+        expected *= size
+    return scale.data_ptr() % 16 == 0
+
+
+def to_row_major(scale: torch.Tensor) -> torch.Tensor:
+    """Plain contiguous row-major copy (inverse of :func:`to_mn_major_tma_aligned`)."""
+    return scale.contiguous()
+
+
+def blocked_offset(row: int, col: int, cols: int) -> int:
+    """Offset of grid element ``(row, col)`` in :func:`to_blocked` output for a grid of ``cols`` columns."""
+    col_tiles = _round_up(cols, 4) // 4
+    tile = (row // 128) * col_tiles + col // 4
+    r = row % 128
+    return tile * 512 + (r % 32) * 16 + (r // 32) * 4 + col % 4
+
+
+def to_blocked(scale: torch.Tensor) -> torch.Tensor:
+    """Row-major ``[rows, cols]`` scale grid -> flat 128x4-tiled (swizzled) layout, zero-padded.
+
+    Output is 1-D with ``round_up(rows, 128) * round_up(cols, 4)`` elements, same dtype.
+    """
+    if scale.dim() != 2:
+        raise ValueError(f"scale: expected a 2-D [rows, cols] grid, got shape {tuple(scale.shape)}")
+    rows, cols = scale.shape
+    pr, pc = _round_up(rows, 128), _round_up(cols, 4)
+    padded = scale.new_zeros(pr, pc)
+    padded[:rows, :cols] = scale
+    # [rt, 4, 32, ct, 4] (row = rt*128 + j*32 + i) -> [rt, ct, i, j, 4]
+    tiles = padded.view(pr // 128, 4, 32, pc // 4, 4).permute(0, 3, 2, 1, 4)
+    return tiles.reshape(-1)
+
+
+def from_blocked(blocked: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """Inverse of :func:`to_blocked`: flat tiled scales -> row-major ``[rows, cols]``."""
+    pr, pc = _round_up(rows, 128), _round_up(cols, 4)
+    if blocked.dim() != 1 or blocked.numel() != pr * pc:
+        raise ValueError(
+            f"blocked: expected a 1-D tensor of {pr * pc} elements for a {rows}x{cols} grid, "
+            f"got shape {tuple(blocked.shape)}"
+        )
+    tiles = blocked.view(pr // 128, pc // 4, 32, 4, 4).permute(0, 3, 2, 1, 4)
+    return tiles.reshape(pr, pc)[:rows, :cols].contiguous()

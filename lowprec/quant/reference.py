@@ -1,0 +1,137 @@
+"""Reference quantize / dequantize in plain torch: the semantics every quantize kernel matches.
+
+All arithmetic is FP32, in this order (kernels must reproduce it to be bit-identical):
+``amax`` per block -> scale (see :mod:`lowprec.recipes`) -> ``q = x / scale`` (IEEE division)
+-> clamp to the element format's range -> round to nearest even.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..formats import E4M3, decode, encode, encode_e8m0, pack_fp4, unpack_fp4
+from ..recipes import WHOLE, ScaleRecipe
+from ..tensor import QuantizedTensor
+
+__all__ = ["quantize_reference", "dequantize_reference", "scale_from_amax", "block_dims"]
+
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+_FP32_TINY = torch.finfo(torch.float32).tiny
+
+
+def block_dims(recipe: ScaleRecipe, shape: torch.Size) -> tuple[int, int]:
+    """The concrete ``(rows, cols)`` of one block for a tensor of ``shape`` (WHOLE resolved)."""
+    rows = shape[-2] if len(shape) >= 2 else 1
+    cols = shape[-1]
+    br, bc = recipe.block
+    return (max(rows, 1) if br == WHOLE else br), (max(cols, 1) if bc == WHOLE else bc)
+
+
+def _pow2_ceil(s: torch.Tensor) -> torch.Tensor:
+    mant, exp = torch.frexp(s)  # s = mant * 2^exp, mant in [0.5, 1)
+    return torch.where(mant == 0.5, s, torch.ldexp(torch.ones_like(s), exp))
+
+
+def scale_from_amax(amax: torch.Tensor, recipe: ScaleRecipe, global_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Block scales (FP32 values; E8M0/E4M3 recipes: already rounded to that format) from FP32 amax.
+
+    All-zero blocks get a finite non-zero scale: 1 for FP32 scales, the smallest code otherwise.
+    """
+    elem_max = recipe.element.max
+    if recipe.scale_format == "fp32":
+        s = amax / elem_max
+        if recipe.scale_rounding == "pow2":
+            s = _pow2_ceil(torch.where(s > 0, s, torch.ones_like(s)))
+        s = torch.where(amax > 0, s.clamp(min=_FP32_TINY), torch.ones_like(s))
+        return s
+    if recipe.scale_format == "e8m0":
+        if recipe.scale_rounding == "rceil":
+            codes = encode_e8m0(amax / elem_max, "ceil")
+        else:
+            codes = encode_e8m0(amax, "floor").to(torch.int32) - recipe.element.emax
+            codes = torch.where(amax > 0, codes, torch.zeros_like(codes)).clamp(0, 254).to(torch.uint8)
+        return codes.view(torch.float8_e8m0fnu).float()
+    # e4m3 block scale under an FP32 global scale (NVFP4)
+    s = (amax / elem_max) / global_scale
+    s = s.clamp(min=E4M3.min_subnormal, max=E4M3.max)
+    return s.to(torch.float8_e4m3fn).float()
+
+
+def _blocked_amax(x: torch.Tensor, br: int, bc: int) -> torch.Tensor:
+    """amax over [br, bc] blocks of the last two dims of ``x`` (zero-padded), FP32."""
+    rows, cols = x.shape[-2:]
+    pr, pc = -rows % br, -cols % bc
+    a = torch.nn.functional.pad(x.abs(), (0, pc, 0, pr))
+    lead = a.shape[:-2]
+    a = a.reshape(*lead, (rows + pr) // br, br, (cols + pc) // bc, bc)
+    return a.amax(dim=(-3, -1))
+
+
+def expand_scale(scale: torch.Tensor, br: int, bc: int, rows: int, cols: int) -> torch.Tensor:
+    """Broadcast a [..., nr, nc] block-scale grid to [..., rows, cols] (crop the padding)."""
+    s = scale.repeat_interleave(br, dim=-2).repeat_interleave(bc, dim=-1)
+    return s[..., :rows, :cols]
+
+
+def quantize_reference(x: torch.Tensor, recipe: ScaleRecipe) -> QuantizedTensor:
+    """Quantize ``x`` (validated by the caller) with ``recipe`` in plain torch."""
+    shape = x.shape
+    x2 = x.reshape(1, shape[0]) if x.dim() == 1 else x
+    xf = x2.to(torch.float32)
+    br, bc = block_dims(recipe, shape)
+    rows, cols = x2.shape[-2:]
+
+    if recipe.tensorwise:
+        amax = xf.abs().amax() if xf.numel() else xf.new_zeros(())
+        amax = amax.reshape([1] * x2.dim())
+    else:
+        amax = _blocked_amax(xf, br, bc)
+
+    global_scale = None
+    if recipe.global_scale:
+        amax_t = amax.amax() if amax.numel() else amax.new_zeros(())
+        global_scale = torch.where(amax_t > 0, amax_t / (E4M3.max * recipe.element.max), torch.ones_like(amax_t))
+    scale = scale_from_amax(amax, recipe, global_scale)
+    divisor = scale if global_scale is None else scale * global_scale
+    q = xf / expand_scale(divisor, br, bc, rows, cols)
+    q = q.clamp(-recipe.element.max, recipe.element.max)
+
+    if recipe.is_fp4:
+        codes = encode(q, recipe.element)
+        if cols % 2:
+            codes = torch.nn.functional.pad(codes, (0, 1))
+        data = pack_fp4(codes)
+    else:
+        data = q.to(torch.float8_e4m3fn)
+    if x.dim() == 1:
+        data = data[0]
+        scale = scale.reshape(scale.shape[-1])
+    if recipe.scale_format == "e8m0":
+        scale = encode_e8m0(scale, "nearest").view(torch.float8_e8m0fnu)
+    elif recipe.scale_format == "e4m3":
+        scale = scale.to(torch.float8_e4m3fn)
+    return QuantizedTensor(data, scale.contiguous(), recipe, shape, x.dtype, global_scale)
+
+
+def dequantize_reference(qt: QuantizedTensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``q * scale (* global_scale)`` with the logical shape.
+
+    Computed in FP32, or in FP64 when ``dtype`` is float64 (exact: use it for error references).
+    """
+    dtype = qt.dtype if dtype is None else dtype
+    work = torch.float64 if dtype == torch.float64 else torch.float32
+    shape = qt.shape
+    rows, cols = (shape[-2], shape[-1]) if len(shape) >= 2 else (1, shape[-1])
+    data = qt.data if len(shape) >= 2 else qt.data.reshape(1, -1)
+    if qt.recipe.is_fp4:
+        q = decode(unpack_fp4(data), qt.recipe.element)[..., :cols]
+    else:
+        q = data.float()
+    scale = qt.scale.float()
+    if len(shape) < 2:
+        scale = scale.reshape(1, -1)
+    if qt.global_scale is not None:
+        scale = scale * qt.global_scale.float()
+    br, bc = block_dims(qt.recipe, shape)
+    out = q.to(work) * expand_scale(scale.to(work), br, bc, rows, cols)
+    return out.reshape(shape).to(dtype)

@@ -1,0 +1,145 @@
+"""Scale recipes: the single source of truth for how a tensor is quantized.
+
+A recipe fixes the block shape, the element format, the scale format and how the scale is
+rounded. Scales are always *dequantization multipliers*: ``x ≈ q * scale``.
+
+Named recipes (``get_recipe(name, **options)``):
+
+==================  ===========  ======  ======  ==========================================
+name                block        elem    scale   options
+==================  ===========  ======  ======  ==========================================
+fp8_tensorwise      whole        e4m3    fp32    pow2_scale
+fp8_rowwise         1 x K        e4m3    fp32    pow2_scale
+fp8_block1x128      1 x 128      e4m3    fp32    pow2_scale   (activations, DeepSeek-V3)
+fp8_block128x128    128 x 128    e4m3    fp32    pow2_scale   (weights)
+mxfp8               1 x 32       e4m3    e8m0    rounding="rceil" (default) | "floor"
+mxfp4               1 x 32       e2m1    e8m0    rounding="rceil" (default) | "floor"
+nvfp4               1 x 16       e2m1    e4m3    weight_2d (16 x 16 blocks); + fp32 global
+==================  ===========  ======  ======  ==========================================
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+
+from .formats import ElementFormat, get_format
+
+__all__ = ["ScaleRecipe", "get_recipe", "RECIPE_NAMES", "WHOLE"]
+
+WHOLE = -1  # a block dimension spanning the whole extent (tensorwise, rowwise)
+
+_SCALE_FORMATS = ("fp32", "e8m0", "e4m3")
+_ROUNDINGS = ("exact", "pow2", "rceil", "floor")
+
+
+@dataclass(frozen=True)
+class ScaleRecipe:
+    """How to quantize a tensor.
+
+    Attributes:
+        name: the recipe's family name (``"fp8_block1x128"``, ``"mxfp8"``, ...).
+        block: ``(rows, cols)`` of one scaling block over the last two dims; ``WHOLE`` (-1) spans
+            the full extent. ``(WHOLE, WHOLE)`` is tensorwise: one scale for the whole tensor.
+        elem_format: ``"e4m3"`` or ``"e2m1"`` (packed two per byte).
+        scale_format: ``"fp32"``, ``"e8m0"`` or ``"e4m3"``.
+        scale_rounding: ``"exact"`` (amax / max), ``"pow2"`` (exact rounded up to a power of two),
+            ``"rceil"`` (E8M0: 2^ceil(log2(amax / max))), ``"floor"`` (E8M0, OCP:
+            2^(floor(log2 amax) - emax)).
+        global_scale: an extra FP32 per-tensor scale (NVFP4).
+    """
+
+    name: str
+    block: tuple[int, int]
+    elem_format: str = "e4m3"
+    scale_format: str = "fp32"
+    scale_rounding: str = "exact"
+    global_scale: bool = False
+
+    def __post_init__(self) -> None:
+        get_format(self.elem_format)
+        if self.scale_format not in _SCALE_FORMATS:
+            raise ValueError(f"scale_format: expected one of {_SCALE_FORMATS}, got {self.scale_format!r}")
+        if self.scale_rounding not in _ROUNDINGS:
+            raise ValueError(f"scale_rounding: expected one of {_ROUNDINGS}, got {self.scale_rounding!r}")
+        if self.scale_format == "e8m0" and self.scale_rounding not in ("rceil", "floor"):
+            raise ValueError("scale_rounding: E8M0 scales need 'rceil' or 'floor'")
+        if self.scale_format != "e8m0" and self.scale_rounding in ("rceil", "floor"):
+            raise ValueError(f"scale_rounding: {self.scale_rounding!r} applies to E8M0 scales only")
+        rows, cols = self.block
+        if rows == WHOLE and cols != WHOLE:
+            raise ValueError(f"block: a whole-extent row block needs whole columns too, got {self.block}")
+        if any(b != WHOLE and b < 1 for b in self.block):
+            raise ValueError(f"block: sizes must be positive or WHOLE (-1), got {self.block}")
+
+    @property
+    def element(self) -> ElementFormat:
+        return get_format(self.elem_format)
+
+    @property
+    def is_fp4(self) -> bool:
+        return self.elem_format == "e2m1"
+
+    @property
+    def tensorwise(self) -> bool:
+        return self.block == (WHOLE, WHOLE)
+
+    @property
+    def is_2d(self) -> bool:
+        """Blocks span several rows (and so need a matrix: 128x128, 16x16)."""
+        return self.block[0] not in (1, WHOLE)
+
+    @property
+    def scale_bits(self) -> int:
+        return 32 if self.scale_format == "fp32" else 8
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> ScaleRecipe:
+        try:
+            fields = json.loads(text)
+            fields["block"] = tuple(fields["block"])
+            return cls(**fields)
+        except (ValueError, TypeError, KeyError) as err:
+            raise ValueError(f"recipe: cannot read a ScaleRecipe from {text!r}: {err}") from None
+
+
+def _fp32(name: str, block: tuple[int, int], pow2_scale: bool) -> ScaleRecipe:
+    return ScaleRecipe(name, block, "e4m3", "fp32", "pow2" if pow2_scale else "exact")
+
+
+def _mx(name: str, elem: str, rounding: str) -> ScaleRecipe:
+    if rounding not in ("rceil", "floor"):
+        raise ValueError(f"rounding: expected 'rceil' or 'floor', got {rounding!r}")
+    return ScaleRecipe(name, (1, 32), elem, "e8m0", rounding)
+
+
+_FACTORIES = {
+    "fp8_tensorwise": lambda pow2_scale=False: _fp32("fp8_tensorwise", (WHOLE, WHOLE), pow2_scale),
+    "fp8_rowwise": lambda pow2_scale=False: _fp32("fp8_rowwise", (1, WHOLE), pow2_scale),
+    "fp8_block1x128": lambda pow2_scale=False: _fp32("fp8_block1x128", (1, 128), pow2_scale),
+    "fp8_block128x128": lambda pow2_scale=False: _fp32("fp8_block128x128", (128, 128), pow2_scale),
+    "mxfp8": lambda rounding="rceil": _mx("mxfp8", "e4m3", rounding),
+    "mxfp4": lambda rounding="rceil": _mx("mxfp4", "e2m1", rounding),
+    "nvfp4": lambda weight_2d=False: ScaleRecipe(
+        "nvfp4", (16, 16) if weight_2d else (1, 16), "e2m1", "e4m3", "exact", global_scale=True
+    ),
+}
+
+RECIPE_NAMES = tuple(_FACTORIES)
+
+
+def get_recipe(recipe: str | ScaleRecipe, **options) -> ScaleRecipe:
+    """Return the named recipe (with ``options``), or ``recipe`` itself if already a ScaleRecipe."""
+    if isinstance(recipe, ScaleRecipe):
+        if options:
+            raise TypeError(f"recipe: options {options} apply to named recipes only, not a ScaleRecipe")
+        return recipe
+    if recipe not in _FACTORIES:
+        raise ValueError(f"recipe: unknown recipe {recipe!r}; expected one of {list(RECIPE_NAMES)}")
+    try:
+        return _FACTORIES[recipe](**options)
+    except TypeError as err:
+        raise TypeError(f"recipe {recipe!r}: bad options {options}: {err}") from None

@@ -1,0 +1,31 @@
+"""GPU architecture detection."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+__all__ = ["device_arch", "SUPPORTED_ARCHS"]
+
+SUPPORTED_ARCHS = ("sm_90a", "sm_100a")
+_BY_CAPABILITY = {(9, 0): "sm_90a", (10, 0): "sm_100a"}
+
+
+@functools.cache
+def _cuda_arch(index: int) -> str | None:
+    return _BY_CAPABILITY.get(torch.cuda.get_device_capability(index))
+
+
+def device_arch(device: torch.device | str | None) -> str | None:
+    """The kernel arch lowprec targets on ``device`` (``"sm_90a"``, ``"sm_100a"``), or None.
+
+    None means no lowprec kernel runs there (CPU, or a GPU of another generation).
+    """
+    if device is None:
+        return None
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _cuda_arch(index)

@@ -1,0 +1,75 @@
+"""Backend choice: run a CuTe DSL kernel or the plain-torch reference.
+
+``LOWPREC_BACKEND`` (environment): ``auto`` (default: kernel where one exists for the device's
+arch, else reference), ``reference`` (always the reference), ``kernel`` (a kernel or an error:
+for testing kernels, never silently the reference).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import warnings
+
+import torch
+
+from .arch import device_arch
+
+__all__ = ["backend_mode", "use_kernel", "warn_once", "kernel_failed", "dsl_available"]
+
+_MODES = ("auto", "reference", "kernel")
+log = logging.getLogger("lowprec")
+
+
+def backend_mode() -> str:
+    mode = os.environ.get("LOWPREC_BACKEND", "auto").strip().lower() or "auto"
+    if mode not in _MODES:
+        raise ValueError(f"LOWPREC_BACKEND: expected one of {_MODES}, got {mode!r}")
+    return mode
+
+
+@functools.cache
+def dsl_available() -> bool:
+    """Whether CuTe DSL (nvidia-cutlass-dsl) imports here."""
+    try:
+        import cutlass  # noqa: F401
+        import cutlass.cute  # noqa: F401
+    except Exception as err:  # any import failure means: no kernels
+        log.info("lowprec: CuTe DSL unavailable (%s); using reference ops", err)
+        return False
+    return True
+
+
+def use_kernel(op: str, device: torch.device, supported_archs: tuple[str, ...], why_not: str | None = None) -> bool:
+    """Decide whether ``op`` runs a kernel on ``device``.
+
+    ``why_not``: the caller's reason the inputs cannot take the kernel (None when they can).
+    In ``kernel`` mode every reason is an error; in ``auto`` mode it means the reference.
+    """
+    mode = backend_mode()
+    if mode == "reference":
+        return False
+    arch = device_arch(device)
+    reason = why_not
+    if reason is None and arch not in supported_archs:
+        reason = f"no {op} kernel for device {device} (arch {arch}; kernels for {list(supported_archs)})"
+    if reason is None and not dsl_available():
+        reason = "CuTe DSL (nvidia-cutlass-dsl) does not import"
+    if reason is not None:
+        if mode == "kernel":
+            raise RuntimeError(f"LOWPREC_BACKEND=kernel but {op} cannot run a kernel: {reason}")
+        return False
+    return True
+
+
+@functools.cache
+def warn_once(message: str) -> None:
+    warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+def kernel_failed(op: str, err: BaseException) -> None:
+    """A kernel failed to compile or launch: re-raise in ``kernel`` mode, else warn once."""
+    if backend_mode() == "kernel":
+        raise err
+    warn_once(f"lowprec: {op} kernel failed ({type(err).__name__}: {err}); falling back to the reference")

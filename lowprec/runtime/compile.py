@@ -1,0 +1,78 @@
+"""Compile CuTe DSL kernels for a given arch without a GPU, and inspect what came out.
+
+CuTe DSL compiles on any machine: the target arch is a compile option and inputs can be fake
+tensors (``cute.runtime.make_fake_compact_tensor``), so CI proves every shipped kernel config
+compiles for sm_90a / sm_100a and that its SASS is what we meant (QGMMA, no local memory).
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+
+__all__ = ["compile_for_arch", "sass_of", "cubin_arch", "nvdisasm_path", "local_memory_ops"]
+
+
+def compile_for_arch(jit_fn, *args, arch: str, tvm_ffi: bool = False, **kwargs):
+    """``cute.compile`` ``jit_fn(*args, **kwargs)`` for ``arch``, keeping PTX and cubin.
+
+    Not thread-safe (``cute.compile`` is not): callers go through :mod:`lowprec.runtime.cache`.
+    """
+    import cutlass.cute as cute
+
+    options = [cute.GPUArch(arch), cute.KeepPTX(), cute.KeepCUBIN()]
+    if tvm_ffi:
+        options.append(cute.EnableTVMFFI())
+    return cute.compile[tuple(options)](jit_fn, *args, **kwargs)
+
+
+def nvdisasm_path() -> str | None:
+    """nvdisasm from PATH or from the ``nvidia-cuda-nvdisasm`` pip package, or None."""
+    found = shutil.which("nvdisasm")
+    if found:
+        return found
+    try:
+        import nvidia
+    except ImportError:
+        return None
+    for root in nvidia.__path__:
+        hits = sorted(glob.glob(os.path.join(root, "*", "bin", "nvdisasm")))
+        if hits:
+            return hits[-1]
+    return None
+
+
+def sass_of(compiled_or_cubin) -> str:
+    """Disassemble a compiled kernel's cubin (or raw cubin bytes) to SASS text."""
+    cubin = getattr(compiled_or_cubin, "__cubin__", compiled_or_cubin)
+    if not isinstance(cubin, (bytes, bytearray)):
+        raise ValueError("compiled_or_cubin: no cubin (compile with lowprec.runtime.compile_for_arch)")
+    tool = nvdisasm_path()
+    if tool is None:
+        raise RuntimeError("nvdisasm not found: pip install nvidia-cuda-nvdisasm")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "kernel.cubin")
+        with open(path, "wb") as f:
+            f.write(cubin)
+        done = subprocess.run([tool, "-c", path], capture_output=True, text=True, check=True)
+    return done.stdout
+
+
+def cubin_arch(sass: str) -> str:
+    """The arch a cubin targets, from its disassembly header (e.g. ``"sm_90a"``)."""
+    m = re.search(r"\.target\s+(sm_\w+)", sass)
+    if m:
+        return m.group(1)
+    m = re.search(r"EF_CUDA_SM(\d+)\b", sass)
+    if not m:
+        raise ValueError("sass: no target arch in the disassembly header")
+    return f"sm_{m.group(1)}" + ("a" if "EF_CUDA_ACCELERATORS" in sass else "")
+
+
+def local_memory_ops(sass: str) -> int:
+    """Count of local-memory loads/stores (LDL/STL: register spills) in ``sass``."""
+    return len(re.findall(r"\b(?:LDL|STL)(?:\.\w+)*\s", sass))

@@ -1,0 +1,243 @@
+"""quantize / dequantize semantics, checked against an independent per-block implementation."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import lowprec
+from lowprec import QuantizedTensor, dequantize, quantize
+from lowprec.recipes import RECIPE_NAMES
+
+F32 = np.float32
+E2M1_MAGS = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+
+
+def _e4m3(v: np.ndarray) -> np.ndarray:
+    return torch.from_numpy(np.ascontiguousarray(v, dtype=F32)).to(torch.float8_e4m3fn).float().numpy()
+
+
+def _e2m1(v: float) -> float:
+    """Nearest E2M1 magnitude, ties to the even code, sign kept."""
+    a = abs(v)
+    best = min(range(8), key=lambda c: (abs(E2M1_MAGS[c] - a), c % 2))
+    return math.copysign(E2M1_MAGS[best], v)
+
+
+def _pow2(v: float, mode: str) -> float:
+    m, e = math.frexp(v)  # v = m * 2^e, m in [0.5, 1)
+    if mode == "floor":
+        return 2.0 ** (e - 1)
+    return v if m == 0.5 else 2.0 ** e
+
+
+def independent(x: np.ndarray, name: str, **opts):
+    """Dequantized values and per-block scales, block by block, in float32 numpy."""
+    rows, cols = x.shape
+    br, bc = {"fp8_tensorwise": (rows, cols), "fp8_rowwise": (1, cols), "fp8_block1x128": (1, 128),
+              "fp8_block128x128": (128, 128), "mxfp8": (1, 32), "mxfp4": (1, 32),
+              "nvfp4": (16, 16) if opts.get("weight_2d") else (1, 16)}[name]
+    out = np.zeros_like(x)
+    scales = np.zeros((-(-rows // br), -(-cols // bc)), dtype=np.float64)
+    glob = None
+    if name == "nvfp4":
+        amax_t = F32(np.abs(x).max())
+        glob = F32(amax_t / F32(2688.0)) if amax_t > 0 else F32(1.0)
+    for i in range(scales.shape[0]):
+        for j in range(scales.shape[1]):
+            blk = x[i * br:(i + 1) * br, j * bc:(j + 1) * bc]
+            amax = F32(np.abs(blk).max())
+            if name.startswith("fp8"):
+                if amax == 0:
+                    s = F32(1.0)
+                else:
+                    s = F32(amax / F32(448.0))
+                    if opts.get("pow2_scale"):
+                        s = F32(_pow2(float(s), "ceil"))
+                q = _e4m3(np.clip(blk / s, -448, 448))
+                deq = q * s
+            elif name in ("mxfp8", "mxfp4"):
+                elem_max, emax = (448.0, 8) if name == "mxfp8" else (6.0, 2)
+                if amax == 0:
+                    s = 2.0**-127
+                elif opts.get("rounding") == "floor":
+                    s = _pow2(float(amax), "floor") * 2.0**-emax
+                else:
+                    s = _pow2(float(F32(amax / F32(elem_max))), "ceil")
+                s = F32(s)
+                v = np.clip(blk / s, -elem_max, elem_max).astype(F32)
+                q = _e4m3(v) if name == "mxfp8" else np.vectorize(_e2m1)(v).astype(F32)
+                deq = q.astype(np.float64) * float(s)
+            else:  # nvfp4
+                sb = F32(np.clip(F32(F32(amax / F32(6.0)) / glob), 2.0**-9, 448.0))
+                sb = F32(_e4m3(np.array([sb]))[0])
+                div = F32(sb * glob)
+                v = np.clip(blk / div, -6, 6).astype(F32)
+                q = np.vectorize(_e2m1)(v).astype(F32)
+                deq = q * div
+                s = sb
+            out[i * br:(i + 1) * br, j * bc:(j + 1) * bc] = deq
+            scales[i, j] = s
+    return out, scales, glob
+
+
+CASES = [(name, {}) for name in RECIPE_NAMES] + [
+    ("fp8_block1x128", {"pow2_scale": True}), ("fp8_block128x128", {"pow2_scale": True}),
+    ("fp8_rowwise", {"pow2_scale": True}), ("mxfp8", {"rounding": "floor"}), ("mxfp4", {"rounding": "floor"}),
+    ("nvfp4", {"weight_2d": True}),
+]
+
+
+def _data(rows, cols, seed, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, cols, generator=g) * torch.exp(torch.randn(rows, 1, generator=g))
+    x[0, :5] *= 50  # outliers
+    if rows > 3:
+        x[3] = 0.0  # an all-zero row: all-zero blocks in row-block recipes
+    return x.to(device)
+
+
+@pytest.mark.parametrize("name,opts", CASES, ids=[f"{n}{o}" for n, o in CASES])
+def test_matches_independent_implementation(name, opts, device):
+    x = _data(140, 300, seed=len(name) + len(opts), device=device)  # not multiples of any block
+    qt = quantize(x, name, **opts)
+    assert qt.shape == x.shape and qt.device == x.device
+    expected, scales, glob = independent(x.cpu().numpy(), name, **opts)
+    got = qt.dequantize(torch.float64).cpu().numpy()
+    np.testing.assert_array_equal(got.astype(np.float32), expected.astype(np.float32))
+    np.testing.assert_array_equal(qt.scale.float().cpu().numpy().reshape(scales.shape), scales.astype(np.float32))
+    if glob is None:
+        assert qt.global_scale is None
+    else:
+        assert qt.global_scale.item() == float(glob)
+
+
+@pytest.mark.parametrize("name,opts", CASES, ids=[f"{n}{o}" for n, o in CASES])
+def test_storage_dtypes_and_shapes(name, opts):
+    x = _data(33, 70, seed=1)
+    qt = quantize(x, name, **opts)
+    r = qt.recipe
+    if r.is_fp4:
+        assert qt.data.dtype == torch.uint8 and qt.data.shape == (33, 35)
+    else:
+        assert qt.data.dtype == torch.float8_e4m3fn and qt.data.shape == (33, 70)
+    expected_scale_dtype = {"fp32": torch.float32, "e8m0": torch.float8_e8m0fnu, "e4m3": torch.float8_e4m3fn}
+    assert qt.scale.dtype == expected_scale_dtype[r.scale_format]
+    br, bc = r.block
+    nr = 1 if br == -1 else -(-33 // br)
+    nc = 1 if bc == -1 else -(-70 // bc)
+    assert tuple(qt.scale.shape) == (nr, nc)
+    assert qt.scale.is_contiguous()
+
+
+def test_all_zero_blocks_get_finite_nonzero_scales(device):
+    for name in RECIPE_NAMES:
+        qt = quantize(torch.zeros(64, 256, device=device), name)
+        s = qt.scale.float()
+        assert torch.isfinite(s).all() and (s > 0).all(), name
+        assert (qt.dequantize() == 0).all(), name
+
+
+def test_tiny_values_do_not_underflow_the_scale():
+    x = torch.full((1, 128), 1e-40)  # subnormal fp32: amax / 448 would flush to zero
+    qt = quantize(x, "fp8_block1x128")
+    assert qt.scale.item() > 0 and torch.isfinite(qt.dequantize()).all()
+
+
+def test_pow2_scales_are_powers_of_two_and_cover_the_block():
+    x = _data(128, 512, seed=5)
+    qt = quantize(x, "fp8_block1x128", pow2_scale=True)
+    s = qt.scale.double()
+    assert torch.equal(torch.frexp(s)[0], torch.full_like(s, 0.5))
+    amax = x.abs().reshape(128, 4, 128).amax(-1).double()
+    assert (s * 448 >= amax).all()
+
+
+def test_bf16_fp16_inputs_and_dtype_roundtrip(device):
+    for dtype in (torch.bfloat16, torch.float16):
+        x = _data(16, 256, seed=2, device=device).to(dtype)
+        qt = quantize(x, "fp8_block1x128")
+        assert qt.dtype == dtype and qt.dequantize().dtype == dtype
+        assert dequantize(qt, torch.float32).dtype == torch.float32
+
+
+def test_batched_and_1d_inputs():
+    x = torch.randn(3, 5, 260)
+    qt = quantize(x, "fp8_block1x128")
+    assert qt.scale.shape == (3, 5, 3)
+    ref = torch.stack([quantize(x[i], "fp8_block1x128").dequantize() for i in range(3)])
+    assert torch.equal(qt.dequantize(), ref)
+    w = torch.randn(4, 130, 260)  # [experts, N, K]: per-expert 128x128 blocks
+    qw = quantize(w, "fp8_block128x128")
+    assert qw.scale.shape == (4, 2, 3)
+    assert torch.equal(qw.dequantize()[2], quantize(w[2], "fp8_block128x128").dequantize())
+    v = torch.randn(300)
+    qv = quantize(v, "fp8_block1x128")
+    assert qv.shape == (300,) and qv.scale.shape == (3,)
+    assert torch.equal(qv.dequantize(), quantize(v[None], "fp8_block1x128").dequantize()[0])
+    odd = quantize(torch.randn(4, 33), "nvfp4")
+    assert odd.data.shape == (4, 17) and odd.dequantize().shape == (4, 33)
+    assert quantize(torch.randn(2, 3, 40), "fp8_tensorwise").scale.shape == (1, 1, 1)
+
+
+def test_input_not_mutated():
+    x = _data(64, 256, seed=3)
+    before = x.clone()
+    for name in RECIPE_NAMES:
+        quantize(x, name)
+    assert torch.equal(x, before)
+
+
+def test_non_finite_input_raises_unless_told():
+    x = torch.randn(4, 128)
+    x[1, 7] = math.nan
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        quantize(x, "fp8_block1x128")
+    x[1, 7] = math.inf
+    with pytest.raises(ValueError, match="check_finite=False"):
+        quantize(x, "mxfp8")
+    assert quantize(x, "fp8_block1x128", check_finite=False).shape == x.shape
+
+
+def test_bad_input_errors():
+    with pytest.raises(TypeError, match="x: expected one of"):
+        quantize(torch.arange(128), "fp8_block1x128")
+    with pytest.raises(ValueError, match="needs ≥ 2 dims"):
+        quantize(torch.randn(128), "fp8_block128x128")
+    with pytest.raises(ValueError, match="0-dim"):
+        quantize(torch.tensor(1.0), "fp8_tensorwise")
+    with pytest.raises(ValueError, match="unknown recipe"):
+        quantize(torch.randn(4, 4), "int8")
+    with pytest.raises(TypeError, match="QuantizedTensor"):
+        dequantize(torch.randn(3))
+
+
+def test_quantized_tensor_api():
+    x = _data(32, 256, seed=4)
+    qt = lowprec.quantize(x, "nvfp4")
+    assert isinstance(qt, QuantizedTensor) and qt.recipe.name == "nvfp4"
+    assert qt.bits_per_element == pytest.approx(4 + 8 / 16 + 32 / x.numel())
+    assert "nvfp4" in repr(qt)
+    assert torch.equal(qt.to("cpu").dequantize(), qt.dequantize())
+    with pytest.raises(ValueError, match="global_scale"):
+        QuantizedTensor(qt.data, qt.scale, qt.recipe, qt.shape, qt.dtype, None)
+
+
+@settings(max_examples=40, deadline=None)
+@given(rows=st.integers(1, 40), cols=st.integers(1, 300), seed=st.integers(0, 2**16),
+       name=st.sampled_from(["fp8_tensorwise", "fp8_rowwise", "fp8_block1x128", "fp8_block128x128", "mxfp8"]))
+def test_fp8_error_bound_property(rows, cols, seed, name):
+    """Every element is within half an E4M3 step of its value (relative 2^-4, or the subnormal step)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, cols, generator=g) * torch.exp(2 * torch.randn(rows, cols, generator=g))
+    qt = quantize(x, name)
+    deq = qt.dequantize(torch.float64)
+    r = qt.recipe
+    br = rows if r.block[0] == -1 else r.block[0]
+    bc = cols if r.block[1] == -1 else r.block[1]
+    s = qt.scale.double().repeat_interleave(br, 0).repeat_interleave(bc, 1)[:rows, :cols]
+    bound = torch.maximum(x.double().abs() * 2.0**-4, s * 2.0**-10) * (1 + 1e-6)
+    assert ((deq - x.double()).abs() <= bound).all()
