@@ -4,7 +4,16 @@ import pytest
 import torch
 
 from lowprec.formats import (
-    E2M1, E4M3, E5M2, decode, decode_e8m0, encode, encode_e8m0, get_format, pack_fp4, unpack_fp4,
+    E2M1,
+    E4M3,
+    E5M2,
+    decode,
+    decode_e8m0,
+    encode,
+    encode_e8m0,
+    get_format,
+    pack_fp4,
+    unpack_fp4,
 )
 
 

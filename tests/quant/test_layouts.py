@@ -2,7 +2,12 @@ import pytest
 import torch
 
 from lowprec.quant.layouts import (
-    blocked_offset, from_blocked, is_mn_major_tma_aligned, to_blocked, to_mn_major_tma_aligned, to_row_major,
+    blocked_offset,
+    from_blocked,
+    is_mn_major_tma_aligned,
+    to_blocked,
+    to_mn_major_tma_aligned,
+    to_row_major,
 )
 
 

@@ -1,0 +1,85 @@
+import math
+
+import pytest
+import torch
+
+import lowprec
+from lowprec import metrics
+
+
+def _qkv(b=2, h=4, hkv=2, sq=200, sk=200, d=64, device="cpu", seed=0, k_offset=0.0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, h, sq, d, generator=g)
+    k = torch.randn(b, hkv, sk, d, generator=g) + k_offset
+    v = torch.randn(b, hkv, sk, d, generator=g)
+    return q.to(device), k.to(device), v.to(device)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_exact_matches_sdpa(causal, device):
+    q, k, v = _qkv(device=device)
+    out = lowprec.attention(q, k, v, causal=causal)
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), is_causal=causal)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_causal_is_bottom_right_aligned_and_empty_rows():
+    q, k, v = _qkv(b=1, h=1, hkv=1, sq=6, sk=4, d=8)
+    out, lse = lowprec.attention(q, k, v, causal=True, return_lse=True)
+    # query i sees keys j <= i - 2: rows 0 and 1 see nothing
+    assert (out[..., :2, :] == 0).all() and torch.isinf(lse[..., :2]).all() and (lse[..., :2] < 0).all()
+    s = q @ k.transpose(-1, -2) / math.sqrt(8)
+    mask = torch.arange(4)[None, :] <= torch.arange(6)[:, None] - 2
+    p = torch.softmax(s.masked_fill(~mask, -math.inf)[..., 2:, :], -1)
+    torch.testing.assert_close(out[..., 2:, :], p @ v)
+    torch.testing.assert_close(lse[..., 2:], torch.logsumexp(s.masked_fill(~mask, -math.inf)[..., 2:, :], -1))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_fp8_emulation_close_to_exact(causal, device):
+    q, k, v = _qkv(sq=300, sk=300, device=device, k_offset=2.0)
+    exact, lse = lowprec.attention(q, k, v, causal=causal, return_lse=True)
+    fp8, lse8 = lowprec.attention(q, k, v, causal=causal, quant="fp8", return_lse=True)
+    assert metrics.cos_sim(fp8, exact) > 0.998
+    assert metrics.rel_l2(fp8, exact) < 0.08
+    assert (lse8 - lse).abs().mean() < 0.02 and (lse8 - lse).abs().max() < 0.2
+
+
+def test_fp8_smoothing_makes_k_offset_irrelevant():
+    q, k, v = _qkv(sq=130, sk=260)
+    shift = torch.randn(1, 1, 1, 64) * 5
+    a, lse_a = lowprec.attention(q, k, v, quant="fp8", return_lse=True)
+    b, lse_b = lowprec.attention(q, k + shift, v, quant="fp8", return_lse=True)
+    # equal up to a few elements whose rounding flips (unsmoothed FP8 differs by ~0.1 here)
+    assert metrics.rel_l2(b, a) < 2e-3
+    torch.testing.assert_close(lse_b - lse_a, (q @ shift.transpose(-1, -2)).squeeze(-1) / 8, rtol=1e-4, atol=1e-4)
+
+
+def test_fp8_quantizes_p():
+    """P·V in FP8 differs from the FP32 product: the emulation is not the exact path renamed."""
+    q, k, v = _qkv(b=1, h=1, hkv=1, sq=128, sk=128)
+    exact = lowprec.attention(q, k, v)
+    fp8 = lowprec.attention(q, k, v, quant="fp8")
+    assert 1e-4 < metrics.rel_l2(fp8, exact) < 0.08
+
+
+def test_inputs_not_mutated_and_dtype_kept():
+    q, k, v = (t.to(torch.bfloat16) for t in _qkv(sq=64, sk=64))
+    before = [t.clone() for t in (q, k, v)]
+    out = lowprec.attention(q, k, v, quant="fp8")
+    assert out.dtype == torch.bfloat16
+    assert all(torch.equal(a, b) for a, b in zip(before, (q, k, v)))
+
+
+def test_errors():
+    q, k, v = _qkv(h=3, hkv=2)
+    with pytest.raises(ValueError, match="Hkv dividing"):
+        lowprec.attention(q, k, v)
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match="quant"):
+        lowprec.attention(q, k, v, quant="int8")
+    with pytest.raises(ValueError, match="4-D"):
+        lowprec.attention(q[0], k, v)
+    with pytest.raises(ValueError, match="v: expected"):
+        lowprec.attention(q, k, v[:, :, :10])

@@ -1,0 +1,10 @@
+from lowprec.__main__ import main
+from lowprec.recipes import RECIPE_NAMES
+
+
+def test_demo_prints_a_table_for_every_recipe(capsys):
+    assert main(["demo"]) == 0
+    out = capsys.readouterr().out
+    assert "SQNR dB" in out and "bits/elem" in out and "GEMM" in out
+    for name in RECIPE_NAMES:
+        assert f"\n{name} " in out
