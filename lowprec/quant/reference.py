@@ -27,6 +27,11 @@ def block_dims(recipe: ScaleRecipe, shape: torch.Size) -> tuple[int, int]:
     return (max(rows, 1) if br == WHOLE else br), (max(cols, 1) if bc == WHOLE else bc)
 
 
+def _div(a: torch.Tensor, b: float | torch.Tensor) -> torch.Tensor:
+    """IEEE division on every device (CUDA turns division by a Python scalar into a reciprocal multiply)."""
+    return a / torch.as_tensor(b, dtype=a.dtype, device=a.device)
+
+
 def _pow2_ceil(s: torch.Tensor) -> torch.Tensor:
     mant, exp = torch.frexp(s)  # s = mant * 2^exp, mant in [0.5, 1)
     return torch.where(mant == 0.5, s, torch.ldexp(torch.ones_like(s), exp))
@@ -39,20 +44,20 @@ def scale_from_amax(amax: torch.Tensor, recipe: ScaleRecipe, global_scale: torch
     """
     elem_max = recipe.element.max
     if recipe.scale_format == "fp32":
-        s = amax / elem_max
+        s = _div(amax, elem_max)
         if recipe.scale_rounding == "pow2":
             s = _pow2_ceil(torch.where(s > 0, s, torch.ones_like(s)))
         s = torch.where(amax > 0, s.clamp(min=_FP32_TINY), torch.ones_like(s))
         return s
     if recipe.scale_format == "e8m0":
         if recipe.scale_rounding == "rceil":
-            codes = encode_e8m0(amax / elem_max, "ceil")
+            codes = encode_e8m0(_div(amax, elem_max), "ceil")
         else:
             codes = encode_e8m0(amax, "floor").to(torch.int32) - recipe.element.emax
             codes = torch.where(amax > 0, codes, torch.zeros_like(codes)).clamp(0, 254).to(torch.uint8)
         return codes.view(torch.float8_e8m0fnu).float()
     # e4m3 block scale under an FP32 global scale (NVFP4)
-    s = (amax / elem_max) / global_scale
+    s = _div(_div(amax, elem_max), global_scale)
     s = s.clamp(min=E4M3.min_subnormal, max=E4M3.max)
     return s.to(torch.float8_e4m3fn).float()
 
@@ -90,7 +95,7 @@ def quantize_reference(x: torch.Tensor, recipe: ScaleRecipe) -> QuantizedTensor:
     global_scale = None
     if recipe.global_scale:
         amax_t = amax.amax() if amax.numel() else amax.new_zeros(())
-        global_scale = torch.where(amax_t > 0, amax_t / (E4M3.max * recipe.element.max), torch.ones_like(amax_t))
+        global_scale = torch.where(amax_t > 0, _div(amax_t, E4M3.max * recipe.element.max), torch.ones_like(amax_t))
     scale = scale_from_amax(amax, recipe, global_scale)
     divisor = scale if global_scale is None else scale * global_scale
     q = xf / expand_scale(divisor, br, bc, rows, cols)
