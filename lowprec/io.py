@@ -15,7 +15,6 @@ import safetensors
 import safetensors.torch
 import torch
 
-from .recipes import ScaleRecipe
 from .tensor import QuantizedTensor
 
 __all__ = ["save", "load"]
@@ -23,17 +22,6 @@ __all__ = ["save", "load"]
 _FORMAT_VERSION = "1"
 _SINGLE_KEY = "tensor"
 _PARTS = ("data", "scale", "global_scale")
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def _dtype_from_name(name: str, where: str) -> torch.dtype:
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"{where}: unknown dtype {name!r}")
-    return dtype
 
 
 def save(obj: QuantizedTensor | Mapping[str, torch.Tensor | QuantizedTensor], path: str | os.PathLike,
@@ -59,11 +47,7 @@ def save(obj: QuantizedTensor | Mapping[str, torch.Tensor | QuantizedTensor], pa
             for part, t in zip(_PARTS, parts):
                 if t is not None:
                     tensors[f"{key}::{part}"] = t.detach().contiguous().cpu()
-            quantized[key] = {
-                "recipe": json.loads(value.recipe.to_json()),
-                "shape": list(value.shape),
-                "dtype": _dtype_name(value.dtype),
-            }
+            quantized[key] = value.metadata()
         elif isinstance(value, torch.Tensor):
             tensors[key] = value.detach().contiguous().cpu()
         else:
@@ -100,18 +84,8 @@ def load(path: str | os.PathLike, device: str | torch.device = "cpu") -> Quantiz
         info = quantized.get(key)
         if info is None or "recipe" not in info:
             raise ValueError(f"{path}: quantized entry {key!r} has no recipe in the file's metadata")
-        try:
-            recipe = ScaleRecipe.from_json(json.dumps(info["recipe"]))
-        except ValueError as err:
-            raise ValueError(f"{path}: entry {key!r} has an unknown recipe: {err}") from None
-        out[key] = QuantizedTensor(
-            tensors[f"{key}::data"],
-            tensors[f"{key}::scale"],
-            recipe,
-            info["shape"],
-            _dtype_from_name(info["dtype"], f"{path}: entry {key!r}"),
-            tensors.get(f"{key}::global_scale"),
-        )
+        out[key] = QuantizedTensor.from_parts(tensors[f"{key}::data"], tensors[f"{key}::scale"],
+                                              tensors.get(f"{key}::global_scale"), info, f"{path}: entry {key!r}")
     for key, t in tensors.items():
         if "::" not in key:
             out[key] = t

@@ -93,6 +93,21 @@ class ScaleRecipe:
     def scale_bits(self) -> int:
         return 32 if self.scale_format == "fp32" else 8
 
+    def spec(self) -> str:
+        """A compact string form (for custom-op arguments; traceable by torch.compile)."""
+        return (f"{self.name}:{self.block[0]}x{self.block[1]}:{self.elem_format}:{self.scale_format}:"
+                f"{self.scale_rounding}:{int(self.global_scale)}")
+
+    @classmethod
+    def from_spec(cls, spec: str) -> ScaleRecipe:
+        """Inverse of :meth:`spec`."""
+        try:
+            name, block, elem, scale_format, rounding, global_scale = spec.split(":")
+            rows, cols = (int(b) for b in block.split("x"))
+            return cls(name, (rows, cols), elem, scale_format, rounding, bool(int(global_scale)))
+        except ValueError as err:
+            raise ValueError(f"spec: cannot read a ScaleRecipe from {spec!r}: {err}") from None
+
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import torch
 
 from .recipes import ScaleRecipe
@@ -82,6 +84,26 @@ class QuantizedTensor:
         """A copy on ``device`` (data, scales and global scale move together)."""
         g = None if self.global_scale is None else self.global_scale.to(device)
         return QuantizedTensor(self.data.to(device), self.scale.to(device), self.recipe, self.shape, self.dtype, g)
+
+    def metadata(self) -> dict:
+        """Everything but the tensors, JSON-serializable: recipe, logical shape, original dtype."""
+        return {"recipe": json.loads(self.recipe.to_json()), "shape": list(self.shape),
+                "dtype": str(self.dtype).removeprefix("torch.")}
+
+    @classmethod
+    def from_parts(cls, data: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor | None,
+                   metadata: dict, where: str = "metadata") -> QuantizedTensor:
+        """Inverse of (``data``, ``scale``, ``global_scale``, :meth:`metadata`)."""
+        if "recipe" not in metadata:
+            raise ValueError(f"{where}: no recipe")
+        try:
+            recipe = ScaleRecipe.from_json(json.dumps(metadata["recipe"]))
+        except ValueError as err:
+            raise ValueError(f"{where}: unknown recipe: {err}") from None
+        dtype = getattr(torch, str(metadata.get("dtype")), None)
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"{where}: unknown dtype {metadata.get('dtype')!r}")
+        return cls(data, scale, recipe, metadata["shape"], dtype, global_scale)
 
     def __repr__(self) -> str:
         return (

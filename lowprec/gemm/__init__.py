@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from ..runtime import kernel_failed, use_kernel
 from ..tensor import QuantizedTensor
-from .reference import gemm_reference, grouped_gemm_contiguous_reference, grouped_gemm_masked_reference
+from .ops import gemm_op
+from .reference import grouped_gemm_contiguous_reference, grouped_gemm_masked_reference
 
 __all__ = ["gemm", "grouped_gemm"]
 
@@ -27,20 +27,6 @@ def _check_common(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype
         raise ValueError(f"b: on {b.device}, but a is on {a.device}")
     if out_dtype not in _OUT_DTYPES:
         raise TypeError(f"out_dtype: expected one of {[str(d) for d in _OUT_DTYPES]}, got {out_dtype}")
-
-
-def _sm90_unsupported(a: QuantizedTensor, b: QuantizedTensor, bias: torch.Tensor | None) -> str | None:
-    """Why the Hopper kernel cannot take these operands (None: it can)."""
-    if a.recipe.name != "fp8_block1x128" or a.recipe.scale_rounding not in ("exact", "pow2"):
-        return f"a's recipe is {a.recipe.name}, the kernel takes fp8_block1x128"
-    if b.recipe.name not in ("fp8_block128x128", "fp8_block1x128"):
-        return f"b's recipe is {b.recipe.name}, the kernel takes fp8_block128x128 or fp8_block1x128"
-    n, k = b.shape
-    if n % 16 or k % 16:
-        return f"N={n} and K={k} must be multiples of 16"
-    if bias is not None and bias.dtype not in (torch.float32, torch.bfloat16):
-        return f"bias dtype {bias.dtype}"
-    return None
 
 
 def gemm(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype = torch.bfloat16,
@@ -67,14 +53,8 @@ def gemm(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype = torch.
             raise ValueError(f"bias: expected a tensor of shape ({n},), got {getattr(bias, 'shape', type(bias))}")
         if bias.device != a.device:
             raise ValueError(f"bias: on {bias.device}, but a is on {a.device}")
-    if use_kernel("gemm", a.device, ("sm_90a",), _sm90_unsupported(a, b, bias)):
-        try:
-            from .sm90.interface import gemm_blockwise_fp8
-
-            return gemm_blockwise_fp8(a.data, a.scale, b.data, b.scale, out_dtype=out_dtype, bias=bias)
-        except Exception as err:
-            kernel_failed("gemm", err)
-    return gemm_reference(a, b, out_dtype, bias)
+    return gemm_op(a.data, a.scale, a.global_scale, a.recipe.spec(),
+                   b.data, b.scale, b.global_scale, b.recipe.spec(), a.shape[1], bias, out_dtype)
 
 
 def grouped_gemm(a: QuantizedTensor, b: QuantizedTensor, *, group_ends: torch.Tensor | None = None,
