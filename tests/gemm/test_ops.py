@@ -17,7 +17,8 @@ def test_opcheck_fake_and_dynamic():
     b = lowprec.quantize(torch.randn(64, 256), "nvfp4")
     args = (a.data, a.scale, None, a.recipe.spec(), b.data, b.scale, b.global_scale, b.recipe.spec(), 256,
             torch.randn(64), torch.float32)
-    torch.library.opcheck(torch.ops.lowprec.gemm.default, args, test_utils=("test_faketensor", "test_aot_dispatch_dynamic"))
+    torch.library.opcheck(torch.ops.lowprec.gemm.default, args,
+                          test_utils=("test_faketensor", "test_aot_dispatch_dynamic"))
 
 
 def test_compile_fullgraph_matches_eager():
