@@ -1,0 +1,6 @@
+"""FP8 layers for training and inference, and ``convert`` to swap them into a model."""
+
+from .functional import LINEAR_RECIPES, LinearRecipe, fp8_linear
+from .linear import FP8InferenceLinear, FP8Linear, convert
+
+__all__ = ["LINEAR_RECIPES", "LinearRecipe", "fp8_linear", "FP8InferenceLinear", "FP8Linear", "convert"]

@@ -1,0 +1,133 @@
+"""FP8 linear as an autograd function: all three GEMMs (fprop, dgrad, wgrad) in FP8.
+
+``y = x · Wᵀ + b`` with
+- fprop: ``X_q · W_qᵀ``;
+- dgrad: ``dX = dY_q · (Wᵀ)_q`` — for 128x128 and tensorwise weights ``(Wᵀ)_q`` is the forward's
+  quantized weight transposed (same blocks, transposed scale grid); rowwise weights are quantized
+  again along the other dim;
+- wgrad: ``dW = (dYᵀ)_q · (Xᵀ)_q``, both quantized along tokens (the reduction dim). ``(Xᵀ)_q`` is
+  made in the forward pass and saved (FP8), so the high-precision activation is not kept.
+Master weights keep their dtype; gradients come back in it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..gemm import gemm
+from ..quant import quantize
+from ..tensor import QuantizedTensor
+
+__all__ = ["LinearRecipe", "LINEAR_RECIPES", "get_linear_recipe", "fp8_linear", "transpose_quantized"]
+
+
+@dataclass(frozen=True)
+class LinearRecipe:
+    """Which scale recipe each operand of a linear layer uses."""
+
+    name: str
+    activation: str
+    weight: str
+    grad: str
+
+
+LINEAR_RECIPES = {
+    "fp8_block": LinearRecipe("fp8_block", "fp8_block1x128", "fp8_block128x128", "fp8_block1x128"),
+    "fp8_rowwise": LinearRecipe("fp8_rowwise", "fp8_rowwise", "fp8_rowwise", "fp8_rowwise"),
+    "fp8_tensorwise": LinearRecipe("fp8_tensorwise", "fp8_tensorwise", "fp8_tensorwise", "fp8_tensorwise"),
+}
+
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def get_linear_recipe(recipe: str | LinearRecipe) -> LinearRecipe:
+    if isinstance(recipe, LinearRecipe):
+        return recipe
+    if recipe not in LINEAR_RECIPES:
+        raise ValueError(f"recipe: unknown linear recipe {recipe!r}; expected one of {list(LINEAR_RECIPES)}")
+    return LINEAR_RECIPES[recipe]
+
+
+def transpose_quantized(qt: QuantizedTensor) -> QuantizedTensor | None:
+    """``quantize(x.T)`` from ``quantize(x)`` without requantizing, where the recipe allows it.
+
+    True for square 2D blocks and tensorwise scales (the block grid just transposes); None otherwise.
+    """
+    r = qt.recipe
+    if qt.dim() != 2 or r.is_fp4 or not (r.tensorwise or (r.is_2d and r.block[0] == r.block[1])):
+        return None
+    rows, cols = qt.shape
+    return QuantizedTensor(qt.data.t().contiguous(), qt.scale.t().contiguous(), r, (cols, rows), qt.dtype,
+                           qt.global_scale)
+
+
+class _FP8Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x2, weight, bias, recipe: LinearRecipe):
+        x_q = quantize(x2, recipe.activation, check_finite=False)
+        w_q = quantize(weight, recipe.weight, check_finite=False)
+        y = gemm(x_q, w_q, out_dtype=x2.dtype, bias=bias)
+        ctx.recipe = recipe
+        ctx.has_bias = bias is not None
+        ctx.weight_dtype = weight.dtype
+        w_t = transpose_quantized(w_q)
+        ctx.w_t_reused = w_t is not None
+        xt_q = quantize(x2.t(), recipe.grad, check_finite=False) if ctx.needs_input_grad[1] else None
+        tensors = []
+        if xt_q is not None:
+            ctx.xt_meta = (xt_q.recipe, xt_q.shape, xt_q.dtype)
+            tensors += [xt_q.data, xt_q.scale]
+        ctx.w_meta = (w_t.recipe, w_t.shape, w_t.dtype) if w_t is not None else None
+        tensors += [w_t.data, w_t.scale] if w_t is not None else [weight]
+        ctx.save_for_backward(*tensors)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        recipe = ctx.recipe
+        saved = list(ctx.saved_tensors)
+        xt_q = None
+        if ctx.needs_input_grad[1]:
+            data, scale = saved.pop(0), saved.pop(0)
+            xt_q = QuantizedTensor(data, scale, *ctx.xt_meta)
+        if ctx.w_t_reused:
+            w_t = QuantizedTensor(saved[0], saved[1], *ctx.w_meta)
+        else:
+            w_t = quantize(saved[0].t(), recipe.weight, check_finite=False)
+        dy = dy.contiguous()
+        dx = dw = db = None
+        if ctx.needs_input_grad[0]:
+            dx = gemm(quantize(dy, recipe.grad, check_finite=False), w_t, out_dtype=dy.dtype)
+        if ctx.needs_input_grad[1]:
+            dyt_q = quantize(dy.t(), recipe.grad, check_finite=False)
+            dw = gemm(dyt_q, xt_q, out_dtype=ctx.weight_dtype)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            db = dy.sum(0, dtype=torch.float32)
+        return dx, dw, db, None
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+               recipe: str | LinearRecipe = "fp8_block") -> torch.Tensor:
+    """``x · weightᵀ + bias`` with FP8 GEMMs forward and backward (see module doc).
+
+    Args:
+        x: ``[..., in_features]`` float32 / bfloat16 / float16; the output has its dtype.
+        weight: ``[out_features, in_features]`` master weight (any float dtype; it is quantized
+            on every call, so optimizer updates are seen).
+        bias: optional ``[out_features]``.
+        recipe: ``"fp8_block"`` (DeepSeek-V3: activations and gradients 1x128, weights 128x128),
+            ``"fp8_rowwise"`` or ``"fp8_tensorwise"``.
+    """
+    r = get_linear_recipe(recipe)
+    if not isinstance(x, torch.Tensor) or x.dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"x: expected a float32/bfloat16/float16 tensor, got {getattr(x, 'dtype', type(x))}")
+    if weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"x: last dim {x.shape[-1]} does not match weight's in_features "
+                         f"({tuple(weight.shape)} is [out_features, in_features])")
+    if bias is not None and bias.shape != (weight.shape[0],):
+        raise ValueError(f"bias: expected shape ({weight.shape[0]},), got {tuple(bias.shape)}")
+    x2 = x.reshape(-1, x.shape[-1])
+    y = _FP8Linear.apply(x2, weight, None if bias is None else bias.to(torch.float32), r)
+    return y.reshape(*x.shape[:-1], weight.shape[0])

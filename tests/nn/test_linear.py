@@ -1,0 +1,173 @@
+import copy
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import lowprec
+from lowprec import metrics
+from lowprec.nn import FP8InferenceLinear, FP8Linear, convert, fp8_linear
+
+
+class TinyBlock(nn.Module):
+    """A small pre-norm transformer block with a classifier head of an odd size."""
+
+    def __init__(self, d=128, heads=4, ffn=256, classes=10):
+        super().__init__()
+        self.heads = heads
+        self.norm1, self.norm2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+        self.mlp = nn.Sequential(nn.Linear(d, ffn), nn.GELU(), nn.Linear(ffn, d, bias=False))
+        self.head = nn.Linear(d, classes)
+
+    def forward(self, x):
+        b, s, d = x.shape
+        q, k, v = self.qkv(self.norm1(x)).view(b, s, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, d)
+        x = x + self.proj(a)
+        x = x + self.mlp(self.norm2(x))
+        return self.head(x)
+
+
+def _pair(dtype=torch.float32, recipe="fp8_block", seed=0):
+    torch.manual_seed(seed)
+    ref = TinyBlock().to(dtype)
+    return ref, convert(copy.deepcopy(ref), recipe)
+
+
+def test_convert_swaps_eligible_linears_and_logs_the_rest(caplog):
+    ref, model = _pair()
+    with caplog.at_level(logging.WARNING, logger="lowprec"):
+        convert(copy.deepcopy(ref))
+    assert isinstance(model.qkv, FP8Linear) and isinstance(model.proj, FP8Linear)
+    assert isinstance(model.mlp[0], FP8Linear) and isinstance(model.mlp[2], FP8Linear)
+    assert type(model.head) is nn.Linear
+    assert any("head" in r.message and "multiples of 16" in r.message for r in caplog.records)
+    assert model.mlp[2].bias is None and "recipe=fp8_block" in repr(model.qkv)
+
+
+def test_convert_keeps_the_same_parameters_and_filter_fn():
+    model = TinyBlock()
+    weight = model.qkv.weight
+    convert(model, filter_fn=lambda name, m: not name.startswith("mlp"))
+    assert model.qkv.weight is weight
+    assert type(model.mlp[0]) is nn.Linear and isinstance(model.proj, FP8Linear)
+    bare = convert(nn.Linear(32, 64))
+    assert isinstance(bare, FP8Linear)
+
+
+def test_mha_out_proj_is_left_alone():
+    mha = nn.MultiheadAttention(64, 4, batch_first=True)
+    convert(mha)
+    x = torch.randn(2, 8, 64)
+    assert mha(x, x, x)[0].shape == (2, 8, 64)
+
+
+@pytest.mark.parametrize("recipe", ["fp8_block", "fp8_rowwise", "fp8_tensorwise"])
+def test_forward_and_grads_match_high_precision(recipe):
+    ref, model = _pair(recipe=recipe)
+    x = torch.randn(2, 64, 128)
+    y_ref, y = ref(x), model(x)
+    assert metrics.cos_sim(y, y_ref) > 0.998 and 0 < metrics.rel_l2(y, y_ref) < 0.06
+    target = torch.randn_like(y)
+    F.mse_loss(y_ref, target).backward()
+    F.mse_loss(y, target).backward()
+    for (name, p_ref), (_, p) in zip(ref.named_parameters(), model.named_parameters()):
+        assert p.grad is not None and p.grad.dtype == p.dtype, name
+        assert metrics.cos_sim(p.grad, p_ref.grad) > 0.99, name
+
+
+def test_layer_input_grad_and_bf16(device):
+    torch.manual_seed(1)
+    lin = nn.Linear(256, 128, device=device, dtype=torch.bfloat16)
+    layer = FP8Linear.from_linear(copy.deepcopy(lin))
+    x = torch.randn(3, 40, 256, device=device, dtype=torch.bfloat16, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_()
+    y, y_ref = layer(x), lin(x_ref)
+    assert y.dtype == torch.bfloat16 and y.shape == (3, 40, 128)
+    g = torch.randn_like(y)
+    y.backward(g)
+    y_ref.backward(g)
+    assert x.grad.dtype == torch.bfloat16
+    assert metrics.cos_sim(x.grad, x_ref.grad) > 0.995
+    assert metrics.cos_sim(layer.weight.grad, lin.weight.grad) > 0.995
+    assert metrics.rel_l2(layer.bias.grad, lin.bias.grad) < 1e-2
+
+
+def test_training_steps_reduce_the_loss():
+    torch.manual_seed(2)
+    model = convert(TinyBlock())
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    x, labels = torch.randn(4, 32, 128), torch.randint(0, 10, (4, 32))
+    losses = []
+    for _ in range(30):
+        loss = F.cross_entropy(model(x).flatten(0, 1), labels.flatten())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.5 * losses[0]
+
+
+def test_inference_mode_halves_memory_and_roundtrips(tmp_path):
+    torch.manual_seed(3)
+    ref = TinyBlock().to(torch.bfloat16)
+    train = convert(copy.deepcopy(ref))
+    infer = convert(copy.deepcopy(ref), inference=True)
+    assert isinstance(infer.qkv, FP8InferenceLinear) and not list(infer.qkv.parameters())
+    bytes_bf16 = sum(t.nbytes for t in ref.qkv.state_dict().values())
+    bytes_fp8 = sum(t.nbytes for t in infer.qkv.state_dict().values())
+    assert bytes_fp8 < 0.55 * bytes_bf16
+    x = torch.randn(2, 16, 128, dtype=torch.bfloat16)
+    with torch.no_grad():
+        y_train, y_infer = train(x), infer(x)
+    torch.testing.assert_close(y_infer, y_train)  # same quantization, same GEMM
+
+    path = tmp_path / "model.safetensors"
+    lowprec.save(infer.state_dict(), path)
+    fresh = convert(TinyBlock().to(torch.bfloat16), inference=True)
+    fresh.load_state_dict(lowprec.load(path))
+    with torch.no_grad():
+        assert torch.equal(fresh(x), y_infer)
+
+
+def test_compile_fullgraph_forward_and_backward():
+    torch.manual_seed(4)
+    layer = FP8Linear(128, 64)
+    x = torch.randn(33, 128, requires_grad=True)
+
+    def step(x):
+        return layer(x).square().sum()
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    loss = compiled(x)
+    loss.backward()
+    g_compiled = layer.weight.grad.clone()
+    layer.weight.grad = None
+    step(x).backward()
+    torch.testing.assert_close(g_compiled, layer.weight.grad)
+
+
+def test_bad_input():
+    with pytest.raises(ValueError, match="in_features: must be a positive multiple of 16"):
+        FP8Linear(100, 64)
+    with pytest.raises(ValueError, match="out_features"):
+        FP8Linear(64, 10)
+    with pytest.raises(ValueError, match="unknown linear recipe"):
+        FP8Linear(64, 64, recipe="int8")
+    layer = FP8Linear(64, 32)
+    with pytest.raises(TypeError, match="x: expected a float32"):
+        layer(torch.ones(4, 64, dtype=torch.int64))
+    with pytest.raises(ValueError, match="in_features"):
+        layer(torch.randn(4, 48))
+    with pytest.raises(ValueError, match="bias"):
+        fp8_linear(torch.randn(4, 64), layer.weight, torch.zeros(3))
+    with pytest.raises(TypeError, match="model"):
+        convert("not a model")
+    with pytest.raises(ValueError, match="unknown linear recipe"):
+        convert(TinyBlock(), recipe="nvfp4")
+    with pytest.raises(ValueError, match="in_features"):
+        FP8InferenceLinear(64, 32)(torch.randn(2, 16))
