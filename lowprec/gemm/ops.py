@@ -35,7 +35,7 @@ def _sm90_unsupported(a: QuantizedTensor, b: QuantizedTensor, bias: torch.Tensor
 def gemm_dispatch(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype,
                   bias: torch.Tensor | None) -> torch.Tensor:
     """Run the kernel where the device and operands allow, else the reference (validated inputs)."""
-    if use_kernel("gemm", a.device, ("sm_90a",), _sm90_unsupported(a, b, bias)):
+    if use_kernel("gemm", a.device, ("sm_90a",), lambda: _sm90_unsupported(a, b, bias)):
         try:
             from .sm90.interface import gemm_blockwise_fp8
 

@@ -5,8 +5,9 @@
 - dgrad: ``dX = dY_q · (Wᵀ)_q`` — for 128x128 and tensorwise weights ``(Wᵀ)_q`` is the forward's
   quantized weight transposed (same blocks, transposed scale grid); rowwise weights are quantized
   again along the other dim;
-- wgrad: ``dW = (dYᵀ)_q · (Xᵀ)_q``, both quantized along tokens (the reduction dim). ``(Xᵀ)_q`` is
-  made in the forward pass and saved (FP8), so the high-precision activation is not kept.
+- wgrad: ``dW = (dYᵀ)_q · (Xᵀ)_q``, both quantized along tokens (the reduction dim). X and dY are
+  each quantized once in both orientations (:func:`lowprec.quant.quantize_dual`); ``(Xᵀ)_q`` is
+  saved (FP8), so the high-precision activation is not kept.
 Master weights keep their dtype; gradients come back in it.
 """
 
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from ..gemm import gemm
-from ..quant import quantize
+from ..quant import quantize, quantize_dual
 from ..tensor import QuantizedTensor
 
 __all__ = ["LinearRecipe", "LINEAR_RECIPES", "get_linear_recipe", "fp8_linear", "transpose_quantized"]
@@ -66,7 +67,10 @@ def transpose_quantized(qt: QuantizedTensor) -> QuantizedTensor | None:
 class _FP8Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x2, weight, bias, recipe: LinearRecipe):
-        x_q = quantize(x2, recipe.activation, check_finite=False)
+        if ctx.needs_input_grad[1]:
+            x_q, xt_q = quantize_dual(x2, recipe.activation)
+        else:
+            x_q, xt_q = quantize(x2, recipe.activation, check_finite=False), None
         w_q = quantize(weight, recipe.weight, check_finite=False)
         y = gemm(x_q, w_q, out_dtype=x2.dtype, bias=bias)
         ctx.recipe = recipe
@@ -74,7 +78,6 @@ class _FP8Linear(torch.autograd.Function):
         ctx.weight_dtype = weight.dtype
         w_t = transpose_quantized(w_q)
         ctx.w_t_reused = w_t is not None
-        xt_q = quantize(x2.t(), recipe.grad, check_finite=False) if ctx.needs_input_grad[1] else None
         tensors = []
         if xt_q is not None:
             ctx.xt_meta = (xt_q.recipe, xt_q.shape, xt_q.dtype)
@@ -98,11 +101,13 @@ class _FP8Linear(torch.autograd.Function):
             w_t = quantize(saved[0].t(), recipe.weight, check_finite=False)
         dy = dy.contiguous()
         dx = dw = db = None
-        if ctx.needs_input_grad[0]:
-            dx = gemm(quantize(dy, recipe.grad, check_finite=False), w_t, out_dtype=dy.dtype)
         if ctx.needs_input_grad[1]:
-            dyt_q = quantize(dy.t(), recipe.grad, check_finite=False)
+            dy_q, dyt_q = quantize_dual(dy, recipe.grad)
             dw = gemm(dyt_q, xt_q, out_dtype=ctx.weight_dtype)
+        else:
+            dy_q = quantize(dy, recipe.grad, check_finite=False)
+        if ctx.needs_input_grad[0]:
+            dx = gemm(dy_q, w_t, out_dtype=dy.dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy.sum(0, dtype=torch.float32)
         return dx, dw, db, None

@@ -5,10 +5,13 @@ from __future__ import annotations
 import torch
 
 from ..recipes import ScaleRecipe, get_recipe
+from ..runtime import kernel_failed, use_kernel
 from ..tensor import QuantizedTensor
 from .reference import dequantize_reference, quantize_reference
 
-__all__ = ["quantize", "dequantize"]
+__all__ = ["quantize", "dequantize", "quantize_dual"]
+
+_KERNEL_RECIPES = ("fp8_block1x128", "fp8_block128x128")
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
@@ -44,7 +47,57 @@ def quantize(x: torch.Tensor, recipe: str | ScaleRecipe, *, check_finite: bool =
     if check_finite and x.numel() and not bool(torch.isfinite(x).all()):
         raise ValueError("x: contains NaN or Inf; quantization needs finite values "
                          "(check_finite=False skips this check)")
-    return quantize_reference(x.detach(), r)
+    x = x.detach()
+    if use_kernel("quantize", x.device, ("sm_90a",), lambda: _kernel_unsupported(x, r)):
+        try:
+            from .sm90 import interface
+
+            x2 = x if r.is_2d else x.reshape(-1, x.shape[-1])
+            q, s = (interface.quantize_128x128 if r.is_2d else interface.quantize_1x128)(x2)
+            if not r.is_2d:
+                q, s = q.view(x.shape), s.view(*x.shape[:-1], s.shape[-1])
+            return QuantizedTensor(q, s, r, x.shape, x.dtype)
+        except Exception as err:
+            kernel_failed("quantize", err)
+    return quantize_reference(x, r)
+
+
+def _kernel_unsupported(x: torch.Tensor, r: ScaleRecipe) -> str | None:
+    if r.name not in _KERNEL_RECIPES or r.scale_rounding != "exact":
+        return f"recipe {r.name} ({r.scale_rounding} scales) has no quantize kernel"
+    if r.is_2d and x.dim() != 2:
+        return "128x128 kernel takes 2-D weights"
+    from .sm90.interface import kernel_unsupported
+
+    return kernel_unsupported(x if x.dim() == 2 else x.reshape(-1, x.shape[-1]))
+
+
+def quantize_dual(x: torch.Tensor, recipe: str | ScaleRecipe = "fp8_block1x128") -> tuple[QuantizedTensor,
+                                                                                          QuantizedTensor]:
+    """Quantize ``x`` [..., K] (viewed as [T, K]) along both dims in one pass, for training.
+
+    Returns ``(quantize(x), quantize(x_padᵀ))`` where ``x_pad`` is ``x`` with zero rows appended up
+    to ``T_pad = round_up(T, 16)``: the first feeds the forward GEMM (blocks along K), the second
+    the weight-gradient GEMM (blocks along tokens; ``[K, T_pad]``, zero padding columns, so GEMMs
+    over tokens meet the kernels' multiple-of-16 rule). Inputs are assumed finite.
+    """
+    r = get_recipe(recipe)
+    if x.dim() < 2 or x.dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"x: expected a float tensor with ≥ 2 dims, got {x.dtype} {tuple(x.shape)}")
+    x2 = x.detach().reshape(-1, x.shape[-1])
+    t = x2.shape[0]
+    t_pad = -(-t // 16) * 16
+    if use_kernel("quantize", x.device, ("sm_90a",), lambda: _kernel_unsupported(x2, r) or (r.is_2d and "2-D blocks")):
+        try:
+            from .sm90 import interface
+
+            q, s, qt, st = interface.quantize_dual(x2)
+            return (QuantizedTensor(q, s, r, x2.shape, x.dtype),
+                    QuantizedTensor(qt, st, r, (x2.shape[1], t_pad), x.dtype))
+        except Exception as err:
+            kernel_failed("quantize", err)
+    padded = torch.nn.functional.pad(x2, (0, 0, 0, t_pad - t))
+    return quantize_reference(x2, r), quantize_reference(padded.t(), r)
 
 
 def dequantize(qt: QuantizedTensor, dtype: torch.dtype | None = None) -> torch.Tensor:

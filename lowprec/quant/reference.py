@@ -1,8 +1,9 @@
 """Reference quantize / dequantize in plain torch: the semantics every quantize kernel matches.
 
 All arithmetic is FP32, in this order (kernels must reproduce it to be bit-identical):
-``amax`` per block -> scale (see :mod:`lowprec.recipes`) -> ``q = x / scale`` (IEEE division)
--> clamp to the element format's range -> round to nearest even.
+``amax`` per block -> scale (see :mod:`lowprec.recipes`) -> ``inv = 1 / scale`` (IEEE division,
+once per block) -> ``q = x * inv`` -> clamp to the element format's range -> round to nearest
+even. (A multiply per element, not a division: kernels stay memory-bound.)
 """
 
 from __future__ import annotations
@@ -98,7 +99,8 @@ def quantize_reference(x: torch.Tensor, recipe: ScaleRecipe) -> QuantizedTensor:
         global_scale = torch.where(amax_t > 0, _div(amax_t, E4M3.max * recipe.element.max), torch.ones_like(amax_t))
     scale = scale_from_amax(amax, recipe, global_scale)
     divisor = scale if global_scale is None else scale * global_scale
-    q = xf / expand_scale(divisor, br, bc, rows, cols)
+    inv = _div(torch.ones_like(divisor), divisor)
+    q = xf * expand_scale(inv, br, bc, rows, cols)
     q = q.clamp(-recipe.element.max, recipe.element.max)
 
     if recipe.is_fp4:

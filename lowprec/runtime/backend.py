@@ -11,6 +11,7 @@ import functools
 import logging
 import os
 import warnings
+from collections.abc import Callable
 
 import torch
 
@@ -41,19 +42,25 @@ def dsl_available() -> bool:
     return True
 
 
-def use_kernel(op: str, device: torch.device, supported_archs: tuple[str, ...], why_not: str | None = None) -> bool:
+def use_kernel(op: str, device: torch.device, supported_archs: tuple[str, ...],
+               why_not: str | None | Callable[[], str | None] = None) -> bool:
     """Decide whether ``op`` runs a kernel on ``device``.
 
-    ``why_not``: the caller's reason the inputs cannot take the kernel (None when they can).
-    In ``kernel`` mode every reason is an error; in ``auto`` mode it means the reference.
+    ``why_not``: the caller's reason the inputs cannot take the kernel (None when they can), or
+    a function returning it, called only on a device with a kernel. In ``kernel`` mode every
+    reason is an error; in ``auto`` mode it means the reference.
     """
     mode = backend_mode()
     if mode == "reference":
         return False
     arch = device_arch(device)
-    reason = why_not
-    if reason is None and arch not in supported_archs:
+    reason = None
+    if arch not in supported_archs:
         reason = f"no {op} kernel for device {device} (arch {arch}; kernels for {list(supported_archs)})"
+    elif callable(why_not):
+        reason = why_not()
+    else:
+        reason = why_not
     if reason is None and not dsl_available():
         reason = "CuTe DSL (nvidia-cutlass-dsl) does not import"
     if reason is not None:

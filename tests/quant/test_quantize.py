@@ -57,7 +57,7 @@ def independent(x: np.ndarray, name: str, **opts):
                     s = F32(amax / F32(448.0))
                     if opts.get("pow2_scale"):
                         s = F32(_pow2(float(s), "ceil"))
-                q = _e4m3(np.clip(blk / s, -448, 448))
+                q = _e4m3(np.clip(blk * (F32(1) / s), -448, 448))
                 deq = q * s
             elif name in ("mxfp8", "mxfp4"):
                 elem_max, emax = (448.0, 8) if name == "mxfp8" else (6.0, 2)
@@ -68,14 +68,14 @@ def independent(x: np.ndarray, name: str, **opts):
                 else:
                     s = _pow2(float(F32(amax / F32(elem_max))), "ceil")
                 s = F32(s)
-                v = np.clip(blk / s, -elem_max, elem_max).astype(F32)
+                v = np.clip(blk * (F32(1) / s), -elem_max, elem_max).astype(F32)
                 q = _e4m3(v) if name == "mxfp8" else np.vectorize(_e2m1)(v).astype(F32)
                 deq = q.astype(np.float64) * float(s)
             else:  # nvfp4
                 sb = F32(np.clip(F32(F32(amax / F32(6.0)) / glob), 2.0**-9, 448.0))
                 sb = F32(_e4m3(np.array([sb]))[0])
                 div = F32(sb * glob)
-                v = np.clip(blk / div, -6, 6).astype(F32)
+                v = np.clip(blk * (F32(1) / div), -6, 6).astype(F32)
                 q = np.vectorize(_e2m1)(v).astype(F32)
                 deq = q * div
                 s = sb

@@ -1,0 +1,65 @@
+"""Timing and result files shared by the benchmarks."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import statistics
+
+import torch
+
+__all__ = ["bench_ms", "gpu_slug", "save_results", "copy_bandwidth_gbs", "print_table"]
+
+_FLUSH_BYTES = 256 << 20  # > H100/H200 L2 (50 MB): every timed run starts from a cold L2
+
+
+def bench_ms(fn, warmup: int = 10, rep: int = 50) -> float:
+    """Median milliseconds of ``fn()`` with CUDA events, L2 flushed before every run."""
+    flush = torch.empty(_FLUSH_BYTES, dtype=torch.uint8, device="cuda")
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(rep):
+        flush.zero_()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def copy_bandwidth_gbs(nbytes: int = 1 << 30) -> float:
+    """Device-to-device copy bandwidth (bytes read + written), the ceiling for memory-bound kernels."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    ms = bench_ms(lambda: dst.copy_(src), rep=20)
+    return 2 * nbytes / ms / 1e6
+
+
+def gpu_slug() -> str:
+    return re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name().lower()).strip("-")
+
+
+def save_results(op: str, payload: dict, path: str | None = None) -> str:
+    """Merge ``payload`` under ``op`` into ``benchmarks/results/<gpu>.json`` (or ``path``)."""
+    path = path or os.path.join("benchmarks", "results", f"{gpu_slug()}.json")
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    data = {}
+    if os.path.exists(path):
+        with open(path) as f:
+            data = json.load(f)
+    data[op] = payload
+    with open(path, "w") as f:
+        json.dump(data, f, indent=1, sort_keys=True)
+    return path
+
+
+def print_table(header: list[str], rows: list[list]) -> None:
+    cells = [[f"{c:.3g}" if isinstance(c, float) else str(c) for c in r] for r in rows]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(header)]
+    print("  ".join(h.rjust(w) for h, w in zip(header, widths)))
+    for r in cells:
+        print("  ".join(c.rjust(w) for c, w in zip(r, widths)))

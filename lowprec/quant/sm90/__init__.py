@@ -1,0 +1,1 @@
+"""Hopper quantize kernels (CuTe DSL). The kernels use no sm_90-only instructions."""

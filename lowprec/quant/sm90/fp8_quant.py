@@ -1,0 +1,213 @@
+"""FP8 E4M3 quantize kernels (CuTe DSL), bit-identical to the reference quantizer.
+
+- ``quant_1x128``: each thread loads 8 contiguous elements (16 bytes of bf16), 16 threads cover
+  one 128-wide block and reduce its amax with warp shuffles.
+- ``quant_128x128``: one CTA per 128x128 weight tile, held in registers (read once).
+- ``quant_dual``: one CTA per 128x128 tile, both orientations (1x128 along features for the
+  forward GEMM, 1x128 along tokens, transposed through shared memory, for the weight gradient).
+
+All multiply by ``1 / scale`` (one IEEE division per block, as the reference) and convert with
+``cvt.rn.satfinite``. Scales go straight into the layout the GEMM reads (any strides).
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32
+
+VEC = 8  # elements per thread: one 16-byte load of bf16
+BLOCK = 128
+LANES = BLOCK // VEC  # threads per scale block
+THREADS = 256
+GROUPS_PER_CTA = THREADS // LANES
+E4M3_MAX = 448.0
+FP32_TINY = 1.1754943508222875e-38  # smallest normal: amax / 448 never flushes to zero
+
+
+@cute.kernel
+def _quant_1x128_kernel(mX: cute.Tensor, mQ_u8: cute.Tensor, mS: cute.Tensor):
+    tidx, _, _ = cute.arch.thread_idx()
+    bidx, _, _ = cute.arch.block_idx()
+    rows = mX.shape[0]
+    cols = mX.shape[1]
+    blocks_per_row = mS.shape[1]
+    mQ = cute.make_tensor(cute.recast_ptr(mQ_u8.iterator, dtype=cutlass.Float8E4M3FN), mQ_u8.layout)
+
+    group = bidx * GROUPS_PER_CTA + tidx // LANES
+    lane = tidx % LANES
+    row = group // blocks_per_row
+    kb = group - row * blocks_per_row
+    col = kb * BLOCK + lane * VEC
+    in_bounds = row < rows and col < cols
+
+    x_frag = cute.make_rmem_tensor((1, VEC), mX.element_type)
+    x_frag.fill(0)
+    if in_bounds:
+        cute.autovec_copy(cute.local_tile(mX, (1, VEC), (row, col // VEC)), x_frag)
+    v = x_frag.load().to(Float32)
+
+    # every lane joins the shuffle, in bounds or not
+    amax = abs(v).reduce(cute.ReductionOp.MAX, Float32(0.0), 0)
+    amax = cute.arch.warp_reduction_max(amax, threads_in_group=LANES)
+    scale = Float32(1.0)
+    if amax > Float32(0.0):
+        scale = cute.arch.fmax(amax / Float32(E4M3_MAX), Float32(FP32_TINY))
+    inv = Float32(1.0) / scale
+
+    if in_bounds:
+        q_frag = cute.make_rmem_tensor((1, VEC), cutlass.Float8E4M3FN)
+        q_frag.store((v * inv).to(cutlass.Float8E4M3FN))
+        cute.autovec_copy(q_frag, cute.local_tile(mQ, (1, VEC), (row, col // VEC)))
+        if lane == 0:
+            mS[row, kb] = scale
+
+
+@cute.jit
+def quant_1x128(mX: cute.Tensor, mQ_u8: cute.Tensor, mS: cute.Tensor, stream):
+    groups = mX.shape[0] * mS.shape[1]
+    grid = (groups + GROUPS_PER_CTA - 1) // GROUPS_PER_CTA
+    _quant_1x128_kernel(mX, mQ_u8, mS).launch(grid=(grid, 1, 1), block=(THREADS, 1, 1), stream=stream)
+
+
+# ---------------------------------------------------------------------------------------------
+# 128x128 tiles: one CTA per tile. Thread t holds columns (t % 16) * 8 .. + 8 of rows
+# t // 16 + 16 * p, p = 0..7, in registers, so the tile is read from memory once.
+TILE = 128
+ROW_GROUPS = THREADS // LANES  # 16 rows per pass
+PASSES = TILE // ROW_GROUPS  # 8
+WARPS = THREADS // 32
+
+
+@cute.jit
+def _load_tile(mX: cute.Tensor, row0, col, rgrp):
+    """The thread's PASSES x VEC values of a 128x128 tile as FP32 (zeros outside the tensor)."""
+    values = []
+    for p in cutlass.range_constexpr(PASSES):
+        r = row0 + rgrp + ROW_GROUPS * p
+        frag = cute.make_rmem_tensor((1, VEC), mX.element_type)
+        frag.fill(0)
+        if r < mX.shape[0] and col < mX.shape[1]:
+            cute.autovec_copy(cute.local_tile(mX, (1, VEC), (r, col // VEC)), frag)
+        values.append(frag.load().to(Float32))
+    return values
+
+
+@cute.jit
+def _scale_and_inverse(amax):
+    scale = Float32(1.0)
+    if amax > Float32(0.0):
+        scale = cute.arch.fmax(amax / Float32(E4M3_MAX), Float32(FP32_TINY))
+    return scale, Float32(1.0) / scale
+
+
+@cute.jit
+def _store_row_chunk(mQ: cute.Tensor, values, r, col):
+    q_frag = cute.make_rmem_tensor((1, VEC), cutlass.Float8E4M3FN)
+    q_frag.store(values.to(cutlass.Float8E4M3FN))
+    cute.autovec_copy(q_frag, cute.local_tile(mQ, (1, VEC), (r, col // VEC)))
+
+
+@cute.kernel
+def _quant_128x128_kernel(mX: cute.Tensor, mQ_u8: cute.Tensor, mS: cute.Tensor):
+    tidx, _, _ = cute.arch.thread_idx()
+    tile_r, tile_c, _ = cute.arch.block_idx()
+    mQ = cute.make_tensor(cute.recast_ptr(mQ_u8.iterator, dtype=cutlass.Float8E4M3FN), mQ_u8.layout)
+    smem = cutlass.memory.SmemAllocator()
+    warp_max = smem.allocate_tensor(Float32, cute.make_layout(WARPS), byte_alignment=16)
+
+    lane, rgrp = tidx % LANES, tidx // LANES
+    row0, col = tile_r * TILE, tile_c * TILE + lane * VEC
+    values = _load_tile(mX, row0, col, rgrp)
+    amax = Float32(0.0)
+    for p in cutlass.range_constexpr(PASSES):
+        amax = cute.arch.fmax(amax, abs(values[p]).reduce(cute.ReductionOp.MAX, Float32(0.0), 0))
+    amax = cute.arch.warp_reduction_max(amax)
+    if tidx % 32 == 0:
+        warp_max[tidx // 32] = amax
+    cute.arch.sync_threads()
+    amax = warp_max[0]
+    for w in cutlass.range_constexpr(1, WARPS):
+        amax = cute.arch.fmax(amax, warp_max[w])
+    scale, inv = _scale_and_inverse(amax)
+    for p in cutlass.range_constexpr(PASSES):
+        r = row0 + rgrp + ROW_GROUPS * p
+        if r < mX.shape[0] and col < mX.shape[1]:
+            _store_row_chunk(mQ, values[p] * inv, r, col)
+    if tidx == 0:
+        mS[tile_r, tile_c] = scale
+
+
+@cute.jit
+def quant_128x128(mX: cute.Tensor, mQ_u8: cute.Tensor, mS: cute.Tensor, stream):
+    _quant_128x128_kernel(mX, mQ_u8, mS).launch(
+        grid=(mS.shape[0], mS.shape[1], 1), block=(THREADS, 1, 1), stream=stream)
+
+
+# ---------------------------------------------------------------------------------------------
+# Both orientations in one pass (training activations): Q = quant_1x128(X) for the forward GEMM
+# and QT = quant_1x128(Xᵀ) (128-row blocks along tokens) for the weight-gradient GEMM.
+@cute.kernel
+def _quant_dual_kernel(mX: cute.Tensor, mQ_u8: cute.Tensor, mS: cute.Tensor, mQT_u8: cute.Tensor, mST: cute.Tensor):
+    tidx, _, _ = cute.arch.thread_idx()
+    tile_r, tile_c, _ = cute.arch.block_idx()
+    mQ = cute.make_tensor(cute.recast_ptr(mQ_u8.iterator, dtype=cutlass.Float8E4M3FN), mQ_u8.layout)
+    mQT = cute.make_tensor(cute.recast_ptr(mQT_u8.iterator, dtype=cutlass.Float8E4M3FN), mQT_u8.layout)
+    smem = cutlass.memory.SmemAllocator()
+    col_max = smem.allocate_tensor(Float32, cute.make_layout((WARPS, TILE), stride=(TILE, 1)), byte_alignment=16)
+    # transposed fp8 tile [column][row]; rows padded by 16 bytes against bank conflicts
+    tile_t = smem.allocate_tensor(cutlass.Float8E4M3FN, cute.make_layout((TILE, TILE), stride=(TILE + 16, 1)),
+                                  byte_alignment=16)
+
+    rows, cols = mX.shape[0], mX.shape[1]
+    lane, rgrp = tidx % LANES, tidx // LANES
+    row0, col = tile_r * TILE, tile_c * TILE + lane * VEC
+    values = _load_tile(mX, row0, col, rgrp)
+
+    # rows: 1x128 along the feature dim (16 lanes share a row)
+    for p in cutlass.range_constexpr(PASSES):
+        r = row0 + rgrp + ROW_GROUPS * p
+        amax = abs(values[p]).reduce(cute.ReductionOp.MAX, Float32(0.0), 0)
+        amax = cute.arch.warp_reduction_max(amax, threads_in_group=LANES)
+        scale, inv = _scale_and_inverse(amax)
+        if r < rows and col < cols:
+            _store_row_chunk(mQ, values[p] * inv, r, col)
+            if lane == 0:
+                mS[r, tile_c] = scale
+
+    # columns: amax over the tile's 128 rows (8 passes, 2 row groups per warp, 8 warps)
+    for j in cutlass.range_constexpr(VEC):
+        cmax = Float32(0.0)
+        for p in cutlass.range_constexpr(PASSES):
+            cmax = cute.arch.fmax(cmax, abs(values[p][j]))
+        cmax = cute.arch.fmax(cmax, cute.arch.shuffle_sync_bfly(cmax, offset=16))
+        if tidx % 32 < LANES:
+            col_max[tidx // 32, lane * VEC + j] = cmax
+    cute.arch.sync_threads()
+    for j in cutlass.range_constexpr(VEC):
+        c = lane * VEC + j
+        cmax = col_max[0, c]
+        for w in cutlass.range_constexpr(1, WARPS):
+            cmax = cute.arch.fmax(cmax, col_max[w, c])
+        scale, inv = _scale_and_inverse(cmax)
+        for p in cutlass.range_constexpr(PASSES):
+            tile_t[c, rgrp + ROW_GROUPS * p] = (values[p][j] * inv).to(cutlass.Float8E4M3FN)
+        if rgrp == 0 and tile_c * TILE + c < cols:
+            mST[tile_c * TILE + c, tile_r] = scale
+    cute.arch.sync_threads()
+
+    # write the transposed tile: each thread stores 4 x 16 bytes of one column
+    c = tidx // 2
+    half = tidx % 2
+    out_row = tile_c * TILE + c
+    for i in cutlass.range_constexpr(4):
+        t0 = half * 64 + i * 16
+        if out_row < cols and row0 + t0 < mQT.shape[1]:
+            cute.autovec_copy(cute.local_tile(tile_t, (1, 16), (c, t0 // 16)),
+                              cute.local_tile(mQT, (1, 16), (out_row, (row0 + t0) // 16)))
+
+
+@cute.jit
+def quant_dual(mX: cute.Tensor, mQ_u8: cute.Tensor, mS: cute.Tensor, mQT_u8: cute.Tensor, mST: cute.Tensor, stream):
+    _quant_dual_kernel(mX, mQ_u8, mS, mQT_u8, mST).launch(
+        grid=(mST.shape[1], mS.shape[1], 1), block=(THREADS, 1, 1), stream=stream)

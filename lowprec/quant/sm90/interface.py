@@ -1,0 +1,108 @@
+"""Host side of the FP8 quantize kernels: validation, compile cache, launch."""
+
+from __future__ import annotations
+
+import torch
+
+from ...runtime import kernel_cache
+from ..layouts import to_mn_major_tma_aligned
+
+__all__ = ["kernel_unsupported", "quantize_1x128", "quantize_128x128", "quantize_dual", "build_kernel",
+           "compile_kernel", "KERNELS"]
+
+ARCH = "sm_90a"
+KERNELS = ("1x128", "128x128", "dual")
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def kernel_unsupported(x: torch.Tensor) -> str | None:
+    """Why the kernels cannot take ``x`` (None: they can)."""
+    if x.dtype not in _DTYPES:
+        return f"dtype {x.dtype}"
+    if x.dim() != 2:
+        return f"{x.dim()}-D input (the kernels take [rows, cols])"
+    if x.shape[1] % 16 or x.stride(1) != 1 or x.stride(0) % 16 or x.data_ptr() % 16:
+        return "cols must be a multiple of 16, rows contiguous and 16-byte aligned"
+    return None
+
+
+def _cutlass_dtype(dtype: torch.dtype):
+    import cutlass
+
+    return {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16, torch.float32: cutlass.Float32}[dtype]
+
+
+def build_kernel(kind: str, dtype: torch.dtype, arch: str = ARCH):
+    """Compile one quantize kernel for ``dtype`` inputs on fake tensors (no GPU needed), uncached."""
+    if kind not in KERNELS:
+        raise ValueError(f"kind: expected one of {KERNELS}, got {kind!r}")
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
+
+    from ...runtime import compile_for_arch
+    from . import fp8_quant
+
+    def data(dt):
+        return make_fake_tensor(dt, (cute.sym_int(), cute.sym_int(divisibility=16)),
+                                stride=(cute.sym_int64(divisibility=16), 1), assumed_align=16)
+
+    def scale():
+        return make_fake_tensor(cutlass.Float32, (cute.sym_int(), cute.sym_int()),
+                                stride=(cute.sym_int64(), cute.sym_int64()), assumed_align=4)
+
+    x, q = data(_cutlass_dtype(dtype)), data(cutlass.Uint8)
+    stream = make_fake_stream(use_tvm_ffi_env_stream=True)
+    fn = {"1x128": fp8_quant.quant_1x128, "128x128": fp8_quant.quant_128x128, "dual": fp8_quant.quant_dual}[kind]
+    args = (x, q, scale(), data(cutlass.Uint8), scale()) if kind == "dual" else (x, q, scale())
+    return compile_for_arch(fn, *args, stream, arch=arch, tvm_ffi=True)
+
+
+def compile_kernel(kind: str, dtype: torch.dtype, arch: str = ARCH):
+    """The launchable kernel, compiled once per (kind, dtype, arch) through the kernel cache."""
+    from . import fp8_quant
+
+    return kernel_cache.get(f"quant_fp8_{kind}", {"dtype": dtype}, arch, [fp8_quant],
+                            lambda: build_kernel(kind, dtype, arch))
+
+
+def _mn_major_scales(rows: int, blocks: int, device: torch.device) -> torch.Tensor:
+    return to_mn_major_tma_aligned(torch.empty(rows, blocks, dtype=torch.float32, device=device))
+
+
+def quantize_1x128(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` [M, K] -> (FP8 [M, K], FP32 scales [M, ceil(K/128)] stored MN-major, TMA-aligned)."""
+    m, k = x.shape
+    q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
+    s = _mn_major_scales(m, -(-k // 128), x.device)
+    if m:
+        with torch.cuda.device(x.device):
+            compile_kernel("1x128", x.dtype)(x, q.view(torch.uint8), s)
+    return q, s
+
+
+def quantize_128x128(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` [N, K] -> (FP8 [N, K], FP32 scales [ceil(N/128), ceil(K/128)] row-major)."""
+    n, k = x.shape
+    q = torch.empty(n, k, dtype=torch.float8_e4m3fn, device=x.device)
+    s = torch.empty(-(-n // 128), -(-k // 128), dtype=torch.float32, device=x.device)
+    if n:
+        with torch.cuda.device(x.device):
+            compile_kernel("128x128", x.dtype)(x, q.view(torch.uint8), s)
+    return q, s
+
+
+def quantize_dual(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``x`` [T, K] -> 1x128 along K: (FP8 [T, K], scales [T, ceil(K/128)] MN-major), and 1x128
+    along T of ``xᵀ`` zero-padded to ``T_pad = round_up(T, 16)``: (FP8 [K, T_pad], scales
+    [K, ceil(T/128)] MN-major)."""
+    t, k = x.shape
+    t_pad = -(-t // 16) * 16
+    q = torch.empty(t, k, dtype=torch.float8_e4m3fn, device=x.device)
+    s = _mn_major_scales(t, -(-k // 128), x.device)
+    qt = torch.empty(k, t_pad, dtype=torch.float8_e4m3fn, device=x.device)
+    st = _mn_major_scales(k, -(-t_pad // 128), x.device)
+    if t:  # rows past T load as zeros, so the kernel writes the padding columns too
+        with torch.cuda.device(x.device):
+            compile_kernel("dual", x.dtype)(x, q.view(torch.uint8), s, qt.view(torch.uint8), st)
+    return q, s, qt, st

@@ -1,0 +1,29 @@
+import pytest
+import torch
+
+import lowprec
+from lowprec.quant import quantize_dual
+
+
+@pytest.mark.parametrize("shape", [(1, 128), (37, 256), (3, 50, 384), (160, 96)])
+def test_dual_is_both_orientations(shape, device):
+    x = torch.randn(*shape, device=device, dtype=torch.bfloat16)
+    rows_q, cols_q = quantize_dual(x)
+    x2 = x.reshape(-1, shape[-1])
+    t = x2.shape[0]
+    t_pad = -(-t // 16) * 16
+    assert rows_q.shape == x2.shape and cols_q.shape == (shape[-1], t_pad)
+    ref_rows = lowprec.quantize(x2, "fp8_block1x128")
+    assert torch.equal(rows_q.data.view(torch.uint8), ref_rows.data.view(torch.uint8))
+    assert torch.equal(rows_q.scale, ref_rows.scale)
+    ref_cols = lowprec.quantize(x2.t(), "fp8_block1x128").dequantize(torch.float32)
+    deq = cols_q.dequantize(torch.float32)
+    assert torch.equal(deq[:, :t], ref_cols) and (deq[:, t:] == 0).all()
+
+
+def test_dual_other_recipes_and_errors():
+    x = torch.randn(20, 64)
+    rows_q, cols_q = quantize_dual(x, "fp8_rowwise")
+    assert rows_q.scale.shape == (20, 1) and cols_q.shape == (64, 32) and cols_q.scale.shape == (64, 1)
+    with pytest.raises(ValueError, match="≥ 2 dims"):
+        quantize_dual(torch.randn(16))
