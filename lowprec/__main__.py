@@ -6,7 +6,7 @@ import argparse
 import importlib
 import sys
 
-BENCHES = ("gemm", "quant")
+BENCHES = ("gemm", "linear", "quant")
 
 
 def main(argv: list[str] | None = None) -> int:
