@@ -18,18 +18,41 @@ from .reference import gemm_reference
 __all__ = ["gemm_op", "gemm_dispatch"]
 
 
+_FP8_FP32_SCALED = ("fp8_block1x128", "fp8_block128x128", "fp8_rowwise", "fp8_tensorwise")
+
+
 def _sm90_unsupported(a: QuantizedTensor, b: QuantizedTensor, bias: torch.Tensor | None) -> str | None:
     """Why the Hopper kernel cannot take these operands (None: it can)."""
-    if a.recipe.name != "fp8_block1x128":
-        return f"a's recipe is {a.recipe.name}, the kernel takes fp8_block1x128"
-    if b.recipe.name not in ("fp8_block128x128", "fp8_block1x128"):
-        return f"b's recipe is {b.recipe.name}, the kernel takes fp8_block128x128 or fp8_block1x128"
+    for name, t in (("a", a), ("b", b)):
+        if t.recipe.name not in _FP8_FP32_SCALED:
+            return f"{name}'s recipe is {t.recipe.name}; the kernel takes FP8 with FP32 scales {_FP8_FP32_SCALED}"
+    if a.recipe.name == "fp8_block128x128":
+        return "a in 128x128 blocks (activations use 1x128, rowwise or tensorwise)"
     n, k = b.shape
     if n % 16 or k % 16:
         return f"N={n} and K={k} must be multiples of 16"
     if bias is not None and bias.dtype not in (torch.float32, torch.bfloat16):
         return f"bias dtype {bias.dtype}"
     return None
+
+
+def _blockwise_scales(a: QuantizedTensor, b: QuantizedTensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scales as the kernel takes them: A [M, ceil(K/128)]; B [ceil(N/128) or N, ceil(K/128)].
+
+    Rowwise and tensorwise scales are constant along K, so repeating them per 128-wide K block
+    gives the same product: one kernel serves all FP8 recipes with FP32 scales.
+    """
+    m, k = a.shape
+    n = b.shape[0]
+    kb = -(-k // 128)
+    sa = a.scale if a.recipe.name == "fp8_block1x128" else a.scale.reshape(-1, 1).expand(m, kb).contiguous()
+    if b.recipe.name in ("fp8_block128x128", "fp8_block1x128"):
+        sb = b.scale
+    elif b.recipe.name == "fp8_rowwise":
+        sb = b.scale.reshape(n, 1).expand(n, kb).contiguous()
+    else:
+        sb = b.scale.reshape(1, 1).expand(-(-n // 128), kb).contiguous()
+    return sa, sb
 
 
 def gemm_dispatch(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype,
@@ -39,7 +62,8 @@ def gemm_dispatch(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype
         try:
             from .sm90.interface import gemm_blockwise_fp8
 
-            return gemm_blockwise_fp8(a.data, a.scale, b.data, b.scale, out_dtype=out_dtype, bias=bias)
+            sa, sb = _blockwise_scales(a, b)
+            return gemm_blockwise_fp8(a.data, sa, b.data, sb, out_dtype=out_dtype, bias=bias)
         except Exception as err:
             kernel_failed("gemm", err)
     return gemm_reference(a, b, out_dtype, bias)

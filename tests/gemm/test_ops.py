@@ -1,9 +1,13 @@
 """The GEMM custom op: torch.compile traces it without graph breaks; fake and real agree."""
 
+import pytest
 import torch
 
 import lowprec
+from lowprec.gemm.ops import _blockwise_scales
+from lowprec.gemm.reference import gemm_reference
 from lowprec.recipes import RECIPE_NAMES, ScaleRecipe, get_recipe
+from lowprec.tensor import QuantizedTensor
 
 
 def test_recipe_spec_roundtrip():
@@ -30,3 +34,17 @@ def test_compile_fullgraph_matches_eager():
     for rows in (33, 47):
         x = torch.randn(rows, 256)
         assert torch.equal(compiled(x, w), f(x, w))
+
+
+@pytest.mark.parametrize("ra,rb", [("fp8_rowwise", "fp8_rowwise"), ("fp8_tensorwise", "fp8_tensorwise"),
+                                   ("fp8_block1x128", "fp8_tensorwise"), ("fp8_rowwise", "fp8_block128x128")])
+def test_rowwise_and_tensorwise_recast_to_kernel_scales_exactly(ra, rb):
+    """The kernel takes 1x128 / 128x128 scale grids; other FP32-scaled recipes are repeated into them."""
+    a = lowprec.quantize(torch.randn(40, 300), ra)
+    b = lowprec.quantize(torch.randn(272, 300), rb)
+    sa, sb = _blockwise_scales(a, b)
+    assert sa.shape == (40, 3) and sb.shape in ((272, 3), (3, 3))
+    a2 = QuantizedTensor(a.data, sa, get_recipe("fp8_block1x128"), a.shape, a.dtype)
+    b2 = QuantizedTensor(b.data, sb, get_recipe("fp8_block1x128" if sb.shape[0] == 272 else "fp8_block128x128"),
+                         b.shape, b.dtype)
+    assert torch.equal(gemm_reference(a, b, torch.float32, None), gemm_reference(a2, b2, torch.float32, None))
