@@ -1,10 +1,11 @@
 """lowprec: low-precision (FP8 / MX / NVFP4) kernels for PyTorch on a block-scaled GEMM core."""
 
-from . import metrics, nn
+from . import metrics, moe, nn
 from .attention import attention
 from .formats import E2M1, E4M3, E5M2
 from .gemm import gemm, grouped_gemm
 from .io import load, save
+from .moe import MoE
 from .nn import convert
 from .quant import dequantize, quantize
 from .recipes import RECIPE_NAMES, ScaleRecipe, get_recipe
@@ -13,6 +14,6 @@ from .tensor import QuantizedTensor
 __version__ = "0.1.0"
 
 __all__ = [
-    "E2M1", "E4M3", "E5M2", "QuantizedTensor", "RECIPE_NAMES", "ScaleRecipe", "attention", "convert",
-    "dequantize", "gemm", "get_recipe", "grouped_gemm", "load", "metrics", "nn", "quantize", "save",
+    "E2M1", "E4M3", "E5M2", "MoE", "QuantizedTensor", "RECIPE_NAMES", "ScaleRecipe", "attention", "convert",
+    "dequantize", "gemm", "get_recipe", "grouped_gemm", "load", "metrics", "moe", "nn", "quantize", "save",
 ]

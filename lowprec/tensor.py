@@ -74,6 +74,24 @@ class QuantizedTensor:
             nbytes += self.global_scale.nbytes
         return 8.0 * nbytes / max(self.numel(), 1)
 
+    @property
+    def transposable(self) -> bool:
+        """Whether :meth:`transpose` applies: square 2D blocks or tensorwise, FP8 elements."""
+        r = self.recipe
+        return self.dim() >= 2 and not r.is_fp4 and (r.tensorwise or (r.is_2d and r.block[0] == r.block[1]))
+
+    def transpose(self) -> QuantizedTensor:
+        """Swap the last two dims without requantizing: the same codes, the scale grid transposed.
+
+        Exactly ``quantize(x.transpose(-1, -2))`` for square-block (128x128) and tensorwise
+        recipes; other recipes raise ValueError (requantize the transposed tensor instead).
+        """
+        if not self.transposable:
+            raise ValueError(f"transpose: recipe {self.recipe.name} blocks are not square; requantize instead")
+        shape = (*self.shape[:-2], self.shape[-1], self.shape[-2])
+        return QuantizedTensor(self.data.transpose(-1, -2).contiguous(), self.scale.transpose(-1, -2).contiguous(),
+                               self.recipe, shape, self.dtype, self.global_scale)
+
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """Return ``q * scale`` with the logical shape, in ``dtype`` (default: the original)."""
         from .quant import dequantize

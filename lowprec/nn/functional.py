@@ -21,7 +21,7 @@ from ..gemm import gemm
 from ..quant import quantize, quantize_dual
 from ..tensor import QuantizedTensor
 
-__all__ = ["LinearRecipe", "LINEAR_RECIPES", "get_linear_recipe", "fp8_linear", "transpose_quantized"]
+__all__ = ["LinearRecipe", "LINEAR_RECIPES", "get_linear_recipe", "fp8_linear"]
 
 
 @dataclass(frozen=True)
@@ -51,19 +51,6 @@ def get_linear_recipe(recipe: str | LinearRecipe) -> LinearRecipe:
     return LINEAR_RECIPES[recipe]
 
 
-def transpose_quantized(qt: QuantizedTensor) -> QuantizedTensor | None:
-    """``quantize(x.T)`` from ``quantize(x)`` without requantizing, where the recipe allows it.
-
-    True for square 2D blocks and tensorwise scales (the block grid just transposes); None otherwise.
-    """
-    r = qt.recipe
-    if qt.dim() != 2 or r.is_fp4 or not (r.tensorwise or (r.is_2d and r.block[0] == r.block[1])):
-        return None
-    rows, cols = qt.shape
-    return QuantizedTensor(qt.data.t().contiguous(), qt.scale.t().contiguous(), r, (cols, rows), qt.dtype,
-                           qt.global_scale)
-
-
 class _FP8Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x2, weight, bias, recipe: LinearRecipe):
@@ -76,7 +63,7 @@ class _FP8Linear(torch.autograd.Function):
         ctx.recipe = recipe
         ctx.has_bias = bias is not None
         ctx.weight_dtype = weight.dtype
-        w_t = transpose_quantized(w_q)
+        w_t = w_q.transpose() if w_q.transposable else None
         ctx.w_t_reused = w_t is not None
         tensors = []
         if xt_q is not None:

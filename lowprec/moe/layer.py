@@ -1,0 +1,313 @@
+"""Mixture-of-experts layer on block-scaled FP8 grouped GEMMs, forward and backward.
+
+With ``recipe="fp8_block"`` (DeepSeek-V3's scheme) every GEMM goes through an FP8 grouped GEMM,
+activations quantized 1x128 and weights 128x128. Per expert ``e``, over its packed rows:
+
+- forward: ``H = X · W1ₑᵀ`` (X from :func:`pack`), ``A = w · act(H)``, ``O = A · W2ₑᵀ``, then
+  ``y[t] = Σ_j O[row(t, j)]`` (:func:`unpack`).
+- dgrad: ``dA = dO · W2ₑ`` and ``dX = dH · W1ₑ`` (dO from ``pack(dy)``, dH quantized 1x128), the
+  transposed weights being the forward's 128x128 codes with the scale grid transposed (square
+  blocks: no requantization); ``dx[t] = Σ_j dX[row(t, j)]``.
+- wgrad: ``dW2ₑ = dOₑᵀ · Aₑ`` and ``dW1ₑ = dHₑᵀ · Xₑ``, K-grouped over each expert's tokens, both
+  operands quantized 1x128 along tokens (:mod:`lowprec.moe.wgrad`).
+
+The routing weight ``w`` scales the activation rows instead of the output rows: the same function,
+but the combine becomes a plain sum and ``∂y/∂w = ⟨dA, act(H)⟩`` comes from tensors the backward
+has anyway, so the expert outputs ``O`` need not be kept.
+
+Saved for the backward pass: ``x`` in FP8 1x128 (one row per token), ``H`` in FP8 1x128 (the
+activation's input, cached as DeepSeek-V3 does; the activation is recomputed from it), the FP8
+weights and one FP32 weight per row. For ``dW1`` the FP8 ``x`` is dequantized and requantized along
+tokens. ``recipe=None`` is the baseline: the same steps in ``x``'s dtype, nothing quantized.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..gemm import grouped_gemm
+from ..quant import quantize
+from ..tensor import QuantizedTensor
+from .packing import gather_rows, pack, unpack
+from .routing import DROP_POLICIES, SCORE_FUNCS, Routing, _check_capacity_factor, _check_top_k, dispatch, route
+from .wgrad import grouped_gemm_wgrad, quantize_k_grouped
+
+__all__ = ["MoE", "experts", "ACTIVATIONS", "RECIPES"]
+
+RECIPES = ("fp8_block", None)
+_ACT_RECIPE = "fp8_block1x128"
+_WEIGHT_RECIPE = "fp8_block128x128"
+_GATES = {"swiglu": F.silu, "geglu": F.gelu}
+ACTIVATIONS = tuple(_GATES)
+_X_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _activation(name: str, h: torch.Tensor) -> torch.Tensor:
+    """Gated activation of ``h = [gate | up]`` (first half gate, second half up): ``gate_fn(gate) · up``."""
+    gate, up = h.chunk(2, dim=-1)
+    return _GATES[name](gate) * up
+
+
+def _grouped_mm(a: torch.Tensor, b: torch.Tensor, group_ends: torch.Tensor) -> torch.Tensor:
+    """Unquantized grouped GEMM ``a[rows of e] · b[e]ᵀ`` in ``a``'s dtype; rows after the groups are zero."""
+    out = a.new_zeros(a.shape[0], b.shape[1])
+    start = 0
+    for e, end in enumerate(group_ends.tolist()):
+        if end > start:
+            out[start:end] = a[start:end] @ b[e].T
+        start = end
+    return out
+
+
+def _wgrad(dy_rows: torch.Tensor, x_rows: torch.Tensor, group_ends: torch.Tensor, quantized: bool,
+           dtype: torch.dtype) -> torch.Tensor:
+    """``dW[e] = dy_rowsₑᵀ · x_rowsₑ``, ``[E, N, P]``: FP8 K-grouped (FP32 out), or plain in ``dtype``."""
+    if quantized:
+        dy_t, aligned_ends = quantize_k_grouped(dy_rows, group_ends, _ACT_RECIPE)
+        x_t, _ = quantize_k_grouped(x_rows, group_ends, _ACT_RECIPE)
+        return grouped_gemm_wgrad(dy_t, x_t, aligned_ends)
+    dy_rows, x_rows = dy_rows.to(dtype), x_rows.to(dtype)
+    out = dy_rows.new_zeros(group_ends.numel(), dy_rows.shape[1], x_rows.shape[1])
+    start = 0
+    for e, end in enumerate(group_ends.tolist()):
+        if end > start:
+            out[e] = dy_rows[start:end].T @ x_rows[start:end]
+        start = end
+    return out
+
+
+def _flatten(*items: torch.Tensor | QuantizedTensor) -> tuple[list[torch.Tensor], list]:
+    """Plain tensors for ``save_for_backward``, and what :func:`_unflatten` needs to rebuild the items."""
+    tensors, specs = [], []
+    for item in items:
+        if isinstance(item, QuantizedTensor):
+            tensors += [item.data, item.scale]
+            specs.append((item.recipe, item.shape, item.dtype))
+        else:
+            tensors.append(item)
+            specs.append(None)
+    return tensors, specs
+
+
+def _unflatten(tensors: tuple[torch.Tensor, ...], specs: list) -> list[torch.Tensor | QuantizedTensor]:
+    items, i = [], 0
+    for spec in specs:
+        if spec is None:
+            items.append(tensors[i])
+            i += 1
+        else:
+            items.append(QuantizedTensor(tensors[i], tensors[i + 1], *spec))
+            i += 2
+    return items
+
+
+class _ExpertsFunction(torch.autograd.Function):
+    """``y = experts(x)`` for a fixed routing; gradients for x, the combine weights, w1 and w2."""
+
+    @staticmethod
+    def forward(ctx, x, topk_weights, w1, w2, routing: Routing, quantized: bool, activation: str):
+        dt = x.dtype
+        ends = routing.group_ends
+        # the combine weight of each packed row (0 on padding rows)
+        row_w = torch.where(routing.row_slots >= 0, topk_weights.reshape(-1).float()[routing.row_slots.clamp(min=0)],
+                            0.0)
+        if quantized:
+            xq = quantize(x, _ACT_RECIPE)
+            w1q, w2q = quantize(w1, _WEIGHT_RECIPE), quantize(w2, _WEIGHT_RECIPE)
+            h = grouped_gemm(gather_rows(xq, routing), w1q, group_ends=ends, out_dtype=dt)
+            a = _activation(activation, h.float()) * row_w[:, None]
+            o = grouped_gemm(quantize(a, _ACT_RECIPE), w2q, group_ends=ends, out_dtype=dt)
+            saved = (xq, quantize(h, _ACT_RECIPE), w1q, w2q)
+        else:
+            h = _grouped_mm(gather_rows(x, routing), w1.to(dt), ends)
+            a = (_activation(activation, h.float()) * row_w[:, None]).to(dt)
+            o = _grouped_mm(a, w2.to(dt), ends)
+            saved = (x, h, w1, w2)
+        tensors, ctx.specs = _flatten(*saved, row_w)
+        ctx.save_for_backward(*tensors)
+        # index tensors only: the router's autograd graph must not live on in this node
+        ctx.routing = dataclasses.replace(routing, topk_weights=routing.topk_weights.detach())
+        ctx.quantized, ctx.activation = quantized, activation
+        ctx.dtypes = (dt, topk_weights.dtype, w1.dtype, w2.dtype)
+        return unpack(o, routing, out_dtype=dt)
+
+    @staticmethod
+    def backward(ctx, dy):
+        routing, quantized = ctx.routing, ctx.quantized
+        ends = routing.group_ends
+        x, h, w1, w2, row_w = _unflatten(ctx.saved_tensors, ctx.specs)
+        dt, weights_dtype, w1_dtype, w2_dtype = ctx.dtypes
+        need_x, need_weights, need_w1, need_w2 = ctx.needs_input_grad[:4]
+        if quantized:
+            da = grouped_gemm(pack(dy, routing, _ACT_RECIPE)[0], w2.transpose(), group_ends=ends,
+                              out_dtype=torch.float32)
+            h = h.dequantize(torch.float32)
+        else:
+            da = _grouped_mm(gather_rows(dy, routing), w2.to(dt).transpose(-1, -2), ends).float()
+            h = h.float()
+        with torch.enable_grad():
+            h = h.detach().requires_grad_()
+            s = _activation(ctx.activation, h)
+        (dh,) = torch.autograd.grad(s, h, da * row_w[:, None])
+        s = s.detach()
+
+        dx = dweights = dw1 = dw2 = None
+        if need_weights:
+            d_row_w = (da * s).sum(dim=-1)
+            dweights = torch.where(routing.kept, d_row_w[routing.slot_rows.clamp(min=0)], 0.0).to(weights_dtype)
+        if need_x:
+            if quantized:
+                dx_rows = grouped_gemm(quantize(dh, _ACT_RECIPE), w1.transpose(), group_ends=ends, out_dtype=dt)
+            else:
+                dx_rows = _grouped_mm(dh.to(dt), w1.to(dt).transpose(-1, -2), ends)
+            dx = unpack(dx_rows, routing, out_dtype=dt)
+        if need_w2:
+            dw2 = _wgrad(gather_rows(dy, routing), s * row_w[:, None], ends, quantized, dt).to(w2_dtype)
+        if need_w1:
+            x_rows = gather_rows(x, routing)
+            if quantized:  # FP8 along features -> FP8 along tokens (DeepSeek-V3 requantizes the same way)
+                x_rows = x_rows.dequantize(torch.float32)
+            dw1 = _wgrad(dh, x_rows, ends, quantized, dt).to(w1_dtype)
+        return dx, dweights, dw1, dw2, None, None, None
+
+
+def _check_float(name: str, t: torch.Tensor, dims: int, dtypes: tuple[torch.dtype, ...] | None = None) -> None:
+    ok = isinstance(t, torch.Tensor) and t.is_floating_point() and t.dim() == dims
+    if not ok or (dtypes is not None and t.dtype not in dtypes):
+        kinds = "a float" if dtypes is None else "/".join(str(d).removeprefix("torch.") for d in dtypes)
+        raise ValueError(f"{name}: expected {kinds} tensor with {dims} dims, got "
+                         f"{getattr(t, 'dtype', type(t))} {tuple(getattr(t, 'shape', ()))}")
+
+
+def _check_options(recipe: str | None, activation: str, hidden_size: int, ffn_size: int) -> None:
+    if recipe not in RECIPES:
+        raise ValueError(f"recipe: expected one of {RECIPES}, got {recipe!r}")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation: expected one of {ACTIVATIONS}, got {activation!r}")
+    if recipe is not None:
+        for name, size in (("hidden_size", hidden_size), ("ffn_size", ffn_size)):
+            if size % 16:
+                raise ValueError(f"{name}: must be a multiple of 16 for recipe {recipe!r} (FP8 GEMM alignment), "
+                                 f"got {size}")
+
+
+def _apply_experts(x: torch.Tensor, routing: Routing, w1: torch.Tensor, w2: torch.Tensor, recipe: str | None,
+                   activation: str) -> torch.Tensor:
+    return _ExpertsFunction.apply(x, routing.topk_weights, w1, w2, routing, recipe is not None, activation)
+
+
+def experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w1: torch.Tensor,
+            w2: torch.Tensor, *, recipe: str | None = "fp8_block", capacity_factor: float | None = None,
+            drop_policy: str = "probs", activation: str = "swiglu") -> torch.Tensor:
+    """Routed experts: ``y[t] = Σ_j topk_weights[t, j] · FFN_{topk_ids[t, j]}(x[t])`` over kept slots.
+
+    ``FFN_e(x) = act(x · W1ₑᵀ) · W2ₑᵀ`` with a gated activation (``swiglu``: ``silu(gate) · up``;
+    ``geglu``: ``gelu(gate) · up``), ``W1ₑ = [gate rows; up rows]``. Differentiable with respect to
+    ``x``, ``topk_weights`` (so the router trains), ``w1`` and ``w2``; none of them is modified.
+
+    Args:
+        x: ``[T, H]`` float32 / bfloat16 / float16 tokens; the output and the GEMM outputs use
+            this dtype.
+        topk_weights: ``[T, k]`` float combine weights.
+        topk_ids: ``[T, k]`` int32/int64 expert ids.
+        w1: ``[E, 2F, H]`` gate and up projections; w2: ``[E, H, F]`` down projections (any float
+            dtype: master weights stay as they are, their gradients come in their dtype).
+        recipe: ``"fp8_block"`` (module docstring; H and F multiples of 16) or None (unquantized).
+        capacity_factor, drop_policy: see :func:`~lowprec.moe.dispatch`.
+        activation: ``"swiglu"`` or ``"geglu"``.
+
+    Returns:
+        ``[T, H]`` in ``x``'s dtype; tokens whose slots were all dropped give 0.
+    """
+    _check_float("x", x, 2, _X_DTYPES)
+    _check_float("w1", w1, 3)
+    _check_float("w2", w2, 3)
+    tokens, hidden = x.shape
+    num_experts, two_ffn, _ = w1.shape
+    if w1.shape[2] != hidden or two_ffn % 2:
+        raise ValueError(f"w1: expected [E, 2F, H={hidden}] (gate and up rows), got {tuple(w1.shape)}")
+    if w2.shape != (num_experts, hidden, two_ffn // 2):
+        raise ValueError(f"w2: expected [E={num_experts}, H={hidden}, F={two_ffn // 2}], got {tuple(w2.shape)}")
+    for name, t in (("w1", w1), ("w2", w2), ("topk_weights", topk_weights), ("topk_ids", topk_ids)):
+        if isinstance(t, torch.Tensor) and t.device != x.device:
+            raise ValueError(f"{name}: on {t.device}, but x is on {x.device}")
+    if isinstance(topk_ids, torch.Tensor) and topk_ids.dim() == 2 and topk_ids.shape[0] != tokens:
+        raise ValueError(f"topk_ids: expected [T={tokens}, k], got {tuple(topk_ids.shape)}")
+    _check_options(recipe, activation, hidden, two_ffn // 2)
+    routing = dispatch(topk_weights, topk_ids, num_experts, capacity_factor=capacity_factor, drop_policy=drop_policy)
+    return _apply_experts(x, routing, w1, w2, recipe, activation)
+
+
+class MoE(nn.Module):
+    """Mixture-of-experts feed-forward layer: router, top-k routing, routed gated-FFN experts.
+
+    Args:
+        hidden_size: H (a multiple of 16 for FP8 recipes).
+        ffn_size: F, each expert's intermediate size (a multiple of 16 for FP8 recipes).
+        num_experts: E.
+        top_k: experts per token, ``1 ≤ top_k ≤ E``.
+        capacity_factor: None (dropless) or > 0; drop_policy: ``"probs"`` or ``"position"``
+            (see :func:`~lowprec.moe.dispatch`).
+        activation: ``"swiglu"`` or ``"geglu"``.
+        recipe: ``"fp8_block"`` or None (see :func:`experts`).
+        score_func, renormalize: see :func:`~lowprec.moe.select_experts`.
+
+    Parameters: ``router`` (``nn.Linear(H, E, bias=False)``, applied in FP32, never quantized),
+    ``w1`` ``[E, 2F, H]`` (gate rows, then up rows) and ``w2`` ``[E, H, F]``; FP8 copies of the
+    weights are made each forward, the parameters keep their dtype.
+    """
+
+    def __init__(self, hidden_size: int, ffn_size: int, num_experts: int, top_k: int,
+                 capacity_factor: float | None = None, activation: str = "swiglu", recipe: str | None = "fp8_block",
+                 score_func: str = "softmax", renormalize: bool = True, drop_policy: str = "probs",
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        for name, value in (("hidden_size", hidden_size), ("ffn_size", ffn_size), ("num_experts", num_experts)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}: expected an int ≥ 1, got {value!r}")
+        _check_top_k(top_k, num_experts)
+        _check_capacity_factor(capacity_factor)
+        _check_options(recipe, activation, hidden_size, ffn_size)
+        if score_func not in SCORE_FUNCS:
+            raise ValueError(f"score_func: expected one of {SCORE_FUNCS}, got {score_func!r}")
+        if drop_policy not in DROP_POLICIES:
+            raise ValueError(f"drop_policy: expected one of {DROP_POLICIES}, got {drop_policy!r}")
+        self.hidden_size, self.ffn_size, self.num_experts, self.top_k = hidden_size, ffn_size, num_experts, top_k
+        self.capacity_factor, self.drop_policy = capacity_factor, drop_policy
+        self.activation, self.recipe = activation, recipe
+        self.score_func, self.renormalize = score_func, renormalize
+        factory = {"device": device, "dtype": dtype}
+        self.router = nn.Linear(hidden_size, num_experts, bias=False, **factory)
+        self.w1 = nn.Parameter(torch.empty(num_experts, 2 * ffn_size, hidden_size, **factory))
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, ffn_size, **factory))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Router: nn.Linear's default; experts: uniform ±1/√fan_in, as nn.Linear per expert."""
+        self.router.reset_parameters()
+        nn.init.uniform_(self.w1, -1 / math.sqrt(self.hidden_size), 1 / math.sqrt(self.hidden_size))
+        nn.init.uniform_(self.w2, -1 / math.sqrt(self.ffn_size), 1 / math.sqrt(self.ffn_size))
+
+    def forward(self, x: torch.Tensor, return_routing: bool = False) -> torch.Tensor | tuple[torch.Tensor, Routing]:
+        """``x [..., H]`` to ``[..., H]``; with ``return_routing`` also the :class:`Routing` (``.stats()``)."""
+        if not isinstance(x, torch.Tensor) or x.dtype not in _X_DTYPES or x.dim() < 1 \
+                or x.shape[-1] != self.hidden_size:
+            raise ValueError(f"x: expected a float32/bfloat16/float16 tensor [..., H={self.hidden_size}], got "
+                             f"{getattr(x, 'dtype', type(x))} {tuple(getattr(x, 'shape', ()))}")
+        tokens = x.reshape(-1, self.hidden_size)
+        logits = F.linear(tokens.float(), self.router.weight.float())
+        routing = route(logits, self.top_k, score_func=self.score_func, renormalize=self.renormalize,
+                        capacity_factor=self.capacity_factor, drop_policy=self.drop_policy)
+        y = _apply_experts(tokens, routing, self.w1, self.w2, self.recipe, self.activation).reshape(x.shape)
+        return (y, routing) if return_routing else y
+
+    def extra_repr(self) -> str:
+        return (f"hidden_size={self.hidden_size}, ffn_size={self.ffn_size}, num_experts={self.num_experts}, "
+                f"top_k={self.top_k}, capacity_factor={self.capacity_factor}, drop_policy={self.drop_policy!r}, "
+                f"activation={self.activation!r}, recipe={self.recipe!r}, score_func={self.score_func!r}, "
+                f"renormalize={self.renormalize}")

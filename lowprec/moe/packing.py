@@ -1,0 +1,121 @@
+"""Token packing: tokens to expert-contiguous rows (fused with quantization) and the weighted combine back.
+
+This is the reference the GPU kernels match bit for bit. Buffers have ``T·k`` rows, sized from the
+shapes alone (no device-to-host sync); see :mod:`lowprec.moe.routing` for the row order.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..quant import quantize
+from ..recipes import ScaleRecipe, get_recipe
+from ..tensor import QuantizedTensor
+from .routing import Routing
+
+__all__ = ["gather_rows", "pack", "unpack"]
+
+
+def _check_routing(routing: Routing) -> None:
+    if not isinstance(routing, Routing):
+        raise TypeError(f"routing: expected a lowprec.moe.Routing (route / dispatch), got {type(routing).__name__}")
+
+
+def gather_rows(x: torch.Tensor | QuantizedTensor, routing: Routing) -> torch.Tensor | QuantizedTensor:
+    """Rows of ``x`` (``[T, H]``, one per token) in packed order: ``[T·k, H]``, padding rows zero.
+
+    ``x`` may be a QuantizedTensor of a row-local recipe (see :func:`pack`): the result is then the
+    packed QuantizedTensor, padding rows holding what quantizing a zero row gives (data 0, and
+    that row's scale: 1 for FP32 scales).
+    """
+    _check_routing(routing)
+    tokens = routing.num_tokens
+    if not isinstance(x, (torch.Tensor, QuantizedTensor)) or x.dim() != 2 or x.shape[0] != tokens:
+        raise ValueError(f"x: expected [T={tokens}, H], got {type(x).__name__} {tuple(getattr(x, 'shape', ()))}")
+    if x.device != routing.row_slots.device:
+        raise ValueError(f"x: on {x.device}, but routing is on {routing.row_slots.device}")
+    # padding rows (slot -1) read the appended zero row at index T
+    src = torch.where(routing.row_slots >= 0, routing.row_slots // routing.top_k, tokens)
+    if isinstance(x, QuantizedTensor):
+        if not _row_local(x.recipe):
+            raise ValueError(f"x: rows must be quantized independently (1 x N blocks, no global scale), got "
+                             f"{x.recipe.name!r} with block {x.recipe.block}")
+        zero = quantize(torch.zeros(1, x.shape[1], dtype=torch.float32, device=x.device), x.recipe)
+        data = torch.cat([x.data, zero.data])[src]
+        scale = torch.cat([x.scale, zero.scale])[src]
+        return QuantizedTensor(data, scale, x.recipe, (routing.num_rows, x.shape[1]), x.dtype)
+    return torch.cat([x, x.new_zeros(1, x.shape[1])])[src]
+
+
+def _row_local(recipe: ScaleRecipe) -> bool:
+    """Each row quantized on its own, so quantizing and gathering rows commute."""
+    return recipe.block[0] == 1 and not recipe.global_scale
+
+
+def pack(x: torch.Tensor, routing: Routing, recipe: str | ScaleRecipe | None = "fp8_block1x128"
+         ) -> tuple[torch.Tensor | QuantizedTensor, torch.Tensor]:
+    """Gather tokens into expert-contiguous rows, quantized on the way (the grouped GEMM's ``a``).
+
+    Args:
+        x: ``[T, H]`` float tokens (not modified).
+        routing: from :func:`~lowprec.moe.route` or :func:`~lowprec.moe.dispatch`.
+        recipe: a row-local recipe (rows quantized independently: ``fp8_block1x128``,
+            ``fp8_rowwise``, ``mxfp8``, ...), or None for plain rows in ``x``'s dtype.
+
+    Returns:
+        ``(rows, group_ends)``: ``[T·k, H]`` rows (row ``p < group_ends[-1]`` is token
+        ``row_slots[p] // k``, the rest zero padding) and the int32 cumulative ends of the experts'
+        groups. Bit-identical to quantizing the gathered rows; computed, as the kernel does, by
+        quantizing the ``T`` tokens once and copying each to its ``k`` rows.
+    """
+    _check_routing(routing)
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        raise ValueError(f"x: expected a float tensor [T={routing.num_tokens}, H], got "
+                         f"{getattr(x, 'dtype', type(x))} {tuple(getattr(x, 'shape', ()))}")
+    if recipe is None:
+        return gather_rows(x, routing), routing.group_ends
+    r = get_recipe(recipe)
+    if not _row_local(r):
+        raise ValueError(f"recipe: pack needs a recipe that quantizes each row on its own (1 x N blocks, no global "
+                         f"scale), got {r.name!r} with block {r.block}")
+    return gather_rows(quantize(x, r), routing), routing.group_ends
+
+
+def unpack(rows: torch.Tensor | QuantizedTensor, routing: Routing, weights: torch.Tensor | None = None,
+           out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Combine packed rows back to tokens: ``out[t] = Σ_j weights[t, j] · rows[slot_rows[t, j]]``.
+
+    Deterministic: accumulated in FP32 in top-k slot order ``j = 0, …, k−1`` from 0, each term
+    rounded to FP32 (``weight · row``, not fused) before it is added; dropped slots add nothing.
+    Differentiable with respect to ``rows`` and ``weights`` (plain torch ops).
+
+    Args:
+        rows: ``[T·k, H]`` packed rows (a QuantizedTensor is dequantized).
+        routing: the routing the rows were packed with.
+        weights: ``[T, k]`` combine weights, or None for all ones (a plain sum).
+        out_dtype: default ``rows``' dtype.
+
+    Returns:
+        ``[T, H]``; tokens whose slots were all dropped are zero.
+    """
+    _check_routing(routing)
+    if isinstance(rows, QuantizedTensor):
+        rows = rows.dequantize(torch.float32)
+    if not isinstance(rows, torch.Tensor) or not rows.is_floating_point() or rows.dim() != 2 \
+            or rows.shape[0] != routing.num_rows:
+        raise ValueError(f"rows: expected a float tensor [T·k={routing.num_rows}, H], got "
+                         f"{getattr(rows, 'dtype', type(rows))} {tuple(getattr(rows, 'shape', ()))}")
+    if weights is not None and (not isinstance(weights, torch.Tensor) or not weights.is_floating_point()
+                                or weights.shape != routing.kept.shape):
+        raise ValueError(f"weights: expected a float tensor of shape {tuple(routing.kept.shape)}, got "
+                         f"{getattr(weights, 'dtype', type(weights))} {tuple(getattr(weights, 'shape', ()))}")
+    out_dtype = rows.dtype if out_dtype is None else out_dtype
+    src = routing.slot_rows.clamp(min=0)
+    acc = rows.new_zeros(routing.num_tokens, rows.shape[1], dtype=torch.float32)
+    zero = acc.new_zeros(())
+    for j in range(routing.top_k):
+        term = rows[src[:, j]].float()
+        if weights is not None:
+            term = term * weights[:, j, None].float()
+        acc = acc + torch.where(routing.kept[:, j, None], term, zero)
+    return acc.to(out_dtype)

@@ -1,0 +1,115 @@
+"""Weight gradients of grouped GEMMs: the K-grouped GEMM ``dW[e] = dYₑᵀ · Xₑ`` over each expert's tokens.
+
+Here the reduction runs over tokens, so both operands are quantized along the token dim (1x128
+blocks of 128 tokens). A block must not mix two experts: :func:`quantize_k_grouped` transposes the
+packed rows and starts every expert's tokens at a multiple of 128, zero-padding the gap.
+
+(Reference ops; the natural home of :func:`grouped_gemm_wgrad` is :mod:`lowprec.gemm`.)
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..quant import quantize
+from ..recipes import WHOLE, ScaleRecipe, get_recipe
+from ..tensor import QuantizedTensor
+
+__all__ = ["grouped_gemm_wgrad", "quantize_k_grouped"]
+
+_ALIGN = 128
+
+
+def _check_ends(group_ends: torch.Tensor, device: torch.device) -> None:
+    if not isinstance(group_ends, torch.Tensor) or group_ends.dtype not in (torch.int32, torch.int64) \
+            or group_ends.dim() != 1 or group_ends.numel() == 0:
+        raise ValueError(f"group_ends: expected a non-empty 1-D int32 tensor, got "
+                         f"{getattr(group_ends, 'dtype', type(group_ends))} {tuple(getattr(group_ends, 'shape', ()))}")
+    if group_ends.device != device:
+        raise ValueError(f"group_ends: on {group_ends.device}, but the rows are on {device}")
+
+
+def quantize_k_grouped(rows: torch.Tensor, group_ends: torch.Tensor, recipe: str | ScaleRecipe = "fp8_block1x128"
+                       ) -> tuple[QuantizedTensor, torch.Tensor]:
+    """Packed rows ``[M, C]`` to the K-grouped operand ``[C, M + 128·E]`` of :func:`grouped_gemm_wgrad`.
+
+    Args:
+        rows: ``[M, C]`` float rows grouped by expert: expert ``e`` owns rows
+            ``group_ends[e-1]:group_ends[e]``; rows after ``group_ends[-1]`` are ignored.
+        group_ends: ``[E]`` int32 cumulative ends (non-decreasing, at most M).
+        recipe: 1 x N block recipe with N dividing 128 (default ``fp8_block1x128``).
+
+    Returns:
+        ``(q, aligned_ends)``: ``q`` quantizes the transposed rows, expert ``e``'s tokens in
+        columns ``aligned_ends[e-1]`` onwards (each group starts at a multiple of 128, ends
+        zero-padded up to ``aligned_ends[e]``, a multiple of 128). The width ``M + 128·E`` bounds
+        ``Σ round_up(count_e, 128)`` from the shapes alone, so a kernel needs no sync to size it.
+    """
+    if not isinstance(rows, torch.Tensor) or not rows.is_floating_point() or rows.dim() != 2:
+        raise ValueError(f"rows: expected a 2-D float tensor [M, C], got "
+                         f"{getattr(rows, 'dtype', type(rows))} {tuple(getattr(rows, 'shape', ()))}")
+    _check_ends(group_ends, rows.device)
+    r = get_recipe(recipe)
+    if r.block[0] != 1 or r.block[1] == WHOLE or _ALIGN % r.block[1] or r.global_scale:
+        raise ValueError(f"recipe: expected 1 x N blocks with N dividing {_ALIGN} and no global scale, "
+                         f"got {r.name!r} with block {r.block}")
+    m, num_groups = rows.shape[0], group_ends.numel()
+    width = m + _ALIGN * num_groups
+    ends = group_ends.long()
+    counts = torch.diff(ends, prepend=ends.new_zeros(1))
+    aligned = (counts + _ALIGN - 1) // _ALIGN * _ALIGN
+    aligned_ends = torch.cumsum(aligned, 0)
+    # destination column of every row; rows outside the groups go to scratch columns (cut below)
+    p = torch.arange(m, device=rows.device)
+    group = torch.searchsorted(ends, p, right=True)
+    g = group.clamp(max=num_groups - 1)
+    dest = torch.where(group < num_groups, aligned_ends[g] - aligned[g] + p - (ends[g] - counts[g]),
+                       width + p)
+    buf = rows.new_zeros(width + m, rows.shape[1]).index_copy_(0, dest, rows)
+    return quantize(buf[:width].T, r), aligned_ends.int()
+
+
+def grouped_gemm_wgrad(a: QuantizedTensor, b: QuantizedTensor, group_ends: torch.Tensor,
+                       out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """K-grouped GEMM: ``out[e] = dequant(a)[:, Kₑ] · dequant(b)[:, Kₑ]ᵀ``, ``Kₑ = group_ends[e-1]:group_ends[e]``.
+
+    For weight gradients ``dW[e] = dYₑᵀ · Xₑ``: pass ``a = dYᵀ`` and ``b = Xᵀ`` as
+    :func:`quantize_k_grouped` builds them. FP32 accumulation; empty groups give zeros.
+
+    Args:
+        a: quantized ``[N, K]``, 1 x N blocks along K.
+        b: quantized ``[P, K]``, 1 x N blocks along K.
+        group_ends: ``[E]`` int32 cumulative ends along K, non-decreasing, at most K; every group
+            starts at a multiple of both block widths, so no scale block spans two groups.
+        out_dtype: default float32.
+
+    Returns:
+        ``[E, N, P]``.
+    """
+    for name, t in (("a", a), ("b", b)):
+        if not isinstance(t, QuantizedTensor):
+            raise TypeError(f"{name}: expected a QuantizedTensor (quantize_k_grouped), got {type(t).__name__}")
+        if t.dim() != 2:
+            raise ValueError(f"{name}: expected 2 dims [rows, K], got shape {tuple(t.shape)}")
+        if t.recipe.block[0] != 1 or t.recipe.block[1] == WHOLE:
+            raise ValueError(f"{name}: expected 1 x N blocks along K, got {t.recipe.name!r}, block {t.recipe.block}")
+    if a.shape[1] != b.shape[1]:
+        raise ValueError(f"b: K mismatch: a has K={a.shape[1]}, b has K={b.shape[1]}")
+    if a.device != b.device:
+        raise ValueError(f"b: on {b.device}, but a is on {a.device}")
+    _check_ends(group_ends, a.device)
+    ends = group_ends.tolist()
+    starts = [0, *ends[:-1]]
+    k = a.shape[1]
+    if any(e < s for s, e in zip(starts, ends)) or ends[-1] > k or ends[0] < 0:
+        raise ValueError(f"group_ends: must be non-decreasing within [0, K={k}], got {ends}")
+    widths = {a.recipe.block[1], b.recipe.block[1]}
+    if any(s % w for s in starts for w in widths):
+        raise ValueError(f"group_ends: every group must start at a multiple of the block width {sorted(widths)} "
+                         f"(quantize_k_grouped aligns them), got {ends}")
+    a_deq, b_deq = a.dequantize(torch.float32), b.dequantize(torch.float32)
+    out = a_deq.new_zeros(len(ends), a.shape[0], b.shape[0])
+    for e, (s, end) in enumerate(zip(starts, ends)):
+        if end > s:
+            out[e] = a_deq[:, s:end] @ b_deq[:, s:end].T
+    return out.to(out_dtype)

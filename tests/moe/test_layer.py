@@ -1,0 +1,236 @@
+import pytest
+import torch
+import torch.nn.functional as F
+
+import lowprec
+from lowprec.metrics import cos_sim, rel_l2
+from lowprec.moe import MoE, dispatch, experts, route
+
+T, H, FFN, E, K = 96, 128, 64, 4, 2
+
+
+def reference_experts(x, weights, ids, kept, w1, w2, activation="swiglu"):
+    """Loop over experts in x's dtype (float64 here): y[t] = Σ_j w[t, j] · FFN_e(x[t]) over kept slots."""
+    gate_fn = F.silu if activation == "swiglu" else F.gelu
+    y = torch.zeros_like(x)
+    for e in range(w1.shape[0]):
+        t_idx, j_idx = ((ids == e) & kept).nonzero(as_tuple=True)
+        h = x[t_idx] @ w1[e].T
+        gate, up = h.chunk(2, dim=-1)
+        o = (gate_fn(gate) * up) @ w2[e].T
+        y = y.index_add(0, t_idx, o * weights[t_idx, j_idx, None])
+    return y
+
+
+def emulated_fp8_experts(x, weights, ids, kept, w1, w2):
+    """The FP8 recipe emulated in float64: quantize -> dequantize each GEMM operand where the layer does."""
+    def fp8(t, recipe="fp8_block1x128"):
+        return lowprec.quantize(t, recipe).dequantize(torch.float64)
+
+    w1q, w2q = fp8(w1, "fp8_block128x128"), fp8(w2, "fp8_block128x128")
+    y = torch.zeros_like(x, dtype=torch.float64)
+    for e in range(w1.shape[0]):
+        t_idx, j_idx = ((ids == e) & kept).nonzero(as_tuple=True)
+        gate, up = (fp8(x[t_idx]) @ w1q[e].T).chunk(2, dim=-1)
+        a = F.silu(gate) * up * weights[t_idx, j_idx, None].double()  # the routing weight scales A
+        y = y.index_add(0, t_idx, fp8(a) @ w2q[e].T)
+    return y
+
+
+def make_inputs(seed=0, tokens=T, capacity_factor=None):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, H, generator=g)
+    logits = torch.randn(tokens, E, generator=g)
+    weights, ids = torch.softmax(logits, -1).topk(K, dim=-1)
+    w1 = torch.randn(E, 2 * FFN, H, generator=g) / H**0.5
+    w2 = torch.randn(E, H, FFN, generator=g) / FFN**0.5
+    kept = dispatch(weights, ids, E, capacity_factor=capacity_factor).kept
+    return x, weights, ids, w1, w2, kept
+
+
+def run_both(recipe, capacity_factor=None, activation="swiglu", seed=0):
+    """(outputs, grads) of lowprec and of the float64 reference, for the same dy."""
+    x, weights, ids, w1, w2, kept = make_inputs(seed, capacity_factor=capacity_factor)
+    dy = torch.randn(T, H, generator=torch.Generator().manual_seed(seed + 100))
+    leaves = [t.clone().requires_grad_() for t in (x, weights, w1, w2)]
+    y = experts(leaves[0], leaves[1], ids, leaves[2], leaves[3], recipe=recipe, capacity_factor=capacity_factor,
+                activation=activation)
+    y.backward(dy)
+    ref_leaves = [t.double().requires_grad_() for t in (x, weights, w1, w2)]
+    ref = reference_experts(ref_leaves[0], ref_leaves[1], ids, kept, ref_leaves[2], ref_leaves[3], activation)
+    ref.backward(dy.double())
+    return y, ref, [t.grad for t in leaves], [t.grad for t in ref_leaves]
+
+
+@pytest.mark.parametrize("capacity_factor", [None, 0.6])
+@pytest.mark.parametrize("activation", ["swiglu", "geglu"])
+def test_unquantized_matches_reference(capacity_factor, activation):
+    y, ref, grads, ref_grads = run_both(None, capacity_factor, activation)
+    assert y.dtype == torch.float32
+    assert rel_l2(y, ref) < 1e-5
+    for name, g, rg in zip(("x", "weights", "w1", "w2"), grads, ref_grads):
+        assert g.dtype == torch.float32, name
+        assert rel_l2(g, rg) < 1e-5, name
+
+
+@pytest.mark.parametrize("capacity_factor", [None, 0.6])
+def test_fp8_matches_reference(capacity_factor):
+    y, ref, grads, ref_grads = run_both("fp8_block", capacity_factor)
+    y_plain = run_both(None, capacity_factor)[0]
+    # two chained FP8 GEMMs: ~6% (one FP8 GEMM on N(0, 1) data is ~3.7%)
+    assert rel_l2(y, ref) < 8e-2
+    assert rel_l2(y, y_plain) > 1e-2  # really quantized
+    x, weights, ids, w1, w2, kept = make_inputs(capacity_factor=capacity_factor)
+    assert rel_l2(y, emulated_fp8_experts(x, weights, ids, kept, w1, w2)) < 1e-4
+    for name, g, rg in zip(("x", "weights", "w1", "w2"), grads, ref_grads):
+        assert cos_sim(g, rg) > 0.99, name
+        assert rel_l2(g, rg) < 0.1, name
+
+
+def test_fp8_saves_quantized_activations():
+    x, weights, ids, w1, w2, _ = make_inputs()
+    y = experts(x.requires_grad_(), weights, ids, w1.requires_grad_(), w2.requires_grad_())
+    saved = y.grad_fn.saved_tensors
+    big = [t for t in saved if t.numel() >= T * H]  # x, H = x·W1ᵀ and the weights: all FP8
+    assert len(big) == 4 and all(t.dtype == torch.float8_e4m3fn for t in big)
+
+
+def test_dropped_tokens_give_zero():
+    x, weights, ids, w1, w2, _ = make_inputs()
+    ids = ids.clone()
+    ids[:, :] = torch.tensor([0, 1])  # every token to experts 0 and 1: C = 48 of 96
+    x.requires_grad_()
+    y = experts(x, weights, ids, w1, w2, capacity_factor=1.0, drop_policy="position")
+    y.sum().backward()
+    assert (y[48:] == 0).all() and (x.grad[48:] == 0).all()
+    assert (y[:48] != 0).any(dim=1).all()
+
+
+def test_bf16_activations_fp32_master_weights():
+    x, weights, ids, w1, w2, kept = make_inputs()
+    xb = x.bfloat16().requires_grad_()
+    w1.requires_grad_()
+    w2.requires_grad_()
+    weights.requires_grad_()
+    y = experts(xb, weights, ids, w1, w2)
+    assert y.dtype == torch.bfloat16
+    y.float().square().sum().backward()
+    assert xb.grad.dtype == torch.bfloat16 and w1.grad.dtype == torch.float32 and weights.grad.dtype == torch.float32
+    ref = reference_experts(x.double(), weights.double(), ids, kept, w1.double(), w2.double())
+    assert rel_l2(y, ref) < 8e-2
+
+
+def test_inputs_not_modified():
+    x, weights, ids, w1, w2, _ = make_inputs()
+    leaves = [t.requires_grad_() for t in (x, weights, w1, w2)]
+    before = [t.detach().clone() for t in (*leaves, ids)]
+    experts(x, weights, ids, w1, w2, capacity_factor=0.8).sum().backward()
+    assert all(torch.equal(a, b) for a, b in zip(before, (*leaves, ids)))
+
+
+def reference_module(m, x):
+    """The layer in float64, plain autograd, same routing choices."""
+    logits = x.double() @ m.router.weight.double().T
+    r = route(logits.detach(), m.top_k, capacity_factor=m.capacity_factor)
+    weights = torch.softmax(logits, -1).gather(-1, r.topk_ids)
+    weights = weights / weights.sum(-1, keepdim=True)
+    return reference_experts(x.double(), weights, r.topk_ids, r.kept, m.w1.double(), m.w2.double())
+
+
+@pytest.mark.parametrize("recipe", ["fp8_block", None])
+def test_module_forward_backward(recipe):
+    torch.manual_seed(0)
+    m = MoE(H, FFN, E, K, capacity_factor=1.25, recipe=recipe)
+    ref_m = MoE(H, FFN, E, K, capacity_factor=1.25, recipe=None)
+    ref_m.load_state_dict(m.state_dict())
+    x = torch.randn(2, T // 2, H, requires_grad=True)
+    x_ref = x.detach().reshape(-1, H).double().requires_grad_()
+    y, routing = m(x, return_routing=True)
+    assert y.shape == x.shape and routing.stats()["capacity"] == 60
+    ref = reference_module(ref_m, x_ref)
+    dy = torch.randn_like(ref)
+    y.reshape(-1, H).backward(dy.float())
+    ref.backward(dy)
+    assert cos_sim(x.grad.reshape(-1, H), x_ref.grad) > (0.99 if recipe else 1 - 1e-9)  # router path included
+    for name in ("router.weight", "w1", "w2"):
+        g, rg = m.get_parameter(name).grad, ref_m.get_parameter(name).grad
+        assert g is not None and g.dtype == torch.float32, name
+        if recipe is None:
+            assert rel_l2(g, rg) < 1e-5, name
+        else:
+            assert cos_sim(g, rg) > 0.99, name
+    assert rel_l2(y.reshape(-1, H), ref) < (8e-2 if recipe else 1e-5)
+
+
+def test_training_reduces_loss():
+    torch.manual_seed(0)
+    m = MoE(64, 64, 4, 2)
+    teacher = MoE(64, 64, 4, 2, recipe=None)
+    x = torch.randn(128, 64)
+    with torch.no_grad():
+        target = teacher(x) * 4
+    opt = torch.optim.Adam(m.parameters(), lr=1e-2)
+    router0 = m.router.weight.detach().clone()
+    losses = []
+    for _ in range(8):
+        opt.zero_grad()
+        loss = F.mse_loss(m(x), target)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.7 * losses[0]
+    assert not torch.equal(m.router.weight, router0)
+
+
+def test_empty_batch():
+    m = MoE(32, 32, 4, 2)
+    x = torch.zeros(0, 32, requires_grad=True)
+    y = m(x)
+    y.sum().backward()
+    assert y.shape == (0, 32) and x.grad.shape == (0, 32)
+
+
+def test_errors():
+    with pytest.raises(ValueError, match="hidden_size: must be a multiple of 16"):
+        MoE(100, 64, 4, 2)
+    with pytest.raises(ValueError, match="ffn_size: must be a multiple of 16"):
+        MoE(64, 40, 4, 2)
+    MoE(100, 40, 4, 2, recipe=None)  # the unquantized baseline takes any size
+    with pytest.raises(ValueError, match="top_k: 5 is more than num_experts=4"):
+        MoE(64, 64, 4, 5)
+    for bad in (0, -0.5):
+        with pytest.raises(ValueError, match="capacity_factor"):
+            MoE(64, 64, 4, 2, capacity_factor=bad)
+    for kwargs, match in (({"activation": "relu"}, "activation"), ({"recipe": "fp8"}, "recipe"),
+                          ({"score_func": "tanh"}, "score_func"), ({"drop_policy": "random"}, "drop_policy")):
+        with pytest.raises(ValueError, match=match):
+            MoE(64, 64, 4, 2, **kwargs)
+    with pytest.raises(ValueError, match="num_experts"):
+        MoE(64, 64, 0, 1)
+    m = MoE(64, 64, 4, 2)
+    with pytest.raises(ValueError, match=r"x: expected .* \[\.\.\., H=64\]"):
+        m(torch.randn(8, 32))
+    with pytest.raises(ValueError, match="x:"):
+        m(torch.randn(8, 64, dtype=torch.float64))
+
+    x, weights, ids, w1, w2, _ = make_inputs()
+    with pytest.raises(ValueError, match="x:"):
+        experts(x[None], weights, ids, w1, w2)
+    with pytest.raises(ValueError, match="w1"):
+        experts(x, weights, ids, w1[:, :-1], w2)
+    with pytest.raises(ValueError, match="w1"):
+        experts(x, weights, ids, w1[..., :64], w2)
+    with pytest.raises(ValueError, match="w2"):
+        experts(x, weights, ids, w1, w2[..., :32])
+    with pytest.raises(ValueError, match="w2"):
+        experts(x, weights, ids, w1, w2.int())
+    with pytest.raises(ValueError, match="topk_ids"):
+        experts(x, weights, ids[:-1], w1, w2)
+    with pytest.raises(ValueError, match="topk_ids"):
+        experts(x, weights, ids.float(), w1, w2)
+    with pytest.raises(ValueError, match="topk_ids: expert ids must be"):
+        experts(x, weights, ids + E, w1, w2)
+    with pytest.raises(ValueError, match="capacity_factor"):
+        experts(x, weights, ids, w1, w2, capacity_factor=0)
+    with pytest.raises(ValueError, match="top_k"):
+        experts(x, weights.repeat(1, 3), ids.repeat(1, 3), w1, w2)

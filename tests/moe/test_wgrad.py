@@ -1,0 +1,67 @@
+import pytest
+import torch
+
+import lowprec
+from lowprec.moe import grouped_gemm_wgrad, quantize_k_grouped
+
+ENDS = [5, 5, 140, 141, 300]  # an empty group, a 1-row group, groups across 128 boundaries
+
+
+def test_quantize_k_grouped_layout():
+    rows = torch.randn(310, 48, generator=torch.Generator().manual_seed(0))  # rows after 300: padding
+    q, aligned = quantize_k_grouped(rows, torch.tensor(ENDS, dtype=torch.int32))
+    assert aligned.dtype == torch.int32 and aligned.tolist() == [128, 128, 384, 512, 768]
+    assert q.shape == (48, 310 + 128 * 5) and q.recipe.name == "fp8_block1x128"
+    deq = q.dequantize(torch.float32)
+    start, a_start = 0, 0
+    for end, a_end in zip(ENDS, aligned.tolist()):
+        # each group quantized on its own: 1x128 blocks start at the group's first token
+        ref = lowprec.quantize(rows[start:end].T.contiguous(), "fp8_block1x128").dequantize(torch.float32)
+        assert torch.equal(deq[:, a_start:a_start + end - start], ref)
+        assert (deq[:, a_start + end - start:a_end] == 0).all()
+        start, a_start = end, a_end
+    assert (deq[:, a_start:] == 0).all()
+
+
+def test_wgrad_matches_per_expert_products():
+    g = torch.Generator().manual_seed(1)
+    dy, x = torch.randn(300, 64, generator=g), torch.randn(300, 96, generator=g)
+    ends = torch.tensor(ENDS, dtype=torch.int32)
+    dy_t, aligned = quantize_k_grouped(dy, ends)
+    x_t, aligned_x = quantize_k_grouped(x, ends)
+    assert torch.equal(aligned, aligned_x)
+    dw = grouped_gemm_wgrad(dy_t, x_t, aligned)
+    assert dw.shape == (5, 64, 96) and dw.dtype == torch.float32
+    dy_deq, x_deq = dy_t.dequantize(torch.float64), x_t.dequantize(torch.float64)
+    start, a_start = 0, 0
+    for e, (end, a_end) in enumerate(zip(ENDS, aligned.tolist())):
+        ref = dy_deq[:, a_start:a_end] @ x_deq[:, a_start:a_end].T
+        torch.testing.assert_close(dw[e].double(), ref, rtol=1e-5, atol=1e-5)
+        exact = dy[start:end].T @ x[start:end]
+        if end > start:
+            assert lowprec.metrics.rel_l2(dw[e], exact) < 5e-2
+        else:
+            assert (dw[e] == 0).all()
+        start, a_start = end, a_end
+    assert grouped_gemm_wgrad(dy_t, x_t, aligned, out_dtype=torch.bfloat16).dtype == torch.bfloat16
+
+
+def test_errors():
+    q = lowprec.quantize(torch.randn(8, 256), "fp8_block1x128")
+    ends = torch.tensor([128, 256], dtype=torch.int32)
+    with pytest.raises(ValueError, match="start at a multiple of the block width"):
+        grouped_gemm_wgrad(q, q, torch.tensor([100, 256], dtype=torch.int32))
+    with pytest.raises(ValueError, match="non-decreasing"):
+        grouped_gemm_wgrad(q, q, torch.tensor([128, 300], dtype=torch.int32))
+    with pytest.raises(ValueError, match="K mismatch"):
+        grouped_gemm_wgrad(q, lowprec.quantize(torch.randn(8, 384), "fp8_block1x128"), ends)
+    with pytest.raises(ValueError, match="1 x N blocks"):
+        grouped_gemm_wgrad(q, lowprec.quantize(torch.randn(8, 256), "fp8_block128x128"), ends)
+    with pytest.raises(TypeError, match="QuantizedTensor"):
+        grouped_gemm_wgrad(torch.randn(8, 256), q, ends)
+    with pytest.raises(ValueError, match="group_ends"):
+        grouped_gemm_wgrad(q, q, [128, 256])
+    with pytest.raises(ValueError, match="recipe"):
+        quantize_k_grouped(torch.randn(10, 8), torch.tensor([10], dtype=torch.int32), "fp8_rowwise")
+    with pytest.raises(ValueError, match="rows"):
+        quantize_k_grouped(torch.randn(10), torch.tensor([10], dtype=torch.int32))
