@@ -87,7 +87,10 @@ def quantize_dual(x: torch.Tensor, recipe: str | ScaleRecipe = "fp8_block1x128")
     x2 = x.detach().reshape(-1, x.shape[-1])
     t = x2.shape[0]
     t_pad = -(-t // 16) * 16
-    if use_kernel("quantize", x.device, ("sm_90a",), lambda: _kernel_unsupported(x2, r) or (r.is_2d and "2-D blocks")):
+    def why_not() -> str | None:
+        return "dual needs a row-block recipe" if r.is_2d else _kernel_unsupported(x2, r)
+
+    if use_kernel("quantize", x.device, ("sm_90a",), why_not):
         try:
             from .sm90 import interface
 

@@ -3,8 +3,10 @@
 The key holds the kernel's name, its config, the target arch, the CuTe DSL version and a
 fingerprint of the kernel's source files, so editing a kernel or upgrading the DSL never reuses a
 stale binary. On disk, a TVM-FFI kernel is exported to an object file and linked into a shared
-library (``$LOWPREC_CACHE_DIR``, default ``~/.cache/lowprec/kernels``; ``LOWPREC_DISK_CACHE=0``
-turns the disk layer off). Kernels compiled without TVM-FFI are cached in memory only.
+library (``$LOWPREC_CACHE_DIR``, default ``~/.cache/lowprec/kernels``). The disk layer is opt-in
+(``LOWPREC_DISK_CACHE=1``): with nvidia-cutlass-dsl 4.8.1, kernels that use shared memory fail to
+launch when loaded back from the exported library (CUDA error 98, seen on H100), while kernels
+without shared memory run. Kernels compiled without TVM-FFI are cached in memory only.
 """
 
 from __future__ import annotations
@@ -60,7 +62,7 @@ class KernelCache:
 
     @property
     def directory(self) -> str | None:
-        if os.environ.get("LOWPREC_DISK_CACHE", "1") == "0":
+        if os.environ.get("LOWPREC_DISK_CACHE", "0") != "1":
             return None
         return self._directory or os.environ.get("LOWPREC_CACHE_DIR") or os.path.expanduser("~/.cache/lowprec/kernels")
 

@@ -41,7 +41,8 @@ def test_key_depends_on_everything(tmp_path):
                 cache_key("k", {"n": 1}, "sm_90a", fp2), cache_key("j", {"n": 1}, "sm_90a", fp1)}) == 5
 
 
-def test_disk_cache_exports_and_reloads_tvm_ffi_kernel(tmp_path):
+def test_disk_cache_exports_and_reloads_tvm_ffi_kernel(tmp_path, monkeypatch):
+    monkeypatch.setenv("LOWPREC_DISK_CACHE", "1")
     k = _probe()
     src = [k.__file__]
     first = KernelCache(str(tmp_path))
@@ -55,7 +56,15 @@ def test_disk_cache_exports_and_reloads_tvm_ffi_kernel(tmp_path):
     assert callable(loaded)
 
 
-def test_unreadable_disk_entry_is_recompiled(tmp_path):
+def test_disk_cache_is_opt_in(tmp_path, monkeypatch):
+    monkeypatch.delenv("LOWPREC_DISK_CACHE", raising=False)
+    assert KernelCache(str(tmp_path)).directory is None
+    monkeypatch.setenv("LOWPREC_DISK_CACHE", "1")
+    assert KernelCache(str(tmp_path)).directory == str(tmp_path)
+
+
+def test_unreadable_disk_entry_is_recompiled(tmp_path, monkeypatch):
+    monkeypatch.setenv("LOWPREC_DISK_CACHE", "1")
     k = _probe()
     src = [k.__file__]
     key = cache_key("probe", {}, "sm_90a", source_fingerprint(src))

@@ -25,74 +25,6 @@ E4M3_MAX = 448.0
 FP32_TINY = 1.1754943508222875e-38  # smallest normal: amax / 448 never flushes to zero
 
 
-@cute.kernel
-def _quant_1x128_kernel(mX: cute.Tensor, mQ_u8: cute.Tensor, mS: cute.Tensor):
-    tidx, _, _ = cute.arch.thread_idx()
-    bidx, _, _ = cute.arch.block_idx()
-    rows = mX.shape[0]
-    cols = mX.shape[1]
-    blocks_per_row = mS.shape[1]
-    mQ = cute.make_tensor(cute.recast_ptr(mQ_u8.iterator, dtype=cutlass.Float8E4M3FN), mQ_u8.layout)
-
-    group = bidx * GROUPS_PER_CTA + tidx // LANES
-    lane = tidx % LANES
-    row = group // blocks_per_row
-    kb = group - row * blocks_per_row
-    col = kb * BLOCK + lane * VEC
-    in_bounds = row < rows and col < cols
-
-    x_frag = cute.make_rmem_tensor((1, VEC), mX.element_type)
-    x_frag.fill(0)
-    if in_bounds:
-        cute.autovec_copy(cute.local_tile(mX, (1, VEC), (row, col // VEC)), x_frag)
-    v = x_frag.load().to(Float32)
-
-    # every lane joins the shuffle, in bounds or not
-    amax = abs(v).reduce(cute.ReductionOp.MAX, Float32(0.0), 0)
-    amax = cute.arch.warp_reduction_max(amax, threads_in_group=LANES)
-    scale = Float32(1.0)
-    if amax > Float32(0.0):
-        scale = cute.arch.fmax(amax / Float32(E4M3_MAX), Float32(FP32_TINY))
-    inv = Float32(1.0) / scale
-
-    if in_bounds:
-        q_frag = cute.make_rmem_tensor((1, VEC), cutlass.Float8E4M3FN)
-        q_frag.store((v * inv).to(cutlass.Float8E4M3FN))
-        cute.autovec_copy(q_frag, cute.local_tile(mQ, (1, VEC), (row, col // VEC)))
-        if lane == 0:
-            mS[row, kb] = scale
-
-
-@cute.jit
-def quant_1x128(mX: cute.Tensor, mQ_u8: cute.Tensor, mS: cute.Tensor, stream):
-    groups = mX.shape[0] * mS.shape[1]
-    grid = (groups + GROUPS_PER_CTA - 1) // GROUPS_PER_CTA
-    _quant_1x128_kernel(mX, mQ_u8, mS).launch(grid=(grid, 1, 1), block=(THREADS, 1, 1), stream=stream)
-
-
-# ---------------------------------------------------------------------------------------------
-# 128x128 tiles: one CTA per tile. Thread t holds columns (t % 16) * 8 .. + 8 of rows
-# t // 16 + 16 * p, p = 0..7, in registers, so the tile is read from memory once.
-TILE = 128
-ROW_GROUPS = THREADS // LANES  # 16 rows per pass
-PASSES = TILE // ROW_GROUPS  # 8
-WARPS = THREADS // 32
-
-
-@cute.jit
-def _load_tile(mX: cute.Tensor, row0, col, rgrp):
-    """The thread's PASSES x VEC values of a 128x128 tile as FP32 (zeros outside the tensor)."""
-    values = []
-    for p in cutlass.range_constexpr(PASSES):
-        r = row0 + rgrp + ROW_GROUPS * p
-        frag = cute.make_rmem_tensor((1, VEC), mX.element_type)
-        frag.fill(0)
-        if r < mX.shape[0] and col < mX.shape[1]:
-            cute.autovec_copy(cute.local_tile(mX, (1, VEC), (r, col // VEC)), frag)
-        values.append(frag.load().to(Float32))
-    return values
-
-
 @cute.jit
 def _scale_and_inverse(amax):
     scale = Float32(1.0)
@@ -108,6 +40,75 @@ def _store_row_chunk(mQ: cute.Tensor, values, r, col):
     cute.autovec_copy(q_frag, cute.local_tile(mQ, (1, VEC), (r, col // VEC)))
 
 
+UNROLL = 4  # scale blocks per 16-lane group: 4 independent 16-byte loads in flight per thread
+
+
+@cute.kernel
+def _quant_1x128_kernel(mX: cute.Tensor, mQ_u8: cute.Tensor, mS: cute.Tensor):
+    tidx, _, _ = cute.arch.thread_idx()
+    bidx, _, _ = cute.arch.block_idx()
+    rows = mX.shape[0]
+    cols = mX.shape[1]
+    blocks_per_row = mS.shape[1]
+    mQ = cute.make_tensor(cute.recast_ptr(mQ_u8.iterator, dtype=cutlass.Float8E4M3FN), mQ_u8.layout)
+
+    lane = tidx % LANES
+    first = (bidx * GROUPS_PER_CTA + tidx // LANES) * UNROLL  # flat index of the group's first block
+    values = []
+    coords = []
+    for u in cutlass.range_constexpr(UNROLL):
+        row = (first + u) // blocks_per_row
+        kb = first + u - row * blocks_per_row
+        col = kb * BLOCK + lane * VEC
+        frag = cute.make_rmem_tensor((1, VEC), mX.element_type)
+        frag.fill(0)
+        if row < rows and col < cols:
+            cute.autovec_copy(cute.local_tile(mX, (1, VEC), (row, col // VEC)), frag)
+        values.append(frag.load().to(Float32))
+        coords.append((row, kb, col))
+
+    for u in cutlass.range_constexpr(UNROLL):
+        row, kb, col = coords[u]
+        # every lane joins the shuffle, in bounds or not
+        amax = abs(values[u]).reduce(cute.ReductionOp.MAX, Float32(0.0), 0)
+        amax = cute.arch.warp_reduction_max(amax, threads_in_group=LANES)
+        scale, inv = _scale_and_inverse(amax)
+        if row < rows and col < cols:
+            _store_row_chunk(mQ, values[u] * inv, row, col)
+            if lane == 0:
+                mS[row, kb] = scale
+
+
+@cute.jit
+def quant_1x128(mX: cute.Tensor, mQ_u8: cute.Tensor, mS: cute.Tensor, stream):
+    groups = (mX.shape[0] * mS.shape[1] + UNROLL - 1) // UNROLL
+    grid = (groups + GROUPS_PER_CTA - 1) // GROUPS_PER_CTA
+    _quant_1x128_kernel(mX, mQ_u8, mS).launch(grid=(grid, 1, 1), block=(THREADS, 1, 1), stream=stream)
+
+
+# ---------------------------------------------------------------------------------------------
+# 128x128 tiles: one CTA per tile. Thread t holds columns (t % 16) * 8 .. + 8 of rows
+# t // 16 + 16 * p, p = 0..7, in registers, so the tile is read from memory once.
+TILE = 128
+ROW_GROUPS = THREADS // LANES  # 16 rows per pass
+PASSES = TILE // ROW_GROUPS  # 8
+WARPS = THREADS // 32
+
+
+@cute.jit
+def _load_tile(mX: cute.Tensor, first_row, row_step: int, col):
+    """The thread's PASSES x VEC values (rows ``first_row + row_step * p``) as FP32, zeros outside."""
+    values = []
+    for p in cutlass.range_constexpr(PASSES):
+        r = first_row + row_step * p
+        frag = cute.make_rmem_tensor((1, VEC), mX.element_type)
+        frag.fill(0)
+        if r < mX.shape[0] and col < mX.shape[1]:
+            cute.autovec_copy(cute.local_tile(mX, (1, VEC), (r, col // VEC)), frag)
+        values.append(frag.load().to(Float32))
+    return values
+
+
 @cute.kernel
 def _quant_128x128_kernel(mX: cute.Tensor, mQ_u8: cute.Tensor, mS: cute.Tensor):
     tidx, _, _ = cute.arch.thread_idx()
@@ -118,7 +119,7 @@ def _quant_128x128_kernel(mX: cute.Tensor, mQ_u8: cute.Tensor, mS: cute.Tensor):
 
     lane, rgrp = tidx % LANES, tidx // LANES
     row0, col = tile_r * TILE, tile_c * TILE + lane * VEC
-    values = _load_tile(mX, row0, col, rgrp)
+    values = _load_tile(mX, row0 + rgrp, ROW_GROUPS, col)
     amax = Float32(0.0)
     for p in cutlass.range_constexpr(PASSES):
         amax = cute.arch.fmax(amax, abs(values[p]).reduce(cute.ReductionOp.MAX, Float32(0.0), 0))
@@ -146,27 +147,31 @@ def quant_128x128(mX: cute.Tensor, mQ_u8: cute.Tensor, mS: cute.Tensor, stream):
 
 # ---------------------------------------------------------------------------------------------
 # Both orientations in one pass (training activations): Q = quant_1x128(X) for the forward GEMM
-# and QT = quant_1x128(Xᵀ) (128-row blocks along tokens) for the weight-gradient GEMM.
+# and QT = quant_1x128(Xᵀ) (128-row blocks along tokens) for the weight-gradient GEMM. Thread t
+# holds an 8x8 micro-tile (rows (t // 16) * 8 .. + 8, columns (t % 16) * 8 .. + 8), so each of its
+# columns is 8 consecutive tokens: one 8-byte shared store per column builds the transposed tile.
 @cute.kernel
-def _quant_dual_kernel(mX: cute.Tensor, mQ_u8: cute.Tensor, mS: cute.Tensor, mQT_u8: cute.Tensor, mST: cute.Tensor):
+def _quant_dual_kernel(mX: cute.Tensor, mQ_u8: cute.Tensor, mS: cute.Tensor, mQT_u8: cute.Tensor,
+                       mST: cute.Tensor):
     tidx, _, _ = cute.arch.thread_idx()
     tile_r, tile_c, _ = cute.arch.block_idx()
     mQ = cute.make_tensor(cute.recast_ptr(mQ_u8.iterator, dtype=cutlass.Float8E4M3FN), mQ_u8.layout)
     mQT = cute.make_tensor(cute.recast_ptr(mQT_u8.iterator, dtype=cutlass.Float8E4M3FN), mQT_u8.layout)
     smem = cutlass.memory.SmemAllocator()
     col_max = smem.allocate_tensor(Float32, cute.make_layout((WARPS, TILE), stride=(TILE, 1)), byte_alignment=16)
-    # transposed fp8 tile [column][row]; rows padded by 16 bytes against bank conflicts
+    # transposed fp8 tile [column][token]; rows padded by 16 bytes against bank conflicts
     tile_t = smem.allocate_tensor(cutlass.Float8E4M3FN, cute.make_layout((TILE, TILE), stride=(TILE + 16, 1)),
                                   byte_alignment=16)
 
     rows, cols = mX.shape[0], mX.shape[1]
     lane, rgrp = tidx % LANES, tidx // LANES
     row0, col = tile_r * TILE, tile_c * TILE + lane * VEC
-    values = _load_tile(mX, row0, col, rgrp)
+    first_row = row0 + rgrp * PASSES
+    values = _load_tile(mX, first_row, 1, col)
 
     # rows: 1x128 along the feature dim (16 lanes share a row)
     for p in cutlass.range_constexpr(PASSES):
-        r = row0 + rgrp + ROW_GROUPS * p
+        r = first_row + p
         amax = abs(values[p]).reduce(cute.ReductionOp.MAX, Float32(0.0), 0)
         amax = cute.arch.warp_reduction_max(amax, threads_in_group=LANES)
         scale, inv = _scale_and_inverse(amax)
@@ -175,7 +180,7 @@ def _quant_dual_kernel(mX: cute.Tensor, mQ_u8: cute.Tensor, mS: cute.Tensor, mQT
             if lane == 0:
                 mS[r, tile_c] = scale
 
-    # columns: amax over the tile's 128 rows (8 passes, 2 row groups per warp, 8 warps)
+    # columns: amax over the tile's 128 tokens (8 per thread, 2 row groups per warp, 8 warps)
     for j in cutlass.range_constexpr(VEC):
         cmax = Float32(0.0)
         for p in cutlass.range_constexpr(PASSES):
@@ -190,8 +195,12 @@ def _quant_dual_kernel(mX: cute.Tensor, mQ_u8: cute.Tensor, mS: cute.Tensor, mQT
         for w in cutlass.range_constexpr(1, WARPS):
             cmax = cute.arch.fmax(cmax, col_max[w, c])
         scale, inv = _scale_and_inverse(cmax)
+        column = cute.make_rmem_tensor((1, PASSES), Float32)
         for p in cutlass.range_constexpr(PASSES):
-            tile_t[c, rgrp + ROW_GROUPS * p] = (values[p][j] * inv).to(cutlass.Float8E4M3FN)
+            column[0, p] = values[p][j] * inv
+        q_frag = cute.make_rmem_tensor((1, PASSES), cutlass.Float8E4M3FN)
+        q_frag.store(column.load().to(cutlass.Float8E4M3FN))
+        cute.autovec_copy(q_frag, cute.local_tile(tile_t, (1, PASSES), (c, rgrp)))
         if rgrp == 0 and tile_c * TILE + c < cols:
             mST[tile_c * TILE + c, tile_r] = scale
     cute.arch.sync_threads()
@@ -208,6 +217,7 @@ def _quant_dual_kernel(mX: cute.Tensor, mQ_u8: cute.Tensor, mS: cute.Tensor, mQT
 
 
 @cute.jit
-def quant_dual(mX: cute.Tensor, mQ_u8: cute.Tensor, mS: cute.Tensor, mQT_u8: cute.Tensor, mST: cute.Tensor, stream):
+def quant_dual(mX: cute.Tensor, mQ_u8: cute.Tensor, mS: cute.Tensor, mQT_u8: cute.Tensor, mST: cute.Tensor,
+               stream):
     _quant_dual_kernel(mX, mQ_u8, mS, mQT_u8, mST).launch(
         grid=(mST.shape[1], mS.shape[1], 1), block=(THREADS, 1, 1), stream=stream)
