@@ -23,11 +23,19 @@ def compile_for_arch(jit_fn, *args, arch: str, tvm_ffi: bool = False, **kwargs):
     Not thread-safe (``cute.compile`` is not): callers go through :mod:`lowprec.runtime.cache`.
     """
     import cutlass.cute as cute
+    from cutlass.base_dsl.compiler import DumpDir
 
-    options = [cute.GPUArch(arch), cute.KeepPTX(), cute.KeepCUBIN()]
+    # kept artifacts are also written to files: keep them out of the working directory
+    options = [cute.GPUArch(arch), cute.KeepPTX(), cute.KeepCUBIN(), DumpDir(_dump_dir())]
     if tvm_ffi:
         options.append(cute.EnableTVMFFI())
     return cute.compile[tuple(options)](jit_fn, *args, **kwargs)
+
+
+def _dump_dir() -> str:
+    path = os.path.join(tempfile.gettempdir(), "lowprec-cute-dumps")
+    os.makedirs(path, exist_ok=True)
+    return path
 
 
 def nvdisasm_path() -> str | None:
