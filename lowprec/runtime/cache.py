@@ -11,6 +11,7 @@ without shared memory run. Kernels compiled without TVM-FFI are cached in memory
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import inspect
 import json
@@ -31,9 +32,14 @@ _EXPORT_NAME = "lowprec_kernel"
 
 def source_fingerprint(sources: Iterable[ModuleType | Callable | str]) -> str:
     """sha256 over the source files of modules / functions (or file paths)."""
+    return _fingerprint_paths(tuple(src if isinstance(src, str) else inspect.getsourcefile(src) for src in sources))
+
+
+@functools.cache
+def _fingerprint_paths(paths: tuple[str, ...]) -> str:
+    # once per process: kernel sources do not change under a running program, and launches are hot
     h = hashlib.sha256()
-    for src in sources:
-        path = src if isinstance(src, str) else inspect.getsourcefile(src)
+    for path in paths:
         with open(path, "rb") as f:
             h.update(f.read())
     return h.hexdigest()
@@ -56,6 +62,7 @@ class KernelCache:
 
     def __init__(self, directory: str | None = None) -> None:
         self._memory: dict[str, object] = {}
+        self._by_args: dict[tuple, object] = {}  # launch-time fast path: no hashing of sources
         self._modules: dict[str, object] = {}  # loaded shared libraries, kept alive
         self._lock = threading.Lock()
         self._directory = directory
@@ -72,10 +79,24 @@ class KernelCache:
     def clear_memory(self) -> None:
         with self._lock:
             self._memory.clear()
+            self._by_args.clear()
 
     def get(self, kernel: str, config: Mapping, arch: str, sources: Iterable, compile_fn: Callable[[], object]):
         """The kernel for ``(kernel, config, arch, sources)``: from memory, disk, or ``compile_fn()``."""
-        key = cache_key(kernel, config, arch, source_fingerprint(sources))
+        sources = tuple(sources)
+        try:
+            args_key = (kernel, tuple(sorted(config.items())), arch, sources)
+            hit = self._by_args.get(args_key)
+        except TypeError:  # unhashable config values: take the slow path every time
+            args_key, hit = None, None
+        if hit is not None:
+            return hit
+        hit = self._get(cache_key(kernel, config, arch, source_fingerprint(sources)), compile_fn)
+        if args_key is not None:
+            self._by_args[args_key] = hit
+        return hit
+
+    def _get(self, key: str, compile_fn: Callable[[], object]):
         hit = self._memory.get(key)
         if hit is not None:
             return hit
