@@ -117,12 +117,13 @@ class _ExpertsFunction(torch.autograd.Function):
         row_w = torch.where(routing.row_slots >= 0, topk_weights.reshape(-1).float()[routing.row_slots.clamp(min=0)],
                             0.0)
         if quantized:
-            xq = quantize(x, _ACT_RECIPE)
-            w1q, w2q = quantize(w1, _WEIGHT_RECIPE), quantize(w2, _WEIGHT_RECIPE)
+            xq = quantize(x, _ACT_RECIPE, check_finite=False)
+            w1q = quantize(w1, _WEIGHT_RECIPE, check_finite=False)
+            w2q = quantize(w2, _WEIGHT_RECIPE, check_finite=False)
             h = grouped_gemm(gather_rows(xq, routing), w1q, group_ends=ends, out_dtype=dt)
             a = _activation(activation, h.float()) * row_w[:, None]
-            o = grouped_gemm(quantize(a, _ACT_RECIPE), w2q, group_ends=ends, out_dtype=dt)
-            saved = (xq, quantize(h, _ACT_RECIPE), w1q, w2q)
+            o = grouped_gemm(quantize(a, _ACT_RECIPE, check_finite=False), w2q, group_ends=ends, out_dtype=dt)
+            saved = (xq, quantize(h, _ACT_RECIPE, check_finite=False), w1q, w2q)
         else:
             h = _grouped_mm(gather_rows(x, routing), w1.to(dt), ends)
             a = (_activation(activation, h.float()) * row_w[:, None]).to(dt)
@@ -162,7 +163,8 @@ class _ExpertsFunction(torch.autograd.Function):
             dweights = torch.where(routing.kept, d_row_w[routing.slot_rows.clamp(min=0)], 0.0).to(weights_dtype)
         if need_x:
             if quantized:
-                dx_rows = grouped_gemm(quantize(dh, _ACT_RECIPE), w1.transpose(), group_ends=ends, out_dtype=dt)
+                dh_q = quantize(dh, _ACT_RECIPE, check_finite=False)
+                dx_rows = grouped_gemm(dh_q, w1.transpose(), group_ends=ends, out_dtype=dt)
             else:
                 dx_rows = _grouped_mm(dh.to(dt), w1.to(dt).transpose(-1, -2), ends)
             dx = unpack(dx_rows, routing, out_dtype=dt)

@@ -40,7 +40,7 @@ def gather_rows(x: torch.Tensor | QuantizedTensor, routing: Routing) -> torch.Te
         if not _row_local(x.recipe):
             raise ValueError(f"x: rows must be quantized independently (1 x N blocks, no global scale), got "
                              f"{x.recipe.name!r} with block {x.recipe.block}")
-        zero = quantize(torch.zeros(1, x.shape[1], dtype=torch.float32, device=x.device), x.recipe)
+        zero = quantize(torch.zeros(1, x.shape[1], dtype=torch.float32, device=x.device), x.recipe, check_finite=False)
         data = torch.cat([x.data, zero.data])[src]
         scale = torch.cat([x.scale, zero.scale])[src]
         return QuantizedTensor(data, scale, x.recipe, (routing.num_rows, x.shape[1]), x.dtype)
@@ -78,7 +78,7 @@ def pack(x: torch.Tensor, routing: Routing, recipe: str | ScaleRecipe | None = "
     if not _row_local(r):
         raise ValueError(f"recipe: pack needs a recipe that quantizes each row on its own (1 x N blocks, no global "
                          f"scale), got {r.name!r} with block {r.block}")
-    return gather_rows(quantize(x, r), routing), routing.group_ends
+    return gather_rows(quantize(x, r, check_finite=False), routing), routing.group_ends
 
 
 def unpack(rows: torch.Tensor | QuantizedTensor, routing: Routing, weights: torch.Tensor | None = None,
