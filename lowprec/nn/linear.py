@@ -87,7 +87,8 @@ class FP8InferenceLinear(nn.Module):
         self.register_buffer("bias", torch.zeros(out_features, dtype=out_dtype, device=device) if bias else None)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, recipe: str = "fp8_block") -> FP8InferenceLinear:
+    def from_linear(cls, linear: nn.Linear | FP8Linear, recipe: str = "fp8_block") -> FP8InferenceLinear:
+        """Quantize ``linear``'s weight once (an ``nn.Linear``, or a trained :class:`FP8Linear`)."""
         dtype = linear.weight.dtype if linear.weight.dtype in (torch.bfloat16, torch.float16) else torch.float32
         layer = cls(linear.in_features, linear.out_features, linear.bias is not None, recipe,
                     device=linear.weight.device, out_dtype=dtype)
@@ -138,7 +139,9 @@ def convert(model: nn.Module, recipe: str = "fp8_block", filter_fn: Callable[[st
 
     Only exact ``nn.Linear`` instances are swapped (subclasses such as the attention output
     projection of ``nn.MultiheadAttention`` are read directly by their owners). Layers whose
-    features are not multiples of 16 stay as they are, with one log line each.
+    features are not multiples of 16 stay as they are, with one log line each. With
+    ``inference=True``, :class:`FP8Linear` layers (a model trained after ``convert``) become
+    :class:`FP8InferenceLinear` with their own recipe.
     """
     get_linear_recipe(recipe)
     if not isinstance(model, nn.Module):
@@ -147,12 +150,18 @@ def convert(model: nn.Module, recipe: str = "fp8_block", filter_fn: Callable[[st
         if filter_fn is not None and not filter_fn("", model):
             return model
         return _swap(model, "", recipe, inference)
+    if inference and isinstance(model, FP8Linear):
+        return FP8InferenceLinear.from_linear(model, model.recipe.name)
     for parent_name, parent in list(model.named_modules()):
         for child_name, child in list(parent.named_children()):
-            if type(child) is not nn.Linear:
+            trained = inference and isinstance(child, FP8Linear)
+            if type(child) is not nn.Linear and not trained:
                 continue
             name = f"{parent_name}.{child_name}" if parent_name else child_name
             if filter_fn is not None and not filter_fn(name, child):
                 continue
-            setattr(parent, child_name, _swap(child, name, recipe, inference))
+            if trained:
+                setattr(parent, child_name, FP8InferenceLinear.from_linear(child, child.recipe.name))
+            else:
+                setattr(parent, child_name, _swap(child, name, recipe, inference))
     return model

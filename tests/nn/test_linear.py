@@ -134,6 +134,19 @@ def test_inference_mode_halves_memory_and_roundtrips(tmp_path):
         assert torch.equal(fresh(x), y_infer)
 
 
+def test_trained_fp8_model_converts_to_inference():
+    torch.manual_seed(5)
+    model = convert(TinyBlock(), "fp8_rowwise")
+    x = torch.randn(2, 16, 128)
+    with torch.no_grad():
+        y_train = model(x)
+    infer = convert(model, inference=True)
+    assert isinstance(infer.qkv, FP8InferenceLinear) and infer.qkv.recipe.name == "fp8_rowwise"
+    assert type(infer.head) is nn.Linear
+    with torch.no_grad():
+        torch.testing.assert_close(infer(x), y_train)
+
+
 def test_compile_fullgraph_forward_and_backward():
     torch.manual_seed(4)
     layer = FP8Linear(128, 64)
