@@ -1,0 +1,786 @@
+"""Hopper (sm_90a) FP8 block-scaled GEMM in CuTe DSL.
+
+    D[m, n] = sum_kb (A[m, kb-block] . B[n, kb-block]) * sa[m, kb] * sb[n-scale, kb]  (+ bias[n])
+
+A: E4M3 [M, K] K-major with 1x128 scales ``sa`` [M, ceil(K/128)] (fp32, any strides; MN-major,
+i.e. stride(-2) == 1, gives coalesced loads). B: E4M3 [N, K] K-major with either 128x128 scales
+``sb`` [ceil(N/128), ceil(K/128)] ("block" kind) or 1x128 scales [N, ceil(K/128)] ("col" kind).
+
+Structure (DeepGEMM-style promotion, warp specialised, persistent):
+
+* warpgroup 0 (producer, ``setmaxnreg`` 40): one warp issues TMA loads of the A and B tiles of
+  one 128-wide K block per stage into a multi-stage shared-memory ring (optionally multicast
+  across a cluster).
+* warpgroups 1..2 (consumers, ``setmaxnreg`` 232): each owns 64 rows of the CTA tile. For every
+  K block: ``wgmma`` into a *fresh* register accumulator (ACCUMULATE off on the first
+  instruction), then promotion ``acc += blk * (sa[row] * sb[col])`` in FP32 registers. With
+  ``mma_overlap`` (tile_n <= 128) two block accumulators alternate, so the wgmma batch of block
+  k+1 runs while block k is promoted (``wait_group(1)``, operands pinned by ``fence_operand``);
+  otherwise each block is waited for (``wait_group(0)``). Scales are loaded from global memory
+  one or two blocks ahead into registers.
+* epilogue: optional bias, conversion, ``stmatrix`` (16-bit out) to shared memory, TMA store.
+* tile scheduler: static persistent scheduler over (M tiles, N tiles, K splits), grid = #SMs /
+  cluster size; 2-CTA clusters multicast the shared operand; split-K writes fp32 partials.
+
+Reusable pieces (for the grouped GEMM and attention): ``_producer_mainloop`` (TMA ring),
+``_issue_kblock`` (one K block of wgmma into a fresh accumulator), ``_load_scales``,
+``_promote``, ``fence_operand``, ``_k_range``; the epilogue still sits inline in ``_consumer``.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils as utils
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import dsl_user_op
+from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
+
+from .config import SCALE_BLOCK, TileConfig, valid_tile_n  # noqa: F401  (re-exported)
+
+SMEM_CAPACITY_SM90 = 232448  # bytes of dynamic smem per CTA on sm_90
+
+
+@dsl_user_op
+def _pin_f32(x, *, loc=None, ip=None):
+    """Empty volatile asm ``"=f,0"`` on one fp32 value: the compiler may not move reads of the
+    value across it (CUTLASS's ``warpgroup_fence_operand``)."""
+    v = llvm.inline_asm(
+        cutlass.Float32.mlir_type,
+        [cutlass.Float32(x).ir_value(loc=loc, ip=ip)],
+        "",
+        "=f,0",
+        has_side_effects=True,
+        loc=loc,
+        ip=ip,
+    )
+    return cutlass.Float32(v)
+
+
+@cute.jit
+def fence_operand(t: cute.Tensor):
+    """Pin every register of an accumulator fragment (see ``_pin_f32``)."""
+    for i in cutlass.range_constexpr(cute.size(t)):
+        t[i] = _pin_f32(t[i])
+
+
+class BlockScaledGemmSm90:
+    """Persistent warp-specialised FP8 block-scaled GEMM for sm_90a.
+
+    :param config: tile configuration
+    :param out_dtype: cutlass.BFloat16 / cutlass.Float16 / cutlass.Float32
+    :param b_scale_per_col: False -> 128x128 weight scales; True -> 1x128 per-row-of-B scales
+    :param bias_dtype: None (no bias) or cutlass.Float32 / cutlass.BFloat16
+    :param num_sms: number of SMs of the target GPU (persistent grid size), a compile constant
+    """
+
+    def __init__(
+        self,
+        config: TileConfig,
+        out_dtype: type[cutlass.Numeric],
+        b_scale_per_col: bool,
+        bias_dtype: type[cutlass.Numeric] | None,
+        num_sms: int,
+    ):
+        if config.tile_m not in (64, 128):
+            raise ValueError(f"tile_m must be 64 or 128, got {config.tile_m}")
+        if not valid_tile_n(config.tile_n):
+            raise ValueError(f"unsupported tile_n {config.tile_n}")
+        self.config = config
+        self.out_dtype = out_dtype
+        self.b_scale_per_col = b_scale_per_col
+        self.bias_dtype = bias_dtype
+        self.num_sms = num_sms
+        self.split_k = config.split_k
+        # a second block accumulator (tile_n/2 registers) must fit next to acc and blk
+        self.overlap = config.mma_overlap and (
+            config.tile_n <= (64 if b_scale_per_col else 128)
+        )
+
+        self.acc_dtype = cutlass.Float32
+        self.ab_dtype = cutlass.Float8E4M3FN
+        self.tile_m, self.tile_n, self.tile_k = config.tile_m, config.tile_n, SCALE_BLOCK
+        self.cluster_shape_mn = (config.cluster_m, config.cluster_n)
+        self.num_mma_wg = self.tile_m // 64
+        self.atom_layout_mnk = (self.num_mma_wg, 1, 1)
+        self.threads_per_wg = 128
+        self.threads_per_cta = (1 + self.num_mma_wg) * self.threads_per_wg
+        self.num_mma_threads = self.num_mma_wg * self.threads_per_wg
+        self.load_warp_id = 0
+        self.epi_store_warp_id = 4  # first warp of the first consumer warpgroup
+        self.load_regs = 40
+        self.mma_regs = 232
+        self.buffer_align_bytes = 1024
+        self.num_mcast_ctas_a = config.cluster_n
+        self.num_mcast_ctas_b = config.cluster_m
+        self.is_a_mcast = self.num_mcast_ctas_a > 1
+        self.is_b_mcast = self.num_mcast_ctas_b > 1
+        # the 128x128-scale kind: can a tile straddle two scale blocks along N?
+        self.n_straddle = not (SCALE_BLOCK % self.tile_n == 0 or self.tile_n % SCALE_BLOCK == 0)
+        self.epilog_sync_barrier = pipeline.NamedBarrier(
+            barrier_id=1, num_threads=self.num_mma_threads
+        )
+
+    # ------------------------------------------------------------------ host side
+    def _make_tiled_mma(self):
+        return sm90_utils.make_trivial_tiled_mma(
+            self.ab_dtype,
+            self.ab_dtype,
+            cute.nvgpu.warpgroup.OperandMajorMode.K,
+            cute.nvgpu.warpgroup.OperandMajorMode.K,
+            self.acc_dtype,
+            self.atom_layout_mnk,
+            tiler_mn=(64, self.tile_n),
+        )
+
+    def _setup_attributes(self):
+        self.tiled_mma = self._make_tiled_mma()
+        self.tile_shape_mnk = (self.tile_m, self.tile_n, self.tile_k)
+        self.cta_layout_mnk = cute.make_layout((*self.cluster_shape_mn, 1))
+
+        epi_n = 32 if self.tile_n % 32 == 0 else 16
+        self.epi_tile = (self.tile_m, epi_n)
+        self.epi_stage = 4 if self.out_dtype.width == 16 else 2
+        self.d_layout = utils.LayoutEnum.ROW_MAJOR
+
+        ab_bytes_per_stage = (self.tile_m + self.tile_n) * self.tile_k * self.ab_dtype.width // 8
+        epi_bytes = self.tile_m * epi_n * self.out_dtype.width // 8 * self.epi_stage
+        self.ab_stage = min(
+            12, (SMEM_CAPACITY_SM90 - 2048 - epi_bytes) // ab_bytes_per_stage
+        )
+
+        a_atom = cute.nvgpu.warpgroup.make_smem_layout_atom(
+            sm90_utils.get_smem_layout_atom(utils.LayoutEnum.ROW_MAJOR, self.ab_dtype, self.tile_k),
+            self.ab_dtype,
+        )
+        self.a_smem_layout_staged = cute.tile_to_shape(
+            a_atom, (self.tile_m, self.tile_k, self.ab_stage), order=(0, 1, 2)
+        )
+        b_atom = cute.nvgpu.warpgroup.make_smem_layout_atom(
+            sm90_utils.get_smem_layout_atom(utils.LayoutEnum.ROW_MAJOR, self.ab_dtype, self.tile_k),
+            self.ab_dtype,
+        )
+        self.b_smem_layout_staged = cute.tile_to_shape(
+            b_atom, (self.tile_n, self.tile_k, self.ab_stage), order=(0, 1, 2)
+        )
+        self.epi_smem_layout_staged = sm90_utils.make_smem_layout_epi(
+            self.out_dtype, self.d_layout, self.epi_tile, self.epi_stage
+        )
+
+    @cute.jit
+    def __call__(
+        self,
+        mA_u8: cute.Tensor,  # (M, K) uint8 view of E4M3, K-major
+        mB_u8: cute.Tensor,  # (N, K) uint8 view of E4M3, K-major
+        mD: cute.Tensor,  # (M, N) out dtype, N-major
+        mSA: cute.Tensor,  # (M, KB) fp32
+        mSB: cute.Tensor,  # (NB, KB) or (N, KB) fp32
+        mBias: cute.Tensor,  # (N,) fp32/bf16 (ignored when bias_dtype is None)
+        stream,
+    ):
+        mA = cute.make_tensor(cute.recast_ptr(mA_u8.iterator, dtype=self.ab_dtype), mA_u8.layout)
+        mB = cute.make_tensor(cute.recast_ptr(mB_u8.iterator, dtype=self.ab_dtype), mB_u8.layout)
+        self._setup_attributes()
+
+        a_op = (
+            cute.nvgpu.cpasync.CopyBulkTensorTileG2SMulticastOp()
+            if self.is_a_mcast
+            else cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp()
+        )
+        tma_atom_a, tma_tensor_a = cute.nvgpu.cpasync.make_tiled_tma_atom(
+            a_op,
+            mA,
+            cute.slice_(self.a_smem_layout_staged, (None, None, 0)),
+            (self.tile_m, self.tile_k),
+            num_multicast=self.num_mcast_ctas_a,
+        )
+        b_op = (
+            cute.nvgpu.cpasync.CopyBulkTensorTileG2SMulticastOp()
+            if self.is_b_mcast
+            else cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp()
+        )
+        tma_atom_b, tma_tensor_b = cute.nvgpu.cpasync.make_tiled_tma_atom(
+            b_op,
+            mB,
+            cute.slice_(self.b_smem_layout_staged, (None, None, 0)),
+            (self.tile_n, self.tile_k),
+            num_multicast=self.num_mcast_ctas_b,
+        )
+        tma_atom_d, tma_tensor_d = cute.nvgpu.cpasync.make_tiled_tma_atom(
+            cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(),
+            mD,
+            cute.slice_(self.epi_smem_layout_staged, (None, None, 0)),
+            self.epi_tile,
+        )
+
+        m = cute.size(mD, mode=[0])
+        n = cute.size(mD, mode=[1])
+        num_tiles_mnl = (
+            (m + self.tile_m - 1) // self.tile_m,
+            (n + self.tile_n - 1) // self.tile_n,
+            self.split_k,
+        )
+        tile_sched_params = utils.PersistentTileSchedulerParams(
+            num_tiles_mnl,
+            (*self.cluster_shape_mn, 1),
+            self.config.swizzle,
+            self.config.raster_along_m,
+        )
+        max_active_clusters = self.num_sms // (self.cluster_shape_mn[0] * self.cluster_shape_mn[1])
+        grid = utils.StaticPersistentTileScheduler.get_grid_shape(
+            tile_sched_params, max_active_clusters
+        )
+
+        @cute.struct
+        class SharedStorage:
+            mainloop_pipeline_array_ptr: cute.struct.MemRange[cutlass.Int64, self.ab_stage * 2]
+            sA: cute.struct.Align[
+                cute.struct.MemRange[self.ab_dtype, cute.cosize(self.a_smem_layout_staged)],
+                self.buffer_align_bytes,
+            ]
+            sB: cute.struct.Align[
+                cute.struct.MemRange[self.ab_dtype, cute.cosize(self.b_smem_layout_staged)],
+                self.buffer_align_bytes,
+            ]
+            sD: cute.struct.Align[
+                cute.struct.MemRange[self.out_dtype, cute.cosize(self.epi_smem_layout_staged)],
+                self.buffer_align_bytes,
+            ]
+
+        self.shared_storage = SharedStorage
+
+        self.kernel(
+            tma_atom_a,
+            tma_tensor_a,
+            tma_atom_b,
+            tma_tensor_b,
+            tma_atom_d,
+            tma_tensor_d,
+            mSA,
+            mSB,
+            mBias,
+            self.tiled_mma,
+            self.cta_layout_mnk,
+            self.a_smem_layout_staged,
+            self.b_smem_layout_staged,
+            self.epi_smem_layout_staged,
+            tile_sched_params,
+        ).launch(
+            grid=grid,
+            block=[self.threads_per_cta, 1, 1],
+            cluster=(*self.cluster_shape_mn, 1),
+            min_blocks_per_mp=1,
+            stream=stream,
+        )
+
+    # ------------------------------------------------------------------ device side
+    @cute.kernel
+    def kernel(
+        self,
+        tma_atom_a: cute.CopyAtom,
+        mA: cute.Tensor,
+        tma_atom_b: cute.CopyAtom,
+        mB: cute.Tensor,
+        tma_atom_d: cute.CopyAtom,
+        mD: cute.Tensor,
+        mSA: cute.Tensor,
+        mSB: cute.Tensor,
+        mBias: cute.Tensor,
+        tiled_mma: cute.TiledMma,
+        cta_layout_mnk: cute.Layout,
+        a_smem_layout_staged: cute.ComposedLayout,
+        b_smem_layout_staged: cute.ComposedLayout,
+        epi_smem_layout_staged: cute.ComposedLayout,
+        tile_sched_params: utils.PersistentTileSchedulerParams,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        if warp_idx == 0:
+            cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_a)
+            cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_b)
+            cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_d)
+
+        cta_rank_in_cluster = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+        cluster_coord_mnk = cta_layout_mnk.get_flat_coord(cta_rank_in_cluster)
+
+        smem = cutlass.utils.SmemAllocator()
+        storage = smem.allocate(self.shared_storage)
+
+        a_smem_layout = cute.slice_(a_smem_layout_staged, (None, None, 0))
+        b_smem_layout = cute.slice_(b_smem_layout_staged, (None, None, 0))
+        tma_copy_bytes = cute.size_in_bytes(self.ab_dtype, a_smem_layout) + cute.size_in_bytes(
+            self.ab_dtype, b_smem_layout
+        )
+        mcast_size = self.num_mcast_ctas_a + self.num_mcast_ctas_b - 1
+        mainloop_pipeline = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mainloop_pipeline_array_ptr.data_ptr(),
+            num_stages=self.ab_stage,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(
+                pipeline.Agent.Thread, mcast_size * self.num_mma_wg * 4
+            ),
+            tx_count=tma_copy_bytes,
+            cta_layout_vmnk=cute.make_layout((1, *cta_layout_mnk.shape)),
+            defer_sync=True,
+        )
+        pipeline_init_arrive(cluster_shape_mn=self.cluster_shape_mn, is_relaxed=True)
+
+        sA = storage.sA.get_tensor(a_smem_layout_staged.outer, swizzle=a_smem_layout_staged.inner)
+        sB = storage.sB.get_tensor(b_smem_layout_staged.outer, swizzle=b_smem_layout_staged.inner)
+        sD = storage.sD.get_tensor(
+            epi_smem_layout_staged.outer, swizzle=epi_smem_layout_staged.inner
+        )
+
+        # (BM, BK, #m tiles, #k tiles) etc.
+        gA = cute.local_tile(mA, (self.tile_m, self.tile_k), (None, None))
+        gB = cute.local_tile(mB, (self.tile_n, self.tile_k), (None, None))
+        if cutlass.const_expr(self.split_k > 1):
+            # mD is (M, N, split_k): (BM, BN, #m tiles, #n tiles, split_k)
+            gD = cute.local_tile(mD, (self.tile_m, self.tile_n), (None, None, None))
+        else:
+            gD = cute.local_tile(mD, (self.tile_m, self.tile_n), (None, None))
+        k_tile_cnt = cute.size(gA, mode=[3])  # all K blocks; a split handles a slice of them
+
+        warp_group_idx = cute.arch.make_warp_uniform(tidx // self.threads_per_wg)
+
+        pipeline_init_wait(cluster_shape_mn=self.cluster_shape_mn)
+
+        if warp_group_idx == 0:
+            cute.arch.setmaxregister_decrease(self.load_regs)
+            if warp_idx == self.load_warp_id:
+                self._producer_mainloop(
+                    tma_atom_a,
+                    tma_atom_b,
+                    gA,
+                    gB,
+                    sA,
+                    sB,
+                    mainloop_pipeline,
+                    cta_layout_mnk,
+                    cluster_coord_mnk,
+                    k_tile_cnt,
+                    tile_sched_params,
+                )
+        else:
+            cute.arch.setmaxregister_increase(self.mma_regs)
+            self._consumer(
+                tidx - self.threads_per_wg,
+                warp_idx,
+                tiled_mma,
+                sA,
+                sB,
+                sD,
+                gD,
+                cute.size(mD, mode=[1]),
+                tma_atom_d,
+                mSA,
+                mSB,
+                mBias,
+                mainloop_pipeline,
+                k_tile_cnt,
+                tile_sched_params,
+            )
+
+    # --- producer: TMA loads of A/B K-blocks into the smem ring -------------------------
+    @cute.jit
+    def _producer_mainloop(
+        self,
+        tma_atom_a: cute.CopyAtom,
+        tma_atom_b: cute.CopyAtom,
+        gA: cute.Tensor,
+        gB: cute.Tensor,
+        sA: cute.Tensor,
+        sB: cute.Tensor,
+        mainloop_pipeline: pipeline.PipelineTmaAsync,
+        cta_layout_mnk: cute.Layout,
+        cluster_coord_mnk,
+        k_tile_cnt,
+        tile_sched_params: utils.PersistentTileSchedulerParams,
+    ):
+        a_mcast_mask = 0
+        b_mcast_mask = 0
+        if cutlass.const_expr(self.is_a_mcast):
+            a_mcast_mask = cute.make_layout_image_mask(cta_layout_mnk, cluster_coord_mnk, mode=1)
+        if cutlass.const_expr(self.is_b_mcast):
+            b_mcast_mask = cute.make_layout_image_mask(cta_layout_mnk, cluster_coord_mnk, mode=0)
+
+        tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
+            tma_atom_a,
+            cluster_coord_mnk[1],
+            cute.make_layout(cute.slice_(cta_layout_mnk, (0, None, 0)).shape),
+            cute.group_modes(sA, 0, 2),
+            cute.group_modes(gA, 0, 2),
+        )
+        tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(
+            tma_atom_b,
+            cluster_coord_mnk[0],
+            cute.make_layout(cute.slice_(cta_layout_mnk, (None, 0, 0)).shape),
+            cute.group_modes(sB, 0, 2),
+            cute.group_modes(gB, 0, 2),
+        )
+
+        tile_sched = utils.StaticPersistentTileScheduler.create(
+            tile_sched_params, cute.arch.block_idx(), cute.arch.grid_dim()
+        )
+        work_tile = tile_sched.initial_work_tile_info()
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stage)
+        while work_tile.is_valid_tile:
+            tile_coord = work_tile.tile_idx
+            tAgA_m = tAgA[(None, tile_coord[0], None)]
+            tBgB_n = tBgB[(None, tile_coord[1], None)]
+            k_first, k_cnt = self._k_range(tile_coord, k_tile_cnt)
+            for k_tile in range(k_cnt):
+                mainloop_pipeline.producer_acquire(state)
+                bar = mainloop_pipeline.producer_get_barrier(state)
+                cute.copy(
+                    tma_atom_a,
+                    tAgA_m[(None, k_first + k_tile)],
+                    tAsA[(None, state.index)],
+                    tma_bar_ptr=bar,
+                    mcast_mask=a_mcast_mask,
+                )
+                cute.copy(
+                    tma_atom_b,
+                    tBgB_n[(None, k_first + k_tile)],
+                    tBsB[(None, state.index)],
+                    tma_bar_ptr=bar,
+                    mcast_mask=b_mcast_mask,
+                )
+                mainloop_pipeline.producer_commit(state)
+                state.advance()
+            tile_sched.advance_to_next_work()
+            work_tile = tile_sched.get_current_work()
+        mainloop_pipeline.producer_tail(state)
+
+    # --- consumers: wgmma per K block + promotion, then epilogue --------------------------
+    @cute.jit
+    def _consumer(
+        self,
+        mma_tidx,
+        warp_idx,
+        tiled_mma: cute.TiledMma,
+        sA: cute.Tensor,
+        sB: cute.Tensor,
+        sD: cute.Tensor,
+        gD: cute.Tensor,
+        n_size,
+        tma_atom_d: cute.CopyAtom,
+        mSA: cute.Tensor,
+        mSB: cute.Tensor,
+        mBias: cute.Tensor,
+        mainloop_pipeline: pipeline.PipelineTmaAsync,
+        k_tile_cnt,
+        tile_sched_params: utils.PersistentTileSchedulerParams,
+    ):
+        wg_in_mma = mma_tidx // self.threads_per_wg
+        thr_mma_wg = tiled_mma.get_slice(wg_in_mma * self.threads_per_wg)
+        tCsA = thr_mma_wg.partition_A(sA)
+        tCsB = thr_mma_wg.partition_B(sB)
+        tCrA = tiled_mma.make_fragment_A(tCsA)
+        tCrB = tiled_mma.make_fragment_B(tCsB)
+        # two MMA objects with the ACCUMULATE field fixed once, outside all staged control flow
+        # (mutating one object inside loop/if regions makes values escape their region)
+        mma_zero = self._make_tiled_mma()
+        mma_zero.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
+        mma_acc = self._make_tiled_mma()
+        mma_acc.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+        mmas = (mma_zero, mma_acc)
+
+        # per-thread coordinates of the accumulator values inside the CTA tile
+        thr_mma = tiled_mma.get_slice(mma_tidx)
+        tCcC = thr_mma.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n)))
+        acc_shape = tCcC.shape
+        acc = cute.make_rmem_tensor(acc_shape, self.acc_dtype)
+        blk = cute.make_rmem_tensor(acc_shape, self.acc_dtype)
+        blk2 = cute.make_rmem_tensor(acc_shape, self.acc_dtype) if self.overlap else blk
+        # value order of a wgmma accumulator: (2 cols, 2 rows (+8), tile_n/8 col groups)
+        n_vals = cute.size(acc)
+        n_cgroups = n_vals // 4
+
+        # --- epilogue copy setup (registers -> smem via stmatrix, smem -> gmem via TMA)
+        copy_atom_r2s = sm90_utils.get_smem_store_op(
+            self.d_layout, elem_ty_d=self.out_dtype, elem_ty_acc=self.acc_dtype
+        )
+        copy_atom_c = cute.make_copy_atom(
+            cute.nvgpu.warp.StMatrix8x8x16bOp(self.d_layout.is_m_major_c(), 4), self.out_dtype
+        )
+        tiled_copy_c_atom = cute.make_tiled_copy_C_atom(copy_atom_c, tiled_mma)
+        tiled_copy_r2s = cute.make_tiled_copy_S(copy_atom_r2s, tiled_copy_c_atom)
+        thr_copy_r2s = tiled_copy_r2s.get_slice(mma_tidx)
+        tRS_sD = thr_copy_r2s.partition_D(sD)
+        tRS_rAcc = tiled_copy_r2s.retile(acc)
+        rD_shape = cute.shape(thr_copy_r2s.partition_S(sD))
+        tRS_rD = cute.make_rmem_tensor(rD_shape[:3], self.acc_dtype)
+        tRS_rD_out = cute.make_rmem_tensor(rD_shape[:3], self.out_dtype)
+        size_tRS_rD = cute.size(tRS_rD)
+
+        tma_store_pipeline = pipeline.PipelineTmaStore.create(
+            num_stages=self.epi_stage,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_threads),
+        )
+
+        m_size = cute.size(mSA, mode=[0])
+        nsb_rows = cute.size(mSB, mode=[0])
+
+        n_sb = 2 * n_cgroups if self.b_scale_per_col else 2
+        sa_buf0 = cute.make_rmem_tensor((2,), self.acc_dtype)
+        sa_buf1 = cute.make_rmem_tensor((2,), self.acc_dtype)
+        sb_buf0 = cute.make_rmem_tensor((n_sb,), self.acc_dtype)
+        sb_buf1 = cute.make_rmem_tensor((n_sb,), self.acc_dtype)
+
+        tile_sched = utils.StaticPersistentTileScheduler.create(
+            tile_sched_params, cute.arch.block_idx(), cute.arch.grid_dim()
+        )
+        work_tile = tile_sched.initial_work_tile_info()
+        read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
+        release_state = pipeline.make_pipeline_state(
+            pipeline.PipelineUserType.Consumer, self.ab_stage
+        )
+
+        while work_tile.is_valid_tile:
+            tile_coord = work_tile.tile_idx
+            m0 = tile_coord[0] * self.tile_m
+            n0 = tile_coord[1] * self.tile_n
+
+            # rows of this thread (clamped for the scale loads: rows >= M hold zeros anyway)
+            rows = [
+                cutlass.min(m0 + tCcC[2 * r][0], m_size - 1) for r in range(2)
+            ]
+            # first column of this thread (value v = c + 2*r + 4*j sits at col0 + 8*j + c)
+            col0 = n0 + tCcC[0][1]
+            nb0 = n0 // SCALE_BLOCK
+            nb1 = cutlass.min(nb0 + 1, nsb_rows - 1)
+            # first column (tile-relative) that belongs to scale block nb0 + 1
+            split = (nb0 + 1) * SCALE_BLOCK - n0
+
+            k_first, k_cnt = self._k_range(tile_coord, k_tile_cnt)
+            acc.fill(0.0)
+            if cutlass.const_expr(self.overlap):
+                # software pipeline over K blocks with two block accumulators (blk, blk2):
+                # the wgmma of block k+1 is in flight while block k is promoted. Scales are
+                # prefetched two blocks ahead (buf0: even blocks, buf1: odd blocks).
+                # NB: pipeline-state updates stay in this loop body (``x.advance()``) so that
+                # the DSL carries the states through the dynamic loop / if regions.
+                self._load_scales(mSA, mSB, rows, col0, nb0, nb1, k_first, sa_buf0, sb_buf0)
+                self._load_scales(
+                    mSA, mSB, rows, col0, nb0, nb1, k_first + cutlass.min(1, k_cnt - 1),
+                    sa_buf1, sb_buf1,
+                )
+                # prologue: block 0 -> blk (in flight)
+                fence_operand(blk)
+                self._issue_kblock(mmas, tCrA, tCrB, blk, mainloop_pipeline, read_state)
+                read_state.advance()
+                # steady state, straight-line body (keeps ptxas' wgmma register analysis exact):
+                # entry and exit: one block in flight in blk (even block 2j)
+                for j in range((k_cnt - 1) // 2):
+                    fence_operand(blk2)
+                    self._issue_kblock(mmas, tCrA, tCrB, blk2, mainloop_pipeline, read_state)
+                    read_state.advance()
+                    cute.nvgpu.warpgroup.wait_group(1)
+                    fence_operand(blk)
+                    mainloop_pipeline.consumer_release(release_state)
+                    release_state.advance()
+                    self._promote(acc, blk, sa_buf0, sb_buf0, split)
+                    fence_operand(acc)
+                    self._load_scales(
+                        mSA, mSB, rows, col0, nb0, nb1,
+                        k_first + cutlass.min(2 * j + 2, k_cnt - 1), sa_buf0, sb_buf0,
+                    )
+                    fence_operand(blk)
+                    self._issue_kblock(mmas, tCrA, tCrB, blk, mainloop_pipeline, read_state)
+                    read_state.advance()
+                    cute.nvgpu.warpgroup.wait_group(1)
+                    fence_operand(blk2)
+                    mainloop_pipeline.consumer_release(release_state)
+                    release_state.advance()
+                    self._promote(acc, blk2, sa_buf1, sb_buf1, split)
+                    fence_operand(acc)
+                    self._load_scales(
+                        mSA, mSB, rows, col0, nb0, nb1,
+                        k_first + cutlass.min(2 * j + 3, k_cnt - 1), sa_buf1, sb_buf1,
+                    )
+                # tail: the block in blk, plus one more block when k_cnt is even
+                if k_cnt % 2 == 0:
+                    fence_operand(blk2)
+                    self._issue_kblock(mmas, tCrA, tCrB, blk2, mainloop_pipeline, read_state)
+                    read_state.advance()
+                    cute.nvgpu.warpgroup.wait_group(1)
+                    fence_operand(blk)
+                    mainloop_pipeline.consumer_release(release_state)
+                    release_state.advance()
+                    self._promote(acc, blk, sa_buf0, sb_buf0, split)
+                    cute.nvgpu.warpgroup.wait_group(0)
+                    fence_operand(blk2)
+                    mainloop_pipeline.consumer_release(release_state)
+                    release_state.advance()
+                    self._promote(acc, blk2, sa_buf1, sb_buf1, split)
+                else:
+                    cute.nvgpu.warpgroup.wait_group(0)
+                    fence_operand(blk)
+                    mainloop_pipeline.consumer_release(release_state)
+                    release_state.advance()
+                    self._promote(acc, blk, sa_buf0, sb_buf0, split)
+            else:
+                # scales of K block k are loaded one K block ahead (ping-pong register buffers)
+                self._load_scales(mSA, mSB, rows, col0, nb0, nb1, k_first, sa_buf0, sb_buf0)
+                for k_pair in range((k_cnt + 1) // 2):
+                    # NB: pipeline-state updates stay in this loop body (``x.advance()``)
+                    # so that the DSL carries the states through the dynamic loop / if regions.
+                    k_tile = 2 * k_pair
+                    self._mma_kblock(
+                        mmas, tCrA, tCrB, blk, mainloop_pipeline, read_state,
+                        mSA, mSB, rows, col0, nb0, nb1, k_first, k_tile, k_cnt, sa_buf1, sb_buf1,
+                    )
+                    mainloop_pipeline.consumer_release(read_state)
+                    read_state.advance()
+                    release_state.advance()
+                    self._promote(acc, blk, sa_buf0, sb_buf0, split)
+                    if k_tile + 1 < k_cnt:
+                        self._mma_kblock(
+                            mmas, tCrA, tCrB, blk, mainloop_pipeline, read_state,
+                            mSA, mSB, rows, col0, nb0, nb1, k_first, k_tile + 1, k_cnt,
+                            sa_buf0, sb_buf0,
+                        )
+                        mainloop_pipeline.consumer_release(read_state)
+                        read_state.advance()
+                        release_state.advance()
+                        self._promote(acc, blk, sa_buf1, sb_buf1, split)
+
+            # ---------------- epilogue
+            if cutlass.const_expr(self.bias_dtype is not None):
+                for j in cutlass.range_constexpr(n_cgroups):
+                    for c in cutlass.range_constexpr(2):
+                        bcol = cutlass.min(col0 + 8 * j + c, n_size - 1)
+                        bval = mBias[bcol].to(self.acc_dtype)
+                        for r in cutlass.range_constexpr(2):
+                            v = c + 2 * r + 4 * j
+                            acc[v] = acc[v] + bval
+
+            if cutlass.const_expr(self.split_k > 1):
+                gD_tile = gD[(None, None, tile_coord[0], tile_coord[1], tile_coord[2])]
+            else:
+                gD_tile = gD[(None, None, tile_coord[0], tile_coord[1])]
+            tDgD_for_tma = cute.zipped_divide(gD_tile, self.epi_tile)
+            bSG_sD, bSG_gD = cute.nvgpu.cpasync.tma_partition(
+                tma_atom_d,
+                0,
+                cute.make_layout(1),
+                cute.group_modes(sD, 0, 2),
+                tDgD_for_tma,
+            )
+            epi_tile_num = cute.size(tDgD_for_tma, mode=[1])
+            epi_tile_shape = tDgD_for_tma.shape[1]
+            epi_tile_layout = cute.make_layout(epi_tile_shape, stride=(epi_tile_shape[1], 1))
+            num_prev_epi_tiles = tile_sched.num_tiles_executed * epi_tile_num
+            for epi_idx in cutlass.range_constexpr(epi_tile_num):
+                for epi_v in cutlass.range_constexpr(size_tRS_rD):
+                    tRS_rD[epi_v] = tRS_rAcc[epi_idx * size_tRS_rD + epi_v]
+                tRS_rD_out.store(tRS_rD.load().to(self.out_dtype))
+                epi_buffer = (num_prev_epi_tiles + epi_idx) % self.epi_stage
+                cute.copy(tiled_copy_r2s, tRS_rD_out, tRS_sD[(None, None, None, epi_buffer)])
+                cute.arch.fence_proxy("async.shared", space="cta")
+                self.epilog_sync_barrier.arrive_and_wait()
+                gmem_coord = epi_tile_layout.get_hier_coord(epi_idx)
+                if warp_idx == self.epi_store_warp_id:
+                    cute.copy(tma_atom_d, bSG_sD[(None, epi_buffer)], bSG_gD[(None, gmem_coord)])
+                    tma_store_pipeline.producer_commit()
+                    tma_store_pipeline.producer_acquire()
+                self.epilog_sync_barrier.arrive_and_wait()
+
+            tile_sched.advance_to_next_work()
+            work_tile = tile_sched.get_current_work()
+
+        tma_store_pipeline.producer_tail()
+
+    @cute.jit
+    def _k_range(self, tile_coord, k_tile_cnt):
+        """(first K block, number of K blocks) of a work tile; split s of S gets a contiguous
+        slice of ceil(k_tiles / S) blocks (the host makes sure no split is empty)."""
+        k_first = 0
+        k_cnt = k_tile_cnt
+        if cutlass.const_expr(self.split_k > 1):
+            per = (k_tile_cnt + self.split_k - 1) // self.split_k
+            k_first = tile_coord[2] * per
+            k_cnt = cutlass.min(per, k_tile_cnt - k_first)
+        return k_first, k_cnt
+
+    # --- one K block: wgmma into a fresh accumulator, prefetch next scales, promote -------
+    @cute.jit
+    def _load_scales(self, mSA, mSB, rows, col0, nb0, nb1, k_tile, sa_dst, sb_dst):
+        for r in cutlass.range_constexpr(2):
+            sa_dst[r] = mSA[(rows[r], k_tile)]
+        if cutlass.const_expr(self.b_scale_per_col):
+            # 1x128 B scales arrive N-contiguous and zero-padded past N (see interface), so the
+            # loads need no clamping and use immediate offsets from one base address
+            for j in cutlass.range_constexpr(cute.size(sb_dst) // 2):
+                for c in cutlass.range_constexpr(2):
+                    sb_dst[2 * j + c] = mSB[(col0 + 8 * j + c, k_tile)]
+        else:
+            sb_dst[0] = mSB[(nb0, k_tile)]
+            if cutlass.const_expr(self.n_straddle or self.tile_n > SCALE_BLOCK):
+                sb_dst[1] = mSB[(nb1, k_tile)]
+
+    @cute.jit
+    def _issue_kblock(self, mmas, tCrA, tCrB, blk, mainloop_pipeline, read_state):
+        """Wait for the stage of ``read_state`` and issue its K block's wgmma batch into the
+        fresh accumulator ``blk`` (asynchronous: the caller waits with ``wait_group``).
+        ``mmas`` = (MMA with ACCUMULATE off, MMA with ACCUMULATE on)."""
+        mainloop_pipeline.consumer_wait(read_state)
+        cute.nvgpu.warpgroup.fence()
+        for kb in cutlass.range_constexpr(cute.size(tCrA, mode=[2])):
+            kcoord = (None, None, kb, read_state.index)
+            mma = mmas[0] if kb == 0 else mmas[1]
+            cute.gemm(mma, blk, tCrA[kcoord], tCrB[kcoord], blk)
+        cute.nvgpu.warpgroup.commit_group()
+
+    @cute.jit
+    def _mma_kblock(
+        self, mmas, tCrA, tCrB, blk, mainloop_pipeline, read_state,
+        mSA, mSB, rows, col0, nb0, nb1, k_first, k_tile, k_cnt, sa_nxt, sb_nxt,
+    ):
+        """wgmma of one 128-wide K block into the fresh accumulator ``blk`` (waits for its
+        completion); loads the next K block's scales meanwhile. The caller releases the stage,
+        advances the pipeline state and promotes."""
+        mainloop_pipeline.consumer_wait(read_state)
+        cute.nvgpu.warpgroup.fence()
+        for kb in cutlass.range_constexpr(cute.size(tCrA, mode=[2])):
+            kcoord = (None, None, kb, read_state.index)
+            mma = mmas[0] if kb == 0 else mmas[1]
+            cute.gemm(mma, blk, tCrA[kcoord], tCrB[kcoord], blk)
+        cute.nvgpu.warpgroup.commit_group()
+        # prefetch the next K block's scales while the wgmma batch runs
+        self._load_scales(
+            mSA, mSB, rows, col0, nb0, nb1, k_first + cutlass.min(k_tile + 1, k_cnt - 1),
+            sa_nxt, sb_nxt,
+        )
+        cute.nvgpu.warpgroup.wait_group(0)
+
+    @cute.jit
+    def _promote(self, acc, blk, sa, sb, split):
+        """acc += blk * sa[row] * sb[col]; value v = c + 2*r + 4*j sits at row +8r, col 8j+c."""
+        n_cgroups = cute.size(acc) // 4
+        if cutlass.const_expr(self.b_scale_per_col):
+            for j in cutlass.range_constexpr(n_cgroups):
+                for r in cutlass.range_constexpr(2):
+                    for c in cutlass.range_constexpr(2):
+                        v = c + 2 * r + 4 * j
+                        acc[v] = acc[v] + blk[v] * (sa[r] * sb[2 * j + c])
+        else:
+            p0 = [sa[r] * sb[0] for r in range(2)]
+            p1 = p0
+            if cutlass.const_expr(self.n_straddle or self.tile_n > SCALE_BLOCK):
+                p1 = [sa[r] * sb[1] for r in range(2)]
+            for j in cutlass.range_constexpr(n_cgroups):
+                for r in cutlass.range_constexpr(2):
+                    if cutlass.const_expr(self.n_straddle):
+                        # split is a multiple of 16: a group of 8 columns never straddles
+                        s = cutlass.select_(8 * j < split, p0[r], p1[r])
+                    elif cutlass.const_expr(8 * j < SCALE_BLOCK):
+                        s = p0[r]
+                    else:
+                        s = p1[r]
+                    for c in cutlass.range_constexpr(2):
+                        v = c + 2 * r + 4 * j
+                        acc[v] = acc[v] + blk[v] * s

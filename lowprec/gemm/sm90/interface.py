@@ -1,0 +1,362 @@
+"""Host wiring of the sm_90a FP8 block-scaled GEMM: validation, tile heuristic, compile cache,
+launch.
+
+Public:
+    gemm_blockwise_fp8(a, a_scale, b, b_scale, out_dtype=torch.bfloat16, bias=None) -> D
+    compile_only(config, arch="sm_90a", ...) -> compiled kernel (no GPU needed)
+    choose_config(m, n, k, b_scale_per_col, num_sms=132) -> TileConfig
+    SHIPPED_CONFIGS: every TileConfig the heuristic can pick.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib.util
+
+import torch
+
+SCALE_BLOCK = 128
+_ARCH_DEFAULT = "sm_90a"
+_TILE_N_CHOICES = (16, 32, 48, 64, 80, 96, 112, 128, 144, 160)
+_SPLIT_TILE_N = (64,)  # 64x128 split (fp32 partials) spills 4 bytes with mma_overlap
+_SPLITS = (2, 4, 8)
+_TILE_N_PER_COL_MAX = 128  # 1x128 B scales keep tile_n/4 column scales live in registers
+
+
+def _tile_config_cls():
+    from .config import TileConfig
+
+    return TileConfig
+
+
+def _shipped_configs():
+    TileConfig = _tile_config_cls()
+    cfgs = []
+    for bm, clusters in ((64, ((1, 1), (1, 2))), (128, ((1, 1), (2, 1)))):
+        for cm, cn in clusters:
+            for bn in _TILE_N_CHOICES:
+                cfgs.append(TileConfig(tile_m=bm, tile_n=bn, cluster_m=cm, cluster_n=cn))
+    # split-K for small M (few tiles, long K): fp32 partials reduced on the host side
+    for bm in (64, 128):
+        for bn in _SPLIT_TILE_N:
+            for sk in _SPLITS:
+                cfgs.append(TileConfig(tile_m=bm, tile_n=bn, split_k=sk))
+    return tuple(cfgs)
+
+
+def __getattr__(name):  # lazy: importing this module must not import cutlass
+    if name == "SHIPPED_CONFIGS":
+        return _shipped_configs()
+    raise AttributeError(name)
+
+
+# ----------------------------------------------------------------------------- heuristic
+# Per-SM ceilings used by the cost model (H100 SXM measured: FP8 dense ~1250 TFLOPS via cuBLAS,
+# ~3.0 TB/s copy). Only ratios matter for the choice.
+_SM_FLOPS = 1250e12 / 132
+_HBM_BW = 3.0e12
+
+
+def _estimate_time(m: int, n: int, k: int, bm: int, bn: int, num_sms: int) -> float:
+    tiles_m = -(-m // bm)
+    tiles_n = -(-n // bn)
+    tiles = tiles_m * tiles_n
+    waves = -(-tiles // num_sms)
+    active = min(tiles, num_sms)
+    kp = -(-k // SCALE_BLOCK) * SCALE_BLOCK
+    # tensor-core time of one tile; small N tiles and M=64 tiles run the wgmma less efficiently
+    eff = min(1.0, (bn / 128.0) ** 0.35) * (0.85 if bm == 64 else 1.0)
+    t_flop = 2.0 * bm * bn * kp / (_SM_FLOPS * eff)
+    # bytes a tile streams; all active CTAs share HBM bandwidth (L2 absorbs re-reads of the
+    # operand shared by many tiles, so count the unique bytes of one wave spread over its CTAs)
+    wave_m = min(tiles_m, max(1, active // max(1, min(tiles_n, active))))
+    wave_n = min(tiles_n, -(-active // wave_m))
+    uniq = (wave_m * bm + wave_n * bn) * kp
+    t_mem = uniq / _HBM_BW
+    per_wave = max(t_flop, t_mem) + 2.0e-6  # + fixed per-tile cost (prologue, epilogue)
+    return waves * per_wave
+
+
+@functools.lru_cache(maxsize=4096)
+def choose_config(m: int, n: int, k: int, b_scale_per_col: bool = False, num_sms: int = 132):
+    """Tile configuration for a problem (deterministic: the result depends only on the args).
+
+    Rules from sweeps on H100 (NOTES.md, v3): large M -> 128x128 tiles in 2-CTA clusters along M
+    (B multicast; best on all six DeepSeek-V3 shapes at M=4096 and 8192^3); M <= 128 -> 64-wide N
+    tiles, narrower when that leaves SMs idle; in between, the cost model.
+    """
+    TileConfig = _tile_config_cls()
+    tiles_m128 = -(-m // 128)
+    if m >= 512 and tiles_m128 * (-(-n // 128)) >= num_sms:
+        return TileConfig(tile_m=128, tile_n=128, cluster_m=2, cluster_n=1)
+    if m <= 128:
+        bm = 64 if m <= 64 else 128
+        tiles_m = -(-m // bm)
+        for bn in (64, 32, 16):
+            if tiles_m * (-(-n // bn)) >= 0.75 * num_sms:
+                break
+        return TileConfig(tile_m=bm, tile_n=bn)
+    bms = (64, 128)
+    best = None
+    for bm in bms:
+        for bn in _TILE_N_CHOICES:
+            if b_scale_per_col and bn > _TILE_N_PER_COL_MAX:
+                continue
+            if bn > 16 and bn >= 2 * n:
+                continue
+            t = _estimate_time(m, n, k, bm, bn, num_sms)
+            key = (t, -bm, -bn)
+            if best is None or key < best[0]:
+                best = (key, TileConfig(tile_m=bm, tile_n=bn))
+    return best[1]
+
+
+# ----------------------------------------------------------------------------- compile
+_TVM_FFI: bool | None = None
+
+
+def _use_tvm_ffi() -> bool:
+    global _TVM_FFI
+    if _TVM_FFI is None:
+        _TVM_FFI = importlib.util.find_spec("tvm_ffi") is not None
+    return _TVM_FFI
+
+
+def _cutlass_dtype(torch_dtype):
+    import cutlass
+
+    return {
+        torch.bfloat16: cutlass.BFloat16,
+        torch.float16: cutlass.Float16,
+        torch.float32: cutlass.Float32,
+    }[torch_dtype]
+
+
+def build_kernel(config, out_dtype, b_scale_per_col: bool, bias_dtype, num_sms: int, arch: str = _ARCH_DEFAULT):
+    """Compile one configuration on fake tensors (no GPU needed), uncached; keeps PTX and cubin."""
+    import cutlass
+    import cutlass.cute as cute
+
+    from .blockscaled_gemm import BlockScaledGemmSm90
+
+    split = config.split_k > 1
+    # split-K: the kernel writes fp32 partials [M, N, split_k]; bias and the cast are host-side
+    c_out = cutlass.Float32 if split else _cutlass_dtype(out_dtype)
+    c_bias = _cutlass_dtype(bias_dtype) if (bias_dtype is not None and not split) else None
+    kernel = BlockScaledGemmSm90(config, c_out, b_scale_per_col, c_bias, num_sms)
+
+    sym_m = cute.sym_int()
+    sym_n = cute.sym_int(divisibility=16)
+    sym_k = cute.sym_int(divisibility=16)
+    sym_kb = cute.sym_int()
+    sym_sb_rows = cute.sym_int()
+    fake = cute.runtime.make_fake_tensor
+    a = fake(cutlass.Uint8, (sym_m, sym_k), stride=(cute.sym_int64(divisibility=16), 1), assumed_align=16)
+    b = fake(cutlass.Uint8, (sym_n, sym_k), stride=(cute.sym_int64(divisibility=16), 1), assumed_align=16)
+    if split:
+        d = fake(c_out, (sym_m, sym_n, config.split_k),
+                 stride=(cute.sym_int64(divisibility=4), 1, cute.sym_int64(divisibility=4)), assumed_align=16)
+    else:
+        d = fake(c_out, (sym_m, sym_n), stride=(cute.sym_int64(divisibility=8), 1), assumed_align=16)
+    sa = fake(cutlass.Float32, (sym_m, sym_kb), stride=(cute.sym_int64(), cute.sym_int64()), assumed_align=4)
+    if b_scale_per_col:  # N-contiguous, zero-padded past N (see _prep_b_scale_per_col)
+        sb = fake(cutlass.Float32, (sym_sb_rows, sym_kb), stride=(1, cute.sym_int64(divisibility=4)), assumed_align=16)
+    else:
+        sb = fake(cutlass.Float32, (sym_sb_rows, sym_kb), stride=(cute.sym_int64(), cute.sym_int64()), assumed_align=4)
+    if c_bias is not None:
+        bias = fake(c_bias, (sym_n,), stride=(1,), assumed_align=4)
+    else:
+        bias = fake(cutlass.Float32, (cute.sym_int(),), stride=(1,), assumed_align=4)
+    tvm = _use_tvm_ffi()
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=tvm)
+    from ...runtime import compile_for_arch
+
+    return compile_for_arch(kernel, a, b, d, sa, sb, bias, stream, arch=arch, tvm_ffi=tvm)
+
+
+@functools.cache
+def _get_compiled(config, out_dtype, b_scale_per_col, bias_dtype, num_sms, arch=_ARCH_DEFAULT):
+    """The launchable kernel, compiled once per key through the package's kernel cache (the
+    lru_cache in front keeps the per-launch lookup to one tuple hash)."""
+    from ...runtime import kernel_cache
+    from . import blockscaled_gemm
+    from . import config as config_mod
+
+    if config.split_k > 1:  # one kernel per split config: fp32 partials, no bias
+        out_dtype, bias_dtype = torch.float32, None
+    key = dict(dataclasses.asdict(config), out=out_dtype, per_col=bool(b_scale_per_col), bias=bias_dtype,
+               num_sms=int(num_sms), tvm_ffi=_use_tvm_ffi())
+    return kernel_cache.get("gemm_sm90_blockscaled", key, arch, [blockscaled_gemm, config_mod],
+                            lambda: build_kernel(config, out_dtype, b_scale_per_col, bias_dtype, num_sms, arch))
+
+
+def compile_only(
+    config=None,
+    arch: str = _ARCH_DEFAULT,
+    out_dtype=torch.bfloat16,
+    b_scale_per_col: bool = False,
+    bias_dtype=None,
+    num_sms: int = 132,
+):
+    """Compile one configuration on fake tensors (no GPU needed) and return the compiled object
+    (cached; keeps ``__ptx__`` and ``__cubin__``: ``lowprec.runtime.compile.sass_of`` disassembles
+    it, with ``nvdisasm`` from PATH or the pip package ``nvidia-cuda-nvdisasm``)."""
+    if config is None:
+        config = _tile_config_cls()()
+    return _get_compiled(config, out_dtype, bool(b_scale_per_col), bias_dtype, num_sms, arch)
+
+
+# ----------------------------------------------------------------------------- launch
+_num_sms_cache: dict[int, int] = {}
+_dummy_bias: dict[torch.device, torch.Tensor] = {}
+
+
+def _num_sms(device: torch.device) -> int:
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _num_sms_cache:
+        _num_sms_cache[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _num_sms_cache[idx]
+
+
+def _check(cond: bool, msg: str):
+    if not cond:
+        raise ValueError(msg)
+
+
+def _validate(a, a_scale, b, b_scale, out_dtype, bias):
+    for name, t in (("a", a), ("a_scale", a_scale), ("b", b), ("b_scale", b_scale)):
+        _check(isinstance(t, torch.Tensor), f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        _check(t.dim() == 2, f"{name}: expected 2 dims, got shape {tuple(t.shape)}")
+    _check(a.dtype == torch.float8_e4m3fn, f"a: expected torch.float8_e4m3fn, got {a.dtype}")
+    _check(b.dtype == torch.float8_e4m3fn, f"b: expected torch.float8_e4m3fn, got {b.dtype}")
+    m, k = a.shape
+    n, kb_ = b.shape
+    _check(kb_ == k, f"b: K mismatch, a is [{m}, {k}] but b is [{n}, {kb_}] (b must be [N, K])")
+    _check(m >= 1, f"a: M must be >= 1, got {m}")
+    _check(n % 16 == 0 and n > 0, f"b: N must be a positive multiple of 16, got {n}")
+    _check(k % 16 == 0 and k > 0, f"a: K must be a positive multiple of 16, got {k}")
+    _check(a.stride(1) == 1, f"a: must be K-major (stride(1) == 1), got strides {a.stride()}")
+    _check(b.stride(1) == 1, f"b: must be K-major (stride(1) == 1), got strides {b.stride()}")
+    _check(a.stride(0) % 16 == 0 or m == 1, f"a: row stride must be a multiple of 16, got {a.stride(0)}")
+    _check(b.stride(0) % 16 == 0, f"b: row stride must be a multiple of 16, got {b.stride(0)}")
+    _check(a.data_ptr() % 16 == 0, "a: data pointer must be 16-byte aligned")
+    _check(b.data_ptr() % 16 == 0, "b: data pointer must be 16-byte aligned")
+    kb = -(-k // SCALE_BLOCK)
+    nb = -(-n // SCALE_BLOCK)
+    _check(a_scale.dtype == torch.float32, f"a_scale: expected torch.float32, got {a_scale.dtype}")
+    _check(b_scale.dtype == torch.float32, f"b_scale: expected torch.float32, got {b_scale.dtype}")
+    _check(tuple(a_scale.shape) == (m, kb),
+           f"a_scale: expected shape [{m}, {kb}] (1x128 blocks), got {tuple(a_scale.shape)}")
+    if tuple(b_scale.shape) == (nb, kb):
+        per_col = False
+    elif tuple(b_scale.shape) == (n, kb):
+        per_col = True
+    else:
+        raise ValueError(
+            f"b_scale: expected shape [{nb}, {kb}] (128x128 blocks) or [{n}, {kb}] (1x128 blocks), "
+            f"got {tuple(b_scale.shape)}"
+        )
+    _check(out_dtype in (torch.bfloat16, torch.float16, torch.float32),
+           f"out_dtype: expected torch.bfloat16, torch.float16 or torch.float32, got {out_dtype}")
+    if bias is not None:
+        _check(isinstance(bias, torch.Tensor) and bias.dim() == 1 and bias.shape[0] == n,
+               f"bias: expected a 1-D tensor of length N={n}, got {getattr(bias, 'shape', type(bias))}")
+        _check(bias.dtype in (torch.float32, torch.bfloat16), f"bias: expected float32 or bfloat16, got {bias.dtype}")
+    dev = a.device
+    _check(dev.type == "cuda", f"a: expected a CUDA tensor, got device {dev}")
+    for name, t in (("a_scale", a_scale), ("b", b), ("b_scale", b_scale), ("bias", bias)):
+        if t is not None:
+            _check(t.device == dev, f"{name}: on {t.device}, expected {dev} like a")
+    return m, n, k, per_col
+
+
+_N_PAD = 256  # >= every tile_n, so a tile never reads past the padded 1x128 B-scale rows
+
+
+def _prep_b_scale_per_col(b_scale: torch.Tensor) -> torch.Tensor:
+    """[N, KB] 1x128 B scales -> same values as an N-contiguous [N_pad, KB] view (stride (1, N_pad)),
+    zero past N: the kernel then loads column scales with no clamping (one small copy of N*KB
+    floats per call)."""
+    n, kb = b_scale.shape
+    n_pad = -(-n // _N_PAD) * _N_PAD
+    buf = torch.zeros(kb, n_pad, dtype=torch.float32, device=b_scale.device)
+    buf[:, :n].copy_(b_scale.t())
+    return buf.t()
+
+
+def gemm_blockwise_fp8(
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    b: torch.Tensor,
+    b_scale: torch.Tensor,
+    out_dtype: torch.dtype = torch.bfloat16,
+    bias: torch.Tensor | None = None,
+    config=None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """D[M, N] = (A * sa) @ (B * sb)^T (+ bias), FP32 accumulation with per-K-block promotion.
+
+    a: float8_e4m3fn [M, K] K-major; a_scale: fp32 [M, ceil(K/128)] (any strides; MN-major
+    loads fastest); b: float8_e4m3fn [N, K] K-major; b_scale: fp32 [ceil(N/128), ceil(K/128)]
+    (128x128) or [N, ceil(K/128)] (1x128); bias: fp32/bf16 [N] or None; out: optional
+    preallocated contiguous [M, N] tensor of ``out_dtype`` (written and returned).
+    """
+    m, n, k, per_col = _validate(a, a_scale, b, b_scale, out_dtype, bias)
+    num_sms = _num_sms(a.device)
+    if config is None:
+        config = choose_config(m, n, k, per_col, num_sms)
+    split = config.split_k
+    if split > 1:
+        kt = -(-k // SCALE_BLOCK)
+        _check(_split_ok(kt, split), f"config: split_k={split} leaves an empty split for K={k}")
+    fn = _get_compiled(config, out_dtype, per_col, bias.dtype if bias is not None else None, num_sms)
+    if out is None:
+        d = torch.empty((m, n), dtype=out_dtype, device=a.device)
+    else:
+        _check(out.shape == (m, n) and out.dtype == out_dtype and out.is_contiguous()
+               and out.device == a.device,
+               f"out: expected a contiguous [{m}, {n}] {out_dtype} tensor on {a.device}")
+        d = out
+    if per_col:
+        b_scale = _prep_b_scale_per_col(b_scale)
+    if split > 1:
+        ws = torch.empty((split, m, n), dtype=torch.float32, device=a.device).permute(1, 2, 0)
+        _launch(fn, a, b, ws, a_scale, b_scale, _dummy(a.device))
+        r = ws.sum(dim=2)  # fixed-order reduction: deterministic
+        if bias is not None:
+            r += bias.float()
+        d.copy_(r)
+        return d
+    bias_arg = _dummy(a.device) if bias is None else bias.contiguous()
+    _launch(fn, a, b, d, a_scale, b_scale, bias_arg)
+    return d
+
+
+def _dummy(device) -> torch.Tensor:
+    t = _dummy_bias.get(device)
+    if t is None:
+        t = _dummy_bias[device] = torch.zeros(16, dtype=torch.float32, device=device)
+    return t
+
+
+def _split_ok(k_tiles: int, split: int) -> bool:
+    per = -(-k_tiles // split)
+    return split == 1 or (split - 1) * per < k_tiles
+
+
+def _launch(fn, a, b, d, a_scale, b_scale, bias_arg):
+    if _use_tvm_ffi():  # launches on torch's current stream of a's device
+        if a.device.index == torch.cuda.current_device():
+            fn(a.view(torch.uint8), b.view(torch.uint8), d, a_scale, b_scale, bias_arg)
+        else:
+            with torch.cuda.device(a.device):
+                fn(a.view(torch.uint8), b.view(torch.uint8), d, a_scale, b_scale, bias_arg)
+    else:  # pragma: no cover - slow path (~50 us per launch)
+        with torch.cuda.device(a.device):
+            import cuda.bindings.driver as cuda
+            from cutlass.cute.runtime import from_dlpack
+
+            args = [from_dlpack(t, assumed_align=16 if i < 3 else 4) for i, t in enumerate(
+                (a.view(torch.uint8), b.view(torch.uint8), d, a_scale, b_scale, bias_arg))]
+            fn(*args, cuda.CUstream(torch.cuda.current_stream().cuda_stream))

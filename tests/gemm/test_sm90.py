@@ -1,0 +1,322 @@
+"""Tests of the sm_90a FP8 block-scaled GEMM (lowprec.gemm.sm90).
+
+(a) compile tests (CPU, CI): every shipped tile config compiles for sm_90a; its SASS has QGMMA
+    and no local-memory spills (LDL/STL).
+(b) GPU tests (``-m gpu``, skipped without CUDA): kernel vs an fp64 matmul of the dequantized
+    operands, fresh random data with outliers, poisoned outputs, determinism.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+HAS_CUTLASS = importlib.util.find_spec("cutlass") is not None
+HAS_GPU = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+needs_cutlass = pytest.mark.skipif(not HAS_CUTLASS, reason="nvidia-cutlass-dsl not installed")
+gpu = pytest.mark.gpu
+needs_gpu = pytest.mark.skipif(not (HAS_GPU and HAS_CUTLASS), reason="needs an sm_90 GPU")
+
+F8 = torch.float8_e4m3fn
+F8_MAX = 448.0
+
+
+# ----------------------------------------------------------------------------- local quantizer
+def quant_1x128(x: torch.Tensor):
+    """x [R, K] -> (q fp8 [R, K], s fp32 [R, ceil(K/128)]), s = amax/448 per 1x128 block."""
+    r, k = x.shape
+    kb = -(-k // 128)
+    xp = torch.zeros(r, kb * 128, dtype=torch.float32, device=x.device)
+    xp[:, :k] = x
+    blocks = xp.view(r, kb, 128)
+    amax = blocks.abs().amax(dim=-1)
+    s = torch.where(amax > 0, amax / F8_MAX, torch.ones_like(amax))
+    q = (blocks / s[..., None]).clamp(-F8_MAX, F8_MAX).to(F8).view(r, kb * 128)[:, :k]
+    return q.contiguous(), s
+
+
+def quant_128x128(w: torch.Tensor):
+    """w [N, K] -> (q fp8 [N, K], s fp32 [ceil(N/128), ceil(K/128)])."""
+    n, k = w.shape
+    nb, kb = -(-n // 128), -(-k // 128)
+    wp = torch.zeros(nb * 128, kb * 128, dtype=torch.float32, device=w.device)
+    wp[:n, :k] = w
+    blocks = wp.view(nb, 128, kb, 128)
+    amax = blocks.abs().amax(dim=(1, 3))
+    s = torch.where(amax > 0, amax / F8_MAX, torch.ones_like(amax))
+    q = (blocks / s[:, None, :, None]).clamp(-F8_MAX, F8_MAX).to(F8)
+    q = q.view(nb * 128, kb * 128)[:n, :k]
+    return q.contiguous(), s
+
+
+def dequant(q: torch.Tensor, s: torch.Tensor, block_rows: int) -> torch.Tensor:
+    r, k = q.shape
+    s_full = s.double().repeat_interleave(block_rows, 0)[:r].repeat_interleave(128, 1)[:, :k]
+    return q.double() * s_full
+
+
+def random_operand(r, k, device, gen):
+    x = torch.randn(r, k, device=device, generator=gen)
+    # outliers: ~0.1% of the entries 100x larger, and some rows/blocks with a different range
+    mask = torch.rand(r, k, device=device, generator=gen) < 1e-3
+    x = torch.where(mask, x * 100.0, x)
+    x = x * torch.exp(torch.randn(r, 1, device=device, generator=gen))
+    return x
+
+
+def make_problem(m, n, k, b_kind, device="cuda", seed=None):
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed if seed is not None else torch.seed() % (2**31))
+    a, sa = quant_1x128(random_operand(m, k, device, gen))
+    w = random_operand(n, k, device, gen)
+    if b_kind == "block":
+        b, sb = quant_128x128(w)
+        b_rows = 128
+    else:
+        b, sb = quant_1x128(w)
+        b_rows = 1
+    ref = dequant(a, sa, 1) @ dequant(b, sb, b_rows).T
+    return a, sa, b, sb, ref
+
+
+def rel_err(d: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((d.double() - ref).norm() / ref.norm().clamp_min(1e-300)).item()
+
+
+# Tolerances. bf16 out: 2e-3, or 1.1x the error of the fp64 reference merely rounded to bf16 plus
+# 1e-3 (with outliers a single-row output can have a rounding floor above 2e-3).
+# fp32 out: Hopper's FP8 wgmma adds products inside one instruction with ~14 effective mantissa
+# bits (DeepSeek-V3 report), and promotion happens per 128-wide K block, so the measured error of
+# a correct kernel is ~1.5e-4..3e-4 (H100, these inputs); 1e-5 is not reachable with FP8 tensor
+# cores. A scale or indexing bug gives errors of 1e-2 and more.
+BF16_TOL = 2e-3
+FP32_TOL = 6e-4
+
+
+def assert_close_bf16(d, ref):
+    err = rel_err(d, ref)
+    floor = rel_err(ref.to(torch.bfloat16), ref)
+    # + the FP8-wgmma accumulation error (single rows with 100x outliers reach ~1e-3)
+    tol = max(BF16_TOL, 1.1 * floor + 1e-3)
+    assert err <= tol, f"rel err {err:.3e} (bf16 rounding floor {floor:.3e}, tol {tol:.3e})"
+
+
+def assert_close_fp32(d, ref):
+    err = rel_err(d, ref)
+    assert err <= FP32_TOL, f"rel err {err:.3e}"
+
+
+# ----------------------------------------------------------------------------- (a) compile tests
+def _shipped():
+    from lowprec.gemm.sm90.interface import _shipped_configs
+
+    return _shipped_configs() if HAS_CUTLASS else ()
+
+
+def _check_sass(compiled):
+    from lowprec.runtime.compile import local_memory_ops, nvdisasm_path, sass_of
+
+    if nvdisasm_path() is None:
+        pytest.skip("no nvdisasm available (pip install nvidia-cuda-nvdisasm)")
+    sass = sass_of(compiled)
+    assert "QGMMA" in sass, "no QGMMA (FP8 wgmma) in the SASS"
+    spills = local_memory_ops(sass)
+    assert not spills, f"local-memory traffic in SASS: {spills} LDL/STL"
+
+
+@needs_cutlass
+@pytest.mark.parametrize("config", _shipped(), ids=str)
+def test_compile_shipped_config(config):
+    from lowprec.gemm.sm90.interface import compile_only
+
+    _check_sass(compile_only(config, arch="sm_90a"))
+
+
+@needs_cutlass
+@pytest.mark.parametrize(
+    "out_dtype,per_col,bias_dtype,tile_n",
+    [
+        (torch.float32, False, None, 128),
+        (torch.bfloat16, True, None, 128),
+        (torch.bfloat16, True, torch.float32, 112),
+        (torch.bfloat16, False, torch.bfloat16, 160),
+        (torch.float32, True, torch.bfloat16, 64),
+    ],
+)
+def test_compile_variants(out_dtype, per_col, bias_dtype, tile_n):
+    from lowprec.gemm.sm90.blockscaled_gemm import TileConfig
+    from lowprec.gemm.sm90.interface import compile_only
+
+    cfg = TileConfig(tile_m=128, tile_n=tile_n)
+    _check_sass(compile_only(cfg, out_dtype=out_dtype, b_scale_per_col=per_col, bias_dtype=bias_dtype))
+
+
+def test_heuristic_picks_shipped_configs():
+    from lowprec.gemm.sm90.interface import _shipped_configs, choose_config
+
+    if not HAS_CUTLASS:
+        pytest.skip("nvidia-cutlass-dsl not installed")
+    shipped = set(_shipped_configs())
+    for m in (1, 7, 64, 128, 1000, 4096, 8192):
+        for n, k in ((2112, 7168), (24576, 1536), (32768, 512), (7168, 16384), (4096, 7168),
+                     (7168, 2048), (128, 512), (16, 16), (8192, 8192)):
+            for per_col in (False, True):
+                cfg = choose_config(m, n, k, per_col)
+                assert cfg in shipped, (m, n, k, per_col, cfg)
+                assert cfg == choose_config(m, n, k, per_col)
+
+
+def test_validation_errors_name_the_argument():
+    from lowprec.gemm.sm90.interface import _validate
+
+    a = torch.zeros(4, 128, dtype=F8)
+    sa = torch.ones(4, 1)
+    b = torch.zeros(32, 128, dtype=F8)
+    sb = torch.ones(1, 1)
+    with pytest.raises(ValueError, match="a:"):
+        _validate(a.float(), sa, b, sb, torch.bfloat16, None)
+    with pytest.raises(ValueError, match="b_scale"):
+        _validate(a, sa, b, torch.ones(2, 1), torch.bfloat16, None)
+    with pytest.raises(ValueError, match="a_scale"):
+        _validate(a, torch.ones(4, 2), b, sb, torch.bfloat16, None)
+    with pytest.raises(ValueError, match="N must be"):
+        _validate(a, sa, torch.zeros(24, 128, dtype=F8), sb, torch.bfloat16, None)
+    with pytest.raises(ValueError, match="bias"):
+        _validate(a, sa, b, sb, torch.bfloat16, torch.ones(31))
+    with pytest.raises(ValueError, match="out_dtype"):
+        _validate(a, sa, b, sb, torch.int8, None)
+
+
+# ----------------------------------------------------------------------------- (b) GPU tests
+SHAPES = [
+    # (M, N, K)
+    (1, 2112, 7168),
+    (7, 128, 512),
+    (64, 7168, 1536),
+    (128, 24576, 512),
+    (1000, 2112, 1536),
+    (4096, 7168, 512),
+    (4096, 128, 16384),
+    (128, 7168, 16384),
+    (1000, 24576, 1536),
+    (4096, 2112, 7168),
+    (7, 2112, 528),  # K not a multiple of 128: partial last K block
+    (130, 400, 272),  # odd everything
+]
+
+
+def _run(a, sa, b, sb, out_dtype, bias=None, config=None):
+    from lowprec.gemm.sm90.interface import gemm_blockwise_fp8
+
+    m, n = a.shape[0], b.shape[0]
+    out = torch.full((m, n), float("nan"), dtype=out_dtype, device=a.device)
+    d = gemm_blockwise_fp8(a, sa, b, sb, out_dtype=out_dtype, bias=bias, config=config, out=out)
+    torch.cuda.synchronize()
+    assert d.data_ptr() == out.data_ptr()
+    assert not torch.isnan(d).any(), f"{torch.isnan(d).sum().item()} unwritten (NaN) outputs"
+    return d
+
+
+@gpu
+@needs_gpu
+@pytest.mark.parametrize("b_kind", ["block", "col"])
+@pytest.mark.parametrize("m,n,k", SHAPES, ids=lambda v: str(v))
+def test_gemm_bf16_vs_fp64(m, n, k, b_kind):
+    a, sa, b, sb, ref = make_problem(m, n, k, b_kind)
+    d = _run(a, sa, b, sb, torch.bfloat16)
+    assert_close_bf16(d, ref)
+
+
+@gpu
+@needs_gpu
+@pytest.mark.parametrize("b_kind", ["block", "col"])
+@pytest.mark.parametrize("m,n,k", [(7, 2112, 528), (1000, 2112, 1536), (4096, 7168, 512), (64, 7168, 16384)],
+                         ids=lambda v: str(v))
+def test_gemm_fp32_out_vs_fp64(m, n, k, b_kind):
+    a, sa, b, sb, ref = make_problem(m, n, k, b_kind)
+    d = _run(a, sa, b, sb, torch.float32)
+    assert_close_fp32(d, ref)
+
+
+@gpu
+@needs_gpu
+@pytest.mark.parametrize("bias_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+def test_gemm_bias(bias_dtype, out_dtype):
+    m, n, k = 300, 2112, 1536
+    a, sa, b, sb, ref = make_problem(m, n, k, "block")
+    bias = (torch.randn(n, device="cuda") * 10).to(bias_dtype)
+    ref = ref + bias.double()[None, :]
+    d = _run(a, sa, b, sb, out_dtype, bias=bias)
+    (assert_close_bf16 if out_dtype == torch.bfloat16 else assert_close_fp32)(d, ref)
+
+
+@gpu
+@needs_gpu
+def test_mn_major_scales_and_strided_inputs():
+    from lowprec.gemm.sm90.interface import gemm_blockwise_fp8
+
+    m, n, k = 257, 2112, 1536
+    a, sa, b, sb, ref = make_problem(m, n, k, "col")
+    sa_mn = torch.empty(sa.shape[1], (m + 3) // 4 * 4, device="cuda")[:, :m].T
+    sa_mn.copy_(sa)
+    sb_mn = sb.T.contiguous().T
+    d = gemm_blockwise_fp8(a, sa_mn, b, sb_mn)
+    assert_close_bf16(d, ref)
+
+
+@gpu
+@needs_gpu
+def test_all_shipped_configs_correct():
+    """Every config the heuristic can pick, forced on a shape with M/N/K tails."""
+    from lowprec.gemm.sm90.interface import _shipped_configs
+
+    for b_kind in ("block", "col"):
+        a, sa, b, sb, ref = make_problem(200, 912, 400, b_kind)
+        for cfg in _shipped_configs():
+            if cfg.split_k > 1 or (b_kind == "col" and cfg.tile_n > 128):
+                continue  # split-K: test_split_k_configs; 1x128 B scales use tile_n <= 128
+            d = _run(a, sa, b, sb, torch.float32, config=cfg)
+            err = rel_err(d, ref)
+            assert err <= FP32_TOL, f"{cfg} {b_kind}: rel err {err:.3e}"
+
+
+@gpu
+@needs_gpu
+@pytest.mark.parametrize("b_kind", ["block", "col"])
+def test_split_k_configs(b_kind):
+    from lowprec.gemm.sm90.blockscaled_gemm import TileConfig
+
+    m, n, k = 100, 912, 3600  # 29 K blocks: uneven splits, partial last block
+    a, sa, b, sb, ref = make_problem(m, n, k, b_kind)
+    bias = torch.randn(n, device="cuda")
+    ref = ref + bias.double()[None, :]
+    for cfg in (TileConfig(64, 64, split_k=2), TileConfig(64, 64, split_k=4),
+                TileConfig(128, 64, split_k=8), TileConfig(128, 128, split_k=4)):
+        d = _run(a, sa, b, sb, torch.float32, bias=bias, config=cfg)
+        assert rel_err(d, ref) <= FP32_TOL, cfg
+        d2 = _run(a, sa, b, sb, torch.float32, bias=bias, config=cfg)
+        assert torch.equal(d, d2), f"{cfg}: not deterministic"
+
+
+@gpu
+@needs_gpu
+@pytest.mark.parametrize("m,n,k", [(4096, 7168, 7168), (64, 2112, 7168)])
+def test_deterministic(m, n, k):
+    a, sa, b, sb, _ = make_problem(m, n, k, "block")
+    d1 = _run(a, sa, b, sb, torch.bfloat16)
+    d2 = _run(a, sa, b, sb, torch.bfloat16)
+    assert torch.equal(d1.view(torch.int16), d2.view(torch.int16))
+
+
+@gpu
+@needs_gpu
+def test_validation_rejects_cpu_tensors():
+    from lowprec.gemm.sm90.interface import gemm_blockwise_fp8
+
+    a = torch.zeros(4, 128, dtype=F8)
+    with pytest.raises(ValueError, match="CUDA"):
+        gemm_blockwise_fp8(a, torch.ones(4, 1), torch.zeros(32, 128, dtype=F8), torch.ones(1, 1))
