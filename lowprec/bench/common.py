@@ -9,7 +9,8 @@ import statistics
 
 import torch
 
-__all__ = ["bench_ms", "bench_stream_ms", "gpu_slug", "save_results", "copy_bandwidth_gbs", "print_table"]
+__all__ = ["bench_ms", "bench_stream_ms", "cuda_graph_replay", "gpu_slug", "save_results", "copy_bandwidth_gbs",
+           "print_table"]
 
 _FLUSH_BYTES = 256 << 20  # > H100/H200 L2 (50 MB): every timed run starts from a cold L2
 
@@ -47,6 +48,20 @@ def bench_stream_ms(fn, reps: int = 20, batches: int = 5) -> float:
         end.synchronize()
         times.append(start.elapsed_time(end) / reps)
     return statistics.median(times)
+
+
+def cuda_graph_replay(fn):
+    """Capture one call of ``fn`` in a CUDA graph (after a warm-up on a side stream) and return the
+    replay function: times GPU work without host launch overhead."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
 
 
 def copy_bandwidth_gbs(nbytes: int = 1 << 30) -> float:

@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from .common import save_results
+from .common import cuda_graph_replay, save_results
 
 DSV3_NK = [(2112, 7168), (24576, 1536), (32768, 512), (7168, 16384), (4096, 7168), (7168, 2048)]
 
@@ -138,17 +138,8 @@ def _bench(fn, rep):
 
 
 def _graphed(fn):
-    """CUDA-graph replay of one call (times the GPU work without host launch overhead)."""
     try:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            fn()
-        torch.cuda.current_stream().wait_stream(side)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fn()
-        return g.replay
+        return cuda_graph_replay(fn)
     except Exception as e:  # noqa: BLE001
         print(f"# graph capture failed: {type(e).__name__}: {str(e)[:120]}")
         return None

@@ -12,21 +12,10 @@ import sys
 import torch
 
 
-def _graphed(fn):
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return g.replay
-
-
 def main(argv=None):
     import triton.testing
 
+    from ...bench.common import cuda_graph_replay
     from .interface import _shipped_configs, choose_config, gemm_blockwise_fp8
 
     p = argparse.ArgumentParser()
@@ -60,7 +49,7 @@ def main(argv=None):
                 return gemm_blockwise_fp8(a, sa, b, sb, config=cfg)
 
             try:
-                t = triton.testing.do_bench(_graphed(fn), warmup=5, rep=args.rep, return_mode="median")
+                t = triton.testing.do_bench(cuda_graph_replay(fn), warmup=5, rep=args.rep, return_mode="median")
             except Exception as e:  # noqa: BLE001
                 print(f"  {cfg}: failed {type(e).__name__}: {str(e)[:100]}")
                 continue
