@@ -121,5 +121,10 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     if bias is not None and bias.shape != (weight.shape[0],):
         raise ValueError(f"bias: expected shape ({weight.shape[0]},), got {tuple(bias.shape)}")
     x2 = x.reshape(-1, x.shape[-1])
-    y = _FP8Linear.apply(x2, weight, None if bias is None else bias.to(torch.float32), r)
+    bias32 = None if bias is None else bias.to(torch.float32)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias)):
+        y = _FP8Linear.apply(x2, weight, bias32, r)
+    else:  # evaluation: no transposed copies to make or save
+        x_q = quantize(x2, r.activation, check_finite=False)
+        y = gemm(x_q, quantize(weight, r.weight, check_finite=False), out_dtype=x2.dtype, bias=bias32)
     return y.reshape(*x.shape[:-1], weight.shape[0])

@@ -97,6 +97,17 @@ def test_layer_input_grad_and_bf16(device):
     assert metrics.rel_l2(layer.bias.grad, lin.bias.grad) < 1e-2
 
 
+def test_no_grad_forward_matches_and_saves_nothing():
+    torch.manual_seed(6)
+    layer = FP8Linear(256, 64)
+    x = torch.randn(40, 256)
+    y = layer(x)
+    assert y.grad_fn is not None
+    with torch.no_grad():
+        y_eval = layer(x)
+    assert y_eval.grad_fn is None and torch.equal(y_eval, y.detach())
+
+
 def test_training_steps_reduce_the_loss():
     torch.manual_seed(2)
     model = convert(TinyBlock())
