@@ -89,10 +89,6 @@ class ScaleRecipe:
         """Blocks span several rows (and so need a matrix: 128x128, 16x16)."""
         return self.block[0] not in (1, WHOLE)
 
-    @property
-    def scale_bits(self) -> int:
-        return 32 if self.scale_format == "fp32" else 8
-
     def spec(self) -> str:
         """A compact string form (for custom-op arguments; traceable by torch.compile)."""
         return (f"{self.name}:{self.block[0]}x{self.block[1]}:{self.elem_format}:{self.scale_format}:"
