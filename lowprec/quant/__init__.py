@@ -1,4 +1,4 @@
-"""quantize / dequantize: the public entry points over the reference (and, later, kernels)."""
+"""quantize / dequantize: the public entry points; Hopper kernels where they apply, else the reference."""
 
 from __future__ import annotations
 
