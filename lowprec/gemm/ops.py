@@ -29,6 +29,8 @@ def _sm90_unsupported(a: QuantizedTensor, b: QuantizedTensor, bias: torch.Tensor
     if a.recipe.name == "fp8_block128x128":
         return "a in 128x128 blocks (activations use 1x128, rowwise or tensorwise)"
     n, k = b.shape
+    if a.shape[0] == 0:
+        return "M=0: nothing to compute"
     if n % 16 or k % 16:
         return f"N={n} and K={k} must be multiples of 16"
     if bias is not None and bias.dtype not in (torch.float32, torch.bfloat16):

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import lowprec
-from lowprec.gemm.ops import _blockwise_scales
+from lowprec.gemm.ops import _blockwise_scales, _sm90_unsupported
 from lowprec.gemm.reference import gemm_reference
 from lowprec.recipes import RECIPE_NAMES, ScaleRecipe, get_recipe
 from lowprec.tensor import QuantizedTensor
@@ -23,6 +23,25 @@ def test_opcheck_fake_and_dynamic():
             torch.randn(64), torch.float32)
     torch.library.opcheck(torch.ops.lowprec.gemm.default, args,
                           test_utils=("test_faketensor", "test_aot_dispatch_dynamic"))
+
+
+def test_kernel_eligibility():
+    a = lowprec.quantize(torch.randn(8, 256), "fp8_block1x128")
+    w = lowprec.quantize(torch.randn(64, 256), "fp8_block128x128")
+    assert _sm90_unsupported(a, w, None) is None
+    assert _sm90_unsupported(lowprec.quantize(torch.randn(8, 256), "fp8_rowwise"), w, None) is None
+    assert "M=0" in _sm90_unsupported(lowprec.quantize(torch.randn(0, 256), "fp8_block1x128"), w, None)
+    assert "mxfp8" in _sm90_unsupported(lowprec.quantize(torch.randn(8, 256), "mxfp8"), w, None)
+    assert "128x128 blocks" in _sm90_unsupported(lowprec.quantize(torch.randn(8, 256), "fp8_block128x128"), w, None)
+    w_odd = lowprec.quantize(torch.randn(40, 256), "fp8_block128x128")
+    assert "multiples of 16" in _sm90_unsupported(a, w_odd, None)
+    assert "bias" in _sm90_unsupported(a, w, torch.zeros(64, dtype=torch.float16))
+
+
+def test_empty_m(device):
+    a = lowprec.quantize(torch.randn(0, 256, device=device), "fp8_block1x128")
+    w = lowprec.quantize(torch.randn(64, 256, device=device), "fp8_block128x128")
+    assert lowprec.gemm(a, w).shape == (0, 64)
 
 
 def test_compile_fullgraph_matches_eager():
