@@ -9,7 +9,7 @@ import torch
 
 from ..tensor import QuantizedTensor
 
-__all__ = ["gemm_reference", "grouped_gemm_contiguous_reference", "grouped_gemm_masked_reference"]
+__all__ = ["gemm_reference", "grouped_mm_rows", "grouped_gemm_contiguous_reference", "grouped_gemm_masked_reference"]
 
 
 def gemm_reference(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype, bias: torch.Tensor | None,
@@ -20,18 +20,22 @@ def gemm_reference(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtyp
     return d.to(out_dtype)
 
 
-def grouped_gemm_contiguous_reference(a: QuantizedTensor, b: QuantizedTensor, group_ends: torch.Tensor,
-                                      out_dtype: torch.dtype,
-                                      compute_dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    a_deq = a.dequantize(compute_dtype)
-    b_deq = b.dequantize(compute_dtype)
-    out = a_deq.new_zeros(a.shape[0], b.shape[1])
+def grouped_mm_rows(a: torch.Tensor, b: torch.Tensor, group_ends: torch.Tensor) -> torch.Tensor:
+    """Plain-tensor contiguous grouped matmul: rows of group ``e`` times ``b[e]ᵀ``, in ``a``'s dtype;
+    rows after the last group are zero."""
+    out = a.new_zeros(a.shape[0], b.shape[1])
     start = 0
     for expert, end in enumerate(group_ends.tolist()):
         if end > start:
-            out[start:end] = a_deq[start:end] @ b_deq[expert].T
+            out[start:end] = a[start:end] @ b[expert].T
         start = end
-    return out.to(out_dtype)
+    return out
+
+
+def grouped_gemm_contiguous_reference(a: QuantizedTensor, b: QuantizedTensor, group_ends: torch.Tensor,
+                                      out_dtype: torch.dtype,
+                                      compute_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return grouped_mm_rows(a.dequantize(compute_dtype), b.dequantize(compute_dtype), group_ends).to(out_dtype)
 
 
 def grouped_gemm_masked_reference(a: QuantizedTensor, b: QuantizedTensor, counts: torch.Tensor,

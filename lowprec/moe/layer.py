@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..gemm import grouped_gemm
+from ..gemm.reference import grouped_mm_rows
 from ..quant import quantize
 from ..tensor import QuantizedTensor
 from .packing import gather_rows, pack, unpack
@@ -51,17 +52,6 @@ def _activation(name: str, h: torch.Tensor) -> torch.Tensor:
     """Gated activation of ``h = [gate | up]`` (first half gate, second half up): ``gate_fn(gate) · up``."""
     gate, up = h.chunk(2, dim=-1)
     return _GATES[name](gate) * up
-
-
-def _grouped_mm(a: torch.Tensor, b: torch.Tensor, group_ends: torch.Tensor) -> torch.Tensor:
-    """Unquantized grouped GEMM ``a[rows of e] · b[e]ᵀ`` in ``a``'s dtype; rows after the groups are zero."""
-    out = a.new_zeros(a.shape[0], b.shape[1])
-    start = 0
-    for e, end in enumerate(group_ends.tolist()):
-        if end > start:
-            out[start:end] = a[start:end] @ b[e].T
-        start = end
-    return out
 
 
 def _wgrad(dy_rows: torch.Tensor, x_rows: torch.Tensor, group_ends: torch.Tensor, quantized: bool,
@@ -125,9 +115,9 @@ class _ExpertsFunction(torch.autograd.Function):
             o = grouped_gemm(quantize(a, _ACT_RECIPE, check_finite=False), w2q, group_ends=ends, out_dtype=dt)
             saved = (xq, quantize(h, _ACT_RECIPE, check_finite=False), w1q, w2q)
         else:
-            h = _grouped_mm(gather_rows(x, routing), w1.to(dt), ends)
+            h = grouped_mm_rows(gather_rows(x, routing), w1.to(dt), ends)
             a = (_activation(activation, h.float()) * row_w[:, None]).to(dt)
-            o = _grouped_mm(a, w2.to(dt), ends)
+            o = grouped_mm_rows(a, w2.to(dt), ends)
             saved = (x, h, w1, w2)
         tensors, ctx.specs = _flatten(*saved, row_w)
         ctx.save_for_backward(*tensors)
@@ -149,7 +139,7 @@ class _ExpertsFunction(torch.autograd.Function):
                               out_dtype=torch.float32)
             h = h.dequantize(torch.float32)
         else:
-            da = _grouped_mm(gather_rows(dy, routing), w2.to(dt).transpose(-1, -2), ends).float()
+            da = grouped_mm_rows(gather_rows(dy, routing), w2.to(dt).transpose(-1, -2), ends).float()
             h = h.float()
         with torch.enable_grad():
             h = h.detach().requires_grad_()
@@ -166,7 +156,7 @@ class _ExpertsFunction(torch.autograd.Function):
                 dh_q = quantize(dh, _ACT_RECIPE, check_finite=False)
                 dx_rows = grouped_gemm(dh_q, w1.transpose(), group_ends=ends, out_dtype=dt)
             else:
-                dx_rows = _grouped_mm(dh.to(dt), w1.to(dt).transpose(-1, -2), ends)
+                dx_rows = grouped_mm_rows(dh.to(dt), w1.to(dt).transpose(-1, -2), ends)
             dx = unpack(dx_rows, routing, out_dtype=dt)
         if need_w2:
             dw2 = _wgrad(gather_rows(dy, routing), s * row_w[:, None], ends, quantized, dt).to(w2_dtype)
