@@ -11,7 +11,7 @@ from .reference import dequantize_reference, quantize_reference
 
 __all__ = ["quantize", "dequantize", "quantize_dual"]
 
-_KERNEL_RECIPES = ("fp8_block1x128", "fp8_block128x128")
+_KERNEL_RECIPES = ("fp8_block1x128", "fp8_block128x128", "fp8_rowwise")
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
@@ -53,7 +53,9 @@ def quantize(x: torch.Tensor, recipe: str | ScaleRecipe, *, check_finite: bool =
             from .sm90 import interface
 
             x2 = x if r.is_2d else x.reshape(-1, x.shape[-1])
-            q, s = (interface.quantize_128x128 if r.is_2d else interface.quantize_1x128)(x2)
+            kernel = {"fp8_block1x128": interface.quantize_1x128, "fp8_block128x128": interface.quantize_128x128,
+                      "fp8_rowwise": interface.quantize_rowwise}[r.name]
+            q, s = kernel(x2)
             if not r.is_2d:
                 q, s = q.view(x.shape), s.view(*x.shape[:-1], s.shape[-1])
             return QuantizedTensor(q, s, r, x.shape, x.dtype)

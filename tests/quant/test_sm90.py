@@ -58,6 +58,18 @@ def test_1x128_matches_reference(shape, dtype, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape", [(1, 16), (7, 4096), (300, 1040), (64, 20000)])
+def test_rowwise_matches_reference(shape, dtype, monkeypatch):
+    x = _data(*shape, dtype, seed=sum(shape) + 3)
+    monkeypatch.setenv("LOWPREC_BACKEND", "reference")
+    ref = lowprec.quantize(x, "fp8_rowwise")
+    monkeypatch.setenv("LOWPREC_BACKEND", "kernel")
+    _poison_allocator()
+    _same(lowprec.quantize(x, "fp8_rowwise"), ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("shape", [(4096, 7168), (2112, 7168), (130, 272), (16, 16)])
 def test_128x128_matches_reference(shape, dtype, monkeypatch):
     x = _data(*shape, dtype, seed=sum(shape) + 1)

@@ -2,6 +2,7 @@
 
 - ``quant_1x128``: each thread loads 8 contiguous elements (16 bytes of bf16), 16 threads cover
   one 128-wide block and reduce its amax with warp shuffles.
+- ``quant_rowwise``: one CTA per row, amax sweep then quantize sweep (the second from L2).
 - ``quant_128x128``: one CTA per 128x128 weight tile, held in registers (read once).
 - ``quant_dual``: one CTA per 128x128 tile, both orientations (1x128 along features for the
   forward GEMM, 1x128 along tokens, transposed through shared memory, for the weight gradient).
@@ -21,6 +22,7 @@ BLOCK = 128
 LANES = BLOCK // VEC  # threads per scale block
 THREADS = 256
 GROUPS_PER_CTA = THREADS // LANES
+WARPS_PER_CTA = THREADS // 32
 E4M3_MAX = 448.0
 FP32_TINY = 1.1754943508222875e-38  # smallest normal: amax / 448 never flushes to zero
 
@@ -87,12 +89,58 @@ def quant_1x128(mX: cute.Tensor, mQ_u8: cute.Tensor, mS: cute.Tensor, stream):
 
 
 # ---------------------------------------------------------------------------------------------
+# Rowwise: one CTA per row, two sweeps over it (amax, then quantize); the second sweep reads from
+# L2 (at most ~8 rows per SM are in flight, far below L2's size).
+CHUNK = THREADS * VEC
+
+
+@cute.kernel
+def _quant_rowwise_kernel(mX: cute.Tensor, mQ_u8: cute.Tensor, mS: cute.Tensor):
+    tidx, _, _ = cute.arch.thread_idx()
+    row, _, _ = cute.arch.block_idx()
+    cols = mX.shape[1]
+    mQ = cute.make_tensor(cute.recast_ptr(mQ_u8.iterator, dtype=cutlass.Float8E4M3FN), mQ_u8.layout)
+    smem = cutlass.memory.SmemAllocator()
+    warp_max = smem.allocate_tensor(Float32, cute.make_layout(WARPS_PER_CTA), byte_alignment=16)
+
+    chunks = (cols + CHUNK - 1) // CHUNK
+    amax = Float32(0.0)
+    for i in cutlass.range(chunks):
+        col = i * CHUNK + tidx * VEC
+        frag = cute.make_rmem_tensor((1, VEC), mX.element_type)
+        frag.fill(0)
+        if col < cols:
+            cute.autovec_copy(cute.local_tile(mX, (1, VEC), (row, col // VEC)), frag)
+        amax = cute.arch.fmax(amax, abs(frag.load().to(Float32)).reduce(cute.ReductionOp.MAX, Float32(0.0), 0))
+    amax = cute.arch.warp_reduction_max(amax)
+    if tidx % 32 == 0:
+        warp_max[tidx // 32] = amax
+    cute.arch.sync_threads()
+    amax = warp_max[0]
+    for w in cutlass.range_constexpr(1, WARPS_PER_CTA):
+        amax = cute.arch.fmax(amax, warp_max[w])
+    scale, inv = _scale_and_inverse(amax)
+    for i in cutlass.range(chunks):
+        col = i * CHUNK + tidx * VEC
+        if col < cols:
+            frag = cute.make_rmem_tensor((1, VEC), mX.element_type)
+            cute.autovec_copy(cute.local_tile(mX, (1, VEC), (row, col // VEC)), frag)
+            _store_row_chunk(mQ, frag.load().to(Float32) * inv, row, col)
+    if tidx == 0:
+        mS[row, 0] = scale
+
+
+@cute.jit
+def quant_rowwise(mX: cute.Tensor, mQ_u8: cute.Tensor, mS: cute.Tensor, stream):
+    _quant_rowwise_kernel(mX, mQ_u8, mS).launch(grid=(mX.shape[0], 1, 1), block=(THREADS, 1, 1), stream=stream)
+
+
+# ---------------------------------------------------------------------------------------------
 # 128x128 tiles: one CTA per tile. Thread t holds columns (t % 16) * 8 .. + 8 of rows
 # t // 16 + 16 * p, p = 0..7, in registers, so the tile is read from memory once.
 TILE = 128
 ROW_GROUPS = THREADS // LANES  # 16 rows per pass
 PASSES = TILE // ROW_GROUPS  # 8
-WARPS = THREADS // 32
 
 
 @cute.jit
@@ -115,7 +163,7 @@ def _quant_128x128_kernel(mX: cute.Tensor, mQ_u8: cute.Tensor, mS: cute.Tensor):
     tile_r, tile_c, _ = cute.arch.block_idx()
     mQ = cute.make_tensor(cute.recast_ptr(mQ_u8.iterator, dtype=cutlass.Float8E4M3FN), mQ_u8.layout)
     smem = cutlass.memory.SmemAllocator()
-    warp_max = smem.allocate_tensor(Float32, cute.make_layout(WARPS), byte_alignment=16)
+    warp_max = smem.allocate_tensor(Float32, cute.make_layout(WARPS_PER_CTA), byte_alignment=16)
 
     lane, rgrp = tidx % LANES, tidx // LANES
     row0, col = tile_r * TILE, tile_c * TILE + lane * VEC
@@ -128,7 +176,7 @@ def _quant_128x128_kernel(mX: cute.Tensor, mQ_u8: cute.Tensor, mS: cute.Tensor):
         warp_max[tidx // 32] = amax
     cute.arch.sync_threads()
     amax = warp_max[0]
-    for w in cutlass.range_constexpr(1, WARPS):
+    for w in cutlass.range_constexpr(1, WARPS_PER_CTA):
         amax = cute.arch.fmax(amax, warp_max[w])
     scale, inv = _scale_and_inverse(amax)
     for p in cutlass.range_constexpr(PASSES):
@@ -158,7 +206,8 @@ def _quant_dual_kernel(mX: cute.Tensor, mQ_u8: cute.Tensor, mS: cute.Tensor, mQT
     mQ = cute.make_tensor(cute.recast_ptr(mQ_u8.iterator, dtype=cutlass.Float8E4M3FN), mQ_u8.layout)
     mQT = cute.make_tensor(cute.recast_ptr(mQT_u8.iterator, dtype=cutlass.Float8E4M3FN), mQT_u8.layout)
     smem = cutlass.memory.SmemAllocator()
-    col_max = smem.allocate_tensor(Float32, cute.make_layout((WARPS, TILE), stride=(TILE, 1)), byte_alignment=16)
+    col_max = smem.allocate_tensor(Float32, cute.make_layout((WARPS_PER_CTA, TILE), stride=(TILE, 1)),
+                                   byte_alignment=16)
     # transposed fp8 tile [column][token]; rows padded by 16 bytes against bank conflicts
     tile_t = smem.allocate_tensor(cutlass.Float8E4M3FN, cute.make_layout((TILE, TILE), stride=(TILE + 16, 1)),
                                   byte_alignment=16)
@@ -192,7 +241,7 @@ def _quant_dual_kernel(mX: cute.Tensor, mQ_u8: cute.Tensor, mS: cute.Tensor, mQT
     for j in cutlass.range_constexpr(VEC):
         c = lane * VEC + j
         cmax = col_max[0, c]
-        for w in cutlass.range_constexpr(1, WARPS):
+        for w in cutlass.range_constexpr(1, WARPS_PER_CTA):
             cmax = cute.arch.fmax(cmax, col_max[w, c])
         scale, inv = _scale_and_inverse(cmax)
         column = cute.make_rmem_tensor((1, PASSES), Float32)

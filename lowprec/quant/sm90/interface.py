@@ -7,11 +7,11 @@ import torch
 from ...runtime import kernel_cache
 from ..layouts import to_mn_major_tma_aligned
 
-__all__ = ["kernel_unsupported", "quantize_1x128", "quantize_128x128", "quantize_dual", "build_kernel",
-           "compile_kernel", "KERNELS"]
+__all__ = ["kernel_unsupported", "quantize_1x128", "quantize_rowwise", "quantize_128x128", "quantize_dual",
+           "build_kernel", "compile_kernel", "KERNELS"]
 
 ARCH = "sm_90a"
-KERNELS = ("1x128", "128x128", "dual")
+KERNELS = ("1x128", "128x128", "dual", "rowwise")
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -53,7 +53,8 @@ def build_kernel(kind: str, dtype: torch.dtype, arch: str = ARCH):
 
     x, q = data(_cutlass_dtype(dtype)), data(cutlass.Uint8)
     stream = make_fake_stream(use_tvm_ffi_env_stream=True)
-    fn = {"1x128": fp8_quant.quant_1x128, "128x128": fp8_quant.quant_128x128, "dual": fp8_quant.quant_dual}[kind]
+    fn = {"1x128": fp8_quant.quant_1x128, "128x128": fp8_quant.quant_128x128, "dual": fp8_quant.quant_dual,
+          "rowwise": fp8_quant.quant_rowwise}[kind]
     args = (x, q, scale(), data(cutlass.Uint8), scale()) if kind == "dual" else (x, q, scale())
     return compile_for_arch(fn, *args, stream, arch=arch, tvm_ffi=True)
 
@@ -78,6 +79,17 @@ def quantize_1x128(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if m:
         with torch.cuda.device(x.device):
             compile_kernel("1x128", x.dtype)(x, q.view(torch.uint8), s)
+    return q, s
+
+
+def quantize_rowwise(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` [M, K] -> (FP8 [M, K], FP32 scales [M, 1])."""
+    m, k = x.shape
+    q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
+    s = torch.empty(m, 1, dtype=torch.float32, device=x.device)
+    if m:
+        with torch.cuda.device(x.device):
+            compile_kernel("rowwise", x.dtype)(x, q.view(torch.uint8), s)
     return q, s
 
 
