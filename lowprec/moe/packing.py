@@ -10,10 +10,13 @@ import torch
 
 from ..quant import quantize
 from ..recipes import ScaleRecipe, get_recipe
+from ..runtime import kernel_failed, use_kernel
 from ..tensor import QuantizedTensor
 from .routing import Routing
 
 __all__ = ["gather_rows", "pack", "unpack"]
+
+_KERNEL_RECIPE = "fp8_block1x128"  # the Hopper packing kernel's recipe (exact FP32 scales)
 
 
 def _check_routing(routing: Routing) -> None:
@@ -29,11 +32,8 @@ def gather_rows(x: torch.Tensor | QuantizedTensor, routing: Routing) -> torch.Te
     that row's scale: 1 for FP32 scales).
     """
     _check_routing(routing)
+    _check_tokens(x, routing)
     tokens = routing.num_tokens
-    if not isinstance(x, (torch.Tensor, QuantizedTensor)) or x.dim() != 2 or x.shape[0] != tokens:
-        raise ValueError(f"x: expected [T={tokens}, H], got {type(x).__name__} {tuple(getattr(x, 'shape', ()))}")
-    if x.device != routing.row_slots.device:
-        raise ValueError(f"x: on {x.device}, but routing is on {routing.row_slots.device}")
     # padding rows (slot -1) read the appended zero row at index T
     src = torch.where(routing.row_slots >= 0, routing.row_slots // routing.top_k, tokens)
     if isinstance(x, QuantizedTensor):
@@ -45,6 +45,14 @@ def gather_rows(x: torch.Tensor | QuantizedTensor, routing: Routing) -> torch.Te
         scale = torch.cat([x.scale, zero.scale])[src]
         return QuantizedTensor(data, scale, x.recipe, (routing.num_rows, x.shape[1]), x.dtype)
     return torch.cat([x, x.new_zeros(1, x.shape[1])])[src]
+
+
+def _check_tokens(x: torch.Tensor | QuantizedTensor, routing: Routing) -> None:
+    tokens = routing.num_tokens
+    if not isinstance(x, (torch.Tensor, QuantizedTensor)) or x.dim() != 2 or x.shape[0] != tokens:
+        raise ValueError(f"x: expected [T={tokens}, H], got {type(x).__name__} {tuple(getattr(x, 'shape', ()))}")
+    if x.device != routing.row_slots.device:
+        raise ValueError(f"x: on {x.device}, but routing is on {routing.row_slots.device}")
 
 
 def _row_local(recipe: ScaleRecipe) -> bool:
@@ -66,7 +74,9 @@ def pack(x: torch.Tensor, routing: Routing, recipe: str | ScaleRecipe | None = "
         ``(rows, group_ends)``: ``[T·k, H]`` rows (row ``p < group_ends[-1]`` is token
         ``row_slots[p] // k``, the rest zero padding) and the int32 cumulative ends of the experts'
         groups. Bit-identical to quantizing the gathered rows; computed, as the kernel does, by
-        quantizing the ``T`` tokens once and copying each to its ``k`` rows.
+        quantizing the ``T`` tokens once and copying each to its ``k`` rows. On Hopper,
+        ``fp8_block1x128`` runs one CuTe DSL kernel (scales MN-major, as the GEMM reads them),
+        without device-to-host syncs (CUDA-graph capturable).
     """
     _check_routing(routing)
     if not isinstance(x, torch.Tensor) or not x.is_floating_point():
@@ -78,7 +88,29 @@ def pack(x: torch.Tensor, routing: Routing, recipe: str | ScaleRecipe | None = "
     if not _row_local(r):
         raise ValueError(f"recipe: pack needs a recipe that quantizes each row on its own (1 x N blocks, no global "
                          f"scale), got {r.name!r} with block {r.block}")
+    _check_tokens(x, routing)
+    x = x.detach()
+    if use_kernel("pack", x.device, ("sm_90a",), lambda: _pack_kernel_unsupported(x, routing, r)):
+        try:
+            from ..quant.sm90 import interface
+
+            q, s = interface.pack_1x128(x, routing.slot_rows, routing.row_slots)
+            return QuantizedTensor(q, s, r, (routing.num_rows, x.shape[1]), x.dtype), routing.group_ends
+        except Exception as err:
+            kernel_failed("pack", err)
     return gather_rows(quantize(x, r, check_finite=False), routing), routing.group_ends
+
+
+def _pack_kernel_unsupported(x: torch.Tensor, routing: Routing, r: ScaleRecipe) -> str | None:
+    if r != get_recipe(_KERNEL_RECIPE):
+        return f"recipe {r.name} ({r.scale_rounding} scales) has no packing kernel"
+    for name in ("slot_rows", "row_slots"):
+        index = getattr(routing, name)
+        if index.dtype != torch.int64 or not index.is_contiguous():
+            return f"routing.{name} must be contiguous int64 for the kernel"
+    from ..quant.sm90.interface import kernel_unsupported
+
+    return kernel_unsupported(x)
 
 
 def unpack(rows: torch.Tensor | QuantizedTensor, routing: Routing, weights: torch.Tensor | None = None,

@@ -2,6 +2,8 @@
 
 - ``quant_1x128``: each thread loads 8 contiguous elements (16 bytes of bf16), 16 threads cover
   one 128-wide block and reduce its amax with warp shuffles.
+- ``pack_1x128``: ``quant_1x128`` of MoE tokens, each stored to its packed (expert-contiguous)
+  rows, padding rows zero-filled.
 - ``quant_rowwise``: one CTA per row, amax sweep then quantize sweep (the second from L2).
 - ``quant_128x128``: one CTA per 128x128 weight tile, held in registers (read once).
 - ``quant_dual``: one CTA per 128x128 tile, both orientations (1x128 along features for the
@@ -86,6 +88,70 @@ def quant_1x128(mX: cute.Tensor, mQ_u8: cute.Tensor, mS: cute.Tensor, stream):
     groups = (mX.shape[0] * mS.shape[1] + UNROLL - 1) // UNROLL
     grid = (groups + GROUPS_PER_CTA - 1) // GROUPS_PER_CTA
     _quant_1x128_kernel(mX, mQ_u8, mS).launch(grid=(grid, 1, 1), block=(THREADS, 1, 1), stream=stream)
+
+
+# ---------------------------------------------------------------------------------------------
+# MoE token packing fused with 1x128 quantization. The grid walks the T tokens like quant_1x128
+# (each block of x read and quantized once, not k times) and stores the codes to the token's
+# packed rows ``slot_rows[t, j]`` (none where dropped). There are T·k packed rows, k per token: the
+# group handling token t also zero-fills those of rows t·k .. t·k + k - 1 that are padding
+# (``row_slots[p] == -1``), so every packed row is written exactly once, sized without a host sync.
+@cute.kernel
+def _pack_1x128_kernel(mX: cute.Tensor, mSlotRows: cute.Tensor, mRowSlots: cute.Tensor, mQ_u8: cute.Tensor,
+                       mS: cute.Tensor):
+    tidx, _, _ = cute.arch.thread_idx()
+    bidx, _, _ = cute.arch.block_idx()
+    tokens = mX.shape[0]
+    cols = mX.shape[1]
+    top_k = mSlotRows.shape[1]
+    blocks_per_row = mS.shape[1]
+    mQ = cute.make_tensor(cute.recast_ptr(mQ_u8.iterator, dtype=cutlass.Float8E4M3FN), mQ_u8.layout)
+
+    lane = tidx % LANES
+    first = (bidx * GROUPS_PER_CTA + tidx // LANES) * UNROLL
+    values = []
+    coords = []
+    for u in cutlass.range_constexpr(UNROLL):
+        token = (first + u) // blocks_per_row
+        kb = first + u - token * blocks_per_row
+        col = kb * BLOCK + lane * VEC
+        frag = cute.make_rmem_tensor((1, VEC), mX.element_type)
+        frag.fill(0)
+        if token < tokens and col < cols:
+            cute.autovec_copy(cute.local_tile(mX, (1, VEC), (token, col // VEC)), frag)
+        values.append(frag.load().to(Float32))
+        coords.append((token, kb, col))
+
+    zeros = cute.make_rmem_tensor((1, VEC), cutlass.Uint8)
+    zeros.fill(0)
+    for u in cutlass.range_constexpr(UNROLL):
+        token, kb, col = coords[u]
+        amax = abs(values[u]).reduce(cute.ReductionOp.MAX, Float32(0.0), 0)
+        amax = cute.arch.warp_reduction_max(amax, threads_in_group=LANES)
+        scale, inv = _scale_and_inverse(amax)
+        if token < tokens and col < cols:
+            q_frag = cute.make_rmem_tensor((1, VEC), cutlass.Float8E4M3FN)
+            q_frag.store((values[u] * inv).to(cutlass.Float8E4M3FN))
+            for j in cutlass.range(top_k):
+                dst = cutlass.Int32(mSlotRows[token, j])
+                if dst >= 0:
+                    cute.autovec_copy(q_frag, cute.local_tile(mQ, (1, VEC), (dst, col // VEC)))
+                    if lane == 0:
+                        mS[dst, kb] = scale
+                pad = token * top_k + j
+                if mRowSlots[pad] < 0:
+                    cute.autovec_copy(zeros, cute.local_tile(mQ_u8, (1, VEC), (pad, col // VEC)))
+                    if lane == 0:
+                        mS[pad, kb] = Float32(1.0)
+
+
+@cute.jit
+def pack_1x128(mX: cute.Tensor, mSlotRows: cute.Tensor, mRowSlots: cute.Tensor, mQ_u8: cute.Tensor,
+               mS: cute.Tensor, stream):
+    groups = (mX.shape[0] * mS.shape[1] + UNROLL - 1) // UNROLL
+    grid = (groups + GROUPS_PER_CTA - 1) // GROUPS_PER_CTA
+    _pack_1x128_kernel(mX, mSlotRows, mRowSlots, mQ_u8, mS).launch(
+        grid=(grid, 1, 1), block=(THREADS, 1, 1), stream=stream)
 
 
 # ---------------------------------------------------------------------------------------------

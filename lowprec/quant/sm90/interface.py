@@ -8,10 +8,10 @@ from ...runtime import kernel_cache
 from ..layouts import to_mn_major_tma_aligned
 
 __all__ = ["kernel_unsupported", "quantize_1x128", "quantize_rowwise", "quantize_128x128", "quantize_dual",
-           "build_kernel", "compile_kernel", "KERNELS"]
+           "pack_1x128", "build_kernel", "compile_kernel", "KERNELS"]
 
 ARCH = "sm_90a"
-KERNELS = ("1x128", "128x128", "dual", "rowwise")
+KERNELS = ("1x128", "128x128", "dual", "rowwise", "pack_1x128")
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -54,8 +54,16 @@ def build_kernel(kind: str, dtype: torch.dtype, arch: str = ARCH):
     x, q = data(_cutlass_dtype(dtype)), data(cutlass.Uint8)
     stream = make_fake_stream(use_tvm_ffi_env_stream=True)
     fn = {"1x128": fp8_quant.quant_1x128, "128x128": fp8_quant.quant_128x128, "dual": fp8_quant.quant_dual,
-          "rowwise": fp8_quant.quant_rowwise}[kind]
-    args = (x, q, scale(), data(cutlass.Uint8), scale()) if kind == "dual" else (x, q, scale())
+          "rowwise": fp8_quant.quant_rowwise, "pack_1x128": fp8_quant.pack_1x128}[kind]
+    if kind == "dual":
+        args = (x, q, scale(), data(cutlass.Uint8), scale())
+    elif kind == "pack_1x128":
+        slot_rows = make_fake_tensor(cutlass.Int64, (cute.sym_int(), cute.sym_int()), stride=(cute.sym_int64(), 1),
+                                     assumed_align=8)
+        row_slots = make_fake_tensor(cutlass.Int64, (cute.sym_int(),), stride=(1,), assumed_align=8)
+        args = (x, slot_rows, row_slots, q, scale())
+    else:
+        args = (x, q, scale())
     return compile_for_arch(fn, *args, stream, arch=arch, tvm_ffi=True)
 
 
@@ -118,3 +126,19 @@ def quantize_dual(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
         with torch.cuda.device(x.device):
             compile_kernel("dual", x.dtype)(x, q.view(torch.uint8), s, qt.view(torch.uint8), st)
     return q, s, qt, st
+
+
+def pack_1x128(x: torch.Tensor, slot_rows: torch.Tensor, row_slots: torch.Tensor) -> tuple[torch.Tensor,
+                                                                                           torch.Tensor]:
+    """MoE packing fused with 1x128 quantization: ``x`` [T, H] -> (FP8 [T·k, H], FP32 scales
+    [T·k, ceil(H/128)] MN-major). Packed row ``slot_rows[t, j]`` holds token ``t`` (nothing where
+    -1); row ``p`` with ``row_slots[p] == -1`` is zero with scale 1. Both index maps int64,
+    contiguous (:class:`lowprec.moe.Routing`'s)."""
+    t, h = x.shape
+    n = row_slots.shape[0]
+    q = torch.empty(n, h, dtype=torch.float8_e4m3fn, device=x.device)
+    s = _mn_major_scales(n, -(-h // 128), x.device)
+    if t and h:
+        with torch.cuda.device(x.device):
+            compile_kernel("pack_1x128", x.dtype)(x, slot_rows, row_slots, q.view(torch.uint8), s)
+    return q, s
