@@ -119,7 +119,8 @@ def unpack(rows: torch.Tensor | QuantizedTensor, routing: Routing, weights: torc
 
     Deterministic: accumulated in FP32 in top-k slot order ``j = 0, …, k−1`` from 0, each term
     rounded to FP32 (``weight · row``, not fused) before it is added; dropped slots add nothing.
-    Differentiable with respect to ``rows`` and ``weights`` (plain torch ops).
+    Differentiable with respect to ``rows`` and ``weights`` (plain torch ops). The forward pass is
+    gathers and elementwise ops: no atomics, no device-to-host sync.
 
     Args:
         rows: ``[T·k, H]`` packed rows (a QuantizedTensor is dequantized).

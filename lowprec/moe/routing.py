@@ -12,6 +12,9 @@ Every backend reproduces these rules exactly, so results are deterministic and b
 - **packed order**: kept slots grouped by expert id ascending, inside an expert by slot number
   ascending. The buffer has ``T·k`` rows whatever the routing (no device-to-host sync to size it);
   rows from ``group_ends[-1]`` on are padding.
+
+On CUDA, :func:`route`, :func:`select_experts` and :func:`dispatch` with ``check_ids=False`` never
+wait for the device (CUDA-graph capturable); only the id check and :meth:`Routing.stats` read back.
 """
 
 from __future__ import annotations
