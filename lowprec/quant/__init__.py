@@ -52,13 +52,13 @@ def quantize(x: torch.Tensor, recipe: str | ScaleRecipe, *, check_finite: bool =
         try:
             from .sm90 import interface
 
-            x2 = x if r.is_2d else x.reshape(-1, x.shape[-1])
             kernel = {"fp8_block1x128": interface.quantize_1x128, "fp8_block128x128": interface.quantize_128x128,
                       "fp8_rowwise": interface.quantize_rowwise}[r.name]
-            q, s = kernel(x2)
-            if not r.is_2d:
-                q, s = q.view(x.shape), s.view(*x.shape[:-1], s.shape[-1])
-            return QuantizedTensor(q, s, r, x.shape, x.dtype)
+            q, s = kernel(x.reshape(-1, x.shape[-1]))
+            # 128x128: a batch of matrices (experts) is one tall matrix, as no block spans two of them
+            s = (s.view(*x.shape[:-2], -(-x.shape[-2] // r.block[0]), s.shape[-1]) if r.is_2d
+                 else s.view(*x.shape[:-1], s.shape[-1]))
+            return QuantizedTensor(q.view(x.shape), s, r, x.shape, x.dtype)
         except Exception as err:
             kernel_failed("quantize", err)
     return quantize_reference(x, r)
@@ -67,8 +67,8 @@ def quantize(x: torch.Tensor, recipe: str | ScaleRecipe, *, check_finite: bool =
 def _kernel_unsupported(x: torch.Tensor, r: ScaleRecipe) -> str | None:
     if r.name not in _KERNEL_RECIPES or r.scale_rounding != "exact":
         return f"recipe {r.name} ({r.scale_rounding} scales) has no quantize kernel"
-    if r.is_2d and x.dim() != 2:
-        return "128x128 kernel takes 2-D weights"
+    if r.is_2d and x.dim() > 2 and x.shape[-2] % r.block[0]:
+        return f"128x128 kernel takes a batch of matrices only when rows are a multiple of {r.block[0]}"
     from .sm90.interface import kernel_unsupported
 
     return kernel_unsupported(x if x.dim() == 2 else x.reshape(-1, x.shape[-1]))

@@ -102,3 +102,29 @@ def test_kernel_is_deterministic_and_leaves_input_alone(monkeypatch):
     a, b = lowprec.quantize(x, "fp8_block1x128"), lowprec.quantize(x, "fp8_block1x128")
     _same(a, b)
     assert torch.equal(x, before)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(8, 256, 4096), (3, 128, 272), (2, 3, 384, 1040), (0, 128, 256)])
+def test_128x128_batch_of_experts_matches_reference(shape, monkeypatch):
+    g = torch.Generator(device="cuda").manual_seed(sum(shape))
+    x = torch.randn(shape, device="cuda", generator=g) * torch.exp(torch.randn(*shape[:-1], 1, device="cuda",
+                                                                               generator=g))
+    x = x.to(torch.bfloat16)
+    monkeypatch.setenv("LOWPREC_BACKEND", "reference")
+    ref = lowprec.quantize(x, "fp8_block128x128")
+    monkeypatch.setenv("LOWPREC_BACKEND", "kernel")
+    _poison_allocator()
+    _same(lowprec.quantize(x, "fp8_block128x128"), ref)
+
+
+@pytest.mark.gpu
+def test_128x128_batch_with_partial_row_blocks_takes_the_reference(monkeypatch):
+    x = _data(4 * 130, 256, torch.bfloat16, seed=4).view(4, 130, 256)  # a 128-row block would span two experts
+    monkeypatch.setenv("LOWPREC_BACKEND", "kernel")
+    with pytest.raises(RuntimeError, match="multiple of 128"):
+        lowprec.quantize(x, "fp8_block128x128")
+    monkeypatch.setenv("LOWPREC_BACKEND", "auto")
+    out = lowprec.quantize(x, "fp8_block128x128")
+    monkeypatch.setenv("LOWPREC_BACKEND", "reference")
+    _same(out, lowprec.quantize(x, "fp8_block128x128"))
