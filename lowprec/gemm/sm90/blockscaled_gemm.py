@@ -41,6 +41,11 @@ from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 from .config import SCALE_BLOCK, TileConfig, valid_tile_n  # noqa: F401  (re-exported)
 
 SMEM_CAPACITY_SM90 = 232448  # bytes of dynamic smem per CTA on sm_90
+_SB_BOX_K = 4  # K blocks per TMA box of 128x128 B scales (16 bytes: the smallest TMA box row)
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
 
 
 @dsl_user_op
@@ -145,7 +150,10 @@ class BlockScaledGemmSm90:
         self.epi_stage = 4 if self.out_dtype.width == 16 else 2
         self.d_layout = utils.LayoutEnum.ROW_MAJOR
 
-        ab_bytes_per_stage = (self.tile_m + self.tile_n) * self.tile_k * self.ab_dtype.width // 8
+        scale_bytes_per_stage = 4 * (_round_up(self.tile_m, 32) + 2 * _round_up(self.tile_n, 32))
+        ab_bytes_per_stage = (
+            (self.tile_m + self.tile_n) * self.tile_k * self.ab_dtype.width // 8 + scale_bytes_per_stage
+        )
         epi_bytes = self.tile_m * epi_n * self.out_dtype.width // 8 * self.epi_stage
         self.ab_stage = min(
             12, (SMEM_CAPACITY_SM90 - 2048 - epi_bytes) // ab_bytes_per_stage
@@ -168,6 +176,30 @@ class BlockScaledGemmSm90:
         self.epi_smem_layout_staged = sm90_utils.make_smem_layout_epi(
             self.out_dtype, self.d_layout, self.epi_tile, self.epi_stage
         )
+        # scales ride in the same pipeline stage as their K block (TMA, 128-byte aligned slots):
+        # A: tile_m row scales; B: tile_n column scales (1x128) or one 4-wide box of the
+        # [NB, KB] grid per 128-column block the tile touches (128x128)
+        self.sb_box = (self.tile_n, 1) if self.b_scale_per_col else (1, _SB_BOX_K)
+        self.sa_smem_layout_staged, self.sb_smem_layout_staged = self._scale_smem_layouts()
+        self.num_sb_boxes = 1 if self.b_scale_per_col or not self._two_b_blocks() else 2
+
+    def _scale_smem_layouts(self):
+        """(A-scale, B-scale) staged smem layouts; built again inside the kernel (layouts made
+        on the host side may not be captured by the kernel region)."""
+        sa = cute.make_layout(
+            (self.tile_m, 1, self.ab_stage), stride=(1, 1, _round_up(self.tile_m, 32))
+        )
+        sb_slot = _round_up(self.sb_box[0] * self.sb_box[1], 32)
+        sb = cute.make_layout((*self.sb_box, self.ab_stage), stride=(self.sb_box[1], 1, sb_slot))
+        return sa, sb
+
+    def _sb_box_floats(self) -> int:
+        """smem floats of one staged B-scale box buffer (a multiple of 32: 128-byte aligned)"""
+        return _round_up(self.sb_box[0] * self.sb_box[1], 32) * self.ab_stage
+
+    def _two_b_blocks(self) -> bool:
+        """128x128 B scales: can a tile's columns span two 128-wide scale blocks?"""
+        return self.n_straddle or self.tile_n > SCALE_BLOCK
 
     @cute.jit
     def __call__(
@@ -207,6 +239,19 @@ class BlockScaledGemmSm90:
             cute.slice_(self.b_smem_layout_staged, (None, None, 0)),
             (self.tile_n, self.tile_k),
             num_multicast=self.num_mcast_ctas_b,
+        )
+        # scales: every CTA loads its own (no multicast)
+        tma_atom_sa, tma_tensor_sa = cute.nvgpu.cpasync.make_tiled_tma_atom(
+            cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(),
+            mSA,
+            cute.slice_(self.sa_smem_layout_staged, (None, None, 0)),
+            (self.tile_m, 1),
+        )
+        tma_atom_sb, tma_tensor_sb = cute.nvgpu.cpasync.make_tiled_tma_atom(
+            cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(),
+            mSB,
+            cute.slice_(self.sb_smem_layout_staged, (None, None, 0)),
+            self.sb_box,
         )
         tma_atom_d, tma_tensor_d = cute.nvgpu.cpasync.make_tiled_tma_atom(
             cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(),
@@ -248,6 +293,14 @@ class BlockScaledGemmSm90:
                 cute.struct.MemRange[self.out_dtype, cute.cosize(self.epi_smem_layout_staged)],
                 self.buffer_align_bytes,
             ]
+            sSA: cute.struct.Align[
+                cute.struct.MemRange[cutlass.Float32, cute.cosize(self.sa_smem_layout_staged)],
+                128,
+            ]
+            sSB: cute.struct.Align[
+                cute.struct.MemRange[cutlass.Float32, self._sb_box_floats() * self.num_sb_boxes],
+                128,
+            ]
 
         self.shared_storage = SharedStorage
 
@@ -258,8 +311,10 @@ class BlockScaledGemmSm90:
             tma_tensor_b,
             tma_atom_d,
             tma_tensor_d,
-            mSA,
-            mSB,
+            tma_atom_sa,
+            tma_tensor_sa,
+            tma_atom_sb,
+            tma_tensor_sb,
             mBias,
             self.tiled_mma,
             self.cta_layout_mnk,
@@ -285,7 +340,9 @@ class BlockScaledGemmSm90:
         mB: cute.Tensor,
         tma_atom_d: cute.CopyAtom,
         mD: cute.Tensor,
+        tma_atom_sa: cute.CopyAtom,
         mSA: cute.Tensor,
+        tma_atom_sb: cute.CopyAtom,
         mSB: cute.Tensor,
         mBias: cute.Tensor,
         tiled_mma: cute.TiledMma,
@@ -301,6 +358,8 @@ class BlockScaledGemmSm90:
             cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_a)
             cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_b)
             cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_d)
+            cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_sa)
+            cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_sb)
 
         cta_rank_in_cluster = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
         cluster_coord_mnk = cta_layout_mnk.get_flat_coord(cta_rank_in_cluster)
@@ -310,8 +369,10 @@ class BlockScaledGemmSm90:
 
         a_smem_layout = cute.slice_(a_smem_layout_staged, (None, None, 0))
         b_smem_layout = cute.slice_(b_smem_layout_staged, (None, None, 0))
-        tma_copy_bytes = cute.size_in_bytes(self.ab_dtype, a_smem_layout) + cute.size_in_bytes(
-            self.ab_dtype, b_smem_layout
+        tma_copy_bytes = (
+            cute.size_in_bytes(self.ab_dtype, a_smem_layout)
+            + cute.size_in_bytes(self.ab_dtype, b_smem_layout)
+            + 4 * (self.tile_m + self.sb_box[0] * self.sb_box[1] * self.num_sb_boxes)
         )
         mcast_size = self.num_mcast_ctas_a + self.num_mcast_ctas_b - 1
         mainloop_pipeline = pipeline.PipelineTmaAsync.create(
@@ -332,10 +393,18 @@ class BlockScaledGemmSm90:
         sD = storage.sD.get_tensor(
             epi_smem_layout_staged.outer, swizzle=epi_smem_layout_staged.inner
         )
+        sa_layout, sb_layout = self._scale_smem_layouts()
+        sSA = storage.sSA.get_tensor(sa_layout)
+        sSB = [
+            cute.make_tensor(storage.sSB.data_ptr() + i * self._sb_box_floats(), sb_layout)
+            for i in range(self.num_sb_boxes)
+        ]
 
         # (BM, BK, #m tiles, #k tiles) etc.
         gA = cute.local_tile(mA, (self.tile_m, self.tile_k), (None, None))
         gB = cute.local_tile(mB, (self.tile_n, self.tile_k), (None, None))
+        gSA = cute.local_tile(mSA, (self.tile_m, 1), (None, None))  # (BM, 1, #m tiles, KB)
+        gSB = cute.local_tile(mSB, self.sb_box, (None, None))
         if cutlass.const_expr(self.split_k > 1):
             # mD is (M, N, split_k): (BM, BN, #m tiles, #n tiles, split_k)
             gD = cute.local_tile(mD, (self.tile_m, self.tile_n), (None, None, None))
@@ -353,10 +422,16 @@ class BlockScaledGemmSm90:
                 self._producer_mainloop(
                     tma_atom_a,
                     tma_atom_b,
+                    tma_atom_sa,
+                    tma_atom_sb,
                     gA,
                     gB,
+                    gSA,
+                    gSB,
                     sA,
                     sB,
+                    sSA,
+                    sSB,
                     mainloop_pipeline,
                     cta_layout_mnk,
                     cluster_coord_mnk,
@@ -375,8 +450,8 @@ class BlockScaledGemmSm90:
                 gD,
                 cute.size(mD, mode=[1]),
                 tma_atom_d,
-                mSA,
-                mSB,
+                sSA,
+                sSB,
                 mBias,
                 mainloop_pipeline,
                 k_tile_cnt,
@@ -389,10 +464,16 @@ class BlockScaledGemmSm90:
         self,
         tma_atom_a: cute.CopyAtom,
         tma_atom_b: cute.CopyAtom,
+        tma_atom_sa: cute.CopyAtom,
+        tma_atom_sb: cute.CopyAtom,
         gA: cute.Tensor,
         gB: cute.Tensor,
+        gSA: cute.Tensor,
+        gSB: cute.Tensor,
         sA: cute.Tensor,
         sB: cute.Tensor,
+        sSA: cute.Tensor,
+        sSB: list,
         mainloop_pipeline: pipeline.PipelineTmaAsync,
         cta_layout_mnk: cute.Layout,
         cluster_coord_mnk,
@@ -420,6 +501,18 @@ class BlockScaledGemmSm90:
             cute.group_modes(sB, 0, 2),
             cute.group_modes(gB, 0, 2),
         )
+        tSAsSA, tSAgSA = cute.nvgpu.cpasync.tma_partition(
+            tma_atom_sa, 0, cute.make_layout(1), cute.group_modes(sSA, 0, 2),
+            cute.group_modes(gSA, 0, 2),
+        )
+        sb_parts = [
+            cute.nvgpu.cpasync.tma_partition(
+                tma_atom_sb, 0, cute.make_layout(1), cute.group_modes(s, 0, 2),
+                cute.group_modes(gSB, 0, 2),
+            )
+            for s in sSB
+        ]
+        nsb_rows = cute.size(gSB, mode=[2])
 
         tile_sched = utils.StaticPersistentTileScheduler.create(
             tile_sched_params, cute.arch.block_idx(), cute.arch.grid_dim()
@@ -431,19 +524,36 @@ class BlockScaledGemmSm90:
             tAgA_m = tAgA[(None, tile_coord[0], None)]
             tBgB_n = tBgB[(None, tile_coord[1], None)]
             k_first, k_cnt = self._k_range(tile_coord, k_tile_cnt)
+            tSAgSA_m = tSAgSA[(None, tile_coord[0], None)]
+            if cutlass.const_expr(self.b_scale_per_col):
+                sb_rows = [tile_coord[1]]
+            else:
+                nb0 = tile_coord[1] * self.tile_n // SCALE_BLOCK
+                sb_rows = [cutlass.min(nb0 + i, nsb_rows - 1) for i in range(self.num_sb_boxes)]
             for k_tile in range(k_cnt):
                 mainloop_pipeline.producer_acquire(state)
                 bar = mainloop_pipeline.producer_get_barrier(state)
+                k = k_first + k_tile
+                cute.copy(
+                    tma_atom_sa, tSAgSA_m[(None, k)], tSAsSA[(None, state.index)], tma_bar_ptr=bar
+                )
+                for i in cutlass.range_constexpr(self.num_sb_boxes):
+                    tSBsSB, tSBgSB = sb_parts[i]
+                    if cutlass.const_expr(self.b_scale_per_col):
+                        src = tSBgSB[(None, sb_rows[i], k)]
+                    else:
+                        src = tSBgSB[(None, sb_rows[i], k // _SB_BOX_K)]
+                    cute.copy(tma_atom_sb, src, tSBsSB[(None, state.index)], tma_bar_ptr=bar)
                 cute.copy(
                     tma_atom_a,
-                    tAgA_m[(None, k_first + k_tile)],
+                    tAgA_m[(None, k)],
                     tAsA[(None, state.index)],
                     tma_bar_ptr=bar,
                     mcast_mask=a_mcast_mask,
                 )
                 cute.copy(
                     tma_atom_b,
-                    tBgB_n[(None, k_first + k_tile)],
+                    tBgB_n[(None, k)],
                     tBsB[(None, state.index)],
                     tma_bar_ptr=bar,
                     mcast_mask=b_mcast_mask,
@@ -467,8 +577,8 @@ class BlockScaledGemmSm90:
         gD: cute.Tensor,
         n_size,
         tma_atom_d: cute.CopyAtom,
-        mSA: cute.Tensor,
-        mSB: cute.Tensor,
+        sSA: cute.Tensor,
+        sSB: list,
         mBias: cute.Tensor,
         mainloop_pipeline: pipeline.PipelineTmaAsync,
         k_tile_cnt,
@@ -521,14 +631,14 @@ class BlockScaledGemmSm90:
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_threads),
         )
 
-        m_size = cute.size(mSA, mode=[0])
-        nsb_rows = cute.size(mSB, mode=[0])
-
         n_sb = 2 * n_cgroups if self.b_scale_per_col else 2
         sa_buf0 = cute.make_rmem_tensor((2,), self.acc_dtype)
         sa_buf1 = cute.make_rmem_tensor((2,), self.acc_dtype)
         sb_buf0 = cute.make_rmem_tensor((n_sb,), self.acc_dtype)
         sb_buf1 = cute.make_rmem_tensor((n_sb,), self.acc_dtype)
+        # tile-relative rows (r = 0, 1: +8) and first column of this thread's accumulator values
+        # (value v = c + 2*r + 4*j sits at row_l[r], col_l + 8*j + c)
+        scale_pos = ([tCcC[0][0], tCcC[2][0]], tCcC[0][1])
 
         tile_sched = utils.StaticPersistentTileScheduler.create(
             tile_sched_params, cute.arch.block_idx(), cute.arch.grid_dim()
@@ -541,42 +651,36 @@ class BlockScaledGemmSm90:
 
         while work_tile.is_valid_tile:
             tile_coord = work_tile.tile_idx
-            m0 = tile_coord[0] * self.tile_m
             n0 = tile_coord[1] * self.tile_n
-
-            # rows of this thread (clamped for the scale loads: rows >= M hold zeros anyway)
-            rows = [
-                cutlass.min(m0 + tCcC[2 * r][0], m_size - 1) for r in range(2)
-            ]
-            # first column of this thread (value v = c + 2*r + 4*j sits at col0 + 8*j + c)
             col0 = n0 + tCcC[0][1]
-            nb0 = n0 // SCALE_BLOCK
-            nb1 = cutlass.min(nb0 + 1, nsb_rows - 1)
-            # first column (tile-relative) that belongs to scale block nb0 + 1
-            split = (nb0 + 1) * SCALE_BLOCK - n0
+            # first column (tile-relative) that belongs to the next 128-wide scale block
+            split = (n0 // SCALE_BLOCK + 1) * SCALE_BLOCK - n0
 
             k_first, k_cnt = self._k_range(tile_coord, k_tile_cnt)
+            scales = (sSA, sSB, scale_pos)
             acc.fill(0.0)
             if cutlass.const_expr(self.overlap):
                 # software pipeline over K blocks with two block accumulators (blk, blk2):
-                # the wgmma of block k+1 is in flight while block k is promoted. Scales are
-                # prefetched two blocks ahead (buf0: even blocks, buf1: odd blocks).
+                # the wgmma of block k+1 is in flight while block k is promoted. Block k's
+                # scales are read from its stage right after its wgmma is issued (buf0: even
+                # blocks, buf1: odd blocks), before the stage is released.
                 # NB: pipeline-state updates stay in this loop body (``x.advance()``) so that
                 # the DSL carries the states through the dynamic loop / if regions.
-                self._load_scales(mSA, mSB, rows, col0, nb0, nb1, k_first, sa_buf0, sb_buf0)
-                self._load_scales(
-                    mSA, mSB, rows, col0, nb0, nb1, k_first + cutlass.min(1, k_cnt - 1),
-                    sa_buf1, sb_buf1,
-                )
                 # prologue: block 0 -> blk (in flight)
                 fence_operand(blk)
-                self._issue_kblock(mmas, tCrA, tCrB, blk, mainloop_pipeline, read_state)
+                self._issue_kblock(
+                    mmas, tCrA, tCrB, blk, mainloop_pipeline, read_state,
+                    scales, k_first, sa_buf0, sb_buf0,
+                )
                 read_state.advance()
                 # steady state, straight-line body (keeps ptxas' wgmma register analysis exact):
                 # entry and exit: one block in flight in blk (even block 2j)
                 for j in range((k_cnt - 1) // 2):
                     fence_operand(blk2)
-                    self._issue_kblock(mmas, tCrA, tCrB, blk2, mainloop_pipeline, read_state)
+                    self._issue_kblock(
+                        mmas, tCrA, tCrB, blk2, mainloop_pipeline, read_state,
+                        scales, k_first + 2 * j + 1, sa_buf1, sb_buf1,
+                    )
                     read_state.advance()
                     cute.nvgpu.warpgroup.wait_group(1)
                     fence_operand(blk)
@@ -584,12 +688,11 @@ class BlockScaledGemmSm90:
                     release_state.advance()
                     self._promote(acc, blk, sa_buf0, sb_buf0, split)
                     fence_operand(acc)
-                    self._load_scales(
-                        mSA, mSB, rows, col0, nb0, nb1,
-                        k_first + cutlass.min(2 * j + 2, k_cnt - 1), sa_buf0, sb_buf0,
-                    )
                     fence_operand(blk)
-                    self._issue_kblock(mmas, tCrA, tCrB, blk, mainloop_pipeline, read_state)
+                    self._issue_kblock(
+                        mmas, tCrA, tCrB, blk, mainloop_pipeline, read_state,
+                        scales, k_first + 2 * j + 2, sa_buf0, sb_buf0,
+                    )
                     read_state.advance()
                     cute.nvgpu.warpgroup.wait_group(1)
                     fence_operand(blk2)
@@ -597,14 +700,13 @@ class BlockScaledGemmSm90:
                     release_state.advance()
                     self._promote(acc, blk2, sa_buf1, sb_buf1, split)
                     fence_operand(acc)
-                    self._load_scales(
-                        mSA, mSB, rows, col0, nb0, nb1,
-                        k_first + cutlass.min(2 * j + 3, k_cnt - 1), sa_buf1, sb_buf1,
-                    )
                 # tail: the block in blk, plus one more block when k_cnt is even
                 if k_cnt % 2 == 0:
                     fence_operand(blk2)
-                    self._issue_kblock(mmas, tCrA, tCrB, blk2, mainloop_pipeline, read_state)
+                    self._issue_kblock(
+                        mmas, tCrA, tCrB, blk2, mainloop_pipeline, read_state,
+                        scales, k_first + k_cnt - 1, sa_buf1, sb_buf1,
+                    )
                     read_state.advance()
                     cute.nvgpu.warpgroup.wait_group(1)
                     fence_operand(blk)
@@ -623,30 +725,18 @@ class BlockScaledGemmSm90:
                     release_state.advance()
                     self._promote(acc, blk, sa_buf0, sb_buf0, split)
             else:
-                # scales of K block k are loaded one K block ahead (ping-pong register buffers)
-                self._load_scales(mSA, mSB, rows, col0, nb0, nb1, k_first, sa_buf0, sb_buf0)
-                for k_pair in range((k_cnt + 1) // 2):
+                for k_tile in range(k_cnt):
                     # NB: pipeline-state updates stay in this loop body (``x.advance()``)
                     # so that the DSL carries the states through the dynamic loop / if regions.
-                    k_tile = 2 * k_pair
-                    self._mma_kblock(
+                    self._issue_kblock(
                         mmas, tCrA, tCrB, blk, mainloop_pipeline, read_state,
-                        mSA, mSB, rows, col0, nb0, nb1, k_first, k_tile, k_cnt, sa_buf1, sb_buf1,
+                        scales, k_first + k_tile, sa_buf0, sb_buf0,
                     )
+                    cute.nvgpu.warpgroup.wait_group(0)
                     mainloop_pipeline.consumer_release(read_state)
                     read_state.advance()
                     release_state.advance()
                     self._promote(acc, blk, sa_buf0, sb_buf0, split)
-                    if k_tile + 1 < k_cnt:
-                        self._mma_kblock(
-                            mmas, tCrA, tCrB, blk, mainloop_pipeline, read_state,
-                            mSA, mSB, rows, col0, nb0, nb1, k_first, k_tile + 1, k_cnt,
-                            sa_buf0, sb_buf0,
-                        )
-                        mainloop_pipeline.consumer_release(read_state)
-                        read_state.advance()
-                        release_state.advance()
-                        self._promote(acc, blk, sa_buf1, sb_buf1, split)
 
             # ---------------- epilogue
             if cutlass.const_expr(self.bias_dtype is not None):
@@ -706,26 +796,14 @@ class BlockScaledGemmSm90:
             k_cnt = cutlass.min(per, k_tile_cnt - k_first)
         return k_first, k_cnt
 
-    # --- one K block: wgmma into a fresh accumulator, prefetch next scales, promote -------
+    # --- one K block: wgmma into a fresh accumulator, its scales, promotion ---------------
     @cute.jit
-    def _load_scales(self, mSA, mSB, rows, col0, nb0, nb1, k_tile, sa_dst, sb_dst):
-        for r in cutlass.range_constexpr(2):
-            sa_dst[r] = mSA[(rows[r], k_tile)]
-        if cutlass.const_expr(self.b_scale_per_col):
-            # 1x128 B scales arrive N-contiguous and zero-padded past N (see interface), so the
-            # loads need no clamping and use immediate offsets from one base address
-            for j in cutlass.range_constexpr(cute.size(sb_dst) // 2):
-                for c in cutlass.range_constexpr(2):
-                    sb_dst[2 * j + c] = mSB[(col0 + 8 * j + c, k_tile)]
-        else:
-            sb_dst[0] = mSB[(nb0, k_tile)]
-            if cutlass.const_expr(self.n_straddle or self.tile_n > SCALE_BLOCK):
-                sb_dst[1] = mSB[(nb1, k_tile)]
-
-    @cute.jit
-    def _issue_kblock(self, mmas, tCrA, tCrB, blk, mainloop_pipeline, read_state):
-        """Wait for the stage of ``read_state`` and issue its K block's wgmma batch into the
-        fresh accumulator ``blk`` (asynchronous: the caller waits with ``wait_group``).
+    def _issue_kblock(
+        self, mmas, tCrA, tCrB, blk, mainloop_pipeline, read_state, scales, k, sa_dst, sb_dst
+    ):
+        """Wait for the stage of ``read_state``, issue its K block's wgmma batch into the fresh
+        accumulator ``blk`` (asynchronous: the caller waits with ``wait_group``) and copy the
+        block's scales (K block ``k``) from the stage to registers ``sa_dst``/``sb_dst``.
         ``mmas`` = (MMA with ACCUMULATE off, MMA with ACCUMULATE on)."""
         mainloop_pipeline.consumer_wait(read_state)
         cute.nvgpu.warpgroup.fence()
@@ -734,28 +812,17 @@ class BlockScaledGemmSm90:
             mma = mmas[0] if kb == 0 else mmas[1]
             cute.gemm(mma, blk, tCrA[kcoord], tCrB[kcoord], blk)
         cute.nvgpu.warpgroup.commit_group()
-
-    @cute.jit
-    def _mma_kblock(
-        self, mmas, tCrA, tCrB, blk, mainloop_pipeline, read_state,
-        mSA, mSB, rows, col0, nb0, nb1, k_first, k_tile, k_cnt, sa_nxt, sb_nxt,
-    ):
-        """wgmma of one 128-wide K block into the fresh accumulator ``blk`` (waits for its
-        completion); loads the next K block's scales meanwhile. The caller releases the stage,
-        advances the pipeline state and promotes."""
-        mainloop_pipeline.consumer_wait(read_state)
-        cute.nvgpu.warpgroup.fence()
-        for kb in cutlass.range_constexpr(cute.size(tCrA, mode=[2])):
-            kcoord = (None, None, kb, read_state.index)
-            mma = mmas[0] if kb == 0 else mmas[1]
-            cute.gemm(mma, blk, tCrA[kcoord], tCrB[kcoord], blk)
-        cute.nvgpu.warpgroup.commit_group()
-        # prefetch the next K block's scales while the wgmma batch runs
-        self._load_scales(
-            mSA, mSB, rows, col0, nb0, nb1, k_first + cutlass.min(k_tile + 1, k_cnt - 1),
-            sa_nxt, sb_nxt,
-        )
-        cute.nvgpu.warpgroup.wait_group(0)
+        sSA, sSB, (rows_l, col_l) = scales
+        stage = read_state.index
+        for r in cutlass.range_constexpr(2):
+            sa_dst[r] = sSA[(rows_l[r], 0, stage)]
+        if cutlass.const_expr(self.b_scale_per_col):
+            for j in cutlass.range_constexpr(cute.size(sb_dst) // 2):
+                for c in cutlass.range_constexpr(2):
+                    sb_dst[2 * j + c] = sSB[0][(col_l + 8 * j + c, 0, stage)]
+        else:
+            for i in cutlass.range_constexpr(self.num_sb_boxes):
+                sb_dst[i] = sSB[i][(0, k % _SB_BOX_K, stage)]
 
     @cute.jit
     def _promote(self, acc, blk, sa, sb, split):
@@ -770,7 +837,7 @@ class BlockScaledGemmSm90:
         else:
             p0 = [sa[r] * sb[0] for r in range(2)]
             p1 = p0
-            if cutlass.const_expr(self.n_straddle or self.tile_n > SCALE_BLOCK):
+            if cutlass.const_expr(self._two_b_blocks()):
                 p1 = [sa[r] * sb[1] for r in range(2)]
             for j in cutlass.range_constexpr(n_cgroups):
                 for r in cutlass.range_constexpr(2):

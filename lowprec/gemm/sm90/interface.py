@@ -159,11 +159,12 @@ def build_kernel(config, out_dtype, b_scale_per_col: bool, bias_dtype, num_sms: 
                  stride=(cute.sym_int64(divisibility=4), 1, cute.sym_int64(divisibility=4)), assumed_align=16)
     else:
         d = fake(c_out, (sym_m, sym_n), stride=(cute.sym_int64(divisibility=8), 1), assumed_align=16)
-    sa = fake(cutlass.Float32, (sym_m, sym_kb), stride=(cute.sym_int64(), cute.sym_int64()), assumed_align=4)
+    # scales are loaded by TMA: 16-byte aligned base and leading dimension (see _tma_scales)
+    sa = fake(cutlass.Float32, (sym_m, sym_kb), stride=(1, cute.sym_int64(divisibility=4)), assumed_align=16)
     if b_scale_per_col:  # N-contiguous, zero-padded past N (see _prep_b_scale_per_col)
         sb = fake(cutlass.Float32, (sym_sb_rows, sym_kb), stride=(1, cute.sym_int64(divisibility=4)), assumed_align=16)
     else:
-        sb = fake(cutlass.Float32, (sym_sb_rows, sym_kb), stride=(cute.sym_int64(), cute.sym_int64()), assumed_align=4)
+        sb = fake(cutlass.Float32, (sym_sb_rows, sym_kb), stride=(cute.sym_int64(divisibility=4), 1), assumed_align=16)
     if c_bias is not None:
         bias = fake(c_bias, (sym_n,), stride=(1,), assumed_align=4)
     else:
@@ -285,6 +286,29 @@ def _prep_b_scale_per_col(b_scale: torch.Tensor) -> torch.Tensor:
     return buf.t()
 
 
+def _tma_a_scale(a_scale: torch.Tensor) -> torch.Tensor:
+    """[M, KB] A scales as the kernel's TMA reads them: MN-major (stride (1, ld)), ld a multiple
+    of 4, 16-byte aligned (what the 1x128 quantize kernels write: no copy then)."""
+    m, kb = a_scale.shape
+    if a_scale.stride(0) == 1 and a_scale.stride(1) % 4 == 0 and a_scale.data_ptr() % 16 == 0:
+        return a_scale
+    ld = -(-m // 4) * 4
+    buf = torch.zeros(kb, ld, dtype=torch.float32, device=a_scale.device)
+    buf[:, :m].copy_(a_scale.t())
+    return buf[:, :m].t()
+
+
+def _tma_b_scale_blocks(b_scale: torch.Tensor) -> torch.Tensor:
+    """[NB, KB] 128x128 B scales as the kernel's TMA reads them: K-contiguous, row stride a
+    multiple of 4, 16-byte aligned (quantized weights with K % 512 == 0 need no copy)."""
+    nb, kb = b_scale.shape
+    if b_scale.stride(1) == 1 and b_scale.stride(0) % 4 == 0 and b_scale.data_ptr() % 16 == 0:
+        return b_scale
+    buf = torch.zeros(nb, -(-kb // 4) * 4, dtype=torch.float32, device=b_scale.device)
+    buf[:, :kb].copy_(b_scale)
+    return buf[:, :kb]
+
+
 def gemm_blockwise_fp8(
     a: torch.Tensor,
     a_scale: torch.Tensor,
@@ -318,8 +342,8 @@ def gemm_blockwise_fp8(
                and out.device == a.device,
                f"out: expected a contiguous [{m}, {n}] {out_dtype} tensor on {a.device}")
         d = out
-    if per_col:
-        b_scale = _prep_b_scale_per_col(b_scale)
+    a_scale = _tma_a_scale(a_scale)
+    b_scale = _prep_b_scale_per_col(b_scale) if per_col else _tma_b_scale_blocks(b_scale)
     if split > 1:
         ws = torch.empty((split, m, n), dtype=torch.float32, device=a.device).permute(1, 2, 0)
         _launch(fn, a, b, ws, a_scale, b_scale, _dummy(a.device))
