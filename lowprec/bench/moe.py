@@ -1,0 +1,318 @@
+"""``python -m lowprec bench moe``: MoE expert GEMMs and the MoE layer, lowprec FP8 vs torch.
+
+Per config (E experts, hidden H, expert FFN width F, top-k, T tokens) and routing (``balanced``:
+k distinct experts uniformly at random; ``skewed``: Zipf popularity, expert e drawn ∝ 1/(e+1)^s):
+
+- GEMM, the first expert GEMM: packed tokens ``[T·k, H]`` times ``w1[e]ᵀ`` (``w1`` ``[E, 2F, H]``).
+  ``lowprec.grouped_gemm`` (1x128 activations from ``pack``, 128x128 weights) vs
+  ``torch._scaled_grouped_mm`` (FP8, rowwise scales) and ``torch._grouped_mm`` (bf16). TFLOPS count
+  useful rows only (2 · routed · 2F · H); ``x`` columns are the peer's time over lowprec's (> 1:
+  lowprec faster); errors are rel-L2 against the FP64 product of the unquantized inputs on up to 4
+  experts x 128 rows.
+- layer: ``lowprec.moe.experts`` (``fp8_block``) vs the same MoE in bf16 on ``torch._grouped_mm``
+  (dispatch, gather rows, grouped_mm w1, swiglu, grouped_mm w2, weighted unpack), forward (no grad)
+  and forward + backward, both from the same top-k choices.
+- permutation: lowprec's ``pack`` (gather fused with FP8 1x128 quantization), the bf16 gather, and
+  ``unpack``. Padding: buffer rows beyond the routed ones (slots dropped by ``--capacity-factor``),
+  and rows that 128-row M tiles compute beyond their expert's, both over the routed rows.
+
+Timing: ``bench_ms`` (median, L2 flushed before every call), random data, never zeros. A peer that
+fails (e.g. an op missing from the installed torch) is reported as n/a with the reason.
+
+    python -m lowprec bench moe [--quick] [--configs E,H,F,k,T;...] [--routings balanced,skewed]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+
+import torch
+import torch.nn.functional as F
+
+from ..gemm import grouped_gemm
+from ..metrics import rel_l2
+from ..moe import Routing, dispatch, experts, gather_rows, pack, unpack
+from ..quant import quantize
+from .common import bench_ms, print_table, save_results
+
+# (E, H, F, k, T): Mixtral-8x7B, DeepSeek-V3, Qwen3-30B-A3B-like expert shapes
+CONFIGS = [(8, 4096, 14336, 2, 4096), (64, 7168, 2048, 8, 4096), (128, 2048, 768, 8, 8192)]
+ROUTINGS = ("balanced", "skewed")
+TILE_M = 128  # M tile of the padding-waste estimate
+ERROR_EXPERTS, ERROR_ROWS = 4, 128
+
+
+def _config(text: str) -> tuple[int, int, int, int, int]:
+    parts = text.split(",")
+    if len(parts) != 5 or not all(p.strip().isdigit() and int(p) > 0 for p in parts):
+        raise argparse.ArgumentTypeError(f"expected five positive ints E,H,F,k,T, got {text!r}")
+    e, h, f, k, t = (int(p) for p in parts)
+    if k > e:
+        raise argparse.ArgumentTypeError(f"top-k {k} is more than E={e} in {text!r}")
+    if h % 16 or f % 16:
+        raise argparse.ArgumentTypeError(f"H and F must be multiples of 16 (FP8 GEMMs), got {text!r}")
+    return e, h, f, k, t
+
+
+def _configs(text: str) -> list[tuple[int, int, int, int, int]]:
+    return [_config(c) for c in text.split(";") if c.strip()]
+
+
+def _routings(text: str) -> tuple[str, ...]:
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    bad = [n for n in names if n not in ROUTINGS]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"expected a comma-separated subset of {','.join(ROUTINGS)}, got {text!r}")
+    return names
+
+
+def _positive(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
+    return value
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m lowprec bench moe", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="the first config only")
+    p.add_argument("--configs", type=_configs, default=None, help="E,H,F,k,T;... (replaces the defaults)")
+    p.add_argument("--routings", type=_routings, default=ROUTINGS, help="comma-separated: balanced,skewed")
+    p.add_argument("--zipf", type=_positive, default=1.2, help="exponent s of the skewed routing (default 1.2)")
+    p.add_argument("--capacity-factor", type=_positive, default=None,
+                   help="drop slots over each expert's capacity (default: dropless)")
+    p.add_argument("--no-layer", action="store_true", help="skip the MoE layer timings")
+    p.add_argument("--no-error", action="store_true", help="skip the FP64 error check")
+    p.add_argument("--budget-ms", type=_positive, default=2000.0,
+                   help="rough time per measurement: slow calls get fewer repetitions (5 to 50)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="results JSON (default benchmarks/results/<gpu>.json)")
+    args = p.parse_args(argv)
+    if args.configs is None:
+        args.configs = CONFIGS[:1] if args.quick else list(CONFIGS)
+    return args
+
+
+def make_routing(tokens: int, top_k: int, num_experts: int, kind: str, *, zipf: float = 1.2,
+                 capacity_factor: float | None = None, generator: torch.Generator, device="cuda") -> Routing:
+    """Top-k choices with ``kind`` load (module docstring), random combine weights, dispatched."""
+    if kind == "balanced":
+        ids = torch.rand(tokens, num_experts, device=device, generator=generator).argsort(dim=1)[:, :top_k]
+    elif kind == "skewed":
+        popularity = torch.arange(1, num_experts + 1, device=device, dtype=torch.float32) ** -zipf
+        ids = torch.multinomial(popularity.expand(tokens, -1).contiguous(), top_k, replacement=False,
+                                generator=generator)
+    else:
+        raise ValueError(f"kind: expected one of {ROUTINGS}, got {kind!r}")
+    weights = torch.rand(tokens, top_k, device=device, generator=generator).softmax(dim=-1)
+    return dispatch(weights, ids, num_experts, capacity_factor=capacity_factor)
+
+
+def padding_stats(routing: Routing, tile_m: int = TILE_M) -> dict[str, float]:
+    """``padding_waste``: buffer rows beyond the routed ones; ``tile_waste``: rows that ``tile_m``-row
+    M tiles compute beyond their expert's rows; both over the routed rows (reads back counts)."""
+    counts = routing.counts.tolist()
+    routed = sum(counts)
+    tiled = sum(-(-c // tile_m) * tile_m for c in counts)
+    return {"routed_rows": routed, "padding_waste": (routing.num_rows - routed) / max(routed, 1),
+            "tile_waste": (tiled - routed) / max(routed, 1), "max_load": max(counts),
+            "empty_experts": sum(c == 0 for c in counts)}
+
+
+def bf16_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w1: torch.Tensor,
+                 w2: torch.Tensor, capacity_factor: float | None = None) -> torch.Tensor:
+    """The baseline: the MoE of :func:`lowprec.moe.experts` (swiglu) in x's dtype on ``torch._grouped_mm``."""
+    r = dispatch(topk_weights, topk_ids, w1.shape[0], capacity_factor=capacity_factor, check_ids=False)
+    h = torch._grouped_mm(gather_rows(x, r), w1.transpose(-2, -1), offs=r.group_ends)
+    gate, up = h.chunk(2, dim=-1)
+    o = torch._grouped_mm(F.silu(gate) * up, w2.transpose(-2, -1), offs=r.group_ends)
+    return unpack(o, r, topk_weights, out_dtype=x.dtype)
+
+
+def error_rows(routing: Routing) -> list[tuple[int, torch.Tensor]]:
+    """``(expert, packed rows)``: the first rows of up to 4 non-empty experts spread over the ids."""
+    ends = routing.group_ends.tolist()
+    starts = [0] + ends[:-1]
+    nonempty = [e for e, (s, t) in enumerate(zip(starts, ends)) if t > s]
+    chosen = nonempty[::max(1, len(nonempty) // ERROR_EXPERTS)][:ERROR_EXPERTS]
+    device = routing.group_ends.device
+    return [(e, torch.arange(starts[e], min(ends[e], starts[e] + ERROR_ROWS), device=device)) for e in chosen]
+
+
+def reference_rows(x: torch.Tensor, w1: torch.Tensor, routing: Routing,
+                   sample: list[tuple[int, torch.Tensor]]) -> torch.Tensor:
+    """FP64 ``x[token] · w1[e]ᵀ`` for the sampled packed rows, in order."""
+    return torch.cat([x[routing.row_slots[rows] // routing.top_k].double() @ w1[e].double().T for e, rows in sample])
+
+
+def _time(fn, budget_ms: float) -> float:
+    """bench_ms with fewer repetitions for slow calls (each call is run once first, untimed)."""
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    once = (time.perf_counter() - start) * 1e3
+    rep = int(min(50, max(5, budget_ms / max(once, 1e-3))))
+    return bench_ms(fn, warmup=2 if once > 10 else 10, rep=rep)
+
+
+def _measure(name: str, fn, budget_ms: float, failures: dict[str, str]):
+    """``(ms, first output)``, or ``(nan, None)`` with the reason in ``failures``: one broken peer
+    (an op missing from this torch, out of memory) must not end the run."""
+    try:
+        out = fn()
+        return _time(fn, budget_ms), out
+    except Exception as err:  # noqa: BLE001 — reported as n/a
+        failures[name] = f"{type(err).__name__}: {str(err).splitlines()[0][:160] if str(err) else ''}"
+        torch.cuda.empty_cache()
+        return math.nan, None
+
+
+def _no_grad(fn):
+    def run():
+        with torch.no_grad():
+            return fn()
+    return run
+
+
+def _fwd_bwd(fn, leaves: list[torch.Tensor], dy: torch.Tensor):
+    def run():
+        for t in leaves:
+            t.grad = None
+        fn().backward(dy)
+    return run
+
+
+def _gemm_case(x, w1, routing, args, failures):
+    num_experts, two_ffn, hidden = w1.shape
+    a_q, ends = pack(x, routing, "fp8_block1x128")
+    w1_q = quantize(w1, "fp8_block128x128", check_finite=False)
+    rows = pack(x, routing, None)[0]
+    a_row = quantize(rows, "fp8_rowwise", check_finite=False)
+    w1_row = quantize(w1, "fp8_rowwise", check_finite=False)
+    scale_a, scale_b = a_row.scale.reshape(-1), w1_row.scale.reshape(num_experts, two_ffn)
+    calls = {
+        "lowprec": lambda: grouped_gemm(a_q, w1_q, group_ends=ends, out_dtype=torch.bfloat16),
+        "fp8_rowwise": lambda: torch._scaled_grouped_mm(a_row.data, w1_row.data.transpose(-2, -1), scale_a, scale_b,
+                                                        offs=ends, out_dtype=torch.bfloat16),
+        "bf16": lambda: torch._grouped_mm(rows, w1.transpose(-2, -1), offs=ends, out_dtype=torch.bfloat16),
+    }
+    sample = None if args.no_error else error_rows(routing)
+    ref = None if sample is None else reference_rows(x, w1, routing, sample)
+    picked = None if sample is None else torch.cat([r for _, r in sample])
+    flops = 2.0 * int(ends[-1]) * two_ffn * hidden
+    out = {}
+    for name, fn in calls.items():
+        ms, y = _measure(f"gemm {name}", fn, args.budget_ms, failures)
+        err = math.nan if y is None or ref is None or not len(picked) else rel_l2(y[picked], ref)
+        out[name] = {"ms": ms, "tflops": flops / ms / 1e9, "rel_err": err}
+        del y
+    return out
+
+
+def _layer_case(x, w1, w2, routing, args, failures):
+    ids, weights = routing.topk_ids, routing.topk_weights
+    cf = args.capacity_factor
+    fns = {"lowprec": lambda x, tw, w1, w2: experts(x, tw, ids, w1, w2, recipe="fp8_block", capacity_factor=cf),
+           "bf16": lambda x, tw, w1, w2: bf16_experts(x, tw, ids, w1, w2, cf)}
+    leaves = [t.detach().clone().requires_grad_() for t in (x, weights, w1, w2)]
+    dy = torch.randn_like(x)
+    out = {}
+    for name, f in fns.items():
+        fwd, _ = _measure(f"layer fwd {name}", _no_grad(lambda f=f: f(x, weights, w1, w2)), args.budget_ms, failures)
+        fwd_bwd, _ = _measure(f"layer fwd+bwd {name}", _fwd_bwd(lambda f=f: f(*leaves), leaves, dy), args.budget_ms,
+                              failures)
+        for t in leaves:
+            t.grad = None
+        out[name] = {"fwd_ms": fwd, "fwd_bwd_ms": fwd_bwd}
+    return out
+
+
+def _permutation_case(x, routing, args, failures):
+    rows = torch.randn(routing.num_rows, x.shape[1], device=x.device, dtype=x.dtype)
+    calls = {"pack_fp8": lambda: pack(x, routing, "fp8_block1x128"), "gather_bf16": lambda: gather_rows(x, routing),
+             "unpack": lambda: unpack(rows, routing, routing.topk_weights, out_dtype=x.dtype)}
+    return {name: _measure(name, fn, args.budget_ms, failures)[0] for name, fn in calls.items()}
+
+
+def _ratio(peer_ms: float, ms: float) -> float:
+    return peer_ms / ms if ms > 0 else math.nan
+
+
+def run(args: argparse.Namespace) -> dict:
+    if not torch.cuda.is_available():
+        raise SystemExit("bench moe needs a CUDA GPU (none is visible to torch)")
+    gen = torch.Generator(device="cuda").manual_seed(args.seed)
+    dev = torch.cuda.get_device_name()
+    print(f"# {dev}, torch {torch.__version__}; capacity_factor {args.capacity_factor} (None: dropless)")
+    records, gemm_rows, layer_rows = [], [], []
+    for cfg in args.configs:
+        num_experts, hidden, ffn, top_k, tokens = cfg
+        x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16, generator=gen)
+        w1 = (torch.randn(num_experts, 2 * ffn, hidden, device="cuda", generator=gen) / math.sqrt(hidden)).bfloat16()
+        w2 = (torch.randn(num_experts, hidden, ffn, device="cuda", generator=gen) / math.sqrt(ffn)).bfloat16()
+        for kind in args.routings:
+            routing = make_routing(tokens, top_k, num_experts, kind, zipf=args.zipf,
+                                   capacity_factor=args.capacity_factor, generator=gen)
+            failures: dict[str, str] = {}
+            pad = padding_stats(routing)
+            gemm = _gemm_case(x, w1, routing, args, failures)
+            perm = _permutation_case(x, routing, args, failures)
+            layer = None if args.no_layer else _layer_case(x, w1, w2, routing, args, failures)
+            lp = gemm["lowprec"]
+            record = {"E": num_experts, "H": hidden, "F": ffn, "top_k": top_k, "T": tokens, "routing": kind,
+                      **pad, "gemm": gemm, "gemm_speedup_vs_fp8_rowwise": _ratio(gemm["fp8_rowwise"]["ms"], lp["ms"]),
+                      "gemm_speedup_vs_bf16": _ratio(gemm["bf16"]["ms"], lp["ms"]), "permutation_ms": perm,
+                      "lowprec_permutation_ms": perm["pack_fp8"] + perm["unpack"], "layer": layer,
+                      "failures": failures}
+            name = f"E{num_experts} H{hidden} F{ffn} k{top_k} T{tokens}"
+            gemm_rows.append([name, kind, pad["padding_waste"], pad["tile_waste"], lp["tflops"],
+                              gemm["fp8_rowwise"]["tflops"], gemm["bf16"]["tflops"],
+                              record["gemm_speedup_vs_fp8_rowwise"], record["gemm_speedup_vs_bf16"], lp["rel_err"],
+                              gemm["fp8_rowwise"]["rel_err"], gemm["bf16"]["rel_err"], perm["pack_fp8"],
+                              perm["unpack"], perm["gather_bf16"]])
+            if layer is not None:
+                lpl, bfl = layer["lowprec"], layer["bf16"]
+                record["layer_speedup_fwd"] = _ratio(bfl["fwd_ms"], lpl["fwd_ms"])
+                record["layer_speedup_fwd_bwd"] = _ratio(bfl["fwd_bwd_ms"], lpl["fwd_bwd_ms"])
+                layer_rows.append([name, kind, lpl["fwd_ms"], bfl["fwd_ms"], record["layer_speedup_fwd"],
+                                   lpl["fwd_bwd_ms"], bfl["fwd_bwd_ms"], record["layer_speedup_fwd_bwd"]])
+            for what, why in failures.items():
+                print(f"# {name} {kind}: {what} n/a ({why})")
+            records.append(record)
+            print(f"# done {name} {kind}", flush=True)
+        del x, w1, w2
+        torch.cuda.empty_cache()
+
+    na = [[_cell(c) for c in r] for r in gemm_rows]
+    print("\nfirst expert GEMM [T·k, H] x w1[e]ᵀ; TFLOPS over routed rows; x = peer ms / lowprec ms; "
+          "err = rel-L2 vs FP64 of the unquantized inputs; ms of the permutation")
+    print_table(["config", "routing", "pad", "tile pad", "lowprec TF", "fp8row TF", "bf16 TF", "x fp8row",
+                 "x bf16", "err lp", "err fp8row", "err bf16", "pack ms", "unpack ms", "bf16 gather ms"], na)
+    if layer_rows:
+        print("\nMoE layer (swiglu): lowprec fp8_block vs bf16 on torch._grouped_mm; x = bf16 ms / lowprec ms")
+        print_table(["config", "routing", "lp fwd ms", "bf16 fwd ms", "x fwd", "lp f+b ms", "bf16 f+b ms", "x f+b"],
+                    [[_cell(c) for c in r] for r in layer_rows])
+    payload = {"device": dev, "torch": torch.__version__, "capacity_factor": args.capacity_factor,
+               "zipf": args.zipf, "tile_m": TILE_M,
+               "timing": "bench_ms median (L2 flushed before every call), 5 to 50 calls; random data",
+               "rows": records, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    path = save_results("moe", payload, args.out)
+    print(f"saved {path}")
+    return payload
+
+
+def _cell(value):
+    return "n/a" if isinstance(value, float) and math.isnan(value) else value
+
+
+def main(argv: list[str] | None = None) -> int:
+    run(parse_args(argv))
+    return 0

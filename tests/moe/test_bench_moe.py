@@ -1,0 +1,113 @@
+"""``python -m lowprec bench moe``: arguments, and its pieces on small CPU problems (the bench itself needs CUDA)."""
+
+import argparse
+import math
+import time
+
+import pytest
+import torch
+
+from lowprec.__main__ import BENCHES
+from lowprec.bench import moe as bench
+from lowprec.moe import experts
+
+
+def test_registered_and_parses():
+    assert "moe" in BENCHES
+    args = bench.parse_args([])
+    assert args.configs == bench.CONFIGS and args.routings == ("balanced", "skewed")
+    assert args.capacity_factor is None and not args.no_layer
+    assert bench.parse_args(["--quick"]).configs == bench.CONFIGS[:1]
+    args = bench.parse_args(["--configs", "4,256,128,2,64; 8,512,256,1,32", "--routings", "skewed",
+                             "--capacity-factor", "1.25", "--zipf", "2", "--no-layer"])
+    assert args.configs == [(4, 256, 128, 2, 64), (8, 512, 256, 1, 32)]
+    assert args.routings == ("skewed",) and args.capacity_factor == 1.25 and args.zipf == 2.0 and args.no_layer
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--configs", "4,256,128,2"], "five positive ints"),
+    (["--configs", "4,256,128,5,64"], "top-k 5 is more than E=4"),
+    (["--configs", "4,250,128,2,64"], "multiples of 16"),
+    (["--routings", "uniform"], "subset of balanced,skewed"),
+    (["--capacity-factor", "0"], "number > 0"),
+    (["--zipf", "nan"], "number > 0"),
+])
+def test_bad_arguments_name_the_option(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        bench.parse_args(argv)
+    err = capsys.readouterr().err
+    assert argv[0] in err and message in err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown without CUDA")
+def test_needs_cuda():
+    with pytest.raises(SystemExit, match="needs a CUDA GPU"):
+        bench.main(["--quick"])
+
+
+@pytest.mark.parametrize("kind", ["balanced", "skewed"])
+def test_routings_and_padding(kind):
+    g = torch.Generator().manual_seed(0)
+    r = bench.make_routing(512, 2, 16, kind, generator=g, device="cpu")
+    assert (r.topk_ids[:, 0] != r.topk_ids[:, 1]).all()  # k distinct experts
+    stats = bench.padding_stats(r)
+    assert stats["routed_rows"] == 1024 and stats["padding_waste"] == 0
+    tiled = sum(-(-c // 128) * 128 for c in r.counts.tolist())
+    assert stats["tile_waste"] == pytest.approx(tiled / 1024 - 1)
+    if kind == "skewed":  # Zipf: expert 0 the most popular
+        assert r.counts[0] == r.counts.max() and r.counts[0] > 2 * r.counts[8:].float().mean()
+    dropped = bench.make_routing(512, 2, 16, kind, capacity_factor=0.5, generator=g, device="cpu")
+    assert bench.padding_stats(dropped)["padding_waste"] > 0
+
+
+def test_bf16_baseline_is_the_unquantized_moe():
+    g = torch.Generator().manual_seed(1)
+    r = bench.make_routing(64, 2, 4, "skewed", capacity_factor=1.0, generator=g, device="cpu")
+    x = torch.randn(64, 32, generator=g).bfloat16()
+    w1 = (torch.randn(4, 48, 32, generator=g) / 6).bfloat16()
+    w2 = (torch.randn(4, 32, 24, generator=g) / 5).bfloat16()
+    args = (x, r.topk_weights, r.topk_ids, w1, w2)
+    out = bench.bf16_experts(*args, capacity_factor=1.0)
+    ref = experts(*args, recipe=None, capacity_factor=1.0)
+    torch.testing.assert_close(out.float(), ref.float(), rtol=0.02, atol=0.02)
+
+
+def test_error_rows_and_reference():
+    g = torch.Generator().manual_seed(2)
+    r = bench.make_routing(300, 2, 8, "skewed", generator=g, device="cpu")
+    sample = bench.error_rows(r)
+    assert 1 <= len(sample) <= bench.ERROR_EXPERTS
+    ends = r.group_ends.tolist()
+    for e, rows in sample:
+        start = ends[e - 1] if e else 0
+        assert 0 < len(rows) <= bench.ERROR_ROWS and (start <= rows).all() and (rows < ends[e]).all()
+    x, w1 = torch.randn(300, 32, generator=g), torch.randn(8, 16, 32, generator=g)
+    ref = bench.reference_rows(x, w1, r, sample)
+    e, rows = sample[0]
+    assert ref.dtype == torch.float64
+    torch.testing.assert_close(ref[: len(rows)], x.double()[r.row_slots[rows] // 2] @ w1[e].double().T)
+
+
+def test_cases_run_and_report_failing_peers(monkeypatch):
+    def cpu_time(fn, budget_ms):
+        start = time.perf_counter()
+        fn()
+        return (time.perf_counter() - start) * 1e3
+
+    monkeypatch.setattr(bench, "_time", cpu_time)
+    g = torch.Generator().manual_seed(3)
+    r = bench.make_routing(64, 2, 4, "balanced", capacity_factor=1.0, generator=g, device="cpu")
+    x = torch.randn(64, 128, generator=g).bfloat16()
+    w1 = (torch.randn(4, 64, 128, generator=g) / 11).bfloat16()
+    w2 = (torch.randn(4, 128, 32, generator=g) / 6).bfloat16()
+    args = argparse.Namespace(no_error=False, budget_ms=1.0, capacity_factor=1.0)
+    failures = {}
+    gemm = bench._gemm_case(x, w1, r, args, failures)
+    assert gemm["lowprec"]["ms"] > 0 and gemm["lowprec"]["rel_err"] < 0.1  # FP8: a few percent
+    assert gemm["bf16"]["rel_err"] < 0.02
+    if math.isnan(gemm["fp8_rowwise"]["ms"]):  # no _scaled_grouped_mm for CPU tensors: n/a, with the reason
+        assert "gemm fp8_rowwise" in failures
+    perm = bench._permutation_case(x, r, args, failures)
+    assert all(ms > 0 for ms in perm.values())
+    layer = bench._layer_case(x, w1, w2, r, args, failures)
+    assert all(v > 0 for name in ("lowprec", "bf16") for v in layer[name].values()), failures
