@@ -47,15 +47,10 @@ def _store_row_chunk(mQ: cute.Tensor, values, r, col):
 UNROLL = 4  # scale blocks per 16-lane group: 4 independent 16-byte loads in flight per thread
 
 
-@cute.kernel
-def _quant_1x128_kernel(mX: cute.Tensor, mQ_u8: cute.Tensor, mS: cute.Tensor):
-    tidx, _, _ = cute.arch.thread_idx()
-    bidx, _, _ = cute.arch.block_idx()
-    rows = mX.shape[0]
-    cols = mX.shape[1]
-    blocks_per_row = mS.shape[1]
-    mQ = cute.make_tensor(cute.recast_ptr(mQ_u8.iterator, dtype=cutlass.Float8E4M3FN), mQ_u8.layout)
-
+@cute.jit
+def _load_blocks(mX: cute.Tensor, bidx, tidx, blocks_per_row):
+    """The thread's VEC values (FP32, zeros outside ``mX``) of each of its group's UNROLL 1x128
+    blocks, and each block's ``(row, block column, first column)``."""
     lane = tidx % LANES
     first = (bidx * GROUPS_PER_CTA + tidx // LANES) * UNROLL  # flat index of the group's first block
     values = []
@@ -66,11 +61,24 @@ def _quant_1x128_kernel(mX: cute.Tensor, mQ_u8: cute.Tensor, mS: cute.Tensor):
         col = kb * BLOCK + lane * VEC
         frag = cute.make_rmem_tensor((1, VEC), mX.element_type)
         frag.fill(0)
-        if row < rows and col < cols:
+        if row < mX.shape[0] and col < mX.shape[1]:
             cute.autovec_copy(cute.local_tile(mX, (1, VEC), (row, col // VEC)), frag)
         values.append(frag.load().to(Float32))
         coords.append((row, kb, col))
+    return values, coords
 
+
+@cute.kernel
+def _quant_1x128_kernel(mX: cute.Tensor, mQ_u8: cute.Tensor, mS: cute.Tensor):
+    tidx, _, _ = cute.arch.thread_idx()
+    bidx, _, _ = cute.arch.block_idx()
+    rows = mX.shape[0]
+    cols = mX.shape[1]
+    blocks_per_row = mS.shape[1]
+    mQ = cute.make_tensor(cute.recast_ptr(mQ_u8.iterator, dtype=cutlass.Float8E4M3FN), mQ_u8.layout)
+
+    lane = tidx % LANES
+    values, coords = _load_blocks(mX, bidx, tidx, blocks_per_row)
     for u in cutlass.range_constexpr(UNROLL):
         row, kb, col = coords[u]
         # every lane joins the shuffle, in bounds or not
@@ -108,20 +116,7 @@ def _pack_1x128_kernel(mX: cute.Tensor, mSlotRows: cute.Tensor, mRowSlots: cute.
     mQ = cute.make_tensor(cute.recast_ptr(mQ_u8.iterator, dtype=cutlass.Float8E4M3FN), mQ_u8.layout)
 
     lane = tidx % LANES
-    first = (bidx * GROUPS_PER_CTA + tidx // LANES) * UNROLL
-    values = []
-    coords = []
-    for u in cutlass.range_constexpr(UNROLL):
-        token = (first + u) // blocks_per_row
-        kb = first + u - token * blocks_per_row
-        col = kb * BLOCK + lane * VEC
-        frag = cute.make_rmem_tensor((1, VEC), mX.element_type)
-        frag.fill(0)
-        if token < tokens and col < cols:
-            cute.autovec_copy(cute.local_tile(mX, (1, VEC), (token, col // VEC)), frag)
-        values.append(frag.load().to(Float32))
-        coords.append((token, kb, col))
-
+    values, coords = _load_blocks(mX, bidx, tidx, blocks_per_row)
     zeros = cute.make_rmem_tensor((1, VEC), cutlass.Uint8)
     zeros.fill(0)
     for u in cutlass.range_constexpr(UNROLL):
