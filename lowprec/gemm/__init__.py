@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from ..runtime import kernel_failed, use_kernel
 from ..tensor import QuantizedTensor
 from .ops import gemm_op
 from .reference import grouped_gemm_contiguous_reference, grouped_gemm_masked_reference
@@ -68,6 +69,12 @@ def grouped_gemm(a: QuantizedTensor, b: QuantizedTensor, *, group_ends: torch.Te
       ``[E, N, K]``. Returns ``[M, N]``; rows after ``group_ends[-1]`` are zero.
     - masked (``masked_counts``): ``a`` is ``[E, M_max, K]`` and group ``e`` uses its first
       ``masked_counts[e]`` rows; returns ``[E, M_max, N]`` with the other rows zero.
+
+    On Hopper, ``a`` in ``fp8_block1x128`` and ``b`` in ``fp8_block128x128`` run one persistent
+    CuTe DSL kernel over all groups: groups need no padding, empty groups cost nothing, and the
+    group tensor is read on the device only (no host sync, CUDA-graph capturable). Its values
+    are therefore checked on the CPU only; on CUDA, values breaking the contract give wrong
+    rows (never out-of-bounds accesses).
     """
     if (group_ends is None) == (masked_counts is None):
         raise ValueError("grouped_gemm: pass exactly one of group_ends= (contiguous) or masked_counts= (masked)")
@@ -77,19 +84,46 @@ def grouped_gemm(a: QuantizedTensor, b: QuantizedTensor, *, group_ends: torch.Te
         _check_operand("a", a, 2)
         _check_common(a, b, out_dtype)
         _check_groups("group_ends", group_ends, num_groups, a.device)
-        if group_ends.numel() and (bool((group_ends.diff() < 0).any()) or int(group_ends[-1]) > a.shape[0]
-                                   or int(group_ends[0]) < 0):
+        if group_ends.device.type == "cpu" and group_ends.numel() and (
+                bool((group_ends.diff() < 0).any()) or int(group_ends[-1]) > a.shape[0] or int(group_ends[0]) < 0):
             raise ValueError(
                 f"group_ends: must be non-decreasing within [0, M={a.shape[0]}], got {group_ends.tolist()}")
-        return grouped_gemm_contiguous_reference(a, b, group_ends, out_dtype)
+        out = _grouped_kernel(a, b, out_dtype, group_ends=group_ends)
+        return out if out is not None else grouped_gemm_contiguous_reference(a, b, group_ends, out_dtype)
     _check_operand("a", a, 3)
     _check_common(a, b, out_dtype)
     if a.shape[0] != num_groups:
         raise ValueError(f"a: masked layout needs a [E, M_max, K] with E={num_groups} like b, got {tuple(a.shape)}")
     _check_groups("masked_counts", masked_counts, num_groups, a.device)
-    if bool((masked_counts < 0).any()) or bool((masked_counts > a.shape[1]).any()):
+    if masked_counts.device.type == "cpu" and (
+            bool((masked_counts < 0).any()) or bool((masked_counts > a.shape[1]).any())):
         raise ValueError(f"masked_counts: each count must be in [0, M_max={a.shape[1]}], got {masked_counts.tolist()}")
-    return grouped_gemm_masked_reference(a, b, masked_counts, out_dtype)
+    out = _grouped_kernel(a, b, out_dtype, masked_counts=masked_counts)
+    return out if out is not None else grouped_gemm_masked_reference(a, b, masked_counts, out_dtype)
+
+
+def _grouped_unsupported(a: QuantizedTensor, b: QuantizedTensor) -> str | None:
+    """Why the Hopper grouped kernel cannot take these operands (None: it can)."""
+    if a.recipe.name != "fp8_block1x128" or b.recipe.name != "fp8_block128x128":
+        return (f"recipes {a.recipe.name} x {b.recipe.name}; the grouped kernel takes fp8_block1x128 activations "
+                "and fp8_block128x128 weights")
+    n, k = b.shape[1], b.shape[2]
+    if n % 16 or k % 16:
+        return f"N={n} and K={k} must be multiples of 16"
+    return None
+
+
+def _grouped_kernel(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype, **group) -> torch.Tensor | None:
+    """The grouped GEMM on the Hopper kernel, or None where the reference must run."""
+    if not use_kernel("grouped_gemm", a.device, ("sm_90a",), lambda: _grouped_unsupported(a, b)):
+        return None
+    try:
+        from .sm90.interface import grouped_gemm_blockwise_fp8
+
+        return grouped_gemm_blockwise_fp8(a.data, a.scale, b.data, b.scale, out_dtype=out_dtype, **group)
+    except Exception as err:
+        kernel_failed("grouped_gemm", err)
+    return None
 
 
 def _check_groups(name: str, t: torch.Tensor, num_groups: int, device: torch.device) -> None:

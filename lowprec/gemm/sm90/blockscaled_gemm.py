@@ -88,6 +88,7 @@ class BlockScaledGemmSm90:
         b_scale_per_col: bool,
         bias_dtype: type[cutlass.Numeric] | None,
         num_sms: int,
+        grouping: str | None = None,
     ):
         if config.tile_m not in (64, 128):
             raise ValueError(f"tile_m must be 64 or 128, got {config.tile_m}")
@@ -98,6 +99,16 @@ class BlockScaledGemmSm90:
         self.b_scale_per_col = b_scale_per_col
         self.bias_dtype = bias_dtype
         self.num_sms = num_sms
+        # None: one GEMM; "contiguous" / "masked": one GEMM per group against B[e] (see
+        # _group_info), 128x128 B scales, no bias, no split-K, no clusters
+        if grouping not in (None, "contiguous", "masked"):
+            raise ValueError(f"grouping must be None, 'contiguous' or 'masked', got {grouping!r}")
+        if grouping is not None and (
+            b_scale_per_col or bias_dtype is not None or config.split_k > 1
+            or (config.cluster_m, config.cluster_n) != (1, 1)
+        ):
+            raise ValueError("grouped GEMM: 128x128 B scales, no bias, split_k 1, cluster 1x1")
+        self.grouping = grouping
         self.split_k = config.split_k
         # a second block accumulator (tile_n/2 registers) must fit next to acc and blk
         self.overlap = config.mma_overlap and (
@@ -107,6 +118,9 @@ class BlockScaledGemmSm90:
         self.acc_dtype = cutlass.Float32
         self.ab_dtype = cutlass.Float8E4M3FN
         self.tile_m, self.tile_n, self.tile_k = config.tile_m, config.tile_n, SCALE_BLOCK
+        # grouped tiles start at any row, but a TMA box of A scales must start 16-byte aligned:
+        # load from the row rounded down to a multiple of 4, with 4 extra rows
+        self.sa_box_m = self.tile_m + (4 if grouping is not None else 0)
         self.cluster_shape_mn = (config.cluster_m, config.cluster_n)
         self.num_mma_wg = self.tile_m // 64
         self.atom_layout_mnk = (self.num_mma_wg, 1, 1)
@@ -150,7 +164,7 @@ class BlockScaledGemmSm90:
         self.epi_stage = 4 if self.out_dtype.width == 16 else 2
         self.d_layout = utils.LayoutEnum.ROW_MAJOR
 
-        scale_bytes_per_stage = 4 * (_round_up(self.tile_m, 32) + 2 * _round_up(self.tile_n, 32))
+        scale_bytes_per_stage = 4 * (_round_up(self.sa_box_m, 32) + 2 * _round_up(self.tile_n, 32))
         ab_bytes_per_stage = (
             (self.tile_m + self.tile_n) * self.tile_k * self.ab_dtype.width // 8 + scale_bytes_per_stage
         )
@@ -187,7 +201,7 @@ class BlockScaledGemmSm90:
         """(A-scale, B-scale) staged smem layouts; built again inside the kernel (layouts made
         on the host side may not be captured by the kernel region)."""
         sa = cute.make_layout(
-            (self.tile_m, 1, self.ab_stage), stride=(1, 1, _round_up(self.tile_m, 32))
+            (self.sa_box_m, 1, self.ab_stage), stride=(1, 1, _round_up(self.sa_box_m, 32))
         )
         sb_slot = _round_up(self.sb_box[0] * self.sb_box[1], 32)
         sb = cute.make_layout((*self.sb_box, self.ab_stage), stride=(self.sb_box[1], 1, sb_slot))
@@ -210,6 +224,8 @@ class BlockScaledGemmSm90:
         mSA: cute.Tensor,  # (M, KB) fp32
         mSB: cute.Tensor,  # (NB, KB) or (N, KB) fp32
         mBias: cute.Tensor,  # (N,) fp32/bf16 (ignored when bias_dtype is None)
+        mGroup: cute.Tensor,  # (E,) int32 group ends / counts (grouped only)
+        m_max: cutlass.Int32,  # rows per group of the masked layout
         stream,
     ):
         mA = cute.make_tensor(cute.recast_ptr(mA_u8.iterator, dtype=self.ab_dtype), mA_u8.layout)
@@ -245,7 +261,7 @@ class BlockScaledGemmSm90:
             cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(),
             mSA,
             cute.slice_(self.sa_smem_layout_staged, (None, None, 0)),
-            (self.tile_m, 1),
+            (self.sa_box_m, 1),
         )
         tma_atom_sb, tma_tensor_sb = cute.nvgpu.cpasync.make_tiled_tma_atom(
             cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(),
@@ -277,6 +293,8 @@ class BlockScaledGemmSm90:
         grid = utils.StaticPersistentTileScheduler.get_grid_shape(
             tile_sched_params, max_active_clusters
         )
+        if cutlass.const_expr(self.grouping is not None):
+            grid = (self.num_sms, 1, 1)  # tile count known on the device only
 
         @cute.struct
         class SharedStorage:
@@ -316,6 +334,9 @@ class BlockScaledGemmSm90:
             tma_atom_sb,
             tma_tensor_sb,
             mBias,
+            mD,
+            mGroup,
+            m_max,
             self.tiled_mma,
             self.cta_layout_mnk,
             self.a_smem_layout_staged,
@@ -345,6 +366,9 @@ class BlockScaledGemmSm90:
         tma_atom_sb: cute.CopyAtom,
         mSB: cute.Tensor,
         mBias: cute.Tensor,
+        mD_raw: cute.Tensor,
+        mGroup: cute.Tensor,
+        m_max: cutlass.Int32,
         tiled_mma: cute.TiledMma,
         cta_layout_mnk: cute.Layout,
         a_smem_layout_staged: cute.ComposedLayout,
@@ -372,7 +396,7 @@ class BlockScaledGemmSm90:
         tma_copy_bytes = (
             cute.size_in_bytes(self.ab_dtype, a_smem_layout)
             + cute.size_in_bytes(self.ab_dtype, b_smem_layout)
-            + 4 * (self.tile_m + self.sb_box[0] * self.sb_box[1] * self.num_sb_boxes)
+            + 4 * (self.sa_box_m + self.sb_box[0] * self.sb_box[1] * self.num_sb_boxes)
         )
         mcast_size = self.num_mcast_ctas_a + self.num_mcast_ctas_b - 1
         mainloop_pipeline = pipeline.PipelineTmaAsync.create(
@@ -418,26 +442,34 @@ class BlockScaledGemmSm90:
 
         if warp_group_idx == 0:
             cute.arch.setmaxregister_decrease(self.load_regs)
-            if warp_idx == self.load_warp_id:
-                self._producer_mainloop(
-                    tma_atom_a,
-                    tma_atom_b,
-                    tma_atom_sa,
-                    tma_atom_sb,
-                    gA,
-                    gB,
-                    gSA,
-                    gSB,
-                    sA,
-                    sB,
-                    sSA,
-                    sSB,
-                    mainloop_pipeline,
-                    cta_layout_mnk,
-                    cluster_coord_mnk,
-                    k_tile_cnt,
-                    tile_sched_params,
-                )
+            if cutlass.const_expr(self.grouping is not None):
+                if warp_idx == self.load_warp_id:
+                    self._producer_grouped(
+                        tma_atom_a, tma_atom_b, tma_atom_sa, tma_atom_sb, mA, mB, mSA, gSB,
+                        sA, sB, sSA, sSB, mainloop_pipeline, k_tile_cnt,
+                        mGroup, cute.size(mD, mode=[0]), cute.size(mD, mode=[1]), m_max,
+                    )
+            else:
+                if warp_idx == self.load_warp_id:
+                    self._producer_mainloop(
+                        tma_atom_a,
+                        tma_atom_b,
+                        tma_atom_sa,
+                        tma_atom_sb,
+                        gA,
+                        gB,
+                        gSA,
+                        gSB,
+                        sA,
+                        sB,
+                        sSA,
+                        sSB,
+                        mainloop_pipeline,
+                        cta_layout_mnk,
+                        cluster_coord_mnk,
+                        k_tile_cnt,
+                        tile_sched_params,
+                    )
         else:
             cute.arch.setmaxregister_increase(self.mma_regs)
             self._consumer(
@@ -456,6 +488,10 @@ class BlockScaledGemmSm90:
                 mainloop_pipeline,
                 k_tile_cnt,
                 tile_sched_params,
+                mD,
+                mD_raw,
+                mGroup,
+                m_max,
             )
 
     # --- producer: TMA loads of A/B K-blocks into the smem ring -------------------------
@@ -564,6 +600,89 @@ class BlockScaledGemmSm90:
             work_tile = tile_sched.get_current_work()
         mainloop_pipeline.producer_tail(state)
 
+    # --- producer of the grouped GEMM: same ring, tiles from the group walk ---------------
+    @cute.jit
+    def _producer_grouped(
+        self, tma_atom_a, tma_atom_b, tma_atom_sa, tma_atom_sb, mA, mB, mSA, gSB,
+        sA, sB, sSA, sSB, mainloop_pipeline, k_tile_cnt, mGroup, m_size, n_size, m_max,
+    ):
+        tiles_n = (n_size + self.tile_n - 1) // self.tile_n
+        nb_per_group = (n_size + SCALE_BLOCK - 1) // SCALE_BLOCK
+        sb_parts = [
+            cute.nvgpu.cpasync.tma_partition(
+                tma_atom_sb, 0, cute.make_layout(1), cute.group_modes(s, 0, 2),
+                cute.group_modes(gSB, 0, 2),
+            )
+            for s in sSB
+        ]
+        n_groups = self._num_groups(mGroup)
+        grid = cute.arch.grid_dim()[0]
+        t = cute.arch.block_idx()[0]
+        e = cutlass.Int32(0)
+        base = cutlass.Int32(0)
+        g_start, g_rows, g_live = self._group_info(mGroup, e, m_size, m_max)
+        g_tiles_m = (g_rows + self.tile_m - 1) // self.tile_m
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stage)
+        while e < n_groups:
+            if t < base + g_tiles_m * tiles_n:
+                local = t - base
+                m_tile = local % g_tiles_m
+                n_tile = local // g_tiles_m
+                row0 = g_start + m_tile * self.tile_m
+                k_cnt = k_tile_cnt
+                if g_live - m_tile * self.tile_m <= 0:
+                    k_cnt = 0
+                # tiles start at any row of A: offset the TMA coordinate tensors
+                gA = cute.local_tile(
+                    cute.domain_offset((row0, 0), mA), (self.tile_m, self.tile_k), (0, None)
+                )
+                gB = cute.local_tile(
+                    cute.domain_offset((e * n_size + n_tile * self.tile_n, 0), mB),
+                    (self.tile_n, self.tile_k), (0, None),
+                )
+                gSA = cute.local_tile(
+                    cute.domain_offset((row0 - row0 % 4, 0), mSA), (self.sa_box_m, 1), (0, None)
+                )
+                tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
+                    tma_atom_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 2),
+                    cute.group_modes(gA, 0, 2),
+                )
+                tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(
+                    tma_atom_b, 0, cute.make_layout(1), cute.group_modes(sB, 0, 2),
+                    cute.group_modes(gB, 0, 2),
+                )
+                tSAsSA, tSAgSA = cute.nvgpu.cpasync.tma_partition(
+                    tma_atom_sa, 0, cute.make_layout(1), cute.group_modes(sSA, 0, 2),
+                    cute.group_modes(gSA, 0, 2),
+                )
+                nb0 = n_tile * self.tile_n // SCALE_BLOCK
+                sb_rows = [
+                    e * nb_per_group + cutlass.min(nb0 + i, nb_per_group - 1)
+                    for i in range(self.num_sb_boxes)
+                ]
+                for k in range(k_cnt):
+                    mainloop_pipeline.producer_acquire(state)
+                    bar = mainloop_pipeline.producer_get_barrier(state)
+                    cute.copy(tma_atom_sa, tSAgSA[(None, k)], tSAsSA[(None, state.index)],
+                              tma_bar_ptr=bar)
+                    for i in cutlass.range_constexpr(self.num_sb_boxes):
+                        tSBsSB, tSBgSB = sb_parts[i]
+                        cute.copy(tma_atom_sb, tSBgSB[(None, sb_rows[i], k // _SB_BOX_K)],
+                                  tSBsSB[(None, state.index)], tma_bar_ptr=bar)
+                    cute.copy(tma_atom_a, tAgA[(None, k)], tAsA[(None, state.index)],
+                              tma_bar_ptr=bar)
+                    cute.copy(tma_atom_b, tBgB[(None, k)], tBsB[(None, state.index)],
+                              tma_bar_ptr=bar)
+                    mainloop_pipeline.producer_commit(state)
+                    state.advance()
+                t = t + grid
+            else:
+                base = base + g_tiles_m * tiles_n
+                e = e + 1
+                g_start, g_rows, g_live = self._group_info(mGroup, e, m_size, m_max)
+                g_tiles_m = (g_rows + self.tile_m - 1) // self.tile_m
+        mainloop_pipeline.producer_tail(state)
+
     # --- consumers: wgmma per K block + promotion, then epilogue --------------------------
     @cute.jit
     def _consumer(
@@ -583,7 +702,12 @@ class BlockScaledGemmSm90:
         mainloop_pipeline: pipeline.PipelineTmaAsync,
         k_tile_cnt,
         tile_sched_params: utils.PersistentTileSchedulerParams,
+        mD: cute.Tensor,
+        mD_raw: cute.Tensor,
+        mGroup: cute.Tensor,
+        m_max,
     ):
+        m_size = cute.size(mD_raw, mode=[0])
         wg_in_mma = mma_tidx // self.threads_per_wg
         thr_mma_wg = tiled_mma.get_slice(wg_in_mma * self.threads_per_wg)
         tCsA = thr_mma_wg.partition_A(sA)
@@ -624,7 +748,6 @@ class BlockScaledGemmSm90:
         rD_shape = cute.shape(thr_copy_r2s.partition_S(sD))
         tRS_rD = cute.make_rmem_tensor(rD_shape[:3], self.acc_dtype)
         tRS_rD_out = cute.make_rmem_tensor(rD_shape[:3], self.out_dtype)
-        size_tRS_rD = cute.size(tRS_rD)
 
         tma_store_pipeline = pipeline.PipelineTmaStore.create(
             num_stages=self.epi_stage,
@@ -640,149 +763,259 @@ class BlockScaledGemmSm90:
         # (value v = c + 2*r + 4*j sits at row_l[r], col_l + 8*j + c)
         scale_pos = ([tCcC[0][0], tCcC[2][0]], tCcC[0][1])
 
-        tile_sched = utils.StaticPersistentTileScheduler.create(
-            tile_sched_params, cute.arch.block_idx(), cute.arch.grid_dim()
-        )
-        work_tile = tile_sched.initial_work_tile_info()
         read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
         release_state = pipeline.make_pipeline_state(
             pipeline.PipelineUserType.Consumer, self.ab_stage
         )
+        mma_args = (mmas, tCrA, tCrB, acc, blk, blk2, mainloop_pipeline, (sSA, sSB, scale_pos),
+                    (sa_buf0, sb_buf0, sa_buf1, sb_buf1))
+        epi_args = (tiled_copy_r2s, tRS_rAcc, tRS_rD, tRS_rD_out, tRS_sD, sD, tma_atom_d,
+                    tma_store_pipeline, warp_idx)
 
-        while work_tile.is_valid_tile:
-            tile_coord = work_tile.tile_idx
-            n0 = tile_coord[1] * self.tile_n
-            col0 = n0 + tCcC[0][1]
-            # first column (tile-relative) that belongs to the next 128-wide scale block
-            split = (n0 // SCALE_BLOCK + 1) * SCALE_BLOCK - n0
+        if cutlass.const_expr(self.grouping is None):
+            tile_sched = utils.StaticPersistentTileScheduler.create(
+                tile_sched_params, cute.arch.block_idx(), cute.arch.grid_dim()
+            )
+            work_tile = tile_sched.initial_work_tile_info()
+            while work_tile.is_valid_tile:
+                tile_coord = work_tile.tile_idx
+                n0 = tile_coord[1] * self.tile_n
+                k_first, k_cnt = self._k_range(tile_coord, k_tile_cnt)
+                read_state, release_state = self._mainloop(
+                    mma_args, n0, k_first, k_cnt, read_state, release_state
+                )
+                if cutlass.const_expr(self.bias_dtype is not None):
+                    col0 = n0 + tCcC[0][1]
+                    for j in cutlass.range_constexpr(n_cgroups):
+                        for c in cutlass.range_constexpr(2):
+                            bcol = cutlass.min(col0 + 8 * j + c, n_size - 1)
+                            bval = mBias[bcol].to(self.acc_dtype)
+                            for r in cutlass.range_constexpr(2):
+                                v = c + 2 * r + 4 * j
+                                acc[v] = acc[v] + bval
+                if cutlass.const_expr(self.split_k > 1):
+                    gD_tile = gD[(None, None, tile_coord[0], tile_coord[1], tile_coord[2])]
+                else:
+                    gD_tile = gD[(None, None, tile_coord[0], tile_coord[1])]
+                self._epilogue_tma(epi_args, gD_tile, tile_sched.num_tiles_executed)
+                tile_sched.advance_to_next_work()
+                work_tile = tile_sched.get_current_work()
+        else:
+            # grouped: walk the groups' tiles in the order every role of the CTA agrees on
+            # (see _group_info); tiles straddling the end of a group store row by row
+            tiles_n = (n_size + self.tile_n - 1) // self.tile_n
+            n_groups = self._num_groups(mGroup)
+            grid = cute.arch.grid_dim()[0]
+            t = cute.arch.block_idx()[0]
+            e = cutlass.Int32(0)
+            base = cutlass.Int32(0)
+            g_start, g_rows, g_live = self._group_info(mGroup, e, m_size, m_max)
+            g_tiles_m = (g_rows + self.tile_m - 1) // self.tile_m
+            done = cutlass.Int32(0)
+            while e < n_groups:
+                if t < base + g_tiles_m * tiles_n:
+                    local = t - base
+                    m_tile = local % g_tiles_m
+                    n0 = (local // g_tiles_m) * self.tile_n
+                    row0 = g_start + m_tile * self.tile_m
+                    live = g_live - m_tile * self.tile_m
+                    k_cnt = k_tile_cnt
+                    if live <= 0:
+                        k_cnt = 0
+                    acc.fill(0.0)
+                    if k_cnt > 0:
+                        # this tile's A scales sit row0 % 4 rows into the stage's box
+                        shift = row0 % 4
+                        tile_args = mma_args[:7] + (
+                            (sSA, sSB, ([r + shift for r in scale_pos[0]], scale_pos[1])),
+                            mma_args[8],
+                        )
+                        read_state, release_state = self._mainloop(
+                            tile_args, n0, 0, k_cnt, read_state, release_state
+                        )
+                    # rows past the group's live rows (masked layout) are zero
+                    for v in cutlass.range_constexpr(n_vals):
+                        acc[v] = cutlass.select_(tCcC[v][0] < live, acc[v], cutlass.Float32(0.0))
+                    rows = cutlass.min(g_rows - m_tile * self.tile_m, self.tile_m)
+                    if rows < self.tile_m and row0 + rows < m_size:
+                        self._epilogue_direct(acc, tCcC, mD_raw, row0, n0, rows, n_size)
+                    else:
+                        gD_tile = cute.local_tile(
+                            cute.domain_offset((row0, 0), mD), (self.tile_m, self.tile_n),
+                            (0, n0 // self.tile_n),
+                        )
+                        self._epilogue_tma(epi_args, gD_tile, done)
+                        done = done + 1
+                    t = t + grid
+                else:
+                    base = base + g_tiles_m * tiles_n
+                    e = e + 1
+                    g_start, g_rows, g_live = self._group_info(mGroup, e, m_size, m_max)
+                    g_tiles_m = (g_rows + self.tile_m - 1) // self.tile_m
 
-            k_first, k_cnt = self._k_range(tile_coord, k_tile_cnt)
-            scales = (sSA, sSB, scale_pos)
-            acc.fill(0.0)
-            if cutlass.const_expr(self.overlap):
-                # software pipeline over K blocks with two block accumulators (blk, blk2):
-                # the wgmma of block k+1 is in flight while block k is promoted. Block k's
-                # scales are read from its stage right after its wgmma is issued (buf0: even
-                # blocks, buf1: odd blocks), before the stage is released.
-                # NB: pipeline-state updates stay in this loop body (``x.advance()``) so that
-                # the DSL carries the states through the dynamic loop / if regions.
-                # prologue: block 0 -> blk (in flight)
+        tma_store_pipeline.producer_tail()
+
+    # --- grouped GEMM: groups, mainloop and epilogues shared by both schedulers ------------
+    @cute.jit
+    def _num_groups(self, mGroup):
+        """Contiguous: E experts + the zero tail after the last group; masked: E."""
+        e = cute.size(mGroup, mode=[0])
+        if cutlass.const_expr(self.grouping == "contiguous"):
+            e = e + 1
+        return e
+
+    @cute.jit
+    def _group_info(self, mGroup, e, m_size, m_max):
+        """(first row, rows, live rows) of group ``e``: rows are written, live rows computed
+        (the others zero). Contiguous: rows ends[e-1]:ends[e], all live; group E is the tail
+        ends[E-1]:M with none live. Masked: rows e*M_max:(e+1)*M_max, counts[e] live."""
+        num_e = cute.size(mGroup, mode=[0])
+        ec = cutlass.min(e, num_e - 1)
+        if cutlass.const_expr(self.grouping == "contiguous"):
+            start = cutlass.Int32(0)
+            if e > 0:
+                start = mGroup[cutlass.max(e - 1, 0)]
+            end = m_size
+            live_end = m_size
+            if e < num_e:
+                end = mGroup[ec]
+            else:
+                live_end = start
+            return start, end - start, live_end - start
+        return e * m_max, m_max, mGroup[ec]
+
+    @cute.jit
+    def _mainloop(self, mma_args, n0, k_first, k_cnt, read_state, release_state):
+        """``acc`` = sum over K blocks k_first .. k_first+k_cnt-1 (k_cnt >= 1) of the promoted
+        block products; returns the advanced pipeline states (the caller reassigns them so that
+        its dynamic loop carries them)."""
+        mmas, tCrA, tCrB, acc, blk, blk2, mainloop_pipeline, scales, bufs = mma_args
+        sa_buf0, sb_buf0, sa_buf1, sb_buf1 = bufs
+        # first column (tile-relative) that belongs to the next 128-wide scale block
+        split = (n0 // SCALE_BLOCK + 1) * SCALE_BLOCK - n0
+        acc.fill(0.0)
+        if cutlass.const_expr(self.overlap):
+            # software pipeline over K blocks with two block accumulators (blk, blk2):
+            # the wgmma of block k+1 is in flight while block k is promoted. Block k's
+            # scales are read from its stage right after its wgmma is issued (buf0: even
+            # blocks, buf1: odd blocks), before the stage is released.
+            # NB: pipeline-state updates stay in this loop body (``x.advance()``) so that
+            # the DSL carries the states through the dynamic loop / if regions.
+            # prologue: block 0 -> blk (in flight)
+            fence_operand(blk)
+            self._issue_kblock(
+                mmas, tCrA, tCrB, blk, mainloop_pipeline, read_state,
+                scales, k_first, sa_buf0, sb_buf0,
+            )
+            read_state.advance()
+            # steady state, straight-line body (keeps ptxas' wgmma register analysis exact):
+            # entry and exit: one block in flight in blk (even block 2j)
+            for j in range((k_cnt - 1) // 2):
+                fence_operand(blk2)
+                self._issue_kblock(
+                    mmas, tCrA, tCrB, blk2, mainloop_pipeline, read_state,
+                    scales, k_first + 2 * j + 1, sa_buf1, sb_buf1,
+                )
+                read_state.advance()
+                cute.nvgpu.warpgroup.wait_group(1)
+                fence_operand(blk)
+                mainloop_pipeline.consumer_release(release_state)
+                release_state.advance()
+                self._promote(acc, blk, sa_buf0, sb_buf0, split)
+                fence_operand(acc)
                 fence_operand(blk)
                 self._issue_kblock(
                     mmas, tCrA, tCrB, blk, mainloop_pipeline, read_state,
-                    scales, k_first, sa_buf0, sb_buf0,
+                    scales, k_first + 2 * j + 2, sa_buf0, sb_buf0,
                 )
                 read_state.advance()
-                # steady state, straight-line body (keeps ptxas' wgmma register analysis exact):
-                # entry and exit: one block in flight in blk (even block 2j)
-                for j in range((k_cnt - 1) // 2):
-                    fence_operand(blk2)
-                    self._issue_kblock(
-                        mmas, tCrA, tCrB, blk2, mainloop_pipeline, read_state,
-                        scales, k_first + 2 * j + 1, sa_buf1, sb_buf1,
-                    )
-                    read_state.advance()
-                    cute.nvgpu.warpgroup.wait_group(1)
-                    fence_operand(blk)
-                    mainloop_pipeline.consumer_release(release_state)
-                    release_state.advance()
-                    self._promote(acc, blk, sa_buf0, sb_buf0, split)
-                    fence_operand(acc)
-                    fence_operand(blk)
-                    self._issue_kblock(
-                        mmas, tCrA, tCrB, blk, mainloop_pipeline, read_state,
-                        scales, k_first + 2 * j + 2, sa_buf0, sb_buf0,
-                    )
-                    read_state.advance()
-                    cute.nvgpu.warpgroup.wait_group(1)
-                    fence_operand(blk2)
-                    mainloop_pipeline.consumer_release(release_state)
-                    release_state.advance()
-                    self._promote(acc, blk2, sa_buf1, sb_buf1, split)
-                    fence_operand(acc)
-                # tail: the block in blk, plus one more block when k_cnt is even
-                if k_cnt % 2 == 0:
-                    fence_operand(blk2)
-                    self._issue_kblock(
-                        mmas, tCrA, tCrB, blk2, mainloop_pipeline, read_state,
-                        scales, k_first + k_cnt - 1, sa_buf1, sb_buf1,
-                    )
-                    read_state.advance()
-                    cute.nvgpu.warpgroup.wait_group(1)
-                    fence_operand(blk)
-                    mainloop_pipeline.consumer_release(release_state)
-                    release_state.advance()
-                    self._promote(acc, blk, sa_buf0, sb_buf0, split)
-                    cute.nvgpu.warpgroup.wait_group(0)
-                    fence_operand(blk2)
-                    mainloop_pipeline.consumer_release(release_state)
-                    release_state.advance()
-                    self._promote(acc, blk2, sa_buf1, sb_buf1, split)
-                else:
-                    cute.nvgpu.warpgroup.wait_group(0)
-                    fence_operand(blk)
-                    mainloop_pipeline.consumer_release(release_state)
-                    release_state.advance()
-                    self._promote(acc, blk, sa_buf0, sb_buf0, split)
+                cute.nvgpu.warpgroup.wait_group(1)
+                fence_operand(blk2)
+                mainloop_pipeline.consumer_release(release_state)
+                release_state.advance()
+                self._promote(acc, blk2, sa_buf1, sb_buf1, split)
+                fence_operand(acc)
+            # tail: the block in blk, plus one more block when k_cnt is even
+            if k_cnt % 2 == 0:
+                fence_operand(blk2)
+                self._issue_kblock(
+                    mmas, tCrA, tCrB, blk2, mainloop_pipeline, read_state,
+                    scales, k_first + k_cnt - 1, sa_buf1, sb_buf1,
+                )
+                read_state.advance()
+                cute.nvgpu.warpgroup.wait_group(1)
+                fence_operand(blk)
+                mainloop_pipeline.consumer_release(release_state)
+                release_state.advance()
+                self._promote(acc, blk, sa_buf0, sb_buf0, split)
+                cute.nvgpu.warpgroup.wait_group(0)
+                fence_operand(blk2)
+                mainloop_pipeline.consumer_release(release_state)
+                release_state.advance()
+                self._promote(acc, blk2, sa_buf1, sb_buf1, split)
             else:
-                for k_tile in range(k_cnt):
-                    # NB: pipeline-state updates stay in this loop body (``x.advance()``)
-                    # so that the DSL carries the states through the dynamic loop / if regions.
-                    self._issue_kblock(
-                        mmas, tCrA, tCrB, blk, mainloop_pipeline, read_state,
-                        scales, k_first + k_tile, sa_buf0, sb_buf0,
-                    )
-                    cute.nvgpu.warpgroup.wait_group(0)
-                    mainloop_pipeline.consumer_release(read_state)
-                    read_state.advance()
-                    release_state.advance()
-                    self._promote(acc, blk, sa_buf0, sb_buf0, split)
+                cute.nvgpu.warpgroup.wait_group(0)
+                fence_operand(blk)
+                mainloop_pipeline.consumer_release(release_state)
+                release_state.advance()
+                self._promote(acc, blk, sa_buf0, sb_buf0, split)
+        else:
+            for k_tile in range(k_cnt):
+                # NB: pipeline-state updates stay in this loop body (``x.advance()``)
+                # so that the DSL carries the states through the dynamic loop / if regions.
+                self._issue_kblock(
+                    mmas, tCrA, tCrB, blk, mainloop_pipeline, read_state,
+                    scales, k_first + k_tile, sa_buf0, sb_buf0,
+                )
+                cute.nvgpu.warpgroup.wait_group(0)
+                mainloop_pipeline.consumer_release(read_state)
+                read_state.advance()
+                release_state.advance()
+                self._promote(acc, blk, sa_buf0, sb_buf0, split)
+        return read_state, release_state
 
-            # ---------------- epilogue
-            if cutlass.const_expr(self.bias_dtype is not None):
-                for j in cutlass.range_constexpr(n_cgroups):
-                    for c in cutlass.range_constexpr(2):
-                        bcol = cutlass.min(col0 + 8 * j + c, n_size - 1)
-                        bval = mBias[bcol].to(self.acc_dtype)
-                        for r in cutlass.range_constexpr(2):
-                            v = c + 2 * r + 4 * j
-                            acc[v] = acc[v] + bval
+    @cute.jit
+    def _epilogue_tma(self, epi_args, gD_tile, tiles_done):
+        """acc -> out dtype -> smem (stmatrix) -> gD_tile (TMA store), epi_tile by epi_tile."""
+        (tiled_copy_r2s, tRS_rAcc, tRS_rD, tRS_rD_out, tRS_sD, sD, tma_atom_d,
+         tma_store_pipeline, warp_idx) = epi_args
+        size_tRS_rD = cute.size(tRS_rD)
+        tDgD_for_tma = cute.zipped_divide(gD_tile, self.epi_tile)
+        bSG_sD, bSG_gD = cute.nvgpu.cpasync.tma_partition(
+            tma_atom_d,
+            0,
+            cute.make_layout(1),
+            cute.group_modes(sD, 0, 2),
+            tDgD_for_tma,
+        )
+        epi_tile_num = cute.size(tDgD_for_tma, mode=[1])
+        epi_tile_shape = tDgD_for_tma.shape[1]
+        epi_tile_layout = cute.make_layout(epi_tile_shape, stride=(epi_tile_shape[1], 1))
+        num_prev_epi_tiles = tiles_done * epi_tile_num
+        for epi_idx in cutlass.range_constexpr(epi_tile_num):
+            for epi_v in cutlass.range_constexpr(size_tRS_rD):
+                tRS_rD[epi_v] = tRS_rAcc[epi_idx * size_tRS_rD + epi_v]
+            tRS_rD_out.store(tRS_rD.load().to(self.out_dtype))
+            epi_buffer = (num_prev_epi_tiles + epi_idx) % self.epi_stage
+            cute.copy(tiled_copy_r2s, tRS_rD_out, tRS_sD[(None, None, None, epi_buffer)])
+            cute.arch.fence_proxy("async.shared", space="cta")
+            self.epilog_sync_barrier.arrive_and_wait()
+            gmem_coord = epi_tile_layout.get_hier_coord(epi_idx)
+            if warp_idx == self.epi_store_warp_id:
+                cute.copy(tma_atom_d, bSG_sD[(None, epi_buffer)], bSG_gD[(None, gmem_coord)])
+                tma_store_pipeline.producer_commit()
+                tma_store_pipeline.producer_acquire()
+            self.epilog_sync_barrier.arrive_and_wait()
 
-            if cutlass.const_expr(self.split_k > 1):
-                gD_tile = gD[(None, None, tile_coord[0], tile_coord[1], tile_coord[2])]
-            else:
-                gD_tile = gD[(None, None, tile_coord[0], tile_coord[1])]
-            tDgD_for_tma = cute.zipped_divide(gD_tile, self.epi_tile)
-            bSG_sD, bSG_gD = cute.nvgpu.cpasync.tma_partition(
-                tma_atom_d,
-                0,
-                cute.make_layout(1),
-                cute.group_modes(sD, 0, 2),
-                tDgD_for_tma,
-            )
-            epi_tile_num = cute.size(tDgD_for_tma, mode=[1])
-            epi_tile_shape = tDgD_for_tma.shape[1]
-            epi_tile_layout = cute.make_layout(epi_tile_shape, stride=(epi_tile_shape[1], 1))
-            num_prev_epi_tiles = tile_sched.num_tiles_executed * epi_tile_num
-            for epi_idx in cutlass.range_constexpr(epi_tile_num):
-                for epi_v in cutlass.range_constexpr(size_tRS_rD):
-                    tRS_rD[epi_v] = tRS_rAcc[epi_idx * size_tRS_rD + epi_v]
-                tRS_rD_out.store(tRS_rD.load().to(self.out_dtype))
-                epi_buffer = (num_prev_epi_tiles + epi_idx) % self.epi_stage
-                cute.copy(tiled_copy_r2s, tRS_rD_out, tRS_sD[(None, None, None, epi_buffer)])
-                cute.arch.fence_proxy("async.shared", space="cta")
-                self.epilog_sync_barrier.arrive_and_wait()
-                gmem_coord = epi_tile_layout.get_hier_coord(epi_idx)
-                if warp_idx == self.epi_store_warp_id:
-                    cute.copy(tma_atom_d, bSG_sD[(None, epi_buffer)], bSG_gD[(None, gmem_coord)])
-                    tma_store_pipeline.producer_commit()
-                    tma_store_pipeline.producer_acquire()
-                self.epilog_sync_barrier.arrive_and_wait()
-
-            tile_sched.advance_to_next_work()
-            work_tile = tile_sched.get_current_work()
-
-        tma_store_pipeline.producer_tail()
+    @cute.jit
+    def _epilogue_direct(self, acc, tCcC, mD, row0, n0, rows, n_size):
+        """Store the tile's first ``rows`` rows straight from registers (tiles that end inside
+        the output, where a TMA box would overwrite the next group's rows)."""
+        for v in cutlass.range_constexpr(cute.size(acc)):
+            r = tCcC[v][0]
+            col = n0 + tCcC[v][1]
+            if r < rows and col < n_size:
+                mD[(row0 + r, col)] = acc[v].to(self.out_dtype)
 
     @cute.jit
     def _k_range(self, tile_coord, k_tile_cnt):

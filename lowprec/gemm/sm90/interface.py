@@ -37,6 +37,7 @@ def _shipped_configs():
         for cm, cn in clusters:
             for bn in _TILE_N_CHOICES:
                 cfgs.append(TileConfig(tile_m=bm, tile_n=bn, cluster_m=cm, cluster_n=cn))
+    cfgs.append(TileConfig(tile_m=128, tile_n=128, cluster_m=2, raster_along_m=False, swizzle=4))
     # split-K for small M (few tiles, long K): fp32 partials reduced on the host side
     for bm in (64, 128):
         for bn in _SPLIT_TILE_N:
@@ -88,7 +89,12 @@ def choose_config(m: int, n: int, k: int, b_scale_per_col: bool = False, num_sms
     """
     TileConfig = _tile_config_cls()
     tiles_m128 = -(-m // 128)
-    if m >= 512 and tiles_m128 * (-(-n // 128)) >= num_sms:
+    tiles_n128 = -(-n // 128)
+    if m >= 512 and tiles_m128 * tiles_n128 >= num_sms:
+        if tiles_m128 >= 64 and tiles_n128 >= 32:
+            # a wave along M would stream all of a tall A from HBM once per N column pair:
+            # rasterize along N in groups of 4 M tiles (8192^3: +13%, NOTES v5)
+            return TileConfig(tile_m=128, tile_n=128, cluster_m=2, raster_along_m=False, swizzle=4)
         return TileConfig(tile_m=128, tile_n=128, cluster_m=2, cluster_n=1)
     if m <= 128:
         bm = 64 if m <= 64 else 128
@@ -133,7 +139,8 @@ def _cutlass_dtype(torch_dtype):
     }[torch_dtype]
 
 
-def build_kernel(config, out_dtype, b_scale_per_col: bool, bias_dtype, num_sms: int, arch: str = _ARCH_DEFAULT):
+def build_kernel(config, out_dtype, b_scale_per_col: bool, bias_dtype, num_sms: int, arch: str = _ARCH_DEFAULT,
+                 grouping: str | None = None):
     """Compile one configuration on fake tensors (no GPU needed), uncached; keeps PTX and cubin."""
     import cutlass
     import cutlass.cute as cute
@@ -144,7 +151,7 @@ def build_kernel(config, out_dtype, b_scale_per_col: bool, bias_dtype, num_sms: 
     # split-K: the kernel writes fp32 partials [M, N, split_k]; bias and the cast are host-side
     c_out = cutlass.Float32 if split else _cutlass_dtype(out_dtype)
     c_bias = _cutlass_dtype(bias_dtype) if (bias_dtype is not None and not split) else None
-    kernel = BlockScaledGemmSm90(config, c_out, b_scale_per_col, c_bias, num_sms)
+    kernel = BlockScaledGemmSm90(config, c_out, b_scale_per_col, c_bias, num_sms, grouping)
 
     sym_m = cute.sym_int()
     sym_n = cute.sym_int(divisibility=16)
@@ -153,7 +160,9 @@ def build_kernel(config, out_dtype, b_scale_per_col: bool, bias_dtype, num_sms: 
     sym_sb_rows = cute.sym_int()
     fake = cute.runtime.make_fake_tensor
     a = fake(cutlass.Uint8, (sym_m, sym_k), stride=(cute.sym_int64(divisibility=16), 1), assumed_align=16)
-    b = fake(cutlass.Uint8, (sym_n, sym_k), stride=(cute.sym_int64(divisibility=16), 1), assumed_align=16)
+    # grouped: b is [E * N, K], its rows no longer match D's columns
+    b_rows = cute.sym_int(divisibility=16) if grouping is not None else sym_n
+    b = fake(cutlass.Uint8, (b_rows, sym_k), stride=(cute.sym_int64(divisibility=16), 1), assumed_align=16)
     if split:
         d = fake(c_out, (sym_m, sym_n, config.split_k),
                  stride=(cute.sym_int64(divisibility=4), 1, cute.sym_int64(divisibility=4)), assumed_align=16)
@@ -169,15 +178,17 @@ def build_kernel(config, out_dtype, b_scale_per_col: bool, bias_dtype, num_sms: 
         bias = fake(c_bias, (sym_n,), stride=(1,), assumed_align=4)
     else:
         bias = fake(cutlass.Float32, (cute.sym_int(),), stride=(1,), assumed_align=4)
+    group = fake(cutlass.Int32, (cute.sym_int(),), stride=(1,), assumed_align=4)
     tvm = _use_tvm_ffi()
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=tvm)
     from ...runtime import compile_for_arch
 
-    return compile_for_arch(kernel, a, b, d, sa, sb, bias, stream, arch=arch, tvm_ffi=tvm)
+    return compile_for_arch(kernel, a, b, d, sa, sb, bias, group, cutlass.Int32(0), stream, arch=arch,
+                            tvm_ffi=tvm)
 
 
 @functools.cache
-def _get_compiled(config, out_dtype, b_scale_per_col, bias_dtype, num_sms, arch=_ARCH_DEFAULT):
+def _get_compiled(config, out_dtype, b_scale_per_col, bias_dtype, num_sms, arch=_ARCH_DEFAULT, grouping=None):
     """The launchable kernel, compiled once per key through the package's kernel cache (the
     lru_cache in front keeps the per-launch lookup to one tuple hash)."""
     from ...runtime import kernel_cache
@@ -187,9 +198,10 @@ def _get_compiled(config, out_dtype, b_scale_per_col, bias_dtype, num_sms, arch=
     if config.split_k > 1:  # one kernel per split config: fp32 partials, no bias
         out_dtype, bias_dtype = torch.float32, None
     key = dict(dataclasses.asdict(config), out=out_dtype, per_col=bool(b_scale_per_col), bias=bias_dtype,
-               num_sms=int(num_sms), tvm_ffi=_use_tvm_ffi())
+               num_sms=int(num_sms), tvm_ffi=_use_tvm_ffi(), grouping=grouping)
     return kernel_cache.get("gemm_sm90_blockscaled", key, arch, [blockscaled_gemm, config_mod],
-                            lambda: build_kernel(config, out_dtype, b_scale_per_col, bias_dtype, num_sms, arch))
+                            lambda: build_kernel(config, out_dtype, b_scale_per_col, bias_dtype, num_sms, arch,
+                                                 grouping))
 
 
 def compile_only(
@@ -199,18 +211,20 @@ def compile_only(
     b_scale_per_col: bool = False,
     bias_dtype=None,
     num_sms: int = 132,
+    grouping: str | None = None,
 ):
     """Compile one configuration on fake tensors (no GPU needed) and return the compiled object
     (cached; keeps ``__ptx__`` and ``__cubin__``: ``lowprec.runtime.compile.sass_of`` disassembles
     it, with ``nvdisasm`` from PATH or the pip package ``nvidia-cuda-nvdisasm``)."""
     if config is None:
         config = _tile_config_cls()()
-    return _get_compiled(config, out_dtype, bool(b_scale_per_col), bias_dtype, num_sms, arch)
+    return _get_compiled(config, out_dtype, bool(b_scale_per_col), bias_dtype, num_sms, arch, grouping)
 
 
 # ----------------------------------------------------------------------------- launch
 _num_sms_cache: dict[int, int] = {}
 _dummy_bias: dict[torch.device, torch.Tensor] = {}
+_dummy_groups: dict[torch.device, torch.Tensor] = {}
 
 
 def _num_sms(device: torch.device) -> int:
@@ -357,6 +371,13 @@ def gemm_blockwise_fp8(
     return d
 
 
+def _dummy_group(device) -> torch.Tensor:
+    t = _dummy_groups.get(device)
+    if t is None:
+        t = _dummy_groups[device] = torch.zeros(1, dtype=torch.int32, device=device)
+    return t
+
+
 def _dummy(device) -> torch.Tensor:
     t = _dummy_bias.get(device)
     if t is None:
@@ -369,18 +390,117 @@ def _split_ok(k_tiles: int, split: int) -> bool:
     return split == 1 or (split - 1) * per < k_tiles
 
 
-def _launch(fn, a, b, d, a_scale, b_scale, bias_arg):
+def _launch(fn, a, b, d, a_scale, b_scale, bias_arg, group=None, m_max=0):
+    if group is None:
+        group = _dummy_group(a.device)
     if _use_tvm_ffi():  # launches on torch's current stream of a's device
         if a.device.index == torch.cuda.current_device():
-            fn(a.view(torch.uint8), b.view(torch.uint8), d, a_scale, b_scale, bias_arg)
+            fn(a.view(torch.uint8), b.view(torch.uint8), d, a_scale, b_scale, bias_arg, group, m_max)
         else:
             with torch.cuda.device(a.device):
-                fn(a.view(torch.uint8), b.view(torch.uint8), d, a_scale, b_scale, bias_arg)
+                fn(a.view(torch.uint8), b.view(torch.uint8), d, a_scale, b_scale, bias_arg, group, m_max)
     else:  # pragma: no cover - slow path (~50 us per launch)
         with torch.cuda.device(a.device):
             import cuda.bindings.driver as cuda
             from cutlass.cute.runtime import from_dlpack
 
-            args = [from_dlpack(t, assumed_align=16 if i < 3 else 4) for i, t in enumerate(
-                (a.view(torch.uint8), b.view(torch.uint8), d, a_scale, b_scale, bias_arg))]
-            fn(*args, cuda.CUstream(torch.cuda.current_stream().cuda_stream))
+            args = [from_dlpack(t, assumed_align=16 if i < 5 else 4) for i, t in enumerate(
+                (a.view(torch.uint8), b.view(torch.uint8), d, a_scale, b_scale, bias_arg, group))]
+            fn(*args, m_max, cuda.CUstream(torch.cuda.current_stream().cuda_stream))
+
+
+# ----------------------------------------------------------------------------- grouped
+def choose_grouped_config(rows_per_group: float, n: int, num_groups: int, num_sms: int = 132):
+    """Tile configuration of the grouped GEMM: 64-row tiles when groups are short (less work
+    lost on each group's last tile), 128-wide N tiles unless that leaves SMs idle."""
+    TileConfig = _tile_config_cls()
+    bm = 64 if rows_per_group <= 64 else 128
+    tiles_m = num_groups * max(1.0, rows_per_group / bm)
+    bn = 128 if n >= 128 else n
+    if bn == 128 and tiles_m * (-(-n // 128)) < num_sms:
+        bn = 64
+    return TileConfig(tile_m=bm, tile_n=bn)
+
+
+def _validate_grouped(a, a_scale, b, b_scale, group, out_dtype, masked):
+    for name, t in (("a", a), ("a_scale", a_scale), ("b", b), ("b_scale", b_scale), ("group", group)):
+        _check(isinstance(t, torch.Tensor), f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    _check(a.dtype == torch.float8_e4m3fn and b.dtype == torch.float8_e4m3fn,
+           f"a, b: expected torch.float8_e4m3fn, got {a.dtype} and {b.dtype}")
+    _check(b.dim() == 3, f"b: expected [E, N, K], got shape {tuple(b.shape)}")
+    e, n, k = b.shape
+    if masked:
+        _check(a.dim() == 3 and a.shape[0] == e and a.shape[2] == k,
+               f"a: expected [E={e}, M_max, K={k}], got shape {tuple(a.shape)}")
+        rows = a.shape[0] * a.shape[1]
+    else:
+        _check(a.dim() == 2 and a.shape[1] == k, f"a: expected [M, K={k}], got shape {tuple(a.shape)}")
+        rows = a.shape[0]
+    kb, nb = -(-k // SCALE_BLOCK), -(-n // SCALE_BLOCK)
+    _check(n % 16 == 0 and n > 0, f"b: N must be a positive multiple of 16, got {n}")
+    _check(k % 16 == 0 and k > 0, f"b: K must be a positive multiple of 16, got {k}")
+    _check(tuple(a_scale.shape) == (*a.shape[:-1], kb),
+           f"a_scale: expected shape {(*a.shape[:-1], kb)} (1x128 blocks), got {tuple(a_scale.shape)}")
+    _check(tuple(b_scale.shape) == (e, nb, kb),
+           f"b_scale: expected shape {(e, nb, kb)} (128x128 blocks), got {tuple(b_scale.shape)}")
+    _check(a_scale.dtype == torch.float32 and b_scale.dtype == torch.float32,
+           f"a_scale, b_scale: expected torch.float32, got {a_scale.dtype} and {b_scale.dtype}")
+    _check(tuple(group.shape) == (e,) and group.dtype in (torch.int32, torch.int64),
+           f"group: expected an int32 tensor of shape ({e},), got {group.dtype} {tuple(group.shape)}")
+    _check(out_dtype in (torch.bfloat16, torch.float16, torch.float32),
+           f"out_dtype: expected torch.bfloat16, torch.float16 or torch.float32, got {out_dtype}")
+    dev = a.device
+    _check(dev.type == "cuda", f"a: expected a CUDA tensor, got device {dev}")
+    for name, t in (("a_scale", a_scale), ("b", b), ("b_scale", b_scale), ("group", group)):
+        _check(t.device == dev, f"{name}: on {t.device}, expected {dev} like a")
+    return rows, e, n, k
+
+
+def grouped_gemm_blockwise_fp8(
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    b: torch.Tensor,
+    b_scale: torch.Tensor,
+    *,
+    group_ends: torch.Tensor | None = None,
+    masked_counts: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.bfloat16,
+    config=None,
+) -> torch.Tensor:
+    """One block-scaled GEMM per group against ``b[e]``, in one persistent kernel launch.
+
+    Contiguous (``group_ends``, int32 [E] cumulative, non-decreasing, ≤ M): ``a`` [M, K] with
+    1x128 scales [M, KB]; group e's rows ``ends[e-1]:ends[e]`` times ``b[e]ᵀ``; rows after the
+    last group are zero. Groups need no padding: a tile that runs past its group's end stores
+    only its own rows. Masked (``masked_counts`` [E]): ``a`` [E, M_max, K]; group e's first
+    ``counts[e]`` rows, the other rows zero; returns [E, M_max, N].
+
+    ``b``: E4M3 [E, N, K] with 128x128 scales [E, ceil(N/128), ceil(K/128)]. Group values are
+    read on the device only (no host sync: CUDA-graph capturable) and are not validated there:
+    values breaking the contract give wrong rows, never out-of-bounds accesses.
+    """
+    masked = masked_counts is not None
+    _check((group_ends is not None) != masked, "pass exactly one of group_ends= or masked_counts=")
+    group = masked_counts if masked else group_ends
+    rows, e, n, k = _validate_grouped(a, a_scale, b, b_scale, group, out_dtype, masked)
+    m_max = a.shape[1] if masked else 0
+    out_shape = (e, m_max, n) if masked else (rows, n)
+    d = torch.empty(out_shape, dtype=out_dtype, device=a.device)
+    if rows == 0:
+        return d
+    num_sms = _num_sms(a.device)
+    if config is None:
+        config = choose_grouped_config(m_max if masked else rows / e, n, e, num_sms)
+    grouping = "masked" if masked else "contiguous"
+    fn = _get_compiled(config, out_dtype, False, None, num_sms, _ARCH_DEFAULT, grouping)
+    a2 = a.reshape(rows, k)
+    sa2 = _tma_a_scale(a_scale.reshape(rows, a_scale.shape[-1]))
+    b2 = b.reshape(e * n, k)
+    sb2 = _tma_b_scale_blocks(b_scale.reshape(-1, b_scale.shape[-1]))
+    _check(b2.stride(1) == 1 and b2.stride(0) % 16 == 0 and b2.data_ptr() % 16 == 0,
+           "b: must be contiguous along K with 16-byte aligned rows")
+    _check(a2.stride(1) == 1 and (a2.stride(0) % 16 == 0 or rows == 1) and a2.data_ptr() % 16 == 0,
+           "a: must be contiguous along K with 16-byte aligned rows")
+    group = group if group.dtype == torch.int32 and group.is_contiguous() else group.to(torch.int32).contiguous()
+    _launch(fn, a2, b2, d.view(rows, n), sa2, sb2, _dummy(a.device), group, m_max)
+    return d
