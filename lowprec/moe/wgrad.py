@@ -4,7 +4,9 @@ Here the reduction runs over tokens, so both operands are quantized along the to
 blocks of 128 tokens). A block must not mix two experts: :func:`quantize_k_grouped` transposes the
 packed rows and starts every expert's tokens at a multiple of 128, zero-padding the gap.
 
-(Reference ops; the natural home of :func:`grouped_gemm_wgrad` is :mod:`lowprec.gemm`.)
+On Hopper, FP8 1x128 operands run the K-grouped mode of the block-scaled GEMM kernel
+(:func:`lowprec.gemm.sm90.interface.grouped_gemm_wgrad_fp8`): one launch over all experts, the
+group ends read on the device (no host sync).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import torch
 
 from ..quant import quantize
 from ..recipes import WHOLE, ScaleRecipe, get_recipe
+from ..runtime import kernel_failed, use_kernel
 from ..tensor import QuantizedTensor
 
 __all__ = ["grouped_gemm_wgrad", "quantize_k_grouped"]
@@ -66,7 +69,8 @@ def quantize_k_grouped(rows: torch.Tensor, group_ends: torch.Tensor, recipe: str
     dest = torch.where(group < num_groups, aligned_ends[g] - aligned[g] + p - (ends[g] - counts[g]),
                        width + p)
     buf = rows.new_zeros(width + m, rows.shape[1]).index_copy_(0, dest, rows)
-    return quantize(buf[:width].T, r, check_finite=False), aligned_ends.int()
+    # contiguous: the quantize kernels take row-major input (same bits either way)
+    return quantize(buf[:width].T.contiguous(), r, check_finite=False), aligned_ends.int()
 
 
 def grouped_gemm_wgrad(a: QuantizedTensor, b: QuantizedTensor, group_ends: torch.Tensor,
@@ -98,6 +102,13 @@ def grouped_gemm_wgrad(a: QuantizedTensor, b: QuantizedTensor, group_ends: torch
     if a.device != b.device:
         raise ValueError(f"b: on {b.device}, but a is on {a.device}")
     _check_ends(group_ends, a.device)
+    if use_kernel("grouped_gemm_wgrad", a.device, ("sm_90a",), lambda: _wgrad_unsupported(a, b)):
+        try:
+            from ..gemm.sm90.interface import grouped_gemm_wgrad_fp8
+
+            return grouped_gemm_wgrad_fp8(a.data, a.scale, b.data, b.scale, group_ends, out_dtype)
+        except Exception as err:
+            kernel_failed("grouped_gemm_wgrad", err)
     ends = group_ends.tolist()
     starts = [0, *ends[:-1]]
     k = a.shape[1]
@@ -113,3 +124,12 @@ def grouped_gemm_wgrad(a: QuantizedTensor, b: QuantizedTensor, group_ends: torch
         if end > s:
             out[e] = a_deq[:, s:end] @ b_deq[:, s:end].T
     return out.to(out_dtype)
+
+
+def _wgrad_unsupported(a: QuantizedTensor, b: QuantizedTensor) -> str | None:
+    """Why the Hopper K-grouped kernel cannot take these operands (None: it can)."""
+    if a.recipe.name != "fp8_block1x128" or b.recipe.name != "fp8_block1x128":
+        return f"recipes {a.recipe.name} x {b.recipe.name}; the kernel takes fp8_block1x128 operands"
+    if a.shape[0] % 64 or b.shape[0] % 16 or a.shape[1] % 16:
+        return f"a rows {a.shape[0]} (multiple of 64), b rows {b.shape[0]} and K {a.shape[1]} (multiples of 16)"
+    return None

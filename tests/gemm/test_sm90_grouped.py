@@ -188,3 +188,47 @@ def test_public_api_matches_reference():
     d = lowprec.grouped_gemm(xq, wq, group_ends=ends)
     ref = grouped_gemm_contiguous_reference(xq, wq, ends, torch.float64, torch.float64)
     assert_close_bf16(d, ref)
+
+
+# ----------------------------------------------------------------------------- K-grouped (wgrad)
+@needs_cutlass
+@pytest.mark.parametrize("tile", GROUPED_CONFIGS, ids=lambda t: f"{t[0]}x{t[1]}")
+def test_compile_kgrouped(tile):
+    from lowprec.gemm.sm90.config import TileConfig
+    from lowprec.gemm.sm90.interface import compile_only
+    from lowprec.runtime.compile import local_memory_ops, sass_of
+
+    kernel = compile_only(TileConfig(tile_m=tile[0], tile_n=tile[1]), out_dtype=torch.float32,
+                          b_scale_per_col=True, grouping="kgrouped")
+    sass = sass_of(kernel)
+    assert "QGMMA" in sass
+    assert local_memory_ops(sass) == 0
+
+
+@gpu
+@needs_gpu
+@pytest.mark.parametrize("sizes", [[0, 1, 127, 128, 129, 300, 0, 513], [0, 0, 700, 0], [5]],
+                         ids=["mixed", "one_group", "single"])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_kgrouped_wgrad(sizes, out_dtype):
+    from lowprec.moe.wgrad import grouped_gemm_wgrad, quantize_k_grouped
+
+    gen = torch.Generator(device="cuda")
+    gen.manual_seed(3)
+    rows = sum(sizes) + 11
+    dy = random_operand(rows, 256, "cuda", gen)
+    x = random_operand(rows, 384, "cuda", gen)
+    ends = torch.tensor(sizes, device="cuda").cumsum(0).to(torch.int32)
+    dy_t, aligned = quantize_k_grouped(dy, ends)
+    x_t, _ = quantize_k_grouped(x, ends)
+    _poison_next_alloc((len(sizes), 256, 384), out_dtype)
+    dw = grouped_gemm_wgrad(dy_t, x_t, aligned, out_dtype)
+    a_deq, b_deq = dy_t.dequantize(torch.float64), x_t.dequantize(torch.float64)
+    start = 0
+    for g, end in enumerate(aligned.tolist()):
+        if end > start:
+            ref = a_deq[:, start:end] @ b_deq[:, start:end].T
+            (assert_close_bf16 if out_dtype == torch.bfloat16 else assert_close_fp32)(dw[g], ref)
+        else:
+            assert torch.all(dw[g] == 0), f"group {g} is empty: its gradient must be zero"
+        start = end

@@ -99,15 +99,20 @@ class BlockScaledGemmSm90:
         self.b_scale_per_col = b_scale_per_col
         self.bias_dtype = bias_dtype
         self.num_sms = num_sms
-        # None: one GEMM; "contiguous" / "masked": one GEMM per group against B[e] (see
-        # _group_info), 128x128 B scales, no bias, no split-K, no clusters
-        if grouping not in (None, "contiguous", "masked"):
-            raise ValueError(f"grouping must be None, 'contiguous' or 'masked', got {grouping!r}")
+        # None: one GEMM; "contiguous" / "masked": one GEMM per group of A's rows against B[e]
+        # (128x128 B scales); "kgrouped": one GEMM per group of K blocks, D[e] = A[:, Ke] B[:, Ke]^T
+        # (weight gradients, 1x128 B scales). See _group_info. No bias, split-K or clusters.
+        if grouping not in (None, "contiguous", "masked", "kgrouped"):
+            raise ValueError(
+                f"grouping must be None, 'contiguous', 'masked' or 'kgrouped', got {grouping!r}"
+            )
         if grouping is not None and (
-            b_scale_per_col or bias_dtype is not None or config.split_k > 1
-            or (config.cluster_m, config.cluster_n) != (1, 1)
+            b_scale_per_col != (grouping == "kgrouped") or bias_dtype is not None
+            or config.split_k > 1 or (config.cluster_m, config.cluster_n) != (1, 1)
         ):
-            raise ValueError("grouped GEMM: 128x128 B scales, no bias, split_k 1, cluster 1x1")
+            raise ValueError(
+                "grouped GEMM: no bias, split_k 1, cluster 1x1; 1x128 B scales exactly for kgrouped"
+            )
         self.grouping = grouping
         self.split_k = config.split_k
         # a second block accumulator (tile_n/2 registers) must fit next to acc and blk
@@ -629,19 +634,23 @@ class BlockScaledGemmSm90:
                 m_tile = local % g_tiles_m
                 n_tile = local // g_tiles_m
                 row0 = g_start + m_tile * self.tile_m
-                k_cnt = k_tile_cnt
-                if g_live - m_tile * self.tile_m <= 0:
-                    k_cnt = 0
+                k_first, k_cnt = self._tile_k_range(
+                    mGroup, e, k_tile_cnt, g_live - m_tile * self.tile_m
+                )
+                a_row = row0
+                b_row = e * n_size + n_tile * self.tile_n
+                if cutlass.const_expr(self.grouping == "kgrouped"):  # A and B shared by groups
+                    a_row = m_tile * self.tile_m
+                    b_row = n_tile * self.tile_n
                 # tiles start at any row of A: offset the TMA coordinate tensors
                 gA = cute.local_tile(
-                    cute.domain_offset((row0, 0), mA), (self.tile_m, self.tile_k), (0, None)
+                    cute.domain_offset((a_row, 0), mA), (self.tile_m, self.tile_k), (0, None)
                 )
                 gB = cute.local_tile(
-                    cute.domain_offset((e * n_size + n_tile * self.tile_n, 0), mB),
-                    (self.tile_n, self.tile_k), (0, None),
+                    cute.domain_offset((b_row, 0), mB), (self.tile_n, self.tile_k), (0, None)
                 )
                 gSA = cute.local_tile(
-                    cute.domain_offset((row0 - row0 % 4, 0), mSA), (self.sa_box_m, 1), (0, None)
+                    cute.domain_offset((a_row - a_row % 4, 0), mSA), (self.sa_box_m, 1), (0, None)
                 )
                 tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
                     tma_atom_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 2),
@@ -660,15 +669,19 @@ class BlockScaledGemmSm90:
                     e * nb_per_group + cutlass.min(nb0 + i, nb_per_group - 1)
                     for i in range(self.num_sb_boxes)
                 ]
-                for k in range(k_cnt):
+                for kk in range(k_cnt):
+                    k = k_first + kk
                     mainloop_pipeline.producer_acquire(state)
                     bar = mainloop_pipeline.producer_get_barrier(state)
                     cute.copy(tma_atom_sa, tSAgSA[(None, k)], tSAsSA[(None, state.index)],
                               tma_bar_ptr=bar)
                     for i in cutlass.range_constexpr(self.num_sb_boxes):
                         tSBsSB, tSBgSB = sb_parts[i]
-                        cute.copy(tma_atom_sb, tSBgSB[(None, sb_rows[i], k // _SB_BOX_K)],
-                                  tSBsSB[(None, state.index)], tma_bar_ptr=bar)
+                        if cutlass.const_expr(self.b_scale_per_col):
+                            src = tSBgSB[(None, n_tile, k)]
+                        else:
+                            src = tSBgSB[(None, sb_rows[i], k // _SB_BOX_K)]
+                        cute.copy(tma_atom_sb, src, tSBsSB[(None, state.index)], tma_bar_ptr=bar)
                     cute.copy(tma_atom_a, tAgA[(None, k)], tAsA[(None, state.index)],
                               tma_bar_ptr=bar)
                     cute.copy(tma_atom_b, tBgB[(None, k)], tBsB[(None, state.index)],
@@ -819,19 +832,19 @@ class BlockScaledGemmSm90:
                     n0 = (local // g_tiles_m) * self.tile_n
                     row0 = g_start + m_tile * self.tile_m
                     live = g_live - m_tile * self.tile_m
-                    k_cnt = k_tile_cnt
-                    if live <= 0:
-                        k_cnt = 0
+                    k_first, k_cnt = self._tile_k_range(mGroup, e, k_tile_cnt, live)
                     acc.fill(0.0)
                     if k_cnt > 0:
-                        # this tile's A scales sit row0 % 4 rows into the stage's box
+                        # this tile's A scales sit (A row % 4) rows into the stage's box
                         shift = row0 % 4
+                        if cutlass.const_expr(self.grouping == "kgrouped"):
+                            shift = 0  # A rows m_tile * tile_m
                         tile_args = mma_args[:7] + (
                             (sSA, sSB, ([r + shift for r in scale_pos[0]], scale_pos[1])),
                             mma_args[8],
                         )
                         read_state, release_state = self._mainloop(
-                            tile_args, n0, 0, k_cnt, read_state, release_state
+                            tile_args, n0, k_first, k_cnt, read_state, release_state
                         )
                     # rows past the group's live rows (masked layout) are zero
                     for v in cutlass.range_constexpr(n_vals):
@@ -871,6 +884,9 @@ class BlockScaledGemmSm90:
         ends[E-1]:M with none live. Masked: rows e*M_max:(e+1)*M_max, counts[e] live."""
         num_e = cute.size(mGroup, mode=[0])
         ec = cutlass.min(e, num_e - 1)
+        if cutlass.const_expr(self.grouping == "kgrouped"):
+            # D rows e*N_out:(e+1)*N_out (N_out passed as m_max), every tile full
+            return e * m_max, m_max, m_max
         if cutlass.const_expr(self.grouping == "contiguous"):
             start = cutlass.Int32(0)
             if e > 0:
@@ -883,6 +899,24 @@ class BlockScaledGemmSm90:
                 live_end = start
             return start, end - start, live_end - start
         return e * m_max, m_max, mGroup[ec]
+
+    @cute.jit
+    def _tile_k_range(self, mGroup, e, k_tile_cnt, live):
+        """(first K block, K blocks) of a tile of group ``e``: kgrouped, the group's K blocks
+        ends[e-1]/128 .. ends[e]/128 (ends are multiples of 128); otherwise all K blocks, none
+        for a tile without live rows."""
+        k_first = cutlass.Int32(0)
+        k_cnt = k_tile_cnt
+        if cutlass.const_expr(self.grouping == "kgrouped"):
+            start = cutlass.Int32(0)
+            if e > 0:
+                start = mGroup[e - 1]
+            k_first = start // SCALE_BLOCK
+            k_cnt = (mGroup[e] - start + SCALE_BLOCK - 1) // SCALE_BLOCK
+        else:
+            if live <= 0:
+                k_cnt = 0
+        return k_first, k_cnt
 
     @cute.jit
     def _mainloop(self, mma_args, n0, k_first, k_cnt, read_state, release_state):

@@ -504,3 +504,63 @@ def grouped_gemm_blockwise_fp8(
     group = group if group.dtype == torch.int32 and group.is_contiguous() else group.to(torch.int32).contiguous()
     _launch(fn, a2, b2, d.view(rows, n), sa2, sb2, _dummy(a.device), group, m_max)
     return d
+
+
+def grouped_gemm_wgrad_fp8(
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    b: torch.Tensor,
+    b_scale: torch.Tensor,
+    group_ends: torch.Tensor,
+    out_dtype: torch.dtype = torch.float32,
+    config=None,
+) -> torch.Tensor:
+    """K-grouped GEMM for weight gradients: ``out[e] = (A·sa)[:, Kₑ] · (B·sb)[:, Kₑ]ᵀ``.
+
+    a: E4M3 [N, K] and b: E4M3 [P, K], both with 1x128 scales along K ([N, KB], [P, KB]);
+    group_ends: int32 [E] cumulative ends along K, each group starting and ending at a multiple
+    of 128 (``lowprec.moe.quantize_k_grouped`` lays tokens out so). Returns [E, N, P]; empty
+    groups give zeros. N must be a multiple of 64 (a tile never straddles two groups' outputs).
+    Group values are read on the device only (no host sync).
+    """
+    for name, t in (("a", a), ("a_scale", a_scale), ("b", b), ("b_scale", b_scale), ("group_ends", group_ends)):
+        _check(isinstance(t, torch.Tensor), f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    _check(a.dtype == torch.float8_e4m3fn and b.dtype == torch.float8_e4m3fn,
+           f"a, b: expected torch.float8_e4m3fn, got {a.dtype} and {b.dtype}")
+    _check(a.dim() == 2 and b.dim() == 2 and a.shape[1] == b.shape[1],
+           f"a, b: expected [N, K] and [P, K], got {tuple(a.shape)} and {tuple(b.shape)}")
+    n, k = a.shape
+    p = b.shape[0]
+    kb = -(-k // SCALE_BLOCK)
+    _check(n % 64 == 0 and n > 0, f"a: N must be a positive multiple of 64, got {n}")
+    _check(p % 16 == 0 and p > 0, f"b: P must be a positive multiple of 16, got {p}")
+    _check(k % 16 == 0 and k > 0, f"a: K must be a positive multiple of 16, got {k}")
+    _check(tuple(a_scale.shape) == (n, kb) and tuple(b_scale.shape) == (p, kb),
+           f"a_scale, b_scale: expected shapes {(n, kb)} and {(p, kb)} (1x128 blocks), got "
+           f"{tuple(a_scale.shape)} and {tuple(b_scale.shape)}")
+    _check(a_scale.dtype == torch.float32 and b_scale.dtype == torch.float32,
+           f"a_scale, b_scale: expected torch.float32, got {a_scale.dtype} and {b_scale.dtype}")
+    _check(group_ends.dim() == 1 and group_ends.numel() > 0 and group_ends.dtype in (torch.int32, torch.int64),
+           f"group_ends: expected a non-empty 1-D int32 tensor, got {group_ends.dtype} {tuple(group_ends.shape)}")
+    _check(out_dtype in (torch.bfloat16, torch.float16, torch.float32),
+           f"out_dtype: expected torch.bfloat16, torch.float16 or torch.float32, got {out_dtype}")
+    dev = a.device
+    _check(dev.type == "cuda", f"a: expected a CUDA tensor, got device {dev}")
+    for name, t in (("a_scale", a_scale), ("b", b), ("b_scale", b_scale), ("group_ends", group_ends)):
+        _check(t.device == dev, f"{name}: on {t.device}, expected {dev} like a")
+    _check(a.stride(1) == 1 and b.stride(1) == 1 and a.stride(0) % 16 == 0 and b.stride(0) % 16 == 0
+           and a.data_ptr() % 16 == 0 and b.data_ptr() % 16 == 0,
+           "a, b: must be contiguous along K with 16-byte aligned rows")
+    e = group_ends.numel()
+    d = torch.empty((e, n, p), dtype=out_dtype, device=dev)
+    num_sms = _num_sms(dev)
+    if config is None:
+        config = _tile_config_cls()(tile_m=128 if n % 128 == 0 else 64,
+                                    tile_n=min(_TILE_N_PER_COL_MAX, p) if p % 16 == 0 else 16)
+    _check(n % config.tile_m == 0, f"config: tile_m={config.tile_m} must divide N={n}")
+    fn = _get_compiled(config, out_dtype, True, None, num_sms, _ARCH_DEFAULT, "kgrouped")
+    ends = group_ends if group_ends.dtype == torch.int32 and group_ends.is_contiguous() \
+        else group_ends.to(torch.int32).contiguous()
+    _launch(fn, a, b, d.view(e * n, p), _tma_a_scale(a_scale), _prep_b_scale_per_col(b_scale), _dummy(dev),
+            ends, n)
+    return d
