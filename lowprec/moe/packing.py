@@ -6,6 +6,8 @@ shapes alone (no device-to-host sync); see :mod:`lowprec.moe.routing` for the ro
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from ..quant import quantize
@@ -119,8 +121,10 @@ def unpack(rows: torch.Tensor | QuantizedTensor, routing: Routing, weights: torc
 
     Deterministic: accumulated in FP32 in top-k slot order ``j = 0, …, k−1`` from 0, each term
     rounded to FP32 (``weight · row``, not fused) before it is added; dropped slots add nothing.
-    Differentiable with respect to ``rows`` and ``weights`` (plain torch ops). The forward pass is
-    gathers and elementwise ops: no atomics, no device-to-host sync.
+    Differentiable with respect to ``rows`` and ``weights``. No atomics, no device-to-host sync.
+    On Hopper (rows and ``out_dtype`` bf16 / fp16 / fp32, ``H`` a multiple of 16) one CuTe DSL
+    kernel reads each token's k rows once, bit-identical to the reference (plain torch ops, which
+    also run on CPU); its backward is torch ops (:class:`_UnpackKernel`).
 
     Args:
         rows: ``[T·k, H]`` packed rows (a QuantizedTensor is dequantized).
@@ -142,7 +146,25 @@ def unpack(rows: torch.Tensor | QuantizedTensor, routing: Routing, weights: torc
                                 or weights.shape != routing.kept.shape):
         raise ValueError(f"weights: expected a float tensor of shape {tuple(routing.kept.shape)}, got "
                          f"{getattr(weights, 'dtype', type(weights))} {tuple(getattr(weights, 'shape', ()))}")
+    if weights is not None and weights.device != rows.device:
+        raise ValueError(f"weights: on {weights.device}, but rows are on {rows.device}")
+    if rows.device != routing.slot_rows.device:
+        raise ValueError(f"rows: on {rows.device}, but routing is on {routing.slot_rows.device}")
     out_dtype = rows.dtype if out_dtype is None else out_dtype
+    if use_kernel("unpack", rows.device, ("sm_90a",), lambda: _unpack_kernel_unsupported(rows, routing, out_dtype)):
+        try:
+            needs_grad = torch.is_grad_enabled() and (rows.requires_grad
+                                                      or (weights is not None and weights.requires_grad))
+            if needs_grad:
+                return _UnpackKernel.apply(rows, weights, routing, out_dtype)
+            return _unpack_kernel(rows, routing, weights, out_dtype)
+        except Exception as err:
+            kernel_failed("unpack", err)
+    return _unpack_reference(rows, routing, weights, out_dtype)
+
+
+def _unpack_reference(rows: torch.Tensor, routing: Routing, weights: torch.Tensor | None,
+                      out_dtype: torch.dtype) -> torch.Tensor:
     src = routing.slot_rows.clamp(min=0)
     acc = rows.new_zeros(routing.num_tokens, rows.shape[1], dtype=torch.float32)
     zero = acc.new_zeros(())
@@ -152,3 +174,60 @@ def unpack(rows: torch.Tensor | QuantizedTensor, routing: Routing, weights: torc
             term = term * weights[:, j, None].float()
         acc = acc + torch.where(routing.kept[:, j, None], term, zero)
     return acc.to(out_dtype)
+
+
+def _unpack_kernel_unsupported(rows: torch.Tensor, routing: Routing, out_dtype: torch.dtype) -> str | None:
+    from ..quant.sm90.interface import UNPACK_DTYPES, kernel_unsupported
+
+    if rows.dtype not in UNPACK_DTYPES or out_dtype not in UNPACK_DTYPES:
+        return f"rows {rows.dtype} -> {out_dtype}: the unpack kernel takes {[str(d) for d in UNPACK_DTYPES]}"
+    index = routing.slot_rows
+    if index.dtype != torch.int64 or not index.is_contiguous():
+        return "routing.slot_rows must be contiguous int64 for the kernel"
+    return kernel_unsupported(rows)
+
+
+def _kernel_weights(rows: torch.Tensor, routing: Routing, weights: torch.Tensor | None) -> torch.Tensor:
+    """FP32 ``[T, k]`` contiguous weights, as the reference rounds them (ones for a plain sum: exact)."""
+    if weights is None:
+        return torch.ones(routing.kept.shape, dtype=torch.float32, device=rows.device)
+    return weights.detach().float().contiguous()
+
+
+def _unpack_kernel(rows: torch.Tensor, routing: Routing, weights: torch.Tensor | None,
+                   out_dtype: torch.dtype) -> torch.Tensor:
+    from ..quant.sm90 import interface
+
+    return interface.unpack_rows(rows.detach(), routing.slot_rows, _kernel_weights(rows, routing, weights), out_dtype)
+
+
+class _UnpackKernel(torch.autograd.Function):
+    """The unpack kernel with gradients for ``rows`` and ``weights``, computed with torch ops:
+    packed row ``p`` holding slot ``(t, j)`` gets ``weights[t, j] · dout[t]`` (rounded to FP32, then
+    to ``rows``' dtype: the reference's gradient), padding rows 0; ``dweights[t, j] =
+    ⟨dout[t], rows[slot_rows[t, j]]⟩`` over kept slots (FP32; the sum's order is torch's)."""
+
+    @staticmethod
+    def forward(ctx, rows, weights, routing: Routing, out_dtype):
+        w = _kernel_weights(rows, routing, weights)
+        ctx.save_for_backward(rows, w)
+        ctx.routing = dataclasses.replace(routing, topk_weights=routing.topk_weights.detach())
+        ctx.weights_dtype = None if weights is None else weights.dtype
+        return _unpack_kernel(rows, routing, w, out_dtype)
+
+    @staticmethod
+    def backward(ctx, dout):
+        rows, w = ctx.saved_tensors
+        routing = ctx.routing
+        dout = dout.float()
+        drows = dweights = None
+        if ctx.needs_input_grad[0]:
+            slots = routing.row_slots.clamp(min=0)
+            drows = dout[slots // routing.top_k] * w.reshape(-1)[slots, None]
+            drows = torch.where((routing.row_slots >= 0)[:, None], drows, 0.0).to(rows.dtype)
+        if ctx.needs_input_grad[1]:
+            src = routing.slot_rows.clamp(min=0)
+            dweights = torch.stack([torch.linalg.vecdot(dout, rows[src[:, j]].float())
+                                    for j in range(routing.top_k)], dim=1)
+            dweights = torch.where(routing.kept, dweights, 0.0).to(ctx.weights_dtype)
+        return drows, dweights, None, None

@@ -1,17 +1,21 @@
-"""Hopper token packing (fused 1x128 quantization) and the sync-free MoE permutation path.
+"""Hopper token packing (fused 1x128 quantization), unpack, and the sync-free MoE permutation path.
 
-The kernel compiles for sm_90a on any machine (``tests/quant/test_sm90.py`` compiles every entry
-of ``KERNELS``, ``pack_1x128`` included); on the GPU it must match ``pack`` on the reference
-backend bit for bit.
+The kernels compile for sm_90a on any machine (``tests/quant/test_sm90.py`` compiles every entry
+of ``KERNELS``, ``pack_1x128`` included; the unpack kernel is compiled here); on the GPU they must
+match ``pack`` / ``unpack`` on the reference backend bit for bit.
 """
+
+import re
 
 import pytest
 import torch
 
 import lowprec
 from lowprec.moe import dispatch, pack, route, unpack
-from lowprec.moe.packing import _pack_kernel_unsupported
-from lowprec.quant.sm90.interface import KERNELS
+from lowprec.moe.packing import _pack_kernel_unsupported, _unpack_kernel_unsupported, _UnpackKernel
+from lowprec.quant.sm90 import interface
+from lowprec.quant.sm90.interface import KERNELS, UNPACK_DTYPES, build_unpack_kernel
+from lowprec.runtime import cubin_arch, local_memory_ops, sass_of
 
 
 def _routing(tokens, k, num_experts, kind, device, capacity_factor=None, policy="probs", seed=0):
@@ -209,3 +213,167 @@ def test_route_pack_unpack_capture_in_a_cuda_graph(monkeypatch):
     x.copy_(torch.randn(1024, 512, device="cuda", generator=g))
     graph.replay()
     assert torch.equal(y, _moe_permutation(logits, x, 1.0))
+
+
+# ---------------------------------------------------------------------------------------------- unpack
+@pytest.mark.parametrize("dtype, out_dtype, top_k", [(torch.bfloat16, torch.bfloat16, 8),
+                                                     (torch.float32, torch.float32, 1),
+                                                     (torch.float16, torch.bfloat16, 2),
+                                                     (torch.bfloat16, torch.float32, 4)])
+def test_unpack_kernel_compiles_for_sm90a_unfused_and_without_spills(dtype, out_dtype, top_k):
+    sass = sass_of(build_unpack_kernel(dtype, out_dtype, top_k))
+    assert cubin_arch(sass) == "sm_90a"
+    assert local_memory_ops(sass) == 0
+    loads = 8 * dtype.itemsize // 16  # 16-byte loads per row and thread
+    assert len(re.findall(r"LDG\.E\.128", sass)) == top_k * loads  # each slot's row read once
+    # weight · row then + acc, each rounded: FMUL and FADD per element and slot, never FFMA
+    assert "FFMA" not in sass
+    assert len(re.findall(r"\bFMUL\b", sass)) == 8 * top_k
+    assert len(re.findall(r"\bFADD\b", sass)) == 8 * top_k
+
+
+def test_unpack_kernel_eligibility():
+    r = _routing(8, 2, 4, "balanced", "cpu")
+    rows = torch.randn(16, 256, dtype=torch.bfloat16)
+    assert _unpack_kernel_unsupported(rows, r, torch.float32) is None
+    assert "takes" in _unpack_kernel_unsupported(rows.double(), r, torch.float32)
+    assert "takes" in _unpack_kernel_unsupported(rows, r, torch.float64)
+    assert "multiple of 16" in _unpack_kernel_unsupported(rows[:, :40], r, torch.bfloat16)
+    assert set(UNPACK_DTYPES) == {torch.bfloat16, torch.float16, torch.float32}
+
+
+def test_unpack_cpu_takes_the_reference_and_kernel_mode_refuses(monkeypatch):
+    r = _routing(8, 2, 4, "balanced", "cpu")
+    rows = torch.randn(16, 256)
+    monkeypatch.setenv("LOWPREC_BACKEND", "auto")
+    assert unpack(rows, r).shape == (8, 256)
+    monkeypatch.setenv("LOWPREC_BACKEND", "kernel")
+    with pytest.raises(RuntimeError, match="unpack cannot run a kernel"):
+        unpack(rows, r)
+
+
+def _reference_unpack_rows(rows, slot_rows, weights, out_dtype):
+    """The kernel's contract in torch (for testing the autograd wrapper without a GPU)."""
+    acc = torch.zeros(slot_rows.shape[0], rows.shape[1])
+    for j in range(slot_rows.shape[1]):
+        term = rows[slot_rows[:, j].clamp(min=0)].float() * weights[:, j, None]
+        acc = acc + torch.where(slot_rows[:, j, None] >= 0, term, 0.0)
+    return acc.to(out_dtype)
+
+
+@pytest.mark.parametrize("weighted", [True, False])
+def test_unpack_kernel_gradients_match_the_reference(weighted, monkeypatch):
+    monkeypatch.setattr(interface, "unpack_rows", _reference_unpack_rows)
+    r = _routing(60, 3, 5, "zipf", "cpu", 0.5, seed=4)
+    assert (~r.kept).all(1).any()  # a token with every slot dropped
+    g = torch.Generator().manual_seed(3)
+    rows = torch.randn(r.num_rows, 32, generator=g, dtype=torch.bfloat16)
+    weights = torch.rand(60, 3, generator=g, dtype=torch.float64) if weighted else None
+    dout = torch.randn(60, 32, generator=g)
+    grads = []
+    for fn in (lambda a, w: _UnpackKernel.apply(a, w, r, torch.float32),
+               lambda a, w: unpack(a, r, w, out_dtype=torch.float32)):
+        leaves = [rows.clone().requires_grad_(), None if weights is None else weights.clone().requires_grad_()]
+        out = fn(*leaves)
+        out.backward(dout)
+        grads.append((out.detach(), leaves[0].grad, None if weights is None else leaves[1].grad))
+    (out, drows, dweights), (ref, ref_drows, ref_dweights) = grads
+    assert torch.equal(out, ref)
+    assert drows.dtype == torch.bfloat16 and torch.equal(drows, ref_drows)
+    if weighted:
+        assert dweights.dtype == torch.float64
+        torch.testing.assert_close(dweights, ref_dweights, rtol=1e-5, atol=1e-6)
+        assert (dweights[~r.kept] == 0).all()
+
+
+def _unpack_both(rows, r, weights, out_dtype, monkeypatch):
+    monkeypatch.setenv("LOWPREC_BACKEND", "reference")
+    ref = unpack(rows, r, weights, out_dtype=out_dtype)
+    monkeypatch.setenv("LOWPREC_BACKEND", "kernel")
+    _poison_allocator()
+    return unpack(rows, r, weights, out_dtype=out_dtype), ref
+
+
+def _packed_rows(r, hidden, dtype, seed):
+    """Rows with a wide range of magnitudes; padding rows NaN (a kernel reading them would show)."""
+    rows = _tokens(r.num_rows, hidden, torch.float32, seed)
+    rows[r.row_slots < 0] = float("nan")
+    return rows.to(dtype)
+
+
+def _assert_bits(out, ref):
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    ints = {2: torch.int16, 4: torch.int32}[out.itemsize]
+    assert torch.equal(out.view(ints), ref.view(ints))  # -0 and +0 differ too
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype, out_dtype", [(torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32),
+                                              (torch.float32, torch.float32), (torch.float32, torch.bfloat16),
+                                              (torch.float16, torch.float16)])
+@pytest.mark.parametrize("kind", ["balanced", "zipf", "one", "few"])
+@pytest.mark.parametrize("capacity_factor", [None, 0.5])
+def test_unpack_kernel_matches_reference(kind, capacity_factor, dtype, out_dtype, monkeypatch):
+    r = _routing(300, 4, 16, kind, "cuda", capacity_factor, seed=len(kind))
+    rows = _packed_rows(r, 1040, dtype, seed=11)  # H = 8·128 + 16: a partly used CTA
+    g = torch.Generator(device="cuda").manual_seed(12)
+    for weights in (None, torch.rand(300, 4, device="cuda", generator=g) * 2 - 0.5,
+                    torch.rand(300, 4, device="cuda", generator=g).to(torch.bfloat16)):
+        out, ref = _unpack_both(rows, r, weights, out_dtype, monkeypatch)
+        _assert_bits(out, ref)
+    if capacity_factor is not None and kind in ("one", "few"):
+        dropped_all = (~r.kept).all(1)
+        assert dropped_all.any() and (out[dropped_all] == 0).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(1, 1, 1, 16), (7, 2, 8, 128), (4096, 8, 64, 7168), (8192, 8, 128, 2048),
+                                   (4096, 2, 8, 4096), (1000, 6, 8, 272)])
+def test_unpack_kernel_model_shapes(shape, monkeypatch):
+    tokens, k, num_experts, hidden = shape
+    for capacity_factor in (None, 1.0):
+        r = _routing(tokens, k, num_experts, "zipf", "cuda", capacity_factor, seed=tokens)
+        rows = _packed_rows(r, hidden, torch.bfloat16, seed=hidden)
+        out, ref = _unpack_both(rows, r, r.combine_weights, torch.bfloat16, monkeypatch)
+        _assert_bits(out, ref)
+
+
+@pytest.mark.gpu
+def test_unpack_kernel_gradients_on_gpu(monkeypatch):
+    r = _routing(500, 4, 16, "zipf", "cuda", 0.75, seed=2)
+    rows = _tokens(r.num_rows, 512, torch.bfloat16, seed=5)
+    weights = torch.rand(500, 4, device="cuda")
+    dout = torch.randn(500, 512, device="cuda")
+    grads = {}
+    for mode in ("reference", "kernel"):
+        monkeypatch.setenv("LOWPREC_BACKEND", mode)
+        leaves = (rows.clone().requires_grad_(), weights.clone().requires_grad_())
+        out = unpack(*leaves[:1], r, leaves[1], out_dtype=torch.float32)
+        out.backward(dout)
+        grads[mode] = (out.detach(), leaves[0].grad, leaves[1].grad)
+    (ref, ref_drows, ref_dw), (out, drows, dw) = grads["reference"], grads["kernel"]
+    assert torch.equal(out, ref) and torch.equal(drows, ref_drows)
+    torch.testing.assert_close(dw, ref_dw, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+def test_unpack_kernel_does_not_sync(monkeypatch):
+    monkeypatch.setenv("LOWPREC_BACKEND", "kernel")
+    r = _routing(1024, 4, 32, "zipf", "cuda", 1.0, seed=6)
+    rows = _tokens(r.num_rows, 512, torch.bfloat16, seed=6).requires_grad_()
+    weights = torch.rand(1024, 4, device="cuda", requires_grad=True)
+
+    def step():
+        plain = unpack(rows.detach(), r, out_dtype=torch.float32)
+        out = unpack(rows, r, weights, out_dtype=torch.float32)
+        out.backward(plain)
+        return out.detach()
+
+    expected = step()  # compiles the kernel, warms up torch
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(out, expected)

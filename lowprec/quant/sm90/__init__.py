@@ -1,1 +1,1 @@
-"""Hopper quantize kernels (CuTe DSL). The kernels use no sm_90-only instructions."""
+"""Hopper quantize kernels and the MoE unpack kernel (CuTe DSL). The kernels use no sm_90-only instructions."""

@@ -8,11 +8,13 @@ from ...runtime import kernel_cache
 from ..layouts import to_mn_major_tma_aligned
 
 __all__ = ["kernel_unsupported", "quantize_1x128", "quantize_rowwise", "quantize_128x128", "quantize_dual",
-           "pack_1x128", "build_kernel", "compile_kernel", "KERNELS"]
+           "pack_1x128", "unpack_rows", "build_kernel", "build_unpack_kernel", "compile_kernel", "KERNELS",
+           "UNPACK_DTYPES"]
 
 ARCH = "sm_90a"
 KERNELS = ("1x128", "128x128", "dual", "rowwise", "pack_1x128")
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+UNPACK_DTYPES = _DTYPES  # rows and output dtypes of the unpack kernel
 
 
 def kernel_unsupported(x: torch.Tensor) -> str | None:
@@ -142,3 +144,42 @@ def pack_1x128(x: torch.Tensor, slot_rows: torch.Tensor, row_slots: torch.Tensor
         with torch.cuda.device(x.device):
             compile_kernel("pack_1x128", x.dtype)(x, slot_rows, row_slots, q.view(torch.uint8), s)
     return q, s
+
+
+def build_unpack_kernel(dtype: torch.dtype, out_dtype: torch.dtype, top_k: int, arch: str = ARCH):
+    """Compile the MoE unpack kernel for ``dtype`` rows, ``out_dtype`` output and ``top_k`` slots
+    per token (a static dimension: the slot loop unrolls) on fake tensors, uncached."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
+
+    from ...runtime import compile_for_arch
+    from . import unpack
+
+    def data(dt):
+        return make_fake_tensor(dt, (cute.sym_int(), cute.sym_int(divisibility=16)),
+                                stride=(cute.sym_int64(divisibility=16), 1), assumed_align=16)
+
+    tokens = cute.sym_int()
+    slot_rows = make_fake_tensor(cutlass.Int64, (tokens, top_k), stride=(top_k, 1), assumed_align=8)
+    weights = make_fake_tensor(cutlass.Float32, (tokens, top_k), stride=(top_k, 1), assumed_align=4)
+    stream = make_fake_stream(use_tvm_ffi_env_stream=True)
+    return compile_for_arch(unpack.unpack_rows, data(_cutlass_dtype(dtype)), slot_rows, weights,
+                            data(_cutlass_dtype(out_dtype)), stream, arch=arch, tvm_ffi=True)
+
+
+def unpack_rows(rows: torch.Tensor, slot_rows: torch.Tensor, weights: torch.Tensor,
+                out_dtype: torch.dtype) -> torch.Tensor:
+    """MoE combine: ``rows`` [T·k, H] -> ``out`` [T, H] in ``out_dtype``, ``out[t] = Σ_j weights[t, j] ·
+    rows[slot_rows[t, j]]`` over ``slot_rows[t, j] >= 0`` (FP32, slot order, product rounded before
+    the add). ``slot_rows`` int64 and ``weights`` FP32, both [T, k] contiguous."""
+    tokens, top_k = slot_rows.shape
+    out = torch.empty(tokens, rows.shape[1], dtype=out_dtype, device=rows.device)
+    if tokens and rows.shape[1]:
+        from . import unpack
+
+        kernel = kernel_cache.get("moe_unpack", {"dtype": rows.dtype, "out_dtype": out_dtype, "top_k": top_k}, ARCH,
+                                  [unpack], lambda: build_unpack_kernel(rows.dtype, out_dtype, top_k))
+        with torch.cuda.device(rows.device):
+            kernel(rows, slot_rows, weights, out)
+    return out
