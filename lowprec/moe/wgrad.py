@@ -34,7 +34,7 @@ def _check_ends(group_ends: torch.Tensor, device: torch.device) -> None:
 
 def quantize_k_grouped(rows: torch.Tensor, group_ends: torch.Tensor, recipe: str | ScaleRecipe = "fp8_block1x128"
                        ) -> tuple[QuantizedTensor, torch.Tensor]:
-    """Packed rows ``[M, C]`` to the K-grouped operand ``[C, M + 128·E]`` of :func:`grouped_gemm_wgrad`.
+    """Packed rows ``[M, C]`` to the K-grouped operand ``[C, round_up(M, 128) + 128·E]`` of :func:`grouped_gemm_wgrad`.
 
     Args:
         rows: ``[M, C]`` float rows grouped by expert: expert ``e`` owns rows
@@ -45,8 +45,9 @@ def quantize_k_grouped(rows: torch.Tensor, group_ends: torch.Tensor, recipe: str
     Returns:
         ``(q, aligned_ends)``: ``q`` quantizes the transposed rows, expert ``e``'s tokens in
         columns ``aligned_ends[e-1]`` onwards (each group starts at a multiple of 128, ends
-        zero-padded up to ``aligned_ends[e]``, a multiple of 128). The width ``M + 128·E`` bounds
-        ``Σ round_up(count_e, 128)`` from the shapes alone, so a kernel needs no sync to size it.
+        zero-padded up to ``aligned_ends[e]``, a multiple of 128). The width
+        ``round_up(M, 128) + 128·E`` bounds ``Σ round_up(count_e, 128)`` from the shapes alone (no
+        sync to size it) and is a whole number of 128-wide blocks (the GEMM kernel's row stride).
     """
     if not isinstance(rows, torch.Tensor) or not rows.is_floating_point() or rows.dim() != 2:
         raise ValueError(f"rows: expected a 2-D float tensor [M, C], got "
@@ -57,7 +58,7 @@ def quantize_k_grouped(rows: torch.Tensor, group_ends: torch.Tensor, recipe: str
         raise ValueError(f"recipe: expected 1 x N blocks with N dividing {_ALIGN} and no global scale, "
                          f"got {r.name!r} with block {r.block}")
     m, num_groups = rows.shape[0], group_ends.numel()
-    width = m + _ALIGN * num_groups
+    width = -(-m // _ALIGN) * _ALIGN + _ALIGN * num_groups
     ends = group_ends.long()
     counts = torch.diff(ends, prepend=ends.new_zeros(1))
     aligned = (counts + _ALIGN - 1) // _ALIGN * _ALIGN

@@ -173,9 +173,11 @@ def test_masked(m_max, counts):
 
 @gpu
 @needs_gpu
-def test_public_api_matches_reference():
+def test_public_api_matches_reference(monkeypatch):
     import lowprec
     from lowprec.gemm.reference import grouped_gemm_contiguous_reference
+
+    monkeypatch.setenv("LOWPREC_BACKEND", "kernel")  # a kernel failure must fail the test
 
     gen = torch.Generator(device="cuda")
     gen.manual_seed(2)
@@ -210,8 +212,10 @@ def test_compile_kgrouped(tile):
 @pytest.mark.parametrize("sizes", [[0, 1, 127, 128, 129, 300, 0, 513], [0, 0, 700, 0], [5]],
                          ids=["mixed", "one_group", "single"])
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
-def test_kgrouped_wgrad(sizes, out_dtype):
+def test_kgrouped_wgrad(sizes, out_dtype, monkeypatch):
     from lowprec.moe.wgrad import grouped_gemm_wgrad, quantize_k_grouped
+
+    monkeypatch.setenv("LOWPREC_BACKEND", "kernel")  # a kernel failure must fail the test
 
     gen = torch.Generator(device="cuda")
     gen.manual_seed(3)

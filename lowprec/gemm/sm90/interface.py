@@ -159,7 +159,9 @@ def build_kernel(config, out_dtype, b_scale_per_col: bool, bias_dtype, num_sms: 
     sym_kb = cute.sym_int()
     sym_sb_rows = cute.sym_int()
     fake = cute.runtime.make_fake_tensor
-    a = fake(cutlass.Uint8, (sym_m, sym_k), stride=(cute.sym_int64(divisibility=16), 1), assumed_align=16)
+    # kgrouped: A [N_out, K] while D stacks the groups' outputs [E * N_out, P]
+    sym_am = cute.sym_int() if grouping == "kgrouped" else sym_m
+    a = fake(cutlass.Uint8, (sym_am, sym_k), stride=(cute.sym_int64(divisibility=16), 1), assumed_align=16)
     # grouped: b is [E * N, K], its rows no longer match D's columns
     b_rows = cute.sym_int(divisibility=16) if grouping is not None else sym_n
     b = fake(cutlass.Uint8, (b_rows, sym_k), stride=(cute.sym_int64(divisibility=16), 1), assumed_align=16)
@@ -169,7 +171,7 @@ def build_kernel(config, out_dtype, b_scale_per_col: bool, bias_dtype, num_sms: 
     else:
         d = fake(c_out, (sym_m, sym_n), stride=(cute.sym_int64(divisibility=8), 1), assumed_align=16)
     # scales are loaded by TMA: 16-byte aligned base and leading dimension (see _tma_scales)
-    sa = fake(cutlass.Float32, (sym_m, sym_kb), stride=(1, cute.sym_int64(divisibility=4)), assumed_align=16)
+    sa = fake(cutlass.Float32, (sym_am, sym_kb), stride=(1, cute.sym_int64(divisibility=4)), assumed_align=16)
     if b_scale_per_col:  # N-contiguous, zero-padded past N (see _prep_b_scale_per_col)
         sb = fake(cutlass.Float32, (sym_sb_rows, sym_kb), stride=(1, cute.sym_int64(divisibility=4)), assumed_align=16)
     else:

@@ -1,0 +1,35 @@
+"""The FP8 MoE layer on Hopper with every GEMM on a kernel (``LOWPREC_BACKEND=kernel``: a kernel
+failure fails the test instead of falling back): forward and gradients vs a float64 loop over
+experts."""
+
+import pytest
+import torch
+
+from lowprec.metrics import cos_sim, rel_l2
+from lowprec.moe import experts
+
+from .test_layer import T, make_inputs, reference_experts
+
+needs_gpu = pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)),
+                               reason="needs an sm_90 GPU")
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("capacity_factor", [None, 0.6])
+def test_fp8_layer_on_kernels(capacity_factor, monkeypatch):
+    monkeypatch.setenv("LOWPREC_BACKEND", "kernel")
+    x, weights, ids, w1, w2, kept = make_inputs(capacity_factor=capacity_factor)
+    dy = torch.randn(T, x.shape[1], generator=torch.Generator().manual_seed(100))
+    leaves = [t.cuda().requires_grad_() for t in (x, weights, w1, w2)]
+    y = experts(leaves[0], leaves[1], ids.cuda(), leaves[2], leaves[3], recipe="fp8_block",
+                capacity_factor=capacity_factor)
+    y.backward(dy.cuda())
+    ref_leaves = [t.double().requires_grad_() for t in (x, weights, w1, w2)]
+    ref = reference_experts(ref_leaves[0], ref_leaves[1], ids, kept, ref_leaves[2], ref_leaves[3])
+    ref.backward(dy.double())
+    assert rel_l2(y.cpu(), ref) < 8e-2  # two chained FP8 GEMMs, as on the CPU
+    for name, g, rg in zip(("x", "weights", "w1", "w2"), [t.grad.cpu() for t in leaves],
+                           [t.grad for t in ref_leaves]):
+        assert cos_sim(g, rg) > 0.99, name
+        assert rel_l2(g, rg) < 0.1, name
