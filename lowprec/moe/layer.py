@@ -19,6 +19,10 @@ Saved for the backward pass: ``x`` in FP8 1x128 (one row per token), ``H`` in FP
 activation's input, cached as DeepSeek-V3 does; the activation is recomputed from it), the FP8
 weights and one FP32 weight per row. For ``dW1`` the FP8 ``x`` is dequantized and requantized along
 tokens. ``recipe=None`` is the baseline: the same steps in ``x``'s dtype, nothing quantized.
+
+On Hopper, besides the GEMMs, the FP8 forward runs three kernels, each one pass over its input and
+bit-identical to the torch steps: :func:`~lowprec.moe.packing.pack_tokens` (the packed X and the
+saved FP8 ``x``), SwiGLU + quantization (A and the saved FP8 ``H``) and :func:`unpack`.
 """
 
 from __future__ import annotations
@@ -33,8 +37,10 @@ from torch import nn
 from ..gemm import grouped_gemm
 from ..gemm.reference import grouped_mm_rows
 from ..quant import quantize
+from ..recipes import get_recipe
+from ..runtime import kernel_failed, use_kernel
 from ..tensor import QuantizedTensor
-from .packing import gather_rows, pack, unpack
+from .packing import gather_rows, pack, pack_tokens, unpack
 from .routing import DROP_POLICIES, SCORE_FUNCS, Routing, _check_capacity_factor, _check_top_k, dispatch, route
 from .wgrad import grouped_gemm_wgrad, quantize_k_grouped
 
@@ -52,6 +58,45 @@ def _activation(name: str, h: torch.Tensor) -> torch.Tensor:
     """Gated activation of ``h = [gate | up]`` (first half gate, second half up): ``gate_fn(gate) · up``."""
     gate, up = h.chunk(2, dim=-1)
     return _GATES[name](gate) * up
+
+
+def _quantized_activation(name: str, h: torch.Tensor, row_w: torch.Tensor) -> tuple[QuantizedTensor,
+                                                                                     QuantizedTensor]:
+    """``(quantize(act(h) · row_w), quantize(h))``, both 1x128: the second GEMM's input (the
+    activation in FP32 from ``h``'s values) and the copy of ``h`` the backward pass keeps.
+
+    On Hopper, SwiGLU runs one kernel that reads ``h`` once and writes both (``h``'s quantization
+    joins it when F is a multiple of 128, else it is a separate quantize), bit-identical to the
+    torch ops on the GPU (silu as torch's CUDA kernel computes it), without syncs.
+    """
+    # other activations are plain torch ops here, whatever the backend
+    if name == "swiglu" and use_kernel("swiglu_quantize", h.device, ("sm_90a",),
+                                       lambda: _swiglu_kernel_unsupported(h, row_w)):
+        try:
+            from ..quant.sm90 import interface
+
+            ffn = h.shape[1] // 2
+            with_h = ffn % 128 == 0
+            q, s, hq, hs = interface.swiglu_1x128(h, row_w, with_h)
+            recipe = get_recipe(_ACT_RECIPE)
+            a = QuantizedTensor(q, s, recipe, (h.shape[0], ffn), torch.float32)
+            if with_h:
+                return a, QuantizedTensor(hq, hs, recipe, h.shape, h.dtype)
+            return a, quantize(h, _ACT_RECIPE, check_finite=False)
+        except Exception as err:
+            kernel_failed("swiglu_quantize", err)
+    a = _activation(name, h.float()) * row_w[:, None]
+    return quantize(a, _ACT_RECIPE, check_finite=False), quantize(h, _ACT_RECIPE, check_finite=False)
+
+
+def _swiglu_kernel_unsupported(h: torch.Tensor, row_w: torch.Tensor) -> str | None:
+    if h.dim() != 2 or h.shape[1] % 32:
+        return f"h: expected [R, 2F] with F a multiple of 16, got {tuple(h.shape)}"
+    if row_w.dtype != torch.float32 or not row_w.is_contiguous():
+        return "row weights must be contiguous float32"
+    from ..quant.sm90.interface import kernel_unsupported
+
+    return kernel_unsupported(h)
 
 
 def _wgrad(dy_rows: torch.Tensor, x_rows: torch.Tensor, group_ends: torch.Tensor, quantized: bool,
@@ -107,13 +152,13 @@ class _ExpertsFunction(torch.autograd.Function):
         row_w = torch.where(routing.row_slots >= 0, topk_weights.reshape(-1).float()[routing.row_slots.clamp(min=0)],
                             0.0)
         if quantized:
-            xq = quantize(x, _ACT_RECIPE, check_finite=False)
+            x_rows, xq, _ = pack_tokens(x, routing, _ACT_RECIPE)
             w1q = quantize(w1, _WEIGHT_RECIPE, check_finite=False)
             w2q = quantize(w2, _WEIGHT_RECIPE, check_finite=False)
-            h = grouped_gemm(gather_rows(xq, routing), w1q, group_ends=ends, out_dtype=dt)
-            a = _activation(activation, h.float()) * row_w[:, None]
-            o = grouped_gemm(quantize(a, _ACT_RECIPE, check_finite=False), w2q, group_ends=ends, out_dtype=dt)
-            saved = (xq, quantize(h, _ACT_RECIPE, check_finite=False), w1q, w2q)
+            h = grouped_gemm(x_rows, w1q, group_ends=ends, out_dtype=dt)
+            a, hq = _quantized_activation(activation, h, row_w)
+            o = grouped_gemm(a, w2q, group_ends=ends, out_dtype=dt)
+            saved = (xq, hq, w1q, w2q)
         else:
             h = grouped_mm_rows(gather_rows(x, routing), w1.to(dt), ends)
             a = (_activation(activation, h.float()) * row_w[:, None]).to(dt)

@@ -16,7 +16,7 @@ from ..runtime import kernel_failed, use_kernel
 from ..tensor import QuantizedTensor
 from .routing import Routing
 
-__all__ = ["gather_rows", "pack", "unpack"]
+__all__ = ["gather_rows", "pack", "pack_tokens", "unpack"]
 
 _KERNEL_RECIPE = "fp8_block1x128"  # the Hopper packing kernel's recipe (exact FP32 scales)
 
@@ -80,27 +80,57 @@ def pack(x: torch.Tensor, routing: Routing, recipe: str | ScaleRecipe | None = "
         ``fp8_block1x128`` runs one CuTe DSL kernel (scales MN-major, as the GEMM reads them),
         without device-to-host syncs (CUDA-graph capturable).
     """
+    _check_pack_input(x, routing)
+    if recipe is None:
+        return gather_rows(x, routing), routing.group_ends
+    rows, _ = _pack_quantized(x, routing, _pack_recipe(recipe), with_tokens=False)
+    return rows, routing.group_ends
+
+
+def pack_tokens(x: torch.Tensor, routing: Routing, recipe: str | ScaleRecipe = "fp8_block1x128"
+                ) -> tuple[QuantizedTensor, QuantizedTensor, torch.Tensor]:
+    """:func:`pack`, and the tokens quantized in place (``quantize(x, recipe)``, one row per token).
+
+    Returns ``(rows, tokens, group_ends)``, bit-identical to ``(gather_rows(tokens, routing),
+    quantize(x, recipe), routing.group_ends)``. On Hopper (``fp8_block1x128``) one kernel writes
+    both from one read of ``x``, sync-free.
+    """
+    _check_pack_input(x, routing)
+    rows, tokens = _pack_quantized(x, routing, _pack_recipe(recipe), with_tokens=True)
+    return rows, tokens, routing.group_ends
+
+
+def _check_pack_input(x: torch.Tensor, routing: Routing) -> None:
     _check_routing(routing)
     if not isinstance(x, torch.Tensor) or not x.is_floating_point():
         raise ValueError(f"x: expected a float tensor [T={routing.num_tokens}, H], got "
                          f"{getattr(x, 'dtype', type(x))} {tuple(getattr(x, 'shape', ()))}")
-    if recipe is None:
-        return gather_rows(x, routing), routing.group_ends
+
+
+def _pack_recipe(recipe: str | ScaleRecipe) -> ScaleRecipe:
     r = get_recipe(recipe)
     if not _row_local(r):
         raise ValueError(f"recipe: pack needs a recipe that quantizes each row on its own (1 x N blocks, no global "
                          f"scale), got {r.name!r} with block {r.block}")
+    return r
+
+
+def _pack_quantized(x: torch.Tensor, routing: Routing, r: ScaleRecipe, with_tokens: bool
+                    ) -> tuple[QuantizedTensor, QuantizedTensor | None]:
+    """The packed rows and the quantized tokens (None from the kernel without ``with_tokens``)."""
     _check_tokens(x, routing)
     x = x.detach()
     if use_kernel("pack", x.device, ("sm_90a",), lambda: _pack_kernel_unsupported(x, routing, r)):
         try:
             from ..quant.sm90 import interface
 
-            q, s = interface.pack_1x128(x, routing.slot_rows, routing.row_slots)
-            return QuantizedTensor(q, s, r, (routing.num_rows, x.shape[1]), x.dtype), routing.group_ends
+            q, s, xq, xs = interface.pack_1x128(x, routing.slot_rows, routing.row_slots, with_tokens)
+            rows = QuantizedTensor(q, s, r, (routing.num_rows, x.shape[1]), x.dtype)
+            return rows, (QuantizedTensor(xq, xs, r, x.shape, x.dtype) if with_tokens else None)
         except Exception as err:
             kernel_failed("pack", err)
-    return gather_rows(quantize(x, r, check_finite=False), routing), routing.group_ends
+    tokens = quantize(x, r, check_finite=False)
+    return gather_rows(tokens, routing), tokens
 
 
 def _pack_kernel_unsupported(x: torch.Tensor, routing: Routing, r: ScaleRecipe) -> str | None:

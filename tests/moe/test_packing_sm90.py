@@ -12,7 +12,7 @@ import torch
 
 import lowprec
 from lowprec.moe import dispatch, pack, route, unpack
-from lowprec.moe.packing import _pack_kernel_unsupported, _unpack_kernel_unsupported, _UnpackKernel
+from lowprec.moe.packing import _pack_kernel_unsupported, _unpack_kernel_unsupported, _UnpackKernel, pack_tokens
 from lowprec.quant.sm90 import interface
 from lowprec.quant.sm90.interface import KERNELS, UNPACK_DTYPES, build_unpack_kernel
 from lowprec.runtime import cubin_arch, local_memory_ops, sass_of
@@ -145,6 +145,41 @@ def test_pack_kernel_empty_and_deterministic(monkeypatch):
     a, b = pack(x, r)[0], pack(x, r)[0]
     _assert_same(a, b)
     assert torch.equal(x, before)
+
+
+def test_pack_tokens_is_pack_and_quantize():
+    r = _routing(40, 3, 6, "zipf", "cpu", 0.75)
+    x = torch.randn(40, 384, generator=torch.Generator().manual_seed(3))
+    rows, tokens, ends = pack_tokens(x, r)
+    _assert_same(rows, pack(x, r)[0])
+    _assert_same(tokens, lowprec.quantize(x, "fp8_block1x128"))
+    assert ends is r.group_ends
+    with pytest.raises(ValueError, match="recipe"):
+        pack_tokens(x, r, "fp8_block128x128")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape", [(300, 4, 16, 1040), (4096, 8, 64, 7168), (1, 1, 1, 16)])
+def test_pack_tokens_kernel_matches_reference(shape, dtype, monkeypatch):
+    tokens, k, num_experts, hidden = shape
+    r = _routing(tokens, k, num_experts, "zipf", "cuda", 0.75, seed=tokens)
+    x = _tokens(tokens, hidden, dtype, seed=hidden)
+    monkeypatch.setenv("LOWPREC_BACKEND", "reference")
+    ref_rows, ref_tokens, _ = pack_tokens(x, r)
+    monkeypatch.setenv("LOWPREC_BACKEND", "kernel")
+    _poison_allocator()
+    rows, toks, _ = pack_tokens(x, r)
+    _assert_same(rows, ref_rows)
+    _assert_same(toks, ref_tokens)
+    assert rows.scale.stride(0) == 1 and toks.scale.stride(0) == 1  # MN-major, as the GEMM reads them
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        again = pack_tokens(x, r)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    _assert_same(again[1], ref_tokens)
 
 
 @pytest.mark.gpu

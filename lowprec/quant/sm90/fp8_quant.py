@@ -3,7 +3,9 @@
 - ``quant_1x128``: each thread loads 8 contiguous elements (16 bytes of bf16), 16 threads cover
   one 128-wide block and reduce its amax with warp shuffles.
 - ``pack_1x128``: ``quant_1x128`` of MoE tokens, each stored to its packed (expert-contiguous)
-  rows, padding rows zero-filled.
+  rows, padding rows zero-filled; ``pack_tokens_1x128`` also stores the tokens' own codes.
+- ``swiglu_1x128`` / ``swiglu_h_1x128``: the MoE layer's ``silu(gate) · up · w`` quantized
+  1x128 (and h itself, for the backward pass), h read once.
 - ``quant_rowwise``: one CTA per row, amax sweep then quantize sweep (the second from L2).
 - ``quant_128x128``: one CTA per 128x128 weight tile, held in registers (read once).
 - ``quant_dual``: one CTA per 128x128 tile, both orientations (1x128 along features for the
@@ -51,6 +53,14 @@ UNROLL = 4  # scale blocks per 16-lane group: 4 independent 16-byte loads in fli
 def _load_blocks(mX: cute.Tensor, bidx, tidx, blocks_per_row):
     """The thread's VEC values (FP32, zeros outside ``mX``) of each of its group's UNROLL 1x128
     blocks, and each block's ``(row, block column, first column)``."""
+    values, coords = _load_block_columns(mX, bidx, tidx, blocks_per_row, mX.shape[1], (0,))
+    return [v[0] for v in values], coords
+
+
+@cute.jit
+def _load_block_columns(mX: cute.Tensor, bidx, tidx, blocks_per_row, cols, offsets):
+    """``_load_blocks`` of the blocks of ``cols`` columns, each read at every column offset in
+    ``offsets``: the values of a block are a list, one entry per offset."""
     lane = tidx % LANES
     first = (bidx * GROUPS_PER_CTA + tidx // LANES) * UNROLL  # flat index of the group's first block
     values = []
@@ -59,13 +69,29 @@ def _load_blocks(mX: cute.Tensor, bidx, tidx, blocks_per_row):
         row = (first + u) // blocks_per_row
         kb = first + u - row * blocks_per_row
         col = kb * BLOCK + lane * VEC
-        frag = cute.make_rmem_tensor((1, VEC), mX.element_type)
-        frag.fill(0)
-        if row < mX.shape[0] and col < mX.shape[1]:
-            cute.autovec_copy(cute.local_tile(mX, (1, VEC), (row, col // VEC)), frag)
-        values.append(frag.load().to(Float32))
+        per_offset = []
+        for offset in offsets:
+            frag = cute.make_rmem_tensor((1, VEC), mX.element_type)
+            frag.fill(0)
+            if row < mX.shape[0] and col < cols:
+                cute.autovec_copy(cute.local_tile(mX, (1, VEC), (row, (offset + col) // VEC)), frag)
+            per_offset.append(frag.load().to(Float32))
+        values.append(per_offset)
         coords.append((row, kb, col))
     return values, coords
+
+
+@cute.jit
+def _quantize_block(mQ: cute.Tensor, mS: cute.Tensor, values, row, kb, col, lane, in_bounds):
+    """Quantize one 1x128 block held by 16 lanes (VEC ``values`` each) and store codes and scale;
+    every lane joins the amax shuffle, in bounds or not."""
+    amax = abs(values).reduce(cute.ReductionOp.MAX, Float32(0.0), 0)
+    amax = cute.arch.warp_reduction_max(amax, threads_in_group=LANES)
+    scale, inv = _scale_and_inverse(amax)
+    if in_bounds:
+        _store_row_chunk(mQ, values * inv, row, col)
+        if lane == 0:
+            mS[row, kb] = scale
 
 
 @cute.kernel
@@ -104,9 +130,11 @@ def quant_1x128(mX: cute.Tensor, mQ_u8: cute.Tensor, mS: cute.Tensor, stream):
 # packed rows ``slot_rows[t, j]`` (none where dropped). There are T·k packed rows, k per token: the
 # group handling token t also zero-fills those of rows t·k .. t·k + k - 1 that are padding
 # (``row_slots[p] == -1``), so every packed row is written exactly once, sized without a host sync.
+# ``pack_tokens_1x128`` also stores the codes at the token's own row (quant_1x128 of x, which the
+# MoE layer keeps for its backward pass) from the same registers.
 @cute.kernel
 def _pack_1x128_kernel(mX: cute.Tensor, mSlotRows: cute.Tensor, mRowSlots: cute.Tensor, mQ_u8: cute.Tensor,
-                       mS: cute.Tensor):
+                       mS: cute.Tensor, mXQ_u8: cute.Tensor, mXS: cute.Tensor, with_tokens: cutlass.Constexpr):
     tidx, _, _ = cute.arch.thread_idx()
     bidx, _, _ = cute.arch.block_idx()
     tokens = mX.shape[0]
@@ -114,6 +142,7 @@ def _pack_1x128_kernel(mX: cute.Tensor, mSlotRows: cute.Tensor, mRowSlots: cute.
     top_k = mSlotRows.shape[1]
     blocks_per_row = mS.shape[1]
     mQ = cute.make_tensor(cute.recast_ptr(mQ_u8.iterator, dtype=cutlass.Float8E4M3FN), mQ_u8.layout)
+    mXQ = cute.make_tensor(cute.recast_ptr(mXQ_u8.iterator, dtype=cutlass.Float8E4M3FN), mXQ_u8.layout)
 
     lane = tidx % LANES
     values, coords = _load_blocks(mX, bidx, tidx, blocks_per_row)
@@ -127,6 +156,10 @@ def _pack_1x128_kernel(mX: cute.Tensor, mSlotRows: cute.Tensor, mRowSlots: cute.
         if token < tokens and col < cols:
             q_frag = cute.make_rmem_tensor((1, VEC), cutlass.Float8E4M3FN)
             q_frag.store((values[u] * inv).to(cutlass.Float8E4M3FN))
+            if cutlass.const_expr(with_tokens):
+                cute.autovec_copy(q_frag, cute.local_tile(mXQ, (1, VEC), (token, col // VEC)))
+                if lane == 0:
+                    mXS[token, kb] = scale
             for j in cutlass.range(top_k):
                 dst = cutlass.Int32(mSlotRows[token, j])
                 if dst >= 0:
@@ -141,12 +174,78 @@ def _pack_1x128_kernel(mX: cute.Tensor, mSlotRows: cute.Tensor, mRowSlots: cute.
 
 
 @cute.jit
-def pack_1x128(mX: cute.Tensor, mSlotRows: cute.Tensor, mRowSlots: cute.Tensor, mQ_u8: cute.Tensor,
-               mS: cute.Tensor, stream):
+def _launch_pack(mX: cute.Tensor, mSlotRows: cute.Tensor, mRowSlots: cute.Tensor, mQ_u8: cute.Tensor,
+                 mS: cute.Tensor, mXQ_u8: cute.Tensor, mXS: cute.Tensor, with_tokens: cutlass.Constexpr, stream):
     groups = (mX.shape[0] * mS.shape[1] + UNROLL - 1) // UNROLL
     grid = (groups + GROUPS_PER_CTA - 1) // GROUPS_PER_CTA
-    _pack_1x128_kernel(mX, mSlotRows, mRowSlots, mQ_u8, mS).launch(
+    _pack_1x128_kernel(mX, mSlotRows, mRowSlots, mQ_u8, mS, mXQ_u8, mXS, with_tokens).launch(
         grid=(grid, 1, 1), block=(THREADS, 1, 1), stream=stream)
+
+
+@cute.jit
+def pack_1x128(mX: cute.Tensor, mSlotRows: cute.Tensor, mRowSlots: cute.Tensor, mQ_u8: cute.Tensor,
+               mS: cute.Tensor, stream):
+    _launch_pack(mX, mSlotRows, mRowSlots, mQ_u8, mS, mQ_u8, mS, False, stream)
+
+
+@cute.jit
+def pack_tokens_1x128(mX: cute.Tensor, mSlotRows: cute.Tensor, mRowSlots: cute.Tensor, mQ_u8: cute.Tensor,
+                      mS: cute.Tensor, mXQ_u8: cute.Tensor, mXS: cute.Tensor, stream):
+    _launch_pack(mX, mSlotRows, mRowSlots, mQ_u8, mS, mXQ_u8, mXS, True, stream)
+
+
+# ---------------------------------------------------------------------------------------------
+# SwiGLU fused with 1x128 quantization (the MoE layer's activation). h = [gate | up] is [R, 2F]
+# (the first expert GEMM's output); A = silu(gate) · up · w[row] in FP32, each step rounded as
+# torch computes it on the GPU: silu(g) = g / (1 + expf(-g)) (libdevice expf, IEEE division), then
+# the two products. Each 16-lane group reads a 1x128 block of gate and the matching block of up,
+# like quant_1x128. With ``with_h`` (F a multiple of 128, so those are blocks of h) it also
+# quantizes h itself, the copy the layer keeps for the backward pass: h is read once.
+@cute.kernel
+def _swiglu_1x128_kernel(mH: cute.Tensor, mW: cute.Tensor, mQ_u8: cute.Tensor, mS: cute.Tensor,
+                         mHQ_u8: cute.Tensor, mHS: cute.Tensor, with_h: cutlass.Constexpr):
+    tidx, _, _ = cute.arch.thread_idx()
+    bidx, _, _ = cute.arch.block_idx()
+    rows = mH.shape[0]
+    ffn = mQ_u8.shape[1]
+    blocks_per_row = mS.shape[1]
+    mQ = cute.make_tensor(cute.recast_ptr(mQ_u8.iterator, dtype=cutlass.Float8E4M3FN), mQ_u8.layout)
+    mHQ = cute.make_tensor(cute.recast_ptr(mHQ_u8.iterator, dtype=cutlass.Float8E4M3FN), mHQ_u8.layout)
+
+    lane = tidx % LANES
+    values, coords = _load_block_columns(mH, bidx, tidx, blocks_per_row, ffn, (0, ffn))
+    for u in cutlass.range_constexpr(UNROLL):
+        row, kb, col = coords[u]
+        gate, up = values[u]
+        in_bounds = row < rows and col < ffn
+        if cutlass.const_expr(with_h):
+            _quantize_block(mHQ, mHS, gate, row, kb, col, lane, in_bounds)
+            _quantize_block(mHQ, mHS, up, row, blocks_per_row + kb, ffn + col, lane, in_bounds)
+        w = Float32(0.0)
+        if row < rows:
+            w = mW[row]
+        silu = gate / (Float32(1.0) + cute.math.exp(-gate))
+        _quantize_block(mQ, mS, silu * up * w, row, kb, col, lane, in_bounds)
+
+
+@cute.jit
+def _launch_swiglu(mH: cute.Tensor, mW: cute.Tensor, mQ_u8: cute.Tensor, mS: cute.Tensor, mHQ_u8: cute.Tensor,
+                   mHS: cute.Tensor, with_h: cutlass.Constexpr, stream):
+    groups = (mH.shape[0] * mS.shape[1] + UNROLL - 1) // UNROLL
+    grid = (groups + GROUPS_PER_CTA - 1) // GROUPS_PER_CTA
+    _swiglu_1x128_kernel(mH, mW, mQ_u8, mS, mHQ_u8, mHS, with_h).launch(
+        grid=(grid, 1, 1), block=(THREADS, 1, 1), stream=stream)
+
+
+@cute.jit
+def swiglu_1x128(mH: cute.Tensor, mW: cute.Tensor, mQ_u8: cute.Tensor, mS: cute.Tensor, stream):
+    _launch_swiglu(mH, mW, mQ_u8, mS, mQ_u8, mS, False, stream)
+
+
+@cute.jit
+def swiglu_h_1x128(mH: cute.Tensor, mW: cute.Tensor, mQ_u8: cute.Tensor, mS: cute.Tensor, mHQ_u8: cute.Tensor,
+                   mHS: cute.Tensor, stream):
+    _launch_swiglu(mH, mW, mQ_u8, mS, mHQ_u8, mHS, True, stream)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -8,11 +8,12 @@ from ...runtime import kernel_cache
 from ..layouts import to_mn_major_tma_aligned
 
 __all__ = ["kernel_unsupported", "quantize_1x128", "quantize_rowwise", "quantize_128x128", "quantize_dual",
-           "pack_1x128", "unpack_rows", "build_kernel", "build_unpack_kernel", "compile_kernel", "KERNELS",
-           "UNPACK_DTYPES"]
+           "pack_1x128", "swiglu_1x128", "unpack_rows", "build_kernel", "build_unpack_kernel", "compile_kernel",
+           "KERNELS", "UNPACK_DTYPES"]
 
 ARCH = "sm_90a"
-KERNELS = ("1x128", "128x128", "dual", "rowwise", "pack_1x128")
+KERNELS = ("1x128", "128x128", "dual", "rowwise", "pack_1x128", "pack_tokens_1x128", "swiglu_1x128",
+           "swiglu_h_1x128")
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 UNPACK_DTYPES = _DTYPES  # rows and output dtypes of the unpack kernel
 
@@ -56,14 +57,20 @@ def build_kernel(kind: str, dtype: torch.dtype, arch: str = ARCH):
     x, q = data(_cutlass_dtype(dtype)), data(cutlass.Uint8)
     stream = make_fake_stream(use_tvm_ffi_env_stream=True)
     fn = {"1x128": fp8_quant.quant_1x128, "128x128": fp8_quant.quant_128x128, "dual": fp8_quant.quant_dual,
-          "rowwise": fp8_quant.quant_rowwise, "pack_1x128": fp8_quant.pack_1x128}[kind]
+          "rowwise": fp8_quant.quant_rowwise, "pack_1x128": fp8_quant.pack_1x128,
+          "pack_tokens_1x128": fp8_quant.pack_tokens_1x128,
+          "swiglu_1x128": fp8_quant.swiglu_1x128, "swiglu_h_1x128": fp8_quant.swiglu_h_1x128}[kind]
     if kind == "dual":
         args = (x, q, scale(), data(cutlass.Uint8), scale())
-    elif kind == "pack_1x128":
+    elif kind.startswith("pack"):
         slot_rows = make_fake_tensor(cutlass.Int64, (cute.sym_int(), cute.sym_int()), stride=(cute.sym_int64(), 1),
                                      assumed_align=8)
         row_slots = make_fake_tensor(cutlass.Int64, (cute.sym_int(),), stride=(1,), assumed_align=8)
-        args = (x, slot_rows, row_slots, q, scale())
+        args = (x, slot_rows, row_slots, q, scale()) + ((data(cutlass.Uint8), scale()) if kind == "pack_tokens_1x128"
+                                                          else ())
+    elif kind.startswith("swiglu"):
+        row_weights = make_fake_tensor(cutlass.Float32, (cute.sym_int(),), stride=(1,), assumed_align=4)
+        args = (x, row_weights, q, scale()) + ((data(cutlass.Uint8), scale()) if kind == "swiglu_h_1x128" else ())
     else:
         args = (x, q, scale())
     return compile_for_arch(fn, *args, stream, arch=arch, tvm_ffi=True)
@@ -130,20 +137,53 @@ def quantize_dual(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     return q, s, qt, st
 
 
-def pack_1x128(x: torch.Tensor, slot_rows: torch.Tensor, row_slots: torch.Tensor) -> tuple[torch.Tensor,
-                                                                                           torch.Tensor]:
+def pack_1x128(x: torch.Tensor, slot_rows: torch.Tensor, row_slots: torch.Tensor, with_tokens: bool = False
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """MoE packing fused with 1x128 quantization: ``x`` [T, H] -> (FP8 [T·k, H], FP32 scales
-    [T·k, ceil(H/128)] MN-major). Packed row ``slot_rows[t, j]`` holds token ``t`` (nothing where
-    -1); row ``p`` with ``row_slots[p] == -1`` is zero with scale 1. Both index maps int64,
-    contiguous (:class:`lowprec.moe.Routing`'s)."""
+    [T·k, ceil(H/128)] MN-major), then with ``with_tokens`` ``quantize_1x128(x)`` (FP8 [T, H],
+    scales MN-major) from the same pass, else None, None. Packed row ``slot_rows[t, j]`` holds
+    token ``t`` (nothing where -1); row ``p`` with ``row_slots[p] == -1`` is zero with scale 1.
+    Both index maps int64, contiguous (:class:`lowprec.moe.Routing`'s)."""
     t, h = x.shape
     n = row_slots.shape[0]
     q = torch.empty(n, h, dtype=torch.float8_e4m3fn, device=x.device)
     s = _mn_major_scales(n, -(-h // 128), x.device)
+    xq = xs = None
+    if with_tokens:
+        xq = torch.empty(t, h, dtype=torch.float8_e4m3fn, device=x.device)
+        xs = _mn_major_scales(t, -(-h // 128), x.device)
     if t and h:
         with torch.cuda.device(x.device):
-            compile_kernel("pack_1x128", x.dtype)(x, slot_rows, row_slots, q.view(torch.uint8), s)
-    return q, s
+            if with_tokens:
+                compile_kernel("pack_tokens_1x128", x.dtype)(x, slot_rows, row_slots, q.view(torch.uint8), s,
+                                                              xq.view(torch.uint8), xs)
+            else:
+                compile_kernel("pack_1x128", x.dtype)(x, slot_rows, row_slots, q.view(torch.uint8), s)
+    return q, s, xq, xs
+
+
+def swiglu_1x128(h: torch.Tensor, row_weights: torch.Tensor, with_h: bool
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """``h = [gate | up]`` [R, 2F] -> ``A = silu(gate) · up · row_weights[:, None]`` (FP32, as torch
+    on the GPU) quantized 1x128: (FP8 [R, F], FP32 scales [R, ceil(F/128)] MN-major), and with
+    ``with_h`` (F a multiple of 128) also ``h`` quantized 1x128 (FP8 [R, 2F], scales MN-major),
+    else None, None. ``row_weights``: FP32 [R], contiguous."""
+    r, two_f = h.shape
+    f = two_f // 2
+    q = torch.empty(r, f, dtype=torch.float8_e4m3fn, device=h.device)
+    s = _mn_major_scales(r, -(-f // 128), h.device)
+    hq = hs = None
+    if with_h:
+        hq = torch.empty(r, two_f, dtype=torch.float8_e4m3fn, device=h.device)
+        hs = _mn_major_scales(r, two_f // 128, h.device)
+    if r and f:
+        with torch.cuda.device(h.device):
+            if with_h:
+                compile_kernel("swiglu_h_1x128", h.dtype)(h, row_weights, q.view(torch.uint8), s, hq.view(torch.uint8),
+                                                           hs)
+            else:
+                compile_kernel("swiglu_1x128", h.dtype)(h, row_weights, q.view(torch.uint8), s)
+    return q, s, hq, hs
 
 
 def build_unpack_kernel(dtype: torch.dtype, out_dtype: torch.dtype, top_k: int, arch: str = ARCH):
