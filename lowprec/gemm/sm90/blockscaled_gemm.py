@@ -1025,21 +1025,41 @@ class BlockScaledGemmSm90:
         epi_tile_num = cute.size(tDgD_for_tma, mode=[1])
         epi_tile_shape = tDgD_for_tma.shape[1]
         epi_tile_layout = cute.make_layout(epi_tile_shape, stride=(epi_tile_shape[1], 1))
-        num_prev_epi_tiles = tiles_done * epi_tile_num
-        for epi_idx in cutlass.range_constexpr(epi_tile_num):
-            for epi_v in cutlass.range_constexpr(size_tRS_rD):
-                tRS_rD[epi_v] = tRS_rAcc[epi_idx * size_tRS_rD + epi_v]
-            tRS_rD_out.store(tRS_rD.load().to(self.out_dtype))
-            epi_buffer = (num_prev_epi_tiles + epi_idx) % self.epi_stage
-            cute.copy(tiled_copy_r2s, tRS_rD_out, tRS_sD[(None, None, None, epi_buffer)])
+        if cutlass.const_expr(epi_tile_num <= self.epi_stage):
+            # the whole tile fits the staging buffers: one barrier pair per tile instead of one
+            # per epi tile. The previous tile's stores were issued a mainloop ago; their smem
+            # reads are done by now (the wait is for safety, not for time).
+            if warp_idx == self.epi_store_warp_id:
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+            self.epilog_sync_barrier.arrive_and_wait()
+            for epi_idx in cutlass.range_constexpr(epi_tile_num):
+                for epi_v in cutlass.range_constexpr(size_tRS_rD):
+                    tRS_rD[epi_v] = tRS_rAcc[epi_idx * size_tRS_rD + epi_v]
+                tRS_rD_out.store(tRS_rD.load().to(self.out_dtype))
+                cute.copy(tiled_copy_r2s, tRS_rD_out, tRS_sD[(None, None, None, epi_idx)])
             cute.arch.fence_proxy("async.shared", space="cta")
             self.epilog_sync_barrier.arrive_and_wait()
-            gmem_coord = epi_tile_layout.get_hier_coord(epi_idx)
             if warp_idx == self.epi_store_warp_id:
-                cute.copy(tma_atom_d, bSG_sD[(None, epi_buffer)], bSG_gD[(None, gmem_coord)])
+                for epi_idx in cutlass.range_constexpr(epi_tile_num):
+                    gmem_coord = epi_tile_layout.get_hier_coord(epi_idx)
+                    cute.copy(tma_atom_d, bSG_sD[(None, epi_idx)], bSG_gD[(None, gmem_coord)])
                 tma_store_pipeline.producer_commit()
-                tma_store_pipeline.producer_acquire()
-            self.epilog_sync_barrier.arrive_and_wait()
+        else:
+            num_prev_epi_tiles = tiles_done * epi_tile_num
+            for epi_idx in cutlass.range_constexpr(epi_tile_num):
+                for epi_v in cutlass.range_constexpr(size_tRS_rD):
+                    tRS_rD[epi_v] = tRS_rAcc[epi_idx * size_tRS_rD + epi_v]
+                tRS_rD_out.store(tRS_rD.load().to(self.out_dtype))
+                epi_buffer = (num_prev_epi_tiles + epi_idx) % self.epi_stage
+                cute.copy(tiled_copy_r2s, tRS_rD_out, tRS_sD[(None, None, None, epi_buffer)])
+                cute.arch.fence_proxy("async.shared", space="cta")
+                self.epilog_sync_barrier.arrive_and_wait()
+                gmem_coord = epi_tile_layout.get_hier_coord(epi_idx)
+                if warp_idx == self.epi_store_warp_id:
+                    cute.copy(tma_atom_d, bSG_sD[(None, epi_buffer)], bSG_gD[(None, gmem_coord)])
+                    tma_store_pipeline.producer_commit()
+                    tma_store_pipeline.producer_acquire()
+                self.epilog_sync_barrier.arrive_and_wait()
 
     @cute.jit
     def _epilogue_direct(self, acc, tCcC, mD, row0, n0, rows, n_size):
