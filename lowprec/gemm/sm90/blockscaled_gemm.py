@@ -2,29 +2,34 @@
 
     D[m, n] = sum_kb (A[m, kb-block] . B[n, kb-block]) * sa[m, kb] * sb[n-scale, kb]  (+ bias[n])
 
-A: E4M3 [M, K] K-major with 1x128 scales ``sa`` [M, ceil(K/128)] (fp32, any strides; MN-major,
-i.e. stride(-2) == 1, gives coalesced loads). B: E4M3 [N, K] K-major with either 128x128 scales
-``sb`` [ceil(N/128), ceil(K/128)] ("block" kind) or 1x128 scales [N, ceil(K/128)] ("col" kind).
+A: E4M3 [M, K] K-major with 1x128 scales ``sa`` [M, ceil(K/128)] (fp32, MN-major: stride (1, ld),
+ld a multiple of 4). B: E4M3 [N, K] K-major with either 128x128 scales ``sb``
+[ceil(N/128), ceil(K/128)] ("block" kind) or 1x128 scales [N, ceil(K/128)] ("col" kind).
 
 Structure (DeepGEMM-style promotion, warp specialised, persistent):
 
-* warpgroup 0 (producer, ``setmaxnreg`` 40): one warp issues TMA loads of the A and B tiles of
-  one 128-wide K block per stage into a multi-stage shared-memory ring (optionally multicast
-  across a cluster).
+* warpgroup 0 (producer, ``setmaxnreg`` 40): one warp issues, per stage of a multi-stage
+  shared-memory ring, the TMA loads of one 128-wide K block: the A and B tiles (optionally
+  multicast across a cluster) and their scales (the tile's A row scales; its B column scales or
+  128x128 block scales).
 * warpgroups 1..2 (consumers, ``setmaxnreg`` 232): each owns 64 rows of the CTA tile. For every
   K block: ``wgmma`` into a *fresh* register accumulator (ACCUMULATE off on the first
-  instruction), then promotion ``acc += blk * (sa[row] * sb[col])`` in FP32 registers. With
-  ``mma_overlap`` (tile_n <= 128) two block accumulators alternate, so the wgmma batch of block
-  k+1 runs while block k is promoted (``wait_group(1)``, operands pinned by ``fence_operand``);
-  otherwise each block is waited for (``wait_group(0)``). Scales are loaded from global memory
-  one or two blocks ahead into registers.
-* epilogue: optional bias, conversion, ``stmatrix`` (16-bit out) to shared memory, TMA store.
-* tile scheduler: static persistent scheduler over (M tiles, N tiles, K splits), grid = #SMs /
-  cluster size; 2-CTA clusters multicast the shared operand; split-K writes fp32 partials.
+  instruction), the block's scales copied from the stage to registers, then promotion
+  ``acc += blk * (sa[row] * sb[col])`` in FP32 registers. With ``mma_overlap`` (tile_n <= 128)
+  two block accumulators alternate, so the wgmma batch of block k+1 runs while block k is
+  promoted (``wait_group(1)``, operands pinned by ``fence_operand``); otherwise each block is
+  waited for (``wait_group(0)``).
+* epilogue: optional bias, conversion, ``stmatrix`` to shared memory, TMA store (one barrier
+  pair per tile when its slices fit the staging buffers); grouped tiles that end inside the
+  output store row by row from registers.
+* schedules (``grouping``): None — static persistent scheduler over (M tiles, N tiles, K
+  splits), grid = #SMs / cluster size, 2-CTA clusters multicast the shared operand, split-K
+  writes fp32 partials; "contiguous" / "masked" / "kgrouped" — the MoE grouped GEMMs, tiles from
+  a walk over the groups that reads their sizes on the device (see ``_group_info``).
 
-Reusable pieces (for the grouped GEMM and attention): ``_producer_mainloop`` (TMA ring),
-``_issue_kblock`` (one K block of wgmma into a fresh accumulator), ``_load_scales``,
-``_promote``, ``fence_operand``, ``_k_range``; the epilogue still sits inline in ``_consumer``.
+Pieces shared by the schedules: ``_producer_mainloop`` / ``_producer_grouped`` (TMA ring),
+``_mainloop`` (K blocks with promotion), ``_issue_kblock``, ``_promote``, ``fence_operand``,
+``_epilogue_tma``, ``_epilogue_direct``.
 """
 
 from __future__ import annotations
