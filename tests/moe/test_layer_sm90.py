@@ -33,3 +33,33 @@ def test_fp8_layer_on_kernels(capacity_factor, monkeypatch):
                            [t.grad for t in ref_leaves]):
         assert cos_sim(g, rg) > 0.99, name
         assert rel_l2(g, rg) < 0.1, name
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_moe_forward_sync_free_and_graph_capturable(monkeypatch):
+    from lowprec.moe import MoE
+
+    monkeypatch.setenv("LOWPREC_BACKEND", "kernel")
+    torch.manual_seed(0)
+    layer = MoE(256, 256, 8, 2).cuda()
+    x = torch.randn(512, 256, device="cuda", dtype=torch.bfloat16)
+    y0 = layer(x)  # compiles the kernels; with autograd on
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # any device-to-host copy or sync raises
+    try:
+        y1 = layer(x)
+        with torch.no_grad():
+            y2 = layer(x)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    graph = torch.cuda.CUDAGraph()
+    with torch.no_grad(), torch.cuda.graph(graph):
+        y3 = layer(x)
+    x.copy_(torch.randn_like(x))  # new tokens, new routing, same buffers
+    graph.replay()
+    torch.cuda.synchronize()
+    with torch.no_grad():
+        y4 = layer(x)
+    assert torch.equal(y1, y0) and torch.equal(y2, y0.detach())
+    assert torch.equal(y3, y4)
