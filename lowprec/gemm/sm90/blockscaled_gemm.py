@@ -41,7 +41,9 @@ import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import dsl_user_op
+from cutlass.memory import SmemAllocator
 from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
+from cutlass.tensor_utils import LayoutEnum
 
 from .config import SCALE_BLOCK, TileConfig, valid_tile_n  # noqa: F401  (re-exported)
 
@@ -157,8 +159,8 @@ class BlockScaledGemmSm90:
         return sm90_utils.make_trivial_tiled_mma(
             self.ab_dtype,
             self.ab_dtype,
-            cute.nvgpu.warpgroup.OperandMajorMode.K,
-            cute.nvgpu.warpgroup.OperandMajorMode.K,
+            cute.nvgpu.OperandMajorMode.K,
+            cute.nvgpu.OperandMajorMode.K,
             self.acc_dtype,
             self.atom_layout_mnk,
             tiler_mn=(64, self.tile_n),
@@ -172,7 +174,7 @@ class BlockScaledGemmSm90:
         epi_n = 32 if self.tile_n % 32 == 0 else 16
         self.epi_tile = (self.tile_m, epi_n)
         self.epi_stage = 4 if self.out_dtype.width == 16 else 2
-        self.d_layout = utils.LayoutEnum.ROW_MAJOR
+        self.d_layout = LayoutEnum.ROW_MAJOR
 
         scale_bytes_per_stage = 4 * (_round_up(self.sa_box_m, 32) + 2 * _round_up(self.tile_n, 32))
         ab_bytes_per_stage = (
@@ -184,14 +186,14 @@ class BlockScaledGemmSm90:
         )
 
         a_atom = cute.nvgpu.warpgroup.make_smem_layout_atom(
-            sm90_utils.get_smem_layout_atom(utils.LayoutEnum.ROW_MAJOR, self.ab_dtype, self.tile_k),
+            sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, self.ab_dtype, self.tile_k),
             self.ab_dtype,
         )
         self.a_smem_layout_staged = cute.tile_to_shape(
             a_atom, (self.tile_m, self.tile_k, self.ab_stage), order=(0, 1, 2)
         )
         b_atom = cute.nvgpu.warpgroup.make_smem_layout_atom(
-            sm90_utils.get_smem_layout_atom(utils.LayoutEnum.ROW_MAJOR, self.ab_dtype, self.tile_k),
+            sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, self.ab_dtype, self.tile_k),
             self.ab_dtype,
         )
         self.b_smem_layout_staged = cute.tile_to_shape(
@@ -398,7 +400,7 @@ class BlockScaledGemmSm90:
         cta_rank_in_cluster = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
         cluster_coord_mnk = cta_layout_mnk.get_flat_coord(cta_rank_in_cluster)
 
-        smem = cutlass.utils.SmemAllocator()
+        smem = SmemAllocator()
         storage = smem.allocate(self.shared_storage)
 
         a_smem_layout = cute.slice_(a_smem_layout_staged, (None, None, 0))
