@@ -236,3 +236,74 @@ def test_kgrouped_wgrad(sizes, out_dtype, monkeypatch):
         else:
             assert torch.all(dw[g] == 0), f"group {g} is empty: its gradient must be zero"
         start = end
+
+
+# ----------------------------------------------------------------------------- argument errors (CPU)
+def _f8(*shape):
+    return torch.zeros(*shape, dtype=torch.float8_e4m3fn)
+
+
+@pytest.mark.parametrize("case,match", [
+    ("b_2d", "b: expected \\[E, N, K\\]"),
+    ("a_k", "a: expected \\[M, K=256\\]"),
+    ("a_scale", "a_scale: expected shape"),
+    ("b_scale", "b_scale: expected shape"),
+    ("group", "group: expected an int32 tensor of shape \\(2,\\)"),
+    ("out_dtype", "out_dtype"),
+    ("both", "exactly one of"),
+    ("cpu", "a: expected a CUDA tensor"),
+])
+def test_grouped_argument_errors(case, match):
+    from lowprec.gemm.sm90.interface import grouped_gemm_blockwise_fp8
+
+    a, sa = _f8(300, 256), torch.ones(300, 2)
+    b, sb = _f8(2, 128, 256), torch.ones(2, 1, 2)
+    kw = {"group_ends": torch.tensor([100, 300], dtype=torch.int32)}
+    if case == "b_2d":
+        b = _f8(128, 256)
+    elif case == "a_k":
+        a = _f8(300, 128)
+    elif case == "a_scale":
+        sa = torch.ones(300, 3)
+    elif case == "b_scale":
+        sb = torch.ones(2, 2, 2)
+    elif case == "group":
+        kw = {"group_ends": torch.tensor([300], dtype=torch.int32)}
+    elif case == "out_dtype":
+        kw["out_dtype"] = torch.int8
+    elif case == "both":
+        kw["masked_counts"] = torch.tensor([1, 2], dtype=torch.int32)
+    with pytest.raises(ValueError, match=match):
+        grouped_gemm_blockwise_fp8(a, sa, b, sb, **kw)
+
+
+def test_masked_argument_errors():
+    from lowprec.gemm.sm90.interface import grouped_gemm_blockwise_fp8
+
+    counts = torch.tensor([1, 2], dtype=torch.int32)
+    with pytest.raises(ValueError, match="a: expected \\[E=2, M_max, K=256\\]"):
+        grouped_gemm_blockwise_fp8(_f8(3, 64, 256), torch.ones(3, 64, 2), _f8(2, 128, 256), torch.ones(2, 1, 2),
+                                   masked_counts=counts)
+
+
+@pytest.mark.parametrize("case,match", [
+    ("n64", "a: N must be a positive multiple of 64"),
+    ("p16", "b: P must be a positive multiple of 16"),
+    ("scales", "a_scale, b_scale: expected shapes"),
+    ("ends", "group_ends: expected a non-empty 1-D int32 tensor"),
+])
+def test_wgrad_argument_errors(case, match):
+    from lowprec.gemm.sm90.interface import grouped_gemm_wgrad_fp8
+
+    a, sa, b, sb = _f8(128, 512), torch.ones(128, 4), _f8(96, 512), torch.ones(96, 4)
+    ends = torch.tensor([256, 512], dtype=torch.int32)
+    if case == "n64":
+        a, sa = _f8(96, 512), torch.ones(96, 4)
+    elif case == "p16":
+        b, sb = _f8(40, 512), torch.ones(40, 4)
+    elif case == "scales":
+        sb = torch.ones(96, 3)
+    elif case == "ends":
+        ends = torch.zeros(0, dtype=torch.int32)
+    with pytest.raises(ValueError, match=match):
+        grouped_gemm_wgrad_fp8(a, sa, b, sb, ends)
