@@ -240,7 +240,7 @@ def _apply_experts(x: torch.Tensor, routing: Routing, w1: torch.Tensor, w2: torc
 
 def experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w1: torch.Tensor,
             w2: torch.Tensor, *, recipe: str | None = "fp8_block", capacity_factor: float | None = None,
-            drop_policy: str = "probs", activation: str = "swiglu") -> torch.Tensor:
+            drop_policy: str = "probs", activation: str = "swiglu", check_ids: bool = True) -> torch.Tensor:
     """Routed experts: ``y[t] = Σ_j topk_weights[t, j] · FFN_{topk_ids[t, j]}(x[t])`` over kept slots.
 
     ``FFN_e(x) = act(x · W1ₑᵀ) · W2ₑᵀ`` with a gated activation (``swiglu``: ``silu(gate) · up``;
@@ -257,6 +257,9 @@ def experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
         recipe: ``"fp8_block"`` (module docstring; H and F multiples of 16) or None (unquantized).
         capacity_factor, drop_policy: see :func:`~lowprec.moe.dispatch`.
         activation: ``"swiglu"`` or ``"geglu"``.
+        check_ids: check that every id is in ``[0, E)``; on CUDA this reads a flag back from the
+            device. Pass False for a call without host sync (CUDA-graph capture) when the ids
+            come from a top-k over E experts (as in :class:`MoE`, which never checks).
 
     Returns:
         ``[T, H]`` in ``x``'s dtype; tokens whose slots were all dropped give 0.
@@ -276,7 +279,8 @@ def experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
     if isinstance(topk_ids, torch.Tensor) and topk_ids.dim() == 2 and topk_ids.shape[0] != tokens:
         raise ValueError(f"topk_ids: expected [T={tokens}, k], got {tuple(topk_ids.shape)}")
     _check_options(recipe, activation, hidden, two_ffn // 2)
-    routing = dispatch(topk_weights, topk_ids, num_experts, capacity_factor=capacity_factor, drop_policy=drop_policy)
+    routing = dispatch(topk_weights, topk_ids, num_experts, capacity_factor=capacity_factor, drop_policy=drop_policy,
+                       check_ids=check_ids)
     return _apply_experts(x, routing, w1, w2, recipe, activation)
 
 

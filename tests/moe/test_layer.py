@@ -234,3 +234,11 @@ def test_errors():
         experts(x, weights, ids, w1, w2, capacity_factor=0)
     with pytest.raises(ValueError, match="top_k"):
         experts(x, weights.repeat(1, 3), ids.repeat(1, 3), w1, w2)
+
+
+def test_experts_without_id_check_gives_the_same_result():
+    x, weights, ids, w1, w2, _ = make_inputs()
+    checked = experts(x, weights, ids, w1, w2)
+    assert torch.equal(experts(x, weights, ids, w1, w2, check_ids=False), checked)
+    with pytest.raises(ValueError, match="topk_ids"):
+        experts(x, weights, torch.full_like(ids, E), w1, w2)
