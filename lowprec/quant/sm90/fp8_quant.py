@@ -254,6 +254,19 @@ def swiglu_h_1x128(mH: cute.Tensor, mW: cute.Tensor, mQ_u8: cute.Tensor, mS: cut
 CHUNK = THREADS * VEC
 
 
+@cute.jit
+def _cta_max(amax, warp_max: cute.Tensor, tidx):
+    """The maximum of every thread's ``amax`` in the CTA (``warp_max``: one smem slot per warp)."""
+    amax = cute.arch.warp_reduction_max(amax)
+    if tidx % 32 == 0:
+        warp_max[tidx // 32] = amax
+    cute.arch.sync_threads()
+    amax = warp_max[0]
+    for w in cutlass.range_constexpr(1, WARPS_PER_CTA):
+        amax = cute.arch.fmax(amax, warp_max[w])
+    return amax
+
+
 @cute.kernel
 def _quant_rowwise_kernel(mX: cute.Tensor, mQ_u8: cute.Tensor, mS: cute.Tensor):
     tidx, _, _ = cute.arch.thread_idx()
@@ -272,13 +285,7 @@ def _quant_rowwise_kernel(mX: cute.Tensor, mQ_u8: cute.Tensor, mS: cute.Tensor):
         if col < cols:
             cute.autovec_copy(cute.local_tile(mX, (1, VEC), (row, col // VEC)), frag)
         amax = cute.arch.fmax(amax, abs(frag.load().to(Float32)).reduce(cute.ReductionOp.MAX, Float32(0.0), 0))
-    amax = cute.arch.warp_reduction_max(amax)
-    if tidx % 32 == 0:
-        warp_max[tidx // 32] = amax
-    cute.arch.sync_threads()
-    amax = warp_max[0]
-    for w in cutlass.range_constexpr(1, WARPS_PER_CTA):
-        amax = cute.arch.fmax(amax, warp_max[w])
+    amax = _cta_max(amax, warp_max, tidx)
     scale, inv = _scale_and_inverse(amax)
     for i in cutlass.range(chunks):
         col = i * CHUNK + tidx * VEC
@@ -331,13 +338,7 @@ def _quant_128x128_kernel(mX: cute.Tensor, mQ_u8: cute.Tensor, mS: cute.Tensor):
     amax = Float32(0.0)
     for p in cutlass.range_constexpr(PASSES):
         amax = cute.arch.fmax(amax, abs(values[p]).reduce(cute.ReductionOp.MAX, Float32(0.0), 0))
-    amax = cute.arch.warp_reduction_max(amax)
-    if tidx % 32 == 0:
-        warp_max[tidx // 32] = amax
-    cute.arch.sync_threads()
-    amax = warp_max[0]
-    for w in cutlass.range_constexpr(1, WARPS_PER_CTA):
-        amax = cute.arch.fmax(amax, warp_max[w])
+    amax = _cta_max(amax, warp_max, tidx)
     scale, inv = _scale_and_inverse(amax)
     for p in cutlass.range_constexpr(PASSES):
         r = row0 + rgrp + ROW_GROUPS * p
