@@ -13,6 +13,8 @@ from lowprec.moe import experts, gather_rows, layer
 from lowprec.moe.layer import _quantized_activation, _swiglu_kernel_unsupported
 from lowprec.quant.sm90.interface import KERNELS
 
+from ..quant.test_sm90 import _poison_allocator
+
 
 def test_swiglu_kernels_are_shipped_and_compiled_in_ci():
     assert {"swiglu_1x128", "swiglu_h_1x128"} <= set(KERNELS)
@@ -38,11 +40,6 @@ def test_cpu_takes_the_torch_ops(activation, monkeypatch):  # and geglu everywhe
     assert torch.equal(a.dequantize(torch.float32), lowprec.quantize(ref, "fp8_block1x128").dequantize(torch.float32))
     assert a.dtype == torch.float32 and hq.dtype == torch.bfloat16 and hq.shape == h.shape
     _same(hq, lowprec.quantize(h, "fp8_block1x128"))
-
-
-def _poison_allocator():
-    """Leave NaN bytes in the caching allocator so an unwritten output element cannot pass."""
-    torch.empty(64 << 20, dtype=torch.uint8, device="cuda").fill_(0x7F)
 
 
 def _same(out, ref):

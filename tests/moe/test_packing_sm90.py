@@ -17,6 +17,9 @@ from lowprec.quant.sm90 import interface
 from lowprec.quant.sm90.interface import KERNELS, UNPACK_DTYPES, build_unpack_kernel
 from lowprec.runtime import cubin_arch, local_memory_ops, sass_of
 
+from ..quant.test_sm90 import _data as _tokens  # outliers, an all-zero row
+from ..quant.test_sm90 import _poison_allocator
+
 
 def _routing(tokens, k, num_experts, kind, device, capacity_factor=None, policy="probs", seed=0):
     """A routing with a given load shape: ``balanced`` (uniform), ``zipf`` (skewed popularity),
@@ -59,21 +62,6 @@ def test_cpu_takes_the_reference_and_kernel_mode_refuses(monkeypatch):
     monkeypatch.setenv("LOWPREC_BACKEND", "kernel")
     with pytest.raises(RuntimeError, match="pack cannot run a kernel"):
         pack(x, r)
-
-
-def _poison_allocator():
-    """Leave NaN bytes in the caching allocator so an unwritten output element cannot pass."""
-    torch.empty(64 << 20, dtype=torch.uint8, device="cuda").fill_(0x7F)
-
-
-def _tokens(tokens, hidden, dtype, seed):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    x = torch.randn(tokens, hidden, device="cuda", generator=g)
-    x = x * torch.exp(torch.randn(tokens, 1, device="cuda", generator=g))
-    x[0, : min(hidden, 5)] *= 100  # outliers
-    if tokens > 2:
-        x[2] = 0  # an all-zero token
-    return x.to(dtype)
 
 
 def _pack_both(x, r, monkeypatch):

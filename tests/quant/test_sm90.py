@@ -42,16 +42,21 @@ def _data(rows, cols, dtype, seed):
     return x.to(dtype)
 
 
+def _kernel_and_reference(quantize, x, monkeypatch):
+    """(kernel result, reference result) of ``quantize(x)``; the kernel's outputs land on poisoned memory."""
+    monkeypatch.setenv("LOWPREC_BACKEND", "reference")
+    ref = quantize(x)
+    monkeypatch.setenv("LOWPREC_BACKEND", "kernel")
+    _poison_allocator()
+    return quantize(x), ref
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("shape", [(1, 128), (7, 4096), (300, 1040), (1000, 7168), (4096, 16)])
 def test_1x128_matches_reference(shape, dtype, monkeypatch):
     x = _data(*shape, dtype, seed=sum(shape))
-    monkeypatch.setenv("LOWPREC_BACKEND", "reference")
-    ref = lowprec.quantize(x, "fp8_block1x128")
-    monkeypatch.setenv("LOWPREC_BACKEND", "kernel")
-    _poison_allocator()
-    out = lowprec.quantize(x, "fp8_block1x128")
+    out, ref = _kernel_and_reference(lambda t: lowprec.quantize(t, "fp8_block1x128"), x, monkeypatch)
     _same(out, ref)
     assert out.scale.stride(0) == 1  # MN-major for the GEMM
 
@@ -61,11 +66,7 @@ def test_1x128_matches_reference(shape, dtype, monkeypatch):
 @pytest.mark.parametrize("shape", [(1, 16), (7, 4096), (300, 1040), (64, 20000)])
 def test_rowwise_matches_reference(shape, dtype, monkeypatch):
     x = _data(*shape, dtype, seed=sum(shape) + 3)
-    monkeypatch.setenv("LOWPREC_BACKEND", "reference")
-    ref = lowprec.quantize(x, "fp8_rowwise")
-    monkeypatch.setenv("LOWPREC_BACKEND", "kernel")
-    _poison_allocator()
-    _same(lowprec.quantize(x, "fp8_rowwise"), ref)
+    _same(*_kernel_and_reference(lambda t: lowprec.quantize(t, "fp8_rowwise"), x, monkeypatch))
 
 
 @pytest.mark.gpu
@@ -73,11 +74,7 @@ def test_rowwise_matches_reference(shape, dtype, monkeypatch):
 @pytest.mark.parametrize("shape", [(4096, 7168), (2112, 7168), (130, 272), (16, 16)])
 def test_128x128_matches_reference(shape, dtype, monkeypatch):
     x = _data(*shape, dtype, seed=sum(shape) + 1)
-    monkeypatch.setenv("LOWPREC_BACKEND", "reference")
-    ref = lowprec.quantize(x, "fp8_block128x128")
-    monkeypatch.setenv("LOWPREC_BACKEND", "kernel")
-    _poison_allocator()
-    _same(lowprec.quantize(x, "fp8_block128x128"), ref)
+    _same(*_kernel_and_reference(lambda t: lowprec.quantize(t, "fp8_block128x128"), x, monkeypatch))
 
 
 @pytest.mark.gpu
@@ -85,11 +82,7 @@ def test_128x128_matches_reference(shape, dtype, monkeypatch):
 @pytest.mark.parametrize("shape", [(1, 128), (300, 1040), (4096, 4096), (1000, 272)])
 def test_dual_matches_reference(shape, dtype, monkeypatch):
     x = _data(*shape, dtype, seed=sum(shape) + 2)
-    monkeypatch.setenv("LOWPREC_BACKEND", "reference")
-    ref_rows, ref_cols = quantize_dual(x)
-    monkeypatch.setenv("LOWPREC_BACKEND", "kernel")
-    _poison_allocator()
-    rows, cols = quantize_dual(x)
+    (rows, cols), (ref_rows, ref_cols) = _kernel_and_reference(quantize_dual, x, monkeypatch)
     _same(rows, ref_rows)
     _same(cols, ref_cols)
 
@@ -111,11 +104,7 @@ def test_128x128_batch_of_experts_matches_reference(shape, monkeypatch):
     x = torch.randn(shape, device="cuda", generator=g) * torch.exp(torch.randn(*shape[:-1], 1, device="cuda",
                                                                                generator=g))
     x = x.to(torch.bfloat16)
-    monkeypatch.setenv("LOWPREC_BACKEND", "reference")
-    ref = lowprec.quantize(x, "fp8_block128x128")
-    monkeypatch.setenv("LOWPREC_BACKEND", "kernel")
-    _poison_allocator()
-    _same(lowprec.quantize(x, "fp8_block128x128"), ref)
+    _same(*_kernel_and_reference(lambda t: lowprec.quantize(t, "fp8_block128x128"), x, monkeypatch))
 
 
 @pytest.mark.gpu
