@@ -801,6 +801,7 @@ class BlockScaledGemmSm90:
                 tile_coord = work_tile.tile_idx
                 n0 = tile_coord[1] * self.tile_n
                 k_first, k_cnt = self._k_range(tile_coord, k_tile_cnt)
+                acc.fill(0.0)
                 read_state, release_state = self._mainloop(
                     mma_args, n0, k_first, k_cnt, read_state, release_state
                 )
@@ -927,14 +928,13 @@ class BlockScaledGemmSm90:
 
     @cute.jit
     def _mainloop(self, mma_args, n0, k_first, k_cnt, read_state, release_state):
-        """``acc`` = sum over K blocks k_first .. k_first+k_cnt-1 (k_cnt >= 1) of the promoted
-        block products; returns the advanced pipeline states (the caller reassigns them so that
-        its dynamic loop carries them)."""
+        """``acc`` (zeroed by the caller) += the promoted block products of K blocks k_first ..
+        k_first+k_cnt-1 (k_cnt >= 1); returns the advanced pipeline states (the caller reassigns
+        them so that its dynamic loop carries them)."""
         mmas, tCrA, tCrB, acc, blk, blk2, mainloop_pipeline, scales, bufs = mma_args
         sa_buf0, sb_buf0, sa_buf1, sb_buf1 = bufs
         # first column (tile-relative) that belongs to the next 128-wide scale block
         split = (n0 // SCALE_BLOCK + 1) * SCALE_BLOCK - n0
-        acc.fill(0.0)
         if cutlass.const_expr(self.overlap):
             # software pipeline over K blocks with two block accumulators (blk, blk2):
             # the wgmma of block k+1 is in flight while block k is promoted. Block k's
