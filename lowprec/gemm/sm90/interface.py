@@ -304,7 +304,9 @@ def _prep_b_scale_per_col(b_scale: torch.Tensor) -> torch.Tensor:
 
 def _tma_a_scale(a_scale: torch.Tensor) -> torch.Tensor:
     """[M, KB] A scales as the kernel's TMA reads them: MN-major (stride (1, ld)), ld a multiple
-    of 4, 16-byte aligned (what the 1x128 quantize kernels write: no copy then)."""
+    of 4, 16-byte aligned (what the 1x128 quantize kernels write: no copy then). Stricter than
+    ``quant.layouts.is_mn_major_tma_aligned``, which accepts any stride on a size-1 dim: the
+    compiled kernel fixes stride(0) = 1 and a leading dimension divisible by 4."""
     m, kb = a_scale.shape
     if a_scale.stride(0) == 1 and a_scale.stride(1) % 4 == 0 and a_scale.data_ptr() % 16 == 0:
         return a_scale
