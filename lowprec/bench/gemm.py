@@ -196,9 +196,11 @@ def run(args=None):
     gen.manual_seed(0)
     rows = []
     print("# TFLOPS; 'rot' = CUDA graph of back-to-back calls cycling over input sets larger than L2"
-          " (pure GPU time, cold inputs); 'eager' = one Python call per do_bench iteration (L2 flushed)")
+          " (pure GPU time, cold inputs, sustained load); 'eager' = one Python call per do_bench"
+          " iteration (L2 flushed: a 256 MB memset between calls)")
     hdr = (f"{'M':>5} {'N':>6} {'K':>6} {'config':>16} {'lp_rot':>7} {'lp_eager':>8} {'cb8blk':>7}"
-           f" {'cb8row':>7} {'bf16':>7} {'vs_blk':>6} {'vs_row':>6} {'err':>8} {'err_cb':>8}")
+           f" {'cb8blk_e':>8} {'cb8row':>7} {'bf16':>7} {'vs_blk':>6} {'vs_blk_e':>8} {'vs_row':>6}"
+           f" {'err':>8} {'err_cb':>8}")
     print(hdr)
     for (m, n, k) in shapes:
         kb, nb = -(-k // 128), -(-n // 128)
@@ -219,11 +221,12 @@ def run(args=None):
         compile_s = time.time() - t0
         t_lp_eager = _bench(lambda a=a, sa=sa, b=b, sb=sb: gemm_blockwise_fp8(a, sa, b, sb), rep)
         t_lp = _time_rot([(lambda s=s_: gemm_blockwise_fp8(*s)) for s_ in sets], rep)
-        t_cb = float("nan")
+        t_cb = t_cb_eager = float("nan")
         d_cb = None
         if cublas_ok:
             d_cb = _cublas_blockwise_fn(a, sa, b, sb)()
             t_cb = _time_rot([_cublas_blockwise_fn(*s_) for s_ in sets], rep)
+            t_cb_eager = _bench(_cublas_blockwise_fn(a, sa, b, sb), rep)
         t_row = _time_rot([_cublas_rowwise_fn(s_[0], s_[2]) for s_ in sets], rep)
         b16s = [(s_[0].to(torch.bfloat16), s_[2].to(torch.bfloat16)) for s_ in sets]
         t_bf = _time_rot([(lambda x=x, y=y: x @ y.t()) for x, y in b16s], rep)
@@ -239,27 +242,34 @@ def run(args=None):
         row = dict(
             m=m, n=n, k=k, config=str(cfg), input_sets=nsets,
             lowprec_ms=t_lp, lowprec_eager_ms=t_lp_eager, cublas_fp8_blockwise_ms=t_cb,
+            cublas_fp8_blockwise_eager_ms=t_cb_eager,
             cublas_fp8_rowwise_ms=t_row, cublas_bf16_ms=t_bf,
             lowprec_tflops=tf(t_lp), lowprec_eager_tflops=tf(t_lp_eager),
             cublas_fp8_blockwise_tflops=tf(t_cb), cublas_fp8_rowwise_tflops=tf(t_row),
             cublas_bf16_tflops=tf(t_bf), ratio_vs_cublas_fp8=t_cb / t_lp,
+            cublas_fp8_blockwise_eager_tflops=tf(t_cb_eager), ratio_vs_cublas_fp8_eager=t_cb_eager / t_lp_eager,
             ratio_vs_cublas_fp8_rowwise=t_row / t_lp, rel_err=err, rel_err_cublas=err_cb,
             first_call_s=compile_s,
         )
         rows.append(row)
         print(f"{m:>5} {n:>6} {k:>6} {str(cfg):>16} {tf(t_lp):7.1f} {tf(t_lp_eager):8.1f} {tf(t_cb):7.1f}"
-              f" {tf(t_row):7.1f} {tf(t_bf):7.1f} {t_cb / t_lp:6.2f} {t_row / t_lp:6.2f}"
-              f" {err:8.1e} {err_cb:8.1e}", flush=True)
+              f" {tf(t_cb_eager):8.1f} {tf(t_row):7.1f} {tf(t_bf):7.1f} {t_cb / t_lp:6.2f}"
+              f" {t_cb_eager / t_lp_eager:8.2f} {t_row / t_lp:6.2f} {err:8.1e} {err_cb:8.1e}", flush=True)
         del d, d_cb, sets
 
     big = [r["ratio_vs_cublas_fp8"] for r in rows if r["m"] >= 4096 and r["n"] != 8192]
     small = [r["ratio_vs_cublas_fp8"] for r in rows if r["m"] <= 128]
     big_r = [r["ratio_vs_cublas_fp8_rowwise"] for r in rows if r["m"] >= 4096 and r["n"] != 8192]
     small_r = [r["ratio_vs_cublas_fp8_rowwise"] for r in rows if r["m"] <= 128]
+    big_e = [r["ratio_vs_cublas_fp8_eager"] for r in rows if r["m"] >= 4096 and r["n"] != 8192]
+    small_e = [r["ratio_vs_cublas_fp8_eager"] for r in rows if r["m"] <= 128]
     summary = dict(geomean_ratio_m4096=_geomean(big), geomean_ratio_m_le_128=_geomean(small),
+                   geomean_ratio_eager_m4096=_geomean(big_e), geomean_ratio_eager_m_le_128=_geomean(small_e),
                    geomean_ratio_rowwise_m4096=_geomean(big_r), geomean_ratio_rowwise_m_le_128=_geomean(small_r))
-    print(f"geomean speedup vs cuBLAS FP8 blockwise: M=4096 {summary['geomean_ratio_m4096']:.3f}x, "
-          f"M<=128 {summary['geomean_ratio_m_le_128']:.3f}x | vs cuBLAS FP8 rowwise (coarser scaling): "
+    print(f"geomean speedup vs cuBLAS FP8 blockwise, rot: M=4096 {summary['geomean_ratio_m4096']:.3f}x, "
+          f"M<=128 {summary['geomean_ratio_m_le_128']:.3f}x | eager: "
+          f"M=4096 {summary['geomean_ratio_eager_m4096']:.3f}x, "
+          f"M<=128 {summary['geomean_ratio_eager_m_le_128']:.3f}x | vs cuBLAS FP8 rowwise (coarser scaling), rot: "
           f"M=4096 {summary['geomean_ratio_rowwise_m4096']:.3f}x, "
           f"M<=128 {summary['geomean_ratio_rowwise_m_le_128']:.3f}x")
     payload = dict(

@@ -45,7 +45,7 @@ from cutlass.memory import SmemAllocator
 from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 from cutlass.tensor_utils import LayoutEnum
 
-from .config import SCALE_BLOCK, TileConfig, valid_tile_n  # noqa: F401  (re-exported)
+from .config import SCALE_BLOCK, TileConfig, scale_blocks_spanned, valid_tile_n  # noqa: F401  (re-exported)
 
 SMEM_CAPACITY_SM90 = 232448  # bytes of dynamic smem per CTA on sm_90
 _SB_BOX_K = 4  # K blocks per TMA box of 128x128 B scales (16 bytes: the smallest TMA box row)
@@ -207,7 +207,7 @@ class BlockScaledGemmSm90:
         # [NB, KB] grid per 128-column block the tile touches (128x128)
         self.sb_box = (self.tile_n, 1) if self.b_scale_per_col else (1, _SB_BOX_K)
         self.sa_smem_layout_staged, self.sb_smem_layout_staged = self._scale_smem_layouts()
-        self.num_sb_boxes = 1 if self.b_scale_per_col or not self._two_b_blocks() else 2
+        self.num_sb_boxes = 1 if self.b_scale_per_col else scale_blocks_spanned(self.tile_n)
 
     def _scale_smem_layouts(self):
         """(A-scale, B-scale) staged smem layouts; built again inside the kernel (layouts made
@@ -222,10 +222,6 @@ class BlockScaledGemmSm90:
     def _sb_box_floats(self) -> int:
         """smem floats of one staged B-scale box buffer (a multiple of 32: 128-byte aligned)"""
         return _round_up(self.sb_box[0] * self.sb_box[1], 32) * self.ab_stage
-
-    def _two_b_blocks(self) -> bool:
-        """128x128 B scales: can a tile's columns span two 128-wide scale blocks?"""
-        return self.n_straddle or self.tile_n > SCALE_BLOCK
 
     @cute.jit
     def __call__(
@@ -774,7 +770,7 @@ class BlockScaledGemmSm90:
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_threads),
         )
 
-        n_sb = 2 * n_cgroups if self.b_scale_per_col else 2
+        n_sb = 2 * n_cgroups if self.b_scale_per_col else self.num_sb_boxes
         sa_buf0 = cute.make_rmem_tensor((2,), self.acc_dtype)
         sa_buf1 = cute.make_rmem_tensor((2,), self.acc_dtype)
         sb_buf0 = cute.make_rmem_tensor((n_sb,), self.acc_dtype)
@@ -1129,19 +1125,18 @@ class BlockScaledGemmSm90:
                         v = c + 2 * r + 4 * j
                         acc[v] = acc[v] + blk[v] * (sa[r] * sb[2 * j + c])
         else:
-            p0 = [sa[r] * sb[0] for r in range(2)]
-            p1 = p0
-            if cutlass.const_expr(self._two_b_blocks()):
-                p1 = [sa[r] * sb[1] for r in range(2)]
+            # one product per (row, scale block touched); block i >= 1 starts at column
+            # split + 128 * (i - 1) of the tile
+            p = [[sa[r] * sb[i] for r in range(2)] for i in range(self.num_sb_boxes)]
             for j in cutlass.range_constexpr(n_cgroups):
                 for r in cutlass.range_constexpr(2):
                     if cutlass.const_expr(self.n_straddle):
                         # split is a multiple of 16: a group of 8 columns never straddles
-                        s = cutlass.select_(8 * j < split, p0[r], p1[r])
-                    elif cutlass.const_expr(8 * j < SCALE_BLOCK):
-                        s = p0[r]
+                        s = p[0][r]
+                        for i in cutlass.range_constexpr(1, self.num_sb_boxes):
+                            s = cutlass.select_(8 * j < split + SCALE_BLOCK * (i - 1), s, p[i][r])
                     else:
-                        s = p1[r]
+                        s = p[8 * j // SCALE_BLOCK][r]
                     for c in cutlass.range_constexpr(2):
                         v = c + 2 * r + 4 * j
                         acc[v] = acc[v] + blk[v] * s

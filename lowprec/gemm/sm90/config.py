@@ -30,15 +30,17 @@ class TileConfig:
         )
 
 
+def scale_blocks_spanned(tile_n: int) -> int:
+    """Most 128-wide weight-scale blocks one tile's columns can touch (tiles start at multiples
+    of tile_n, so at offsets that are multiples of gcd(tile_n, 128) within a block)."""
+    worst_offset = SCALE_BLOCK - math.gcd(tile_n, SCALE_BLOCK)
+    return (worst_offset + tile_n - 1) // SCALE_BLOCK + 1
+
+
 def valid_tile_n(tile_n: int) -> bool:
     """Tile N values the kernel supports.
 
     Multiple of 16, at most 192 (accumulator + per-block accumulator must fit in 232 registers),
-    and a tile must never straddle more than two 128-wide weight-scale blocks:
-    tile_n <= 128 + gcd(tile_n, 128).
+    and a tile touches at most three 128-wide weight-scale blocks (176 does: 2112 = 12 x 176).
     """
-    return (
-        tile_n % 16 == 0
-        and 16 <= tile_n <= 192
-        and tile_n <= SCALE_BLOCK + math.gcd(tile_n, SCALE_BLOCK)
-    )
+    return tile_n % 16 == 0 and 16 <= tile_n <= 192 and scale_blocks_spanned(tile_n) <= 3

@@ -18,7 +18,7 @@ import torch
 
 SCALE_BLOCK = 128
 _ARCH_DEFAULT = "sm_90a"
-_TILE_N_CHOICES = (16, 32, 48, 64, 80, 96, 112, 128, 144, 160)
+_TILE_N_CHOICES = (16, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176)
 _SPLIT_TILE_N = (64,)  # 64x128 split (fp32 partials) spills 4 bytes with mma_overlap
 _SPLITS = (2, 4, 8)
 _TILE_N_PER_COL_MAX = 128  # 1x128 B scales keep tile_n/4 column scales live in registers
@@ -38,6 +38,9 @@ def _shipped_configs():
             for bn in _TILE_N_CHOICES:
                 cfgs.append(TileConfig(tile_m=bm, tile_n=bn, cluster_m=cm, cluster_n=cn))
     cfgs.append(TileConfig(tile_m=128, tile_n=128, cluster_m=2, raster_along_m=False, swizzle=4))
+    cfgs.append(TileConfig(tile_m=128, tile_n=128, cluster_n=2))
+    # 64 < M <= 128: both M tiles of a 2-CTA cluster share the B tile
+    cfgs.extend(TileConfig(tile_m=64, tile_n=bn, cluster_m=2) for bn in (16, 32, 64, 128))
     # split-K for small M (few tiles, long K): fp32 partials reduced on the host side
     for bm in (64, 128):
         for bn in _SPLIT_TILE_N:
@@ -83,9 +86,10 @@ def _estimate_time(m: int, n: int, k: int, bm: int, bn: int, num_sms: int) -> fl
 def choose_config(m: int, n: int, k: int, b_scale_per_col: bool = False, num_sms: int = 132):
     """Tile configuration for a problem (deterministic: the result depends only on the args).
 
-    Rules from sweeps on H100 (NOTES.md, v3): large M -> 128x128 tiles in 2-CTA clusters along M
-    (B multicast; best on all six DeepSeek-V3 shapes at M=4096 and 8192^3); M <= 128 -> 64-wide N
-    tiles, narrower when that leaves SMs idle; in between, the cost model.
+    Rules from sweeps on H100 (NOTES.md, v3 and v7): large M -> 128x128 tiles in 2-CTA clusters
+    along N (A multicast; very tall A: along M, rasterized along N); M <= 64 -> 64x64 tiles,
+    narrower when that leaves SMs idle; 64 < M <= 128 -> two 64-row tiles in a 2-CTA cluster
+    sharing B (multicast), up to 128 wide; in between, the cost model.
     """
     TileConfig = _tile_config_cls()
     tiles_m128 = -(-m // 128)
@@ -95,14 +99,17 @@ def choose_config(m: int, n: int, k: int, b_scale_per_col: bool = False, num_sms
             # a wave along M would stream all of a tall A from HBM once per N column pair:
             # rasterize along N in groups of 4 M tiles (8192^3: +13%, NOTES v5)
             return TileConfig(tile_m=128, tile_n=128, cluster_m=2, raster_along_m=False, swizzle=4)
-        return TileConfig(tile_m=128, tile_n=128, cluster_m=2, cluster_n=1)
-    if m <= 128:
-        bm = 64 if m <= 64 else 128
-        tiles_m = -(-m // bm)
+        return TileConfig(tile_m=128, tile_n=128, cluster_n=2)
+    if m <= 64:
         for bn in (64, 32, 16):
-            if tiles_m * (-(-n // bn)) >= 0.75 * num_sms:
+            if -(-n // bn) >= 0.75 * num_sms:
                 break
-        return TileConfig(tile_m=bm, tile_n=bn)
+        return TileConfig(tile_m=64, tile_n=bn)
+    if m <= 128:
+        for bn in (128, 64, 32, 16):
+            if 2 * (-(-n // bn)) >= 0.75 * num_sms:
+                break
+        return TileConfig(tile_m=64, tile_n=bn, cluster_m=2)
     bms = (64, 128)
     best = None
     for bm in bms:

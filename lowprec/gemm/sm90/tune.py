@@ -1,21 +1,36 @@
 """Time several tile configs of the sm_90a block-scaled GEMM per shape (CUDA-graph replay, L2
 flushed by do_bench) to build / check the heuristic in ``interface.choose_config``.
 
-    python -m lowprec.gemm.sm90.tune "4096,7168,7168;64,2112,7168" [--configs all|near]
+    python -m lowprec.gemm.sm90.tune "4096,7168,7168;64,2112,7168" [--tile-n 128,176]
+    python -m lowprec.gemm.sm90.tune "4096,7168,16384" --configs 128x128_c2x1_m1,128x128_c1x2_n4
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 
 import torch
+
+
+def parse_config(name: str):
+    """TileConfig from its ``str`` form, e.g. ``128x128_c2x1_n4`` or ``64x64_c1x1_m1_s2``."""
+    from .config import TileConfig
+
+    m = re.fullmatch(r"(\d+)x(\d+)_c(\d+)x(\d+)_([mn])(\d+)(?:_s(\d+))?", name)
+    if m is None:
+        raise ValueError(f"config {name!r}: expected e.g. 128x128_c2x1_m1 or 64x64_c1x1_m1_s2")
+    bm, bn, cm, cn, raster, swz, sk = m.groups()
+    return TileConfig(tile_m=int(bm), tile_n=int(bn), cluster_m=int(cm), cluster_n=int(cn),
+                      raster_along_m=raster == "m", swizzle=int(swz), split_k=int(sk or 1))
 
 
 def main(argv=None):
     import triton.testing
 
     from ...bench.common import cuda_graph_replay
+    from ...bench.gemm import _time_rot
     from .interface import _shipped_configs, choose_config, gemm_blockwise_fp8
 
     p = argparse.ArgumentParser()
@@ -24,19 +39,29 @@ def main(argv=None):
     p.add_argument("--top", type=int, default=5)
     p.add_argument("--rep", type=int, default=30)
     p.add_argument("--tile-n", type=str, default=None, help="comma list of tile_n to try")
+    p.add_argument("--rot", action="store_true",
+                   help="time like `bench gemm` (graph of back-to-back calls over input sets > L2) "
+                        "instead of single replays after an L2 flush (whose dirty lines distort small M)")
+    p.add_argument("--configs", type=str, default=None,
+                   help="comma list of configs to time instead of the shipped ones (shipped or not)")
     args = p.parse_args(argv)
     gen = torch.Generator(device="cuda")
     gen.manual_seed(0)
     for s in args.shapes.split(";"):
         m, n, k = (int(v) for v in s.split(","))
         kb, nb = -(-k // 128), -(-n // 128)
-        a = (torch.randn(m, k, device="cuda", generator=gen) * 50).to(torch.float8_e4m3fn)
-        b = (torch.randn(n, k, device="cuda", generator=gen) * 50).to(torch.float8_e4m3fn)
-        sa = (torch.rand(m, kb, device="cuda", generator=gen) + 0.5).t().contiguous().t()
-        sb = torch.rand(n if args.per_col else nb, kb, device="cuda", generator=gen) + 0.5
+        nsets = max(1, min(8, -(-160_000_000 // (m * k + n * k + 2 * m * n)))) if args.rot else 1
+        sets = []
+        for _ in range(nsets):
+            a = (torch.randn(m, k, device="cuda", generator=gen) * 50).to(torch.float8_e4m3fn)
+            b = (torch.randn(n, k, device="cuda", generator=gen) * 50).to(torch.float8_e4m3fn)
+            sa = (torch.rand(m, kb, device="cuda", generator=gen) + 0.5).t().contiguous().t()
+            sb = torch.rand(n if args.per_col else nb, kb, device="cuda", generator=gen) + 0.5
+            sets.append((a, sa, b, sb))
         chosen = choose_config(m, n, k, args.per_col)
         res = []
-        for cfg in _shipped_configs():
+        cfgs = [parse_config(c) for c in args.configs.split(",")] if args.configs else _shipped_configs()
+        for cfg in cfgs:
             if args.per_col and cfg.tile_n > 128:
                 continue
             if m <= 64 and cfg.tile_m == 128:
@@ -45,11 +70,13 @@ def main(argv=None):
                 continue
             if args.tile_n and cfg.tile_n not in [int(v) for v in args.tile_n.split(",")]:
                 continue
-            def fn(a=a, sa=sa, b=b, sb=sb, cfg=cfg):
-                return gemm_blockwise_fp8(a, sa, b, sb, config=cfg)
-
+            calls = [lambda s_=s_, cfg=cfg: gemm_blockwise_fp8(*s_, config=cfg) for s_ in sets]
             try:
-                t = triton.testing.do_bench(cuda_graph_replay(fn), warmup=5, rep=args.rep, return_mode="median")
+                if args.rot:
+                    t = _time_rot(calls, args.rep)
+                else:
+                    t = triton.testing.do_bench(cuda_graph_replay(calls[0]), warmup=5, rep=args.rep,
+                                                return_mode="median")
             except Exception as e:  # noqa: BLE001
                 print(f"  {cfg}: failed {type(e).__name__}: {str(e)[:100]}")
                 continue
