@@ -15,6 +15,7 @@ import torch
 
 __all__ = [
     "to_mn_major_tma_aligned",
+    "empty_mn_major_tma_aligned",
     "is_mn_major_tma_aligned",
     "to_row_major",
     "to_blocked",
@@ -45,6 +46,16 @@ def to_mn_major_tma_aligned(scale: torch.Tensor) -> torch.Tensor:
     buf = scale.new_zeros(*scale.shape[:-2], cols, ld)
     buf[..., :rows] = scale.transpose(-1, -2)
     return buf[..., :rows].transpose(-1, -2)
+
+
+def empty_mn_major_tma_aligned(rows: int, cols: int, device, dtype=torch.float32) -> torch.Tensor:
+    """Uninitialised ``[rows, cols]`` in the layout ``to_mn_major_tma_aligned`` produces (for
+    kernels that write scales in place: no fill, no copy)."""
+    plain = torch.empty(rows, cols, dtype=dtype, device=device)
+    if is_mn_major_tma_aligned(plain):  # a single row or column: as to_mn_major_tma_aligned keeps it
+        return plain
+    ld = _round_up(rows, _tma_align(plain))
+    return torch.empty(cols, ld, dtype=dtype, device=device)[:, :rows].t()
 
 
 def is_mn_major_tma_aligned(scale: torch.Tensor) -> bool:

@@ -171,13 +171,15 @@ def test_pack_tokens_kernel_matches_reference(shape, dtype, monkeypatch):
 
 
 @pytest.mark.gpu
-def test_unpack_on_cuda_matches_cpu_bitwise():
+def test_unpack_on_cuda_matches_cpu_bitwise(monkeypatch):
     r_cpu = _routing(300, 4, 16, "zipf", "cpu", 0.8)
     r = _routing(300, 4, 16, "zipf", "cuda", 0.8)
     g = torch.Generator().manual_seed(5)
     rows = torch.randn(r.num_rows, 96, generator=g, dtype=torch.bfloat16)
     weights = torch.rand(300, 4, generator=g)
-    expected = unpack(rows, r_cpu, weights, out_dtype=torch.float32)
+    with monkeypatch.context() as m:  # the CPU side is the reference even under LOWPREC_BACKEND=kernel
+        m.setenv("LOWPREC_BACKEND", "reference")
+        expected = unpack(rows, r_cpu, weights, out_dtype=torch.float32)
     for _ in range(2):
         assert torch.equal(unpack(rows.cuda(), r, weights.cuda(), out_dtype=torch.float32).cpu(), expected)
 

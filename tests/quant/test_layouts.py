@@ -3,6 +3,7 @@ import torch
 
 from lowprec.quant.layouts import (
     blocked_offset,
+    empty_mn_major_tma_aligned,
     from_blocked,
     is_mn_major_tma_aligned,
     to_blocked,
@@ -23,6 +24,14 @@ def test_mn_major_roundtrip(shape, device):
     assert to_mn_major_tma_aligned(m) is m
     back = to_row_major(m)
     assert back.is_contiguous() and torch.equal(back, s)
+
+
+@pytest.mark.parametrize("rows,cols", [(7, 3), (4096, 56), (1, 5), (5, 1), (1, 1)])
+def test_empty_mn_major_has_the_layout_kernels_write(rows, cols, device):
+    e = empty_mn_major_tma_aligned(rows, cols, device)
+    assert e.shape == (rows, cols) and e.dtype == torch.float32 and e.device.type == torch.device(device).type
+    assert is_mn_major_tma_aligned(e)
+    assert e.stride() == to_mn_major_tma_aligned(torch.empty(rows, cols)).stride()
 
 
 def test_row_major_is_not_mn_major():

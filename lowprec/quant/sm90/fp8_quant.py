@@ -1,7 +1,8 @@
 """FP8 E4M3 quantize kernels (CuTe DSL), bit-identical to the reference quantizer.
 
 - ``quant_1x128``: each thread loads 8 contiguous elements (16 bytes of bf16), 16 threads cover
-  one 128-wide block and reduce its amax with warp shuffles.
+  one 128-wide block and reduce its amax with warp shuffles; a CTA covers one column block of 64
+  rows (its scales are contiguous in the MN-major layout).
 - ``pack_1x128``: ``quant_1x128`` of MoE tokens, each stored to its packed (expert-contiguous)
   rows, padding rows zero-filled; ``pack_tokens_1x128`` also stores the tokens' own codes.
 - ``swiglu_1x128`` / ``swiglu_h_1x128``: the MoE layer's ``silu(gate) · up · w`` quantized
@@ -47,12 +48,22 @@ def _store_row_chunk(mQ: cute.Tensor, values, r, col):
 
 
 UNROLL = 4  # scale blocks per 16-lane group: 4 independent 16-byte loads in flight per thread
+# A CTA of the 1x128 kernels covers one 128-wide column block of ROWS_PER_CTA consecutive rows:
+# its scales are one contiguous 256-byte run of the MN-major [KB, M] scale layout (whole sectors,
+# no scattered 4-byte stores), and neighbouring CTAs read neighbouring blocks of the same rows.
+ROWS_PER_CTA = GROUPS_PER_CTA * UNROLL
+
+
+@cute.jit
+def _grid_1x128(rows, blocks_per_row):
+    return (rows + ROWS_PER_CTA - 1) // ROWS_PER_CTA * blocks_per_row
 
 
 @cute.jit
 def _load_blocks(mX: cute.Tensor, bidx, tidx, blocks_per_row):
     """The thread's VEC values (FP32, zeros outside ``mX``) of each of its group's UNROLL 1x128
-    blocks, and each block's ``(row, block column, first column)``."""
+    blocks (the CTA's column block, rows 16 apart), and each block's ``(row, block column, first
+    column)``."""
     values, coords = _load_block_columns(mX, bidx, tidx, blocks_per_row, mX.shape[1], (0,))
     return [v[0] for v in values], coords
 
@@ -62,13 +73,14 @@ def _load_block_columns(mX: cute.Tensor, bidx, tidx, blocks_per_row, cols, offse
     """``_load_blocks`` of the blocks of ``cols`` columns, each read at every column offset in
     ``offsets``: the values of a block are a list, one entry per offset."""
     lane = tidx % LANES
-    first = (bidx * GROUPS_PER_CTA + tidx // LANES) * UNROLL  # flat index of the group's first block
+    row_tile = bidx // blocks_per_row
+    kb = bidx - row_tile * blocks_per_row
+    col = kb * BLOCK + lane * VEC
     values = []
     coords = []
     for u in cutlass.range_constexpr(UNROLL):
-        row = (first + u) // blocks_per_row
-        kb = first + u - row * blocks_per_row
-        col = kb * BLOCK + lane * VEC
+        # for each u the CTA's 16 groups take 16 consecutive rows
+        row = row_tile * ROWS_PER_CTA + u * GROUPS_PER_CTA + tidx // LANES
         per_offset = []
         for offset in offsets:
             frag = cute.make_rmem_tensor((1, VEC), mX.element_type)
@@ -119,8 +131,7 @@ def _quant_1x128_kernel(mX: cute.Tensor, mQ_u8: cute.Tensor, mS: cute.Tensor):
 
 @cute.jit
 def quant_1x128(mX: cute.Tensor, mQ_u8: cute.Tensor, mS: cute.Tensor, stream):
-    groups = (mX.shape[0] * mS.shape[1] + UNROLL - 1) // UNROLL
-    grid = (groups + GROUPS_PER_CTA - 1) // GROUPS_PER_CTA
+    grid = _grid_1x128(mX.shape[0], mS.shape[1])
     _quant_1x128_kernel(mX, mQ_u8, mS).launch(grid=(grid, 1, 1), block=(THREADS, 1, 1), stream=stream)
 
 
@@ -176,8 +187,7 @@ def _pack_1x128_kernel(mX: cute.Tensor, mSlotRows: cute.Tensor, mRowSlots: cute.
 @cute.jit
 def _launch_pack(mX: cute.Tensor, mSlotRows: cute.Tensor, mRowSlots: cute.Tensor, mQ_u8: cute.Tensor,
                  mS: cute.Tensor, mXQ_u8: cute.Tensor, mXS: cute.Tensor, with_tokens: cutlass.Constexpr, stream):
-    groups = (mX.shape[0] * mS.shape[1] + UNROLL - 1) // UNROLL
-    grid = (groups + GROUPS_PER_CTA - 1) // GROUPS_PER_CTA
+    grid = _grid_1x128(mX.shape[0], mS.shape[1])
     _pack_1x128_kernel(mX, mSlotRows, mRowSlots, mQ_u8, mS, mXQ_u8, mXS, with_tokens).launch(
         grid=(grid, 1, 1), block=(THREADS, 1, 1), stream=stream)
 
@@ -231,8 +241,7 @@ def _swiglu_1x128_kernel(mH: cute.Tensor, mW: cute.Tensor, mQ_u8: cute.Tensor, m
 @cute.jit
 def _launch_swiglu(mH: cute.Tensor, mW: cute.Tensor, mQ_u8: cute.Tensor, mS: cute.Tensor, mHQ_u8: cute.Tensor,
                    mHS: cute.Tensor, with_h: cutlass.Constexpr, stream):
-    groups = (mH.shape[0] * mS.shape[1] + UNROLL - 1) // UNROLL
-    grid = (groups + GROUPS_PER_CTA - 1) // GROUPS_PER_CTA
+    grid = _grid_1x128(mH.shape[0], mS.shape[1])
     _swiglu_1x128_kernel(mH, mW, mQ_u8, mS, mHQ_u8, mHS, with_h).launch(
         grid=(grid, 1, 1), block=(THREADS, 1, 1), stream=stream)
 
@@ -367,11 +376,15 @@ def _quant_dual_kernel(mX: cute.Tensor, mQ_u8: cute.Tensor, mS: cute.Tensor, mQT
     mQ = cute.make_tensor(cute.recast_ptr(mQ_u8.iterator, dtype=cutlass.Float8E4M3FN), mQ_u8.layout)
     mQT = cute.make_tensor(cute.recast_ptr(mQT_u8.iterator, dtype=cutlass.Float8E4M3FN), mQT_u8.layout)
     smem = cutlass.memory.SmemAllocator()
-    col_max = smem.allocate_tensor(Float32, cute.make_layout((WARPS_PER_CTA, TILE), stride=(TILE, 1)),
-                                   byte_alignment=16)
-    # transposed fp8 tile [column][token]; rows padded by 16 bytes against bank conflicts
-    tile_t = smem.allocate_tensor(cutlass.Float8E4M3FN, cute.make_layout((TILE, TILE), stride=(TILE + 16, 1)),
-                                  byte_alignment=16)
+    # per-warp column amax [warp, j, lane] of column lane * VEC + j: a half-warp touches 16
+    # consecutive words (no bank conflicts)
+    col_max = smem.allocate_tensor(Float32, cute.make_layout((WARPS_PER_CTA, VEC, LANES),
+                                                             stride=(VEC * LANES, LANES, 1)), byte_alignment=16)
+    # transposed fp8 tile [column][token], 128-byte rows whose 16-byte chunks are XOR-swizzled by
+    # (row / 8) % 8: the 8-byte column stores (rows 8 apart across a half-warp) and the 16-byte
+    # row reads (8 lanes per row) both spread over all banks
+    tile_t = smem.allocate_tensor(cutlass.Float8E4M3FN, cute.make_layout((TILE, TILE), stride=(TILE, 1)),
+                                  byte_alignment=128)
 
     rows, cols = mX.shape[0], mX.shape[1]
     lane, rgrp = tidx % LANES, tidx // LANES
@@ -397,33 +410,35 @@ def _quant_dual_kernel(mX: cute.Tensor, mQ_u8: cute.Tensor, mS: cute.Tensor, mQT
             cmax = cute.arch.fmax(cmax, abs(values[p][j]))
         cmax = cute.arch.fmax(cmax, cute.arch.shuffle_sync_bfly(cmax, offset=16))
         if tidx % 32 < LANES:
-            col_max[tidx // 32, lane * VEC + j] = cmax
+            col_max[tidx // 32, j, lane] = cmax
     cute.arch.sync_threads()
     for j in cutlass.range_constexpr(VEC):
         c = lane * VEC + j
-        cmax = col_max[0, c]
+        cmax = col_max[0, j, lane]
         for w in cutlass.range_constexpr(1, WARPS_PER_CTA):
-            cmax = cute.arch.fmax(cmax, col_max[w, c])
+            cmax = cute.arch.fmax(cmax, col_max[w, j, lane])
         scale, inv = _scale_and_inverse(cmax)
         column = cute.make_rmem_tensor((1, PASSES), Float32)
         for p in cutlass.range_constexpr(PASSES):
             column[0, p] = values[p][j] * inv
         q_frag = cute.make_rmem_tensor((1, PASSES), cutlass.Float8E4M3FN)
         q_frag.store(column.load().to(cutlass.Float8E4M3FN))
-        cute.autovec_copy(q_frag, cute.local_tile(tile_t, (1, PASSES), (c, rgrp)))
+        # tokens rgrp * 8 .. +8 of column c: 8-byte chunk rgrp, its 16-byte chunk swizzled by
+        # (c / 8) % 8 = lane % 8
+        chunk8 = ((rgrp // 2) ^ (lane % 8)) * 2 + rgrp % 2
+        cute.autovec_copy(q_frag, cute.local_tile(tile_t, (1, PASSES), (c, chunk8)))
         if rgrp == 0 and tile_c * TILE + c < cols:
             mST[tile_c * TILE + c, tile_r] = scale
     cute.arch.sync_threads()
 
-    # write the transposed tile: each thread stores 4 x 16 bytes of one column
-    c = tidx // 2
-    half = tidx % 2
-    out_row = tile_c * TILE + c
-    for i in cutlass.range_constexpr(4):
-        t0 = half * 64 + i * 16
-        if out_row < cols and row0 + t0 < mQT.shape[1]:
-            cute.autovec_copy(cute.local_tile(tile_t, (1, 16), (c, t0 // 16)),
-                              cute.local_tile(mQT, (1, 16), (out_row, (row0 + t0) // 16)))
+    # write the transposed tile: 8 lanes per 128-byte row (16 bytes each), 32 rows per pass
+    q16 = tidx % 8
+    for i in cutlass.range_constexpr(TILE * TILE // 16 // THREADS):
+        c = i * (THREADS // 8) + tidx // 8
+        out_row = tile_c * TILE + c
+        if out_row < cols and row0 + q16 * 16 < mQT.shape[1]:
+            cute.autovec_copy(cute.local_tile(tile_t, (1, 16), (c, q16 ^ (c // 8 % 8))),
+                              cute.local_tile(mQT, (1, 16), (out_row, (row0 + q16 * 16) // 16)))
 
 
 @cute.jit

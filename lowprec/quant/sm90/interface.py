@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ...runtime import kernel_cache
-from ..layouts import to_mn_major_tma_aligned
+from ..layouts import empty_mn_major_tma_aligned
 
 __all__ = ["kernel_unsupported", "quantize_1x128", "quantize_rowwise", "quantize_128x128", "quantize_dual",
            "pack_1x128", "swiglu_1x128", "unpack_rows", "build_kernel", "build_unpack_kernel", "compile_kernel",
@@ -85,7 +85,7 @@ def compile_kernel(kind: str, dtype: torch.dtype, arch: str = ARCH):
 
 
 def _mn_major_scales(rows: int, blocks: int, device: torch.device) -> torch.Tensor:
-    return to_mn_major_tma_aligned(torch.empty(rows, blocks, dtype=torch.float32, device=device))
+    return empty_mn_major_tma_aligned(rows, blocks, device)
 
 
 def quantize_1x128(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
