@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from ..quant import quantize
+from ..quant import quantize_dual
 from ..recipes import WHOLE, ScaleRecipe, get_recipe
 from ..runtime import kernel_failed, use_kernel
 from ..tensor import QuantizedTensor
@@ -70,8 +70,9 @@ def quantize_k_grouped(rows: torch.Tensor, group_ends: torch.Tensor, recipe: str
     dest = torch.where(group < num_groups, aligned_ends[g] - aligned[g] + p - (ends[g] - counts[g]),
                        width + p)
     buf = rows.new_zeros(width + m, rows.shape[1]).index_copy_(0, dest, rows)
-    # contiguous: the quantize kernels take row-major input (same bits either way)
-    return quantize(buf[:width].T.contiguous(), r, check_finite=False), aligned_ends.int()
+    # the token-major half of the dual quantization is quantize(buf[:width]ᵀ), read without a
+    # transposed copy of buf (width is a multiple of 16: no padding columns)
+    return quantize_dual(buf[:width], r)[1], aligned_ends.int()
 
 
 def grouped_gemm_wgrad(a: QuantizedTensor, b: QuantizedTensor, group_ends: torch.Tensor,
