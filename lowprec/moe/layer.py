@@ -36,7 +36,7 @@ from torch import nn
 
 from ..gemm import grouped_gemm
 from ..gemm.reference import grouped_mm_rows
-from ..quant import quantize
+from ..quant import quantize, quantize_with_transpose
 from ..recipes import get_recipe
 from ..runtime import kernel_failed, use_kernel
 from ..tensor import QuantizedTensor
@@ -153,12 +153,13 @@ class _ExpertsFunction(torch.autograd.Function):
                             0.0)
         if quantized:
             x_rows, xq, _ = pack_tokens(x, routing, _ACT_RECIPE)
-            w1q = quantize(w1, _WEIGHT_RECIPE, check_finite=False)
-            w2q = quantize(w2, _WEIGHT_RECIPE, check_finite=False)
+            # the backward multiplies by the transposed weights only: keep those
+            w1q, w1t = quantize_with_transpose(w1, _WEIGHT_RECIPE)
+            w2q, w2t = quantize_with_transpose(w2, _WEIGHT_RECIPE)
             h = grouped_gemm(x_rows, w1q, group_ends=ends, out_dtype=dt)
             a, hq = _quantized_activation(activation, h, row_w)
             o = grouped_gemm(a, w2q, group_ends=ends, out_dtype=dt)
-            saved = (xq, hq, w1q, w2q)
+            saved = (xq, hq, w1t, w2t)
         else:
             h = grouped_mm_rows(gather_rows(x, routing), w1.to(dt), ends)
             a = (_activation(activation, h.float()) * row_w[:, None]).to(dt)
@@ -180,7 +181,7 @@ class _ExpertsFunction(torch.autograd.Function):
         dt, weights_dtype, w1_dtype, w2_dtype = ctx.dtypes
         need_x, need_weights, need_w1, need_w2 = ctx.needs_input_grad[:4]
         if quantized:
-            da = grouped_gemm(pack(dy, routing, _ACT_RECIPE)[0], w2.transpose(), group_ends=ends,
+            da = grouped_gemm(pack(dy, routing, _ACT_RECIPE)[0], w2, group_ends=ends,  # w2: quantized w2ᵀ
                               out_dtype=torch.float32)
             h = h.dequantize(torch.float32)
         else:
@@ -199,7 +200,7 @@ class _ExpertsFunction(torch.autograd.Function):
         if need_x:
             if quantized:
                 dh_q = quantize(dh, _ACT_RECIPE, check_finite=False)
-                dx_rows = grouped_gemm(dh_q, w1.transpose(), group_ends=ends, out_dtype=dt)
+                dx_rows = grouped_gemm(dh_q, w1, group_ends=ends, out_dtype=dt)  # w1: quantized w1ᵀ
             else:
                 dx_rows = grouped_mm_rows(dh.to(dt), w1.to(dt).transpose(-1, -2), ends)
             dx = unpack(dx_rows, routing, out_dtype=dt)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from ..gemm import gemm
-from ..quant import quantize, quantize_dual
+from ..quant import quantize, quantize_dual, quantize_with_transpose
 from ..tensor import QuantizedTensor
 
 __all__ = ["LinearRecipe", "LINEAR_RECIPES", "get_linear_recipe", "fp8_linear"]
@@ -58,12 +58,15 @@ class _FP8Linear(torch.autograd.Function):
             x_q, xt_q = quantize_dual(x2, recipe.activation)
         else:
             x_q, xt_q = quantize(x2, recipe.activation, check_finite=False), None
-        w_q = quantize(weight, recipe.weight, check_finite=False)
+        if recipe.weight == "fp8_block128x128":  # the codes and their transpose from one pass
+            w_q, w_t = quantize_with_transpose(weight, recipe.weight)
+        else:
+            w_q = quantize(weight, recipe.weight, check_finite=False)
+            w_t = w_q.transpose() if w_q.transposable else None
         y = gemm(x_q, w_q, out_dtype=x2.dtype, bias=bias)
         ctx.recipe = recipe
         ctx.has_bias = bias is not None
         ctx.weight_dtype = weight.dtype
-        w_t = w_q.transpose() if w_q.transposable else None
         ctx.w_t_reused = w_t is not None
         tensors = []
         if xt_q is not None:

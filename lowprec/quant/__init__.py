@@ -9,7 +9,7 @@ from ..runtime import kernel_failed, use_kernel
 from ..tensor import QuantizedTensor
 from .reference import dequantize_reference, quantize_reference
 
-__all__ = ["quantize", "dequantize", "quantize_dual"]
+__all__ = ["quantize", "dequantize", "quantize_dual", "quantize_with_transpose"]
 
 _KERNEL_RECIPES = ("fp8_block1x128", "fp8_block128x128", "fp8_rowwise")
 
@@ -103,6 +103,47 @@ def quantize_dual(x: torch.Tensor, recipe: str | ScaleRecipe = "fp8_block1x128")
             kernel_failed("quantize", err)
     padded = torch.nn.functional.pad(x2, (0, 0, 0, t_pad - t))
     return quantize_reference(x2, r), quantize_reference(padded.t(), r)
+
+
+def quantize_with_transpose(x: torch.Tensor, recipe: str | ScaleRecipe = "fp8_block128x128"
+                            ) -> tuple[QuantizedTensor, QuantizedTensor]:
+    """``(quantize(x), quantize(x.transpose(-1, -2)))`` for square-block recipes, from one pass
+    over ``x`` where a kernel exists (128x128 FP8 on Hopper), else ``q.transpose()``.
+
+    For weights whose GEMMs need both orientations (forward and input gradient). Leading dims of
+    ``x`` are a batch of matrices. Inputs are assumed finite.
+    """
+    r = get_recipe(recipe)
+    if r.is_fp4 or not (r.tensorwise or (r.is_2d and r.block[0] == r.block[1])):
+        raise ValueError(f"recipe: {r.name!r} is not transposable (needs square blocks or a tensorwise scale, "
+                         f"FP8 elements); quantize the transposed tensor instead")
+    if not isinstance(x, torch.Tensor) or x.dim() < 2 or x.dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"x: expected a float tensor with ≥ 2 dims, got "
+                         f"{getattr(x, 'dtype', type(x))} {tuple(getattr(x, 'shape', ()))}")
+    x = x.detach()
+    rows, cols = x.shape[-2:]
+
+    def why_not() -> str | None:
+        if r.name != "fp8_block128x128":
+            return f"recipe {r.name!r} (the transposing kernel is 128x128 FP8)"
+        if rows % 16 or (x.dim() > 2 and rows % 128):
+            return "rows per matrix must be a multiple of 16 (of 128 for a batch of matrices)"
+        return _kernel_unsupported(x, r)
+
+    if use_kernel("quantize", x.device, ("sm_90a",), why_not):
+        try:
+            from .sm90 import interface
+
+            q, s, qt = interface.quantize_128x128_t(x.reshape(-1, cols), rows)
+            batch = x.shape[:-2]
+            s = s.view(*batch, -(-rows // 128), s.shape[-1])
+            t_shape = (*batch, cols, rows)
+            return (QuantizedTensor(q.view(x.shape), s, r, x.shape, x.dtype),
+                    QuantizedTensor(qt.view(t_shape), s.transpose(-1, -2).contiguous(), r, t_shape, x.dtype))
+        except Exception as err:
+            kernel_failed("quantize", err)
+    q = quantize(x, r, check_finite=False)
+    return q, q.transpose()
 
 
 def dequantize(qt: QuantizedTensor, dtype: torch.dtype | None = None) -> torch.Tensor:

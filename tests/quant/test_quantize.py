@@ -241,3 +241,26 @@ def test_fp8_error_bound_property(rows, cols, seed, name):
     s = qt.scale.double().repeat_interleave(br, 0).repeat_interleave(bc, 1)[:rows, :cols]
     bound = torch.maximum(x.double().abs() * 2.0**-4, s * 2.0**-10) * (1 + 1e-6)
     assert ((deq - x.double()).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("recipe", ["fp8_block128x128", "fp8_tensorwise"])
+@pytest.mark.parametrize("shape", [(256, 384), (130, 272), (3, 128, 256)])
+def test_quantize_with_transpose_is_both_quantizations(recipe, shape, device):
+    from lowprec.quant import quantize_with_transpose
+
+    x = torch.randn(shape, device=device, generator=torch.Generator(device=device).manual_seed(sum(shape))) * 10
+    q, qt = quantize_with_transpose(x, recipe)
+    ref, ref_t = lowprec.quantize(x, recipe), lowprec.quantize(x.transpose(-1, -2).contiguous(), recipe)
+    for a, b in ((q, ref), (qt, ref_t)):
+        assert a.shape == b.shape and a.recipe == b.recipe
+        assert torch.equal(a.data.view(torch.uint8), b.data.view(torch.uint8))
+        assert torch.equal(a.scale, b.scale)
+
+
+def test_quantize_with_transpose_rejects_non_square_blocks():
+    from lowprec.quant import quantize_with_transpose
+
+    with pytest.raises(ValueError, match="recipe.*not transposable"):
+        quantize_with_transpose(torch.randn(128, 128), "fp8_block1x128")
+    with pytest.raises(ValueError, match="x: expected"):
+        quantize_with_transpose(torch.randn(128), "fp8_block128x128")

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import lowprec
-from lowprec.quant import quantize_dual
+from lowprec.quant import quantize_dual, quantize_with_transpose
 from lowprec.quant.sm90.interface import KERNELS, build_kernel
 from lowprec.runtime import cubin_arch, local_memory_ops, sass_of
 
@@ -85,6 +85,34 @@ def test_dual_matches_reference(shape, dtype, monkeypatch):
     (rows, cols), (ref_rows, ref_cols) = _kernel_and_reference(quantize_dual, x, monkeypatch)
     _same(rows, ref_rows)
     _same(cols, ref_cols)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape", [(4096, 7168), (2112, 7168), (144, 272), (16, 16), (8, 256, 4096), (3, 128, 272),
+                                   (2, 3, 384, 1040)])
+def test_128x128_with_transpose_matches_reference(shape, dtype, monkeypatch):
+    g = torch.Generator(device="cuda").manual_seed(sum(shape) + 3)
+    x = torch.randn(shape, device="cuda", generator=g) * torch.exp(torch.randn(*shape[:-1], 1, device="cuda",
+                                                                               generator=g))
+    x = x.to(dtype)
+    (q, qt), (ref_q, ref_qt) = _kernel_and_reference(quantize_with_transpose, x, monkeypatch)
+    _same(q, ref_q)
+    _same(qt, ref_qt)
+    monkeypatch.setenv("LOWPREC_BACKEND", "reference")  # and the transpose is quantize(xᵀ) itself
+    _same(qt, lowprec.quantize(x.transpose(-1, -2).contiguous(), "fp8_block128x128"))
+
+
+@pytest.mark.gpu
+def test_128x128_with_transpose_rows_not_multiple_of_16_take_the_reference(monkeypatch):
+    x = _data(130, 272, torch.bfloat16, seed=5)
+    monkeypatch.setenv("LOWPREC_BACKEND", "kernel")
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        quantize_with_transpose(x)
+    monkeypatch.setenv("LOWPREC_BACKEND", "auto")
+    q, qt = quantize_with_transpose(x)
+    monkeypatch.setenv("LOWPREC_BACKEND", "reference")
+    _same(qt, lowprec.quantize(x.t().contiguous(), "fp8_block128x128"))
 
 
 @pytest.mark.gpu

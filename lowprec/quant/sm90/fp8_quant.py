@@ -333,8 +333,38 @@ def _load_tile(mX: cute.Tensor, first_row, row_step: int, col):
     return values
 
 
+# Transposed FP8 tiles (dual, 128x128 with transpose): a [column][token] smem tile of 128-byte
+# rows whose 16-byte chunks are XOR-swizzled by (row / 8) % 8, so that the 8-byte column stores
+# (rows 8 apart across a half-warp) and the 16-byte row reads (8 lanes per row) both spread over
+# all banks.
+def _alloc_transposed_tile(smem):
+    return smem.allocate_tensor(cutlass.Float8E4M3FN, cute.make_layout((TILE, TILE), stride=(TILE, 1)),
+                                byte_alignment=128)
+
+
+@cute.jit
+def _stage_column(tile_t: cute.Tensor, codes: cute.Tensor, lane, rgrp, j):
+    """The 8 codes of tile column ``lane * VEC + j``, tokens ``rgrp * 8 ..``: 8-byte chunk ``rgrp``
+    of that row of ``tile_t``, its 16-byte chunk swizzled by (column / 8) % 8 = lane % 8."""
+    chunk8 = ((rgrp // 2) ^ (lane % 8)) * 2 + rgrp % 2
+    cute.autovec_copy(codes, cute.local_tile(tile_t, (1, PASSES), (lane * VEC + j, chunk8)))
+
+
+@cute.jit
+def _store_transposed(tile_t: cute.Tensor, mQT: cute.Tensor, out_row0, out_row_end, out_col0, out_col_end, tidx):
+    """Row c of ``tile_t`` -> ``mQT[out_row0 + c, out_col0 ..]`` by 16-byte chunks (8 lanes per row,
+    32 rows per pass), rows below ``out_row_end`` and chunks starting below ``out_col_end``."""
+    q16 = tidx % 8
+    for i in cutlass.range_constexpr(TILE * TILE // 16 // THREADS):
+        c = i * (THREADS // 8) + tidx // 8
+        if out_row0 + c < out_row_end and out_col0 + q16 * 16 < out_col_end:
+            cute.autovec_copy(cute.local_tile(tile_t, (1, 16), (c, q16 ^ (c // 8 % 8))),
+                              cute.local_tile(mQT, (1, 16), (out_row0 + c, (out_col0 + q16 * 16) // 16)))
+
+
 @cute.kernel
-def _quant_128x128_kernel(mX: cute.Tensor, mQ_u8: cute.Tensor, mS: cute.Tensor):
+def _quant_128x128_kernel(mX: cute.Tensor, mQ_u8: cute.Tensor, mS: cute.Tensor, mQT_u8: cute.Tensor,
+                          with_t: cutlass.Constexpr):
     tidx, _, _ = cute.arch.thread_idx()
     tile_r, tile_c, _ = cute.arch.block_idx()
     mQ = cute.make_tensor(cute.recast_ptr(mQ_u8.iterator, dtype=cutlass.Float8E4M3FN), mQ_u8.layout)
@@ -343,23 +373,53 @@ def _quant_128x128_kernel(mX: cute.Tensor, mQ_u8: cute.Tensor, mS: cute.Tensor):
 
     lane, rgrp = tidx % LANES, tidx // LANES
     row0, col = tile_r * TILE, tile_c * TILE + lane * VEC
-    values = _load_tile(mX, row0 + rgrp, ROW_GROUPS, col)
+    first_row, row_step = row0 + rgrp, ROW_GROUPS
+    if cutlass.const_expr(with_t):
+        # 8 consecutive rows per thread: each of its columns' 8 codes is one 8-byte chunk of the
+        # transposed tile (as in the dual kernel)
+        first_row, row_step = row0 + rgrp * PASSES, 1
+    values = _load_tile(mX, first_row, row_step, col)
     amax = Float32(0.0)
     for p in cutlass.range_constexpr(PASSES):
         amax = cute.arch.fmax(amax, abs(values[p]).reduce(cute.ReductionOp.MAX, Float32(0.0), 0))
     amax = _cta_max(amax, warp_max, tidx)
     scale, inv = _scale_and_inverse(amax)
     for p in cutlass.range_constexpr(PASSES):
-        r = row0 + rgrp + ROW_GROUPS * p
+        r = first_row + row_step * p
         if r < mX.shape[0] and col < mX.shape[1]:
             _store_row_chunk(mQ, values[p] * inv, r, col)
     if tidx == 0:
         mS[tile_r, tile_c] = scale
+    if cutlass.const_expr(with_t):
+        # mX stacks E matrices of N = mQT.shape[1] rows (N % 128 == 0 when E > 1); mQT stacks their
+        # transposes, [E * K, N]. The codes are the same: a 128x128 block's scale does not depend on
+        # the orientation.
+        tile_t = _alloc_transposed_tile(smem)
+        mQT = cute.make_tensor(cute.recast_ptr(mQT_u8.iterator, dtype=cutlass.Float8E4M3FN), mQT_u8.layout)
+        for j in cutlass.range_constexpr(VEC):
+            column = cute.make_rmem_tensor((1, PASSES), Float32)
+            for p in cutlass.range_constexpr(PASSES):
+                column[0, p] = values[p][j] * inv
+            q_frag = cute.make_rmem_tensor((1, PASSES), cutlass.Float8E4M3FN)
+            q_frag.store(column.load().to(cutlass.Float8E4M3FN))
+            _stage_column(tile_t, q_frag, lane, rgrp, j)
+        cute.arch.sync_threads()
+        n = mQT.shape[1]
+        k = mX.shape[1]
+        e = row0 // n
+        _store_transposed(tile_t, mQT, e * k + tile_c * TILE, e * k + k, row0 - e * n, n, tidx)
 
 
 @cute.jit
 def quant_128x128(mX: cute.Tensor, mQ_u8: cute.Tensor, mS: cute.Tensor, stream):
-    _quant_128x128_kernel(mX, mQ_u8, mS).launch(
+    _quant_128x128_kernel(mX, mQ_u8, mS, mQ_u8, False).launch(
+        grid=(mS.shape[0], mS.shape[1], 1), block=(THREADS, 1, 1), stream=stream)
+
+
+@cute.jit
+def quant_128x128_t(mX: cute.Tensor, mQ_u8: cute.Tensor, mS: cute.Tensor, mQT_u8: cute.Tensor, stream):
+    """``quant_128x128`` that also writes the transposed codes (``mQT_u8`` [E * K, N], see kernel)."""
+    _quant_128x128_kernel(mX, mQ_u8, mS, mQT_u8, True).launch(
         grid=(mS.shape[0], mS.shape[1], 1), block=(THREADS, 1, 1), stream=stream)
 
 
@@ -380,11 +440,7 @@ def _quant_dual_kernel(mX: cute.Tensor, mQ_u8: cute.Tensor, mS: cute.Tensor, mQT
     # consecutive words (no bank conflicts)
     col_max = smem.allocate_tensor(Float32, cute.make_layout((WARPS_PER_CTA, VEC, LANES),
                                                              stride=(VEC * LANES, LANES, 1)), byte_alignment=16)
-    # transposed fp8 tile [column][token], 128-byte rows whose 16-byte chunks are XOR-swizzled by
-    # (row / 8) % 8: the 8-byte column stores (rows 8 apart across a half-warp) and the 16-byte
-    # row reads (8 lanes per row) both spread over all banks
-    tile_t = smem.allocate_tensor(cutlass.Float8E4M3FN, cute.make_layout((TILE, TILE), stride=(TILE, 1)),
-                                  byte_alignment=128)
+    tile_t = _alloc_transposed_tile(smem)
 
     rows, cols = mX.shape[0], mX.shape[1]
     lane, rgrp = tidx % LANES, tidx // LANES
@@ -423,22 +479,12 @@ def _quant_dual_kernel(mX: cute.Tensor, mQ_u8: cute.Tensor, mS: cute.Tensor, mQT
             column[0, p] = values[p][j] * inv
         q_frag = cute.make_rmem_tensor((1, PASSES), cutlass.Float8E4M3FN)
         q_frag.store(column.load().to(cutlass.Float8E4M3FN))
-        # tokens rgrp * 8 .. +8 of column c: 8-byte chunk rgrp, its 16-byte chunk swizzled by
-        # (c / 8) % 8 = lane % 8
-        chunk8 = ((rgrp // 2) ^ (lane % 8)) * 2 + rgrp % 2
-        cute.autovec_copy(q_frag, cute.local_tile(tile_t, (1, PASSES), (c, chunk8)))
+        _stage_column(tile_t, q_frag, lane, rgrp, j)
         if rgrp == 0 and tile_c * TILE + c < cols:
             mST[tile_c * TILE + c, tile_r] = scale
     cute.arch.sync_threads()
 
-    # write the transposed tile: 8 lanes per 128-byte row (16 bytes each), 32 rows per pass
-    q16 = tidx % 8
-    for i in cutlass.range_constexpr(TILE * TILE // 16 // THREADS):
-        c = i * (THREADS // 8) + tidx // 8
-        out_row = tile_c * TILE + c
-        if out_row < cols and row0 + q16 * 16 < mQT.shape[1]:
-            cute.autovec_copy(cute.local_tile(tile_t, (1, 16), (c, q16 ^ (c // 8 % 8))),
-                              cute.local_tile(mQT, (1, 16), (out_row, (row0 + q16 * 16) // 16)))
+    _store_transposed(tile_t, mQT, tile_c * TILE, cols, row0, mQT.shape[1], tidx)
 
 
 @cute.jit

@@ -7,12 +7,13 @@ import torch
 from ...runtime import kernel_cache
 from ..layouts import empty_mn_major_tma_aligned
 
-__all__ = ["kernel_unsupported", "quantize_1x128", "quantize_rowwise", "quantize_128x128", "quantize_dual",
+__all__ = ["kernel_unsupported", "quantize_1x128", "quantize_rowwise", "quantize_128x128", "quantize_128x128_t",
+           "quantize_dual",
            "pack_1x128", "swiglu_1x128", "unpack_rows", "build_kernel", "build_unpack_kernel", "compile_kernel",
            "KERNELS", "UNPACK_DTYPES"]
 
 ARCH = "sm_90a"
-KERNELS = ("1x128", "128x128", "dual", "rowwise", "pack_1x128", "pack_tokens_1x128", "swiglu_1x128",
+KERNELS = ("1x128", "128x128", "128x128_t", "dual", "rowwise", "pack_1x128", "pack_tokens_1x128", "swiglu_1x128",
            "swiglu_h_1x128")
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 UNPACK_DTYPES = _DTYPES  # rows and output dtypes of the unpack kernel
@@ -56,12 +57,15 @@ def build_kernel(kind: str, dtype: torch.dtype, arch: str = ARCH):
 
     x, q = data(_cutlass_dtype(dtype)), data(cutlass.Uint8)
     stream = make_fake_stream(use_tvm_ffi_env_stream=True)
-    fn = {"1x128": fp8_quant.quant_1x128, "128x128": fp8_quant.quant_128x128, "dual": fp8_quant.quant_dual,
+    fn = {"1x128": fp8_quant.quant_1x128, "128x128": fp8_quant.quant_128x128,
+          "128x128_t": fp8_quant.quant_128x128_t, "dual": fp8_quant.quant_dual,
           "rowwise": fp8_quant.quant_rowwise, "pack_1x128": fp8_quant.pack_1x128,
           "pack_tokens_1x128": fp8_quant.pack_tokens_1x128,
           "swiglu_1x128": fp8_quant.swiglu_1x128, "swiglu_h_1x128": fp8_quant.swiglu_h_1x128}[kind]
     if kind == "dual":
         args = (x, q, scale(), data(cutlass.Uint8), scale())
+    elif kind == "128x128_t":
+        args = (x, q, scale(), data(cutlass.Uint8))
     elif kind.startswith("pack"):
         slot_rows = make_fake_tensor(cutlass.Int64, (cute.sym_int(), cute.sym_int()), stride=(cute.sym_int64(), 1),
                                      assumed_align=8)
@@ -119,6 +123,22 @@ def quantize_128x128(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         with torch.cuda.device(x.device):
             compile_kernel("128x128", x.dtype)(x, q.view(torch.uint8), s)
     return q, s
+
+
+def quantize_128x128_t(x: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``x`` [R, K], a stack of R / n matrices of ``n`` rows -> (FP8 [R, K], FP32 scales
+    [ceil(R/128), ceil(K/128)] row-major, FP8 [R / n · K, n]: each matrix's transposed codes).
+    Needs n % 16 == 0, R % n == 0, and n % 128 == 0 when R > n (no block spans two matrices)."""
+    r, k = x.shape
+    if n % 16 or r % n or (r > n and n % 128):
+        raise ValueError(f"n: expected a multiple of 16 dividing {r} (and of 128 when {r} > n), got {n}")
+    q = torch.empty(r, k, dtype=torch.float8_e4m3fn, device=x.device)
+    s = torch.empty(-(-r // 128), -(-k // 128), dtype=torch.float32, device=x.device)
+    qt = torch.empty(r // n * k, n, dtype=torch.float8_e4m3fn, device=x.device)
+    if r:
+        with torch.cuda.device(x.device):
+            compile_kernel("128x128_t", x.dtype)(x, q.view(torch.uint8), s, qt.view(torch.uint8))
+    return q, s, qt
 
 
 def quantize_dual(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
