@@ -145,7 +145,8 @@ class _ExpertsFunction(torch.autograd.Function):
     """``y = experts(x)`` for a fixed routing; gradients for x, the combine weights, w1 and w2."""
 
     @staticmethod
-    def forward(ctx, x, topk_weights, w1, w2, routing: Routing, quantized: bool, activation: str):
+    def forward(ctx, x, topk_weights, w1, w2, routing: Routing, quantized: bool, activation: str,
+                for_backward: bool):
         dt = x.dtype
         ends = routing.group_ends
         # the combine weight of each packed row (0 on padding rows)
@@ -154,8 +155,12 @@ class _ExpertsFunction(torch.autograd.Function):
         if quantized:
             x_rows, xq, _ = pack_tokens(x, routing, _ACT_RECIPE)
             # the backward multiplies by the transposed weights only: keep those
-            w1q, w1t = quantize_with_transpose(w1, _WEIGHT_RECIPE)
-            w2q, w2t = quantize_with_transpose(w2, _WEIGHT_RECIPE)
+            if for_backward:
+                w1q, w1t = quantize_with_transpose(w1, _WEIGHT_RECIPE)
+                w2q, w2t = quantize_with_transpose(w2, _WEIGHT_RECIPE)
+            else:  # no backward will run: no transposes to make
+                w1q = w1t = quantize(w1, _WEIGHT_RECIPE, check_finite=False)
+                w2q = w2t = quantize(w2, _WEIGHT_RECIPE, check_finite=False)
             h = grouped_gemm(x_rows, w1q, group_ends=ends, out_dtype=dt)
             a, hq = _quantized_activation(activation, h, row_w)
             o = grouped_gemm(a, w2q, group_ends=ends, out_dtype=dt)
@@ -211,7 +216,7 @@ class _ExpertsFunction(torch.autograd.Function):
             if quantized:  # FP8 along features -> FP8 along tokens (DeepSeek-V3 requantizes the same way)
                 x_rows = x_rows.dequantize(torch.float32)
             dw1 = _wgrad(dh, x_rows, ends, quantized, dt).to(w1_dtype)
-        return dx, dweights, dw1, dw2, None, None, None
+        return dx, dweights, dw1, dw2, None, None, None, None
 
 
 def _check_float(name: str, t: torch.Tensor, dims: int, dtypes: tuple[torch.dtype, ...] | None = None) -> None:
@@ -236,7 +241,9 @@ def _check_options(recipe: str | None, activation: str, hidden_size: int, ffn_si
 
 def _apply_experts(x: torch.Tensor, routing: Routing, w1: torch.Tensor, w2: torch.Tensor, recipe: str | None,
                    activation: str) -> torch.Tensor:
-    return _ExpertsFunction.apply(x, routing.topk_weights, w1, w2, routing, recipe is not None, activation)
+    for_backward = torch.is_grad_enabled() and any(t.requires_grad for t in (x, routing.topk_weights, w1, w2))
+    return _ExpertsFunction.apply(x, routing.topk_weights, w1, w2, routing, recipe is not None, activation,
+                                  for_backward)
 
 
 def experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w1: torch.Tensor,
