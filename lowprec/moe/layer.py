@@ -155,7 +155,10 @@ class _ExpertsFunction(torch.autograd.Function):
         if quantized:
             x_rows, xq, _ = pack_tokens(x, routing, _ACT_RECIPE)
             # the backward multiplies by the transposed weights only: keep those
-            if for_backward:
+            if isinstance(w1, QuantizedTensor):  # FP8 weights given (inference): used as they are
+                w1q, w2q = w1, w2
+                w1t, w2t = (w1.transpose(), w2.transpose()) if for_backward else (w1, w2)
+            elif for_backward:
                 w1q, w1t = quantize_with_transpose(w1, _WEIGHT_RECIPE)
                 w2q, w2t = quantize_with_transpose(w2, _WEIGHT_RECIPE)
             else:  # no backward will run: no transposes to make
@@ -227,6 +230,22 @@ def _check_float(name: str, t: torch.Tensor, dims: int, dtypes: tuple[torch.dtyp
                          f"{getattr(t, 'dtype', type(t))} {tuple(getattr(t, 'shape', ()))}")
 
 
+def _check_weights(w1, w2, recipe: str | None) -> None:
+    """Both float tensors, or both 128x128 FP8 QuantizedTensors (recipe fp8_block only)."""
+    quantized = [isinstance(w, QuantizedTensor) for w in (w1, w2)]
+    if not any(quantized):
+        _check_float("w1", w1, 3)
+        _check_float("w2", w2, 3)
+        return
+    for name, w, q in (("w1", w1, quantized[0]), ("w2", w2, quantized[1])):
+        if not q or w.recipe.name != _WEIGHT_RECIPE or w.dim() != 3:
+            raise ValueError(f"{name}: with FP8 weights both w1 and w2 must be 3-D QuantizedTensors of "
+                             f"{_WEIGHT_RECIPE!r}, got {type(w).__name__} "
+                             f"{getattr(getattr(w, 'recipe', None), 'name', '')} {tuple(getattr(w, 'shape', ()))}")
+    if recipe is None:
+        raise ValueError("recipe: FP8 weights (QuantizedTensor) need recipe='fp8_block', got None")
+
+
 def _check_options(recipe: str | None, activation: str, hidden_size: int, ffn_size: int) -> None:
     if recipe not in RECIPES:
         raise ValueError(f"recipe: expected one of {RECIPES}, got {recipe!r}")
@@ -239,16 +258,18 @@ def _check_options(recipe: str | None, activation: str, hidden_size: int, ffn_si
                                  f"got {size}")
 
 
-def _apply_experts(x: torch.Tensor, routing: Routing, w1: torch.Tensor, w2: torch.Tensor, recipe: str | None,
-                   activation: str) -> torch.Tensor:
-    for_backward = torch.is_grad_enabled() and any(t.requires_grad for t in (x, routing.topk_weights, w1, w2))
+def _apply_experts(x: torch.Tensor, routing: Routing, w1: torch.Tensor | QuantizedTensor,
+                   w2: torch.Tensor | QuantizedTensor, recipe: str | None, activation: str) -> torch.Tensor:
+    for_backward = torch.is_grad_enabled() and any(
+        isinstance(t, torch.Tensor) and t.requires_grad for t in (x, routing.topk_weights, w1, w2))
     return _ExpertsFunction.apply(x, routing.topk_weights, w1, w2, routing, recipe is not None, activation,
                                   for_backward)
 
 
-def experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w1: torch.Tensor,
-            w2: torch.Tensor, *, recipe: str | None = "fp8_block", capacity_factor: float | None = None,
-            drop_policy: str = "probs", activation: str = "swiglu", check_ids: bool = True) -> torch.Tensor:
+def experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w1: torch.Tensor | QuantizedTensor,
+            w2: torch.Tensor | QuantizedTensor, *, recipe: str | None = "fp8_block",
+            capacity_factor: float | None = None, drop_policy: str = "probs", activation: str = "swiglu",
+            check_ids: bool = True) -> torch.Tensor:
     """Routed experts: ``y[t] = Σ_j topk_weights[t, j] · FFN_{topk_ids[t, j]}(x[t])`` over kept slots.
 
     ``FFN_e(x) = act(x · W1ₑᵀ) · W2ₑᵀ`` with a gated activation (``swiglu``: ``silu(gate) · up``;
@@ -261,7 +282,10 @@ def experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
         topk_weights: ``[T, k]`` float combine weights.
         topk_ids: ``[T, k]`` int32/int64 expert ids.
         w1: ``[E, 2F, H]`` gate and up projections; w2: ``[E, H, F]`` down projections (any float
-            dtype: master weights stay as they are, their gradients come in their dtype).
+            dtype: master weights stay as they are, their gradients come in their dtype). With
+            ``recipe="fp8_block"`` they may also be FP8 already, ``QuantizedTensor`` s of
+            ``fp8_block128x128`` (``lowprec.quantize(w, "fp8_block128x128")``, e.g. kept for
+            inference): used as they are, no per-call quantization, no gradient for them.
         recipe: ``"fp8_block"`` (module docstring; H and F multiples of 16) or None (unquantized).
         capacity_factor, drop_policy: see :func:`~lowprec.moe.dispatch`.
         activation: ``"swiglu"`` or ``"geglu"``.
@@ -273,8 +297,7 @@ def experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
         ``[T, H]`` in ``x``'s dtype; tokens whose slots were all dropped give 0.
     """
     _check_float("x", x, 2, _X_DTYPES)
-    _check_float("w1", w1, 3)
-    _check_float("w2", w2, 3)
+    _check_weights(w1, w2, recipe)
     tokens, hidden = x.shape
     num_experts, two_ffn, _ = w1.shape
     if w1.shape[2] != hidden or two_ffn % 2:
@@ -282,7 +305,7 @@ def experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
     if w2.shape != (num_experts, hidden, two_ffn // 2):
         raise ValueError(f"w2: expected [E={num_experts}, H={hidden}, F={two_ffn // 2}], got {tuple(w2.shape)}")
     for name, t in (("w1", w1), ("w2", w2), ("topk_weights", topk_weights), ("topk_ids", topk_ids)):
-        if isinstance(t, torch.Tensor) and t.device != x.device:
+        if isinstance(t, (torch.Tensor, QuantizedTensor)) and t.device != x.device:
             raise ValueError(f"{name}: on {t.device}, but x is on {x.device}")
     if isinstance(topk_ids, torch.Tensor) and topk_ids.dim() == 2 and topk_ids.shape[0] != tokens:
         raise ValueError(f"topk_ids: expected [T={tokens}, k], got {tuple(topk_ids.shape)}")

@@ -242,3 +242,32 @@ def test_experts_without_id_check_gives_the_same_result():
     assert torch.equal(experts(x, weights, ids, w1, w2, check_ids=False), checked)
     with pytest.raises(ValueError, match="topk_ids"):
         experts(x, weights, torch.full_like(ids, E), w1, w2)
+
+
+def test_fp8_weights_given_as_quantized_tensors(device):
+    """Pre-quantized (inference) weights: the same output as quantizing per call, the same dx and
+    topk-weight gradients, and no weight gradients."""
+    x, weights, ids, w1, w2, _ = (t.to(device) for t in make_inputs(seed=3))
+    w1q, w2q = lowprec.quantize(w1, "fp8_block128x128"), lowprec.quantize(w2, "fp8_block128x128")
+    dy = torch.randn(T, H, device=device, generator=torch.Generator(device=device).manual_seed(4))
+    outs = []
+    for a, b in ((w1, w2), (w1q, w2q)):
+        xl, wl = x.clone().requires_grad_(), weights.clone().requires_grad_()
+        y = experts(xl, wl, ids, a, b)
+        y.backward(dy)
+        outs.append((y, xl.grad, wl.grad))
+    for got, want in zip(outs[1], outs[0]):
+        assert torch.equal(got, want)
+    with torch.no_grad():
+        assert torch.equal(experts(x, weights, ids, w1q, w2q), outs[0][0])
+
+
+def test_fp8_weights_errors():
+    x, weights, ids, w1, w2, _ = make_inputs()
+    w1q = lowprec.quantize(w1, "fp8_block128x128")
+    with pytest.raises(ValueError, match="w2: with FP8 weights"):
+        experts(x, weights, ids, w1q, w2)
+    with pytest.raises(ValueError, match="w1: with FP8 weights"):
+        experts(x, weights, ids, lowprec.quantize(w1, "fp8_block1x128"), lowprec.quantize(w2, "fp8_block128x128"))
+    with pytest.raises(ValueError, match="recipe"):
+        experts(x, weights, ids, w1q, lowprec.quantize(w2, "fp8_block128x128"), recipe=None)
