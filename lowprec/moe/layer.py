@@ -100,12 +100,14 @@ def _swiglu_kernel_unsupported(h: torch.Tensor, row_w: torch.Tensor) -> str | No
 
 
 def _wgrad(dy_rows: torch.Tensor, x_rows: torch.Tensor, group_ends: torch.Tensor, quantized: bool,
-           dtype: torch.dtype) -> torch.Tensor:
-    """``dW[e] = dy_rowsₑᵀ · x_rowsₑ``, ``[E, N, P]``: FP8 K-grouped (FP32 out), or plain in ``dtype``."""
+           dtype: torch.dtype, out_dtype: torch.dtype) -> torch.Tensor:
+    """``dW[e] = dy_rowsₑᵀ · x_rowsₑ``, ``[E, N, P]``: FP8 K-grouped (FP32 accumulation, stored in
+    ``out_dtype``: one rounding, as ``.to(out_dtype)`` of the FP32 result), or plain in ``dtype``."""
     if quantized:
         dy_t, aligned_ends = quantize_k_grouped(dy_rows, group_ends, _ACT_RECIPE)
         x_t, _ = quantize_k_grouped(x_rows, group_ends, _ACT_RECIPE)
-        return grouped_gemm_wgrad(dy_t, x_t, aligned_ends)
+        store = out_dtype if out_dtype in (torch.bfloat16, torch.float16, torch.float32) else torch.float32
+        return grouped_gemm_wgrad(dy_t, x_t, aligned_ends, out_dtype=store)
     dy_rows, x_rows = dy_rows.to(dtype), x_rows.to(dtype)
     out = dy_rows.new_zeros(group_ends.numel(), dy_rows.shape[1], x_rows.shape[1])
     start = 0
@@ -213,12 +215,12 @@ class _ExpertsFunction(torch.autograd.Function):
                 dx_rows = grouped_mm_rows(dh.to(dt), w1.to(dt).transpose(-1, -2), ends)
             dx = unpack(dx_rows, routing, out_dtype=dt)
         if need_w2:
-            dw2 = _wgrad(gather_rows(dy, routing), s * row_w[:, None], ends, quantized, dt).to(w2_dtype)
+            dw2 = _wgrad(gather_rows(dy, routing), s * row_w[:, None], ends, quantized, dt, w2_dtype).to(w2_dtype)
         if need_w1:
             x_rows = gather_rows(x, routing)
             if quantized:  # FP8 along features -> FP8 along tokens (DeepSeek-V3 requantizes the same way)
                 x_rows = x_rows.dequantize(torch.float32)
-            dw1 = _wgrad(dh, x_rows, ends, quantized, dt).to(w1_dtype)
+            dw1 = _wgrad(dh, x_rows, ends, quantized, dt, w1_dtype).to(w1_dtype)
         return dx, dweights, dw1, dw2, None, None, None, None
 
 
