@@ -17,11 +17,13 @@ needs_gpu = pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get
 @pytest.mark.gpu
 @needs_gpu
 @pytest.mark.parametrize("capacity_factor", [None, 0.6])
-def test_fp8_layer_on_kernels(capacity_factor, monkeypatch):
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
+def test_fp8_layer_on_kernels(capacity_factor, weight_dtype, monkeypatch):
     monkeypatch.setenv("LOWPREC_BACKEND", "kernel")
     x, weights, ids, w1, w2, kept = make_inputs(capacity_factor=capacity_factor)
+    w1, w2 = w1.to(weight_dtype).float(), w2.to(weight_dtype).float()  # the reference sees the same values
     dy = torch.randn(T, x.shape[1], generator=torch.Generator().manual_seed(100))
-    leaves = [t.cuda().requires_grad_() for t in (x, weights, w1, w2)]
+    leaves = [t.cuda().requires_grad_() for t in (x, weights, w1.to(weight_dtype), w2.to(weight_dtype))]
     y = experts(leaves[0], leaves[1], ids.cuda(), leaves[2], leaves[3], recipe="fp8_block",
                 capacity_factor=capacity_factor)
     y.backward(dy.cuda())
@@ -29,7 +31,8 @@ def test_fp8_layer_on_kernels(capacity_factor, monkeypatch):
     ref = reference_experts(ref_leaves[0], ref_leaves[1], ids, kept, ref_leaves[2], ref_leaves[3])
     ref.backward(dy.double())
     assert rel_l2(y.cpu(), ref) < 8e-2  # two chained FP8 GEMMs, as on the CPU
-    for name, g, rg in zip(("x", "weights", "w1", "w2"), [t.grad.cpu() for t in leaves],
+    assert leaves[2].grad.dtype == leaves[3].grad.dtype == weight_dtype
+    for name, g, rg in zip(("x", "weights", "w1", "w2"), [t.grad.cpu().float() for t in leaves],
                            [t.grad for t in ref_leaves]):
         assert cos_sim(g, rg) > 0.99, name
         assert rel_l2(g, rg) < 0.1, name
