@@ -89,6 +89,12 @@ class ScaleRecipe:
         """Blocks span several rows (and so need a matrix: 128x128, 16x16)."""
         return self.block[0] not in (1, WHOLE)
 
+    @property
+    def transposable(self) -> bool:
+        """Quantizing xᵀ gives xq's codes transposed (and its scale grid transposed): square 2D
+        blocks or a tensorwise scale, FP8 elements."""
+        return not self.is_fp4 and (self.tensorwise or (self.is_2d and self.block[0] == self.block[1]))
+
     def spec(self) -> str:
         """A compact string form (for custom-op arguments; traceable by torch.compile)."""
         return (f"{self.name}:{self.block[0]}x{self.block[1]}:{self.elem_format}:{self.scale_format}:"

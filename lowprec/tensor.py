@@ -77,8 +77,7 @@ class QuantizedTensor:
     @property
     def transposable(self) -> bool:
         """Whether :meth:`transpose` applies: square 2D blocks or tensorwise, FP8 elements."""
-        r = self.recipe
-        return self.dim() >= 2 and not r.is_fp4 and (r.tensorwise or (r.is_2d and r.block[0] == r.block[1]))
+        return self.dim() >= 2 and self.recipe.transposable
 
     def transpose(self) -> QuantizedTensor:
         """Swap the last two dims without requantizing: the same codes, the scale grid transposed.

@@ -19,6 +19,7 @@ import torch
 
 from ..gemm import gemm
 from ..quant import quantize, quantize_dual, quantize_with_transpose
+from ..recipes import get_recipe
 from ..tensor import QuantizedTensor
 
 __all__ = ["LinearRecipe", "LINEAR_RECIPES", "get_linear_recipe", "fp8_linear"]
@@ -58,11 +59,10 @@ class _FP8Linear(torch.autograd.Function):
             x_q, xt_q = quantize_dual(x2, recipe.activation)
         else:
             x_q, xt_q = quantize(x2, recipe.activation, check_finite=False), None
-        if recipe.weight == "fp8_block128x128":  # the codes and their transpose from one pass
+        if get_recipe(recipe.weight).transposable:  # the codes and their transpose (one pass on a kernel)
             w_q, w_t = quantize_with_transpose(weight, recipe.weight)
         else:
-            w_q = quantize(weight, recipe.weight, check_finite=False)
-            w_t = w_q.transpose() if w_q.transposable else None
+            w_q, w_t = quantize(weight, recipe.weight, check_finite=False), None
         y = gemm(x_q, w_q, out_dtype=x2.dtype, bias=bias)
         ctx.recipe = recipe
         ctx.has_bias = bias is not None

@@ -114,7 +114,7 @@ def quantize_with_transpose(x: torch.Tensor, recipe: str | ScaleRecipe = "fp8_bl
     ``x`` are a batch of matrices. Inputs are assumed finite.
     """
     r = get_recipe(recipe)
-    if r.is_fp4 or not (r.tensorwise or (r.is_2d and r.block[0] == r.block[1])):
+    if not r.transposable:
         raise ValueError(f"recipe: {r.name!r} is not transposable (needs square blocks or a tensorwise scale, "
                          f"FP8 elements); quantize the transposed tensor instead")
     if not isinstance(x, torch.Tensor) or x.dim() < 2 or x.dtype not in _FLOAT_DTYPES:
@@ -126,9 +126,9 @@ def quantize_with_transpose(x: torch.Tensor, recipe: str | ScaleRecipe = "fp8_bl
     def why_not() -> str | None:
         if r.name != "fp8_block128x128":
             return f"recipe {r.name!r} (the transposing kernel is 128x128 FP8)"
-        if rows % 16 or (x.dim() > 2 and rows % 128):
-            return "rows per matrix must be a multiple of 16 (of 128 for a batch of matrices)"
-        return _kernel_unsupported(x, r)
+        if rows % 16:
+            return "rows per matrix must be a multiple of 16"
+        return _kernel_unsupported(x, r)  # also: a batch of matrices needs rows % 128 == 0
 
     if use_kernel("quantize", x.device, ("sm_90a",), why_not):
         try:

@@ -88,15 +88,11 @@ def compile_kernel(kind: str, dtype: torch.dtype, arch: str = ARCH):
                             lambda: build_kernel(kind, dtype, arch))
 
 
-def _mn_major_scales(rows: int, blocks: int, device: torch.device) -> torch.Tensor:
-    return empty_mn_major_tma_aligned(rows, blocks, device)
-
-
 def quantize_1x128(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``x`` [M, K] -> (FP8 [M, K], FP32 scales [M, ceil(K/128)] stored MN-major, TMA-aligned)."""
     m, k = x.shape
     q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
-    s = _mn_major_scales(m, -(-k // 128), x.device)
+    s = empty_mn_major_tma_aligned(m, -(-k // 128), x.device)
     if m:
         with torch.cuda.device(x.device):
             compile_kernel("1x128", x.dtype)(x, q.view(torch.uint8), s)
@@ -148,9 +144,9 @@ def quantize_dual(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     t, k = x.shape
     t_pad = -(-t // 16) * 16
     q = torch.empty(t, k, dtype=torch.float8_e4m3fn, device=x.device)
-    s = _mn_major_scales(t, -(-k // 128), x.device)
+    s = empty_mn_major_tma_aligned(t, -(-k // 128), x.device)
     qt = torch.empty(k, t_pad, dtype=torch.float8_e4m3fn, device=x.device)
-    st = _mn_major_scales(k, -(-t_pad // 128), x.device)
+    st = empty_mn_major_tma_aligned(k, -(-t_pad // 128), x.device)
     if t:  # rows past T load as zeros, so the kernel writes the padding columns too
         with torch.cuda.device(x.device):
             compile_kernel("dual", x.dtype)(x, q.view(torch.uint8), s, qt.view(torch.uint8), st)
@@ -167,11 +163,11 @@ def pack_1x128(x: torch.Tensor, slot_rows: torch.Tensor, row_slots: torch.Tensor
     t, h = x.shape
     n = row_slots.shape[0]
     q = torch.empty(n, h, dtype=torch.float8_e4m3fn, device=x.device)
-    s = _mn_major_scales(n, -(-h // 128), x.device)
+    s = empty_mn_major_tma_aligned(n, -(-h // 128), x.device)
     xq = xs = None
     if with_tokens:
         xq = torch.empty(t, h, dtype=torch.float8_e4m3fn, device=x.device)
-        xs = _mn_major_scales(t, -(-h // 128), x.device)
+        xs = empty_mn_major_tma_aligned(t, -(-h // 128), x.device)
     if t and h:
         with torch.cuda.device(x.device):
             if with_tokens:
@@ -191,11 +187,11 @@ def swiglu_1x128(h: torch.Tensor, row_weights: torch.Tensor, with_h: bool
     r, two_f = h.shape
     f = two_f // 2
     q = torch.empty(r, f, dtype=torch.float8_e4m3fn, device=h.device)
-    s = _mn_major_scales(r, -(-f // 128), h.device)
+    s = empty_mn_major_tma_aligned(r, -(-f // 128), h.device)
     hq = hs = None
     if with_h:
         hq = torch.empty(r, two_f, dtype=torch.float8_e4m3fn, device=h.device)
-        hs = _mn_major_scales(r, two_f // 128, h.device)
+        hs = empty_mn_major_tma_aligned(r, two_f // 128, h.device)
     if r and f:
         with torch.cuda.device(h.device):
             if with_h:
