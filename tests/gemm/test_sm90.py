@@ -123,6 +123,7 @@ def _check_sass(compiled):
         pytest.skip("no nvdisasm available (pip install nvidia-cuda-nvdisasm)")
     sass = sass_of(compiled)
     assert "QGMMA" in sass, "no QGMMA (FP8 wgmma) in the SASS"
+    assert "ACQBULK" in sass, "no griddepcontrol.wait: programmatic dependent launch is unsafe"
     spills = local_memory_ops(sass)
     assert not spills, f"local-memory traffic in SASS: {spills} LDL/STL"
 
@@ -311,6 +312,53 @@ def test_deterministic(m, n, k):
     d1 = _run(a, sa, b, sb, torch.bfloat16)
     d2 = _run(a, sa, b, sb, torch.bfloat16)
     assert torch.equal(d1.view(torch.int16), d2.view(torch.int16))
+
+
+@gpu
+@needs_gpu
+@pytest.mark.parametrize("graphed", [False, True], ids=["eager", "graph"])
+def test_dependent_launch_chain(graphed):
+    """Each GEMM reads what the kernels just before it wrote (programmatic dependent launch lets
+    it start while they drain): a chain x -> quantize -> gemm -> quantize -> gemm ... with no
+    synchronization in between, eager and as a replayed CUDA graph, every link checked."""
+    from lowprec.gemm.sm90.interface import gemm_blockwise_fp8
+
+    n, depth = 1024, 6
+    gen = torch.Generator(device="cuda")
+    gen.manual_seed(7)
+    x0 = random_operand(256, n, "cuda", gen)
+    ws = [quant_128x128(random_operand(n, n, "cuda", gen) / 32) for _ in range(depth)]
+
+    def chain(x):
+        links = []
+        for b, sb in ws:
+            a, sa = quant_1x128(x)
+            x = gemm_blockwise_fp8(a, sa, b, sb)
+            links.append((a, sa, x))
+        return links
+
+    if graphed:
+        static_x = x0.clone()
+        chain(static_x)  # compile outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            links = chain(static_x)
+        graph.replay()
+    else:
+        links = chain(x0)
+    torch.cuda.synchronize()
+    for (a, sa, d), (b, sb) in zip(links, ws):
+        assert_close_bf16(d, dequant(a, sa, 1) @ dequant(b, sb, 128).T)
+
+    # back-to-back writes to one buffer: the later GEMM's result must be what stays
+    (a1, sa1, _), (a2, sa2, _) = links[:2]
+    b, sb = ws[0]
+    out = torch.empty(256, n, dtype=torch.bfloat16, device="cuda")
+    expected = gemm_blockwise_fp8(a2, sa2, b, sb).clone()
+    for _ in range(4):
+        gemm_blockwise_fp8(a1, sa1, b, sb, out=out)
+        gemm_blockwise_fp8(a2, sa2, b, sb, out=out)
+    assert torch.equal(out, expected)
 
 
 @gpu

@@ -255,6 +255,7 @@ def test_unpack_kernel_compiles_for_sm90a_unfused_and_without_spills(dtype, out_
     assert "FFMA" not in sass
     assert len(re.findall(r"\bFMUL\b", sass)) == 8 * top_k
     assert len(re.findall(r"\bFADD\b", sass)) == 8 * top_k
+    assert "ACQBULK" in sass  # griddepcontrol.wait: safe under programmatic dependent launch
 
 
 def test_unpack_kernel_eligibility():

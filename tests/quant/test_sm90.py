@@ -19,6 +19,7 @@ def test_kernel_compiles_for_sm90a_with_wide_accesses_and_no_spills(kind, dtype)
     assert local_memory_ops(sass) == 0
     assert re.search(r"LDG\.E\.128", sass)  # 16-byte loads (bf16/fp16: 8 elements; fp32: two per 8)
     assert "F2FP" in sass  # packed cvt to e4m3
+    assert "ACQBULK" in sass  # griddepcontrol.wait: safe under programmatic dependent launch
 
 
 def _poison_allocator():

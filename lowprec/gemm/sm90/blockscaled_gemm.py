@@ -361,6 +361,7 @@ class BlockScaledGemmSm90:
             cluster=(*self.cluster_shape_mn, 1),
             min_blocks_per_mp=1,
             stream=stream,
+            use_pdl=self.config.pdl,
         )
 
     # ------------------------------------------------------------------ device side
@@ -451,6 +452,12 @@ class BlockScaledGemmSm90:
         warp_group_idx = cute.arch.make_warp_uniform(tidx // self.threads_per_wg)
 
         pipeline_init_wait(cluster_shape_mn=self.cluster_shape_mn)
+        if cutlass.const_expr(self.config.pdl):
+            # everything above is private to this CTA; from here on global memory is read and
+            # written, so the previous grid must be done. Dependents may launch now: they only
+            # fit on an SM once this CTA has left (it holds the register file and smem).
+            cute.arch.griddepcontrol_wait()
+            cute.arch.griddepcontrol_launch_dependents()
 
         if warp_group_idx == 0:
             cute.arch.setmaxregister_decrease(self.load_regs)

@@ -11,7 +11,7 @@ SCALE_BLOCK = 128  # K (and N for 128x128 weight scales) granularity of the scal
 
 @dataclass(frozen=True)
 class TileConfig:
-    """One kernel configuration (everything that changes the generated code's tiling)."""
+    """One kernel configuration (everything that changes the generated code)."""
 
     tile_m: int = 128  # 64 (one consumer warpgroup) or 128 (two)
     tile_n: int = 128  # multiple of 16, see ``valid_tile_n``
@@ -21,12 +21,16 @@ class TileConfig:
     swizzle: int = 1
     split_k: int = 1  # >1: K split over CTAs, fp32 partials [M, N, split_k] reduced on the host side
     mma_overlap: bool = True  # 2 block accumulators: wgmma of block k+1 runs during promotion of k
+    # programmatic dependent launch: CTAs start (barrier init, descriptor prefetch) while the
+    # previous kernel on the stream drains, and wait for it before touching global memory
+    pdl: bool = True
 
     def __str__(self) -> str:
         return (
             f"{self.tile_m}x{self.tile_n}_c{self.cluster_m}x{self.cluster_n}"
             f"_{'m' if self.raster_along_m else 'n'}{self.swizzle}"
             + (f"_s{self.split_k}" if self.split_k > 1 else "")
+            + ("" if self.pdl else "_nopdl")
         )
 
 

@@ -33,6 +33,15 @@ FP32_TINY = 1.1754943508222875e-38  # smallest normal: amax / 448 never flushes 
 
 
 @cute.jit
+def after_previous_grid():
+    """Programmatic dependent launch (kernels launched with ``use_pdl=True``): the CTA may start
+    while the previous kernel on the stream drains; wait for that grid before touching global
+    memory, then let the next kernel's CTAs launch as this grid's leave."""
+    cute.arch.griddepcontrol_wait()
+    cute.arch.griddepcontrol_launch_dependents()
+
+
+@cute.jit
 def _scale_and_inverse(amax):
     scale = Float32(1.0)
     if amax > Float32(0.0):
@@ -109,6 +118,7 @@ def _quantize_block(mQ: cute.Tensor, mS: cute.Tensor, values, row, kb, col, lane
 @cute.kernel
 def _quant_1x128_kernel(mX: cute.Tensor, mQ_u8: cute.Tensor, mS: cute.Tensor):
     tidx, _, _ = cute.arch.thread_idx()
+    after_previous_grid()
     bidx, _, _ = cute.arch.block_idx()
     rows = mX.shape[0]
     cols = mX.shape[1]
@@ -132,7 +142,8 @@ def _quant_1x128_kernel(mX: cute.Tensor, mQ_u8: cute.Tensor, mS: cute.Tensor):
 @cute.jit
 def quant_1x128(mX: cute.Tensor, mQ_u8: cute.Tensor, mS: cute.Tensor, stream):
     grid = _grid_1x128(mX.shape[0], mS.shape[1])
-    _quant_1x128_kernel(mX, mQ_u8, mS).launch(grid=(grid, 1, 1), block=(THREADS, 1, 1), stream=stream)
+    _quant_1x128_kernel(mX, mQ_u8, mS).launch(
+        grid=(grid, 1, 1), block=(THREADS, 1, 1), stream=stream, use_pdl=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -147,6 +158,7 @@ def quant_1x128(mX: cute.Tensor, mQ_u8: cute.Tensor, mS: cute.Tensor, stream):
 def _pack_1x128_kernel(mX: cute.Tensor, mSlotRows: cute.Tensor, mRowSlots: cute.Tensor, mQ_u8: cute.Tensor,
                        mS: cute.Tensor, mXQ_u8: cute.Tensor, mXS: cute.Tensor, with_tokens: cutlass.Constexpr):
     tidx, _, _ = cute.arch.thread_idx()
+    after_previous_grid()
     bidx, _, _ = cute.arch.block_idx()
     tokens = mX.shape[0]
     cols = mX.shape[1]
@@ -189,7 +201,7 @@ def _launch_pack(mX: cute.Tensor, mSlotRows: cute.Tensor, mRowSlots: cute.Tensor
                  mS: cute.Tensor, mXQ_u8: cute.Tensor, mXS: cute.Tensor, with_tokens: cutlass.Constexpr, stream):
     grid = _grid_1x128(mX.shape[0], mS.shape[1])
     _pack_1x128_kernel(mX, mSlotRows, mRowSlots, mQ_u8, mS, mXQ_u8, mXS, with_tokens).launch(
-        grid=(grid, 1, 1), block=(THREADS, 1, 1), stream=stream)
+        grid=(grid, 1, 1), block=(THREADS, 1, 1), stream=stream, use_pdl=True)
 
 
 @cute.jit
@@ -215,6 +227,7 @@ def pack_tokens_1x128(mX: cute.Tensor, mSlotRows: cute.Tensor, mRowSlots: cute.T
 def _swiglu_1x128_kernel(mH: cute.Tensor, mW: cute.Tensor, mQ_u8: cute.Tensor, mS: cute.Tensor,
                          mHQ_u8: cute.Tensor, mHS: cute.Tensor, with_h: cutlass.Constexpr):
     tidx, _, _ = cute.arch.thread_idx()
+    after_previous_grid()
     bidx, _, _ = cute.arch.block_idx()
     rows = mH.shape[0]
     ffn = mQ_u8.shape[1]
@@ -243,7 +256,7 @@ def _launch_swiglu(mH: cute.Tensor, mW: cute.Tensor, mQ_u8: cute.Tensor, mS: cut
                    mHS: cute.Tensor, with_h: cutlass.Constexpr, stream):
     grid = _grid_1x128(mH.shape[0], mS.shape[1])
     _swiglu_1x128_kernel(mH, mW, mQ_u8, mS, mHQ_u8, mHS, with_h).launch(
-        grid=(grid, 1, 1), block=(THREADS, 1, 1), stream=stream)
+        grid=(grid, 1, 1), block=(THREADS, 1, 1), stream=stream, use_pdl=True)
 
 
 @cute.jit
@@ -279,6 +292,7 @@ def _cta_max(amax, warp_max: cute.Tensor, tidx):
 @cute.kernel
 def _quant_rowwise_kernel(mX: cute.Tensor, mQ_u8: cute.Tensor, mS: cute.Tensor):
     tidx, _, _ = cute.arch.thread_idx()
+    after_previous_grid()
     row, _, _ = cute.arch.block_idx()
     cols = mX.shape[1]
     mQ = cute.make_tensor(cute.recast_ptr(mQ_u8.iterator, dtype=cutlass.Float8E4M3FN), mQ_u8.layout)
@@ -308,7 +322,8 @@ def _quant_rowwise_kernel(mX: cute.Tensor, mQ_u8: cute.Tensor, mS: cute.Tensor):
 
 @cute.jit
 def quant_rowwise(mX: cute.Tensor, mQ_u8: cute.Tensor, mS: cute.Tensor, stream):
-    _quant_rowwise_kernel(mX, mQ_u8, mS).launch(grid=(mX.shape[0], 1, 1), block=(THREADS, 1, 1), stream=stream)
+    _quant_rowwise_kernel(mX, mQ_u8, mS).launch(
+        grid=(mX.shape[0], 1, 1), block=(THREADS, 1, 1), stream=stream, use_pdl=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -366,6 +381,7 @@ def _store_transposed(tile_t: cute.Tensor, mQT: cute.Tensor, out_row0, out_row_e
 def _quant_128x128_kernel(mX: cute.Tensor, mQ_u8: cute.Tensor, mS: cute.Tensor, mQT_u8: cute.Tensor,
                           with_t: cutlass.Constexpr):
     tidx, _, _ = cute.arch.thread_idx()
+    after_previous_grid()
     tile_r, tile_c, _ = cute.arch.block_idx()
     mQ = cute.make_tensor(cute.recast_ptr(mQ_u8.iterator, dtype=cutlass.Float8E4M3FN), mQ_u8.layout)
     smem = cutlass.memory.SmemAllocator()
@@ -413,14 +429,14 @@ def _quant_128x128_kernel(mX: cute.Tensor, mQ_u8: cute.Tensor, mS: cute.Tensor, 
 @cute.jit
 def quant_128x128(mX: cute.Tensor, mQ_u8: cute.Tensor, mS: cute.Tensor, stream):
     _quant_128x128_kernel(mX, mQ_u8, mS, mQ_u8, False).launch(
-        grid=(mS.shape[0], mS.shape[1], 1), block=(THREADS, 1, 1), stream=stream)
+        grid=(mS.shape[0], mS.shape[1], 1), block=(THREADS, 1, 1), stream=stream, use_pdl=True)
 
 
 @cute.jit
 def quant_128x128_t(mX: cute.Tensor, mQ_u8: cute.Tensor, mS: cute.Tensor, mQT_u8: cute.Tensor, stream):
     """``quant_128x128`` that also writes the transposed codes (``mQT_u8`` [E * K, N], see kernel)."""
     _quant_128x128_kernel(mX, mQ_u8, mS, mQT_u8, True).launch(
-        grid=(mS.shape[0], mS.shape[1], 1), block=(THREADS, 1, 1), stream=stream)
+        grid=(mS.shape[0], mS.shape[1], 1), block=(THREADS, 1, 1), stream=stream, use_pdl=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -432,6 +448,7 @@ def quant_128x128_t(mX: cute.Tensor, mQ_u8: cute.Tensor, mS: cute.Tensor, mQT_u8
 def _quant_dual_kernel(mX: cute.Tensor, mQ_u8: cute.Tensor, mS: cute.Tensor, mQT_u8: cute.Tensor,
                        mST: cute.Tensor):
     tidx, _, _ = cute.arch.thread_idx()
+    after_previous_grid()
     tile_r, tile_c, _ = cute.arch.block_idx()
     mQ = cute.make_tensor(cute.recast_ptr(mQ_u8.iterator, dtype=cutlass.Float8E4M3FN), mQ_u8.layout)
     mQT = cute.make_tensor(cute.recast_ptr(mQT_u8.iterator, dtype=cutlass.Float8E4M3FN), mQT_u8.layout)
@@ -491,4 +508,4 @@ def _quant_dual_kernel(mX: cute.Tensor, mQ_u8: cute.Tensor, mS: cute.Tensor, mQT
 def quant_dual(mX: cute.Tensor, mQ_u8: cute.Tensor, mS: cute.Tensor, mQT_u8: cute.Tensor, mST: cute.Tensor,
                stream):
     _quant_dual_kernel(mX, mQ_u8, mS, mQT_u8, mST).launch(
-        grid=(mST.shape[1], mS.shape[1], 1), block=(THREADS, 1, 1), stream=stream)
+        grid=(mST.shape[1], mS.shape[1], 1), block=(THREADS, 1, 1), stream=stream, use_pdl=True)

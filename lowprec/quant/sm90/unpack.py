@@ -20,6 +20,8 @@ from cutlass import Float32
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
+from .fp8_quant import after_previous_grid
+
 VEC = 8  # columns per thread: one 16-byte load of bf16 rows
 THREADS = 128
 
@@ -45,6 +47,7 @@ def add_rn(a, b, *, loc=None, ip=None) -> Float32:
 @cute.kernel
 def _unpack_kernel(mRows: cute.Tensor, mSlotRows: cute.Tensor, mWeights: cute.Tensor, mOut: cute.Tensor):
     tidx, _, _ = cute.arch.thread_idx()
+    after_previous_grid()
     token, chunk, _ = cute.arch.block_idx()
     col = (chunk * THREADS + tidx) * VEC
     top_k = mSlotRows.shape[1]
@@ -71,4 +74,4 @@ def _unpack_kernel(mRows: cute.Tensor, mSlotRows: cute.Tensor, mWeights: cute.Te
 def unpack_rows(mRows: cute.Tensor, mSlotRows: cute.Tensor, mWeights: cute.Tensor, mOut: cute.Tensor, stream):
     chunks = (mOut.shape[1] // VEC + THREADS - 1) // THREADS
     _unpack_kernel(mRows, mSlotRows, mWeights, mOut).launch(
-        grid=(mOut.shape[0], chunks, 1), block=(THREADS, 1, 1), stream=stream)
+        grid=(mOut.shape[0], chunks, 1), block=(THREADS, 1, 1), stream=stream, use_pdl=True)
