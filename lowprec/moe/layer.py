@@ -89,6 +89,46 @@ def _quantized_activation(name: str, h: torch.Tensor, row_w: torch.Tensor) -> tu
     return quantize(a, _ACT_RECIPE, check_finite=False), quantize(h, _ACT_RECIPE, check_finite=False)
 
 
+def _activation_backward(name: str, h: torch.Tensor | QuantizedTensor, da: torch.Tensor, row_w: torch.Tensor,
+                         quantized: bool) -> tuple[torch.Tensor, QuantizedTensor | None, torch.Tensor, torch.Tensor]:
+    """From the saved ``h`` and ``da = ∂y/∂A`` (FP32): ``(dh, dh quantized 1x128 (None unless
+    quantized), act(h) · row_w, ∂y/∂row_w)``, all FP32, ``A = act(h) · row_w``.
+
+    On Hopper, SwiGLU from an FP8 ``h`` runs one kernel (:mod:`lowprec.quant.sm90.swiglu_backward`)
+    that reads ``h`` and ``da`` once and writes all four (dh's quantization joins it when F is a
+    multiple of 128), the elementwise steps rounded as torch's autograd rounds them on the GPU."""
+    if quantized and name == "swiglu" and use_kernel("swiglu_backward", da.device, ("sm_90a",),
+                                                     lambda: _swiglu_backward_unsupported(h, da, row_w)):
+        try:
+            from ..quant.sm90 import interface
+
+            dh, dhq, dhs, a, d_row_w = interface.swiglu_backward_1x128(h.data, h.scale, da, row_w)
+            dh_q = (quantize(dh, _ACT_RECIPE, check_finite=False) if dhq is None
+                    else QuantizedTensor(dhq, dhs, get_recipe(_ACT_RECIPE), dh.shape, torch.float32))
+            return dh, dh_q, a, d_row_w
+        except Exception as err:
+            kernel_failed("swiglu_backward", err)
+    h = h.dequantize(torch.float32) if quantized else h.float()
+    with torch.enable_grad():
+        h = h.detach().requires_grad_()
+        s = _activation(name, h)
+    (dh,) = torch.autograd.grad(s, h, da * row_w[:, None])
+    s = s.detach()
+    dh_q = quantize(dh, _ACT_RECIPE, check_finite=False) if quantized else None
+    return dh, dh_q, s * row_w[:, None], (da * s).sum(dim=-1)
+
+
+def _swiglu_backward_unsupported(h: QuantizedTensor, da: torch.Tensor, row_w: torch.Tensor) -> str | None:
+    f = da.shape[1]
+    if f % 16 or tuple(h.shape) != (da.shape[0], 2 * f) or h.recipe.name != _ACT_RECIPE:
+        return f"expected h [R, 2F] FP8 1x128 and da [R, F] with F a multiple of 16, got {tuple(h.shape)}"
+    if da.dtype != torch.float32 or not da.is_contiguous() or row_w.dtype != torch.float32 or not row_w.is_contiguous():
+        return "da and the row weights must be contiguous float32"
+    if not h.data.is_contiguous():
+        return "h's codes must be contiguous"
+    return None
+
+
 def _swiglu_kernel_unsupported(h: torch.Tensor, row_w: torch.Tensor) -> str | None:
     if h.dim() != 2 or h.shape[1] % 32:
         return f"h: expected [R, 2F] with F a multiple of 16, got {tuple(h.shape)}"
@@ -193,29 +233,21 @@ class _ExpertsFunction(torch.autograd.Function):
         if quantized:
             da = grouped_gemm(pack(dy, routing, _ACT_RECIPE)[0], w2, group_ends=ends,  # w2: quantized w2ᵀ
                               out_dtype=torch.float32)
-            h = h.dequantize(torch.float32)
         else:
             da = grouped_mm_rows(gather_rows(dy, routing), w2.to(dt).transpose(-1, -2), ends).float()
-            h = h.float()
-        with torch.enable_grad():
-            h = h.detach().requires_grad_()
-            s = _activation(ctx.activation, h)
-        (dh,) = torch.autograd.grad(s, h, da * row_w[:, None])
-        s = s.detach()
+        dh, dh_q, a, d_row_w = _activation_backward(ctx.activation, h, da, row_w, quantized)
 
         dx = dweights = dw1 = dw2 = None
         if need_weights:
-            d_row_w = (da * s).sum(dim=-1)
             dweights = torch.where(routing.kept, d_row_w[routing.slot_rows.clamp(min=0)], 0.0).to(weights_dtype)
         if need_x:
             if quantized:
-                dh_q = quantize(dh, _ACT_RECIPE, check_finite=False)
                 dx_rows = grouped_gemm(dh_q, w1, group_ends=ends, out_dtype=dt)  # w1: quantized w1ᵀ
             else:
                 dx_rows = grouped_mm_rows(dh.to(dt), w1.to(dt).transpose(-1, -2), ends)
             dx = unpack(dx_rows, routing, out_dtype=dt)
         if need_w2:
-            dw2 = _wgrad(gather_rows(dy, routing), s * row_w[:, None], ends, quantized, dt, w2_dtype).to(w2_dtype)
+            dw2 = _wgrad(gather_rows(dy, routing), a, ends, quantized, dt, w2_dtype).to(w2_dtype)
         if need_w1:
             x_rows = gather_rows(x, routing)
             if quantized:  # FP8 along features -> FP8 along tokens (DeepSeek-V3 requantizes the same way)

@@ -40,6 +40,41 @@ def test_fp8_layer_on_kernels(capacity_factor, weight_dtype, monkeypatch):
 
 @pytest.mark.gpu
 @needs_gpu
+@pytest.mark.parametrize("rows,ffn", [(300, 384), (1, 128), (100, 80), (64, 1040)])
+def test_swiglu_backward_kernel_matches_torch_autograd(rows, ffn, monkeypatch):
+    """The fused SwiGLU backward against the torch autograd steps it replaces, on the GPU: dh,
+    its 1x128 quantization and act(h)·w bit for bit; ∂y/∂w, a sum in another order, within the
+    rounding bound of the sum."""
+    from lowprec import quantize
+    from lowprec.moe.layer import _activation_backward
+
+    g = torch.Generator(device="cuda").manual_seed(rows + ffn)
+    h = torch.randn(rows, 2 * ffn, device="cuda", generator=g) * 3
+    h[0, :5] *= 30  # outliers: saturating exp(-g), large scales
+    hq = quantize(h.to(torch.bfloat16), "fp8_block1x128")
+    da = torch.randn(rows, ffn, device="cuda", generator=g)
+    row_w = torch.rand(rows, device="cuda", generator=g)
+    row_w[::7] = 0  # dropped / padding rows
+    before = (hq.data.clone(), hq.scale.clone(), da.clone(), row_w.clone())
+    monkeypatch.setenv("LOWPREC_BACKEND", "reference")
+    ref = _activation_backward("swiglu", hq, da, row_w, True)
+    monkeypatch.setenv("LOWPREC_BACKEND", "kernel")
+    torch.empty(64 << 20, dtype=torch.uint8, device="cuda").fill_(0x7F)  # poison the allocator
+    out = _activation_backward("swiglu", hq, da, row_w, True)
+    for name, o, r in (("dh", out[0], ref[0]), ("a", out[2], ref[2])):
+        assert torch.equal(o, r), f"{name}: {(o != r).sum().item()} of {o.numel()} differ"
+    assert torch.equal(out[1].data.view(torch.uint8), ref[1].data.view(torch.uint8))
+    assert torch.equal(out[1].scale, ref[1].scale)
+    # ∂y/∂w sums F products in another order: within the FP32 summation bound F·2⁻²⁴·Σ|terms|
+    hd = hq.dequantize(torch.float32)
+    terms = (da * torch.nn.functional.silu(hd[:, :ffn]) * hd[:, ffn:]).abs().sum(dim=1)
+    assert ((out[3] - ref[3]).abs() <= ffn * 2.0**-24 * terms).all()
+    for t, b in zip((hq.data, hq.scale, da, row_w), before):
+        assert torch.equal(t, b)  # inputs untouched
+
+
+@pytest.mark.gpu
+@needs_gpu
 def test_moe_forward_sync_free_and_graph_capturable(monkeypatch):
     from lowprec.moe import MoE
 

@@ -18,7 +18,8 @@ def test_kernel_compiles_for_sm90a_with_wide_accesses_and_no_spills(kind, dtype)
     assert cubin_arch(sass) == "sm_90a"
     assert local_memory_ops(sass) == 0
     assert re.search(r"LDG\.E\.128", sass)  # 16-byte loads (bf16/fp16: 8 elements; fp32: two per 8)
-    assert "F2FP" in sass  # packed cvt to e4m3
+    if kind != "swiglu_backward":  # the one kernel that quantizes nothing
+        assert "F2FP" in sass  # packed cvt to e4m3
     assert "ACQBULK" in sass  # griddepcontrol.wait: safe under programmatic dependent launch
 
 

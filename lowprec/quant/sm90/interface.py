@@ -9,12 +9,13 @@ from ..layouts import empty_mn_major_tma_aligned
 
 __all__ = ["kernel_unsupported", "quantize_1x128", "quantize_rowwise", "quantize_128x128", "quantize_128x128_t",
            "quantize_dual",
-           "pack_1x128", "swiglu_1x128", "unpack_rows", "build_kernel", "build_unpack_kernel", "compile_kernel",
+           "pack_1x128", "swiglu_1x128", "swiglu_backward_1x128",
+           "unpack_rows", "build_kernel", "build_unpack_kernel", "compile_kernel",
            "KERNELS", "UNPACK_DTYPES"]
 
 ARCH = "sm_90a"
 KERNELS = ("1x128", "128x128", "128x128_t", "dual", "rowwise", "pack_1x128", "pack_tokens_1x128", "swiglu_1x128",
-           "swiglu_h_1x128")
+           "swiglu_h_1x128", "swiglu_backward_1x128", "swiglu_backward")
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 UNPACK_DTYPES = _DTYPES  # rows and output dtypes of the unpack kernel
 
@@ -45,7 +46,7 @@ def build_kernel(kind: str, dtype: torch.dtype, arch: str = ARCH):
     from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
 
     from ...runtime import compile_for_arch
-    from . import fp8_quant
+    from . import fp8_quant, swiglu_backward
 
     def data(dt):
         return make_fake_tensor(dt, (cute.sym_int(), cute.sym_int(divisibility=16)),
@@ -61,8 +62,14 @@ def build_kernel(kind: str, dtype: torch.dtype, arch: str = ARCH):
           "128x128_t": fp8_quant.quant_128x128_t, "dual": fp8_quant.quant_dual,
           "rowwise": fp8_quant.quant_rowwise, "pack_1x128": fp8_quant.pack_1x128,
           "pack_tokens_1x128": fp8_quant.pack_tokens_1x128,
-          "swiglu_1x128": fp8_quant.swiglu_1x128, "swiglu_h_1x128": fp8_quant.swiglu_h_1x128}[kind]
-    if kind == "dual":
+          "swiglu_1x128": fp8_quant.swiglu_1x128, "swiglu_h_1x128": fp8_quant.swiglu_h_1x128,
+          "swiglu_backward_1x128": swiglu_backward.swiglu_backward_1x128,
+          "swiglu_backward": swiglu_backward.swiglu_backward}[kind]
+    if kind.startswith("swiglu_backward"):  # dtype: da's (h is FP8; dh and a are FP32)
+        row_weights = make_fake_tensor(cutlass.Float32, (cute.sym_int(),), stride=(1,), assumed_align=4)
+        dh_q = (data(cutlass.Uint8), scale()) if kind == "swiglu_backward_1x128" else ()
+        args = (q, scale(), x, row_weights, *dh_q, data(cutlass.Float32), data(cutlass.Float32), scale())
+    elif kind == "dual":
         args = (x, q, scale(), data(cutlass.Uint8), scale())
     elif kind == "128x128_t":
         args = (x, q, scale(), data(cutlass.Uint8))
@@ -82,9 +89,9 @@ def build_kernel(kind: str, dtype: torch.dtype, arch: str = ARCH):
 
 def compile_kernel(kind: str, dtype: torch.dtype, arch: str = ARCH):
     """The launchable kernel, compiled once per (kind, dtype, arch) through the kernel cache."""
-    from . import fp8_quant
+    from . import fp8_quant, swiglu_backward
 
-    return kernel_cache.get(f"quant_fp8_{kind}", {"dtype": dtype}, arch, [fp8_quant],
+    return kernel_cache.get(f"quant_fp8_{kind}", {"dtype": dtype}, arch, [fp8_quant, swiglu_backward],
                             lambda: build_kernel(kind, dtype, arch))
 
 
@@ -200,6 +207,37 @@ def swiglu_1x128(h: torch.Tensor, row_weights: torch.Tensor, with_h: bool
             else:
                 compile_kernel("swiglu_1x128", h.dtype)(h, row_weights, q.view(torch.uint8), s)
     return q, s, hq, hs
+
+
+def swiglu_backward_1x128(hq: torch.Tensor, hs: torch.Tensor, da: torch.Tensor, row_weights: torch.Tensor
+                          ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor,
+                                     torch.Tensor]:
+    """SwiGLU backward (see :mod:`.swiglu_backward`) from the saved ``h = [gate | up]`` (FP8
+    ``hq`` [R, 2F] contiguous, 1x128 scales ``hs`` [R, ceil(2F/128)], any strides), ``da``
+    [R, F] FP32 and ``row_weights`` FP32 [R], F a multiple of 16.
+
+    Returns ``(dh FP32 [R, 2F], dh codes FP8 [R, 2F], dh scales [R, 2F/128] MN-major, a =
+    silu(gate)·up·w FP32 [R, F], ∂y/∂w FP32 [R])``; the codes and scales are None unless F is a
+    multiple of 128 (then dh's 1x128 blocks straddle gate and up: quantize ``dh`` instead)."""
+    r, f = da.shape
+    dev = da.device
+    with_q = f % 128 == 0
+    dh = torch.empty(r, 2 * f, dtype=torch.float32, device=dev)
+    a = torch.empty(r, f, dtype=torch.float32, device=dev)
+    dw_parts = torch.empty(r, -(-f // 128), dtype=torch.float32, device=dev)
+    dhq = dhs = None
+    if with_q:
+        dhq = torch.empty(r, 2 * f, dtype=torch.float8_e4m3fn, device=dev)
+        dhs = empty_mn_major_tma_aligned(r, 2 * f // 128, dev)
+    if r and f:
+        with torch.cuda.device(dev):
+            if with_q:
+                compile_kernel("swiglu_backward_1x128", da.dtype)(hq.view(torch.uint8), hs, da, row_weights,
+                                                                   dhq.view(torch.uint8), dhs, dh, a, dw_parts)
+            else:
+                compile_kernel("swiglu_backward", da.dtype)(hq.view(torch.uint8), hs, da, row_weights, dh, a,
+                                                             dw_parts)
+    return dh, dhq, dhs, a, dw_parts.sum(dim=1)
 
 
 def build_unpack_kernel(dtype: torch.dtype, out_dtype: torch.dtype, top_k: int, arch: str = ARCH):
