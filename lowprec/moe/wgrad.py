@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from ..quant import quantize_dual
+from ..quant import _kernel_unsupported, quantize_dual
 from ..recipes import WHOLE, ScaleRecipe, get_recipe
 from ..runtime import kernel_failed, use_kernel
 from ..tensor import QuantizedTensor
@@ -69,10 +69,27 @@ def quantize_k_grouped(rows: torch.Tensor, group_ends: torch.Tensor, recipe: str
     g = group.clamp(max=num_groups - 1)
     dest = torch.where(group < num_groups, aligned_ends[g] - aligned[g] + p - (ends[g] - counts[g]),
                        width + p)
+    if use_kernel("quantize", rows.device, ("sm_90a",), lambda: _gather_kernel_unsupported(rows, r)):
+        try:
+            from ..quant.sm90 import interface
+
+            # source row of every column (-1: zero padding): the kernel gathers the rows itself
+            src = torch.full((width + m,), -1, dtype=torch.int32, device=rows.device)
+            src.index_copy_(0, dest, p.int())
+            qt, st = interface.quantize_t_gathered(rows, src[:width])
+            return QuantizedTensor(qt, st, r, (rows.shape[1], width), rows.dtype), aligned_ends.int()
+        except Exception as err:
+            kernel_failed("quantize", err)
     buf = rows.new_zeros(width + m, rows.shape[1]).index_copy_(0, dest, rows)
     # the token-major half of the dual quantization is quantize(buf[:width]ᵀ), read without a
     # transposed copy of buf (width is a multiple of 16: no padding columns)
     return quantize_dual(buf[:width], r)[1], aligned_ends.int()
+
+
+def _gather_kernel_unsupported(rows: torch.Tensor, r: ScaleRecipe) -> str | None:
+    if r.block != (1, _ALIGN):
+        return f"recipe {r.name}: the gathering kernel quantizes 1x{_ALIGN} blocks"
+    return _kernel_unsupported(rows, r)
 
 
 def grouped_gemm_wgrad(a: QuantizedTensor, b: QuantizedTensor, group_ends: torch.Tensor,

@@ -65,3 +65,28 @@ def test_errors():
         quantize_k_grouped(torch.randn(10, 8), torch.tensor([10], dtype=torch.int32), "fp8_rowwise")
     with pytest.raises(ValueError, match="rows"):
         quantize_k_grouped(torch.randn(10), torch.tensor([10], dtype=torch.int32))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)),
+                    reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("ends", [[0, 1, 130, 130, 500], [256], [5, 5, 5], [37, 300, 301, 900]])
+def test_quantize_k_grouped_kernel_matches_reference(ends, dtype, monkeypatch):
+    """The gathering kernel against the zero-filled scatter + dual quantization, bit for bit:
+    empty groups, groups of 1, groups not a multiple of 128, rows past the last end."""
+    g = torch.Generator(device="cuda").manual_seed(len(ends) + ends[-1])
+    rows = (torch.randn(ends[-1] + 40, 272, device="cuda", generator=g)
+            * torch.exp(torch.randn(ends[-1] + 40, 1, device="cuda", generator=g))).to(dtype)
+    group_ends = torch.tensor(ends, dtype=torch.int32, device="cuda")
+    before = rows.clone()
+    monkeypatch.setenv("LOWPREC_BACKEND", "reference")
+    ref, ref_ends = quantize_k_grouped(rows, group_ends)
+    monkeypatch.setenv("LOWPREC_BACKEND", "kernel")
+    torch.empty(64 << 20, dtype=torch.uint8, device="cuda").fill_(0x7F)  # poison the allocator
+    out, out_ends = quantize_k_grouped(rows, group_ends)
+    assert torch.equal(out_ends, ref_ends)
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    assert torch.equal(out.data.view(torch.uint8), ref.data.view(torch.uint8))
+    assert torch.equal(out.scale, ref.scale)
+    assert torch.equal(rows, before)

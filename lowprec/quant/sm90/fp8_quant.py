@@ -439,44 +439,14 @@ def quant_128x128_t(mX: cute.Tensor, mQ_u8: cute.Tensor, mS: cute.Tensor, mQT_u8
         grid=(mS.shape[0], mS.shape[1], 1), block=(THREADS, 1, 1), stream=stream, use_pdl=True)
 
 
-# ---------------------------------------------------------------------------------------------
-# Both orientations in one pass (training activations): Q = quant_1x128(X) for the forward GEMM
-# and QT = quant_1x128(Xᵀ) (128-row blocks along tokens) for the weight-gradient GEMM. Thread t
-# holds an 8x8 micro-tile (rows (t // 16) * 8 .. + 8, columns (t % 16) * 8 .. + 8), so each of its
-# columns is 8 consecutive tokens: one 8-byte shared store per column builds the transposed tile.
-@cute.kernel
-def _quant_dual_kernel(mX: cute.Tensor, mQ_u8: cute.Tensor, mS: cute.Tensor, mQT_u8: cute.Tensor,
-                       mST: cute.Tensor):
-    tidx, _, _ = cute.arch.thread_idx()
-    after_previous_grid()
-    tile_r, tile_c, _ = cute.arch.block_idx()
-    mQ = cute.make_tensor(cute.recast_ptr(mQ_u8.iterator, dtype=cutlass.Float8E4M3FN), mQ_u8.layout)
-    mQT = cute.make_tensor(cute.recast_ptr(mQT_u8.iterator, dtype=cutlass.Float8E4M3FN), mQT_u8.layout)
-    smem = cutlass.memory.SmemAllocator()
-    # per-warp column amax [warp, j, lane] of column lane * VEC + j: a half-warp touches 16
-    # consecutive words (no bank conflicts)
-    col_max = smem.allocate_tensor(Float32, cute.make_layout((WARPS_PER_CTA, VEC, LANES),
-                                                             stride=(VEC * LANES, LANES, 1)), byte_alignment=16)
-    tile_t = _alloc_transposed_tile(smem)
-
-    rows, cols = mX.shape[0], mX.shape[1]
+@cute.jit
+def _quantize_columns(values, col_max: cute.Tensor, tile_t: cute.Tensor, mQT: cute.Tensor, mST: cute.Tensor,
+                      tile_r, tile_c, cols, row0, tidx):
+    """1x128 along tokens of the CTA's 128x128 tile (``values``: the thread's 8x8 micro-tile,
+    rows (t // 16) * 8 ..): codes of column c to ``mQT[tile_c·128 + c, row0 ..]``, scales to
+    ``mST[tile_c·128 + c, tile_r]``, through the swizzled transposed tile."""
     lane, rgrp = tidx % LANES, tidx // LANES
-    row0, col = tile_r * TILE, tile_c * TILE + lane * VEC
-    first_row = row0 + rgrp * PASSES
-    values = _load_tile(mX, first_row, 1, col)
-
-    # rows: 1x128 along the feature dim (16 lanes share a row)
-    for p in cutlass.range_constexpr(PASSES):
-        r = first_row + p
-        amax = abs(values[p]).reduce(cute.ReductionOp.MAX, Float32(0.0), 0)
-        amax = cute.arch.warp_reduction_max(amax, threads_in_group=LANES)
-        scale, inv = _scale_and_inverse(amax)
-        if r < rows and col < cols:
-            _store_row_chunk(mQ, values[p] * inv, r, col)
-            if lane == 0:
-                mS[r, tile_c] = scale
-
-    # columns: amax over the tile's 128 tokens (8 per thread, 2 row groups per warp, 8 warps)
+    # amax over the tile's 128 tokens (8 per thread, 2 row groups per warp, 8 warps)
     for j in cutlass.range_constexpr(VEC):
         cmax = Float32(0.0)
         for p in cutlass.range_constexpr(PASSES):
@@ -504,8 +474,90 @@ def _quant_dual_kernel(mX: cute.Tensor, mQ_u8: cute.Tensor, mS: cute.Tensor, mQT
     _store_transposed(tile_t, mQT, tile_c * TILE, cols, row0, mQT.shape[1], tidx)
 
 
+def _alloc_col_max(smem):
+    """Per-warp column amax [warp, j, lane] of column lane * VEC + j: a half-warp touches 16
+    consecutive words (no bank conflicts)."""
+    return smem.allocate_tensor(Float32, cute.make_layout((WARPS_PER_CTA, VEC, LANES),
+                                                          stride=(VEC * LANES, LANES, 1)), byte_alignment=16)
+
+
+# ---------------------------------------------------------------------------------------------
+# Both orientations in one pass (training activations): Q = quant_1x128(X) for the forward GEMM
+# and QT = quant_1x128(Xᵀ) (128-row blocks along tokens) for the weight-gradient GEMM. Thread t
+# holds an 8x8 micro-tile (rows (t // 16) * 8 .. + 8, columns (t % 16) * 8 .. + 8), so each of its
+# columns is 8 consecutive tokens: one 8-byte shared store per column builds the transposed tile.
+@cute.kernel
+def _quant_dual_kernel(mX: cute.Tensor, mQ_u8: cute.Tensor, mS: cute.Tensor, mQT_u8: cute.Tensor,
+                       mST: cute.Tensor):
+    tidx, _, _ = cute.arch.thread_idx()
+    after_previous_grid()
+    tile_r, tile_c, _ = cute.arch.block_idx()
+    mQ = cute.make_tensor(cute.recast_ptr(mQ_u8.iterator, dtype=cutlass.Float8E4M3FN), mQ_u8.layout)
+    mQT = cute.make_tensor(cute.recast_ptr(mQT_u8.iterator, dtype=cutlass.Float8E4M3FN), mQT_u8.layout)
+    smem = cutlass.memory.SmemAllocator()
+    col_max = _alloc_col_max(smem)
+    tile_t = _alloc_transposed_tile(smem)
+
+    rows, cols = mX.shape[0], mX.shape[1]
+    lane, rgrp = tidx % LANES, tidx // LANES
+    row0, col = tile_r * TILE, tile_c * TILE + lane * VEC
+    first_row = row0 + rgrp * PASSES
+    values = _load_tile(mX, first_row, 1, col)
+
+    # rows: 1x128 along the feature dim (16 lanes share a row)
+    for p in cutlass.range_constexpr(PASSES):
+        r = first_row + p
+        amax = abs(values[p]).reduce(cute.ReductionOp.MAX, Float32(0.0), 0)
+        amax = cute.arch.warp_reduction_max(amax, threads_in_group=LANES)
+        scale, inv = _scale_and_inverse(amax)
+        if r < rows and col < cols:
+            _store_row_chunk(mQ, values[p] * inv, r, col)
+            if lane == 0:
+                mS[r, tile_c] = scale
+
+    _quantize_columns(values, col_max, tile_t, mQT, mST, tile_r, tile_c, cols, row0, tidx)
+
+
 @cute.jit
 def quant_dual(mX: cute.Tensor, mQ_u8: cute.Tensor, mS: cute.Tensor, mQT_u8: cute.Tensor, mST: cute.Tensor,
                stream):
     _quant_dual_kernel(mX, mQ_u8, mS, mQT_u8, mST).launch(
         grid=(mST.shape[1], mS.shape[1], 1), block=(THREADS, 1, 1), stream=stream, use_pdl=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# The token-major half alone, of rows gathered through a map (the K-grouped weight-gradient
+# operand): virtual row i of the tile grid is ``mX[mSrc[i]]``, or zeros where ``mSrc[i] < 0``.
+# Bit-identical to the dual kernel's transposed output of the gathered, zero-filled rows.
+@cute.kernel
+def _quant_t_gathered_kernel(mX: cute.Tensor, mSrc: cute.Tensor, mQT_u8: cute.Tensor, mST: cute.Tensor):
+    tidx, _, _ = cute.arch.thread_idx()
+    after_previous_grid()
+    tile_r, tile_c, _ = cute.arch.block_idx()
+    mQT = cute.make_tensor(cute.recast_ptr(mQT_u8.iterator, dtype=cutlass.Float8E4M3FN), mQT_u8.layout)
+    smem = cutlass.memory.SmemAllocator()
+    col_max = _alloc_col_max(smem)
+    tile_t = _alloc_transposed_tile(smem)
+
+    cols = mX.shape[1]
+    lane, rgrp = tidx % LANES, tidx // LANES
+    row0, col = tile_r * TILE, tile_c * TILE + lane * VEC
+    values = []
+    for p in cutlass.range_constexpr(PASSES):
+        i = row0 + rgrp * PASSES + p
+        src = cutlass.Int32(-1)
+        if i < mSrc.shape[0]:
+            src = cutlass.Int32(mSrc[i])
+        frag = cute.make_rmem_tensor((1, VEC), mX.element_type)
+        frag.fill(0)
+        if src >= 0 and col < cols:
+            cute.autovec_copy(cute.local_tile(mX, (1, VEC), (src, col // VEC)), frag)
+        values.append(frag.load().to(Float32))
+    _quantize_columns(values, col_max, tile_t, mQT, mST, tile_r, tile_c, cols, row0, tidx)
+
+
+@cute.jit
+def quant_t_gathered(mX: cute.Tensor, mSrc: cute.Tensor, mQT_u8: cute.Tensor, mST: cute.Tensor, stream):
+    _quant_t_gathered_kernel(mX, mSrc, mQT_u8, mST).launch(
+        grid=(mST.shape[1], (mX.shape[1] + TILE - 1) // TILE, 1), block=(THREADS, 1, 1), stream=stream,
+        use_pdl=True)

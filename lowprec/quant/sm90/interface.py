@@ -8,14 +8,14 @@ from ...runtime import kernel_cache
 from ..layouts import empty_mn_major_tma_aligned
 
 __all__ = ["kernel_unsupported", "quantize_1x128", "quantize_rowwise", "quantize_128x128", "quantize_128x128_t",
-           "quantize_dual",
+           "quantize_dual", "quantize_t_gathered",
            "pack_1x128", "swiglu_1x128", "swiglu_backward_1x128",
            "unpack_rows", "build_kernel", "build_unpack_kernel", "compile_kernel",
            "KERNELS", "UNPACK_DTYPES"]
 
 ARCH = "sm_90a"
 KERNELS = ("1x128", "128x128", "128x128_t", "dual", "rowwise", "pack_1x128", "pack_tokens_1x128", "swiglu_1x128",
-           "swiglu_h_1x128", "swiglu_backward_1x128", "swiglu_backward")
+           "swiglu_h_1x128", "swiglu_backward_1x128", "swiglu_backward", "t_gathered")
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 UNPACK_DTYPES = _DTYPES  # rows and output dtypes of the unpack kernel
 
@@ -64,13 +64,16 @@ def build_kernel(kind: str, dtype: torch.dtype, arch: str = ARCH):
           "pack_tokens_1x128": fp8_quant.pack_tokens_1x128,
           "swiglu_1x128": fp8_quant.swiglu_1x128, "swiglu_h_1x128": fp8_quant.swiglu_h_1x128,
           "swiglu_backward_1x128": swiglu_backward.swiglu_backward_1x128,
-          "swiglu_backward": swiglu_backward.swiglu_backward}[kind]
+          "swiglu_backward": swiglu_backward.swiglu_backward, "t_gathered": fp8_quant.quant_t_gathered}[kind]
     if kind.startswith("swiglu_backward"):  # dtype: da's (h is FP8; dh and a are FP32)
         row_weights = make_fake_tensor(cutlass.Float32, (cute.sym_int(),), stride=(1,), assumed_align=4)
         dh_q = (data(cutlass.Uint8), scale()) if kind == "swiglu_backward_1x128" else ()
         args = (q, scale(), x, row_weights, *dh_q, data(cutlass.Float32), data(cutlass.Float32), scale())
     elif kind == "dual":
         args = (x, q, scale(), data(cutlass.Uint8), scale())
+    elif kind == "t_gathered":
+        src = make_fake_tensor(cutlass.Int32, (cute.sym_int(),), stride=(1,), assumed_align=4)
+        args = (x, src, q, scale())
     elif kind == "128x128_t":
         args = (x, q, scale(), data(cutlass.Uint8))
     elif kind.startswith("pack"):
@@ -158,6 +161,21 @@ def quantize_dual(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
         with torch.cuda.device(x.device):
             compile_kernel("dual", x.dtype)(x, q.view(torch.uint8), s, qt.view(torch.uint8), st)
     return q, s, qt, st
+
+
+def quantize_t_gathered(x: torch.Tensor, src_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """1x128 along tokens of gathered rows: with ``g[i] = x[src_rows[i]]`` (zeros where
+    ``src_rows[i] < 0``), ``g`` [W, C] -> the token-major half of ``quantize_dual(g)``: (FP8
+    ``gᵀ`` [C, W], scales [C, W/128] MN-major), bit for bit, without materializing ``g``.
+    ``src_rows``: int32 [W] contiguous, W a multiple of 16, entries < x.shape[0]."""
+    w = src_rows.shape[0]
+    c = x.shape[1]
+    qt = torch.empty(c, w, dtype=torch.float8_e4m3fn, device=x.device)
+    st = empty_mn_major_tma_aligned(c, -(-w // 128), x.device)
+    if w and c:
+        with torch.cuda.device(x.device):
+            compile_kernel("t_gathered", x.dtype)(x, src_rows, qt.view(torch.uint8), st)
+    return qt, st
 
 
 def pack_1x128(x: torch.Tensor, slot_rows: torch.Tensor, row_slots: torch.Tensor, with_tokens: bool = False
