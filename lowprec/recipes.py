@@ -146,6 +146,7 @@ _FACTORIES = {
 }
 
 RECIPE_NAMES = tuple(_FACTORIES)
+_DEFAULT_RECIPES: dict[str, ScaleRecipe] = {}
 
 
 def get_recipe(recipe: str | ScaleRecipe, **options) -> ScaleRecipe:
@@ -156,6 +157,11 @@ def get_recipe(recipe: str | ScaleRecipe, **options) -> ScaleRecipe:
         return recipe
     if recipe not in _FACTORIES:
         raise ValueError(f"recipe: unknown recipe {recipe!r}; expected one of {list(RECIPE_NAMES)}")
+    if not options:  # recipes are immutable: build each default once (hot paths call this per op)
+        hit = _DEFAULT_RECIPES.get(recipe)
+        if hit is None:
+            hit = _DEFAULT_RECIPES[recipe] = _FACTORIES[recipe]()
+        return hit
     try:
         return _FACTORIES[recipe](**options)
     except TypeError as err:

@@ -6,7 +6,7 @@ import torch
 
 from ..runtime import kernel_failed, use_kernel
 from ..tensor import QuantizedTensor
-from .ops import gemm_op
+from .ops import gemm_dispatch, gemm_op
 from .reference import grouped_gemm_contiguous_reference, grouped_gemm_masked_reference
 
 __all__ = ["gemm", "grouped_gemm"]
@@ -54,6 +54,9 @@ def gemm(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype = torch.
             raise ValueError(f"bias: expected a tensor of shape ({n},), got {getattr(bias, 'shape', type(bias))}")
         if bias.device != a.device:
             raise ValueError(f"bias: on {bias.device}, but a is on {a.device}")
+    if not torch.compiler.is_compiling():
+        # eager: the op's dispatch (tens of µs per call) buys nothing outside a traced graph
+        return gemm_dispatch(a, b, out_dtype, bias)
     return gemm_op(a.data, a.scale, a.global_scale, a.recipe.spec(),
                    b.data, b.scale, b.global_scale, b.recipe.spec(), a.shape[1], bias, out_dtype)
 

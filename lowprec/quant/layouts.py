@@ -51,10 +51,9 @@ def to_mn_major_tma_aligned(scale: torch.Tensor) -> torch.Tensor:
 def empty_mn_major_tma_aligned(rows: int, cols: int, device, dtype=torch.float32) -> torch.Tensor:
     """Uninitialised ``[rows, cols]`` in the layout ``to_mn_major_tma_aligned`` produces (for
     kernels that write scales in place: no fill, no copy)."""
-    plain = torch.empty(rows, cols, dtype=dtype, device=device)
-    if is_mn_major_tma_aligned(plain):  # a single row or column: as to_mn_major_tma_aligned keeps it
-        return plain
-    ld = _round_up(rows, _tma_align(plain))
+    if cols <= 1:  # a single column is already MN-major: as to_mn_major_tma_aligned keeps it
+        return torch.empty(rows, cols, dtype=dtype, device=device)
+    ld = _round_up(rows, max(16 // dtype.itemsize, 1))
     return torch.empty(cols, ld, dtype=dtype, device=device)[:, :rows].t()
 
 
