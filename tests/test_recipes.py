@@ -40,3 +40,8 @@ def test_errors():
         ScaleRecipe("x", (WHOLE, 32))
     with pytest.raises(ValueError, match="cannot read"):
         ScaleRecipe.from_json('{"name": "x", "block": [1, 32], "elem_format": "e9m9"}')
+
+
+def test_default_recipes_are_built_once_and_options_still_apply():
+    assert get_recipe("fp8_block1x128") is get_recipe("fp8_block1x128")
+    assert get_recipe("mxfp8", rounding="floor") != get_recipe("mxfp8")

@@ -155,6 +155,19 @@ def test_compile_variants(out_dtype, per_col, bias_dtype, tile_n):
     _check_sass(compile_only(cfg, out_dtype=out_dtype, b_scale_per_col=per_col, bias_dtype=bias_dtype))
 
 
+def test_tune_parses_every_config_name():
+    import dataclasses
+
+    from lowprec.gemm.sm90.interface import _shipped_configs
+    from lowprec.gemm.sm90.tune import parse_config
+
+    for cfg in _shipped_configs():
+        for c in (cfg, dataclasses.replace(cfg, pdl=False)):
+            assert parse_config(str(c)) == c
+    with pytest.raises(ValueError, match="expected e.g."):
+        parse_config("128x128")
+
+
 def test_heuristic_picks_shipped_configs():
     from lowprec.gemm.sm90.interface import _shipped_configs, choose_config
 
