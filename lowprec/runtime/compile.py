@@ -7,6 +7,7 @@ compiles for sm_90a / sm_100a and that its SASS is what we meant (QGMMA, no loca
 
 from __future__ import annotations
 
+import atexit
 import glob
 import os
 import re
@@ -32,10 +33,18 @@ def compile_for_arch(jit_fn, *args, arch: str, tvm_ffi: bool = False, **kwargs):
     return cute.compile[tuple(options)](jit_fn, *args, **kwargs)
 
 
+_DUMP_DIR: str | None = None
+
+
 def _dump_dir() -> str:
-    path = os.path.join(tempfile.gettempdir(), "lowprec-cute-dumps")
-    os.makedirs(path, exist_ok=True)
-    return path
+    """This process's own directory: the artifacts are named after the function and its argument
+    types, not the kernel's configuration, so processes compiling at the same time must not
+    share one (a cubin read back from another process's compile was seen in CI)."""
+    global _DUMP_DIR
+    if _DUMP_DIR is None:
+        _DUMP_DIR = tempfile.mkdtemp(prefix="lowprec-cute-dumps-")
+        atexit.register(shutil.rmtree, _DUMP_DIR, ignore_errors=True)
+    return _DUMP_DIR
 
 
 def nvdisasm_path() -> str | None:
