@@ -11,6 +11,8 @@
 - ``quant_128x128``: one CTA per 128x128 weight tile, held in registers (read once).
 - ``quant_dual``: one CTA per 128x128 tile, both orientations (1x128 along features for the
   forward GEMM, 1x128 along tokens, transposed through shared memory, for the weight gradient).
+- ``quant_t_gathered``: the token-major half of ``quant_dual`` of rows gathered through a row map
+  (zeros where the map is -1): the MoE layer's K-grouped weight-gradient operands.
 
 All multiply by ``1 / scale`` (one IEEE division per block, as the reference) and convert with
 ``cvt.rn.satfinite``. Scales go straight into the layout the GEMM reads (any strides).
@@ -358,6 +360,17 @@ def _alloc_transposed_tile(smem):
 
 
 @cute.jit
+def _column_codes(values, j, inv):
+    """FP8 codes of column ``j`` of the thread's 8x8 micro-tile ``values``, scaled by ``inv``."""
+    column = cute.make_rmem_tensor((1, PASSES), Float32)
+    for p in cutlass.range_constexpr(PASSES):
+        column[0, p] = values[p][j] * inv
+    codes = cute.make_rmem_tensor((1, PASSES), cutlass.Float8E4M3FN)
+    codes.store(column.load().to(cutlass.Float8E4M3FN))
+    return codes
+
+
+@cute.jit
 def _stage_column(tile_t: cute.Tensor, codes: cute.Tensor, lane, rgrp, j):
     """The 8 codes of tile column ``lane * VEC + j``, tokens ``rgrp * 8 ..``: 8-byte chunk ``rgrp``
     of that row of ``tile_t``, its 16-byte chunk swizzled by (column / 8) % 8 = lane % 8."""
@@ -413,12 +426,7 @@ def _quant_128x128_kernel(mX: cute.Tensor, mQ_u8: cute.Tensor, mS: cute.Tensor, 
         tile_t = _alloc_transposed_tile(smem)
         mQT = cute.make_tensor(cute.recast_ptr(mQT_u8.iterator, dtype=cutlass.Float8E4M3FN), mQT_u8.layout)
         for j in cutlass.range_constexpr(VEC):
-            column = cute.make_rmem_tensor((1, PASSES), Float32)
-            for p in cutlass.range_constexpr(PASSES):
-                column[0, p] = values[p][j] * inv
-            q_frag = cute.make_rmem_tensor((1, PASSES), cutlass.Float8E4M3FN)
-            q_frag.store(column.load().to(cutlass.Float8E4M3FN))
-            _stage_column(tile_t, q_frag, lane, rgrp, j)
+            _stage_column(tile_t, _column_codes(values, j, inv), lane, rgrp, j)
         cute.arch.sync_threads()
         n = mQT.shape[1]
         k = mX.shape[1]
@@ -461,12 +469,7 @@ def _quantize_columns(values, col_max: cute.Tensor, tile_t: cute.Tensor, mQT: cu
         for w in cutlass.range_constexpr(1, WARPS_PER_CTA):
             cmax = cute.arch.fmax(cmax, col_max[w, j, lane])
         scale, inv = _scale_and_inverse(cmax)
-        column = cute.make_rmem_tensor((1, PASSES), Float32)
-        for p in cutlass.range_constexpr(PASSES):
-            column[0, p] = values[p][j] * inv
-        q_frag = cute.make_rmem_tensor((1, PASSES), cutlass.Float8E4M3FN)
-        q_frag.store(column.load().to(cutlass.Float8E4M3FN))
-        _stage_column(tile_t, q_frag, lane, rgrp, j)
+        _stage_column(tile_t, _column_codes(values, j, inv), lane, rgrp, j)
         if rgrp == 0 and tile_c * TILE + c < cols:
             mST[tile_c * TILE + c, tile_r] = scale
     cute.arch.sync_threads()
