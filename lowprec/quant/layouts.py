@@ -28,8 +28,8 @@ def _round_up(x: int, m: int) -> int:
     return (x + m - 1) // m * m
 
 
-def _tma_align(scale: torch.Tensor) -> int:
-    return max(16 // scale.element_size(), 1)
+def _tma_align(dtype: torch.dtype) -> int:
+    return max(16 // dtype.itemsize, 1)
 
 
 def to_mn_major_tma_aligned(scale: torch.Tensor) -> torch.Tensor:
@@ -42,7 +42,7 @@ def to_mn_major_tma_aligned(scale: torch.Tensor) -> torch.Tensor:
     if is_mn_major_tma_aligned(scale):
         return scale
     rows, cols = scale.shape[-2:]
-    ld = _round_up(rows, _tma_align(scale))
+    ld = _round_up(rows, _tma_align(scale.dtype))
     buf = scale.new_zeros(*scale.shape[:-2], cols, ld)
     buf[..., :rows] = scale.transpose(-1, -2)
     return buf[..., :rows].transpose(-1, -2)
@@ -53,7 +53,7 @@ def empty_mn_major_tma_aligned(rows: int, cols: int, device, dtype=torch.float32
     kernels that write scales in place: no fill, no copy)."""
     if cols <= 1:  # a single column is already MN-major: as to_mn_major_tma_aligned keeps it
         return torch.empty(rows, cols, dtype=dtype, device=device)
-    ld = _round_up(rows, max(16 // dtype.itemsize, 1))
+    ld = _round_up(rows, _tma_align(dtype))
     return torch.empty(cols, ld, dtype=dtype, device=device)[:, :rows].t()
 
 
@@ -62,7 +62,7 @@ def is_mn_major_tma_aligned(scale: torch.Tensor) -> bool:
     if scale.dim() < 2:
         return False
     rows, cols = scale.shape[-2:]
-    ld = _round_up(rows, _tma_align(scale))
+    ld = _round_up(rows, _tma_align(scale.dtype))
     if scale.stride(-2) != 1 and rows > 1:
         return False
     if scale.stride(-1) != ld and cols > 1:

@@ -249,6 +249,20 @@ def _check(cond: bool, msg: str):
         raise ValueError(msg)
 
 
+def _check_out_dtype(out_dtype):
+    _check(out_dtype in (torch.bfloat16, torch.float16, torch.float32),
+           f"out_dtype: expected torch.bfloat16, torch.float16 or torch.float32, got {out_dtype}")
+
+
+def _check_on_cuda_like_a(a, **others):
+    """``a`` on a CUDA device and every other tensor given (None: skipped) on the same one."""
+    dev = a.device
+    _check(dev.type == "cuda", f"a: expected a CUDA tensor, got device {dev}")
+    for name, t in others.items():
+        if t is not None:
+            _check(t.device == dev, f"{name}: on {t.device}, expected {dev} like a")
+
+
 def _validate(a, a_scale, b, b_scale, out_dtype, bias):
     for name, t in (("a", a), ("a_scale", a_scale), ("b", b), ("b_scale", b_scale)):
         _check(isinstance(t, torch.Tensor), f"{name}: expected a torch.Tensor, got {type(t).__name__}")
@@ -282,17 +296,12 @@ def _validate(a, a_scale, b, b_scale, out_dtype, bias):
             f"b_scale: expected shape [{nb}, {kb}] (128x128 blocks) or [{n}, {kb}] (1x128 blocks), "
             f"got {tuple(b_scale.shape)}"
         )
-    _check(out_dtype in (torch.bfloat16, torch.float16, torch.float32),
-           f"out_dtype: expected torch.bfloat16, torch.float16 or torch.float32, got {out_dtype}")
+    _check_out_dtype(out_dtype)
     if bias is not None:
         _check(isinstance(bias, torch.Tensor) and bias.dim() == 1 and bias.shape[0] == n,
                f"bias: expected a 1-D tensor of length N={n}, got {getattr(bias, 'shape', type(bias))}")
         _check(bias.dtype in (torch.float32, torch.bfloat16), f"bias: expected float32 or bfloat16, got {bias.dtype}")
-    dev = a.device
-    _check(dev.type == "cuda", f"a: expected a CUDA tensor, got device {dev}")
-    for name, t in (("a_scale", a_scale), ("b", b), ("b_scale", b_scale), ("bias", bias)):
-        if t is not None:
-            _check(t.device == dev, f"{name}: on {t.device}, expected {dev} like a")
+    _check_on_cuda_like_a(a, a_scale=a_scale, b=b, b_scale=b_scale, bias=bias)
     return m, n, k, per_col
 
 
@@ -459,12 +468,8 @@ def _validate_grouped(a, a_scale, b, b_scale, group, out_dtype, masked):
            f"a_scale, b_scale: expected torch.float32, got {a_scale.dtype} and {b_scale.dtype}")
     _check(tuple(group.shape) == (e,) and group.dtype in (torch.int32, torch.int64),
            f"group: expected an int32 tensor of shape ({e},), got {group.dtype} {tuple(group.shape)}")
-    _check(out_dtype in (torch.bfloat16, torch.float16, torch.float32),
-           f"out_dtype: expected torch.bfloat16, torch.float16 or torch.float32, got {out_dtype}")
-    dev = a.device
-    _check(dev.type == "cuda", f"a: expected a CUDA tensor, got device {dev}")
-    for name, t in (("a_scale", a_scale), ("b", b), ("b_scale", b_scale), ("group", group)):
-        _check(t.device == dev, f"{name}: on {t.device}, expected {dev} like a")
+    _check_out_dtype(out_dtype)
+    _check_on_cuda_like_a(a, a_scale=a_scale, b=b, b_scale=b_scale, group=group)
     return rows, e, n, k
 
 
@@ -554,12 +559,9 @@ def grouped_gemm_wgrad_fp8(
            f"a_scale, b_scale: expected torch.float32, got {a_scale.dtype} and {b_scale.dtype}")
     _check(group_ends.dim() == 1 and group_ends.numel() > 0 and group_ends.dtype in (torch.int32, torch.int64),
            f"group_ends: expected a non-empty 1-D int32 tensor, got {group_ends.dtype} {tuple(group_ends.shape)}")
-    _check(out_dtype in (torch.bfloat16, torch.float16, torch.float32),
-           f"out_dtype: expected torch.bfloat16, torch.float16 or torch.float32, got {out_dtype}")
+    _check_out_dtype(out_dtype)
+    _check_on_cuda_like_a(a, a_scale=a_scale, b=b, b_scale=b_scale, group_ends=group_ends)
     dev = a.device
-    _check(dev.type == "cuda", f"a: expected a CUDA tensor, got device {dev}")
-    for name, t in (("a_scale", a_scale), ("b", b), ("b_scale", b_scale), ("group_ends", group_ends)):
-        _check(t.device == dev, f"{name}: on {t.device}, expected {dev} like a")
     _check(a.stride(1) == 1 and b.stride(1) == 1 and a.stride(0) % 16 == 0 and b.stride(0) % 16 == 0
            and a.data_ptr() % 16 == 0 and b.data_ptr() % 16 == 0,
            "a, b: must be contiguous along K with 16-byte aligned rows")
