@@ -15,3 +15,9 @@ def pytest_collection_modifyitems(config, items):
 def device(request):
     """Run a test on CPU, and on CUDA where a GPU is present."""
     return torch.device(request.param)
+
+
+@pytest.fixture(autouse=True)
+def seeded_global_rng():
+    """Tests that draw from the global RNG get the same data whatever ran before them."""
+    torch.manual_seed(0)
