@@ -244,49 +244,54 @@ def _num_sms(device: torch.device) -> int:
     return _num_sms_cache[idx]
 
 
-def _check(cond: bool, msg: str):
+def _check(cond: bool, msg):
+    """Raise ValueError(msg) unless cond; ``msg`` may be a function, so that a message built
+    from the operands is only formatted on failure (launches are hot)."""
     if not cond:
-        raise ValueError(msg)
+        raise ValueError(msg() if callable(msg) else msg)
 
 
 def _check_out_dtype(out_dtype):
     _check(out_dtype in (torch.bfloat16, torch.float16, torch.float32),
-           f"out_dtype: expected torch.bfloat16, torch.float16 or torch.float32, got {out_dtype}")
+           lambda: f"out_dtype: expected torch.bfloat16, torch.float16 or torch.float32, got {out_dtype}")
 
 
 def _check_on_cuda_like_a(a, **others):
     """``a`` on a CUDA device and every other tensor given (None: skipped) on the same one."""
     dev = a.device
-    _check(dev.type == "cuda", f"a: expected a CUDA tensor, got device {dev}")
+    _check(dev.type == "cuda", lambda: f"a: expected a CUDA tensor, got device {dev}")
     for name, t in others.items():
         if t is not None:
-            _check(t.device == dev, f"{name}: on {t.device}, expected {dev} like a")
+            if not (t.device == dev):
+                raise ValueError(f"{name}: on {t.device}, expected {dev} like a")
 
 
 def _validate(a, a_scale, b, b_scale, out_dtype, bias):
     for name, t in (("a", a), ("a_scale", a_scale), ("b", b), ("b_scale", b_scale)):
-        _check(isinstance(t, torch.Tensor), f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-        _check(t.dim() == 2, f"{name}: expected 2 dims, got shape {tuple(t.shape)}")
-    _check(a.dtype == torch.float8_e4m3fn, f"a: expected torch.float8_e4m3fn, got {a.dtype}")
-    _check(b.dtype == torch.float8_e4m3fn, f"b: expected torch.float8_e4m3fn, got {b.dtype}")
+        if not (isinstance(t, torch.Tensor)):
+            raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        if not (t.dim() == 2):
+            raise ValueError(f"{name}: expected 2 dims, got shape {tuple(t.shape)}")
+    _check(a.dtype == torch.float8_e4m3fn, lambda: f"a: expected torch.float8_e4m3fn, got {a.dtype}")
+    _check(b.dtype == torch.float8_e4m3fn, lambda: f"b: expected torch.float8_e4m3fn, got {b.dtype}")
     m, k = a.shape
     n, kb_ = b.shape
-    _check(kb_ == k, f"b: K mismatch, a is [{m}, {k}] but b is [{n}, {kb_}] (b must be [N, K])")
-    _check(m >= 1, f"a: M must be >= 1, got {m}")
-    _check(n % 16 == 0 and n > 0, f"b: N must be a positive multiple of 16, got {n}")
-    _check(k % 16 == 0 and k > 0, f"a: K must be a positive multiple of 16, got {k}")
-    _check(a.stride(1) == 1, f"a: must be K-major (stride(1) == 1), got strides {a.stride()}")
-    _check(b.stride(1) == 1, f"b: must be K-major (stride(1) == 1), got strides {b.stride()}")
-    _check(a.stride(0) % 16 == 0 or m == 1, f"a: row stride must be a multiple of 16, got {a.stride(0)}")
-    _check(b.stride(0) % 16 == 0, f"b: row stride must be a multiple of 16, got {b.stride(0)}")
+    _check(kb_ == k, lambda: f"b: K mismatch, a is [{m}, {k}] but b is [{n}, {kb_}] (b must be [N, K])")
+    _check(m >= 1, lambda: f"a: M must be >= 1, got {m}")
+    _check(n % 16 == 0 and n > 0, lambda: f"b: N must be a positive multiple of 16, got {n}")
+    _check(k % 16 == 0 and k > 0, lambda: f"a: K must be a positive multiple of 16, got {k}")
+    _check(a.stride(1) == 1, lambda: f"a: must be K-major (stride(1) == 1), got strides {a.stride()}")
+    _check(b.stride(1) == 1, lambda: f"b: must be K-major (stride(1) == 1), got strides {b.stride()}")
+    _check(a.stride(0) % 16 == 0 or m == 1, lambda: f"a: row stride must be a multiple of 16, got {a.stride(0)}")
+    _check(b.stride(0) % 16 == 0, lambda: f"b: row stride must be a multiple of 16, got {b.stride(0)}")
     _check(a.data_ptr() % 16 == 0, "a: data pointer must be 16-byte aligned")
     _check(b.data_ptr() % 16 == 0, "b: data pointer must be 16-byte aligned")
     kb = -(-k // SCALE_BLOCK)
     nb = -(-n // SCALE_BLOCK)
-    _check(a_scale.dtype == torch.float32, f"a_scale: expected torch.float32, got {a_scale.dtype}")
-    _check(b_scale.dtype == torch.float32, f"b_scale: expected torch.float32, got {b_scale.dtype}")
+    _check(a_scale.dtype == torch.float32, lambda: f"a_scale: expected torch.float32, got {a_scale.dtype}")
+    _check(b_scale.dtype == torch.float32, lambda: f"b_scale: expected torch.float32, got {b_scale.dtype}")
     _check(tuple(a_scale.shape) == (m, kb),
-           f"a_scale: expected shape [{m}, {kb}] (1x128 blocks), got {tuple(a_scale.shape)}")
+           lambda: f"a_scale: expected shape [{m}, {kb}] (1x128 blocks), got {tuple(a_scale.shape)}")
     if tuple(b_scale.shape) == (nb, kb):
         per_col = False
     elif tuple(b_scale.shape) == (n, kb):
@@ -299,8 +304,9 @@ def _validate(a, a_scale, b, b_scale, out_dtype, bias):
     _check_out_dtype(out_dtype)
     if bias is not None:
         _check(isinstance(bias, torch.Tensor) and bias.dim() == 1 and bias.shape[0] == n,
-               f"bias: expected a 1-D tensor of length N={n}, got {getattr(bias, 'shape', type(bias))}")
-        _check(bias.dtype in (torch.float32, torch.bfloat16), f"bias: expected float32 or bfloat16, got {bias.dtype}")
+               lambda: f"bias: expected a 1-D tensor of length N={n}, got {getattr(bias, 'shape', type(bias))}")
+        _check(bias.dtype in (torch.float32, torch.bfloat16),
+               lambda: f"bias: expected float32 or bfloat16, got {bias.dtype}")
     _check_on_cuda_like_a(a, a_scale=a_scale, b=b, b_scale=b_scale, bias=bias)
     return m, n, k, per_col
 
@@ -368,14 +374,14 @@ def gemm_blockwise_fp8(
     split = config.split_k
     if split > 1:
         kt = -(-k // SCALE_BLOCK)
-        _check(_split_ok(kt, split), f"config: split_k={split} leaves an empty split for K={k}")
+        _check(_split_ok(kt, split), lambda: f"config: split_k={split} leaves an empty split for K={k}")
     fn = _get_compiled(config, out_dtype, per_col, bias.dtype if bias is not None else None, num_sms)
     if out is None:
         d = torch.empty((m, n), dtype=out_dtype, device=a.device)
     else:
         _check(out.shape == (m, n) and out.dtype == out_dtype and out.is_contiguous()
                and out.device == a.device,
-               f"out: expected a contiguous [{m}, {n}] {out_dtype} tensor on {a.device}")
+               lambda: f"out: expected a contiguous [{m}, {n}] {out_dtype} tensor on {a.device}")
         d = out
     a_scale = _tma_a_scale(a_scale)
     b_scale = _prep_b_scale_per_col(b_scale) if per_col else _tma_b_scale_blocks(b_scale)
@@ -445,29 +451,30 @@ def choose_grouped_config(rows_per_group: float, n: int, num_groups: int, num_sm
 
 def _validate_grouped(a, a_scale, b, b_scale, group, out_dtype, masked):
     for name, t in (("a", a), ("a_scale", a_scale), ("b", b), ("b_scale", b_scale), ("group", group)):
-        _check(isinstance(t, torch.Tensor), f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        if not (isinstance(t, torch.Tensor)):
+            raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
     _check(a.dtype == torch.float8_e4m3fn and b.dtype == torch.float8_e4m3fn,
-           f"a, b: expected torch.float8_e4m3fn, got {a.dtype} and {b.dtype}")
-    _check(b.dim() == 3, f"b: expected [E, N, K], got shape {tuple(b.shape)}")
+           lambda: f"a, b: expected torch.float8_e4m3fn, got {a.dtype} and {b.dtype}")
+    _check(b.dim() == 3, lambda: f"b: expected [E, N, K], got shape {tuple(b.shape)}")
     e, n, k = b.shape
     if masked:
         _check(a.dim() == 3 and a.shape[0] == e and a.shape[2] == k,
-               f"a: expected [E={e}, M_max, K={k}], got shape {tuple(a.shape)}")
+               lambda: f"a: expected [E={e}, M_max, K={k}], got shape {tuple(a.shape)}")
         rows = a.shape[0] * a.shape[1]
     else:
-        _check(a.dim() == 2 and a.shape[1] == k, f"a: expected [M, K={k}], got shape {tuple(a.shape)}")
+        _check(a.dim() == 2 and a.shape[1] == k, lambda: f"a: expected [M, K={k}], got shape {tuple(a.shape)}")
         rows = a.shape[0]
     kb, nb = -(-k // SCALE_BLOCK), -(-n // SCALE_BLOCK)
-    _check(n % 16 == 0 and n > 0, f"b: N must be a positive multiple of 16, got {n}")
-    _check(k % 16 == 0 and k > 0, f"b: K must be a positive multiple of 16, got {k}")
+    _check(n % 16 == 0 and n > 0, lambda: f"b: N must be a positive multiple of 16, got {n}")
+    _check(k % 16 == 0 and k > 0, lambda: f"b: K must be a positive multiple of 16, got {k}")
     _check(tuple(a_scale.shape) == (*a.shape[:-1], kb),
-           f"a_scale: expected shape {(*a.shape[:-1], kb)} (1x128 blocks), got {tuple(a_scale.shape)}")
+           lambda: f"a_scale: expected shape {(*a.shape[:-1], kb)} (1x128 blocks), got {tuple(a_scale.shape)}")
     _check(tuple(b_scale.shape) == (e, nb, kb),
-           f"b_scale: expected shape {(e, nb, kb)} (128x128 blocks), got {tuple(b_scale.shape)}")
+           lambda: f"b_scale: expected shape {(e, nb, kb)} (128x128 blocks), got {tuple(b_scale.shape)}")
     _check(a_scale.dtype == torch.float32 and b_scale.dtype == torch.float32,
-           f"a_scale, b_scale: expected torch.float32, got {a_scale.dtype} and {b_scale.dtype}")
+           lambda: f"a_scale, b_scale: expected torch.float32, got {a_scale.dtype} and {b_scale.dtype}")
     _check(tuple(group.shape) == (e,) and group.dtype in (torch.int32, torch.int64),
-           f"group: expected an int32 tensor of shape ({e},), got {group.dtype} {tuple(group.shape)}")
+           lambda: f"group: expected an int32 tensor of shape ({e},), got {group.dtype} {tuple(group.shape)}")
     _check_out_dtype(out_dtype)
     _check_on_cuda_like_a(a, a_scale=a_scale, b=b, b_scale=b_scale, group=group)
     return rows, e, n, k
@@ -541,24 +548,26 @@ def grouped_gemm_wgrad_fp8(
     Group values are read on the device only (no host sync).
     """
     for name, t in (("a", a), ("a_scale", a_scale), ("b", b), ("b_scale", b_scale), ("group_ends", group_ends)):
-        _check(isinstance(t, torch.Tensor), f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        if not (isinstance(t, torch.Tensor)):
+            raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
     _check(a.dtype == torch.float8_e4m3fn and b.dtype == torch.float8_e4m3fn,
-           f"a, b: expected torch.float8_e4m3fn, got {a.dtype} and {b.dtype}")
+           lambda: f"a, b: expected torch.float8_e4m3fn, got {a.dtype} and {b.dtype}")
     _check(a.dim() == 2 and b.dim() == 2 and a.shape[1] == b.shape[1],
-           f"a, b: expected [N, K] and [P, K], got {tuple(a.shape)} and {tuple(b.shape)}")
+           lambda: f"a, b: expected [N, K] and [P, K], got {tuple(a.shape)} and {tuple(b.shape)}")
     n, k = a.shape
     p = b.shape[0]
     kb = -(-k // SCALE_BLOCK)
-    _check(n % 64 == 0 and n > 0, f"a: N must be a positive multiple of 64, got {n}")
-    _check(p % 16 == 0 and p > 0, f"b: P must be a positive multiple of 16, got {p}")
-    _check(k % 16 == 0 and k > 0, f"a: K must be a positive multiple of 16, got {k}")
+    _check(n % 64 == 0 and n > 0, lambda: f"a: N must be a positive multiple of 64, got {n}")
+    _check(p % 16 == 0 and p > 0, lambda: f"b: P must be a positive multiple of 16, got {p}")
+    _check(k % 16 == 0 and k > 0, lambda: f"a: K must be a positive multiple of 16, got {k}")
     _check(tuple(a_scale.shape) == (n, kb) and tuple(b_scale.shape) == (p, kb),
-           f"a_scale, b_scale: expected shapes {(n, kb)} and {(p, kb)} (1x128 blocks), got "
+           lambda: f"a_scale, b_scale: expected shapes {(n, kb)} and {(p, kb)} (1x128 blocks), got "
            f"{tuple(a_scale.shape)} and {tuple(b_scale.shape)}")
     _check(a_scale.dtype == torch.float32 and b_scale.dtype == torch.float32,
-           f"a_scale, b_scale: expected torch.float32, got {a_scale.dtype} and {b_scale.dtype}")
+           lambda: f"a_scale, b_scale: expected torch.float32, got {a_scale.dtype} and {b_scale.dtype}")
     _check(group_ends.dim() == 1 and group_ends.numel() > 0 and group_ends.dtype in (torch.int32, torch.int64),
-           f"group_ends: expected a non-empty 1-D int32 tensor, got {group_ends.dtype} {tuple(group_ends.shape)}")
+           lambda: f"group_ends: expected a non-empty 1-D int32 tensor, got {group_ends.dtype} "
+           f"{tuple(group_ends.shape)}")
     _check_out_dtype(out_dtype)
     _check_on_cuda_like_a(a, a_scale=a_scale, b=b, b_scale=b_scale, group_ends=group_ends)
     dev = a.device
@@ -571,7 +580,7 @@ def grouped_gemm_wgrad_fp8(
     if config is None:
         config = _tile_config_cls()(tile_m=128 if n % 128 == 0 else 64,
                                     tile_n=min(_TILE_N_PER_COL_MAX, p) if p % 16 == 0 else 16)
-    _check(n % config.tile_m == 0, f"config: tile_m={config.tile_m} must divide N={n}")
+    _check(n % config.tile_m == 0, lambda: f"config: tile_m={config.tile_m} must divide N={n}")
     fn = _get_compiled(config, out_dtype, True, None, num_sms, _ARCH_DEFAULT, "kgrouped")
     ends = group_ends if group_ends.dtype == torch.int32 and group_ends.is_contiguous() \
         else group_ends.to(torch.int32).contiguous()
