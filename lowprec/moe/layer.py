@@ -36,7 +36,8 @@ from torch import nn
 
 from ..gemm import grouped_gemm
 from ..gemm.reference import grouped_mm_rows
-from ..quant import quantize, quantize_with_transpose
+from ..nn.weight_cache import quantize_weight
+from ..quant import quantize
 from ..recipes import get_recipe
 from ..runtime import kernel_failed, use_kernel
 from ..tensor import QuantizedTensor
@@ -200,16 +201,13 @@ class _ExpertsFunction(torch.autograd.Function):
             if isinstance(w1, QuantizedTensor):  # FP8 weights given (inference): used as they are
                 w1q, w2q = w1, w2
                 w1t, w2t = (w1.transpose(), w2.transpose()) if for_backward else (w1, w2)
-            elif for_backward:
-                w1q, w1t = quantize_with_transpose(w1, _WEIGHT_RECIPE)
-                w2q, w2t = quantize_with_transpose(w2, _WEIGHT_RECIPE)
-            else:  # no backward will run: no transposes to make
-                w1q = w1t = quantize(w1, _WEIGHT_RECIPE, check_finite=False)
-                w2q = w2t = quantize(w2, _WEIGHT_RECIPE, check_finite=False)
+            else:  # without a backward to come, no transposes to make
+                w1q, w1t = quantize_weight(w1, _WEIGHT_RECIPE, with_transpose=for_backward)
+                w2q, w2t = quantize_weight(w2, _WEIGHT_RECIPE, with_transpose=for_backward)
             h = grouped_gemm(x_rows, w1q, group_ends=ends, out_dtype=dt)
             a, hq = _quantized_activation(activation, h, row_w)
             o = grouped_gemm(a, w2q, group_ends=ends, out_dtype=dt)
-            saved = (xq, hq, w1t, w2t)
+            saved = (xq, hq, w1q if w1t is None else w1t, w2q if w2t is None else w2t)
         else:
             h = grouped_mm_rows(gather_rows(x, routing), w1.to(dt), ends)
             a = (_activation(activation, h.float()) * row_w[:, None]).to(dt)
@@ -365,7 +363,8 @@ class MoE(nn.Module):
 
     Parameters: ``router`` (``nn.Linear(H, E, bias=False)``, applied in FP32, never quantized),
     ``w1`` ``[E, 2F, H]`` (gate rows, then up rows) and ``w2`` ``[E, H, F]``; FP8 copies of the
-    weights are made each forward, the parameters keep their dtype.
+    weights are made each forward (once per :func:`lowprec.nn.reuse_quantized_weights` block,
+    e.g. over the micro-batches of a step), the parameters keep their dtype.
     """
 
     def __init__(self, hidden_size: int, ffn_size: int, num_experts: int, top_k: int,

@@ -2,5 +2,7 @@
 
 from .functional import LINEAR_RECIPES, LinearRecipe, fp8_linear
 from .linear import FP8InferenceLinear, FP8Linear, convert
+from .weight_cache import reuse_quantized_weights
 
-__all__ = ["LINEAR_RECIPES", "LinearRecipe", "fp8_linear", "FP8InferenceLinear", "FP8Linear", "convert"]
+__all__ = ["LINEAR_RECIPES", "LinearRecipe", "fp8_linear", "FP8InferenceLinear", "FP8Linear", "convert",
+           "reuse_quantized_weights"]

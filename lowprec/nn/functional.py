@@ -18,9 +18,9 @@ from dataclasses import dataclass
 import torch
 
 from ..gemm import gemm
-from ..quant import quantize, quantize_dual, quantize_with_transpose
-from ..recipes import get_recipe
+from ..quant import quantize, quantize_dual
 from ..tensor import QuantizedTensor
+from .weight_cache import quantize_weight
 
 __all__ = ["LinearRecipe", "LINEAR_RECIPES", "get_linear_recipe", "fp8_linear"]
 
@@ -59,21 +59,19 @@ class _FP8Linear(torch.autograd.Function):
             x_q, xt_q = quantize_dual(x2, recipe.activation)
         else:
             x_q, xt_q = quantize(x2, recipe.activation, check_finite=False), None
-        if get_recipe(recipe.weight).transposable:  # the codes and their transpose (one pass on a kernel)
-            w_q, w_t = quantize_with_transpose(weight, recipe.weight)
-        else:
-            w_q, w_t = quantize(weight, recipe.weight, check_finite=False), None
+        # the input gradient multiplies by the transposed weight: quantized now, with the weight
+        w_q, w_t = quantize_weight(weight, recipe.weight, with_transpose=ctx.needs_input_grad[0])
         y = gemm(x_q, w_q, out_dtype=x2.dtype, bias=bias)
         ctx.recipe = recipe
         ctx.has_bias = bias is not None
         ctx.weight_dtype = weight.dtype
-        ctx.w_t_reused = w_t is not None
         tensors = []
         if xt_q is not None:
             ctx.xt_meta = (xt_q.recipe, xt_q.shape, xt_q.dtype)
             tensors += [xt_q.data, xt_q.scale]
-        ctx.w_meta = (w_t.recipe, w_t.shape, w_t.dtype) if w_t is not None else None
-        tensors += [w_t.data, w_t.scale] if w_t is not None else [weight]
+        if w_t is not None:
+            ctx.w_meta = (w_t.recipe, w_t.shape, w_t.dtype)
+            tensors += [w_t.data, w_t.scale]
         ctx.save_for_backward(*tensors)
         return y
 
@@ -85,10 +83,6 @@ class _FP8Linear(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             data, scale = saved.pop(0), saved.pop(0)
             xt_q = QuantizedTensor(data, scale, *ctx.xt_meta)
-        if ctx.w_t_reused:
-            w_t = QuantizedTensor(saved[0], saved[1], *ctx.w_meta)
-        else:
-            w_t = quantize(saved[0].t(), recipe.weight, check_finite=False)
         dy = dy.contiguous()
         dx = dw = db = None
         if ctx.needs_input_grad[1]:
@@ -97,7 +91,7 @@ class _FP8Linear(torch.autograd.Function):
         else:
             dy_q = quantize(dy, recipe.grad, check_finite=False)
         if ctx.needs_input_grad[0]:
-            dx = gemm(dy_q, w_t, out_dtype=dy.dtype)
+            dx = gemm(dy_q, QuantizedTensor(saved[0], saved[1], *ctx.w_meta), out_dtype=dy.dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy.sum(0, dtype=torch.float32)
         return dx, dw, db, None
@@ -110,7 +104,8 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     Args:
         x: ``[..., in_features]`` float32 / bfloat16 / float16; the output has its dtype.
         weight: ``[out_features, in_features]`` master weight (any float dtype; it is quantized
-            on every call, so optimizer updates are seen).
+            on every call, so optimizer updates are seen, or once per
+            :func:`~lowprec.nn.reuse_quantized_weights` block).
         bias: optional ``[out_features]``.
         recipe: ``"fp8_block"`` (DeepSeek-V3: activations and gradients 1x128, weights 128x128),
             ``"fp8_rowwise"`` or ``"fp8_tensorwise"``.
@@ -129,5 +124,6 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
         y = _FP8Linear.apply(x2, weight, bias32, r)
     else:  # evaluation: no transposed copies to make or save
         x_q = quantize(x2, r.activation, check_finite=False)
-        y = gemm(x_q, quantize(weight, r.weight, check_finite=False), out_dtype=x2.dtype, bias=bias32)
+        w_q, _ = quantize_weight(weight, r.weight, with_transpose=False)
+        y = gemm(x_q, w_q, out_dtype=x2.dtype, bias=bias32)
     return y.reshape(*x.shape[:-1], weight.shape[0])

@@ -1,0 +1,97 @@
+"""Quantize each master weight once per optimizer step instead of once per forward.
+
+With gradient accumulation a step runs forward + backward on several micro-batches while the
+weights stay the same, yet :class:`~lowprec.nn.FP8Linear` and :class:`~lowprec.moe.MoE` quantize
+their weights (and the transposed copy the input gradient needs) in every forward: for an MoE
+layer that is a full pass over all expert weights per micro-batch. Inside
+:func:`reuse_quantized_weights` the first forward quantizes and the FP8 copies are reused until
+the weight changes or the block ends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import weakref
+from collections.abc import Iterator
+
+import torch
+
+from ..quant import quantize, quantize_with_transpose
+from ..recipes import get_recipe
+from ..tensor import QuantizedTensor
+
+__all__ = ["reuse_quantized_weights", "quantize_weight"]
+
+_state = threading.local()
+
+
+class _Entry:
+    __slots__ = ("ref", "version", "recipe", "w_q", "w_t")
+
+    def __init__(self, weight: torch.Tensor, recipe: str, w_q: QuantizedTensor, w_t: QuantizedTensor | None):
+        self.ref = weakref.ref(weight)
+        self.version = weight._version
+        self.recipe, self.w_q, self.w_t = recipe, w_q, w_t
+
+
+@contextlib.contextmanager
+def reuse_quantized_weights() -> Iterator[None]:
+    """Within the block, each weight is quantized once and its FP8 copies are reused.
+
+    For gradient accumulation::
+
+        with lowprec.nn.reuse_quantized_weights():
+            for batch in micro_batches:
+                model(batch).loss.backward()
+        optimizer.step()
+
+    A weight modified in place inside the block (``optimizer.step()``, ``weight.copy_(...)``
+    under ``no_grad``: anything that bumps the tensor's version counter) is quantized again at
+    its next use. Writes through ``weight.data`` bypass the version counter, as they bypass
+    autograd: make them outside the block. The FP8 copies (weight and, for training, its
+    transpose: about two bytes per parameter) stay alive until the block ends. Blocks nest; the
+    outermost one owns the cache. Per thread; ignored while ``torch.compile`` traces.
+    """
+    outer = getattr(_state, "cache", None)
+    if outer is not None:
+        yield
+        return
+    _state.cache = {}
+    try:
+        yield
+    finally:
+        _state.cache = None
+
+
+def quantize_weight(weight: torch.Tensor, recipe: str, with_transpose: bool
+                    ) -> tuple[QuantizedTensor, QuantizedTensor | None]:
+    """``(quantize(weight), quantize(weightᵀ) or None)`` for a layer's forward, from the cache
+    of the enclosing :func:`reuse_quantized_weights` block where there is one.
+
+    ``with_transpose``: also the transposed copy (the input-gradient GEMM's operand): from the
+    same pass for transposable recipes (128x128 blocks, tensorwise), else quantized along the
+    other dim. Leading dims of ``weight`` are a batch of matrices (experts).
+    """
+    cache = getattr(_state, "cache", None)
+    if cache is None or torch.compiler.is_compiling():
+        return _quantize(weight, recipe, with_transpose)
+    key = id(weight)
+    entry = cache.get(key)
+    if (entry is not None and entry.ref() is weight and entry.version == weight._version
+            and entry.recipe == recipe and (entry.w_t is not None or not with_transpose)):
+        return entry.w_q, entry.w_t if with_transpose else None
+    w_q, w_t = _quantize(weight, recipe, with_transpose)
+    cache[key] = _Entry(weight, recipe, w_q, w_t)
+    return w_q, w_t
+
+
+def _quantize(weight: torch.Tensor, recipe: str, with_transpose: bool
+              ) -> tuple[QuantizedTensor, QuantizedTensor | None]:
+    if not with_transpose:
+        return quantize(weight, recipe, check_finite=False), None
+    if get_recipe(recipe).transposable:  # both orientations from one pass on a kernel
+        return quantize_with_transpose(weight, recipe)
+    # contiguous: the quantize kernels read rows
+    return (quantize(weight, recipe, check_finite=False),
+            quantize(weight.transpose(-1, -2).contiguous(), recipe, check_finite=False))

@@ -1,0 +1,134 @@
+import threading
+
+import pytest
+import torch
+
+import lowprec
+from lowprec.nn import FP8Linear, reuse_quantized_weights, weight_cache
+
+
+@pytest.fixture
+def quantize_calls(monkeypatch):
+    """Records (weight id, with_transpose) for each weight actually quantized."""
+    calls = []
+    real = weight_cache._quantize
+
+    def counting(weight, recipe, with_transpose):
+        calls.append((id(weight), with_transpose))
+        return real(weight, recipe, with_transpose)
+
+    monkeypatch.setattr(weight_cache, "_quantize", counting)
+    return calls
+
+
+def _accumulate(layer, batches, reuse):
+    layer.weight.grad = None
+    outs = []
+    ctx = reuse_quantized_weights() if reuse else _nothing()
+    with ctx:
+        for x in batches:
+            y = layer(x)
+            y.square().sum().backward()
+            outs.append(y.detach())
+    return outs, layer.weight.grad.clone()
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+@pytest.mark.parametrize("recipe", ["fp8_block", "fp8_rowwise", "fp8_tensorwise"])
+def test_micro_batches_quantize_once_and_match(recipe, quantize_calls, device):
+    layer = FP8Linear(128, 64, bias=False, recipe=recipe, device=device)
+    batches = [torch.randn(32, 128, device=device, requires_grad=True) for _ in range(3)]
+    outs, grad = _accumulate(layer, batches, reuse=False)
+    assert len(quantize_calls) == 3
+    quantize_calls.clear()
+    outs_reused, grad_reused = _accumulate(layer, batches, reuse=True)
+    assert quantize_calls == [(id(layer.weight), True)]
+    assert all(torch.equal(a, b) for a, b in zip(outs, outs_reused))
+    assert torch.equal(grad, grad_reused)
+
+
+def test_in_place_update_is_seen(quantize_calls):
+    layer = FP8Linear(128, 64)
+    opt = torch.optim.SGD(layer.parameters(), lr=0.5)
+    x = torch.randn(16, 128)
+    with reuse_quantized_weights():
+        layer(x).sum().backward()
+        opt.step()  # in place: bumps the weight's version
+        y = layer(x)
+    assert len(quantize_calls) == 2
+    assert torch.equal(y, layer(x))  # as a fresh quantization of the updated weight
+
+
+def test_block_end_drops_the_cache_and_blocks_nest(quantize_calls):
+    layer = FP8Linear(128, 64)
+    x = torch.randn(16, 128)
+    with reuse_quantized_weights():
+        layer(x)
+        with reuse_quantized_weights():
+            layer(x)
+        layer(x)  # the inner block's end keeps the outer block's cache
+    assert len(quantize_calls) == 1
+    layer(x)
+    assert len(quantize_calls) == 2
+
+
+def test_eval_forward_then_training_forward(quantize_calls):
+    """A copy made without the transpose is made again when a training forward needs it."""
+    layer = FP8Linear(128, 64)
+    x = torch.randn(16, 128, requires_grad=True)
+    with reuse_quantized_weights():
+        with torch.no_grad():
+            y_eval = layer(x)
+        y = layer(x)
+        y.sum().backward()
+        layer(x)
+        with torch.no_grad():
+            layer(x)
+    assert quantize_calls == [(id(layer.weight), False), (id(layer.weight), True)]
+    assert torch.equal(y_eval, y.detach())
+
+
+def test_other_weights_and_threads_are_separate(quantize_calls):
+    a, b = FP8Linear(128, 64), FP8Linear(128, 64)
+    x = torch.randn(16, 128)
+    with reuse_quantized_weights():
+        a(x), b(x), a(x), b(x)
+        worker = threading.Thread(target=lambda: (a(x), a(x)))  # no block in that thread
+        worker.start()
+        worker.join()
+    assert sorted(quantize_calls) == sorted([(id(a.weight), False)] * 3 + [(id(b.weight), False)])
+
+
+def test_moe_micro_batches_quantize_once_and_match(quantize_calls):
+    torch.manual_seed(0)
+    moe = lowprec.MoE(64, 32, num_experts=4, top_k=2)
+    batches = [torch.randn(24, 64, requires_grad=True) for _ in range(2)]
+
+    def run(reuse):
+        moe.zero_grad(set_to_none=True)
+        with reuse_quantized_weights() if reuse else _nothing():
+            outs = []
+            for x in batches:
+                y = moe(x)
+                y.square().sum().backward()
+                outs.append(y.detach())
+        return outs, moe.w1.grad.clone(), moe.w2.grad.clone()
+
+    plain = run(reuse=False)
+    assert len(quantize_calls) == 4
+    quantize_calls.clear()
+    reused = run(reuse=True)
+    assert sorted(quantize_calls) == sorted([(id(moe.w1), True), (id(moe.w2), True)])
+    assert all(torch.equal(p, r) for p, r in zip(plain[0], reused[0]))
+    assert torch.equal(plain[1], reused[1]) and torch.equal(plain[2], reused[2])
+
+
+def test_top_level_name():
+    assert lowprec.reuse_quantized_weights is reuse_quantized_weights
