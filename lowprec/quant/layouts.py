@@ -53,8 +53,7 @@ def empty_mn_major_tma_aligned(rows: int, cols: int, device, dtype=torch.float32
     kernels that write scales in place: no fill, no copy)."""
     if cols <= 1:  # a single column is already MN-major: as to_mn_major_tma_aligned keeps it
         return torch.empty(rows, cols, dtype=dtype, device=device)
-    ld = _round_up(rows, _tma_align(dtype))
-    return torch.empty(cols, ld, dtype=dtype, device=device)[:, :rows].t()
+    return torch.empty_strided((rows, cols), (1, _round_up(rows, _tma_align(dtype))), dtype=dtype, device=device)
 
 
 def is_mn_major_tma_aligned(scale: torch.Tensor) -> bool:

@@ -320,8 +320,10 @@ def _prep_b_scale_per_col(b_scale: torch.Tensor) -> torch.Tensor:
     floats per call)."""
     n, kb = b_scale.shape
     n_pad = -(-n // _N_PAD) * _N_PAD
-    buf = torch.zeros(kb, n_pad, dtype=torch.float32, device=b_scale.device)
+    buf = torch.empty(kb, n_pad, dtype=torch.float32, device=b_scale.device)
     buf[:, :n].copy_(b_scale.t())
+    if n_pad > n:
+        buf[:, n:].zero_()
     return buf.t()
 
 
