@@ -146,7 +146,9 @@ _FACTORIES = {
 }
 
 RECIPE_NAMES = tuple(_FACTORIES)
-_DEFAULT_RECIPES: dict[str, ScaleRecipe] = {}
+# built at import: recipes are immutable and hot paths ask for them per op; building one lazily
+# would write to this dict while torch.compile traces, a side effect it cannot keep in a graph
+_DEFAULT_RECIPES: dict[str, ScaleRecipe] = {name: factory() for name, factory in _FACTORIES.items()}
 
 
 def get_recipe(recipe: str | ScaleRecipe, **options) -> ScaleRecipe:
@@ -157,11 +159,8 @@ def get_recipe(recipe: str | ScaleRecipe, **options) -> ScaleRecipe:
         return recipe
     if recipe not in _FACTORIES:
         raise ValueError(f"recipe: unknown recipe {recipe!r}; expected one of {list(RECIPE_NAMES)}")
-    if not options:  # recipes are immutable: build each default once (hot paths call this per op)
-        hit = _DEFAULT_RECIPES.get(recipe)
-        if hit is None:
-            hit = _DEFAULT_RECIPES[recipe] = _FACTORIES[recipe]()
-        return hit
+    if not options:
+        return _DEFAULT_RECIPES[recipe]
     try:
         return _FACTORIES[recipe](**options)
     except TypeError as err:

@@ -1,5 +1,7 @@
 import copy
 import logging
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -173,6 +175,25 @@ def test_compile_fullgraph_forward_and_backward():
     layer.weight.grad = None
     step(x).backward()
     torch.testing.assert_close(g_compiled, layer.weight.grad)
+
+
+def test_compile_fullgraph_in_a_fresh_process():
+    """Nothing may be built lazily while the first trace runs: here no other test has warmed the
+    package's caches (a recipe built lazily under tracing broke this once)."""
+    script = """
+import torch
+from lowprec.nn import FP8Linear
+layer = FP8Linear(128, 64)
+x = torch.randn(33, 128, requires_grad=True)
+step = torch.compile(lambda x: layer(x).square().sum(), fullgraph=True, backend="aot_eager")
+step(x).backward()
+g = layer.weight.grad.clone()
+layer.weight.grad = None
+layer(x).square().sum().backward()
+torch.testing.assert_close(g, layer.weight.grad)
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
 
 
 def test_bad_input():

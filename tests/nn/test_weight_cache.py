@@ -132,3 +132,17 @@ def test_moe_micro_batches_quantize_once_and_match(quantize_calls):
 
 def test_top_level_name():
     assert lowprec.reuse_quantized_weights is reuse_quantized_weights
+
+
+def test_compiled_step_inside_a_block():
+    """torch.compile traces the plain path (no cache) and gives the eager result."""
+    torch.manual_seed(4)
+    layer = FP8Linear(128, 64)
+    x = torch.randn(33, 128, requires_grad=True)
+    compiled = torch.compile(lambda x: layer(x).square().sum(), fullgraph=True, backend="aot_eager")
+    with reuse_quantized_weights():
+        compiled(x).backward()
+    g_compiled = layer.weight.grad.clone()
+    layer.weight.grad = None
+    layer(x).square().sum().backward()
+    torch.testing.assert_close(g_compiled, layer.weight.grad)
