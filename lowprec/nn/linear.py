@@ -31,7 +31,9 @@ class FP8Linear(nn.Module):
 
     The master weight and bias keep their dtype and are ordinary parameters, so any optimizer
     works unchanged. ``recipe``: ``"fp8_block"`` (default; 1x128 activations and gradients,
-    128x128 weights, as DeepSeek-V3), ``"fp8_rowwise"``, ``"fp8_tensorwise"``.
+    128x128 weights, as DeepSeek-V3), ``"fp8_rowwise"``, ``"fp8_tensorwise"``. The weight is
+    quantized in every forward, or once per :func:`~lowprec.nn.reuse_quantized_weights` block
+    (gradient accumulation).
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, recipe: str = "fp8_block",
