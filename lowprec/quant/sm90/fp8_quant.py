@@ -34,6 +34,12 @@ E4M3_MAX = 448.0
 FP32_TINY = 1.1754943508222875e-38  # smallest normal: amax / 448 never flushes to zero
 
 
+def as_fp8(codes_u8: cute.Tensor) -> cute.Tensor:
+    """The kernels take FP8 outputs as uint8 tensors (TVM-FFI has no FP8 dtype): the same memory
+    and layout, typed E4M3."""
+    return cute.make_tensor(cute.recast_ptr(codes_u8.iterator, dtype=cutlass.Float8E4M3FN), codes_u8.layout)
+
+
 @cute.jit
 def after_previous_grid():
     """Programmatic dependent launch (kernels launched with ``use_pdl=True``): the CTA may start
@@ -125,7 +131,7 @@ def _quant_1x128_kernel(mX: cute.Tensor, mQ_u8: cute.Tensor, mS: cute.Tensor):
     rows = mX.shape[0]
     cols = mX.shape[1]
     blocks_per_row = mS.shape[1]
-    mQ = cute.make_tensor(cute.recast_ptr(mQ_u8.iterator, dtype=cutlass.Float8E4M3FN), mQ_u8.layout)
+    mQ = as_fp8(mQ_u8)
 
     lane = tidx % LANES
     values, coords = _load_blocks(mX, bidx, tidx, blocks_per_row)
@@ -166,8 +172,8 @@ def _pack_1x128_kernel(mX: cute.Tensor, mSlotRows: cute.Tensor, mRowSlots: cute.
     cols = mX.shape[1]
     top_k = mSlotRows.shape[1]
     blocks_per_row = mS.shape[1]
-    mQ = cute.make_tensor(cute.recast_ptr(mQ_u8.iterator, dtype=cutlass.Float8E4M3FN), mQ_u8.layout)
-    mXQ = cute.make_tensor(cute.recast_ptr(mXQ_u8.iterator, dtype=cutlass.Float8E4M3FN), mXQ_u8.layout)
+    mQ = as_fp8(mQ_u8)
+    mXQ = as_fp8(mXQ_u8)
 
     lane = tidx % LANES
     values, coords = _load_blocks(mX, bidx, tidx, blocks_per_row)
@@ -234,8 +240,8 @@ def _swiglu_1x128_kernel(mH: cute.Tensor, mW: cute.Tensor, mQ_u8: cute.Tensor, m
     rows = mH.shape[0]
     ffn = mQ_u8.shape[1]
     blocks_per_row = mS.shape[1]
-    mQ = cute.make_tensor(cute.recast_ptr(mQ_u8.iterator, dtype=cutlass.Float8E4M3FN), mQ_u8.layout)
-    mHQ = cute.make_tensor(cute.recast_ptr(mHQ_u8.iterator, dtype=cutlass.Float8E4M3FN), mHQ_u8.layout)
+    mQ = as_fp8(mQ_u8)
+    mHQ = as_fp8(mHQ_u8)
 
     lane = tidx % LANES
     values, coords = _load_block_columns(mH, bidx, tidx, blocks_per_row, ffn, (0, ffn))
@@ -297,7 +303,7 @@ def _quant_rowwise_kernel(mX: cute.Tensor, mQ_u8: cute.Tensor, mS: cute.Tensor):
     after_previous_grid()
     row, _, _ = cute.arch.block_idx()
     cols = mX.shape[1]
-    mQ = cute.make_tensor(cute.recast_ptr(mQ_u8.iterator, dtype=cutlass.Float8E4M3FN), mQ_u8.layout)
+    mQ = as_fp8(mQ_u8)
     smem = cutlass.memory.SmemAllocator()
     warp_max = smem.allocate_tensor(Float32, cute.make_layout(WARPS_PER_CTA), byte_alignment=16)
 
@@ -396,7 +402,7 @@ def _quant_128x128_kernel(mX: cute.Tensor, mQ_u8: cute.Tensor, mS: cute.Tensor, 
     tidx, _, _ = cute.arch.thread_idx()
     after_previous_grid()
     tile_r, tile_c, _ = cute.arch.block_idx()
-    mQ = cute.make_tensor(cute.recast_ptr(mQ_u8.iterator, dtype=cutlass.Float8E4M3FN), mQ_u8.layout)
+    mQ = as_fp8(mQ_u8)
     smem = cutlass.memory.SmemAllocator()
     warp_max = smem.allocate_tensor(Float32, cute.make_layout(WARPS_PER_CTA), byte_alignment=16)
 
@@ -424,7 +430,7 @@ def _quant_128x128_kernel(mX: cute.Tensor, mQ_u8: cute.Tensor, mS: cute.Tensor, 
         # transposes, [E * K, N]. The codes are the same: a 128x128 block's scale does not depend on
         # the orientation.
         tile_t = _alloc_transposed_tile(smem)
-        mQT = cute.make_tensor(cute.recast_ptr(mQT_u8.iterator, dtype=cutlass.Float8E4M3FN), mQT_u8.layout)
+        mQT = as_fp8(mQT_u8)
         for j in cutlass.range_constexpr(VEC):
             _stage_column(tile_t, _column_codes(values, j, inv), lane, rgrp, j)
         cute.arch.sync_threads()
@@ -495,8 +501,8 @@ def _quant_dual_kernel(mX: cute.Tensor, mQ_u8: cute.Tensor, mS: cute.Tensor, mQT
     tidx, _, _ = cute.arch.thread_idx()
     after_previous_grid()
     tile_r, tile_c, _ = cute.arch.block_idx()
-    mQ = cute.make_tensor(cute.recast_ptr(mQ_u8.iterator, dtype=cutlass.Float8E4M3FN), mQ_u8.layout)
-    mQT = cute.make_tensor(cute.recast_ptr(mQT_u8.iterator, dtype=cutlass.Float8E4M3FN), mQT_u8.layout)
+    mQ = as_fp8(mQ_u8)
+    mQT = as_fp8(mQT_u8)
     smem = cutlass.memory.SmemAllocator()
     col_max = _alloc_col_max(smem)
     tile_t = _alloc_transposed_tile(smem)
@@ -537,7 +543,7 @@ def _quant_t_gathered_kernel(mX: cute.Tensor, mSrc: cute.Tensor, mQT_u8: cute.Te
     tidx, _, _ = cute.arch.thread_idx()
     after_previous_grid()
     tile_r, tile_c, _ = cute.arch.block_idx()
-    mQT = cute.make_tensor(cute.recast_ptr(mQT_u8.iterator, dtype=cutlass.Float8E4M3FN), mQT_u8.layout)
+    mQT = as_fp8(mQT_u8)
     smem = cutlass.memory.SmemAllocator()
     col_max = _alloc_col_max(smem)
     tile_t = _alloc_transposed_tile(smem)

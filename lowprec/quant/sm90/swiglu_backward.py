@@ -36,6 +36,7 @@ from .fp8_quant import (
     _grid_1x128,
     _quantize_block,
     after_previous_grid,
+    as_fp8,
 )
 
 
@@ -65,8 +66,8 @@ def _swiglu_backward_kernel(mHQ_u8: cute.Tensor, mHS: cute.Tensor, mDA: cute.Ten
     rows = mDA.shape[0]
     ffn = mDA.shape[1]
     blocks_per_row = mDW.shape[1]
-    mHQ = cute.make_tensor(cute.recast_ptr(mHQ_u8.iterator, dtype=cutlass.Float8E4M3FN), mHQ_u8.layout)
-    mDHQ = cute.make_tensor(cute.recast_ptr(mDHQ_u8.iterator, dtype=cutlass.Float8E4M3FN), mDHQ_u8.layout)
+    mHQ = as_fp8(mHQ_u8)
+    mDHQ = as_fp8(mDHQ_u8)
 
     lane = tidx % LANES
     row_tile = bidx // blocks_per_row
