@@ -9,35 +9,20 @@ import statistics
 
 import torch
 
-__all__ = ["bench_ms", "bench_queued_ms", "bench_stream_ms",
-           "bench_graph_ms", "cuda_graph_replay", "gpu_slug", "save_results",
+__all__ = ["bench_ms", "bench_stream_ms", "bench_graph_ms", "cuda_graph_replay", "gpu_slug", "save_results",
            "copy_bandwidth_gbs", "print_table"]
 
 _FLUSH_BYTES = 256 << 20  # > H100/H200 L2 (50 MB): every timed run starts from a cold L2
 
 
-def bench_ms(fn, warmup: int = 10, rep: int = 50) -> float:
-    """Median milliseconds of ``fn()`` with CUDA events, L2 flushed before every run."""
-    flush = torch.empty(_FLUSH_BYTES, dtype=torch.uint8, device="cuda")
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(rep):
-        flush.zero_()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+def bench_ms(fn, warmup: int = 10, rep: int = 50, queued: bool = False) -> float:
+    """Median milliseconds of ``fn()`` between CUDA events, L2 flushed before every run.
 
-
-def bench_queued_ms(fn, warmup: int = 10, rep: int = 50) -> float:
-    """Median milliseconds of ``fn()`` between CUDA events, L2 flushed before every run, with no
-    host sync between runs (as ``triton.testing.do_bench``): the host queues work ahead, as in a
-    training step of many layers, so host launch time only counts where it exceeds the GPU time.
-    :func:`bench_ms` syncs before each run and so also counts the host time to the first launch."""
+    By default the host syncs before each run, so the host time to ``fn``'s first launch counts.
+    ``queued``: no sync between runs (as ``triton.testing.do_bench``): the host queues work
+    ahead, as in a training step of many layers, so host time only counts where it exceeds the
+    GPU time.
+    """
     flush = torch.empty(_FLUSH_BYTES, dtype=torch.uint8, device="cuda")
     for _ in range(warmup):
         fn()
@@ -48,6 +33,8 @@ def bench_queued_ms(fn, warmup: int = 10, rep: int = 50) -> float:
         start.record()
         fn()
         end.record()
+        if not queued:
+            end.synchronize()
         events.append((start, end))
     torch.cuda.synchronize()
     return statistics.median(start.elapsed_time(end) for start, end in events)

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from ..nn import FP8Linear, reuse_quantized_weights
-from .common import bench_ms, bench_queued_ms, print_table, save_results
+from .common import bench_ms, print_table, save_results
 
 TOKENS = 16384
 SHAPES = [(4096, 4096), (4096, 14336), (14336, 4096), (8192, 8192)]
@@ -49,10 +49,10 @@ def main(argv: list[str] | None = None) -> int:
         dy = torch.randn(TOKENS, n, device="cuda", dtype=torch.bfloat16)
         flops = 2 * TOKENS * k * n
         t = {name: (bench_ms(_fwd(layer, x)), bench_ms(_fwd_bwd(layer, x, dy)),
-                    bench_queued_ms(_fwd_bwd(layer, x, dy)))
+                    bench_ms(_fwd_bwd(layer, x, dy), queued=True))
              for name, layer in (("bf16", ref), ("fp8", fp8))}
         with reuse_quantized_weights():
-            fp8_reused = bench_queued_ms(_fwd_bwd(fp8, x, dy))
+            fp8_reused = bench_ms(_fwd_bwd(fp8, x, dy), queued=True)
         row = {"shape": [TOKENS, k, n], "bf16_fwd_ms": t["bf16"][0], "fp8_fwd_ms": t["fp8"][0],
                "bf16_fwd_bwd_ms": t["bf16"][1], "fp8_fwd_bwd_ms": t["fp8"][1],
                "bf16_fwd_bwd_queued_ms": t["bf16"][2], "fp8_fwd_bwd_queued_ms": t["fp8"][2],
