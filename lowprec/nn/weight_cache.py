@@ -73,8 +73,9 @@ def quantize_weight(weight: torch.Tensor, recipe: str, with_transpose: bool
     same pass for transposable recipes (128x128 blocks, tensorwise), else quantized along the
     other dim. Leading dims of ``weight`` are a batch of matrices (experts).
     """
-    cache = getattr(_state, "cache", None)
-    if cache is None or torch.compiler.is_compiling():
+    # traced graphs take the plain path: no thread-local state read under torch.compile
+    cache = None if torch.compiler.is_compiling() else getattr(_state, "cache", None)
+    if cache is None:
         return _quantize(weight, recipe, with_transpose)
     key = id(weight)
     entry = cache.get(key)
