@@ -123,33 +123,105 @@ def _quantize_block(mQ: cute.Tensor, mS: cute.Tensor, values, row, kb, col, lane
             mS[row, kb] = scale
 
 
+# Streaming through shared memory (1x128, dual): a persistent CTA walks its tiles (CTA id, + grid,
+# ...) and each thread copies its own 16-byte chunks of the tiles PREFETCH ahead global -> shared
+# with cp.async (LDGSTS: no register holds the bytes in flight), then reads back the chunks of the
+# tile it quantizes. A thread reads only what it copied itself: no CTA barrier guards the slots.
+# Register loads kept bytes in flight only while a short-lived CTA loaded (NOTES v4).
+CHUNK_BYTES = 16
+
+
+def _alloc_slots(smem, dtype, chunks: int, stages: int):
+    """[VEC, THREADS, chunks, stages] elements: a thread's VEC elements contiguous, threads next to
+    each other (16-byte accesses of a quarter-warp cover 128 contiguous bytes: conflict-free)."""
+    return smem.allocate_tensor(dtype, cute.make_layout((VEC, THREADS, chunks, stages)), byte_alignment=128)
+
+
+@cute.jit
+def _prefetch_chunk(mX: cute.Tensor, slots: cute.Tensor, tidx, chunk, stage, row, col, in_bounds):
+    """cp.async of ``mX[row, col .. col + VEC]`` into the thread's slot (zeros when out of bounds)."""
+    dst = slots[(None, tidx, chunk, stage)]
+    if in_bounds:
+        per_copy = CHUNK_BYTES * 8 // mX.element_type.width
+        atom = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(), mX.element_type, num_bits_per_copy=CHUNK_BYTES * 8)
+        src = cute.local_tile(mX, (1, VEC), (row, col // VEC))
+        for h in cutlass.range_constexpr(VEC // per_copy):
+            cute.copy(atom, cute.local_tile(src[0, None], (per_copy,), (h,)), cute.local_tile(dst, (per_copy,), (h,)))
+    else:
+        zeros = cute.make_rmem_tensor((VEC,), mX.element_type)
+        zeros.fill(0)
+        cute.autovec_copy(zeros, dst)
+
+
+@cute.jit
+def _read_chunk(slots: cute.Tensor, tidx, chunk, stage):
+    frag = cute.make_rmem_tensor((VEC,), slots.element_type)
+    cute.autovec_copy(slots[(None, tidx, chunk, stage)], frag)
+    return frag.load().to(Float32)
+
+
+PREFETCH_1X128 = 2  # tiles in flight ahead of the one being quantized
+STAGES_1X128 = PREFETCH_1X128 + 1  # 48 KB of bf16 slots: 4 CTAs per SM
+
+
+@cute.jit
+def _tile_1x128(tile, blocks_per_row, tidx, u):
+    """(row, block column, first column) of the thread's block ``u`` in 1x128 tile ``tile``."""
+    row_tile = tile // blocks_per_row
+    kb = tile - row_tile * blocks_per_row
+    row = row_tile * ROWS_PER_CTA + u * GROUPS_PER_CTA + tidx // LANES
+    return row, kb, kb * BLOCK + (tidx % LANES) * VEC
+
+
+@cute.jit
+def _prefetch_1x128(mX: cute.Tensor, slots: cute.Tensor, tidx, tile, n_tiles, blocks_per_row, stage):
+    if tile < n_tiles:
+        for u in cutlass.range_constexpr(UNROLL):
+            row, kb, col = _tile_1x128(tile, blocks_per_row, tidx, u)
+            _prefetch_chunk(mX, slots, tidx, u, stage, row, col, row < mX.shape[0] and col < mX.shape[1])
+    cute.arch.cp_async_commit_group()
+
+
 @cute.kernel
 def _quant_1x128_kernel(mX: cute.Tensor, mQ_u8: cute.Tensor, mS: cute.Tensor):
     tidx, _, _ = cute.arch.thread_idx()
     after_previous_grid()
     bidx, _, _ = cute.arch.block_idx()
+    grid, _, _ = cute.arch.grid_dim()
     rows = mX.shape[0]
     cols = mX.shape[1]
     blocks_per_row = mS.shape[1]
+    n_tiles = _grid_1x128(rows, blocks_per_row)
     mQ = as_fp8(mQ_u8)
+    smem = cutlass.memory.SmemAllocator()
+    slots = _alloc_slots(smem, mX.element_type, UNROLL, STAGES_1X128)
 
     lane = tidx % LANES
-    values, coords = _load_blocks(mX, bidx, tidx, blocks_per_row)
-    for u in cutlass.range_constexpr(UNROLL):
-        row, kb, col = coords[u]
-        # every lane joins the shuffle, in bounds or not
-        amax = abs(values[u]).reduce(cute.ReductionOp.MAX, Float32(0.0), 0)
-        amax = cute.arch.warp_reduction_max(amax, threads_in_group=LANES)
-        scale, inv = _scale_and_inverse(amax)
-        if row < rows and col < cols:
-            _store_row_chunk(mQ, values[u] * inv, row, col)
-            if lane == 0:
-                mS[row, kb] = scale
+    for p in cutlass.range_constexpr(PREFETCH_1X128):
+        _prefetch_1x128(mX, slots, tidx, bidx + p * grid, n_tiles, blocks_per_row, p)
+    for i in range((n_tiles - bidx + grid - 1) // grid):
+        tile = bidx + i * grid
+        _prefetch_1x128(mX, slots, tidx, tile + PREFETCH_1X128 * grid, n_tiles, blocks_per_row,
+                        (i + PREFETCH_1X128) % STAGES_1X128)
+        cute.arch.cp_async_wait_group(PREFETCH_1X128)
+        stage = i % STAGES_1X128
+        for u in cutlass.range_constexpr(UNROLL):
+            row, kb, col = _tile_1x128(tile, blocks_per_row, tidx, u)
+            values = _read_chunk(slots, tidx, u, stage)
+            # every lane joins the shuffle, in bounds or not
+            amax = abs(values).reduce(cute.ReductionOp.MAX, Float32(0.0), 0)
+            amax = cute.arch.warp_reduction_max(amax, threads_in_group=LANES)
+            scale, inv = _scale_and_inverse(amax)
+            if row < rows and col < cols:
+                _store_row_chunk(mQ, values * inv, row, col)
+                if lane == 0:
+                    mS[row, kb] = scale
 
 
 @cute.jit
-def quant_1x128(mX: cute.Tensor, mQ_u8: cute.Tensor, mS: cute.Tensor, stream):
-    grid = _grid_1x128(mX.shape[0], mS.shape[1])
+def quant_1x128(mX: cute.Tensor, mQ_u8: cute.Tensor, mS: cute.Tensor, max_ctas: cutlass.Int32, stream):
+    """``max_ctas``: the CTAs resident at once on the device (the grid of the persistent walk)."""
+    grid = cutlass.min(_grid_1x128(mX.shape[0], mS.shape[1]), max_ctas)
     _quant_1x128_kernel(mX, mQ_u8, mS).launch(
         grid=(grid, 1, 1), block=(THREADS, 1, 1), stream=stream, use_pdl=True)
 
@@ -495,43 +567,77 @@ def _alloc_col_max(smem):
 # and QT = quant_1x128(Xᵀ) (128-row blocks along tokens) for the weight-gradient GEMM. Thread t
 # holds an 8x8 micro-tile (rows (t // 16) * 8 .. + 8, columns (t % 16) * 8 .. + 8), so each of its
 # columns is 8 consecutive tokens: one 8-byte shared store per column builds the transposed tile.
+# a 128x128 tile is 32 KB of bf16: one tile ahead keeps 64 KB per SM in flight at 2 CTAs per SM
+# (98 registers); FP32 inputs take 128 KB of slots: 1 CTA per SM
+PREFETCH_DUAL = 1
+
+
+@cute.jit
+def _prefetch_dual(mX: cute.Tensor, slots: cute.Tensor, tidx, tile, n_tiles, tiles_r, stage):
+    if tile < n_tiles:
+        tile_c = tile // tiles_r
+        tile_r = tile - tile_c * tiles_r
+        col = tile_c * TILE + (tidx % LANES) * VEC
+        first_row = tile_r * TILE + (tidx // LANES) * PASSES
+        for p in cutlass.range_constexpr(PASSES):
+            _prefetch_chunk(mX, slots, tidx, p, stage, first_row + p, col,
+                            first_row + p < mX.shape[0] and col < mX.shape[1])
+    cute.arch.cp_async_commit_group()
+
+
 @cute.kernel
 def _quant_dual_kernel(mX: cute.Tensor, mQ_u8: cute.Tensor, mS: cute.Tensor, mQT_u8: cute.Tensor,
                        mST: cute.Tensor):
     tidx, _, _ = cute.arch.thread_idx()
     after_previous_grid()
-    tile_r, tile_c, _ = cute.arch.block_idx()
+    bidx, _, _ = cute.arch.block_idx()
+    grid, _, _ = cute.arch.grid_dim()
     mQ = as_fp8(mQ_u8)
     mQT = as_fp8(mQT_u8)
     smem = cutlass.memory.SmemAllocator()
     col_max = _alloc_col_max(smem)
     tile_t = _alloc_transposed_tile(smem)
+    slots = _alloc_slots(smem, mX.element_type, PASSES, PREFETCH_DUAL + 1)
 
     rows, cols = mX.shape[0], mX.shape[1]
+    tiles_r = mST.shape[1]
+    n_tiles = tiles_r * mS.shape[1]
     lane, rgrp = tidx % LANES, tidx // LANES
-    row0, col = tile_r * TILE, tile_c * TILE + lane * VEC
-    first_row = row0 + rgrp * PASSES
-    values = _load_tile(mX, first_row, 1, col)
+    for p in cutlass.range_constexpr(PREFETCH_DUAL):
+        _prefetch_dual(mX, slots, tidx, bidx + p * grid, n_tiles, tiles_r, p)
+    for i in range((n_tiles - bidx + grid - 1) // grid):
+        tile = bidx + i * grid
+        _prefetch_dual(mX, slots, tidx, tile + PREFETCH_DUAL * grid, n_tiles, tiles_r,
+                       (i + PREFETCH_DUAL) % (PREFETCH_DUAL + 1))
+        cute.arch.cp_async_wait_group(PREFETCH_DUAL)
+        stage = i % (PREFETCH_DUAL + 1)
+        tile_c = tile // tiles_r
+        tile_r = tile - tile_c * tiles_r
+        row0, col = tile_r * TILE, tile_c * TILE + lane * VEC
+        first_row = row0 + rgrp * PASSES
+        values = [_read_chunk(slots, tidx, p, stage) for p in range(PASSES)]
 
-    # rows: 1x128 along the feature dim (16 lanes share a row)
-    for p in cutlass.range_constexpr(PASSES):
-        r = first_row + p
-        amax = abs(values[p]).reduce(cute.ReductionOp.MAX, Float32(0.0), 0)
-        amax = cute.arch.warp_reduction_max(amax, threads_in_group=LANES)
-        scale, inv = _scale_and_inverse(amax)
-        if r < rows and col < cols:
-            _store_row_chunk(mQ, values[p] * inv, r, col)
-            if lane == 0:
-                mS[r, tile_c] = scale
+        # rows: 1x128 along the feature dim (16 lanes share a row)
+        for p in cutlass.range_constexpr(PASSES):
+            r = first_row + p
+            amax = abs(values[p]).reduce(cute.ReductionOp.MAX, Float32(0.0), 0)
+            amax = cute.arch.warp_reduction_max(amax, threads_in_group=LANES)
+            scale, inv = _scale_and_inverse(amax)
+            if r < rows and col < cols:
+                _store_row_chunk(mQ, values[p] * inv, r, col)
+                if lane == 0:
+                    mS[r, tile_c] = scale
 
-    _quantize_columns(values, col_max, tile_t, mQT, mST, tile_r, tile_c, cols, row0, tidx)
+        _quantize_columns(values, col_max, tile_t, mQT, mST, tile_r, tile_c, cols, row0, tidx)
 
 
 @cute.jit
 def quant_dual(mX: cute.Tensor, mQ_u8: cute.Tensor, mS: cute.Tensor, mQT_u8: cute.Tensor, mST: cute.Tensor,
-               stream):
+               max_ctas: cutlass.Int32, stream):
+    """``max_ctas``: the CTAs resident at once on the device (the grid of the persistent walk)."""
+    grid = cutlass.min(mST.shape[1] * mS.shape[1], max_ctas)
     _quant_dual_kernel(mX, mQ_u8, mS, mQT_u8, mST).launch(
-        grid=(mST.shape[1], mS.shape[1], 1), block=(THREADS, 1, 1), stream=stream, use_pdl=True)
+        grid=(grid, 1, 1), block=(THREADS, 1, 1), stream=stream, use_pdl=True)
 
 
 # ---------------------------------------------------------------------------------------------

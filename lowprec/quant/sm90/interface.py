@@ -70,7 +70,7 @@ def build_kernel(kind: str, dtype: torch.dtype, arch: str = ARCH):
         dh_q = (data(cutlass.Uint8), scale()) if kind == "swiglu_backward_1x128" else ()
         args = (q, scale(), x, row_weights, *dh_q, data(cutlass.Float32), data(cutlass.Float32), scale())
     elif kind == "dual":
-        args = (x, q, scale(), data(cutlass.Uint8), scale())
+        args = (x, q, scale(), data(cutlass.Uint8), scale(), cutlass.Int32(1))
     elif kind == "t_gathered":
         src = make_fake_tensor(cutlass.Int32, (cute.sym_int(),), stride=(1,), assumed_align=4)
         args = (x, src, q, scale())
@@ -85,6 +85,8 @@ def build_kernel(kind: str, dtype: torch.dtype, arch: str = ARCH):
     elif kind.startswith("swiglu"):
         row_weights = make_fake_tensor(cutlass.Float32, (cute.sym_int(),), stride=(1,), assumed_align=4)
         args = (x, row_weights, q, scale()) + ((data(cutlass.Uint8), scale()) if kind == "swiglu_h_1x128" else ())
+    elif kind == "1x128":
+        args = (x, q, scale(), cutlass.Int32(1))
     else:
         args = (x, q, scale())
     return compile_for_arch(fn, *args, stream, arch=arch, tvm_ffi=True)
@@ -98,6 +100,26 @@ def compile_kernel(kind: str, dtype: torch.dtype, arch: str = ARCH):
                             lambda: build_kernel(kind, dtype, arch))
 
 
+_num_sms: dict[int, int] = {}
+
+
+def _resident_ctas(device: torch.device, per_sm: int) -> int:
+    """Grid of a persistent streaming kernel: the CTAs that fit on the device at once."""
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _num_sms:
+        _num_sms[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _num_sms[idx] * per_sm
+
+
+# Resident CTAs per SM of the persistent streaming kernels (fp8_quant: shared-memory slots and
+# registers of a 256-thread CTA): 1x128 48 KB (bf16) / 96 KB (fp32) of slots, 34 registers;
+# dual 84 KB (bf16) / 148 KB (fp32), 98 registers.
+def _ctas_per_sm(kind: str, dtype: torch.dtype) -> int:
+    if kind == "1x128":
+        return 4 if dtype.itemsize <= 2 else 2
+    return 2 if dtype.itemsize <= 2 else 1
+
+
 def quantize_1x128(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``x`` [M, K] -> (FP8 [M, K], FP32 scales [M, ceil(K/128)] stored MN-major, TMA-aligned)."""
     m, k = x.shape
@@ -105,7 +127,8 @@ def quantize_1x128(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     s = empty_mn_major_tma_aligned(m, -(-k // 128), x.device)
     if m:
         with torch.cuda.device(x.device):
-            compile_kernel("1x128", x.dtype)(x, q.view(torch.uint8), s)
+            compile_kernel("1x128", x.dtype)(x, q.view(torch.uint8), s,
+                                             _resident_ctas(x.device, _ctas_per_sm("1x128", x.dtype)))
     return q, s
 
 
@@ -159,7 +182,8 @@ def quantize_dual(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     st = empty_mn_major_tma_aligned(k, -(-t_pad // 128), x.device)
     if t:  # rows past T load as zeros, so the kernel writes the padding columns too
         with torch.cuda.device(x.device):
-            compile_kernel("dual", x.dtype)(x, q.view(torch.uint8), s, qt.view(torch.uint8), st)
+            compile_kernel("dual", x.dtype)(x, q.view(torch.uint8), s, qt.view(torch.uint8), st,
+                                            _resident_ctas(x.device, _ctas_per_sm("dual", x.dtype)))
     return q, s, qt, st
 
 
