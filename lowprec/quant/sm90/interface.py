@@ -111,13 +111,13 @@ def _resident_ctas(device: torch.device, per_sm: int) -> int:
     return _num_sms[idx] * per_sm
 
 
-# Resident CTAs per SM of the persistent streaming kernels (fp8_quant: shared-memory slots and
-# registers of a 256-thread CTA): 1x128 48 KB (bf16) / 96 KB (fp32) of slots, 34 registers;
-# dual 84 KB (bf16) / 148 KB (fp32), 98 registers.
+# Resident CTAs per SM of the persistent streaming kernels (fp8_quant; 256-thread CTAs): 1x128
+# holds 32 KB (bf16/fp16) or 64 KB (fp32) of slots at 34 registers; dual 52 / 84 KB at 98-101
+# registers.
 def _ctas_per_sm(kind: str, dtype: torch.dtype) -> int:
     if kind == "1x128":
-        return 4 if dtype.itemsize <= 2 else 2
-    return 2 if dtype.itemsize <= 2 else 1
+        return 6 if dtype.itemsize <= 2 else 3
+    return 2
 
 
 def quantize_1x128(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
