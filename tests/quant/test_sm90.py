@@ -19,7 +19,7 @@ def test_kernel_compiles_for_sm90a_with_wide_accesses_and_no_spills(kind, dtype)
     assert local_memory_ops(sass) == 0
     # 16-byte loads (bf16/fp16: 8 elements; fp32: two per 8); the streaming kernels copy them
     # global -> shared asynchronously (cp.async: LDGSTS)
-    wide_load = r"LDGSTS\.E\.\w*\.?128" if kind in ("1x128", "dual") else r"LDG\.E\.128"
+    wide_load = r"LDGSTS\.E\.\w*\.?128" if kind in ("1x128", "dual", "rowwise_staged") else r"LDG\.E\.128"
     assert re.search(wide_load, sass)
     if kind != "swiglu_backward":  # the one kernel that quantizes nothing
         assert "F2FP" in sass  # packed cvt to e4m3
@@ -68,7 +68,8 @@ def test_1x128_matches_reference(shape, dtype, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("shape", [(1, 16), (7, 4096), (300, 1040), (64, 20000)])
+@pytest.mark.parametrize("shape", [(1, 16), (7, 4096), (300, 1040), (64, 20000), (5, 4112), (33, 14336),
+                                   (3, 40000)])
 def test_rowwise_matches_reference(shape, dtype, monkeypatch):
     x = _data(*shape, dtype, seed=sum(shape) + 3)
     _same(*_kernel_and_reference(lambda t: lowprec.quantize(t, "fp8_rowwise"), x, monkeypatch))

@@ -14,8 +14,8 @@ __all__ = ["kernel_unsupported", "quantize_1x128", "quantize_rowwise", "quantize
            "KERNELS", "UNPACK_DTYPES"]
 
 ARCH = "sm_90a"
-KERNELS = ("1x128", "128x128", "128x128_t", "dual", "rowwise", "pack_1x128", "pack_tokens_1x128", "swiglu_1x128",
-           "swiglu_h_1x128", "swiglu_backward_1x128", "swiglu_backward", "t_gathered")
+KERNELS = ("1x128", "128x128", "128x128_t", "dual", "rowwise", "rowwise_staged", "pack_1x128", "pack_tokens_1x128",
+           "swiglu_1x128", "swiglu_h_1x128", "swiglu_backward_1x128", "swiglu_backward", "t_gathered")
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 UNPACK_DTYPES = _DTYPES  # rows and output dtypes of the unpack kernel
 
@@ -60,7 +60,8 @@ def build_kernel(kind: str, dtype: torch.dtype, arch: str = ARCH):
     stream = make_fake_stream(use_tvm_ffi_env_stream=True)
     fn = {"1x128": fp8_quant.quant_1x128, "128x128": fp8_quant.quant_128x128,
           "128x128_t": fp8_quant.quant_128x128_t, "dual": fp8_quant.quant_dual,
-          "rowwise": fp8_quant.quant_rowwise, "pack_1x128": fp8_quant.pack_1x128,
+          "rowwise": fp8_quant.quant_rowwise, "rowwise_staged": fp8_quant.quant_rowwise_staged,
+          "pack_1x128": fp8_quant.pack_1x128,
           "pack_tokens_1x128": fp8_quant.pack_tokens_1x128,
           "swiglu_1x128": fp8_quant.swiglu_1x128, "swiglu_h_1x128": fp8_quant.swiglu_h_1x128,
           "swiglu_backward_1x128": swiglu_backward.swiglu_backward_1x128,
@@ -139,7 +140,9 @@ def quantize_rowwise(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     s = torch.empty(m, 1, dtype=torch.float32, device=x.device)
     if m:
         with torch.cuda.device(x.device):
-            compile_kernel("rowwise", x.dtype)(x, q.view(torch.uint8), s)
+            # long rows: staged in shared memory (fp8_quant.ROWWISE_SHORT_COLS)
+            kind = "rowwise" if k <= 4096 else "rowwise_staged"
+            compile_kernel(kind, x.dtype)(x, q.view(torch.uint8), s)
     return q, s
 
 
