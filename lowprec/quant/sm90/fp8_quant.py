@@ -1,16 +1,19 @@
 """FP8 E4M3 quantize kernels (CuTe DSL), bit-identical to the reference quantizer.
 
-- ``quant_1x128``: each thread loads 8 contiguous elements (16 bytes of bf16), 16 threads cover
-  one 128-wide block and reduce its amax with warp shuffles; a CTA covers one column block of 64
-  rows (its scales are contiguous in the MN-major layout).
+- ``quant_1x128``: each thread handles 8 contiguous elements (16 bytes of bf16), 16 threads cover
+  one 128-wide block and reduce its amax with warp shuffles; a tile is one column block of 64
+  rows (its scales are contiguous in the MN-major layout); persistent CTAs copy the next tile
+  into shared memory (cp.async) while quantizing the current one.
 - ``pack_1x128``: ``quant_1x128`` of MoE tokens, each stored to its packed (expert-contiguous)
   rows, padding rows zero-filled; ``pack_tokens_1x128`` also stores the tokens' own codes.
 - ``swiglu_1x128`` / ``swiglu_h_1x128``: the MoE layer's ``silu(gate) · up · w`` quantized
   1x128 (and h itself, for the backward pass), h read once.
-- ``quant_rowwise``: one CTA per row, amax sweep then quantize sweep (the second from L2).
+- ``quant_rowwise``: one CTA per row, amax sweep then quantize sweep (the second from L2);
+  ``quant_rowwise_staged`` for long rows reads up to 16384 columns once, into shared memory.
 - ``quant_128x128``: one CTA per 128x128 weight tile, held in registers (read once).
-- ``quant_dual``: one CTA per 128x128 tile, both orientations (1x128 along features for the
-  forward GEMM, 1x128 along tokens, transposed through shared memory, for the weight gradient).
+- ``quant_dual``: 128x128 tiles, both orientations (1x128 along features for the forward GEMM,
+  1x128 along tokens, transposed through shared memory, for the weight gradient); persistent
+  CTAs, the next tile copied (cp.async) during the current tile's column phase.
 - ``quant_t_gathered``: the token-major half of ``quant_dual`` of rows gathered through a row map
   (zeros where the map is -1): the MoE layer's K-grouped weight-gradient operands.
 
@@ -602,7 +605,7 @@ def _alloc_col_max(smem):
 # and QT = quant_1x128(Xᵀ) (128-row blocks along tokens) for the weight-gradient GEMM. Thread t
 # holds an 8x8 micro-tile (rows (t // 16) * 8 .. + 8, columns (t % 16) * 8 .. + 8), so each of its
 # columns is 8 consecutive tokens: one 8-byte shared store per column builds the transposed tile.
-# The dual kernel holds the thread's 64 values in registers (98 of them: 2 CTAs per SM). Its one
+# The dual kernel holds the thread's 64 values in registers (124 in all: 2 CTAs per SM). Its one
 # stage of slots is refilled with the next tile as soon as the row phase has read it, so the load
 # overlaps the column phase (NOTES v4: 81-86% of copy; two stages, refilled at the top of the
 # loop, 79-85%).
