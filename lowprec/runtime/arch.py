@@ -6,7 +6,7 @@ import functools
 
 import torch
 
-__all__ = ["device_arch", "SUPPORTED_ARCHS"]
+__all__ = ["device_arch", "sm_count", "SUPPORTED_ARCHS"]
 
 SUPPORTED_ARCHS = ("sm_90a", "sm_100a")
 _BY_CAPABILITY = {(9, 0): "sm_90a", (10, 0): "sm_100a"}
@@ -29,3 +29,15 @@ def device_arch(device: torch.device | str | None) -> str | None:
         return None
     index = device.index if device.index is not None else torch.cuda.current_device()
     return _cuda_arch(index)
+
+
+_sm_counts: dict[int, int] = {}
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of the CUDA ``device`` (cached: launch paths ask on every call)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    count = _sm_counts.get(index)
+    if count is None:
+        count = _sm_counts[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return count

@@ -16,6 +16,8 @@ import importlib.util
 
 import torch
 
+from ...runtime import sm_count
+
 SCALE_BLOCK = 128
 _ARCH_DEFAULT = "sm_90a"
 _TILE_N_CHOICES = (16, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176)
@@ -232,16 +234,8 @@ def compile_only(
 
 
 # ----------------------------------------------------------------------------- launch
-_num_sms_cache: dict[int, int] = {}
 _dummy_bias: dict[torch.device, torch.Tensor] = {}
 _dummy_groups: dict[torch.device, torch.Tensor] = {}
-
-
-def _num_sms(device: torch.device) -> int:
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _num_sms_cache:
-        _num_sms_cache[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _num_sms_cache[idx]
 
 
 def _check(cond: bool, msg):
@@ -370,7 +364,7 @@ def gemm_blockwise_fp8(
     preallocated contiguous [M, N] tensor of ``out_dtype`` (written and returned).
     """
     m, n, k, per_col = _validate(a, a_scale, b, b_scale, out_dtype, bias)
-    num_sms = _num_sms(a.device)
+    num_sms = sm_count(a.device)
     if config is None:
         config = choose_config(m, n, k, per_col, num_sms)
     split = config.split_k
@@ -514,7 +508,7 @@ def grouped_gemm_blockwise_fp8(
     d = torch.empty(out_shape, dtype=out_dtype, device=a.device)
     if rows == 0:
         return d
-    num_sms = _num_sms(a.device)
+    num_sms = sm_count(a.device)
     if config is None:
         config = choose_grouped_config(m_max if masked else rows / e, n, e, num_sms)
     grouping = "masked" if masked else "contiguous"
@@ -578,7 +572,7 @@ def grouped_gemm_wgrad_fp8(
            "a, b: must be contiguous along K with 16-byte aligned rows")
     e = group_ends.numel()
     d = torch.empty((e, n, p), dtype=out_dtype, device=dev)
-    num_sms = _num_sms(dev)
+    num_sms = sm_count(dev)
     if config is None:
         config = _tile_config_cls()(tile_m=128 if n % 128 == 0 else 64,
                                     tile_n=min(_TILE_N_PER_COL_MAX, p) if p % 16 == 0 else 16)

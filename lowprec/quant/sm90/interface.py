@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ...runtime import kernel_cache
+from ...runtime import kernel_cache, sm_count
 from ..layouts import empty_mn_major_tma_aligned
 
 __all__ = ["kernel_unsupported", "quantize_1x128", "quantize_rowwise", "quantize_128x128", "quantize_128x128_t",
@@ -101,15 +101,9 @@ def compile_kernel(kind: str, dtype: torch.dtype, arch: str = ARCH):
                             lambda: build_kernel(kind, dtype, arch))
 
 
-_num_sms: dict[int, int] = {}
-
-
 def _resident_ctas(device: torch.device, per_sm: int) -> int:
     """Grid of a persistent streaming kernel: the CTAs that fit on the device at once."""
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _num_sms:
-        _num_sms[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _num_sms[idx] * per_sm
+    return sm_count(device) * per_sm
 
 
 # Resident CTAs per SM of the persistent streaming kernels (fp8_quant; 256-thread CTAs): 1x128
