@@ -25,21 +25,32 @@ from .test_sm90 import (
     random_operand,
 )
 
-GROUPED_CONFIGS = [(128, 128), (64, 128), (128, 64)]
+# (tile_m, tile_n, cluster_n): 1x2 clusters take two neighbouring N tiles of one M tile (A multicast)
+GROUPED_CONFIGS = [(128, 128, 1), (64, 128, 1), (128, 64, 1), (128, 128, 2), (64, 128, 2)]
+
+
+def _cfg_id(t):
+    return f"{t[0]}x{t[1]}_c1x{t[2]}"
+
+
+def _config(t):
+    from lowprec.gemm.sm90.config import TileConfig
+
+    return TileConfig(tile_m=t[0], tile_n=t[1], cluster_n=t[2])
 
 
 @needs_cutlass
 @pytest.mark.parametrize("grouping", ["contiguous", "masked"])
-@pytest.mark.parametrize("tile", GROUPED_CONFIGS, ids=lambda t: f"{t[0]}x{t[1]}")
+@pytest.mark.parametrize("tile", GROUPED_CONFIGS, ids=_cfg_id)
 def test_compile_grouped(grouping, tile):
-    from lowprec.gemm.sm90.config import TileConfig
     from lowprec.gemm.sm90.interface import compile_only
     from lowprec.runtime.compile import local_memory_ops, sass_of
 
-    kernel = compile_only(TileConfig(tile_m=tile[0], tile_n=tile[1]), grouping=grouping)
+    kernel = compile_only(_config(tile), grouping=grouping)
     sass = sass_of(kernel)
     assert "QGMMA" in sass
     assert local_memory_ops(sass) == 0
+    assert ("UTMALDG.2D.MULTICAST" in sass) == (tile[2] > 1)
 
 
 @pytest.mark.skipif(not HAS_CUTLASS, reason="nvidia-cutlass-dsl not installed")
@@ -53,15 +64,21 @@ def test_grouped_rejects_bad_options():
         BlockScaledGemmSm90(TileConfig(), cutlass.BFloat16, False, None, 132, "ragged")
     with pytest.raises(ValueError, match="cluster"):
         BlockScaledGemmSm90(TileConfig(cluster_m=2), cutlass.BFloat16, False, None, 132, "masked")
+    with pytest.raises(ValueError, match="cluster"):
+        BlockScaledGemmSm90(TileConfig(cluster_n=4), cutlass.BFloat16, False, None, 132, "contiguous")
 
 
 def test_choose_grouped_config():
     from lowprec.gemm.sm90.interface import choose_grouped_config
 
-    assert choose_grouped_config(1024, 4096, 8).tile_m == 128
-    assert choose_grouped_config(40, 4096, 64).tile_m == 64
-    assert choose_grouped_config(16, 256, 2).tile_n == 64  # few tiles: narrower N tiles
-    assert choose_grouped_config(1024, 96, 8).tile_n == 96
+    assert choose_grouped_config(1024, 4096, 2048, 8).tile_m == 128
+    assert choose_grouped_config(40, 4096, 2048, 64).tile_m == 64
+    assert choose_grouped_config(16, 256, 2048, 2).tile_n == 64  # few tiles: narrower N tiles
+    assert choose_grouped_config(1024, 96, 2048, 8).tile_n == 96
+    # 1x2 clusters for long K when the N tiles pair up
+    assert choose_grouped_config(1024, 28672, 4096, 8).cluster_n == 2
+    assert choose_grouped_config(1024, 28672, 2048, 8).cluster_n == 1
+    assert choose_grouped_config(1024, 384, 7168, 8).cluster_n == 1  # 3 N tiles
 
 
 # ----------------------------------------------------------------------------- GPU
@@ -122,13 +139,25 @@ def test_contiguous_skewed(case):
 
 @gpu
 @needs_gpu
-@pytest.mark.parametrize("tile", GROUPED_CONFIGS, ids=lambda t: f"{t[0]}x{t[1]}")
+@pytest.mark.parametrize("tile", GROUPED_CONFIGS, ids=_cfg_id)
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
 def test_contiguous_configs(tile, out_dtype):
-    from lowprec.gemm.sm90.config import TileConfig
+    # 2112 = 16.5 x 128: a partial last N tile; clusters need an even N tile count
+    _run_contiguous(SKEWED["mixed"], n=2112 if tile[2] == 1 else 2048, k=1536, out_dtype=out_dtype,
+                    config=_config(tile), spare_rows=5)
 
-    _run_contiguous(SKEWED["mixed"], n=2112, k=1536, out_dtype=out_dtype,
-                    config=TileConfig(tile_m=tile[0], tile_n=tile[1]), spare_rows=5)
+
+@gpu
+@needs_gpu
+@pytest.mark.parametrize("case", list(SKEWED))
+def test_contiguous_skewed_cluster(case):
+    """1x2 clusters on every skewed routing, bit-identical to 1x1 (same K order per element)."""
+    from lowprec.gemm.sm90.interface import grouped_gemm_blockwise_fp8
+
+    a, sa, b, sb, ends, d = _run_contiguous(SKEWED[case], n=512, k=640, spare_rows=37,
+                                            config=_config((128, 128, 2)))
+    single = grouped_gemm_blockwise_fp8(a, sa, b, sb, group_ends=ends, config=_config((128, 128, 1)))
+    assert torch.equal(d, single)
 
 
 @gpu
@@ -153,7 +182,8 @@ def test_contiguous_deterministic_and_graph():
 @gpu
 @needs_gpu
 @pytest.mark.parametrize("m_max,counts", [(200, [0, 1, 130, 200]), (64, [64, 0, 7, 33]), (1, [1, 0])])
-def test_masked(m_max, counts):
+@pytest.mark.parametrize("cluster_n", [1, 2])
+def test_masked(m_max, counts, cluster_n):
     from lowprec.gemm.sm90.interface import grouped_gemm_blockwise_fp8
 
     gen = torch.Generator(device="cuda")
@@ -163,7 +193,8 @@ def test_masked(m_max, counts):
     b, sb, b_deq = _experts(e, n, k, gen)
     cnt = torch.tensor(counts, dtype=torch.int32, device="cuda")
     _poison_next_alloc((e, m_max, n), torch.bfloat16)
-    d = grouped_gemm_blockwise_fp8(a.view(e, m_max, k), sa.view(e, m_max, -1), b, sb, masked_counts=cnt)
+    d = grouped_gemm_blockwise_fp8(a.view(e, m_max, k), sa.view(e, m_max, -1), b, sb, masked_counts=cnt,
+                                   config=_config((128, 128, cluster_n)))
     a_deq = dequant(a, sa, 1).view(e, m_max, k)
     for g, c in enumerate(counts):
         if c:
@@ -194,13 +225,12 @@ def test_public_api_matches_reference(monkeypatch):
 
 # ----------------------------------------------------------------------------- K-grouped (wgrad)
 @needs_cutlass
-@pytest.mark.parametrize("tile", GROUPED_CONFIGS, ids=lambda t: f"{t[0]}x{t[1]}")
+@pytest.mark.parametrize("tile", GROUPED_CONFIGS, ids=_cfg_id)
 def test_compile_kgrouped(tile):
-    from lowprec.gemm.sm90.config import TileConfig
     from lowprec.gemm.sm90.interface import compile_only
     from lowprec.runtime.compile import local_memory_ops, sass_of
 
-    kernel = compile_only(TileConfig(tile_m=tile[0], tile_n=tile[1]), out_dtype=torch.float32,
+    kernel = compile_only(_config(tile), out_dtype=torch.float32,
                           b_scale_per_col=True, grouping="kgrouped")
     sass = sass_of(kernel)
     assert "QGMMA" in sass
@@ -236,6 +266,12 @@ def test_kgrouped_wgrad(sizes, out_dtype, monkeypatch):
         else:
             assert torch.all(dw[g] == 0), f"group {g} is empty: its gradient must be zero"
         start = end
+    # 1x2 clusters (6 N tiles of 64) give the same bits as single CTAs with the same tiles
+    from lowprec.gemm.sm90.interface import grouped_gemm_wgrad_fp8
+
+    args = (dy_t.data, dy_t.scale, x_t.data, x_t.scale, aligned, out_dtype)
+    single = grouped_gemm_wgrad_fp8(*args, config=_config((128, 64, 1)))
+    assert torch.equal(grouped_gemm_wgrad_fp8(*args, config=_config((128, 64, 2))), single)
 
 
 # ----------------------------------------------------------------------------- argument errors (CPU)
@@ -275,6 +311,20 @@ def test_grouped_argument_errors(case, match):
         kw["masked_counts"] = torch.tensor([1, 2], dtype=torch.int32)
     with pytest.raises(ValueError, match=match):
         grouped_gemm_blockwise_fp8(a, sa, b, sb, **kw)
+
+
+@pytest.mark.parametrize("cfg,match", [
+    ((128, 128, 2), "cluster_n=2 must divide the 3 N tiles of N=384"),
+    ("split", "grouped GEMMs take cluster_m=1 and split_k=1"),
+])
+def test_grouped_config_errors(cfg, match):
+    from lowprec.gemm.sm90.config import TileConfig
+    from lowprec.gemm.sm90.interface import _check_grouped_config
+
+    config = TileConfig(split_k=2) if cfg == "split" else _config(cfg)
+    with pytest.raises(ValueError, match=match):
+        _check_grouped_config(config, 384, "N")
+    _check_grouped_config(_config((128, 128, 2)), 512, "N")
 
 
 def test_masked_argument_errors():

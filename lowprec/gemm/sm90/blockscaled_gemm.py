@@ -108,17 +108,19 @@ class BlockScaledGemmSm90:
         self.num_sms = num_sms
         # None: one GEMM; "contiguous" / "masked": one GEMM per group of A's rows against B[e]
         # (128x128 B scales); "kgrouped": one GEMM per group of K blocks, D[e] = A[:, Ke] B[:, Ke]^T
-        # (weight gradients, 1x128 B scales). See _group_info. No bias, split-K or clusters.
+        # (weight gradients, 1x128 B scales). See _group_info. No bias or split-K; clusters only
+        # along N (the two CTAs take neighbouring N tiles of one M tile: A multicast).
         if grouping not in (None, "contiguous", "masked", "kgrouped"):
             raise ValueError(
                 f"grouping must be None, 'contiguous', 'masked' or 'kgrouped', got {grouping!r}"
             )
         if grouping is not None and (
             b_scale_per_col != (grouping == "kgrouped") or bias_dtype is not None
-            or config.split_k > 1 or (config.cluster_m, config.cluster_n) != (1, 1)
+            or config.split_k > 1 or config.cluster_m != 1 or config.cluster_n not in (1, 2)
         ):
             raise ValueError(
-                "grouped GEMM: no bias, split_k 1, cluster 1x1; 1x128 B scales exactly for kgrouped"
+                "grouped GEMM: no bias, split_k 1, cluster 1x1 or 1x2; 1x128 B scales exactly for "
+                "kgrouped"
             )
         self.grouping = grouping
         self.split_k = config.split_k
@@ -306,7 +308,8 @@ class BlockScaledGemmSm90:
             tile_sched_params, max_active_clusters
         )
         if cutlass.const_expr(self.grouping is not None):
-            grid = (self.num_sms, 1, 1)  # tile count known on the device only
+            # tile count known on the device only; cluster id = block_idx z (see _walk_start)
+            grid = (1, self.cluster_shape_mn[1], self.num_sms // self.cluster_shape_mn[1])
 
         @cute.struct
         class SharedStorage:
@@ -467,6 +470,7 @@ class BlockScaledGemmSm90:
                         tma_atom_a, tma_atom_b, tma_atom_sa, tma_atom_sb, mA, mB, mSA, gSB,
                         sA, sB, sSA, sSB, mainloop_pipeline, k_tile_cnt,
                         mGroup, cute.size(mD, mode=[0]), cute.size(mD, mode=[1]), m_max,
+                        cta_layout_mnk, cluster_coord_mnk,
                     )
             else:
                 if warp_idx == self.load_warp_id:
@@ -624,8 +628,14 @@ class BlockScaledGemmSm90:
     def _producer_grouped(
         self, tma_atom_a, tma_atom_b, tma_atom_sa, tma_atom_sb, mA, mB, mSA, gSB,
         sA, sB, sSA, sSB, mainloop_pipeline, k_tile_cnt, mGroup, m_size, n_size, m_max,
+        cta_layout_mnk, cluster_coord_mnk,
     ):
+        a_mcast_mask = 0
+        if cutlass.const_expr(self.is_a_mcast):
+            a_mcast_mask = cute.make_layout_image_mask(cta_layout_mnk, cluster_coord_mnk, mode=1)
+        a_cta_layout = cute.make_layout(cute.slice_(cta_layout_mnk, (0, None, 0)).shape)
         tiles_n = (n_size + self.tile_n - 1) // self.tile_n
+        walk_n = tiles_n // self.cluster_shape_mn[1]
         nb_per_group = (n_size + SCALE_BLOCK - 1) // SCALE_BLOCK
         sb_parts = [
             cute.nvgpu.cpasync.tma_partition(
@@ -635,22 +645,20 @@ class BlockScaledGemmSm90:
             for s in sSB
         ]
         n_groups = self._num_groups(mGroup)
-        grid = cute.arch.grid_dim()[0]
-        t = cute.arch.block_idx()[0]
+        t, step, rank_n = self._walk_start()
         e = cutlass.Int32(0)
         base = cutlass.Int32(0)
         g_start, g_rows, g_live = self._group_info(mGroup, e, m_size, m_max)
         g_tiles_m = (g_rows + self.tile_m - 1) // self.tile_m
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stage)
         while e < n_groups:
-            if t < base + g_tiles_m * tiles_n:
+            if t < base + g_tiles_m * walk_n:
                 local = t - base
                 m_tile = local % g_tiles_m
-                n_tile = local // g_tiles_m
-                row0 = g_start + m_tile * self.tile_m
-                k_first, k_cnt = self._tile_k_range(
-                    mGroup, e, k_tile_cnt, g_live - m_tile * self.tile_m
-                )
+                n_tile = (local // g_tiles_m) * self.cluster_shape_mn[1] + rank_n
+                off = self._tile_offset(g_rows, m_tile)
+                row0 = g_start + off
+                k_first, k_cnt = self._tile_k_range(mGroup, e, k_tile_cnt, g_live - off)
                 a_row = row0
                 b_row = e * n_size + n_tile * self.tile_n
                 if cutlass.const_expr(self.grouping == "kgrouped"):  # A and B shared by groups
@@ -667,7 +675,7 @@ class BlockScaledGemmSm90:
                     cute.domain_offset((a_row - a_row % 4, 0), mSA), (self.sa_box_m, 1), (0, None)
                 )
                 tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
-                    tma_atom_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 2),
+                    tma_atom_a, cluster_coord_mnk[1], a_cta_layout, cute.group_modes(sA, 0, 2),
                     cute.group_modes(gA, 0, 2),
                 )
                 tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(
@@ -697,14 +705,14 @@ class BlockScaledGemmSm90:
                             src = tSBgSB[(None, sb_rows[i], k // _SB_BOX_K)]
                         cute.copy(tma_atom_sb, src, tSBsSB[(None, state.index)], tma_bar_ptr=bar)
                     cute.copy(tma_atom_a, tAgA[(None, k)], tAsA[(None, state.index)],
-                              tma_bar_ptr=bar)
+                              tma_bar_ptr=bar, mcast_mask=a_mcast_mask)
                     cute.copy(tma_atom_b, tBgB[(None, k)], tBsB[(None, state.index)],
                               tma_bar_ptr=bar)
                     mainloop_pipeline.producer_commit(state)
                     state.advance()
-                t = t + grid
+                t = t + step
             else:
-                base = base + g_tiles_m * tiles_n
+                base = base + g_tiles_m * walk_n
                 e = e + 1
                 g_start, g_rows, g_live = self._group_info(mGroup, e, m_size, m_max)
                 g_tiles_m = (g_rows + self.tile_m - 1) // self.tile_m
@@ -831,22 +839,22 @@ class BlockScaledGemmSm90:
         else:
             # grouped: walk the groups' tiles in the order every role of the CTA agrees on
             # (see _group_info); tiles straddling the end of a group store row by row
-            tiles_n = (n_size + self.tile_n - 1) // self.tile_n
+            walk_n = (n_size + self.tile_n - 1) // self.tile_n // self.cluster_shape_mn[1]
             n_groups = self._num_groups(mGroup)
-            grid = cute.arch.grid_dim()[0]
-            t = cute.arch.block_idx()[0]
+            t, step, rank_n = self._walk_start()
             e = cutlass.Int32(0)
             base = cutlass.Int32(0)
             g_start, g_rows, g_live = self._group_info(mGroup, e, m_size, m_max)
             g_tiles_m = (g_rows + self.tile_m - 1) // self.tile_m
             done = cutlass.Int32(0)
             while e < n_groups:
-                if t < base + g_tiles_m * tiles_n:
+                if t < base + g_tiles_m * walk_n:
                     local = t - base
                     m_tile = local % g_tiles_m
-                    n0 = (local // g_tiles_m) * self.tile_n
-                    row0 = g_start + m_tile * self.tile_m
-                    live = g_live - m_tile * self.tile_m
+                    n0 = ((local // g_tiles_m) * self.cluster_shape_mn[1] + rank_n) * self.tile_n
+                    off = self._tile_offset(g_rows, m_tile)
+                    row0 = g_start + off
+                    live = g_live - off
                     k_first, k_cnt = self._tile_k_range(mGroup, e, k_tile_cnt, live)
                     acc.fill(0.0)
                     if k_cnt > 0:
@@ -864,7 +872,7 @@ class BlockScaledGemmSm90:
                     # rows past the group's live rows (masked layout) are zero
                     for v in cutlass.range_constexpr(n_vals):
                         acc[v] = cutlass.select_(tCcC[v][0] < live, acc[v], cutlass.Float32(0.0))
-                    rows = cutlass.min(g_rows - m_tile * self.tile_m, self.tile_m)
+                    rows = cutlass.min(g_rows - off, self.tile_m)
                     if rows < self.tile_m and row0 + rows < m_size:
                         self._epilogue_direct(acc, tCcC, mD_raw, row0, n0, rows, n_size)
                     else:
@@ -874,9 +882,9 @@ class BlockScaledGemmSm90:
                         )
                         self._epilogue_tma(epi_args, gD_tile, done)
                         done = done + 1
-                    t = t + grid
+                    t = t + step
                 else:
-                    base = base + g_tiles_m * tiles_n
+                    base = base + g_tiles_m * walk_n
                     e = e + 1
                     g_start, g_rows, g_live = self._group_info(mGroup, e, m_size, m_max)
                     g_tiles_m = (g_rows + self.tile_m - 1) // self.tile_m
@@ -891,6 +899,28 @@ class BlockScaledGemmSm90:
         if cutlass.const_expr(self.grouping == "contiguous"):
             e = e + 1
         return e
+
+    @cute.jit
+    def _walk_start(self):
+        """(first walk index, step, N rank in the cluster) of this CTA. The walk enumerates
+        (M tile, cluster-wide N tile) pairs of every group, N outer and M inner; a cluster of
+        1 x c CTAs takes one index and its CTAs the c neighbouring N tiles, so they load the
+        same A tile (multicast). The host requires the N tile count to be a multiple of c."""
+        bidx = cute.arch.block_idx()
+        return bidx[2], cute.arch.grid_dim()[2], bidx[1]
+
+    @cute.jit
+    def _tile_offset(self, g_rows, m_tile):
+        """First row of M tile ``m_tile`` inside its group. A partial last tile of a group of at
+        least one tile is moved back to end at the group's end: its first rows repeat the
+        previous tile's (the same bits: each element's K order is the same), and the whole tile
+        is stored by TMA without touching the next group's rows. Only groups shorter than a
+        tile are stored row by row (``_epilogue_direct``)."""
+        off = m_tile * self.tile_m
+        if cutlass.const_expr(self.grouping != "kgrouped"):  # kgrouped tiles are all full
+            if off + self.tile_m > g_rows and g_rows >= self.tile_m:
+                off = g_rows - self.tile_m
+        return off
 
     @cute.jit
     def _group_info(self, mGroup, e, m_size, m_max):
