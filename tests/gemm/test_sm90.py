@@ -116,6 +116,14 @@ def _shipped():
     return _shipped_configs() if HAS_CUTLASS else ()
 
 
+def assert_wgmma_pipelined(sass: str):
+    """ptxas serializes every wgmma (C7514: an ARRIVE / DEPBAR pair around each QGMMA) when it
+    sees accumulator registers touched while a batch is in flight; a pipelined kernel has one
+    ARRIVE per batch of 4 QGMMA (one 128-wide K block)."""
+    qgmma, arrive = sass.count("QGMMA"), sass.count("WARPGROUP.ARRIVE")
+    assert 2 * arrive <= qgmma, f"wgmma serialized: {arrive} WARPGROUP.ARRIVE for {qgmma} QGMMA"
+
+
 def _check_sass(compiled):
     from lowprec.runtime.compile import local_memory_ops, nvdisasm_path, sass_of
 
@@ -123,6 +131,7 @@ def _check_sass(compiled):
         pytest.skip("no nvdisasm available (pip install nvidia-cuda-nvdisasm)")
     sass = sass_of(compiled)
     assert "QGMMA" in sass, "no QGMMA (FP8 wgmma) in the SASS"
+    assert_wgmma_pipelined(sass)
     assert "ACQBULK" in sass, "no griddepcontrol.wait: programmatic dependent launch is unsafe"
     spills = local_memory_ops(sass)
     assert not spills, f"local-memory traffic in SASS: {spills} LDL/STL"

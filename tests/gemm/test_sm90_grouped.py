@@ -14,6 +14,7 @@ import torch
 
 from .test_sm90 import (
     HAS_CUTLASS,
+    assert_wgmma_pipelined,
     assert_close_bf16,
     assert_close_fp32,
     dequant,
@@ -49,6 +50,7 @@ def test_compile_grouped(grouping, tile):
     kernel = compile_only(_config(tile), grouping=grouping)
     sass = sass_of(kernel)
     assert "QGMMA" in sass
+    assert_wgmma_pipelined(sass)
     assert local_memory_ops(sass) == 0
     assert ("UTMALDG.2D.MULTICAST" in sass) == (tile[2] > 1)
 
@@ -234,6 +236,7 @@ def test_compile_kgrouped(tile):
                           b_scale_per_col=True, grouping="kgrouped")
     sass = sass_of(kernel)
     assert "QGMMA" in sass
+    assert_wgmma_pipelined(sass)
     assert local_memory_ops(sass) == 0
 
 

@@ -1,0 +1,60 @@
+"""Same-run A/B of two versions of the dense GEMM kernel module: HEAD's ``blockscaled_gemm.py``
+(old) against the working tree's (new), on the M = 4096 ``bench gemm`` shapes, 8192³, a 1x128-B
+(weight-gradient) shape and a small-M shape, each with its heuristic config. Outputs are asserted
+bit-identical; TFLOPS in the benchmark's rot timing, four rounds in alternating order (the mean
+of the middle two first, then every round).
+
+    git show HEAD:lowprec/gemm/sm90/blockscaled_gemm.py > lowprec/gemm/sm90/blockscaled_gemm_old_tmp.py
+    python benchmarks/ab_kernel_versions.py
+"""
+import importlib
+import sys
+
+import torch
+
+from lowprec.bench.gemm import _time_rot
+from lowprec.gemm.sm90 import interface as gi
+
+pkg = importlib.import_module("lowprec.gemm.sm90")
+new = importlib.import_module("lowprec.gemm.sm90.blockscaled_gemm")
+old = importlib.import_module("lowprec.gemm.sm90.blockscaled_gemm_old_tmp")
+
+def build(mod, cfg, per_col):
+    sys.modules["lowprec.gemm.sm90.blockscaled_gemm"] = mod
+    pkg.blockscaled_gemm = mod
+    return gi.build_kernel(cfg, torch.bfloat16, per_col, None, 132)
+
+g = torch.Generator(device="cuda").manual_seed(0)
+shapes = [(4096, 2112, 7168, False), (4096, 24576, 1536, False), (4096, 32768, 512, False), (4096, 7168, 16384, False),
+          (4096, 4096, 7168, False), (4096, 7168, 2048, False), (8192, 8192, 8192, False), (4096, 4096, 16384, True),
+          (128, 7168, 2048, False)]
+for m, n, k, per_col in shapes:
+    cfg = gi.choose_config(m, n, k, per_col)
+    fns = {"old": build(old, cfg, per_col), "new": build(new, cfg, per_col)}
+    nsets = max(1, min(8, -(-160_000_000 // (m * k + n * k + 2 * m * n))))
+    sets = []
+    for _ in range(nsets):
+        a = (torch.randn(m, k, device="cuda", generator=g) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
+        b = (torch.randn(n, k, device="cuda", generator=g) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
+        sa = torch.rand(m, k // 128, device="cuda", generator=g) * 1e-3 + 1e-4
+        if per_col:
+            sb = gi._prep_b_scale_per_col(torch.rand(n, k // 128, device="cuda", generator=g) * 1e-3 + 1e-4)
+        else:
+            sb = gi._tma_b_scale_blocks(torch.rand(n // 128, k // 128, device="cuda", generator=g) * 1e-3 + 1e-4)
+        d = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
+        sets.append((a, b, d, gi._tma_a_scale(sa.t().contiguous().t()), sb))
+    outs = {}
+    for name, fn in fns.items():
+        sets[0][2].fill_(float("nan"))
+        gi._launch(fn, *sets[0], gi._dummy(sets[0][0].device))
+        torch.cuda.synchronize()
+        outs[name] = sets[0][2].clone()
+    assert torch.equal(outs["old"], outs["new"]), (m, n, k)
+    res = {"old": [], "new": []}
+    for order in (("old", "new"), ("new", "old"), ("old", "new"), ("new", "old")):
+        for name in order:
+            fn = fns[name]
+            t = _time_rot([lambda s=s, fn=fn: gi._launch(fn, *s, gi._dummy(s[0].device)) for s in sets], 50)
+            res[name].append(2 * m * n * k / t / 1e9)
+    med = {nm: sorted(v)[1:3] for nm, v in res.items()}
+    print(m, n, k, per_col, cfg, " | ".join(f"{nm} {sum(med[nm])/2:.0f} ({' '.join(f'{x:.0f}' for x in v)})" for nm, v in res.items()), flush=True)
