@@ -57,4 +57,5 @@ for m, n, k, per_col in shapes:
             t = _time_rot([lambda s=s, fn=fn: gi._launch(fn, *s, gi._dummy(s[0].device)) for s in sets], 50)
             res[name].append(2 * m * n * k / t / 1e9)
     med = {nm: sorted(v)[1:3] for nm, v in res.items()}
-    print(m, n, k, per_col, cfg, " | ".join(f"{nm} {sum(med[nm])/2:.0f} ({' '.join(f'{x:.0f}' for x in v)})" for nm, v in res.items()), flush=True)
+    cells = [f"{nm} {sum(med[nm]) / 2:.0f} ({' '.join(f'{x:.0f}' for x in v)})" for nm, v in res.items()]
+    print(m, n, k, per_col, cfg, " | ".join(cells), flush=True)

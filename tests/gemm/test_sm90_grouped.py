@@ -14,9 +14,9 @@ import torch
 
 from .test_sm90 import (
     HAS_CUTLASS,
-    assert_wgmma_pipelined,
     assert_close_bf16,
     assert_close_fp32,
+    assert_wgmma_pipelined,
     dequant,
     gpu,
     needs_cutlass,
