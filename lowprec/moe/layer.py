@@ -141,12 +141,15 @@ def _swiglu_kernel_unsupported(h: torch.Tensor, row_w: torch.Tensor) -> str | No
 
 
 def _wgrad(dy_rows: torch.Tensor, x_rows: torch.Tensor, group_ends: torch.Tensor, quantized: bool,
-           dtype: torch.dtype, out_dtype: torch.dtype) -> torch.Tensor:
+           dtype: torch.dtype, out_dtype: torch.dtype, dy_index: torch.Tensor | None = None,
+           x_index: torch.Tensor | None = None) -> torch.Tensor:
     """``dW[e] = dy_rowsₑᵀ · x_rowsₑ``, ``[E, N, P]``: FP8 K-grouped (FP32 accumulation, stored in
-    ``out_dtype``: one rounding, as ``.to(out_dtype)`` of the FP32 result), or plain in ``dtype``."""
+    ``out_dtype``: one rounding, as ``.to(out_dtype)`` of the FP32 result), or plain in ``dtype``.
+    FP8 only: ``dy_index`` / ``x_index`` map packed rows to rows of token-level operands
+    (:func:`quantize_k_grouped`'s ``row_index``)."""
     if quantized:
-        dy_t, aligned_ends = quantize_k_grouped(dy_rows, group_ends, _ACT_RECIPE)
-        x_t, _ = quantize_k_grouped(x_rows, group_ends, _ACT_RECIPE)
+        dy_t, aligned_ends = quantize_k_grouped(dy_rows, group_ends, _ACT_RECIPE, dy_index)
+        x_t, _ = quantize_k_grouped(x_rows, group_ends, _ACT_RECIPE, x_index)
         store = out_dtype if out_dtype in (torch.bfloat16, torch.float16, torch.float32) else torch.float32
         return grouped_gemm_wgrad(dy_t, x_t, aligned_ends, out_dtype=store)
     dy_rows, x_rows = dy_rows.to(dtype), x_rows.to(dtype)
@@ -244,13 +247,20 @@ class _ExpertsFunction(torch.autograd.Function):
             else:
                 dx_rows = grouped_mm_rows(dh.to(dt), w1.to(dt).transpose(-1, -2), ends)
             dx = unpack(dx_rows, routing, out_dtype=dt)
+        # FP8: the token-level dy and x are read through the packed rows' token map, not gathered
+        token_of_row = torch.where(routing.row_slots >= 0, routing.row_slots // routing.top_k, -1)
         if need_w2:
-            dw2 = _wgrad(gather_rows(dy, routing), a, ends, quantized, dt, w2_dtype).to(w2_dtype)
+            if quantized:
+                dw2 = _wgrad(dy, a, ends, True, dt, w2_dtype, dy_index=token_of_row)
+            else:
+                dw2 = _wgrad(gather_rows(dy, routing), a, ends, False, dt, w2_dtype)
+            dw2 = dw2.to(w2_dtype)
         if need_w1:
-            x_rows = gather_rows(x, routing)
             if quantized:  # FP8 along features -> FP8 along tokens (DeepSeek-V3 requantizes the same way)
-                x_rows = x_rows.dequantize(torch.float32)
-            dw1 = _wgrad(dh, x_rows, ends, quantized, dt, w1_dtype).to(w1_dtype)
+                dw1 = _wgrad(dh, x.dequantize(torch.float32), ends, True, dt, w1_dtype, x_index=token_of_row)
+            else:
+                dw1 = _wgrad(dh, gather_rows(x, routing), ends, False, dt, w1_dtype)
+            dw1 = dw1.to(w1_dtype)
         return dx, dweights, dw1, dw2, None, None, None, None
 
 

@@ -32,15 +32,19 @@ def _check_ends(group_ends: torch.Tensor, device: torch.device) -> None:
         raise ValueError(f"group_ends: on {group_ends.device}, but the rows are on {device}")
 
 
-def quantize_k_grouped(rows: torch.Tensor, group_ends: torch.Tensor, recipe: str | ScaleRecipe = "fp8_block1x128"
-                       ) -> tuple[QuantizedTensor, torch.Tensor]:
+def quantize_k_grouped(rows: torch.Tensor, group_ends: torch.Tensor, recipe: str | ScaleRecipe = "fp8_block1x128",
+                       row_index: torch.Tensor | None = None) -> tuple[QuantizedTensor, torch.Tensor]:
     """Packed rows ``[M, C]`` to the K-grouped operand ``[C, round_up(M, 128) + 128·E]`` of :func:`grouped_gemm_wgrad`.
 
     Args:
         rows: ``[M, C]`` float rows grouped by expert: expert ``e`` owns rows
             ``group_ends[e-1]:group_ends[e]``; rows after ``group_ends[-1]`` are ignored.
+            With ``row_index``, any ``[R, C]`` rows (e.g. one per token) that it indexes.
         group_ends: ``[E]`` int32 cumulative ends (non-decreasing, at most M).
         recipe: 1 x N block recipe with N dividing 128 (default ``fp8_block1x128``).
+        row_index: optional ``[M]`` integer map: packed row ``p`` is ``rows[row_index[p]]``, a zero
+            row where ``row_index[p] < 0``. Saves gathering token rows into packed order first
+            (the GPU kernel reads them through the map); the result is the same bits.
 
     Returns:
         ``(q, aligned_ends)``: ``q`` quantizes the transposed rows, expert ``e``'s tokens in
@@ -53,11 +57,18 @@ def quantize_k_grouped(rows: torch.Tensor, group_ends: torch.Tensor, recipe: str
         raise ValueError(f"rows: expected a 2-D float tensor [M, C], got "
                          f"{getattr(rows, 'dtype', type(rows))} {tuple(getattr(rows, 'shape', ()))}")
     _check_ends(group_ends, rows.device)
+    if row_index is not None:
+        if not isinstance(row_index, torch.Tensor) or row_index.dim() != 1 or row_index.is_floating_point() \
+                or row_index.device != rows.device:
+            raise ValueError(f"row_index: expected a 1-D integer tensor on {rows.device}, got "
+                             f"{getattr(row_index, 'dtype', type(row_index))} {tuple(getattr(row_index, 'shape', ()))} "
+                             f"on {getattr(row_index, 'device', None)}")
     r = get_recipe(recipe)
     if r.block[0] != 1 or r.block[1] == WHOLE or _ALIGN % r.block[1] or r.global_scale:
         raise ValueError(f"recipe: expected 1 x N blocks with N dividing {_ALIGN} and no global scale, "
                          f"got {r.name!r} with block {r.block}")
-    m, num_groups = rows.shape[0], group_ends.numel()
+    m = rows.shape[0] if row_index is None else row_index.shape[0]
+    num_groups = group_ends.numel()
     width = -(-m // _ALIGN) * _ALIGN + _ALIGN * num_groups
     ends = group_ends.long()
     counts = torch.diff(ends, prepend=ends.new_zeros(1))
@@ -75,11 +86,14 @@ def quantize_k_grouped(rows: torch.Tensor, group_ends: torch.Tensor, recipe: str
 
             # source row of every column (-1: zero padding): the kernel gathers the rows itself
             src = torch.full((width + m,), -1, dtype=torch.int32, device=rows.device)
-            src.index_copy_(0, dest, p.int())
+            src.index_copy_(0, dest, p.int() if row_index is None else row_index.int())
             qt, st = interface.quantize_t_gathered(rows, src[:width])
             return QuantizedTensor(qt, st, r, (rows.shape[1], width), rows.dtype), aligned_ends.int()
         except Exception as err:
             kernel_failed("quantize", err)
+    if row_index is not None:  # gather: a zero row appended for the -1 entries
+        src = torch.where(row_index >= 0, row_index, rows.shape[0])
+        rows = torch.cat([rows, rows.new_zeros(1, rows.shape[1])])[src]
     buf = rows.new_zeros(width + m, rows.shape[1]).index_copy_(0, dest, rows)
     # the token-major half of the dual quantization is quantize(buf[:width]ᵀ), read without a
     # transposed copy of buf (width is a multiple of 16: no padding columns)

@@ -46,6 +46,21 @@ def test_wgrad_matches_per_expert_products():
     assert grouped_gemm_wgrad(dy_t, x_t, aligned, out_dtype=torch.bfloat16).dtype == torch.bfloat16
 
 
+def test_quantize_k_grouped_row_index_equals_gathering_first():
+    g = torch.Generator().manual_seed(2)
+    tokens = torch.randn(90, 48, generator=g)
+    index = torch.randint(-1, 90, (300,), generator=g)  # -1: a zero row
+    gathered = torch.where(index[:, None] >= 0, tokens[index.clamp(min=0)], 0.0)
+    ends = torch.tensor(ENDS, dtype=torch.int32)
+    ref, ref_ends = quantize_k_grouped(gathered, ends)
+    out, out_ends = quantize_k_grouped(tokens, ends, row_index=index)
+    assert torch.equal(out_ends, ref_ends) and out.shape == ref.shape
+    assert torch.equal(out.data.view(torch.uint8), ref.data.view(torch.uint8))
+    assert torch.equal(out.scale, ref.scale)
+    with pytest.raises(ValueError, match="row_index: expected a 1-D integer tensor"):
+        quantize_k_grouped(tokens, ends, row_index=index.float())
+
+
 def test_errors():
     q = lowprec.quantize(torch.randn(8, 256), "fp8_block1x128")
     ends = torch.tensor([128, 256], dtype=torch.int32)
@@ -90,3 +105,12 @@ def test_quantize_k_grouped_kernel_matches_reference(ends, dtype, monkeypatch):
     assert torch.equal(out.data.view(torch.uint8), ref.data.view(torch.uint8))
     assert torch.equal(out.scale, ref.scale)
     assert torch.equal(rows, before)
+    # through a row map (token-level rows, as the MoE backward passes them): the same bits
+    tokens, index = rows[::2].contiguous(), torch.arange(rows.shape[0], device="cuda") // 2
+    index[::7] = -1
+    gathered = torch.where(index[:, None] >= 0, tokens[index.clamp(min=0)], 0.0).to(dtype)
+    out, _ = quantize_k_grouped(tokens, group_ends, row_index=index)
+    monkeypatch.setenv("LOWPREC_BACKEND", "reference")
+    ref, _ = quantize_k_grouped(gathered, group_ends)
+    assert torch.equal(out.data.view(torch.uint8), ref.data.view(torch.uint8))
+    assert torch.equal(out.scale, ref.scale)
