@@ -125,9 +125,11 @@ class BlockScaledGemmSm90:
         self.grouping = grouping
         self.split_k = config.split_k
         # a second block accumulator (tile_n/2 registers) must fit next to acc and blk
-        self.overlap = config.mma_overlap and (
-            config.tile_n <= (64 if b_scale_per_col else 128)
-        )
+        self.overlap = config.mma_overlap and config.tile_n <= 128
+        # 1x128 B scales with two block accumulators: the tile_n/4 column scales are read from the
+        # stage at promotion time (the stage is released after it) instead of being held in
+        # registers from the issue on, which leaves no room for blk2 above 64 columns
+        self.sb_from_smem = b_scale_per_col and self.overlap and config.tile_n > 64
 
         self.acc_dtype = cutlass.Float32
         self.ab_dtype = cutlass.Float8E4M3FN
@@ -790,6 +792,8 @@ class BlockScaledGemmSm90:
         )
 
         n_sb = 2 * n_cgroups if self.b_scale_per_col else self.num_sb_boxes
+        if cutlass.const_expr(self.sb_from_smem):
+            n_sb = 1  # unused: the column scales are read at promotion (_retire)
         sa_buf0 = cute.make_rmem_tensor((2,), self.acc_dtype)
         sa_buf1 = cute.make_rmem_tensor((2,), self.acc_dtype)
         sb_buf0 = cute.make_rmem_tensor((n_sb,), self.acc_dtype)
@@ -997,9 +1001,9 @@ class BlockScaledGemmSm90:
                 read_state.advance()
                 cute.nvgpu.warpgroup.wait_group(1)
                 fence_operand(blk)
-                mainloop_pipeline.consumer_release(release_state)
-                release_state.advance()
-                self._promote(acc, blk, sa_buf0, sb_buf0, split)
+                release_state = self._retire(
+                    acc, blk, sa_buf0, sb_buf0, split, scales, mainloop_pipeline, release_state
+                )
                 fence_operand(acc)
                 fence_operand(blk)
                 self._issue_kblock(
@@ -1009,9 +1013,9 @@ class BlockScaledGemmSm90:
                 read_state.advance()
                 cute.nvgpu.warpgroup.wait_group(1)
                 fence_operand(blk2)
-                mainloop_pipeline.consumer_release(release_state)
-                release_state.advance()
-                self._promote(acc, blk2, sa_buf1, sb_buf1, split)
+                release_state = self._retire(
+                    acc, blk2, sa_buf1, sb_buf1, split, scales, mainloop_pipeline, release_state
+                )
                 fence_operand(acc)
             # tail: the block in blk, plus one more block when k_cnt is even
             if k_cnt % 2 == 0:
@@ -1023,20 +1027,20 @@ class BlockScaledGemmSm90:
                 read_state.advance()
                 cute.nvgpu.warpgroup.wait_group(1)
                 fence_operand(blk)
-                mainloop_pipeline.consumer_release(release_state)
-                release_state.advance()
-                self._promote(acc, blk, sa_buf0, sb_buf0, split)
+                release_state = self._retire(
+                    acc, blk, sa_buf0, sb_buf0, split, scales, mainloop_pipeline, release_state
+                )
                 cute.nvgpu.warpgroup.wait_group(0)
                 fence_operand(blk2)
-                mainloop_pipeline.consumer_release(release_state)
-                release_state.advance()
-                self._promote(acc, blk2, sa_buf1, sb_buf1, split)
+                release_state = self._retire(
+                    acc, blk2, sa_buf1, sb_buf1, split, scales, mainloop_pipeline, release_state
+                )
             else:
                 cute.nvgpu.warpgroup.wait_group(0)
                 fence_operand(blk)
-                mainloop_pipeline.consumer_release(release_state)
-                release_state.advance()
-                self._promote(acc, blk, sa_buf0, sb_buf0, split)
+                release_state = self._retire(
+                    acc, blk, sa_buf0, sb_buf0, split, scales, mainloop_pipeline, release_state
+                )
         else:
             for k_tile in range(k_cnt):
                 # NB: pipeline-state updates stay in this loop body (``x.advance()``)
@@ -1145,15 +1149,42 @@ class BlockScaledGemmSm90:
         cute.nvgpu.warpgroup.commit_group()
         sSA, sSB, (rows_l, col_l) = scales
         stage = read_state.index
-        for r in cutlass.range_constexpr(2):
-            sa_dst[r] = sSA[(rows_l[r], 0, stage)]
-        if cutlass.const_expr(self.b_scale_per_col):
+        if cutlass.const_expr(not self.sb_from_smem):  # else read at promotion (_retire)
+            for r in cutlass.range_constexpr(2):
+                sa_dst[r] = sSA[(rows_l[r], 0, stage)]
+        if cutlass.const_expr(self.sb_from_smem):
+            pass
+        elif cutlass.const_expr(self.b_scale_per_col):
             for j in cutlass.range_constexpr(cute.size(sb_dst) // 2):
                 for c in cutlass.range_constexpr(2):
                     sb_dst[2 * j + c] = sSB[0][(col_l + 8 * j + c, 0, stage)]
         else:
             for i in cutlass.range_constexpr(self.num_sb_boxes):
                 sb_dst[i] = sSB[i][(0, k % _SB_BOX_K, stage)]
+
+    @cute.jit
+    def _retire(self, acc, blk, sa, sb, split, scales, mainloop_pipeline, release_state):
+        """Promote a finished block and release its stage: after the promotion when its scales
+        are read from the stage (``sb_from_smem``: ``sa``/``sb`` unused), else first. Returns
+        the advanced release state."""
+        if cutlass.const_expr(self.sb_from_smem):
+            sSA, sSB, (rows_l, col_l) = scales
+            stage = release_state.index
+            sa_r = [sSA[(rows_l[r], 0, stage)] for r in range(2)]
+            n_cgroups = cute.size(acc) // 4
+            for j in cutlass.range_constexpr(n_cgroups):
+                for c in cutlass.range_constexpr(2):
+                    sbc = sSB[0][(col_l + 8 * j + c, 0, stage)]
+                    for r in cutlass.range_constexpr(2):
+                        v = c + 2 * r + 4 * j
+                        acc[v] = acc[v] + blk[v] * (sa_r[r] * sbc)
+            mainloop_pipeline.consumer_release(release_state)
+            release_state.advance()
+        else:
+            mainloop_pipeline.consumer_release(release_state)
+            release_state.advance()
+            self._promote(acc, blk, sa, sb, split)
+        return release_state
 
     @cute.jit
     def _promote(self, acc, blk, sa, sb, split):
