@@ -18,7 +18,8 @@ Structure (DeepGEMM-style promotion, warp specialised, persistent):
   ``acc += blk * (sa[row] * sb[col])`` in FP32 registers. With ``mma_overlap`` (tile_n <= 128)
   two block accumulators alternate, so the wgmma batch of block k+1 runs while block k is
   promoted (``wait_group(1)``, operands pinned by ``fence_operand``); otherwise each block is
-  waited for (``wait_group(0)``).
+  waited for (``wait_group(0)``). 1x128 B scales on tiles over 64 columns are read from the
+  stage at promotion instead (``sb_from_smem``, ``_retire``), so that ``blk2`` fits.
 * epilogue: optional bias, conversion, ``stmatrix`` to shared memory, TMA store (one barrier
   pair per tile when its slices fit the staging buffers); grouped tiles that end inside the
   output store row by row from registers.
@@ -28,7 +29,7 @@ Structure (DeepGEMM-style promotion, warp specialised, persistent):
   a walk over the groups that reads their sizes on the device (see ``_group_info``).
 
 Pieces shared by the schedules: ``_producer_mainloop`` / ``_producer_grouped`` (TMA ring),
-``_mainloop`` (K blocks with promotion), ``_issue_kblock``, ``_promote``, ``fence_operand``,
+``_mainloop`` (K blocks with promotion), ``_issue_kblock``, ``_retire``, ``_promote``, ``fence_operand``,
 ``_epilogue_tma``, ``_epilogue_direct``.
 """
 
