@@ -247,8 +247,9 @@ class _ExpertsFunction(torch.autograd.Function):
             else:
                 dx_rows = grouped_mm_rows(dh.to(dt), w1.to(dt).transpose(-1, -2), ends)
             dx = unpack(dx_rows, routing, out_dtype=dt)
-        # FP8: the token-level dy and x are read through the packed rows' token map, not gathered
-        token_of_row = torch.where(routing.row_slots >= 0, routing.row_slots // routing.top_k, -1)
+        if quantized and (need_w1 or need_w2):
+            # the token-level dy and x are read through the packed rows' token map, not gathered
+            token_of_row = torch.where(routing.row_slots >= 0, routing.row_slots // routing.top_k, -1)
         if need_w2:
             if quantized:
                 dw2 = _wgrad(dy, a, ends, True, dt, w2_dtype, dy_index=token_of_row)

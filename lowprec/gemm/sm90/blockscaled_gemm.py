@@ -1150,18 +1150,16 @@ class BlockScaledGemmSm90:
         cute.nvgpu.warpgroup.commit_group()
         sSA, sSB, (rows_l, col_l) = scales
         stage = read_state.index
-        if cutlass.const_expr(not self.sb_from_smem):  # else read at promotion (_retire)
+        if cutlass.const_expr(not self.sb_from_smem):  # else both read at promotion (_retire)
             for r in cutlass.range_constexpr(2):
                 sa_dst[r] = sSA[(rows_l[r], 0, stage)]
-        if cutlass.const_expr(self.sb_from_smem):
-            pass
-        elif cutlass.const_expr(self.b_scale_per_col):
-            for j in cutlass.range_constexpr(cute.size(sb_dst) // 2):
-                for c in cutlass.range_constexpr(2):
-                    sb_dst[2 * j + c] = sSB[0][(col_l + 8 * j + c, 0, stage)]
-        else:
-            for i in cutlass.range_constexpr(self.num_sb_boxes):
-                sb_dst[i] = sSB[i][(0, k % _SB_BOX_K, stage)]
+            if cutlass.const_expr(self.b_scale_per_col):
+                for j in cutlass.range_constexpr(cute.size(sb_dst) // 2):
+                    for c in cutlass.range_constexpr(2):
+                        sb_dst[2 * j + c] = sSB[0][(col_l + 8 * j + c, 0, stage)]
+            else:
+                for i in cutlass.range_constexpr(self.num_sb_boxes):
+                    sb_dst[i] = sSB[i][(0, k % _SB_BOX_K, stage)]
 
     @cute.jit
     def _retire(self, acc, blk, sa, sb, split, scales, mainloop_pipeline, release_state):
@@ -1171,14 +1169,10 @@ class BlockScaledGemmSm90:
         if cutlass.const_expr(self.sb_from_smem):
             sSA, sSB, (rows_l, col_l) = scales
             stage = release_state.index
-            sa_r = [sSA[(rows_l[r], 0, stage)] for r in range(2)]
-            n_cgroups = cute.size(acc) // 4
-            for j in cutlass.range_constexpr(n_cgroups):
-                for c in cutlass.range_constexpr(2):
-                    sbc = sSB[0][(col_l + 8 * j + c, 0, stage)]
-                    for r in cutlass.range_constexpr(2):
-                        v = c + 2 * r + 4 * j
-                        acc[v] = acc[v] + blk[v] * (sa_r[r] * sbc)
+            self._promote_per_col(
+                acc, blk, [sSA[(rows_l[r], 0, stage)] for r in range(2)],
+                lambda j, c: sSB[0][(col_l + 8 * j + c, 0, stage)],
+            )
             mainloop_pipeline.consumer_release(release_state)
             release_state.advance()
         else:
@@ -1188,15 +1182,22 @@ class BlockScaledGemmSm90:
         return release_state
 
     @cute.jit
+    def _promote_per_col(self, acc, blk, sa, col_scale):
+        """1x128 B scales: acc += blk * (sa[row] * col_scale(j, c)) for the thread's column
+        8j + c (traced inline: ``col_scale`` reads a register buffer or the stage)."""
+        for j in cutlass.range_constexpr(cute.size(acc) // 4):
+            for c in cutlass.range_constexpr(2):
+                s_col = col_scale(j, c)
+                for r in cutlass.range_constexpr(2):
+                    v = c + 2 * r + 4 * j
+                    acc[v] = acc[v] + blk[v] * (sa[r] * s_col)
+
+    @cute.jit
     def _promote(self, acc, blk, sa, sb, split):
         """acc += blk * sa[row] * sb[col]; value v = c + 2*r + 4*j sits at row +8r, col 8j+c."""
         n_cgroups = cute.size(acc) // 4
         if cutlass.const_expr(self.b_scale_per_col):
-            for j in cutlass.range_constexpr(n_cgroups):
-                for r in cutlass.range_constexpr(2):
-                    for c in cutlass.range_constexpr(2):
-                        v = c + 2 * r + 4 * j
-                        acc[v] = acc[v] + blk[v] * (sa[r] * sb[2 * j + c])
+            self._promote_per_col(acc, blk, sa, lambda j, c: sb[2 * j + c])
         else:
             # one product per (row, scale block touched); block i >= 1 starts at column
             # split + 128 * (i - 1) of the tile

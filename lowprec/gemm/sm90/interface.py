@@ -255,16 +255,15 @@ def _check_on_cuda_like_a(a, **others):
     dev = a.device
     _check(dev.type == "cuda", lambda: f"a: expected a CUDA tensor, got device {dev}")
     for name, t in others.items():
-        if t is not None:
-            if not (t.device == dev):
-                raise ValueError(f"{name}: on {t.device}, expected {dev} like a")
+        if t is not None and t.device != dev:  # a plain raise: a lambda would not bind the loop variables
+            raise ValueError(f"{name}: on {t.device}, expected {dev} like a")
 
 
 def _validate(a, a_scale, b, b_scale, out_dtype, bias):
     for name, t in (("a", a), ("a_scale", a_scale), ("b", b), ("b_scale", b_scale)):
-        if not (isinstance(t, torch.Tensor)):
+        if not isinstance(t, torch.Tensor):
             raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-        if not (t.dim() == 2):
+        if t.dim() != 2:
             raise ValueError(f"{name}: expected 2 dims, got shape {tuple(t.shape)}")
     _check(a.dtype == torch.float8_e4m3fn, lambda: f"a: expected torch.float8_e4m3fn, got {a.dtype}")
     _check(b.dtype == torch.float8_e4m3fn, lambda: f"b: expected torch.float8_e4m3fn, got {b.dtype}")
@@ -460,7 +459,7 @@ def _check_grouped_config(config, n: int, what: str):
 
 def _validate_grouped(a, a_scale, b, b_scale, group, out_dtype, masked):
     for name, t in (("a", a), ("a_scale", a_scale), ("b", b), ("b_scale", b_scale), ("group", group)):
-        if not (isinstance(t, torch.Tensor)):
+        if not isinstance(t, torch.Tensor):
             raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
     _check(a.dtype == torch.float8_e4m3fn and b.dtype == torch.float8_e4m3fn,
            lambda: f"a, b: expected torch.float8_e4m3fn, got {a.dtype} and {b.dtype}")
@@ -558,7 +557,7 @@ def grouped_gemm_wgrad_fp8(
     Group values are read on the device only (no host sync).
     """
     for name, t in (("a", a), ("a_scale", a_scale), ("b", b), ("b_scale", b_scale), ("group_ends", group_ends)):
-        if not (isinstance(t, torch.Tensor)):
+        if not isinstance(t, torch.Tensor):
             raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
     _check(a.dtype == torch.float8_e4m3fn and b.dtype == torch.float8_e4m3fn,
            lambda: f"a, b: expected torch.float8_e4m3fn, got {a.dtype} and {b.dtype}")

@@ -134,8 +134,9 @@ def quantize_rowwise(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     s = torch.empty(m, 1, dtype=torch.float32, device=x.device)
     if m:
         with torch.cuda.device(x.device):
-            # long rows: staged in shared memory (fp8_quant.ROWWISE_SHORT_COLS)
-            kind = "rowwise" if k <= 4096 else "rowwise_staged"
+            from .fp8_quant import ROWWISE_SHORT_COLS  # longer rows are staged in shared memory
+
+            kind = "rowwise" if k <= ROWWISE_SHORT_COLS else "rowwise_staged"
             compile_kernel(kind, x.dtype)(x, q.view(torch.uint8), s)
     return q, s
 
