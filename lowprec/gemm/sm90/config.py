@@ -31,6 +31,7 @@ class TileConfig:
             f"_{'m' if self.raster_along_m else 'n'}{self.swizzle}"
             + (f"_s{self.split_k}" if self.split_k > 1 else "")
             + ("" if self.pdl else "_nopdl")
+            + ("" if self.mma_overlap else "_noov")
         )
 
 

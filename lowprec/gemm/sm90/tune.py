@@ -16,16 +16,16 @@ import torch
 
 def parse_config(name: str):
     """TileConfig from its ``str`` form, e.g. ``128x128_c2x1_n4``, ``64x64_c1x1_m1_s2`` or
-    ``64x64_c1x1_m1_nopdl``."""
+    ``64x64_c1x1_m1_nopdl`` (``_noov``: no wgmma / promotion overlap)."""
     from .config import TileConfig
 
-    m = re.fullmatch(r"(\d+)x(\d+)_c(\d+)x(\d+)_([mn])(\d+)(?:_s(\d+))?(_nopdl)?", name)
+    m = re.fullmatch(r"(\d+)x(\d+)_c(\d+)x(\d+)_([mn])(\d+)(?:_s(\d+))?(_nopdl)?(_noov)?", name)
     if m is None:
         raise ValueError(f"config {name!r}: expected e.g. 128x128_c2x1_m1 or 64x64_c1x1_m1_s2")
-    bm, bn, cm, cn, raster, swz, sk, nopdl = m.groups()
+    bm, bn, cm, cn, raster, swz, sk, nopdl, noov = m.groups()
     return TileConfig(tile_m=int(bm), tile_n=int(bn), cluster_m=int(cm), cluster_n=int(cn),
                       raster_along_m=raster == "m", swizzle=int(swz), split_k=int(sk or 1),
-                      pdl=nopdl is None)
+                      pdl=nopdl is None, mma_overlap=noov is None)
 
 
 def main(argv=None):
