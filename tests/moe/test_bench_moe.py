@@ -96,6 +96,7 @@ def test_cases_run_and_report_failing_peers(monkeypatch):
         return (time.perf_counter() - start) * 1e3
 
     monkeypatch.setattr(bench, "_time", cpu_time)
+    monkeypatch.setattr(bench, "_time_queued", lambda fn: cpu_time(fn, 1.0))
     g = torch.Generator().manual_seed(3)
     r = bench.make_routing(64, 2, 4, "balanced", capacity_factor=1.0, generator=g, device="cpu")
     x = torch.randn(64, 128, generator=g).bfloat16()
