@@ -234,7 +234,7 @@ def run(args=None):
             t_lp, t_cb = sum(lp_rounds) / 2, sum(cb_rounds) / 2
             t_cb_eager = _bench(_cublas_blockwise_fn(a, sa, b, sb), rep)
         else:
-            lp_rounds = cb_rounds = [_time_rot(lp_calls, rep)]
+            lp_rounds, cb_rounds = [_time_rot(lp_calls, rep)], []
             t_lp = lp_rounds[0]
         t_row = _time_rot([_cublas_rowwise_fn(s_[0], s_[2]) for s_ in sets], rep)
         b16s = [(s_[0].to(torch.bfloat16), s_[2].to(torch.bfloat16)) for s_ in sets]
@@ -258,7 +258,7 @@ def run(args=None):
             cublas_bf16_tflops=tf(t_bf), ratio_vs_cublas_fp8=t_cb / t_lp,
             cublas_fp8_blockwise_eager_tflops=tf(t_cb_eager), ratio_vs_cublas_fp8_eager=t_cb_eager / t_lp_eager,
             ratio_vs_cublas_fp8_rowwise=t_row / t_lp, rel_err=err, rel_err_cublas=err_cb,
-            lowprec_ms_rounds=lp_rounds, cublas_fp8_blockwise_ms_rounds=cb_rounds if cublas_ok else [],
+            lowprec_ms_rounds=lp_rounds, cublas_fp8_blockwise_ms_rounds=cb_rounds,
             first_call_s=compile_s,
         )
         rows.append(row)

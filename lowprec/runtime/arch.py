@@ -31,13 +31,11 @@ def device_arch(device: torch.device | str | None) -> str | None:
     return _cuda_arch(index)
 
 
-_sm_counts: dict[int, int] = {}
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def sm_count(device: torch.device) -> int:
     """Streaming multiprocessors of the CUDA ``device`` (cached: launch paths ask on every call)."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    count = _sm_counts.get(index)
-    if count is None:
-        count = _sm_counts[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return count
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
