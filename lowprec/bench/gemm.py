@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import argparse
 import math
+import statistics
 import time
 
 import torch
 
 from .common import cuda_graph_replay, save_results
 
+ROUNDS = 4  # timing rounds per library for lowprec and cuBLAS blockwise
 DSV3_NK = [(2112, 7168), (24576, 1536), (32768, 512), (7168, 16384), (4096, 7168), (7168, 2048)]
 
 
@@ -145,17 +147,36 @@ def _graphed(fn):
         return None
 
 
-def _time_rot(calls, rep):
-    """ms per call: a CUDA graph runs ``reps`` back-to-back calls cycling over ``calls`` (each on
-    its own input set); do_bench times graph replays (median) and we divide by the calls."""
+def _rot_timer(calls):
+    """A CUDA graph of back-to-back calls cycling over ``calls`` (each on its own input set);
+    returns ``time(rep)``: ms per call, do_bench median of graph replays over ``rep`` ms divided by
+    the calls (nan when capture fails)."""
     import triton.testing
 
     per = max(1, -(-8 // len(calls)))
     seq = calls * per
     g = _graphed(lambda: [c() for c in seq])
     if g is None:
-        return float("nan")
-    return triton.testing.do_bench(g, warmup=10, rep=rep, return_mode="median") / len(seq)
+        return lambda rep: float("nan")
+    return lambda rep: triton.testing.do_bench(g, warmup=10, rep=rep, return_mode="median") / len(seq)
+
+
+def _time_rot(calls, rep):
+    """ms per call in rot timing (see ``_rot_timer``), one round."""
+    return _rot_timer(calls)(rep)
+
+
+def _interleaved_rounds(timers, rep, rounds=ROUNDS):
+    """Time each of ``timers`` (name -> ``_rot_timer``) ``rounds`` times, each round over
+    ``rep / 2`` ms, in orders that alternate which one goes first: under the power cap the one
+    timed first on a cooler GPU reads up to ~20% faster (gemm NOTES, session 8). Returns
+    name -> list of ms per call, one per round."""
+    names = list(timers)
+    out = {nm: [] for nm in names}
+    for r in range(rounds):
+        for nm in (names if r % 2 == 0 else names[::-1]):
+            out[nm].append(timers[nm](max(1, rep // 2)))
+    return out
 
 
 def _cublas_rowwise_fn(a, b):
@@ -223,19 +244,16 @@ def run(args=None):
         lp_calls = [(lambda s=s_: gemm_blockwise_fp8(*s)) for s_ in sets]
         t_cb = t_cb_eager = float("nan")
         d_cb = None
+        timers = {"lp": _rot_timer(lp_calls)}
         if cublas_ok:
             d_cb = _cublas_blockwise_fn(a, sa, b, sb)()
-            # rounds in the order lowprec, cuBLAS, cuBLAS, lowprec: under the power cap a kernel
-            # timed first on a cooler GPU reads up to ~20% faster (NOTES v10)
-            cb_calls = [_cublas_blockwise_fn(*s_) for s_ in sets]
-            lp_rounds, cb_rounds = [_time_rot(lp_calls, rep)], []
-            cb_rounds += [_time_rot(cb_calls, rep), _time_rot(cb_calls, rep)]
-            lp_rounds.append(_time_rot(lp_calls, rep))
-            t_lp, t_cb = sum(lp_rounds) / 2, sum(cb_rounds) / 2
+            timers["cb"] = _rot_timer([_cublas_blockwise_fn(*s_) for s_ in sets])
             t_cb_eager = _bench(_cublas_blockwise_fn(a, sa, b, sb), rep)
-        else:
-            lp_rounds, cb_rounds = [_time_rot(lp_calls, rep)], []
-            t_lp = lp_rounds[0]
+        rounds = _interleaved_rounds(timers, rep)
+        lp_rounds, cb_rounds = rounds["lp"], rounds.get("cb", [])
+        t_lp = statistics.median(lp_rounds)
+        if cb_rounds:
+            t_cb = statistics.median(cb_rounds)
         t_row = _time_rot([_cublas_rowwise_fn(s_[0], s_[2]) for s_ in sets], rep)
         b16s = [(s_[0].to(torch.bfloat16), s_[2].to(torch.bfloat16)) for s_ in sets]
         t_bf = _time_rot([(lambda x=x, y=y: x @ y.t()) for x, y in b16s], rep)
@@ -286,9 +304,10 @@ def run(args=None):
         device=dev_name, num_sms=num_sms, torch=torch.__version__,
         cublas_blockwise_probe=dict(ok=cublas_ok, rel_err=cublas_probe_err, note=cublas_note),
         timing=("*_ms: CUDA graph of back-to-back calls cycling over input sets totalling >= 160 MB "
-                "(> L2), do_bench median / calls (lowprec and cuBLAS blockwise: mean of two rounds "
-                "timed lowprec, cuBLAS, cuBLAS, lowprec: *_ms_rounds); *_eager_ms: do_bench median "
-                "of single Python calls (L2 flushed); random data"), rows=rows, summary=summary,
+                f"(> L2), do_bench median / calls (lowprec and cuBLAS blockwise: median of {ROUNDS} "
+                "rounds each, interleaved, which one goes first alternating: *_ms_rounds); "
+                "*_eager_ms: do_bench median of single Python calls (L2 flushed); random data"),
+        rows=rows, summary=summary,
         date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     )
     out = save_results("gemm", payload, getattr(args, "out", None))
