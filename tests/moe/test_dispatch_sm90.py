@@ -1,0 +1,112 @@
+"""Hopper dropless dispatch kernels: they compile for sm_90a on any machine (no spills); on the
+GPU the plan is the torch form's, field for field."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from lowprec.moe import dispatch, route
+from lowprec.moe.sm90.dispatch import MAX_EXPERTS, MAX_SLOTS
+from lowprec.moe.sm90.interface import build_dispatch_kernel, dispatch_unsupported
+from lowprec.runtime import cubin_arch, local_memory_ops, sass_of
+
+
+@pytest.mark.parametrize("num_experts", [1, 8, 60, 128, 256])
+def test_dispatch_kernels_compile_for_sm90a_without_spills(num_experts):
+    sass = sass_of(build_dispatch_kernel(num_experts))
+    assert cubin_arch(sass) == "sm_90a"
+    assert local_memory_ops(sass) == 0
+    assert "MATCH.ANY" in sass  # the in-warp ranking
+
+
+def test_dispatch_unsupported_names_the_limit():
+    assert dispatch_unsupported(MAX_SLOTS, MAX_EXPERTS) is None
+    assert "E=257" in dispatch_unsupported(8, MAX_EXPERTS + 1)
+    assert f"{MAX_SLOTS + 1} slots" in dispatch_unsupported(MAX_SLOTS + 1, 8)
+
+
+def _ids(tokens, k, num_experts, kind, seed):
+    g = torch.Generator().manual_seed(seed)
+    if kind == "balanced":
+        ids = torch.rand(tokens, num_experts, generator=g).argsort(dim=1)[:, :k]
+    elif kind == "zipf":
+        popularity = 1.0 / torch.arange(1, num_experts + 1, dtype=torch.float64) ** 1.2
+        ids = torch.multinomial(popularity.expand(tokens, -1), k, replacement=False, generator=g)
+    elif kind == "one":  # every slot to the last expert, a token listing it k times
+        ids = torch.full((tokens, k), num_experts - 1, dtype=torch.int64)
+    else:  # random with repeats
+        ids = torch.randint(0, num_experts, (tokens, k), generator=g)
+    return ids, torch.rand(tokens, k, generator=g)
+
+
+def _both(weights, ids, num_experts, monkeypatch, **kw):
+    monkeypatch.setenv("LOWPREC_BACKEND", "reference")
+    ref = dispatch(weights, ids, num_experts, **kw)
+    monkeypatch.setenv("LOWPREC_BACKEND", "kernel")
+    return dispatch(weights, ids, num_experts, **kw), ref
+
+
+def _assert_same_plan(out, ref):
+    for f in dataclasses.fields(ref):
+        a, b = getattr(out, f.name), getattr(ref, f.name)
+        if isinstance(b, torch.Tensor):
+            assert a.dtype == b.dtype and a.shape == b.shape, f.name
+            assert torch.equal(a, b), f.name
+        else:
+            assert a == b, f.name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["balanced", "zipf", "one", "repeats"])
+@pytest.mark.parametrize("shape", [(1, 1, 1), (5, 2, 4), (333, 3, 60), (1000, 8, 128), (4096, 8, 64),
+                                   (8192, 8, 128), (16384, 8, 256)])
+def test_dispatch_kernel_is_the_torch_plan(shape, kind, monkeypatch):
+    tokens, k, num_experts = shape
+    if k > num_experts and kind in ("balanced", "zipf"):
+        pytest.skip("top-k without repeats needs k <= E")
+    ids, weights = _ids(tokens, k, num_experts, kind, seed=tokens + k)
+    out, ref = _both(weights.cuda(), ids.cuda(), num_experts, monkeypatch)
+    _assert_same_plan(out, ref)
+
+
+@pytest.mark.gpu
+def test_dispatch_kernel_int32_ids_empty_and_route(monkeypatch):
+    ids, weights = _ids(700, 4, 32, "zipf", seed=1)
+    out, ref = _both(weights.cuda(), ids.int().cuda(), 32, monkeypatch)
+    _assert_same_plan(out, ref)
+    out, ref = _both(torch.zeros(0, 2, device="cuda"), torch.zeros(0, 2, dtype=torch.int64, device="cuda"), 8,
+                     monkeypatch)
+    _assert_same_plan(out, ref)
+    logits = torch.randn(2048, 64, device="cuda")
+    monkeypatch.setenv("LOWPREC_BACKEND", "reference")
+    ref = route(logits, 6)
+    monkeypatch.setenv("LOWPREC_BACKEND", "kernel")
+    _assert_same_plan(route(logits, 6), ref)
+
+
+@pytest.mark.gpu
+def test_dispatch_kernel_drops_ids_out_of_range():
+    """check_ids=False promises ids in [0, E); where that is broken the slots are dropped, with no
+    out-of-bounds access and a consistent plan."""
+    ids = torch.tensor([[0, 9], [-1, 1], [1, 0]], device="cuda")
+    r = dispatch(torch.ones(3, 2, device="cuda"), ids, 2, check_ids=False)
+    assert r.kept.tolist() == [[True, False], [False, True], [True, True]]
+    assert r.counts.tolist() == [2, 2] and r.group_ends.tolist() == [2, 4]
+    assert r.row_slots.tolist() == [0, 5, 3, 4, -1, -1]
+    assert r.slot_rows.tolist() == [[0, -1], [-1, 2], [3, 1]]
+
+
+@pytest.mark.gpu
+def test_dispatch_kernel_in_a_cuda_graph(monkeypatch):
+    monkeypatch.setenv("LOWPREC_BACKEND", "kernel")
+    ids, weights = _ids(4096, 8, 128, "zipf", seed=3)
+    ids, weights = ids.cuda(), weights.cuda()
+    ref = dispatch(weights, ids, 128, check_ids=False)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = dispatch(weights, ids, 128, check_ids=False)
+    graph.replay()
+    torch.cuda.synchronize()
+    _assert_same_plan(captured, ref)
