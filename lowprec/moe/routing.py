@@ -15,7 +15,7 @@ Every backend reproduces these rules exactly, so results are deterministic and b
 
 On CUDA, :func:`route`, :func:`select_experts` and :func:`dispatch` with ``check_ids=False`` never
 wait for the device (CUDA-graph capturable); only the id check and :meth:`Routing.stats` read back.
-On Hopper the dropless plan (``capacity_factor=None``, E ≤ 256, T·k ≤ 131072) comes from two
+On Hopper the plan of a dropless or ``"position"`` dispatch (E ≤ 512, T·k ≤ 131072) comes from two
 kernels (``lowprec/moe/sm90/dispatch.py``) instead of ~16 torch ops, with the same result.
 """
 
@@ -196,13 +196,13 @@ def dispatch(topk_weights: torch.Tensor, topk_ids: torch.Tensor, num_experts: in
         raise ValueError(f"topk_ids: expert ids must be in [0, {num_experts}), got values in "
                          f"[{int(ids.min())}, {int(ids.max())}]")
     capacity = expert_capacity(num_tokens, top_k, num_experts, capacity_factor)
-    if capacity is None:
-        planned = _dropless_kernel(ids, num_experts)
+    if capacity is None or drop_policy == "position":
+        planned = _plan_kernel(ids, num_experts, capacity)
         if planned is not None:
             kept, slot_rows, row_slots, counts, group_ends = planned
             return Routing(topk_weights=topk_weights, topk_ids=topk_ids.long(), kept=kept.reshape(num_tokens, top_k),
                            slot_rows=slot_rows.reshape(num_tokens, top_k), row_slots=row_slots, counts=counts,
-                           group_ends=group_ends, capacity=None)
+                           group_ends=group_ends, capacity=capacity)
     device = ids.device
     n = ids.numel()
     slots = torch.arange(n, device=device)
@@ -242,9 +242,9 @@ def dispatch(topk_weights: torch.Tensor, topk_ids: torch.Tensor, num_experts: in
     )
 
 
-def _dropless_kernel(ids: torch.Tensor, num_experts: int):
-    """The dropless plan from the Hopper dispatch kernels (two launches instead of ~16 torch ops),
-    or None where the torch form runs."""
+def _plan_kernel(ids: torch.Tensor, num_experts: int, capacity: int | None):
+    """The plan (dropless, or ``"position"`` drops) from the Hopper dispatch kernels (two launches
+    instead of ~16 torch ops), or None where the torch form runs."""
     from ..runtime import kernel_failed, use_kernel
 
     def why_not():
@@ -255,9 +255,9 @@ def _dropless_kernel(ids: torch.Tensor, num_experts: int):
     if ids.device.type != "cuda" or not use_kernel("moe_dispatch", ids.device, ("sm_90a",), why_not):
         return None
     try:
-        from .sm90.interface import dispatch_dropless
+        from .sm90.interface import dispatch_plan
 
-        return dispatch_dropless(ids.contiguous(), num_experts)
+        return dispatch_plan(ids.contiguous(), num_experts, capacity)
     except Exception as err:
         kernel_failed("moe_dispatch", err)
     return None

@@ -1,5 +1,5 @@
-"""Hopper dropless dispatch kernels: they compile for sm_90a on any machine (no spills); on the
-GPU the plan is the torch form's, field for field."""
+"""Hopper dispatch-plan kernels (dropless and "position" drops): they compile for sm_90a on any
+machine (no spills); on the GPU the plan is the torch form's, field for field."""
 
 import dataclasses
 
@@ -12,7 +12,7 @@ from lowprec.moe.sm90.interface import build_dispatch_kernel, dispatch_unsupport
 from lowprec.runtime import cubin_arch, local_memory_ops, sass_of
 
 
-@pytest.mark.parametrize("num_experts", [1, 8, 60, 128, 256])
+@pytest.mark.parametrize("num_experts", [1, 8, 60, 128, 256, 384, 512])
 def test_dispatch_kernels_compile_for_sm90a_without_spills(num_experts):
     sass = sass_of(build_dispatch_kernel(num_experts))
     assert cubin_arch(sass) == "sm_90a"
@@ -22,7 +22,7 @@ def test_dispatch_kernels_compile_for_sm90a_without_spills(num_experts):
 
 def test_dispatch_unsupported_names_the_limit():
     assert dispatch_unsupported(MAX_SLOTS, MAX_EXPERTS) is None
-    assert "E=257" in dispatch_unsupported(8, MAX_EXPERTS + 1)
+    assert f"E={MAX_EXPERTS + 1}" in dispatch_unsupported(8, MAX_EXPERTS + 1)
     assert f"{MAX_SLOTS + 1} slots" in dispatch_unsupported(MAX_SLOTS + 1, 8)
 
 
@@ -60,7 +60,7 @@ def _assert_same_plan(out, ref):
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["balanced", "zipf", "one", "repeats"])
 @pytest.mark.parametrize("shape", [(1, 1, 1), (5, 2, 4), (333, 3, 60), (1000, 8, 128), (4096, 8, 64),
-                                   (8192, 8, 128), (16384, 8, 256)])
+                                   (8192, 8, 128), (16384, 8, 256), (2048, 8, 384), (1000, 8, 512)])
 def test_dispatch_kernel_is_the_torch_plan(shape, kind, monkeypatch):
     tokens, k, num_experts = shape
     if k > num_experts and kind in ("balanced", "zipf"):
@@ -68,6 +68,20 @@ def test_dispatch_kernel_is_the_torch_plan(shape, kind, monkeypatch):
     ids, weights = _ids(tokens, k, num_experts, kind, seed=tokens + k)
     out, ref = _both(weights.cuda(), ids.cuda(), num_experts, monkeypatch)
     _assert_same_plan(out, ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["balanced", "zipf", "one", "repeats"])
+@pytest.mark.parametrize("capacity_factor", [0.25, 1.0, 1.25, 100.0])
+@pytest.mark.parametrize("shape", [(5, 2, 4), (333, 3, 60), (4096, 8, 64), (16384, 8, 256)])
+def test_dispatch_kernel_position_drops_are_the_torch_plan(shape, capacity_factor, kind, monkeypatch):
+    tokens, k, num_experts = shape
+    ids, weights = _ids(tokens, k, num_experts, kind, seed=tokens + 7)
+    out, ref = _both(weights.cuda(), ids.cuda(), num_experts, monkeypatch, capacity_factor=capacity_factor,
+                     drop_policy="position")
+    _assert_same_plan(out, ref)
+    if capacity_factor < 1 or (kind == "one" and capacity_factor < 100):
+        assert not bool(out.kept.all())  # drops exercised
 
 
 @pytest.mark.gpu

@@ -1,17 +1,19 @@
-"""The dropless MoE dispatch plan in two small CuTe DSL kernels (sm_90a).
+"""The MoE dispatch plan in two small CuTe DSL kernels (sm_90a): dropless, or a capacity limit
+with the ``"position"`` drop policy (each expert keeps its earliest slots).
 
-The torch form of :func:`lowprec.moe.dispatch` takes ~16 small ops (a stable sort, scatters,
+The torch form of :func:`lowprec.moe.dispatch` takes ~16 small ops (stable sorts, scatters,
 cumsums), ~0.6 ms of host time per call on the H100 machine: more than the E128 layer's grouped
-GEMMs. Here the same plan costs two launches. Output is identical to the torch form: rows
+GEMMs. Here the same plan costs two launches. Output is identical to the torch form: kept slots
 grouped by expert id ascending, inside an expert by slot number ascending.
 
 Slots are cut into chunks of ``THREADS`` consecutive slots, one CTA (one thread per slot) each:
 
 1. ``_chunk_counts``: per chunk, slots per expert -> ``hist [chunks, E]``.
-2. ``_place``: per chunk, every expert's first row = (rows of lower experts, all chunks) +
-   (rows of this expert in earlier chunks), from ``hist``; then a slot's row = that + the slots of
-   its expert before it in the chunk (``match.any`` within the warp, per-warp counts in shared
-   memory across warps). Chunk 0 also writes the counts and group ends.
+2. ``_place``: per chunk, from ``hist``: every expert's slots in earlier chunks (the rank of its
+   first slot here) and its first packed row (the kept rows, ``min(slots, capacity)``, of lower
+   experts); then a slot's rank within its expert = that + the slots of its expert before it in
+   the chunk (``match.any`` within the warp, per-warp counts in shared memory across warps). A
+   slot is kept if its rank is below the capacity. Chunk 0 also writes the counts and group ends.
 
 No atomics decide an order, so the plan is deterministic. Ids outside ``[0, E)`` (possible only
 with ``check_ids=False``, which promises they are not there) are treated as dropped: no row, no
@@ -28,7 +30,7 @@ from ...quant.sm90.fp8_quant import after_previous_grid
 
 THREADS = 1024  # slots per chunk (one CTA, one thread per slot)
 WARPS = THREADS // 32
-MAX_EXPERTS = 256  # the per-warp count table: WARPS x E int32 in shared memory (32 KB at 256)
+MAX_EXPERTS = 512  # the per-warp count table: WARPS x E int32 in shared memory (64 KB at 512)
 MAX_SLOTS = 1 << 17  # every CTA sums its experts' column of hist: keep that short
 
 
@@ -86,7 +88,7 @@ def _chunk_counts_kernel(mIds: cute.Tensor, mHist: cute.Tensor, num_experts: cut
 
 @cute.kernel
 def _place_kernel(mIds: cute.Tensor, mHist: cute.Tensor, mCounts: cute.Tensor, mEnds: cute.Tensor,
-                  mRowSlots: cute.Tensor, mSlotRows: cute.Tensor, mKept: cute.Tensor,
+                  mRowSlots: cute.Tensor, mSlotRows: cute.Tensor, mKept: cute.Tensor, capacity: Int32,
                   num_experts: cutlass.Constexpr):
     tidx, _, _ = cute.arch.thread_idx()
     after_previous_grid()
@@ -97,10 +99,11 @@ def _place_kernel(mIds: cute.Tensor, mHist: cute.Tensor, mCounts: cute.Tensor, m
     table = _smem_i32(smem, WARPS, num_experts)
     part_total = _smem_i32(smem, parts, num_experts)
     part_before = _smem_i32(smem, parts, num_experts)
-    first_row = _smem_i32(smem, 1, num_experts)
+    rank_base = _smem_i32(smem, 1, num_experts)  # slots of the expert in earlier chunks
+    first_row = _smem_i32(smem, 1, num_experts)  # the expert's first packed row
     routed = _smem_i32(smem, 1, 1)
 
-    # rows of each expert in all chunks and in the chunks before this one, `parts` threads each
+    # slots of each expert in all chunks and in the chunks before this one, `parts` threads each
     x, p = tidx % num_experts, tidx // num_experts
     if p < parts:
         total, before = Int32(0), Int32(0)
@@ -111,10 +114,11 @@ def _place_kernel(mIds: cute.Tensor, mHist: cute.Tensor, mCounts: cute.Tensor, m
         part_total[p, x] = total
         part_before[p, x] = before
     cute.arch.sync_threads()
-    # first row of each expert: an exclusive scan over experts, by warp 0 (lane: E/32 experts)
+    # kept rows per expert (at most `capacity`) and their exclusive scan over experts, by warp 0
+    # (each lane E/32 experts)
     if tidx < 32:
         per_lane = (num_experts + 31) // 32
-        sums = []
+        kept_rows = []
         lane_sum = Int32(0)
         for i in cutlass.range_constexpr(per_lane):
             xe = tidx * per_lane + i
@@ -122,7 +126,8 @@ def _place_kernel(mIds: cute.Tensor, mHist: cute.Tensor, mCounts: cute.Tensor, m
             if xe < num_experts:
                 for q in cutlass.range_constexpr(parts):
                     t += part_total[q, xe]
-            sums.append(t)
+            t = cutlass.min(t, capacity)
+            kept_rows.append(t)
             lane_sum += t
         inclusive = lane_sum
         for d in cutlass.range_constexpr(5):
@@ -135,11 +140,12 @@ def _place_kernel(mIds: cute.Tensor, mHist: cute.Tensor, mCounts: cute.Tensor, m
                 before = Int32(0)
                 for q in cutlass.range_constexpr(parts):
                     before += part_before[q, xe]
-                first_row[0, xe] = start + before
+                rank_base[0, xe] = before
+                first_row[0, xe] = start
                 if chunk == 0:
-                    mCounts[xe] = sums[i]
-                    mEnds[xe] = start + sums[i]
-            start += sums[i]
+                    mCounts[xe] = kept_rows[i]
+                    mEnds[xe] = start + kept_rows[i]
+            start += kept_rows[i]
         if tidx == 31:
             routed[0, 0] = inclusive
     cute.arch.sync_threads()
@@ -147,33 +153,37 @@ def _place_kernel(mIds: cute.Tensor, mHist: cute.Tensor, mCounts: cute.Tensor, m
     s = chunk * THREADS + tidx
     e, valid = _slot_expert(mIds, s, num_experts)
     rank = _fill_warp_counts(table, tidx, e, valid, num_experts)
-    # per expert, the first row of each warp's slots (warps in slot order)
+    # per expert, the rank (slot order, all chunks) of each warp's first slot of it
     if tidx < num_experts:
-        row = first_row[0, tidx]
+        r = rank_base[0, tidx]
         for w in cutlass.range_constexpr(WARPS):
             count = table[w, tidx]
-            table[w, tidx] = row
-            row += count
+            table[w, tidx] = r
+            r += count
     cute.arch.sync_threads()
     n = mIds.shape[0]
     if s < n:
         row = Int32(-1)
+        kept = valid
         if valid:
-            row = table[tidx // 32, e] + rank
-            mRowSlots[row] = Int64(s)
+            rank = table[tidx // 32, e] + rank  # among the expert's slots: the earliest are kept
+            kept = rank < capacity
+            if kept:
+                row = first_row[0, e] + rank
+                mRowSlots[row] = Int64(s)
         mSlotRows[s] = Int64(row)
-        mKept[s] = cutlass.select_(valid, Uint8(1), Uint8(0))
-        # rows past the routed ones are padding (ids out of range leave some)
+        mKept[s] = cutlass.select_(kept, Uint8(1), Uint8(0))
+        # rows past the kept ones are padding
         if s >= routed[0, 0]:
             mRowSlots[s] = Int64(-1)
 
 
 @cute.jit
-def dispatch_dropless(mIds: cute.Tensor, mHist: cute.Tensor, mCounts: cute.Tensor, mEnds: cute.Tensor,
-                      mRowSlots: cute.Tensor, mSlotRows: cute.Tensor, mKept: cute.Tensor,
-                      num_experts: cutlass.Constexpr, stream):
+def dispatch_plan(mIds: cute.Tensor, mHist: cute.Tensor, mCounts: cute.Tensor, mEnds: cute.Tensor,
+                  mRowSlots: cute.Tensor, mSlotRows: cute.Tensor, mKept: cute.Tensor, capacity: Int32,
+                  num_experts: cutlass.Constexpr, stream):
     chunks = mHist.shape[0]
     _chunk_counts_kernel(mIds, mHist, num_experts).launch(grid=(chunks, 1, 1), block=(THREADS, 1, 1), stream=stream,
                                                           use_pdl=True)
-    _place_kernel(mIds, mHist, mCounts, mEnds, mRowSlots, mSlotRows, mKept, num_experts).launch(
+    _place_kernel(mIds, mHist, mCounts, mEnds, mRowSlots, mSlotRows, mKept, capacity, num_experts).launch(
         grid=(chunks, 1, 1), block=(THREADS, 1, 1), stream=stream, use_pdl=True)

@@ -6,7 +6,7 @@ import torch
 
 from ...runtime import kernel_cache
 
-__all__ = ["ARCH", "build_dispatch_kernel", "dispatch_dropless", "dispatch_unsupported"]
+__all__ = ["ARCH", "build_dispatch_kernel", "dispatch_plan", "dispatch_unsupported"]
 
 ARCH = "sm_90a"
 
@@ -23,7 +23,7 @@ def dispatch_unsupported(num_slots: int, num_experts: int) -> str | None:
 
 
 def build_dispatch_kernel(num_experts: int, arch: str = ARCH):
-    """Compile the dropless dispatch for ``num_experts`` on fake tensors (no GPU needed), uncached."""
+    """Compile the dispatch plan for ``num_experts`` on fake tensors (no GPU needed), uncached."""
     import cutlass
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
@@ -37,16 +37,17 @@ def build_dispatch_kernel(num_experts: int, arch: str = ARCH):
     hist = make_fake_tensor(cutlass.Int32, (cute.sym_int(), num_experts), stride=(num_experts, 1), assumed_align=4)
     experts = make_fake_tensor(cutlass.Int32, (num_experts,), stride=(1,), assumed_align=4)
     ends = make_fake_tensor(cutlass.Int32, (num_experts,), stride=(1,), assumed_align=4)
-    return compile_for_arch(dispatch.dispatch_dropless, vec(cutlass.Int64, 8), hist, experts, ends,
-                            vec(cutlass.Int64, 8), vec(cutlass.Int64, 8), vec(cutlass.Uint8, 1), num_experts,
-                            make_fake_stream(use_tvm_ffi_env_stream=True), arch=arch, tvm_ffi=True)
+    return compile_for_arch(dispatch.dispatch_plan, vec(cutlass.Int64, 8), hist, experts, ends,
+                            vec(cutlass.Int64, 8), vec(cutlass.Int64, 8), vec(cutlass.Uint8, 1), cutlass.Int32(1),
+                            num_experts, make_fake_stream(use_tvm_ffi_env_stream=True), arch=arch, tvm_ffi=True)
 
 
-def dispatch_dropless(ids: torch.Tensor, num_experts: int
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def dispatch_plan(ids: torch.Tensor, num_experts: int, capacity: int | None
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``ids``: int64 [n] expert id per slot, contiguous, on a CUDA device (``dispatch_unsupported``
-    is None). Returns (kept bool [n], slot_rows int64 [n], row_slots int64 [n], counts int32 [E],
-    group_ends int32 [E]) of the dropless plan (:func:`lowprec.moe.dispatch`)."""
+    is None); ``capacity``: None (dropless) or the slots each expert keeps, its earliest (the
+    ``"position"`` drop policy). Returns (kept bool [n], slot_rows int64 [n], row_slots int64 [n],
+    counts int32 [E], group_ends int32 [E]) of :func:`lowprec.moe.dispatch`'s plan."""
     from . import dispatch
 
     n = ids.shape[0]
@@ -61,8 +62,8 @@ def dispatch_dropless(ids: torch.Tensor, num_experts: int
         ends.zero_()
         return kept, slot_rows, row_slots, counts, ends
     hist = torch.empty(-(-n // dispatch.THREADS), num_experts, dtype=torch.int32, device=dev)
-    kernel = kernel_cache.get("moe_dispatch_dropless", {"num_experts": num_experts}, ARCH, [dispatch],
+    kernel = kernel_cache.get("moe_dispatch_plan", {"num_experts": num_experts}, ARCH, [dispatch],
                               lambda: build_dispatch_kernel(num_experts))
     with torch.cuda.device(dev):
-        kernel(ids, hist, counts, ends, row_slots, slot_rows, kept.view(torch.uint8))
+        kernel(ids, hist, counts, ends, row_slots, slot_rows, kept.view(torch.uint8), min(capacity or n, n))
     return kept, slot_rows, row_slots, counts, ends
