@@ -1,0 +1,35 @@
+"""``python -m lowprec bench gemm``: its shapes, arguments and timing rounds on the CPU (the
+bench itself needs CUDA)."""
+
+from lowprec.__main__ import BENCHES
+from lowprec.bench import gemm as bench
+
+
+def test_registered_with_the_issue_shapes():
+    assert "gemm" in BENCHES
+    shapes = bench.default_shapes()
+    assert len(shapes) == 3 * 6 + 1 and shapes[-1] == (8192, 8192, 8192)
+    for m in (64, 128, 4096):
+        assert [(n, k) for mm, n, k in shapes if mm == m] == bench.DSV3_NK
+    args = bench.parse_args(["--shapes", "64,128,256", "--rep", "20", "--no-error"])
+    assert args.shapes == "64,128,256" and args.rep == 20 and args.no_error
+
+
+def test_interleaved_rounds_alternate_who_goes_first():
+    calls = []
+
+    def timer(name, ms):
+        def time(rep):
+            calls.append((name, rep))
+            return ms
+        return time
+
+    rounds = bench._interleaved_rounds({"lp": timer("lp", 1.0), "cb": timer("cb", 2.0)}, rep=100, rounds=4)
+    assert rounds == {"lp": [1.0] * 4, "cb": [2.0] * 4}
+    assert [name for name, _ in calls] == ["lp", "cb", "cb", "lp", "lp", "cb", "cb", "lp"]
+    assert {rep for _, rep in calls} == {50}  # each round over half the single-round time
+
+
+def test_one_library_alone_is_timed_every_round():
+    rounds = bench._interleaved_rounds({"lp": lambda rep: 3.0}, rep=1, rounds=bench.ROUNDS)
+    assert rounds == {"lp": [3.0] * bench.ROUNDS}
