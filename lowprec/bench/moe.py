@@ -13,9 +13,10 @@ k distinct experts uniformly at random; ``skewed``: Zipf popularity, expert e dr
   (dispatch, gather rows, grouped_mm w1, swiglu, grouped_mm w2, weighted unpack), forward (no grad)
   and forward + backward, both from the same top-k choices. Neither checks the expert ids (as
   ``lowprec.moe.MoE`` and the baseline do not: the check reads a flag back from the GPU).
-- permutation: lowprec's ``pack`` (gather fused with FP8 1x128 quantization), the bf16 gather, and
-  ``unpack``. Padding: buffer rows beyond the routed ones (slots dropped by ``--capacity-factor``),
-  and rows that 128-row M tiles compute beyond their expert's, both over the routed rows.
+- permutation: the dispatch plan (``lowprec.moe.dispatch``, also the baseline's), lowprec's
+  ``pack`` (gather fused with FP8 1x128 quantization), the bf16 gather, and ``unpack``.
+  Padding: buffer rows beyond the routed ones (slots dropped by ``--capacity-factor``), and rows
+  that 128-row M tiles compute beyond their expert's, both over the routed rows.
 
 Timing: ``bench_ms`` (median, L2 flushed before every call), random data, never zeros. A peer that
 fails (e.g. an op missing from the installed torch) is reported as n/a with the reason.
@@ -256,7 +257,10 @@ def _time_queued(fn) -> float:
 
 def _permutation_case(x, routing, args, failures):
     rows = torch.randn(routing.num_rows, x.shape[1], device=x.device, dtype=x.dtype)
-    calls = {"pack_fp8": lambda: pack(x, routing, "fp8_block1x128"), "gather_bf16": lambda: gather_rows(x, routing),
+    weights, ids, num_experts = routing.topk_weights, routing.topk_ids, routing.num_experts
+    calls = {"dispatch": lambda: dispatch(weights, ids, num_experts, capacity_factor=args.capacity_factor,
+                                          check_ids=False),
+             "pack_fp8": lambda: pack(x, routing, "fp8_block1x128"), "gather_bf16": lambda: gather_rows(x, routing),
              "unpack": lambda: unpack(rows, routing, routing.topk_weights, out_dtype=x.dtype)}
     return {name: _measure(name, fn, args.budget_ms, failures)[0] for name, fn in calls.items()}
 
@@ -295,8 +299,8 @@ def run(args: argparse.Namespace) -> dict:
             gemm_rows.append([name, kind, pad["padding_waste"], pad["tile_waste"], lp["tflops"],
                               gemm["fp8_rowwise"]["tflops"], gemm["bf16"]["tflops"],
                               record["gemm_speedup_vs_fp8_rowwise"], record["gemm_speedup_vs_bf16"], lp["rel_err"],
-                              gemm["fp8_rowwise"]["rel_err"], gemm["bf16"]["rel_err"], perm["pack_fp8"],
-                              perm["unpack"], perm["gather_bf16"]])
+                              gemm["fp8_rowwise"]["rel_err"], gemm["bf16"]["rel_err"], perm["dispatch"],
+                              perm["pack_fp8"], perm["unpack"], perm["gather_bf16"]])
             if layer is not None:
                 lpl, bfl = layer["lowprec"], layer["bf16"]
                 record["layer_speedup_fwd"] = _ratio(bfl["fwd_ms"], lpl["fwd_ms"])
@@ -320,7 +324,8 @@ def run(args: argparse.Namespace) -> dict:
     print("\nfirst expert GEMM [T·k, H] x w1[e]ᵀ; TFLOPS over routed rows; x = peer ms / lowprec ms; "
           "err = rel-L2 vs FP64 of the unquantized inputs; ms of the permutation")
     print_table(["config", "routing", "pad", "tile pad", "lowprec TF", "fp8row TF", "bf16 TF", "x fp8row",
-                 "x bf16", "err lp", "err fp8row", "err bf16", "pack ms", "unpack ms", "bf16 gather ms"], na)
+                 "x bf16", "err lp", "err fp8row", "err bf16", "dispatch ms", "pack ms", "unpack ms",
+                 "bf16 gather ms"], na)
     if layer_rows:
         print("\nMoE layer (swiglu): lowprec fp8_block vs bf16 on torch._grouped_mm; x = bf16 ms / lowprec ms; "
               "'w8': expert weights kept in FP8 (inference), the others quantize them every call; 'q': queued "
