@@ -7,9 +7,10 @@ import pytest
 import torch
 
 from lowprec.moe import dispatch, route
-from lowprec.moe.sm90.dispatch import MAX_EXPERTS, MAX_SLOTS
-from lowprec.moe.sm90.interface import build_dispatch_kernel, dispatch_unsupported
+from lowprec.moe.sm90.interface import MAX_EXPERTS, MAX_SLOTS, build_dispatch_kernel, dispatch_unsupported
 from lowprec.runtime import cubin_arch, local_memory_ops, sass_of
+
+from .test_packing_sm90 import _choices
 
 
 @pytest.mark.parametrize("num_experts", [1, 8, 60, 128, 256, 384, 512])
@@ -24,20 +25,6 @@ def test_dispatch_unsupported_names_the_limit():
     assert dispatch_unsupported(MAX_SLOTS, MAX_EXPERTS) is None
     assert f"E={MAX_EXPERTS + 1}" in dispatch_unsupported(8, MAX_EXPERTS + 1)
     assert f"{MAX_SLOTS + 1} slots" in dispatch_unsupported(MAX_SLOTS + 1, 8)
-
-
-def _ids(tokens, k, num_experts, kind, seed):
-    g = torch.Generator().manual_seed(seed)
-    if kind == "balanced":
-        ids = torch.rand(tokens, num_experts, generator=g).argsort(dim=1)[:, :k]
-    elif kind == "zipf":
-        popularity = 1.0 / torch.arange(1, num_experts + 1, dtype=torch.float64) ** 1.2
-        ids = torch.multinomial(popularity.expand(tokens, -1), k, replacement=False, generator=g)
-    elif kind == "one":  # every slot to the last expert, a token listing it k times
-        ids = torch.full((tokens, k), num_experts - 1, dtype=torch.int64)
-    else:  # random with repeats
-        ids = torch.randint(0, num_experts, (tokens, k), generator=g)
-    return ids, torch.rand(tokens, k, generator=g)
 
 
 def _both(weights, ids, num_experts, monkeypatch, **kw):
@@ -65,7 +52,7 @@ def test_dispatch_kernel_is_the_torch_plan(shape, kind, monkeypatch):
     tokens, k, num_experts = shape
     if k > num_experts and kind in ("balanced", "zipf"):
         pytest.skip("top-k without repeats needs k <= E")
-    ids, weights = _ids(tokens, k, num_experts, kind, seed=tokens + k)
+    ids, weights = _choices(tokens, k, num_experts, kind, seed=tokens + k)
     out, ref = _both(weights.cuda(), ids.cuda(), num_experts, monkeypatch)
     _assert_same_plan(out, ref)
 
@@ -76,7 +63,7 @@ def test_dispatch_kernel_is_the_torch_plan(shape, kind, monkeypatch):
 @pytest.mark.parametrize("shape", [(5, 2, 4), (333, 3, 60), (4096, 8, 64), (16384, 8, 256)])
 def test_dispatch_kernel_position_drops_are_the_torch_plan(shape, capacity_factor, kind, monkeypatch):
     tokens, k, num_experts = shape
-    ids, weights = _ids(tokens, k, num_experts, kind, seed=tokens + 7)
+    ids, weights = _choices(tokens, k, num_experts, kind, seed=tokens + 7)
     out, ref = _both(weights.cuda(), ids.cuda(), num_experts, monkeypatch, capacity_factor=capacity_factor,
                      drop_policy="position")
     _assert_same_plan(out, ref)
@@ -86,7 +73,7 @@ def test_dispatch_kernel_position_drops_are_the_torch_plan(shape, capacity_facto
 
 @pytest.mark.gpu
 def test_dispatch_kernel_int32_ids_empty_and_route(monkeypatch):
-    ids, weights = _ids(700, 4, 32, "zipf", seed=1)
+    ids, weights = _choices(700, 4, 32, "zipf", seed=1)
     out, ref = _both(weights.cuda(), ids.int().cuda(), 32, monkeypatch)
     _assert_same_plan(out, ref)
     out, ref = _both(torch.zeros(0, 2, device="cuda"), torch.zeros(0, 2, dtype=torch.int64, device="cuda"), 8,
@@ -114,7 +101,7 @@ def test_dispatch_kernel_drops_ids_out_of_range():
 @pytest.mark.gpu
 def test_dispatch_kernel_in_a_cuda_graph(monkeypatch):
     monkeypatch.setenv("LOWPREC_BACKEND", "kernel")
-    ids, weights = _ids(4096, 8, 128, "zipf", seed=3)
+    ids, weights = _choices(4096, 8, 128, "zipf", seed=3)
     ids, weights = ids.cuda(), weights.cuda()
     ref = dispatch(weights, ids, 128, check_ids=False)
     torch.cuda.synchronize()

@@ -21,9 +21,11 @@ from ..quant.test_sm90 import _data as _tokens  # outliers, an all-zero row
 from ..quant.test_sm90 import _poison_allocator
 
 
-def _routing(tokens, k, num_experts, kind, device, capacity_factor=None, policy="probs", seed=0):
-    """A routing with a given load shape: ``balanced`` (uniform), ``zipf`` (skewed popularity),
-    ``one`` (every slot to expert 1: the others empty), ``few`` (experts 0 and E-1 only)."""
+def _choices(tokens, k, num_experts, kind, seed=0):
+    """CPU top-k choices ``(ids, weights)``, both [T, k], with a given load shape: ``balanced``
+    (uniform), ``zipf`` (skewed popularity), ``one`` (every slot to expert 1, or 0 when E = 1: the
+    others empty; a token lists it k times), ``few`` (experts 0 and E-1 only), ``repeats``
+    (uniform, a token may list an expert twice)."""
     g = torch.Generator().manual_seed(seed)
     if kind == "balanced":
         ids = torch.rand(tokens, num_experts, generator=g).argsort(dim=1)[:, :k]
@@ -31,10 +33,17 @@ def _routing(tokens, k, num_experts, kind, device, capacity_factor=None, policy=
         popularity = 1.0 / torch.arange(1, num_experts + 1, dtype=torch.float64) ** 1.2
         ids = torch.multinomial(popularity.expand(tokens, -1), k, replacement=False, generator=g)
     elif kind == "one":
-        ids = torch.ones(tokens, k, dtype=torch.int64)  # a token may list an expert twice
-    else:
+        ids = torch.full((tokens, k), min(1, num_experts - 1), dtype=torch.int64)
+    elif kind == "few":
         ids = torch.where(torch.rand(tokens, k, generator=g) < 0.5, 0, num_experts - 1)
-    weights = torch.rand(tokens, k, generator=g)
+    else:
+        ids = torch.randint(0, num_experts, (tokens, k), generator=g)
+    return ids, torch.rand(tokens, k, generator=g)
+
+
+def _routing(tokens, k, num_experts, kind, device, capacity_factor=None, policy="probs", seed=0):
+    """The routing of :func:`_choices` on ``device``."""
+    ids, weights = _choices(tokens, k, num_experts, kind, seed)
     return dispatch(weights.to(device), ids.to(device), num_experts, capacity_factor=capacity_factor,
                     drop_policy=policy)
 

@@ -27,11 +27,9 @@ import cutlass.cute as cute
 from cutlass import Int32, Int64, Uint8
 
 from ...quant.sm90.fp8_quant import after_previous_grid
+from .interface import THREADS
 
-THREADS = 1024  # slots per chunk (one CTA, one thread per slot)
 WARPS = THREADS // 32
-MAX_EXPERTS = 512  # the per-warp count table: WARPS x E int32 in shared memory (64 KB at 512)
-MAX_SLOTS = 1 << 17  # every CTA sums its experts' column of hist: keep that short
 
 
 def _smem_i32(smem, rows: int, cols: int) -> cute.Tensor:

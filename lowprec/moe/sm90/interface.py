@@ -6,15 +6,18 @@ import torch
 
 from ...runtime import kernel_cache
 
-__all__ = ["ARCH", "build_dispatch_kernel", "dispatch_plan", "dispatch_unsupported"]
+__all__ = ["ARCH", "MAX_EXPERTS", "MAX_SLOTS", "THREADS", "build_dispatch_kernel", "dispatch_plan",
+           "dispatch_unsupported"]
 
 ARCH = "sm_90a"
+# kernel sizes, here so that checking eligibility needs no CuTe DSL import (dispatch.py imports it)
+THREADS = 1024  # slots per chunk (one CTA, one thread per slot)
+MAX_EXPERTS = 512  # the per-warp count table: 32 warps x E int32 in shared memory (64 KB at 512)
+MAX_SLOTS = 1 << 17  # every CTA sums its experts' column of the chunk counts: keep that short
 
 
 def dispatch_unsupported(num_slots: int, num_experts: int) -> str | None:
     """Why the dispatch kernels cannot plan this routing (None: they can)."""
-    from .dispatch import MAX_EXPERTS, MAX_SLOTS
-
     if num_experts > MAX_EXPERTS:
         return f"E={num_experts} experts (the kernels take up to {MAX_EXPERTS})"
     if num_slots > MAX_SLOTS:
@@ -61,7 +64,7 @@ def dispatch_plan(ids: torch.Tensor, num_experts: int, capacity: int | None
         counts.zero_()
         ends.zero_()
         return kept, slot_rows, row_slots, counts, ends
-    hist = torch.empty(-(-n // dispatch.THREADS), num_experts, dtype=torch.int32, device=dev)
+    hist = torch.empty(-(-n // THREADS), num_experts, dtype=torch.int32, device=dev)
     kernel = kernel_cache.get("moe_dispatch_plan", {"num_experts": num_experts}, ARCH, [dispatch],
                               lambda: build_dispatch_kernel(num_experts))
     with torch.cuda.device(dev):
