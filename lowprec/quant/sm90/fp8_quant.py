@@ -640,9 +640,9 @@ def _dual_tile_coords(tile, tiles_r, tiles_c):
 
 
 @cute.jit
-def _prefetch_dual(mX: cute.Tensor, slots: cute.Tensor, tidx, tile, n_tiles, tiles_r):
+def _prefetch_dual(mX: cute.Tensor, slots: cute.Tensor, tidx, tile, n_tiles, tiles_r, tiles_c):
     if tile < n_tiles:
-        tile_r, tile_c = _dual_tile_coords(tile, tiles_r, n_tiles // tiles_r)
+        tile_r, tile_c = _dual_tile_coords(tile, tiles_r, tiles_c)
         col = tile_c * TILE + (tidx % LANES) * VEC
         first_row = tile_r * TILE + (tidx // LANES) * PASSES
         for p in cutlass.range_constexpr(PASSES):
@@ -666,14 +666,14 @@ def _quant_dual_kernel(mX: cute.Tensor, mQ_u8: cute.Tensor, mS: cute.Tensor, mQT
     slots = _alloc_slots(smem, mX.element_type, PASSES, 1)
 
     rows, cols = mX.shape[0], mX.shape[1]
-    tiles_r = mST.shape[1]
-    n_tiles = tiles_r * mS.shape[1]
+    tiles_r, tiles_c = mST.shape[1], mS.shape[1]
+    n_tiles = tiles_r * tiles_c
     lane, rgrp = tidx % LANES, tidx // LANES
-    _prefetch_dual(mX, slots, tidx, bidx, n_tiles, tiles_r)
+    _prefetch_dual(mX, slots, tidx, bidx, n_tiles, tiles_r, tiles_c)
     for i in range((n_tiles - bidx + grid - 1) // grid):
         tile = bidx + i * grid
         cute.arch.cp_async_wait_group(0)
-        tile_r, tile_c = _dual_tile_coords(tile, tiles_r, n_tiles // tiles_r)
+        tile_r, tile_c = _dual_tile_coords(tile, tiles_r, tiles_c)
         row0, col = tile_r * TILE, tile_c * TILE + lane * VEC
         first_row = row0 + rgrp * PASSES
         values = [_read_chunk(slots, tidx, p, 0) for p in range(PASSES)]
@@ -689,7 +689,7 @@ def _quant_dual_kernel(mX: cute.Tensor, mQ_u8: cute.Tensor, mS: cute.Tensor, mQT
                 if lane == 0:
                     mS[r, tile_c] = scale
         # every value of the slots has been used by now: refill them with the next tile
-        _prefetch_dual(mX, slots, tidx, tile + grid, n_tiles, tiles_r)
+        _prefetch_dual(mX, slots, tidx, tile + grid, n_tiles, tiles_r, tiles_c)
 
         _quantize_columns(values, col_max, tile_t, mQT, mST, tile_r, tile_c, cols, row0, tidx)
 
