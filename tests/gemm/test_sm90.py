@@ -164,6 +164,17 @@ def test_compile_variants(out_dtype, per_col, bias_dtype, tile_n):
     _check_sass(compile_only(cfg, out_dtype=out_dtype, b_scale_per_col=per_col, bias_dtype=bias_dtype))
 
 
+@needs_cutlass
+@pytest.mark.parametrize("bias_dtype", [torch.float32, torch.bfloat16])
+def test_compile_per_col_bias_at_large_m(bias_dtype):
+    """1x128 B scales with a bias in the config the heuristic picks at large M (2x1 clusters)."""
+    from lowprec.gemm.sm90.interface import choose_config, compile_only
+
+    cfg = choose_config(8192, 4096, 16384, b_scale_per_col=True)
+    assert cfg.cluster_m == 2, cfg
+    _check_sass(compile_only(cfg, out_dtype=torch.bfloat16, b_scale_per_col=True, bias_dtype=bias_dtype))
+
+
 def test_tune_parses_every_config_name():
     import dataclasses
 

@@ -8,13 +8,14 @@ ld a multiple of 4). B: E4M3 [N, K] K-major with either 128x128 scales ``sb``
 
 Structure (DeepGEMM-style promotion, warp specialised, persistent):
 
-* warpgroup 0 (producer, ``setmaxnreg`` 40): one warp issues, per stage of a multi-stage
-  shared-memory ring, the TMA loads of one 128-wide K block: the A and B tiles (optionally
-  multicast across a cluster) and their scales (the tile's A row scales; its B column scales or
-  128x128 block scales).
-* warpgroups 1..2 (consumers, ``setmaxnreg`` 232): each owns 64 rows of the CTA tile. For every
-  K block: ``wgmma`` into a *fresh* register accumulator (ACCUMULATE off on the first
-  instruction), the block's scales copied from the stage to registers, then promotion
+* warpgroup 0 (producer, ``setmaxnreg`` 40; 24 with 1x128 B scales and a bias): one warp
+  issues, per stage of a multi-stage shared-memory ring, the TMA loads of one 128-wide K
+  block: the A and B tiles (optionally multicast across a cluster) and their scales (the
+  tile's A row scales; its B column scales or 128x128 block scales).
+* warpgroups 1..2 (consumers, ``setmaxnreg`` 232; 240 with 1x128 B scales and a bias): each
+  owns 64 rows of the CTA tile. For every K block: ``wgmma`` into a *fresh* register
+  accumulator (ACCUMULATE off on the first instruction), the block's scales copied from the
+  stage to registers, then promotion
   ``acc += blk * (sa[row] * sb[col])`` in FP32 registers. With ``mma_overlap`` (tile_n <= 128)
   two block accumulators alternate, so the wgmma batch of block k+1 runs while block k is
   promoted (``wait_group(1)``, operands pinned by ``fence_operand``); otherwise each block is
@@ -146,8 +147,12 @@ class BlockScaledGemmSm90:
         self.num_mma_threads = self.num_mma_wg * self.threads_per_wg
         self.load_warp_id = 0
         self.epi_store_warp_id = 4  # first warp of the first consumer warpgroup
-        self.load_regs = 40
-        self.mma_regs = 232
+        # 1x128 B scales with a bias: the consumers need 8 more registers (232 left 23 LDL/STL
+        # in 128x128 c2x1); 128 * 24 + 256 * 240 still fits the 64K register file
+        # (NOTES, session 11)
+        wide = b_scale_per_col and bias_dtype is not None
+        self.load_regs = 24 if wide else 40
+        self.mma_regs = 240 if wide else 232
         self.buffer_align_bytes = 1024
         self.num_mcast_ctas_a = config.cluster_n
         self.num_mcast_ctas_b = config.cluster_m
