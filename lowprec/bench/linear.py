@@ -5,7 +5,12 @@ Two timings of forward+backward: synced (the host waits for the GPU before each 
 FP8 path's Python launch time before its first kernel counts) and queued (no sync between runs,
 as a training step of many layers: host time only counts where it exceeds GPU time); queued
 also with the weight quantized once (:func:`lowprec.nn.reuse_quantized_weights`: the micro-batches
-after the first in gradient accumulation)."""
+after the first in gradient accumulation).
+
+A second table splits the FP8 forward+backward into its kernels, each timed alone (queued, so GPU
+time): the two dual quantizations (X, dY), the weight's 128x128 quantization with its transposed
+copy, and the three GEMMs (fprop X·Wᵀ, dgrad dY·W, wgrad dYᵀ·X with 1x128 scales on both sides);
+their sum against the measured step shows what running them back to back costs or saves."""
 
 from __future__ import annotations
 
@@ -15,7 +20,11 @@ import copy
 import torch
 from torch import nn
 
+from ..gemm import gemm
 from ..nn import FP8Linear, reuse_quantized_weights
+from ..nn.functional import get_linear_recipe
+from ..nn.weight_cache import quantize_weight
+from ..quant import quantize_dual
 from .common import bench_ms, print_table, save_results
 
 TOKENS = 16384
@@ -34,6 +43,30 @@ def _fwd_bwd(layer, x, dy):
     return run
 
 
+STEP_PARTS = ("quant x", "quant w", "fprop", "quant dy", "dgrad", "wgrad")
+GEMM_PARTS = ("fprop", "dgrad", "wgrad")
+
+
+def step_parts_ms(x: torch.Tensor, weight: torch.Tensor, dy: torch.Tensor, recipe: str = "fp8_block"
+                  ) -> dict[str, float]:
+    """GPU milliseconds (L2 flushed, median) of each kernel of one FP8 forward+backward of
+    ``x · weightᵀ``, run alone, keyed by :data:`STEP_PARTS`."""
+    r = get_linear_recipe(recipe)
+    x, dy = x.detach(), dy.detach()
+    x_q, xt_q = quantize_dual(x, r.activation)
+    w_q, w_t = quantize_weight(weight.detach(), r.weight, with_transpose=True)
+    dy_q, dyt_q = quantize_dual(dy, r.grad)
+    calls = {
+        "quant x": lambda: quantize_dual(x, r.activation),
+        "quant w": lambda: quantize_weight(weight.detach(), r.weight, with_transpose=True),
+        "fprop": lambda: gemm(x_q, w_q, out_dtype=x.dtype),
+        "quant dy": lambda: quantize_dual(dy, r.grad),
+        "dgrad": lambda: gemm(dy_q, w_t, out_dtype=dy.dtype),
+        "wgrad": lambda: gemm(dyt_q, xt_q, out_dtype=weight.dtype),
+    }
+    return {name: bench_ms(calls[name], queued=True) for name in STEP_PARTS}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m lowprec bench linear", description=__doc__)
     parser.add_argument("--recipe", default="fp8_block")
@@ -41,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench linear needs a CUDA GPU")
-    rows, records = [], []
+    rows, records, part_rows = [], [], []
     for k, n in SHAPES:
         ref = nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
         fp8 = FP8Linear.from_linear(copy.deepcopy(ref), args.recipe)
@@ -53,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
              for name, layer in (("bf16", ref), ("fp8", fp8))}
         with reuse_quantized_weights():
             fp8_reused = bench_ms(_fwd_bwd(fp8, x, dy), queued=True)
+        parts = step_parts_ms(x, fp8.weight, dy, args.recipe)
         row = {"shape": [TOKENS, k, n], "bf16_fwd_ms": t["bf16"][0], "fp8_fwd_ms": t["fp8"][0],
                "bf16_fwd_bwd_ms": t["bf16"][1], "fp8_fwd_bwd_ms": t["fp8"][1],
                "bf16_fwd_bwd_queued_ms": t["bf16"][2], "fp8_fwd_bwd_queued_ms": t["fp8"][2],
@@ -60,13 +94,20 @@ def main(argv: list[str] | None = None) -> int:
                "speedup_fwd": t["bf16"][0] / t["fp8"][0], "speedup_fwd_bwd": t["bf16"][1] / t["fp8"][1],
                "speedup_fwd_bwd_queued": t["bf16"][2] / t["fp8"][2],
                "speedup_fwd_bwd_queued_reused_weight": t["bf16"][2] / fp8_reused,
-               "fp8_fwd_tflops": flops / t["fp8"][0] / 1e9, "fp8_fwd_bwd_tflops": 3 * flops / t["fp8"][1] / 1e9}
+               "fp8_fwd_tflops": flops / t["fp8"][0] / 1e9, "fp8_fwd_bwd_tflops": 3 * flops / t["fp8"][1] / 1e9,
+               "fp8_step_parts_ms": parts,
+               "fp8_gemm_tflops": {g: flops / parts[g] / 1e9 for g in GEMM_PARTS}}
         records.append(row)
+        part_rows.append([f"{TOKENS}x{k}->{n}", *(parts[p] for p in STEP_PARTS),
+                          *(row["fp8_gemm_tflops"][g] for g in GEMM_PARTS), sum(parts.values()), t["fp8"][2]])
         rows.append([f"{TOKENS}x{k}->{n}", t["bf16"][0], t["fp8"][0], row["speedup_fwd"], t["bf16"][1], t["fp8"][1],
                      row["speedup_fwd_bwd"], row["speedup_fwd_bwd_queued"],
                      row["speedup_fwd_bwd_queued_reused_weight"]])
     print_table(["shape", "bf16 fwd ms", "fp8 fwd ms", "x fwd", "bf16 f+b ms", "fp8 f+b ms", "x f+b",
                  "x f+b queued", "x f+b queued, W reused"], rows)
+    print("\nFP8 forward+backward by kernel (each alone, GPU ms; GEMMs also in TFLOPS):")
+    print_table(["shape", *(f"{p} ms" for p in STEP_PARTS), *(f"{g} TFLOPS" for g in GEMM_PARTS),
+                 "sum ms", "f+b queued ms"], part_rows)
     path = save_results("linear", {"device": torch.cuda.get_device_name(), "recipe": args.recipe, "rows": records},
                         args.out)
     print(f"saved {path}")

@@ -13,7 +13,8 @@
 - ``quant_128x128``: one CTA per 128x128 weight tile, held in registers (read once).
 - ``quant_dual``: 128x128 tiles, both orientations (1x128 along features for the forward GEMM,
   1x128 along tokens, transposed through shared memory, for the weight gradient); persistent
-  CTAs, the next tile copied (cp.async) during the current tile's column phase.
+  CTAs, two input stages (the next tile copied with cp.async while the current one is
+  quantized), scales computed once per warp.
 - ``quant_t_gathered``: the token-major half of ``quant_dual`` of rows gathered through a row map
   (zeros where the map is -1): the MoE layer's K-grouped weight-gradient operands.
 
@@ -612,13 +613,17 @@ def _alloc_col_max(smem):
 # ---------------------------------------------------------------------------------------------
 # Both orientations in one pass (training activations): Q = quant_1x128(X) for the forward GEMM
 # and QT = quant_1x128(Xᵀ) (128-row blocks along tokens) for the weight-gradient GEMM. Thread t
-# holds an 8x8 micro-tile (rows (t // 16) * 8 .. + 8, columns (t % 16) * 8 .. + 8), so each of its
-# columns is 8 consecutive tokens: one 8-byte shared store per column builds the transposed tile.
-# The dual kernel holds the thread's 64 values in registers (124 in all: 2 CTAs per SM). Its one
-# stage of slots is refilled with the next tile as soon as the row phase has read it, so the load
-# overlaps the column phase (NOTES v4: 81-86% of copy; two stages, refilled at the top of the
-# loop, 79-85%).
-
+# holds an 8x8 micro-tile of the CTA's 128x128 tile (rows (t // 16) * 8 .. + 8, columns
+# (t % 16) * 8 .. + 8): each row chunk is 8 bytes of Q, stored from registers; each column's 8
+# tokens are one 8-byte chunk of the swizzled transposed tile, stored to QT in 16-byte chunks.
+# Per-thread work is kept small, because inside a training step the kernel runs next to GEMMs
+# that hold the chip at its power cap, and the SM clock then sets its speed (NOTES, sessions 10-11:
+# ~17 instructions per element instead of ~28, 8-20% faster after a GEMM, 1-2 points of copy
+# bandwidth slower on a cool chip). Each row's and each column's scale is computed once per warp
+# (a reduce-scatter of the maxima, one scale per lane, shuffled back). The warps' column maxima
+# meet in a double-buffered shared array, so no barrier is needed before the next tile reuses it.
+# Each thread copies its own chunks of the next tile (cp.async) into the other stage before
+# quantizing the current one.
 
 # Row tiles per band of the dual kernel's tile walk. Measured (NOTES, session 10), % of copy at
 # 16384x4096: column-major walk 79.8, bands of 2 / 4 / 8 / 16 / 32: 82.3 / 82.1 / 82.5 / 82.0 / 81.2.
@@ -640,15 +645,121 @@ def _dual_tile_coords(tile, tiles_r, tiles_c):
 
 
 @cute.jit
-def _prefetch_dual(mX: cute.Tensor, slots: cute.Tensor, tidx, tile, n_tiles, tiles_r, tiles_c):
+def _prefetch_dual(mX: cute.Tensor, slots: cute.Tensor, tidx, tile, n_tiles, tiles_r, tiles_c, stage):
     if tile < n_tiles:
         tile_r, tile_c = _dual_tile_coords(tile, tiles_r, tiles_c)
         col = tile_c * TILE + (tidx % LANES) * VEC
         first_row = tile_r * TILE + (tidx // LANES) * PASSES
         for p in cutlass.range_constexpr(PASSES):
-            _prefetch_chunk(mX, slots, tidx, p, 0, first_row + p, col,
+            _prefetch_chunk(mX, slots, tidx, p, stage, first_row + p, col,
                             first_row + p < mX.shape[0] and col < mX.shape[1])
     cute.arch.cp_async_commit_group()
+
+
+@cute.jit
+def _row_max_scattered(row_max, lane16):
+    """Reduce-scatter over the 16 lanes of a row group of their 8 row maxima: lane l ends with
+    the group's maximum of row (l // 2) % 8 (8 shuffles instead of 8 x 4)."""
+    hi = (lane16 & 8) != 0
+    k1 = [cute.arch.fmax(cutlass.select_(hi, row_max[i + 4], row_max[i]),
+                         cute.arch.shuffle_sync_bfly(cutlass.select_(hi, row_max[i], row_max[i + 4]), offset=8))
+          for i in range(4)]  # row i + 4·hi
+    hi = (lane16 & 4) != 0
+    k2 = [cute.arch.fmax(cutlass.select_(hi, k1[i + 2], k1[i]),
+                         cute.arch.shuffle_sync_bfly(cutlass.select_(hi, k1[i], k1[i + 2]), offset=4))
+          for i in range(2)]  # row i + 2·(lane bit 2) + 4·(lane bit 3)
+    hi = (lane16 & 2) != 0
+    k3 = cute.arch.fmax(cutlass.select_(hi, k2[1], k2[0]),
+                        cute.arch.shuffle_sync_bfly(cutlass.select_(hi, k2[0], k2[1]), offset=2))
+    return cute.arch.fmax(k3, cute.arch.shuffle_sync_bfly(k3, offset=1))
+
+
+def _alloc_col_partials(smem):
+    """Column maxima of each warp's 16 tokens, [parity, warp, column], two tiles' worth."""
+    layout = cute.make_layout((2, WARPS_PER_CTA, TILE), stride=(WARPS_PER_CTA * TILE, TILE, 1))
+    return smem.allocate_tensor(Float32, layout, byte_alignment=16)
+
+
+@cute.jit
+def _dual_tile(slots: cute.Tensor, stage, mQ: cute.Tensor, mS: cute.Tensor, mQT: cute.Tensor, mST: cute.Tensor,
+               col_part: cute.Tensor, tile_t: cute.Tensor, tile_r, tile_c, tidx):
+    """Both quantizations of one 128x128 tile, the thread's 8x8 micro-tile in ``slots`` stage
+    ``stage``; stores past the outputs' ends are skipped. The micro-tile is read into registers
+    for the rows and read again, half at a time, for the columns (after the CTA barrier, so
+    those reads cannot be merged with the first): 64 values are never live next to the columns'
+    work (2 CTAs per SM without spills). Qᵀ goes through ``tile_t`` (a second barrier), so that
+    it leaves in 16-byte chunks, 8 lanes per 128-byte row: stored from registers, 8 bytes to 16
+    rows per warp instruction, it ran 12 points of copy bandwidth slower (NOTES, session 10)."""
+    rows, cols, t_pad = mQ.shape[0], mQ.shape[1], mQT.shape[1]
+    lane, rgrp = tidx % LANES, tidx // LANES
+    warp, wlane = tidx // 32, tidx % 32
+    first_row = tile_r * TILE + rgrp * PASSES
+    col = tile_c * TILE + lane * VEC
+    q_rows = cute.local_tile(mQ, (PASSES, VEC), (first_row // PASSES, col // VEC))  # the thread's 8 rows
+
+    values = [_read_chunk(slots, tidx, p, stage) for p in range(PASSES)]
+    row_max = [abs(values[p]).reduce(cute.ReductionOp.MAX, Float32(0.0), 0) for p in range(PASSES)]
+    # rows: 1x128 along the feature dim; lanes 2ρ, 2ρ + 1 of a row group own row ρ's scale
+    scale, inv = _scale_and_inverse(_row_max_scattered(row_max, lane))
+    my_row = first_row + (lane // 2) % PASSES
+    if lane % 2 == 0 and my_row < rows:
+        mS[my_row, tile_c] = scale
+    for p in cutlass.range_constexpr(PASSES):
+        inv_p = cute.arch.shuffle_sync(inv, offset=(wlane & LANES) + 2 * p)
+        codes = cute.make_rmem_tensor((VEC,), cutlass.Float8E4M3FN)
+        codes.store((values[p] * inv_p).to(cutlass.Float8E4M3FN))
+        if first_row + p < rows and col < cols:
+            cute.autovec_copy(codes, q_rows[p, None])
+
+    # columns: 1x128 along tokens. Maxima over the thread's 8 tokens, the warp's 16, then the
+    # tile's 128 from the 8 warps' partials in shared memory
+    col_max = cute.make_rmem_tensor((VEC,), Float32)
+    for j in cutlass.range_constexpr(VEC):
+        m = abs(values[0][j])
+        for p in cutlass.range_constexpr(1, PASSES):
+            m = cute.arch.fmax(m, abs(values[p][j]))
+        col_max[j] = cute.arch.fmax(m, cute.arch.shuffle_sync_bfly(m, offset=16))
+    if wlane < LANES:
+        cute.autovec_copy(col_max, cute.local_tile(col_part[(stage, warp, None)], (VEC,), (wlane,)))
+    cute.arch.sync_threads()
+    # lane m: the scales of tile columns 4m .. 4m + 3 (every warp computes all 128)
+    quad = cute.make_rmem_tensor((4,), Float32)
+    cute.autovec_copy(cute.local_tile(col_part[(stage, 0, None)], (4,), (wlane,)), quad)
+    for w in cutlass.range_constexpr(1, WARPS_PER_CTA):
+        other = cute.make_rmem_tensor((4,), Float32)
+        cute.autovec_copy(cute.local_tile(col_part[(stage, w, None)], (4,), (wlane,)), other)
+        for c in cutlass.range_constexpr(4):
+            quad[c] = cute.arch.fmax(quad[c], other[c])
+    quad_inv = cute.make_rmem_tensor((4,), Float32)
+    quad_scale = cute.make_rmem_tensor((4,), Float32)
+    for c in cutlass.range_constexpr(4):
+        quad_scale[c], quad_inv[c] = _scale_and_inverse(quad[c])
+    if warp == 0:
+        st_cols = cute.local_tile(mST, (4, 1), (tile_c * (TILE // 4) + wlane, tile_r))
+        for c in cutlass.range_constexpr(4):
+            if tile_c * TILE + 4 * wlane + c < cols:
+                st_cols[c, 0] = quad_scale[c]
+    # column lane·8 + j's inverse sits in lane 2·lane + j / 4, entry j % 4
+    for h in cutlass.range_constexpr(2):
+        half = [_read_half_chunk(slots, tidx, p, stage, h) for p in range(PASSES)]
+        for jj in cutlass.range_constexpr(VEC // 2):
+            j = h * (VEC // 2) + jj
+            inv_j = cute.arch.shuffle_sync(quad_inv[jj], offset=2 * lane + h)
+            column = cute.make_rmem_tensor((1, PASSES), Float32)
+            for p in cutlass.range_constexpr(PASSES):
+                column[0, p] = half[p][jj] * inv_j
+            codes = cute.make_rmem_tensor((1, PASSES), cutlass.Float8E4M3FN)
+            codes.store(column.load().to(cutlass.Float8E4M3FN))
+            _stage_column(tile_t, codes, lane, rgrp, j)
+    cute.arch.sync_threads()
+    _store_transposed(tile_t, mQT, tile_c * TILE, cols, tile_r * TILE, t_pad, tidx)
+
+
+@cute.jit
+def _read_half_chunk(slots: cute.Tensor, tidx, chunk, stage, half):
+    frag = cute.make_rmem_tensor((VEC // 2,), slots.element_type)
+    cute.autovec_copy(cute.local_tile(slots[(None, tidx, chunk, stage)], (VEC // 2,), (half,)), frag)
+    return frag.load().to(Float32)
 
 
 @cute.kernel
@@ -661,37 +772,29 @@ def _quant_dual_kernel(mX: cute.Tensor, mQ_u8: cute.Tensor, mS: cute.Tensor, mQT
     mQ = as_fp8(mQ_u8)
     mQT = as_fp8(mQT_u8)
     smem = cutlass.memory.SmemAllocator()
-    col_max = _alloc_col_max(smem)
+    col_part = _alloc_col_partials(smem)
     tile_t = _alloc_transposed_tile(smem)
-    slots = _alloc_slots(smem, mX.element_type, PASSES, 1)
+    slots = _alloc_slots(smem, mX.element_type, PASSES, 2)
 
-    rows, cols = mX.shape[0], mX.shape[1]
     tiles_r, tiles_c = mST.shape[1], mS.shape[1]
     n_tiles = tiles_r * tiles_c
-    lane, rgrp = tidx % LANES, tidx // LANES
-    _prefetch_dual(mX, slots, tidx, bidx, n_tiles, tiles_r, tiles_c)
+    _prefetch_dual(mX, slots, tidx, bidx, n_tiles, tiles_r, tiles_c, 0)
     for i in range((n_tiles - bidx + grid - 1) // grid):
         tile = bidx + i * grid
-        cute.arch.cp_async_wait_group(0)
+        stage = i % 2
+        # the thread read its chunks of the other stage during the previous tile: refill them
+        _prefetch_dual(mX, slots, tidx, tile + grid, n_tiles, tiles_r, tiles_c, 1 - stage)
+        cute.arch.cp_async_wait_group(1)
         tile_r, tile_c = _dual_tile_coords(tile, tiles_r, tiles_c)
-        row0, col = tile_r * TILE, tile_c * TILE + lane * VEC
-        first_row = row0 + rgrp * PASSES
-        values = [_read_chunk(slots, tidx, p, 0) for p in range(PASSES)]
+        _dual_tile(slots, stage, mQ, mS, mQT, mST, col_part, tile_t, tile_r, tile_c, tidx)
 
-        # rows: 1x128 along the feature dim (16 lanes share a row)
-        for p in cutlass.range_constexpr(PASSES):
-            r = first_row + p
-            amax = abs(values[p]).reduce(cute.ReductionOp.MAX, Float32(0.0), 0)
-            amax = cute.arch.warp_reduction_max(amax, threads_in_group=LANES)
-            scale, inv = _scale_and_inverse(amax)
-            if r < rows and col < cols:
-                _store_row_chunk(mQ, values[p] * inv, r, col)
-                if lane == 0:
-                    mS[r, tile_c] = scale
-        # every value of the slots has been used by now: refill them with the next tile
-        _prefetch_dual(mX, slots, tidx, tile + grid, n_tiles, tiles_r, tiles_c)
 
-        _quantize_columns(values, col_max, tile_t, mQT, mST, tile_r, tile_c, cols, row0, tidx)
+def dual_ctas_per_sm(input_bits: int) -> int:
+    """Resident CTAs per SM of the dual kernel (its registers are capped to match: 128 per thread
+    at 2 CTAs, no spills; the 80 of 3 CTAs spill). Two stages of 16-bit input (32 KB each), the
+    transposed tile (16 KB) and the column maxima (8 KB) fit twice in shared memory; FP32 stages
+    (64 KB each) once."""
+    return 2 if input_bits <= 16 else 1
 
 
 @cute.jit
@@ -700,7 +803,8 @@ def quant_dual(mX: cute.Tensor, mQ_u8: cute.Tensor, mS: cute.Tensor, mQT_u8: cut
     """``max_ctas``: the CTAs resident at once on the device (the grid of the persistent walk)."""
     grid = cutlass.min(mST.shape[1] * mS.shape[1], max_ctas)
     _quant_dual_kernel(mX, mQ_u8, mS, mQT_u8, mST).launch(
-        grid=(grid, 1, 1), block=(THREADS, 1, 1), stream=stream, use_pdl=True)
+        grid=(grid, 1, 1), block=(THREADS, 1, 1), stream=stream, use_pdl=True,
+        min_blocks_per_mp=dual_ctas_per_sm(mX.element_type.width), preferred_smem_carveout=100)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -107,11 +107,15 @@ def _resident_ctas(device: torch.device, per_sm: int) -> int:
 
 
 # Resident CTAs per SM of the persistent streaming kernels (fp8_quant; 256-thread CTAs): 1x128
-# holds 32 KB (bf16/fp16) or 64 KB (fp32) of slots at 32-34 registers; dual 52 / 84 KB of shared
-# memory at 106-124 registers.
+# holds 32 KB (bf16/fp16) or 64 KB (fp32) of slots at 32-34 registers; dual: see
+# ``fp8_quant.dual_ctas_per_sm``.
 def _ctas_per_sm(kind: str, dtype: torch.dtype) -> int:
     if kind == "1x128":
         return 6 if dtype.itemsize <= 2 else 3
+    if kind == "dual":
+        from .fp8_quant import dual_ctas_per_sm
+
+        return dual_ctas_per_sm(8 * dtype.itemsize)
     return 2
 
 

@@ -1,0 +1,27 @@
+"""``python -m lowprec bench linear``: registration and shapes on the CPU; the per-kernel split of
+the FP8 step on the GPU (a small shape; timings are the benchmark's business, not asserted)."""
+
+import pytest
+import torch
+
+from lowprec.__main__ import BENCHES
+from lowprec.bench import linear as bench
+
+
+def test_registered_with_the_issue_shapes():
+    assert "linear" in BENCHES
+    assert bench.TOKENS == 16384
+    assert bench.SHAPES == [(4096, 4096), (4096, 14336), (14336, 4096), (8192, 8192)]
+    assert set(bench.GEMM_PARTS) <= set(bench.STEP_PARTS)
+
+
+@pytest.mark.gpu
+def test_step_parts_cover_every_kernel_of_the_step():
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(512, 256, device="cuda", dtype=torch.bfloat16, generator=g, requires_grad=True)
+    w = torch.randn(384, 256, device="cuda", dtype=torch.bfloat16, generator=g, requires_grad=True)
+    dy = torch.randn(512, 384, device="cuda", dtype=torch.bfloat16, generator=g)
+    parts = bench.step_parts_ms(x, w, dy)
+    assert list(parts) == list(bench.STEP_PARTS)
+    assert all(ms > 0 for ms in parts.values()), parts
+    assert x.grad is None and w.grad is None  # no autograd work behind the caller's back
