@@ -41,6 +41,7 @@ def _shipped_configs():
                 cfgs.append(TileConfig(tile_m=bm, tile_n=bn, cluster_m=cm, cluster_n=cn))
     cfgs.append(TileConfig(tile_m=128, tile_n=128, cluster_m=2, raster_along_m=False, swizzle=4))
     cfgs.append(TileConfig(tile_m=128, tile_n=128, cluster_n=2))
+    cfgs.append(TileConfig(tile_m=128, tile_n=128, cluster_n=2, swizzle=8))
     # 64 < M <= 128: both M tiles of a 2-CTA cluster share the B tile
     cfgs.extend(TileConfig(tile_m=64, tile_n=bn, cluster_m=2) for bn in (16, 32, 64, 128))
     # split-K for small M (few tiles, long K): fp32 partials reduced on the host side
@@ -88,8 +89,9 @@ def _estimate_time(m: int, n: int, k: int, bm: int, bn: int, num_sms: int) -> fl
 def choose_config(m: int, n: int, k: int, b_scale_per_col: bool = False, num_sms: int = 132):
     """Tile configuration for a problem (deterministic: the result depends only on the args).
 
-    Rules from sweeps on H100 (NOTES.md, v3 and v7): large M -> 128x128 tiles in 2-CTA clusters
-    along N (A multicast; very tall A: along M, rasterized along N); M <= 64 -> 64x64 tiles,
+    Rules from sweeps on H100 (NOTES.md, v3, v7 and session 11): large M -> 128x128 tiles in
+    2-CTA clusters along N (A multicast; M >= 8192 and N >= 4096: rasterized in groups of 8 N
+    tiles; 1x128 B scales: clusters along M, rasterized along N); M <= 64 -> 64x64 tiles,
     narrower when that leaves SMs idle; 64 < M <= 128 -> two 64-row tiles in a 2-CTA cluster
     sharing B (multicast), up to 128 wide; in between, the cost model.
     """
@@ -97,11 +99,15 @@ def choose_config(m: int, n: int, k: int, b_scale_per_col: bool = False, num_sms
     tiles_m128 = -(-m // 128)
     tiles_n128 = -(-n // 128)
     if m >= 512 and tiles_m128 * tiles_n128 >= num_sms:
-        if (tiles_m128 >= 64 and tiles_n128 >= 32) or b_scale_per_col:
-            # a wave along M would stream all of a tall A from HBM once per N column pair:
-            # rasterize along N in groups of 4 M tiles (8192^3: +13%, NOTES v5); weight-gradient
-            # GEMMs (1x128 B scales) gain from it already at M = 4096 (+4-5%, NOTES v8)
+        if b_scale_per_col:
+            # weight-gradient GEMMs (1x128 B scales): rasterized along N in groups of 4 M tiles,
+            # +4-5% at M = 4096 (NOTES v8), still the best at 14336x4096x16384 (session 11)
             return TileConfig(tile_m=128, tile_n=128, cluster_m=2, raster_along_m=False, swizzle=4)
+        if tiles_m128 >= 64 and tiles_n128 >= 32:
+            # a plain wave along M would stream all of a tall A from HBM once per N column pair:
+            # groups of 8 N tiles keep A's rows in L2; +6-12% over the 2x1 N-rasterized config
+            # on every M >= 8192 shape of NOTES session 11 (8192^3 included)
+            return TileConfig(tile_m=128, tile_n=128, cluster_n=2, swizzle=8)
         return TileConfig(tile_m=128, tile_n=128, cluster_n=2)
     if m <= 64:
         for bn in (64, 32, 16):
