@@ -75,6 +75,25 @@ def bench_graph_ms(fn, reps: int = 10, batches: int = 7) -> float:
     return statistics.median(times)
 
 
+def bench_after_ms(fn, before, reps: int = 30) -> float:
+    """Median GPU milliseconds of ``fn()`` queued right after ``before()``, timed around ``fn``
+    alone. With ``before`` a large GEMM this is how a memory-bound kernel runs inside a training
+    step: on a chip held at its power cap, at a lower SM clock than when idle."""
+    for _ in range(3):
+        before()
+        fn()
+    events = []
+    for _ in range(reps):
+        before()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        events.append((start, end))
+    torch.cuda.synchronize()
+    return statistics.median(start.elapsed_time(end) for start, end in events)
+
+
 def cuda_graph_replay(fn):
     """Capture one call of ``fn`` in a CUDA graph (after a warm-up on a side stream) and return the
     replay function: times GPU work without host launch overhead."""
