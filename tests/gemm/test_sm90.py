@@ -322,6 +322,22 @@ def test_all_shipped_configs_correct():
 @gpu
 @needs_gpu
 @pytest.mark.parametrize("b_kind", ["block", "col"])
+def test_tall_m_heuristic_configs_with_tails(b_kind):
+    """The configs picked at M >= 8192 (2-CTA clusters, swizzled rasters) on tile counts that are
+    odd and no multiple of the swizzle: 65 M tiles, 34 N tiles, tails in M, N and K."""
+    from lowprec.gemm.sm90.interface import choose_config
+
+    m, n, k = 8192 + 72, 4096 + 144, 400
+    cfg = choose_config(m, n, k, b_kind == "col")
+    assert cfg.swizzle > 1 and cfg.cluster_m * cfg.cluster_n == 2, cfg
+    a, sa, b, sb, ref = make_problem(m, n, k, b_kind)
+    d = _run(a, sa, b, sb, torch.float32)
+    assert rel_err(d, ref) <= FP32_TOL, cfg
+
+
+@gpu
+@needs_gpu
+@pytest.mark.parametrize("b_kind", ["block", "col"])
 def test_split_k_configs(b_kind):
     from lowprec.gemm.sm90.blockscaled_gemm import TileConfig
 
