@@ -15,20 +15,28 @@ __all__ = ["bench_ms", "bench_stream_ms", "bench_graph_ms", "cuda_graph_replay",
 _FLUSH_BYTES = 256 << 20  # > H100/H200 L2 (50 MB): every timed run starts from a cold L2
 
 
-def bench_ms(fn, warmup: int = 10, rep: int = 50, queued: bool = False) -> float:
+def bench_ms(fn, warmup: int = 10, rep: int = 50, queued: bool = False, before=None) -> float:
     """Median milliseconds of ``fn()`` between CUDA events, L2 flushed before every run.
 
     By default the host syncs before each run, so the host time to ``fn``'s first launch counts.
     ``queued``: no sync between runs (as ``triton.testing.do_bench``): the host queues work
     ahead, as in a training step of many layers, so host time only counts where it exceeds the
-    GPU time.
+    GPU time. ``before``: called before every run, warm-up included, instead of the flush; with a
+    large GEMM (and ``queued``) this is how a memory-bound kernel runs inside a training step, on
+    a chip held at its power cap, at a lower SM clock than when idle.
     """
-    flush = torch.empty(_FLUSH_BYTES, dtype=torch.uint8, device="cuda")
-    for _ in range(warmup):
-        fn()
+    if before is None:
+        flush = torch.empty(_FLUSH_BYTES, dtype=torch.uint8, device="cuda")
+        before = flush.zero_
+        for _ in range(warmup):
+            fn()
+    else:
+        for _ in range(warmup):
+            before()
+            fn()
     events = []
     for _ in range(rep):
-        flush.zero_()
+        before()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()
@@ -73,25 +81,6 @@ def bench_graph_ms(fn, reps: int = 10, batches: int = 7) -> float:
         end.synchronize()
         times.append(start.elapsed_time(end) / reps)
     return statistics.median(times)
-
-
-def bench_after_ms(fn, before, reps: int = 30) -> float:
-    """Median GPU milliseconds of ``fn()`` queued right after ``before()``, timed around ``fn``
-    alone. With ``before`` a large GEMM this is how a memory-bound kernel runs inside a training
-    step: on a chip held at its power cap, at a lower SM clock than when idle."""
-    for _ in range(3):
-        before()
-        fn()
-    events = []
-    for _ in range(reps):
-        before()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        events.append((start, end))
-    torch.cuda.synchronize()
-    return statistics.median(start.elapsed_time(end) for start, end in events)
 
 
 def cuda_graph_replay(fn):

@@ -20,7 +20,7 @@ import torch
 
 from ..gemm import gemm
 from ..quant import quantize, quantize_dual
-from .common import bench_after_ms, bench_graph_ms, bench_stream_ms, copy_bandwidth_gbs, print_table, save_results
+from .common import bench_graph_ms, bench_ms, bench_stream_ms, copy_bandwidth_gbs, print_table, save_results
 
 SHAPES = [(16384, 4096), (16384, 14336), (8192, 8192), (4096, 14336)]
 
@@ -55,7 +55,12 @@ def _timed(kind: str, x: torch.Tensor, backend: str, timer=bench_graph_ms) -> fl
             os.environ["LOWPREC_BACKEND"] = old
 
 
-def _gemm_8192() -> callable:
+def _after(hot):
+    """Timer: GPU ms of a call queued right after ``hot()`` (see ``bench_ms``'s ``before``)."""
+    return lambda fn: bench_ms(fn, warmup=3, rep=30, queued=True, before=hot)
+
+
+def _gemm_8192():
     """An FP8 GEMM of ~1 ms (8192³, 1x128 x 128x128 scales): the work a quantize kernel follows
     in a training step."""
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -77,13 +82,13 @@ def main(argv: list[str] | None = None) -> int:
     for m, k in SHAPES:
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         y = torch.empty_like(x)
-        copy_after = 2 * x.numel() * x.element_size() / bench_after_ms(lambda x=x, y=y: y.copy_(x), hot) / 1e6
+        copy_after = 2 * x.numel() * x.element_size() / _after(hot)(lambda x=x, y=y: y.copy_(x)) / 1e6
         rows.append([f"{m}x{k}", "copy", "", "", "", 100 * copy_after / copy, "", "", ""])
         for kind in ("1x128", "rowwise", "128x128", "dual"):
             ms = _timed(kind, x, "kernel")
             ms_eager = _timed(kind, x, "kernel", bench_stream_ms)
             ms_torch = _timed(kind, x, "reference", bench_stream_ms)  # the reference is not graph-capturable
-            ms_hot = _timed(kind, x, "kernel", lambda fn: bench_after_ms(fn, hot))
+            ms_hot = _timed(kind, x, "kernel", _after(hot))
             gbs = _bytes(m, k, kind) / ms / 1e6
             pct_hot = 100 * _bytes(m, k, kind) / ms_hot / 1e6 / copy
             rows.append([f"{m}x{k}", kind, ms * 1e3, gbs, 100 * gbs / copy, pct_hot, ms_eager * 1e3, ms_torch * 1e3,

@@ -18,7 +18,7 @@ def test_bytes_count_input_outputs_and_scales_once():
 
 
 @pytest.mark.gpu
-def test_after_ms_times_the_call_after_the_other_work():
+def test_bench_ms_before_times_the_call_after_the_other_work():
     x = torch.randn(1 << 20, device="cuda")
     y = torch.empty_like(x)
     z = torch.empty_like(x)
@@ -28,6 +28,6 @@ def test_after_ms_times_the_call_after_the_other_work():
         calls.append("before")
         z.copy_(x)
 
-    ms = common.bench_after_ms(lambda: y.copy_(x), before, reps=5)
+    ms = common.bench_ms(lambda: y.copy_(x), warmup=3, rep=5, queued=True, before=before)
     assert ms > 0 and torch.equal(y, x)
     assert calls == ["before"] * 8  # 3 warm-up calls, then one before each of the 5 timed ones

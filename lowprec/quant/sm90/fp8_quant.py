@@ -695,7 +695,8 @@ def _dual_tile(slots: cute.Tensor, stage, mQ: cute.Tensor, mS: cute.Tensor, mQT:
     warp, wlane = tidx // 32, tidx % 32
     first_row = tile_r * TILE + rgrp * PASSES
     col = tile_c * TILE + lane * VEC
-    q_rows = cute.local_tile(mQ, (PASSES, VEC), (first_row // PASSES, col // VEC))  # the thread's 8 rows
+    # one view of the thread's 8 rows of Q (a local_tile per row, as _store_row_chunk, adds 48 SASS)
+    q_rows = cute.local_tile(mQ, (PASSES, VEC), (first_row // PASSES, col // VEC))
 
     values = [_read_chunk(slots, tidx, p, stage) for p in range(PASSES)]
     row_max = [abs(values[p]).reduce(cute.ReductionOp.MAX, Float32(0.0), 0) for p in range(PASSES)]
@@ -745,12 +746,7 @@ def _dual_tile(slots: cute.Tensor, stage, mQ: cute.Tensor, mS: cute.Tensor, mQT:
         for jj in cutlass.range_constexpr(VEC // 2):
             j = h * (VEC // 2) + jj
             inv_j = cute.arch.shuffle_sync(quad_inv[jj], offset=2 * lane + h)
-            column = cute.make_rmem_tensor((1, PASSES), Float32)
-            for p in cutlass.range_constexpr(PASSES):
-                column[0, p] = half[p][jj] * inv_j
-            codes = cute.make_rmem_tensor((1, PASSES), cutlass.Float8E4M3FN)
-            codes.store(column.load().to(cutlass.Float8E4M3FN))
-            _stage_column(tile_t, codes, lane, rgrp, j)
+            _stage_column(tile_t, _column_codes(half, jj, inv_j), lane, rgrp, j)
     cute.arch.sync_threads()
     _store_transposed(tile_t, mQT, tile_c * TILE, cols, tile_r * TILE, t_pad, tidx)
 
