@@ -879,9 +879,12 @@ class BlockScaledGemmSm90:
                         read_state, release_state = self._mainloop(
                             tile_args, n0, k_first, k_cnt, read_state, release_state
                         )
-                    # rows past the group's live rows (masked layout) are zero
-                    for v in cutlass.range_constexpr(n_vals):
-                        acc[v] = cutlass.select_(tCcC[v][0] < live, acc[v], cutlass.Float32(0.0))
+                    if cutlass.const_expr(self.grouping != "contiguous"):
+                        # rows past the group's live rows (masked layout) are zero; contiguous
+                        # tiles store no such rows. (Kgrouped tiles have none either, but the
+                        # 64-row kgrouped configs spill without this select: ptxas' choice.)
+                        for v in cutlass.range_constexpr(n_vals):
+                            acc[v] = cutlass.select_(tCcC[v][0] < live, acc[v], cutlass.Float32(0.0))
                     rows = cutlass.min(g_rows - off, self.tile_m)
                     if rows < self.tile_m and row0 + rows < m_size:
                         self._epilogue_direct(acc, tCcC, mD_raw, row0, n0, rows, n_size)
