@@ -11,7 +11,9 @@ k distinct experts uniformly at random; ``skewed``: Zipf popularity, expert e dr
   experts x 128 rows.
 - layer: ``lowprec.moe.experts`` (``fp8_block``) vs the same MoE in bf16 on ``torch._grouped_mm``
   (dispatch, gather rows, grouped_mm w1, swiglu, grouped_mm w2, weighted unpack), forward (no grad)
-  and forward + backward, both from the same top-k choices. Neither checks the expert ids (as
+  and forward + backward, both from the same top-k choices; lowprec also with the expert weights
+  kept in FP8 (forward) and with them quantized once per ``reuse_quantized_weights`` block
+  (forward + backward of the micro-batches after the first). Neither checks the expert ids (as
   ``lowprec.moe.MoE`` and the baseline do not: the check reads a flag back from the GPU).
 - permutation: the dispatch plan (``lowprec.moe.dispatch``, also the baseline's), lowprec's
   ``pack`` (gather fused with FP8 1x128 quantization), the bf16 gather, and ``unpack``.
@@ -36,6 +38,7 @@ import torch.nn.functional as F
 from ..gemm import grouped_gemm
 from ..metrics import rel_l2
 from ..moe import Routing, dispatch, experts, gather_rows, pack, unpack
+from ..nn import reuse_quantized_weights
 from ..quant import quantize
 from .common import bench_ms, print_table, save_results
 
@@ -236,6 +239,14 @@ def _layer_case(x, w1, w2, routing, args, failures):
             t.grad = None
         out[name] = {"fwd_ms": fwd, "fwd_bwd_ms": fwd_bwd,
                      "fwd_queued_ms": _queued(_no_grad(lambda f=f: f(x, weights, w1, w2)), fwd)}
+    # micro-batches of one optimizer step (gradient accumulation): the weights are quantized by the
+    # first forward of the block and reused by the others, as lowprec.nn.reuse_quantized_weights does
+    with reuse_quantized_weights():
+        out["lowprec"]["fwd_bwd_reused_weights_ms"], _ = _measure(
+            "layer fwd+bwd lowprec, weights reused", _fwd_bwd(lambda: fns["lowprec"](*leaves), leaves, dy),
+            args.budget_ms, failures)
+    for t in leaves:
+        t.grad = None
     # inference with the expert weights kept in FP8 (quantized once, not per call)
     w1_q, w2_q = (quantize(w, "fp8_block128x128", check_finite=False) for w in (w1, w2))
     fp8_fwd = _no_grad(lambda: fns["lowprec"](x, weights, w1_q, w2_q))
@@ -306,13 +317,16 @@ def run(args: argparse.Namespace) -> dict:
                 record["layer_speedup_fwd"] = _ratio(bfl["fwd_ms"], lpl["fwd_ms"])
                 record["layer_speedup_fwd_fp8_weights"] = _ratio(bfl["fwd_ms"], lpl["fwd_fp8_weights_ms"])
                 record["layer_speedup_fwd_bwd"] = _ratio(bfl["fwd_bwd_ms"], lpl["fwd_bwd_ms"])
+                record["layer_speedup_fwd_bwd_reused_weights"] = _ratio(bfl["fwd_bwd_ms"],
+                                                                        lpl["fwd_bwd_reused_weights_ms"])
                 record["layer_speedup_fwd_queued"] = _ratio(bfl["fwd_queued_ms"], lpl["fwd_queued_ms"])
                 record["layer_speedup_fwd_fp8_weights_queued"] = _ratio(bfl["fwd_queued_ms"],
                                                                         lpl["fwd_fp8_weights_queued_ms"])
                 layer_rows.append([name, kind, lpl["fwd_ms"], lpl["fwd_fp8_weights_ms"], bfl["fwd_ms"],
                                    record["layer_speedup_fwd"], record["layer_speedup_fwd_fp8_weights"],
                                    record["layer_speedup_fwd_queued"], record["layer_speedup_fwd_fp8_weights_queued"],
-                                   lpl["fwd_bwd_ms"], bfl["fwd_bwd_ms"], record["layer_speedup_fwd_bwd"]])
+                                   lpl["fwd_bwd_ms"], bfl["fwd_bwd_ms"], record["layer_speedup_fwd_bwd"],
+                                   lpl["fwd_bwd_reused_weights_ms"], record["layer_speedup_fwd_bwd_reused_weights"]])
             for what, why in failures.items():
                 print(f"# {name} {kind}: {what} n/a ({why})")
             records.append(record)
@@ -329,9 +343,11 @@ def run(args: argparse.Namespace) -> dict:
     if layer_rows:
         print("\nMoE layer (swiglu): lowprec fp8_block vs bf16 on torch._grouped_mm; x = bf16 ms / lowprec ms; "
               "'w8': expert weights kept in FP8 (inference), the others quantize them every call; 'q': queued "
-              "(no host sync between calls: GPU time where the host keeps ahead)")
+              "(no host sync between calls: GPU time where the host keeps ahead); 'W reused': f+b of the "
+              "micro-batches after the first in a reuse_quantized_weights block (gradient accumulation)")
         print_table(["config", "routing", "lp fwd ms", "lp fwd w8 ms", "bf16 fwd ms", "x fwd", "x fwd w8", "x fwd q",
-                     "x fwd w8 q", "lp f+b ms", "bf16 f+b ms", "x f+b"], [[_cell(c) for c in r] for r in layer_rows])
+                     "x fwd w8 q", "lp f+b ms", "bf16 f+b ms", "x f+b", "lp f+b W reused ms",
+                      "x f+b W reused"], [[_cell(c) for c in r] for r in layer_rows])
     payload = {"device": dev, "torch": torch.__version__, "capacity_factor": args.capacity_factor,
                "zipf": args.zipf, "tile_m": TILE_M,
                "timing": ("bench_ms median (L2 flushed before every call), 5 to 50 calls, host synced before each; "

@@ -113,3 +113,5 @@ def test_cases_run_and_report_failing_peers(monkeypatch):
     assert all(ms > 0 for ms in perm.values())
     layer = bench._layer_case(x, w1, w2, r, args, failures)
     assert all(v > 0 for name in ("lowprec", "bf16") for v in layer[name].values()), failures
+    assert {"fwd_bwd_reused_weights_ms", "fwd_fp8_weights_ms"} <= set(layer["lowprec"])
+    assert all(t.grad is None for t in (x, w1, w2))  # the timed calls leave the caller's tensors alone
