@@ -17,6 +17,13 @@ def _cuda_arch(index: int) -> str | None:
     return _BY_CAPABILITY.get(torch.cuda.get_device_capability(index))
 
 
+@functools.cache
+def _cuda_available() -> bool:
+    """``torch.cuda.is_available()``, asked once: every kernel call site checks its device, and
+    the answer cannot change once a process has seen it."""
+    return torch.cuda.is_available()
+
+
 def device_arch(device: torch.device | str | None) -> str | None:
     """The kernel arch lowprec targets on ``device`` (``"sm_90a"``, ``"sm_100a"``), or None.
 
@@ -24,8 +31,9 @@ def device_arch(device: torch.device | str | None) -> str | None:
     """
     if device is None:
         return None
-    device = torch.device(device)
-    if device.type != "cuda" or not torch.cuda.is_available():
+    if not isinstance(device, torch.device):
+        device = torch.device(device)
+    if device.type != "cuda" or not _cuda_available():
         return None
     index = device.index if device.index is not None else torch.cuda.current_device()
     return _cuda_arch(index)
