@@ -346,8 +346,8 @@ def run(args: argparse.Namespace) -> dict:
               "(no host sync between calls: GPU time where the host keeps ahead); 'W reused': f+b of the "
               "micro-batches after the first in a reuse_quantized_weights block (gradient accumulation)")
         print_table(["config", "routing", "lp fwd ms", "lp fwd w8 ms", "bf16 fwd ms", "x fwd", "x fwd w8", "x fwd q",
-                     "x fwd w8 q", "lp f+b ms", "bf16 f+b ms", "x f+b", "lp f+b W reused ms",
-                      "x f+b W reused"], [[_cell(c) for c in r] for r in layer_rows])
+                     "x fwd w8 q", "lp f+b ms", "bf16 f+b ms", "x f+b", "lp f+b W reused ms", "x f+b W reused"],
+                    [[_cell(c) for c in r] for r in layer_rows])
     payload = {"device": dev, "torch": torch.__version__, "capacity_factor": args.capacity_factor,
                "zipf": args.zipf, "tile_m": TILE_M,
                "timing": ("bench_ms median (L2 flushed before every call), 5 to 50 calls, host synced before each; "
