@@ -27,7 +27,9 @@ from .test_sm90 import (
 )
 
 # (tile_m, tile_n, cluster_n): 1x2 clusters take two neighbouring N tiles of one M tile (A multicast)
-GROUPED_CONFIGS = [(128, 128, 1), (64, 128, 1), (128, 64, 1), (128, 128, 2), (64, 128, 2)]
+KGROUPED_CONFIGS = [(128, 128, 1), (64, 128, 1), (128, 64, 1), (128, 128, 2), (64, 128, 2)]
+# 192-wide tiles: no second block accumulator, one mainloop copy per scale-block split
+GROUPED_CONFIGS = KGROUPED_CONFIGS + [(128, 192, 1), (128, 192, 2)]
 
 
 def _cfg_id(t):
@@ -77,8 +79,14 @@ def test_choose_grouped_config():
     assert choose_grouped_config(40, 4096, 2048, 64).tile_m == 64
     assert choose_grouped_config(16, 256, 2048, 2).tile_n == 64  # few tiles: narrower N tiles
     assert choose_grouped_config(1024, 96, 2048, 8).tile_n == 96
-    # 1x2 clusters for long K when the N tiles pair up
-    assert choose_grouped_config(1024, 28672, 4096, 8).cluster_n == 2
+    # 192-wide tiles when there are enough; in pairs where clusters are wanted (K >= 4096)
+    e8 = choose_grouped_config(1024, 28672, 4096, 8)
+    assert (e8.tile_n, e8.cluster_n) == (192, 2)
+    e128 = choose_grouped_config(512, 1536, 2048, 128)
+    assert (e128.tile_n, e128.cluster_n) == (192, 1)
+    odd = choose_grouped_config(1024, 2112, 7168, 8)  # 11 tiles of 192, 17 of 128
+    assert (odd.tile_n, odd.cluster_n) == (128, 1)
+    assert choose_grouped_config(1024, 384, 7168, 8).tile_n == 128  # 64 x 2 tiles of 192: fewer than the SMs
     assert choose_grouped_config(1024, 28672, 2048, 8).cluster_n == 1
     assert choose_grouped_config(1024, 384, 7168, 8).cluster_n == 1  # 3 N tiles
 
@@ -144,9 +152,10 @@ def test_contiguous_skewed(case):
 @pytest.mark.parametrize("tile", GROUPED_CONFIGS, ids=_cfg_id)
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
 def test_contiguous_configs(tile, out_dtype):
-    # 2112 = 16.5 x 128: a partial last N tile; clusters need an even N tile count
-    _run_contiguous(SKEWED["mixed"], n=2112 if tile[2] == 1 else 2048, k=1536, out_dtype=out_dtype,
-                    config=_config(tile), spare_rows=5)
+    # 2112 = 16.5 x 128: a partial last N tile; clusters need an even N tile count;
+    # 2240 = 11.7 x 192: tiles start 0 and 64 columns into a scale block (both loop copies)
+    n = 2240 if tile[1] == 192 else 2112 if tile[2] == 1 else 2048
+    _run_contiguous(SKEWED["mixed"], n=n, k=1536, out_dtype=out_dtype, config=_config(tile), spare_rows=5)
 
 
 @gpu
@@ -184,8 +193,8 @@ def test_contiguous_deterministic_and_graph():
 @gpu
 @needs_gpu
 @pytest.mark.parametrize("m_max,counts", [(200, [0, 1, 130, 200]), (64, [64, 0, 7, 33]), (1, [1, 0])])
-@pytest.mark.parametrize("cluster_n", [1, 2])
-def test_masked(m_max, counts, cluster_n):
+@pytest.mark.parametrize("tile", [(128, 128, 1), (128, 128, 2), (128, 192, 2)], ids=_cfg_id)
+def test_masked(m_max, counts, tile):
     from lowprec.gemm.sm90.interface import grouped_gemm_blockwise_fp8
 
     gen = torch.Generator(device="cuda")
@@ -196,7 +205,7 @@ def test_masked(m_max, counts, cluster_n):
     cnt = torch.tensor(counts, dtype=torch.int32, device="cuda")
     _poison_next_alloc((e, m_max, n), torch.bfloat16)
     d = grouped_gemm_blockwise_fp8(a.view(e, m_max, k), sa.view(e, m_max, -1), b, sb, masked_counts=cnt,
-                                   config=_config((128, 128, cluster_n)))
+                                   config=_config(tile))
     a_deq = dequant(a, sa, 1).view(e, m_max, k)
     for g, c in enumerate(counts):
         if c:
@@ -227,7 +236,7 @@ def test_public_api_matches_reference(monkeypatch):
 
 # ----------------------------------------------------------------------------- K-grouped (wgrad)
 @needs_cutlass
-@pytest.mark.parametrize("tile", GROUPED_CONFIGS, ids=_cfg_id)
+@pytest.mark.parametrize("tile", KGROUPED_CONFIGS, ids=_cfg_id)
 def test_compile_kgrouped(tile):
     from lowprec.gemm.sm90.interface import compile_only
     from lowprec.runtime.compile import local_memory_ops, sass_of
