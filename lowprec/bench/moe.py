@@ -20,8 +20,10 @@ k distinct experts uniformly at random; ``skewed``: Zipf popularity, expert e dr
   Padding: buffer rows beyond the routed ones (slots dropped by ``--capacity-factor``), and rows
   that 128-row M tiles compute beyond their expert's, both over the routed rows.
 
-Timing: ``bench_ms`` (median, L2 flushed before every call), random data, never zeros. A peer that
-fails (e.g. an op missing from the installed torch) is reported as n/a with the reason.
+Timing: ``bench_ms`` (median, L2 flushed before every call), random data, never zeros; the three
+GEMMs in four interleaved rounds of alternating order, median of the rounds (one round of one
+kernel spreads ±5-10% with the chip's clock under its power cap). A peer that fails (e.g. an op
+missing from the installed torch) is reported as n/a with the reason.
 
     python -m lowprec bench moe [--quick] [--configs E,H,F,k,T;...] [--routings balanced,skewed]
 """
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import statistics
 import time
 
 import torch
@@ -47,6 +50,7 @@ CONFIGS = [(8, 4096, 14336, 2, 4096), (64, 7168, 2048, 8, 4096), (128, 2048, 768
 ROUTINGS = ("balanced", "skewed")
 TILE_M = 128  # M tile of the padding-waste estimate
 ERROR_EXPERTS, ERROR_ROWS = 4, 128
+GEMM_ROUNDS = 4
 
 
 def _config(text: str) -> tuple[int, int, int, int, int]:
@@ -213,12 +217,20 @@ def _gemm_case(x, w1, routing, args, failures):
     ref = None if sample is None else reference_rows(x, w1, routing, sample)
     picked = None if sample is None else torch.cat([r for _, r in sample])
     flops = 2.0 * int(ends[-1]) * two_ffn * hidden
-    out = {}
+    out, rounds = {}, {}
     for name, fn in calls.items():
-        ms, y = _measure(f"gemm {name}", fn, args.budget_ms, failures)
+        ms, y = _measure(f"gemm {name}", fn, args.budget_ms / GEMM_ROUNDS, failures)
         err = math.nan if y is None or ref is None or not len(picked) else rel_l2(y[picked], ref)
-        out[name] = {"ms": ms, "tflops": flops / ms / 1e9, "rel_err": err}
+        out[name] = {"rel_err": err}
+        rounds[name] = [] if y is None else [ms]
         del y
+    for r in range(1, GEMM_ROUNDS):
+        for name in calls if r % 2 == 0 else reversed(calls):
+            if rounds[name]:
+                rounds[name].append(_time(calls[name], args.budget_ms / GEMM_ROUNDS))
+    for name, ms_rounds in rounds.items():
+        ms = statistics.median(ms_rounds) if ms_rounds else math.nan
+        out[name].update({"ms": ms, "ms_rounds": ms_rounds, "tflops": flops / ms / 1e9})
     return out
 
 
