@@ -20,10 +20,12 @@ Structure (DeepGEMM-style promotion, warp specialised, persistent):
   two block accumulators alternate, so the wgmma batch of block k+1 runs while block k is
   promoted (``wait_group(1)``, operands pinned by ``fence_operand``); otherwise each block is
   waited for (``wait_group(0)``). 1x128 B scales on tiles over 64 columns are read from the
-  stage at promotion instead (``sb_from_smem``, ``_retire``), so that ``blk2`` fits.
-* epilogue: optional bias, conversion, ``stmatrix`` to shared memory, TMA store (one barrier
-  pair per tile when its slices fit the staging buffers); grouped tiles that end inside the
-  output store row by row from registers.
+  stage at promotion instead (``sb_from_smem``, ``_retire``), so that ``blk2`` fits. Tiles that
+  can straddle two 128-wide scale blocks get one copy of the K loop per possible split column,
+  so each column group's scale block is known when tracing (``_mainloop``).
+* epilogue: optional bias, conversion, ``stmatrix`` to shared memory, TMA store (16-bit outputs
+  staged whole, one barrier pair per tile; fp32 through two buffers, a pair per slice); grouped
+  tiles that end inside the output store row by row from registers.
 * schedules (``grouping``): None — static persistent scheduler over (M tiles, N tiles, K
   splits), grid = #SMs / cluster size, 2-CTA clusters multicast the shared operand, split-K
   writes fp32 partials; "contiguous" / "masked" / "kgrouped" — the MoE grouped GEMMs, tiles from
