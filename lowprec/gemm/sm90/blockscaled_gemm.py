@@ -20,9 +20,9 @@ Structure (DeepGEMM-style promotion, warp specialised, persistent):
   two block accumulators alternate, so the wgmma batch of block k+1 runs while block k is
   promoted (``wait_group(1)``, operands pinned by ``fence_operand``); otherwise each block is
   waited for (``wait_group(0)``). 1x128 B scales on tiles over 64 columns are read from the
-  stage at promotion instead (``sb_from_smem``, ``_retire``), so that ``blk2`` fits. Tiles that
-  can straddle two 128-wide scale blocks get one copy of the K loop per possible split column,
-  so each column group's scale block is known when tracing (``_mainloop``).
+  stage at promotion instead (``sb_from_smem``, ``_retire``), so that ``blk2`` fits. Tiles wider
+  than 128 columns that can straddle two 128-wide scale blocks get one copy of the K loop per
+  possible split column, so each column group's scale block is known when tracing (``_mainloop``).
 * epilogue: optional bias, conversion, ``stmatrix`` to shared memory, TMA store (16-bit outputs
   staged whole, one barrier pair per tile; fp32 through two buffers, a pair per slice); grouped
   tiles that end inside the output store row by row from registers.
@@ -187,9 +187,11 @@ class BlockScaledGemmSm90:
 
         epi_n = 32 if self.tile_n % 32 == 0 else 16
         self.epi_tile = (self.tile_m, epi_n)
-        # 16-bit out: the buffers hold the whole tile (one barrier pair per tile, see
-        # _epilogue_tma; 2 buffers and a 6th A/B stage measured 3-15% slower, NOTES v7)
-        self.epi_stage = max(4, self.tile_n // epi_n) if self.out_dtype.width == 16 else 2
+        # 16-bit out: 4 buffers hold a tile up to 128 wide, wider tiles get one per slice: one
+        # barrier pair per tile (_epilogue_tma; 2 buffers and a 6th A/B stage measured 3-15%
+        # slower, NOTES v7; 128x160 +14% with 5, session 13). 80/112-wide tiles (16-column
+        # slices) keep 4: more buffers there are unmeasured.
+        self.epi_stage = (max(4, self.tile_n // epi_n) if self.tile_n > 128 else 4) if self.out_dtype.width == 16 else 2
         self.d_layout = LayoutEnum.ROW_MAJOR
 
         # scales ride in the same pipeline stage as their K block (TMA, 128-byte aligned slots):
@@ -987,10 +989,12 @@ class BlockScaledGemmSm90:
         them so that its dynamic loop carries them)."""
         # first column (tile-relative) that belongs to the next 128-wide scale block
         split = (n0 // SCALE_BLOCK + 1) * SCALE_BLOCK - n0
-        if cutlass.const_expr(self.n_straddle and not self.b_scale_per_col):
+        if cutlass.const_expr(self.n_straddle and not self.b_scale_per_col and not self.overlap):
             # one copy of the loop per value split can take (tiles start at multiples of
             # tile_n): each column group's scale block is then known when tracing, instead
-            # of two selects per group and K block (19% of the stall samples of 128x160)
+            # of two selects per group and K block (19% of the stall samples of 128x160).
+            # Not for the overlapped loop (tiles up to 128 wide): unmeasured there, and its
+            # 2x-unrolled body in 8 copies takes 5x as long to compile (64x112: 1.7 -> 9 s)
             step = math.gcd(self.tile_n, SCALE_BLOCK)
             for split_c in cutlass.range_constexpr(step, SCALE_BLOCK + 1, step):
                 if split == split_c:
