@@ -5,12 +5,15 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import statistics
+import subprocess
+import time
 
 import torch
 
-__all__ = ["bench_ms", "bench_stream_ms", "bench_graph_ms", "cuda_graph_replay", "gpu_slug", "save_results",
-           "copy_bandwidth_gbs", "print_table"]
+__all__ = ["bench_ms", "bench_stream_ms", "bench_graph_ms", "sustained", "cuda_graph_replay", "gpu_slug",
+           "save_results", "copy_bandwidth_gbs", "print_table"]
 
 _FLUSH_BYTES = 256 << 20  # > H100/H200 L2 (50 MB): every timed run starts from a cold L2
 
@@ -64,6 +67,52 @@ def bench_stream_ms(fn, reps: int = 20, batches: int = 5) -> float:
         end.synchronize()
         times.append(start.elapsed_time(end) / reps)
     return statistics.median(times)
+
+
+def sustained(fn, seconds: float, batch: int = 20) -> dict:
+    """``fn`` back to back for ``seconds`` (a host sync every ``batch`` calls): GPU milliseconds per
+    call, and the median SM clock (MHz) and board power (W) ``nvidia-smi`` reads every 50 ms
+    meanwhile (None without ``nvidia-smi``). This is the chip at its power cap, where a kernel that
+    does more work per clock may run at a lower clock than its peer."""
+    if not seconds > 0:
+        raise ValueError(f"seconds: expected a number > 0, got {seconds!r}")
+    fn()
+    torch.cuda.synchronize()
+    smi = shutil.which("nvidia-smi")
+    sampler = None if smi is None else subprocess.Popen(
+        [smi, "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits", "-lms", "50"],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    calls, t0 = 0, time.perf_counter()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    while time.perf_counter() - t0 < seconds:
+        for _ in range(batch):
+            fn()
+        calls += batch
+        torch.cuda.synchronize()
+    end.record()
+    end.synchronize()
+    clock = power = None
+    if sampler is not None:
+        sampler.terminate()
+        clock, power = parse_smi_samples(sampler.communicate()[0])
+    return {"ms": start.elapsed_time(end) / calls, "calls": calls, "sm_clock_mhz": clock, "power_w": power}
+
+
+def parse_smi_samples(text: str, skip: int = 5) -> tuple[float | None, float | None]:
+    """Median (SM clock, power) of ``nvidia-smi --query-gpu=clocks.sm,power.draw`` CSV lines,
+    without the first ``skip`` samples (the clock ramps there); (None, None) when none parse."""
+    samples = []
+    for line in text.splitlines():
+        try:
+            clock, power = (float(v) for v in line.split(","))
+        except ValueError:
+            continue
+        samples.append((clock, power))
+    samples = samples[skip:] if len(samples) > skip else samples
+    if not samples:
+        return None, None
+    return statistics.median(c for c, _ in samples), statistics.median(p for _, p in samples)
 
 
 def bench_graph_ms(fn, reps: int = 10, batches: int = 7) -> float:

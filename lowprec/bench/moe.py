@@ -25,7 +25,11 @@ GEMMs in four interleaved rounds of alternating order, median of the rounds (one
 kernel spreads ±5-10% with the chip's clock under its power cap). A peer that fails (e.g. an op
 missing from the installed torch) is reported as n/a with the reason.
 
+``--sustained S`` also runs each GEMM back to back for S seconds: TFLOPS with the chip at its
+power cap, with the SM clock and power ``nvidia-smi`` reads meanwhile.
+
     python -m lowprec bench moe [--quick] [--configs E,H,F,k,T;...] [--routings balanced,skewed]
+                                [--sustained S]
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ from ..metrics import rel_l2
 from ..moe import Routing, dispatch, experts, gather_rows, pack, unpack
 from ..nn import reuse_quantized_weights
 from ..quant import quantize
-from .common import bench_ms, print_table, save_results
+from .common import bench_ms, print_table, save_results, sustained
 
 # (E, H, F, k, T): Mixtral-8x7B, DeepSeek-V3, Qwen3-30B-A3B-like expert shapes
 CONFIGS = [(8, 4096, 14336, 2, 4096), (64, 7168, 2048, 8, 4096), (128, 2048, 768, 8, 8192)]
@@ -100,6 +104,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-error", action="store_true", help="skip the FP64 error check")
     p.add_argument("--budget-ms", type=_positive, default=2000.0,
                    help="rough time per measurement: slow calls get fewer repetitions (5 to 50)")
+    p.add_argument("--sustained", type=_positive, default=None, metavar="SECONDS",
+                   help="also run each GEMM back to back this long: TFLOPS, SM clock and power at the power cap")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="results JSON (default benchmarks/results/<gpu>.json)")
     args = p.parse_args(argv)
@@ -231,6 +237,9 @@ def _gemm_case(x, w1, routing, args, failures):
     for name, ms_rounds in rounds.items():
         ms = statistics.median(ms_rounds) if ms_rounds else math.nan
         out[name].update({"ms": ms, "ms_rounds": ms_rounds, "tflops": flops / ms / 1e9})
+        if args.sustained and ms_rounds:
+            held = sustained(calls[name], args.sustained)
+            out[name]["sustained"] = {**held, "tflops": flops / held["ms"] / 1e9}
     return out
 
 
@@ -298,7 +307,7 @@ def run(args: argparse.Namespace) -> dict:
     gen = torch.Generator(device="cuda").manual_seed(args.seed)
     dev = torch.cuda.get_device_name()
     print(f"# {dev}, torch {torch.__version__}; capacity_factor {args.capacity_factor} (None: dropless)")
-    records, gemm_rows, layer_rows = [], [], []
+    records, gemm_rows, layer_rows, held_rows = [], [], [], []
     for cfg in args.configs:
         num_experts, hidden, ffn, top_k, tokens = cfg
         x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16, generator=gen)
@@ -324,6 +333,13 @@ def run(args: argparse.Namespace) -> dict:
                               record["gemm_speedup_vs_fp8_rowwise"], record["gemm_speedup_vs_bf16"], lp["rel_err"],
                               gemm["fp8_rowwise"]["rel_err"], gemm["bf16"]["rel_err"], perm["dispatch"],
                               perm["pack_fp8"], perm["unpack"], perm["gather_bf16"]])
+            if args.sustained:
+                held = {n: g.get("sustained", {}) for n, g in gemm.items()}
+                record["gemm_sustained_speedup_vs_fp8_rowwise"] = _ratio(
+                    held["fp8_rowwise"].get("ms", math.nan), held["lowprec"].get("ms", math.nan))
+                held_rows.append([name, kind] + [held[n].get(key, math.nan) for n in ("lowprec", "fp8_rowwise", "bf16")
+                                                 for key in ("tflops", "sm_clock_mhz", "power_w")]
+                                 + [record["gemm_sustained_speedup_vs_fp8_rowwise"]])
             if layer is not None:
                 lpl, bfl = layer["lowprec"], layer["bf16"]
                 record["layer_speedup_fwd"] = _ratio(bfl["fwd_ms"], lpl["fwd_ms"])
@@ -352,6 +368,11 @@ def run(args: argparse.Namespace) -> dict:
     print_table(["config", "routing", "pad", "tile pad", "lowprec TF", "fp8row TF", "bf16 TF", "x fp8row",
                  "x bf16", "err lp", "err fp8row", "err bf16", "dispatch ms", "pack ms", "unpack ms",
                  "bf16 gather ms"], na)
+    if held_rows:
+        print(f"\nthe same GEMMs, each back to back for {args.sustained:g} s (the chip at its power cap): TFLOPS, "
+              "median SM clock (MHz) and power (W) from nvidia-smi; x = peer ms / lowprec ms")
+        print_table(["config", "routing", "lowprec TF", "MHz", "W", "fp8row TF", "MHz", "W", "bf16 TF", "MHz", "W",
+                     "x fp8row"], [[_cell(c) for c in r] for r in held_rows])
     if layer_rows:
         print("\nMoE layer (swiglu): lowprec fp8_block vs bf16 on torch._grouped_mm; x = bf16 ms / lowprec ms; "
               "'w8': expert weights kept in FP8 (inference), the others quantize them every call; 'q': queued "
@@ -361,9 +382,10 @@ def run(args: argparse.Namespace) -> dict:
                      "x fwd w8 q", "lp f+b ms", "bf16 f+b ms", "x f+b", "lp f+b W reused ms", "x f+b W reused"],
                     [[_cell(c) for c in r] for r in layer_rows])
     payload = {"device": dev, "torch": torch.__version__, "capacity_factor": args.capacity_factor,
-               "zipf": args.zipf, "tile_m": TILE_M,
+               "zipf": args.zipf, "tile_m": TILE_M, "sustained_s": args.sustained,
                "timing": ("bench_ms median (L2 flushed before every call), 5 to 50 calls, host synced before each; "
-                          "*_queued_ms: 20 calls without host sync between them; random data"),
+                          "*_queued_ms: 20 calls without host sync between them; gemm ms: median of 4 "
+                          "interleaved rounds; gemm *.sustained: back to back for --sustained s; random data"),
                "rows": records, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     path = save_results("moe", payload, args.out)
     print(f"saved {path}")
@@ -371,7 +393,7 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def _cell(value):
-    return "n/a" if isinstance(value, float) and math.isnan(value) else value
+    return "n/a" if value is None or (isinstance(value, float) and math.isnan(value)) else value
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -22,6 +22,7 @@ def test_registered_and_parses():
                              "--capacity-factor", "1.25", "--zipf", "2", "--no-layer"])
     assert args.configs == [(4, 256, 128, 2, 64), (8, 512, 256, 1, 32)]
     assert args.routings == ("skewed",) and args.capacity_factor == 1.25 and args.zipf == 2.0 and args.no_layer
+    assert args.sustained is None and bench.parse_args(["--sustained", "4"]).sustained == 4.0
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -31,6 +32,7 @@ def test_registered_and_parses():
     (["--routings", "uniform"], "subset of balanced,skewed"),
     (["--capacity-factor", "0"], "number > 0"),
     (["--zipf", "nan"], "number > 0"),
+    (["--sustained", "0"], "number > 0"),
 ])
 def test_bad_arguments_name_the_option(argv, message, capsys):
     with pytest.raises(SystemExit):
@@ -97,15 +99,19 @@ def test_cases_run_and_report_failing_peers(monkeypatch):
 
     monkeypatch.setattr(bench, "_time", cpu_time)
     monkeypatch.setattr(bench, "_time_queued", lambda fn: cpu_time(fn, 1.0))
+    monkeypatch.setattr(bench, "sustained", lambda fn, seconds: {"ms": cpu_time(fn, 1.0), "calls": 1,
+                                                                 "sm_clock_mhz": None, "power_w": None})
     g = torch.Generator().manual_seed(3)
     r = bench.make_routing(64, 2, 4, "balanced", capacity_factor=1.0, generator=g, device="cpu")
     x = torch.randn(64, 128, generator=g).bfloat16()
     w1 = (torch.randn(4, 64, 128, generator=g) / 11).bfloat16()
     w2 = (torch.randn(4, 128, 32, generator=g) / 6).bfloat16()
-    args = argparse.Namespace(no_error=False, budget_ms=1.0, capacity_factor=1.0)
+    args = argparse.Namespace(no_error=False, budget_ms=1.0, capacity_factor=1.0, sustained=0.01)
     failures = {}
     gemm = bench._gemm_case(x, w1, r, args, failures)
     assert gemm["lowprec"]["ms"] > 0 and gemm["lowprec"]["rel_err"] < 0.1  # FP8: a few percent
+    assert len(gemm["lowprec"]["ms_rounds"]) == bench.GEMM_ROUNDS
+    assert gemm["lowprec"]["sustained"]["tflops"] > 0 and gemm["bf16"]["sustained"]["calls"] == 1
     assert gemm["bf16"]["rel_err"] < 0.02
     if math.isnan(gemm["fp8_rowwise"]["ms"]):  # no _scaled_grouped_mm for CPU tensors: n/a, with the reason
         assert "gemm fp8_rowwise" in failures
@@ -115,3 +121,20 @@ def test_cases_run_and_report_failing_peers(monkeypatch):
     assert all(v > 0 for name in ("lowprec", "bf16") for v in layer[name].values()), failures
     assert {"fwd_bwd_reused_weights_ms", "fwd_fp8_weights_ms"} <= set(layer["lowprec"])
     assert all(t.grad is None for t in (x, w1, w2))  # the timed calls leave the caller's tensors alone
+
+
+def test_nvidia_smi_samples_parse():
+    from lowprec.bench.common import parse_smi_samples
+
+    ramp = "345, 70.1\n" * 5
+    text = ramp + "1365, 696.5\n1320, 699.0\n[N/A], 12\nnot a sample\n1410, 697.2\n"
+    assert parse_smi_samples(text) == (1365.0, 697.2)  # the ramp and the unreadable lines dropped
+    assert parse_smi_samples("1500, 300\n", skip=5) == (1500.0, 300.0)  # fewer than skip: all kept
+    assert parse_smi_samples("") == (None, None)
+
+
+def test_sustained_needs_a_positive_duration():
+    from lowprec.bench.common import sustained
+
+    with pytest.raises(ValueError, match="seconds"):
+        sustained(lambda: None, 0)
