@@ -191,7 +191,12 @@ class BlockScaledGemmSm90:
         # barrier pair per tile (_epilogue_tma; 2 buffers and a 6th A/B stage measured 3-15%
         # slower, NOTES v7; 128x160 +14% with 5, session 13). 80/112-wide tiles (16-column
         # slices) keep 4: more buffers there are unmeasured.
-        self.epi_stage = (max(4, self.tile_n // epi_n) if self.tile_n > 128 else 4) if self.out_dtype.width == 16 else 2
+        if self.out_dtype.width != 16:
+            self.epi_stage = 2
+        elif self.tile_n > 128:
+            self.epi_stage = self.tile_n // epi_n
+        else:
+            self.epi_stage = 4
         self.d_layout = LayoutEnum.ROW_MAJOR
 
         # scales ride in the same pipeline stage as their K block (TMA, 128-byte aligned slots):

@@ -443,8 +443,8 @@ def choose_grouped_config(rows_per_group: float, n: int, k: int, num_groups: int
     lost on each group's last tile); 192-wide N tiles when there are enough of them to fill the
     SMs (and they pair up where clusters are wanted), else 128-wide unless that leaves SMs idle;
     1x2 clusters (A multicast to two N tiles) for K >= 4096 when the N tiles pair up (measured
-    +4-7% there, 0 to -3% at K <= 2048). 192 over 128: +3-10% on the MoE shapes of ``bench moe``
-    (NOTES "Grouped GEMMs", sessions 7 and 13)."""
+    +4-7% there, 0 to -3% at K <= 2048). 192 over 128: +3-17% on the MoE shapes of ``bench moe``
+    in same-run A/Bs (NOTES "Grouped GEMMs", sessions 7 and 13)."""
     TileConfig = _tile_config_cls()
     bm = 64 if rows_per_group <= 64 else 128
     tiles_m = num_groups * max(1.0, rows_per_group / bm)
