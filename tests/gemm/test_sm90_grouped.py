@@ -137,6 +137,8 @@ SKEWED = {
     "single_row": [0, 1, 0],
     "empty_tail": [256, 0, 0, 0],
     "many_small": [3, 17, 64, 65, 0, 9, 31, 100, 1, 2, 5, 77, 128, 0, 200, 40],
+    # partial last tiles with 64 rows or fewer and with more
+    "tails": [192, 64, 65, 191, 320, 129, 256, 1, 448],
 }
 
 
@@ -169,6 +171,21 @@ def test_contiguous_skewed_cluster(case):
                                             config=_config((128, 128, 2)))
     single = grouped_gemm_blockwise_fp8(a, sa, b, sb, group_ends=ends, config=_config((128, 128, 1)))
     assert torch.equal(d, single)
+
+
+@gpu
+@needs_gpu
+@pytest.mark.parametrize("tile", [(128, 128, 1), (128, 192, 2)], ids=_cfg_id)
+def test_contiguous_tails_bit_identical_to_64_row_tiles(tile):
+    """A group's partial last tile is moved back to end at the group's end, so its first rows
+    are computed twice: every element keeps its K order either way, so the output equals the
+    64-row-tile config's bit for bit (there, tiles of a group never overlap)."""
+    from lowprec.gemm.sm90.interface import grouped_gemm_blockwise_fp8
+
+    a, sa, b, sb, ends, d = _run_contiguous(SKEWED["tails"], n=2240 if tile[1] == 192 else 2048, k=640,
+                                            spare_rows=3, config=_config(tile))
+    narrow = grouped_gemm_blockwise_fp8(a, sa, b, sb, group_ends=ends, config=_config((64, 128, 1)))
+    assert torch.equal(d, narrow)
 
 
 @gpu
