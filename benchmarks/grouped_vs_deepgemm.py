@@ -21,12 +21,10 @@ import sys
 import deep_gemm
 import torch
 
-from lowprec import quantize
 from lowprec.bench.common import bench_ms
-from lowprec.bench.moe import CONFIGS, ROUTINGS, make_routing
+from lowprec.bench.moe import CONFIGS, ROUTINGS, W1Gemm, make_routing
 from lowprec.gemm.sm90.interface import choose_grouped_config, grouped_gemm_blockwise_fp8
 from lowprec.gemm.sm90.tune import parse_config
-from lowprec.moe.packing import pack
 
 
 def deepgemm_operands(a_q, ends, num_experts):
@@ -57,11 +55,8 @@ def compare(num_experts, hidden, ffn, top_k, tokens, kind, configs, rounds):
     x = torch.randn(tokens, hidden, device="cuda", generator=gen).bfloat16()
     w1 = torch.randn(num_experts, 2 * ffn, hidden, device="cuda", generator=gen) / math.sqrt(hidden)
     w1 = w1.bfloat16()
-    routing = make_routing(tokens, top_k, num_experts, kind, generator=gen)
-    a_q, ends = pack(x, routing, "fp8_block1x128")
-    w1_q = quantize(w1, "fp8_block128x128", check_finite=False)
-    a_row = quantize(pack(x, routing, None)[0], "fp8_rowwise", check_finite=False)
-    w1_row = quantize(w1, "fp8_rowwise", check_finite=False)
+    op = W1Gemm.build(x, w1, make_routing(tokens, top_k, num_experts, kind, generator=gen))
+    a_q, ends, w1_q = op.a_q, op.ends, op.w1_q
     lhs, lhs_scales, m_indices, ours, theirs = deepgemm_operands(a_q, ends, num_experts)
     out_dg = torch.empty(lhs.shape[0], 2 * ffn, device="cuda", dtype=torch.bfloat16)
     w1_scales = w1_q.scale.contiguous()
@@ -70,9 +65,7 @@ def compare(num_experts, hidden, ffn, top_k, tokens, kind, configs, rounds):
     calls = {
         "deepgemm": lambda: deep_gemm.m_grouped_gemm_fp8_fp8_bf16_nt_contiguous(
             (lhs, lhs_scales), (w1_q.data, w1_scales), out_dg, m_indices),
-        "fp8_rowwise": lambda: torch._scaled_grouped_mm(
-            a_row.data, w1_row.data.transpose(-2, -1), a_row.scale.reshape(-1),
-            w1_row.scale.reshape(num_experts, 2 * ffn), offs=ends, out_dtype=torch.bfloat16),
+        "fp8_rowwise": op.calls()["fp8_rowwise"],
     }
     for cfg in [picked] + [c for c in configs if c != picked]:
         calls[f"lowprec {cfg.tile_m}x{cfg.tile_n}_c1x{cfg.cluster_n}"] = (

@@ -24,24 +24,16 @@ import sys
 
 import torch
 
-from lowprec import quantize
 from lowprec.bench.common import cuda_graph_replay, sustained
-from lowprec.bench.moe import CONFIGS, make_routing
-from lowprec.gemm import grouped_gemm
-from lowprec.moe.packing import pack
+from lowprec.bench.moe import CONFIGS, W1Gemm, make_routing
 
 
 def kernels(num_experts, hidden, ffn, top_k, tokens):
     gen = torch.Generator(device="cuda").manual_seed(1)
     x = torch.randn(tokens, hidden, device="cuda", generator=gen).bfloat16()
     w1 = (torch.randn(num_experts, 2 * ffn, hidden, device="cuda", generator=gen) / math.sqrt(hidden)).bfloat16()
-    routing = make_routing(tokens, top_k, num_experts, "balanced", generator=gen)
-    a_q, ends = pack(x, routing, "fp8_block1x128")
-    w1_q = quantize(w1, "fp8_block128x128", check_finite=False)
-    a_row = quantize(pack(x, routing, None)[0], "fp8_rowwise", check_finite=False)
-    w1_row = quantize(w1, "fp8_rowwise", check_finite=False)
-    del w1
-    scale_a, scale_b = a_row.scale.reshape(-1), w1_row.scale.reshape(num_experts, 2 * ffn)
+    op = W1Gemm.build(x, w1, make_routing(tokens, top_k, num_experts, "balanced", generator=gen))
+    grouped = op.calls()
     rows = tokens * top_k
     per_expert = rows // num_experts
     one = torch.ones((), device="cuda")
@@ -50,16 +42,17 @@ def kernels(num_experts, hidden, ffn, top_k, tokens):
     def cublas_per_expert():
         for e in range(num_experts):
             block = slice(e * per_expert, (e + 1) * per_expert)
-            torch._scaled_mm(a_q.data[block], w1_q.data[e].t(), one, one, out_dtype=torch.bfloat16, out=out[block])
+            torch._scaled_mm(op.a_q.data[block], op.w1_q.data[e].t(), one, one, out_dtype=torch.bfloat16,
+                             out=out[block])
 
+    scale_a, scale_b = op.a_row.scale.reshape(-1, 1), op.w1_row.scale[0].reshape(1, -1)
     calls = {
-        "lowprec": lambda: grouped_gemm(a_q, w1_q, group_ends=ends, out_dtype=torch.bfloat16),
-        "fp8_rowwise_grouped": lambda: torch._scaled_grouped_mm(
-            a_row.data, w1_row.data.transpose(-2, -1), scale_a, scale_b, offs=ends, out_dtype=torch.bfloat16),
+        "lowprec": grouped["lowprec"],
+        "fp8_rowwise_grouped": grouped["fp8_rowwise"],
         "cublas_per_expert": cuda_graph_replay(cublas_per_expert),
-        "cublas_dense": lambda: torch._scaled_mm(a_q.data, w1_q.data[0].t(), one, one, out_dtype=torch.bfloat16),
-        "rowwise_dense": lambda: torch._scaled_mm(a_row.data, w1_row.data[0].t(), scale_a[:, None],
-                                                  scale_b[0][None, :], out_dtype=torch.bfloat16),
+        "cublas_dense": lambda: torch._scaled_mm(op.a_q.data, op.w1_q.data[0].t(), one, one, out_dtype=torch.bfloat16),
+        "rowwise_dense": lambda: torch._scaled_mm(op.a_row.data, op.w1_row.data[0].t(), scale_a, scale_b,
+                                                  out_dtype=torch.bfloat16),
     }
     return calls, 2.0 * rows * 2 * ffn * hidden
 

@@ -35,6 +35,7 @@ power cap, with the SM clock and power ``nvidia-smi`` reads meanwhile.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import statistics
 import time
@@ -47,6 +48,7 @@ from ..metrics import rel_l2
 from ..moe import Routing, dispatch, experts, gather_rows, pack, unpack
 from ..nn import reuse_quantized_weights
 from ..quant import quantize
+from ..tensor import QuantizedTensor
 from .common import bench_ms, print_table, save_results, sustained
 
 # (E, H, F, k, T): Mixtral-8x7B, DeepSeek-V3, Qwen3-30B-A3B-like expert shapes
@@ -205,20 +207,46 @@ def _fwd_bwd(fn, leaves: list[torch.Tensor], dy: torch.Tensor):
     return run
 
 
+@dataclasses.dataclass
+class W1Gemm:
+    """The first expert GEMM ``[T·k, H] · w1[e]ᵀ`` of one routing, its operands in each form timed:
+    ``a_q``/``w1_q`` lowprec's (1x128 activations from ``pack``, 128x128 weights), ``a_row``/``w1_row``
+    FP8 rowwise, ``rows`` the bf16 gathered tokens; ``ends`` the int32 group ends."""
+
+    w1: torch.Tensor
+    a_q: QuantizedTensor
+    ends: torch.Tensor
+    w1_q: QuantizedTensor
+    rows: torch.Tensor
+    a_row: QuantizedTensor
+    w1_row: QuantizedTensor
+
+    @classmethod
+    def build(cls, x: torch.Tensor, w1: torch.Tensor, routing: Routing) -> W1Gemm:
+        a_q, ends = pack(x, routing, "fp8_block1x128")
+        rows = pack(x, routing, None)[0]
+        return cls(w1, a_q, ends, quantize(w1, "fp8_block128x128", check_finite=False), rows,
+                   quantize(rows, "fp8_rowwise", check_finite=False), quantize(w1, "fp8_rowwise", check_finite=False))
+
+    def calls(self) -> dict:
+        """``lowprec`` (``grouped_gemm``), ``fp8_rowwise`` (``torch._scaled_grouped_mm``) and ``bf16``
+        (``torch._grouped_mm``), each a no-argument call returning bf16 ``[T·k, 2F]``."""
+        num_experts, two_ffn, _ = self.w1.shape
+        scale_a, scale_b = self.a_row.scale.reshape(-1), self.w1_row.scale.reshape(num_experts, two_ffn)
+        return {
+            "lowprec": lambda: grouped_gemm(self.a_q, self.w1_q, group_ends=self.ends, out_dtype=torch.bfloat16),
+            "fp8_rowwise": lambda: torch._scaled_grouped_mm(
+                self.a_row.data, self.w1_row.data.transpose(-2, -1), scale_a, scale_b, offs=self.ends,
+                out_dtype=torch.bfloat16),
+            "bf16": lambda: torch._grouped_mm(self.rows, self.w1.transpose(-2, -1), offs=self.ends,
+                                              out_dtype=torch.bfloat16),
+        }
+
+
 def _gemm_case(x, w1, routing, args, failures):
-    num_experts, two_ffn, hidden = w1.shape
-    a_q, ends = pack(x, routing, "fp8_block1x128")
-    w1_q = quantize(w1, "fp8_block128x128", check_finite=False)
-    rows = pack(x, routing, None)[0]
-    a_row = quantize(rows, "fp8_rowwise", check_finite=False)
-    w1_row = quantize(w1, "fp8_rowwise", check_finite=False)
-    scale_a, scale_b = a_row.scale.reshape(-1), w1_row.scale.reshape(num_experts, two_ffn)
-    calls = {
-        "lowprec": lambda: grouped_gemm(a_q, w1_q, group_ends=ends, out_dtype=torch.bfloat16),
-        "fp8_rowwise": lambda: torch._scaled_grouped_mm(a_row.data, w1_row.data.transpose(-2, -1), scale_a, scale_b,
-                                                        offs=ends, out_dtype=torch.bfloat16),
-        "bf16": lambda: torch._grouped_mm(rows, w1.transpose(-2, -1), offs=ends, out_dtype=torch.bfloat16),
-    }
+    _, two_ffn, hidden = w1.shape
+    operands = W1Gemm.build(x, w1, routing)
+    ends, calls = operands.ends, operands.calls()
     sample = None if args.no_error else error_rows(routing)
     ref = None if sample is None else reference_rows(x, w1, routing, sample)
     picked = None if sample is None else torch.cat([r for _, r in sample])
