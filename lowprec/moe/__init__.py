@@ -1,12 +1,12 @@
 """Mixture-of-experts: routing, token packing and the MoE layer on FP8 grouped GEMMs."""
 
-from .layer import ACTIVATIONS, RECIPES, MoE, experts
+from .layer import ACTIVATIONS, RECIPES, FP8InferenceMoE, MoE, experts
 from .packing import gather_rows, pack, pack_tokens, unpack
 from .routing import DROP_POLICIES, SCORE_FUNCS, Routing, dispatch, expert_capacity, route, select_experts
 from .wgrad import grouped_gemm_wgrad, quantize_k_grouped
 
 __all__ = [
-    "ACTIVATIONS", "DROP_POLICIES", "MoE", "RECIPES", "Routing", "SCORE_FUNCS", "dispatch", "expert_capacity",
-    "experts", "gather_rows", "grouped_gemm_wgrad", "pack", "pack_tokens", "quantize_k_grouped", "route",
-    "select_experts", "unpack",
+    "ACTIVATIONS", "DROP_POLICIES", "FP8InferenceMoE", "MoE", "RECIPES", "Routing", "SCORE_FUNCS", "dispatch",
+    "expert_capacity", "experts", "gather_rows", "grouped_gemm_wgrad", "pack", "pack_tokens", "quantize_k_grouped",
+    "route", "select_experts", "unpack",
 ]

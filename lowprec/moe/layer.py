@@ -45,7 +45,7 @@ from .packing import gather_rows, pack, pack_tokens, unpack
 from .routing import DROP_POLICIES, SCORE_FUNCS, Routing, _check_capacity_factor, _check_top_k, dispatch, route
 from .wgrad import grouped_gemm_wgrad, quantize_k_grouped
 
-__all__ = ["MoE", "experts", "ACTIVATIONS", "RECIPES"]
+__all__ = ["MoE", "FP8InferenceMoE", "experts", "ACTIVATIONS", "RECIPES"]
 
 RECIPES = ("fp8_block", None)
 _ACT_RECIPE = "fp8_block1x128"
@@ -383,20 +383,9 @@ class MoE(nn.Module):
                  score_func: str = "softmax", renormalize: bool = True, drop_policy: str = "probs",
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
         super().__init__()
-        for name, value in (("hidden_size", hidden_size), ("ffn_size", ffn_size), ("num_experts", num_experts)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}: expected an int ≥ 1, got {value!r}")
-        _check_top_k(top_k, num_experts)
-        _check_capacity_factor(capacity_factor)
-        _check_options(recipe, activation, hidden_size, ffn_size)
-        if score_func not in SCORE_FUNCS:
-            raise ValueError(f"score_func: expected one of {SCORE_FUNCS}, got {score_func!r}")
-        if drop_policy not in DROP_POLICIES:
-            raise ValueError(f"drop_policy: expected one of {DROP_POLICIES}, got {drop_policy!r}")
-        self.hidden_size, self.ffn_size, self.num_experts, self.top_k = hidden_size, ffn_size, num_experts, top_k
-        self.capacity_factor, self.drop_policy = capacity_factor, drop_policy
-        self.activation, self.recipe = activation, recipe
-        self.score_func, self.renormalize = score_func, renormalize
+        _set_config(self, hidden_size, ffn_size, num_experts, top_k, capacity_factor, activation, recipe,
+                    score_func, renormalize, drop_policy)
+        self.recipe = recipe
         factory = {"device": device, "dtype": dtype}
         self.router = nn.Linear(hidden_size, num_experts, bias=False, **factory)
         self.w1 = nn.Parameter(torch.empty(num_experts, 2 * ffn_size, hidden_size, **factory))
@@ -411,19 +400,109 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor, return_routing: bool = False) -> torch.Tensor | tuple[torch.Tensor, Routing]:
         """``x [..., H]`` to ``[..., H]``; with ``return_routing`` also the :class:`Routing` (``.stats()``)."""
-        if not isinstance(x, torch.Tensor) or x.dtype not in _X_DTYPES or x.dim() < 1 \
-                or x.shape[-1] != self.hidden_size:
-            raise ValueError(f"x: expected a float32/bfloat16/float16 tensor [..., H={self.hidden_size}], got "
-                             f"{getattr(x, 'dtype', type(x))} {tuple(getattr(x, 'shape', ()))}")
-        tokens = x.reshape(-1, self.hidden_size)
-        logits = F.linear(tokens.float(), self.router.weight.float())
-        routing = route(logits, self.top_k, score_func=self.score_func, renormalize=self.renormalize,
-                        capacity_factor=self.capacity_factor, drop_policy=self.drop_policy)
-        y = _apply_experts(tokens, routing, self.w1, self.w2, self.recipe, self.activation).reshape(x.shape)
-        return (y, routing) if return_routing else y
+        return _route_and_apply(self, x, self.w1, self.w2, self.recipe, return_routing)
 
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, ffn_size={self.ffn_size}, num_experts={self.num_experts}, "
                 f"top_k={self.top_k}, capacity_factor={self.capacity_factor}, drop_policy={self.drop_policy!r}, "
                 f"activation={self.activation!r}, recipe={self.recipe!r}, score_func={self.score_func!r}, "
                 f"renormalize={self.renormalize}")
+
+
+def _set_config(module: nn.Module, hidden_size: int, ffn_size: int, num_experts: int, top_k: int,
+                capacity_factor: float | None, activation: str, recipe: str | None, score_func: str,
+                renormalize: bool, drop_policy: str) -> None:
+    """Validate the MoE modules' arguments and set them on ``module`` (all but the recipe)."""
+    for name, value in (("hidden_size", hidden_size), ("ffn_size", ffn_size), ("num_experts", num_experts)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}: expected an int ≥ 1, got {value!r}")
+    _check_top_k(top_k, num_experts)
+    _check_capacity_factor(capacity_factor)
+    _check_options(recipe, activation, hidden_size, ffn_size)
+    if score_func not in SCORE_FUNCS:
+        raise ValueError(f"score_func: expected one of {SCORE_FUNCS}, got {score_func!r}")
+    if drop_policy not in DROP_POLICIES:
+        raise ValueError(f"drop_policy: expected one of {DROP_POLICIES}, got {drop_policy!r}")
+    module.hidden_size, module.ffn_size, module.num_experts, module.top_k = hidden_size, ffn_size, num_experts, top_k
+    module.capacity_factor, module.drop_policy = capacity_factor, drop_policy
+    module.activation, module.score_func, module.renormalize = activation, score_func, renormalize
+
+
+def _route_and_apply(module: MoE | FP8InferenceMoE, x: torch.Tensor, w1, w2, recipe: str | None,
+                     return_routing: bool) -> torch.Tensor | tuple[torch.Tensor, Routing]:
+    """The MoE modules' forward: router in FP32, top-k routing, then the routed experts."""
+    if not isinstance(x, torch.Tensor) or x.dtype not in _X_DTYPES or x.dim() < 1 \
+            or x.shape[-1] != module.hidden_size:
+        raise ValueError(f"x: expected a float32/bfloat16/float16 tensor [..., H={module.hidden_size}], got "
+                         f"{getattr(x, 'dtype', type(x))} {tuple(getattr(x, 'shape', ()))}")
+    tokens = x.reshape(-1, module.hidden_size)
+    logits = F.linear(tokens.float(), module.router.weight.float())
+    routing = route(logits, module.top_k, score_func=module.score_func, renormalize=module.renormalize,
+                    capacity_factor=module.capacity_factor, drop_policy=module.drop_policy)
+    y = _apply_experts(tokens, routing, w1, w2, recipe, module.activation).reshape(x.shape)
+    return (y, routing) if return_routing else y
+
+
+class FP8InferenceMoE(nn.Module):
+    """Inference :class:`MoE` keeping only FP8 expert weights: about half the memory of bf16
+    experts, and no weight quantization per call (the expert weights are quantized once).
+
+    Build it from a trained layer with :meth:`from_moe` or :func:`lowprec.convert` (``inference=True``);
+    save and load it with ``state_dict()`` and :func:`lowprec.save` / :func:`lowprec.load`.
+    Arguments as :class:`MoE`'s (its ``recipe`` is always ``"fp8_block"``); ``dtype``: the router's.
+
+    Buffers: ``w1`` (float8_e4m3fn ``[E, 2F, H]``) with ``w1_scale`` (FP32
+    ``[E, ceil(2F/128), ceil(H/128)]``, one scale per 128x128 block), ``w2`` (``[E, H, F]``) with
+    ``w2_scale``; the ``router`` stays an ``nn.Linear`` applied in FP32. The forward is the FP8
+    forward of :class:`MoE` with the same quantized weights, so it gives the same outputs; it is
+    differentiable in ``x`` (the expert weights are constants).
+    """
+
+    def __init__(self, hidden_size: int, ffn_size: int, num_experts: int, top_k: int,
+                 capacity_factor: float | None = None, activation: str = "swiglu", score_func: str = "softmax",
+                 renormalize: bool = True, drop_policy: str = "probs", device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        _set_config(self, hidden_size, ffn_size, num_experts, top_k, capacity_factor, activation, "fp8_block",
+                    score_func, renormalize, drop_policy)
+        self.router = nn.Linear(hidden_size, num_experts, bias=False, device=device, dtype=dtype)
+        for name, rows, cols in (("w1", 2 * ffn_size, hidden_size), ("w2", hidden_size, ffn_size)):
+            self.register_buffer(name, torch.zeros(num_experts, rows, cols, dtype=torch.float8_e4m3fn,
+                                                   device=device))
+            self.register_buffer(f"{name}_scale", torch.ones(num_experts, -(-rows // 128), -(-cols // 128),
+                                                             device=device))
+
+    @classmethod
+    def from_moe(cls, moe: MoE) -> FP8InferenceMoE:
+        """Quantize ``moe``'s expert weights once (128x128 blocks); the router is copied."""
+        if not isinstance(moe, MoE):
+            raise TypeError(f"moe: expected a lowprec.moe.MoE, got {type(moe).__name__}")
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        _set_config(layer, moe.hidden_size, moe.ffn_size, moe.num_experts, moe.top_k, moe.capacity_factor,
+                    moe.activation, "fp8_block", moe.score_func, moe.renormalize, moe.drop_policy)
+        layer.router = nn.Linear(moe.hidden_size, moe.num_experts, bias=False, device=moe.router.weight.device,
+                                 dtype=moe.router.weight.dtype)
+        with torch.no_grad():
+            layer.router.weight.copy_(moe.router.weight)
+            for name in ("w1", "w2"):
+                q = quantize(getattr(moe, name).detach(), _WEIGHT_RECIPE)
+                layer.register_buffer(name, q.data)
+                layer.register_buffer(f"{name}_scale", q.scale)
+        return layer
+
+    def quantized_weights(self) -> tuple[QuantizedTensor, QuantizedTensor]:
+        """``(w1, w2)`` as ``fp8_block128x128`` QuantizedTensors (what :func:`experts` takes)."""
+        recipe = get_recipe(_WEIGHT_RECIPE)
+        return tuple(QuantizedTensor(getattr(self, name), getattr(self, f"{name}_scale"), recipe,
+                                     getattr(self, name).shape, self.router.weight.dtype) for name in ("w1", "w2"))
+
+    def forward(self, x: torch.Tensor, return_routing: bool = False) -> torch.Tensor | tuple[torch.Tensor, Routing]:
+        """``x [..., H]`` to ``[..., H]``; with ``return_routing`` also the :class:`Routing` (``.stats()``)."""
+        w1, w2 = self.quantized_weights()
+        return _route_and_apply(self, x, w1, w2, "fp8_block", return_routing)
+
+    def extra_repr(self) -> str:
+        return (f"hidden_size={self.hidden_size}, ffn_size={self.ffn_size}, num_experts={self.num_experts}, "
+                f"top_k={self.top_k}, capacity_factor={self.capacity_factor}, drop_policy={self.drop_policy!r}, "
+                f"activation={self.activation!r}, score_func={self.score_func!r}, renormalize={self.renormalize}")

@@ -132,7 +132,8 @@ def convert(model: nn.Module, recipe: str = "fp8_block", filter_fn: Callable[[st
     """Swap every ``nn.Linear`` in ``model`` (in place) for an FP8 layer and return the model.
 
     Args:
-        model: any module; a bare ``nn.Linear`` is converted and returned.
+        model: any module; a bare ``nn.Linear`` (or :class:`~lowprec.moe.MoE`) is converted and
+            returned.
         recipe: ``"fp8_block"``, ``"fp8_rowwise"`` or ``"fp8_tensorwise"``.
         filter_fn: ``filter_fn(qualified_name, module) -> bool``; only layers it accepts are
             swapped (default: all).
@@ -144,25 +145,39 @@ def convert(model: nn.Module, recipe: str = "fp8_block", filter_fn: Callable[[st
     features are not multiples of 16 stay as they are, with one log line each. With
     ``inference=True``, :class:`FP8Linear` layers (a model trained after ``convert``) become
     :class:`FP8InferenceLinear` with their own recipe.
+
+    Mixture-of-experts layers (:class:`lowprec.moe.MoE`) train in FP8 already (their own
+    ``recipe``) and their router is never quantized: training conversion leaves them as they
+    are; ``inference=True`` makes each a :class:`lowprec.moe.FP8InferenceMoE` (expert weights in
+    128x128 FP8 blocks, whatever ``recipe`` says).
     """
+    from ..moe import FP8InferenceMoE, MoE  # lowprec.moe imports lowprec.nn
+
     get_linear_recipe(recipe)
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected an nn.Module, got {type(model).__name__}")
+    if filter_fn is not None and type(model) in (nn.Linear, MoE) and not filter_fn("", model):
+        return model
     if type(model) is nn.Linear:
-        if filter_fn is not None and not filter_fn("", model):
-            return model
         return _swap(model, "", recipe, inference)
+    if isinstance(model, MoE):
+        return FP8InferenceMoE.from_moe(model) if inference else model
     if inference and isinstance(model, FP8Linear):
         return FP8InferenceLinear.from_linear(model, model.recipe.name)
     for parent_name, parent in list(model.named_modules()):
+        if isinstance(parent, (MoE, FP8InferenceMoE)):  # the router is read as a weight, in FP32
+            continue
         for child_name, child in list(parent.named_children()):
             trained = inference and isinstance(child, FP8Linear)
-            if type(child) is not nn.Linear and not trained:
+            moe = inference and isinstance(child, MoE)
+            if type(child) is not nn.Linear and not trained and not moe:
                 continue
             name = f"{parent_name}.{child_name}" if parent_name else child_name
             if filter_fn is not None and not filter_fn(name, child):
                 continue
-            if trained:
+            if moe:
+                setattr(parent, child_name, FP8InferenceMoE.from_moe(child))
+            elif trained:
                 setattr(parent, child_name, FP8InferenceLinear.from_linear(child, child.recipe.name))
             else:
                 setattr(parent, child_name, _swap(child, name, recipe, inference))

@@ -4,7 +4,7 @@ import torch.nn.functional as F
 
 import lowprec
 from lowprec.metrics import cos_sim, rel_l2
-from lowprec.moe import MoE, dispatch, experts, route
+from lowprec.moe import FP8InferenceMoE, MoE, dispatch, experts, route
 
 T, H, FFN, E, K = 96, 128, 64, 4, 2
 
@@ -271,3 +271,64 @@ def test_fp8_weights_errors():
         experts(x, weights, ids, lowprec.quantize(w1, "fp8_block1x128"), lowprec.quantize(w2, "fp8_block128x128"))
     with pytest.raises(ValueError, match="recipe"):
         experts(x, weights, ids, w1q, lowprec.quantize(w2, "fp8_block128x128"), recipe=None)
+
+
+def test_inference_module_matches_the_fp8_forward_and_roundtrips(device, tmp_path):
+    """FP8InferenceMoE: the FP8 forward of the MoE it came from (same bits, same input gradient),
+    about half the expert-weight bytes, and a safetensors round trip that gives the same outputs."""
+    m = MoE(H, FFN, 16, K, device=device, dtype=torch.bfloat16)  # E = 16: a router convert() could swap
+    infer = FP8InferenceMoE.from_moe(m)
+    assert [n for n, _ in infer.named_parameters()] == ["router.weight"]
+    expert_bytes = sum(getattr(m, n).nbytes for n in ("w1", "w2"))
+    assert sum(b.nbytes for b in infer.buffers()) < 0.55 * expert_bytes
+    x = torch.randn(3, T // 3, H, device=device, dtype=torch.bfloat16)
+    with torch.no_grad():
+        want, want_routing = m(x, return_routing=True)
+        got, got_routing = infer(x, return_routing=True)
+    assert torch.equal(got, want) and torch.equal(got_routing.topk_ids, want_routing.topk_ids)
+    dy = torch.randn_like(x)
+    grads = []
+    for layer in (m, infer):
+        xl = x.clone().requires_grad_()
+        layer(xl).backward(dy)
+        grads.append(xl.grad)
+    assert torch.equal(grads[1], grads[0])
+
+    path = tmp_path / "moe.safetensors"
+    lowprec.save(infer.state_dict(), path)
+    fresh = FP8InferenceMoE(H, FFN, 16, K, device=device, dtype=torch.bfloat16)
+    fresh.load_state_dict(lowprec.load(path, device=device))
+    with torch.no_grad():
+        assert torch.equal(fresh(x), want)
+
+
+def test_convert_keeps_the_router_and_makes_inference_experts():
+    """convert() leaves an MoE's router alone (it is read as an FP32 weight: an FP8InferenceLinear
+    there once gave raw FP8 codes as router weights) and, for inference, swaps in FP8InferenceMoE."""
+    torch.manual_seed(2)
+    model = torch.nn.Sequential(torch.nn.Linear(H, H), MoE(H, FFN, 16, K))
+    x = torch.randn(T, H)
+    lowprec.convert(model)
+    assert isinstance(model[0], lowprec.nn.FP8Linear) and type(model[1].router) is torch.nn.Linear
+    with torch.no_grad():
+        y_train = model(x)
+    skipped = lowprec.convert(model, inference=True, filter_fn=lambda name, _: name != "1")
+    assert type(skipped[1]) is MoE
+    lowprec.convert(model, inference=True)
+    assert isinstance(model[1], FP8InferenceMoE) and type(model[1].router) is torch.nn.Linear
+    with torch.no_grad():
+        assert torch.equal(model(x), y_train)
+    assert isinstance(lowprec.convert(MoE(H, FFN, 16, K), inference=True), FP8InferenceMoE)
+    bare = MoE(H, FFN, 16, K)
+    assert lowprec.convert(bare) is bare
+
+
+def test_inference_module_errors():
+    with pytest.raises(TypeError, match="moe: expected a lowprec.moe.MoE"):
+        FP8InferenceMoE.from_moe(torch.nn.Linear(H, H))
+    with pytest.raises(ValueError, match="hidden_size: must be a multiple of 16"):
+        FP8InferenceMoE(100, 64, 4, 2)
+    with pytest.raises(ValueError, match="top_k: 5 is more than num_experts=4"):
+        FP8InferenceMoE(64, 64, 4, 5)
+    with pytest.raises(ValueError, match=r"x: expected a float32/bfloat16/float16 tensor \[\.\.\., H=64\]"):
+        FP8InferenceMoE(64, 64, 4, 2)(torch.randn(8, 32))

@@ -75,12 +75,15 @@ def test_swiglu_backward_kernel_matches_torch_autograd(rows, ffn, monkeypatch):
 
 @pytest.mark.gpu
 @needs_gpu
-def test_moe_forward_sync_free_and_graph_capturable(monkeypatch):
-    from lowprec.moe import MoE
+@pytest.mark.parametrize("inference", [False, True], ids=["MoE", "FP8InferenceMoE"])
+def test_moe_forward_sync_free_and_graph_capturable(inference, monkeypatch):
+    from lowprec.moe import FP8InferenceMoE, MoE
 
     monkeypatch.setenv("LOWPREC_BACKEND", "kernel")
     torch.manual_seed(0)
     layer = MoE(256, 256, 8, 2).cuda()
+    if inference:
+        layer = FP8InferenceMoE.from_moe(layer)
     x = torch.randn(512, 256, device="cuda", dtype=torch.bfloat16)
     y0 = layer(x)  # compiles the kernels; with autograd on
     torch.cuda.synchronize()
