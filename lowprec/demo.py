@@ -1,4 +1,5 @@
-"""``python -m lowprec demo``: every recipe on a weight-like tensor, then a reference GEMM."""
+"""``python -m lowprec demo``: every recipe on a weight-like tensor, a block-scaled GEMM, and an FP8
+mixture-of-experts layer (training module and its FP8 inference form)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,8 @@ import time
 
 import torch
 
-from . import gemm, metrics, quantize
+from . import convert, gemm, metrics, quantize
+from .moe import MoE
 from .recipes import RECIPE_NAMES
 
 
@@ -60,10 +62,37 @@ def run_on(device: torch.device) -> None:
           f"of the unquantized inputs ({ms:.1f} ms)")
 
 
+def moe_on(device: torch.device) -> None:
+    """An FP8 MoE layer's forward next to the same layer unquantized (FP32), then its FP8 inference form."""
+    torch.manual_seed(0)
+    hidden, ffn, experts, top_k, tokens = 512, 256, 8, 2, 512
+    layer = MoE(hidden, ffn, experts, top_k, capacity_factor=1.0, device=device)
+    exact = MoE(hidden, ffn, experts, top_k, capacity_factor=1.0, recipe=None, device=device)
+    exact.load_state_dict(layer.state_dict())
+    x = torch.randn(tokens, hidden, device=device)
+    with torch.no_grad():
+        y, routing = layer(x, return_routing=True)
+        ref = exact(x)
+        stats = routing.stats()
+        print(f"\nMoE layer (H={hidden}, F={ffn}, E={experts}, top-{top_k}, capacity factor 1.0), {tokens} tokens: "
+              f"FP8 forward vs the same layer in FP32: cos-sim {metrics.cos_sim(y, ref):.5f}, "
+              f"rel L2 {metrics.rel_l2(y, ref):.2e}; {stats['dropped']:.0f} of {tokens * top_k} slots dropped "
+              f"(capacity {stats['capacity']:.0f}, max load {stats['max_load']:.0f}, mean "
+              f"{stats['mean_load']:.0f})")
+        expert_bytes = layer.w1.nbytes + layer.w2.nbytes
+        inference = convert(layer, inference=True)
+        fp8_bytes = sum(b.nbytes for b in inference.buffers())
+        same = torch.equal(inference(x), y)
+    print(f"FP8InferenceMoE (convert(layer, inference=True)): FP32 expert weights {expert_bytes / 2**20:.1f} -> "
+          f"{fp8_bytes / 2**20:.1f} MiB, output {'identical' if same else 'DIFFERENT'} to the training layer's")
+
+
 def main() -> None:
-    print("lowprec demo: quantization recipes (x ≈ q · scale) and a block-scaled GEMM")
+    print("lowprec demo: quantization recipes (x ≈ q · scale), a block-scaled GEMM and an FP8 MoE layer")
     run_on(torch.device("cpu"))
+    moe_on(torch.device("cpu"))
     if torch.cuda.is_available():
         run_on(torch.device("cuda"))
+        moe_on(torch.device("cuda"))
     else:
         print("\n(no CUDA device: GPU part skipped)")

@@ -6,5 +6,6 @@ def test_demo_prints_a_table_for_every_recipe(capsys):
     assert main(["demo"]) == 0
     out = capsys.readouterr().out
     assert "SQNR dB" in out and "bits/elem" in out and "GEMM" in out
+    assert "MoE layer" in out and "output identical to the training layer's" in out
     for name in RECIPE_NAMES:
         assert f"\n{name} " in out
