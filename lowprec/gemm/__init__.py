@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..runtime import kernel_failed, use_kernel
+from ..runtime import eager_under_compile, kernel_failed, use_kernel
 from ..tensor import QuantizedTensor
 from .ops import gemm_dispatch, gemm_op
 from .reference import grouped_gemm_contiguous_reference, grouped_gemm_masked_reference
@@ -61,6 +61,7 @@ def gemm(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype = torch.
                    b.data, b.scale, b.global_scale, b.recipe.spec(), a.shape[1], bias, out_dtype)
 
 
+@eager_under_compile
 def grouped_gemm(a: QuantizedTensor, b: QuantizedTensor, *, group_ends: torch.Tensor | None = None,
                  masked_counts: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """One GEMM per group (expert) against that group's weights ``b[e]``.

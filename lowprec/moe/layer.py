@@ -39,7 +39,7 @@ from ..gemm.reference import grouped_mm_rows
 from ..nn.weight_cache import quantize_weight
 from ..quant import quantize
 from ..recipes import get_recipe
-from ..runtime import kernel_failed, use_kernel
+from ..runtime import eager_under_compile, kernel_failed, use_kernel
 from ..tensor import QuantizedTensor
 from .packing import gather_rows, pack, pack_tokens, unpack
 from .routing import DROP_POLICIES, SCORE_FUNCS, Routing, _check_capacity_factor, _check_top_k, dispatch, route
@@ -309,6 +309,7 @@ def _apply_experts(x: torch.Tensor, routing: Routing, w1: torch.Tensor | Quantiz
                                   for_backward)
 
 
+@eager_under_compile
 def experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w1: torch.Tensor | QuantizedTensor,
             w2: torch.Tensor | QuantizedTensor, *, recipe: str | None = "fp8_block",
             capacity_factor: float | None = None, drop_policy: str = "probs", activation: str = "swiglu",
@@ -375,7 +376,8 @@ class MoE(nn.Module):
     Parameters: ``router`` (``nn.Linear(H, E, bias=False)``, applied in FP32, never quantized),
     ``w1`` ``[E, 2F, H]`` (gate rows, then up rows) and ``w2`` ``[E, H, F]``; FP8 copies of the
     weights are made each forward (once per :func:`lowprec.nn.reuse_quantized_weights` block,
-    e.g. over the micro-batches of a step), the parameters keep their dtype.
+    e.g. over the micro-batches of a step), the parameters keep their dtype. Under
+    ``torch.compile`` with CUDA inputs the layer runs eagerly (a graph break), on its kernels.
     """
 
     def __init__(self, hidden_size: int, ffn_size: int, num_experts: int, top_k: int,
@@ -428,6 +430,7 @@ def _set_config(module: nn.Module, hidden_size: int, ffn_size: int, num_experts:
     module.activation, module.score_func, module.renormalize = activation, score_func, renormalize
 
 
+@eager_under_compile
 def _route_and_apply(module: MoE | FP8InferenceMoE, x: torch.Tensor, w1, w2, recipe: str | None,
                      return_routing: bool) -> torch.Tensor | tuple[torch.Tensor, Routing]:
     """The MoE modules' forward: router in FP32, top-k routing, then the routed experts."""

@@ -12,7 +12,7 @@ import torch
 
 from ..quant import quantize
 from ..recipes import ScaleRecipe, get_recipe
-from ..runtime import kernel_failed, use_kernel
+from ..runtime import eager_under_compile, kernel_failed, use_kernel
 from ..tensor import QuantizedTensor
 from .routing import Routing
 
@@ -62,6 +62,7 @@ def _row_local(recipe: ScaleRecipe) -> bool:
     return recipe.block[0] == 1 and not recipe.global_scale
 
 
+@eager_under_compile
 def pack(x: torch.Tensor, routing: Routing, recipe: str | ScaleRecipe | None = "fp8_block1x128"
          ) -> tuple[torch.Tensor | QuantizedTensor, torch.Tensor]:
     """Gather tokens into expert-contiguous rows, quantized on the way (the grouped GEMM's ``a``).
@@ -87,6 +88,7 @@ def pack(x: torch.Tensor, routing: Routing, recipe: str | ScaleRecipe | None = "
     return rows, routing.group_ends
 
 
+@eager_under_compile
 def pack_tokens(x: torch.Tensor, routing: Routing, recipe: str | ScaleRecipe = "fp8_block1x128"
                 ) -> tuple[QuantizedTensor, QuantizedTensor, torch.Tensor]:
     """:func:`pack`, and the tokens quantized in place (``quantize(x, recipe)``, one row per token).
@@ -145,6 +147,7 @@ def _pack_kernel_unsupported(x: torch.Tensor, routing: Routing, r: ScaleRecipe) 
     return kernel_unsupported(x)
 
 
+@eager_under_compile
 def unpack(rows: torch.Tensor | QuantizedTensor, routing: Routing, weights: torch.Tensor | None = None,
            out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Combine packed rows back to tokens: ``out[t] = Σ_j weights[t, j] · rows[slot_rows[t, j]]``.

@@ -28,6 +28,8 @@ from fractions import Fraction
 
 import torch
 
+from ..runtime import eager_under_compile
+
 __all__ = ["Routing", "dispatch", "expert_capacity", "route", "select_experts", "DROP_POLICIES", "SCORE_FUNCS"]
 
 DROP_POLICIES = ("probs", "position")
@@ -160,6 +162,7 @@ def select_experts(logits: torch.Tensor, top_k: int, *, score_func: str = "softm
     return weights, ids
 
 
+@eager_under_compile
 def dispatch(topk_weights: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, *,
              capacity_factor: float | None = None, drop_policy: str = "probs", check_ids: bool = True) -> Routing:
     """The dispatch plan for given top-k choices: capacity drops and the packed (expert-contiguous) order.
@@ -263,6 +266,7 @@ def _plan_kernel(ids: torch.Tensor, num_experts: int, capacity: int | None):
     return None
 
 
+@eager_under_compile
 def route(logits: torch.Tensor, top_k: int, *, score_func: str = "softmax", renormalize: bool = True,
           capacity_factor: float | None = None, drop_policy: str = "probs") -> Routing:
     """Router logits ``[T, E]`` to a :class:`Routing`: :func:`select_experts` then :func:`dispatch`.

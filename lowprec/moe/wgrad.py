@@ -15,7 +15,7 @@ import torch
 
 from ..quant import _kernel_unsupported, quantize_dual
 from ..recipes import WHOLE, ScaleRecipe, get_recipe
-from ..runtime import kernel_failed, use_kernel
+from ..runtime import eager_under_compile, kernel_failed, use_kernel
 from ..tensor import QuantizedTensor
 
 __all__ = ["grouped_gemm_wgrad", "quantize_k_grouped"]
@@ -32,6 +32,7 @@ def _check_ends(group_ends: torch.Tensor, device: torch.device) -> None:
         raise ValueError(f"group_ends: on {group_ends.device}, but the rows are on {device}")
 
 
+@eager_under_compile
 def quantize_k_grouped(rows: torch.Tensor, group_ends: torch.Tensor, recipe: str | ScaleRecipe = "fp8_block1x128",
                        row_index: torch.Tensor | None = None) -> tuple[QuantizedTensor, torch.Tensor]:
     """Packed rows ``[M, C]`` to the K-grouped operand ``[C, round_up(M, 128) + 128·E]`` of :func:`grouped_gemm_wgrad`.
@@ -106,6 +107,7 @@ def _gather_kernel_unsupported(rows: torch.Tensor, r: ScaleRecipe) -> str | None
     return _kernel_unsupported(rows, r)
 
 
+@eager_under_compile
 def grouped_gemm_wgrad(a: QuantizedTensor, b: QuantizedTensor, group_ends: torch.Tensor,
                        out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """K-grouped GEMM: ``out[e] = dequant(a)[:, Kₑ] · dequant(b)[:, Kₑ]ᵀ``, ``Kₑ = group_ends[e-1]:group_ends[e]``.

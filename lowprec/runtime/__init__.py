@@ -1,12 +1,13 @@
 """Runtime: arch detection, backend choice, CuTe DSL compilation and the kernel cache."""
 
 from .arch import SUPPORTED_ARCHS, device_arch, sm_count
-from .backend import backend_mode, dsl_available, kernel_failed, use_kernel, warn_once
+from .backend import backend_mode, dsl_available, eager_under_compile, kernel_failed, use_kernel, warn_once
 from .cache import KernelCache, cache_key, kernel_cache, source_fingerprint
 from .compile import compile_for_arch, cubin_arch, local_memory_ops, nvdisasm_path, sass_of
 
 __all__ = [
-    "SUPPORTED_ARCHS", "device_arch", "sm_count", "backend_mode", "dsl_available", "kernel_failed", "use_kernel",
+    "SUPPORTED_ARCHS", "device_arch", "sm_count", "backend_mode", "dsl_available", "eager_under_compile",
+    "kernel_failed", "use_kernel",
     "warn_once", "KernelCache", "cache_key", "kernel_cache", "source_fingerprint", "compile_for_arch",
     "cubin_arch", "local_memory_ops", "nvdisasm_path", "sass_of",
 ]

@@ -17,7 +17,7 @@ import torch
 
 from .arch import device_arch
 
-__all__ = ["backend_mode", "use_kernel", "warn_once", "kernel_failed", "dsl_available"]
+__all__ = ["backend_mode", "use_kernel", "warn_once", "kernel_failed", "dsl_available", "eager_under_compile"]
 
 _MODES = ("auto", "reference", "kernel")
 log = logging.getLogger("lowprec")
@@ -80,3 +80,25 @@ def kernel_failed(op: str, err: BaseException) -> None:
     if backend_mode() == "kernel":
         raise err
     warn_once(f"lowprec: {op} kernel failed ({type(err).__name__}: {err}); falling back to the reference")
+
+
+def _on_cuda(values) -> bool:
+    return any(getattr(getattr(v, "device", None), "type", None) == "cuda" for v in values)
+
+
+def eager_under_compile(fn: Callable) -> Callable:
+    """Run ``fn`` eagerly when ``torch.compile`` traces it with CUDA inputs (a graph break).
+
+    CuTe DSL launches cannot be traced: traced, an op without a ``torch.library`` custom op would
+    fall back to its reference (slow, memory-hungry for the grouped GEMMs) with a warning. Eager,
+    it runs its kernels. CPU inputs keep tracing their reference path.
+    """
+    eager = torch.compiler.disable(fn)
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        if torch.compiler.is_compiling() and _on_cuda((*args, *kwargs.values())):
+            return eager(*args, **kwargs)
+        return fn(*args, **kwargs)
+
+    return wrapper

@@ -332,3 +332,14 @@ def test_inference_module_errors():
         FP8InferenceMoE(64, 64, 4, 5)
     with pytest.raises(ValueError, match=r"x: expected a float32/bfloat16/float16 tensor \[\.\.\., H=64\]"):
         FP8InferenceMoE(64, 64, 4, 2)(torch.randn(8, 32))
+
+
+def test_module_under_torch_compile_on_cpu():
+    """On CPU the reference path is traced (with graph breaks at its data-dependent sizes) and
+    gives the eager result (on CUDA the layer runs eagerly: tests/moe/test_layer_sm90.py)."""
+    torch.manual_seed(0)
+    m = MoE(H, FFN, E, K)
+    x = torch.randn(T, H)
+    compiled = torch.compile(m, backend="aot_eager")
+    with torch.no_grad():
+        assert torch.equal(compiled(x), m(x))

@@ -104,3 +104,31 @@ def test_moe_forward_sync_free_and_graph_capturable(inference, monkeypatch):
         y4 = layer(x)
     assert torch.equal(y1, y0) and torch.equal(y2, y0.detach())
     assert torch.equal(y3, y4)
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_moe_under_torch_compile_runs_its_kernels(monkeypatch):
+    """torch.compile cannot trace CuTe DSL launches: the layer runs eagerly inside the compiled
+    model (a graph break), on its kernels (LOWPREC_BACKEND=kernel: a reference fallback would
+    raise), with the eager result and gradients."""
+    from lowprec.moe import FP8InferenceMoE, MoE
+
+    monkeypatch.setenv("LOWPREC_BACKEND", "kernel")
+    torch.manual_seed(0)
+    layer = MoE(256, 256, 8, 2, device="cuda", dtype=torch.bfloat16)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256, device="cuda", dtype=torch.bfloat16), layer)
+    x = torch.randn(512, 256, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn_like(x)
+    results = []
+    for run in (model, torch.compile(model)):
+        xl = x.clone().requires_grad_()
+        y = run(xl)
+        y.backward(dy)
+        results.append([y.detach(), xl.grad] + [p.grad.clone() for p in model.parameters()])
+        model.zero_grad()
+    for got, want in zip(results[1], results[0]):
+        assert torch.equal(got, want)
+    infer = FP8InferenceMoE.from_moe(layer)
+    with torch.no_grad():
+        assert torch.equal(torch.compile(infer)(x), infer(x))
