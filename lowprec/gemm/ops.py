@@ -57,6 +57,12 @@ def _blockwise_scales(a: QuantizedTensor, b: QuantizedTensor) -> tuple[torch.Ten
     return sa, sb
 
 
+def _k_major(data: torch.Tensor) -> torch.Tensor:
+    """FP8 codes as the kernel reads them, K contiguous. Under torch.compile the op gets the
+    layouts inductor chose for the traced reference quantization (e.g. strides (1, M))."""
+    return data if data.stride(-1) == 1 else data.contiguous()
+
+
 def gemm_dispatch(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype,
                   bias: torch.Tensor | None) -> torch.Tensor:
     """Run the kernel where the device and operands allow, else the reference (validated inputs)."""
@@ -65,7 +71,7 @@ def gemm_dispatch(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype
             from .sm90.interface import gemm_blockwise_fp8
 
             sa, sb = _blockwise_scales(a, b)
-            return gemm_blockwise_fp8(a.data, sa, b.data, sb, out_dtype=out_dtype, bias=bias)
+            return gemm_blockwise_fp8(_k_major(a.data), sa, _k_major(b.data), sb, out_dtype=out_dtype, bias=bias)
         except Exception as err:
             kernel_failed("gemm", err)
     return gemm_reference(a, b, out_dtype, bias)

@@ -2,7 +2,10 @@
 
 ``LOWPREC_BACKEND`` (environment): ``auto`` (default: kernel where one exists for the device's
 arch, else reference), ``reference`` (always the reference), ``kernel`` (a kernel or an error:
-for testing kernels, never silently the reference).
+for testing kernels, never silently the reference). Code traced by ``torch.compile`` always
+takes the reference ops (a graph cannot hold a CuTe DSL launch): the GEMM is a ``torch.library``
+custom op that launches its kernel at run time, and the MoE ops run eagerly on CUDA
+(:func:`eager_under_compile`).
 """
 
 from __future__ import annotations
@@ -51,7 +54,9 @@ def use_kernel(op: str, device: torch.device, supported_archs: tuple[str, ...],
     reason is an error; in ``auto`` mode it means the reference.
     """
     mode = backend_mode()
-    if mode == "reference":
+    # traced by torch.compile: only the reference ops can go into a graph (CuTe DSL launches
+    # cannot be traced; ops that keep their kernels there are custom ops or run eagerly)
+    if mode == "reference" or torch.compiler.is_compiling():
         return False
     arch = device_arch(device)
     reason = None

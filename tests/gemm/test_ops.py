@@ -67,3 +67,19 @@ def test_rowwise_and_tensorwise_recast_to_kernel_scales_exactly(ra, rb):
     b2 = QuantizedTensor(b.data, sb, get_recipe("fp8_block1x128" if sb.shape[0] == 272 else "fp8_block128x128"),
                          b.shape, b.dtype)
     assert torch.equal(gemm_reference(a, b, torch.float32, None), gemm_reference(a2, b2, torch.float32, None))
+
+
+@pytest.mark.gpu
+def test_kernel_takes_fp8_codes_of_any_strides(monkeypatch):
+    """Inductor may lay out the traced quantization's codes column-major (strides (1, M)): the op
+    hands the kernel K-major codes (LOWPREC_BACKEND=kernel: no fallback) with the same result."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    monkeypatch.setenv("LOWPREC_BACKEND", "kernel")
+    a = lowprec.quantize(torch.randn(200, 256, device="cuda"), "fp8_block1x128")
+    b = lowprec.quantize(torch.randn(128, 256, device="cuda"), "fp8_block128x128")
+    want = lowprec.gemm(a, b)
+    a_t = QuantizedTensor(a.data.t().contiguous().t(), a.scale, a.recipe, a.shape, a.dtype)
+    b_t = QuantizedTensor(b.data.t().contiguous().t(), b.scale, b.recipe, b.shape, b.dtype)
+    assert a_t.data.stride() == (1, 200)
+    assert torch.equal(lowprec.gemm(a_t, b_t), want)

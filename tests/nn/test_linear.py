@@ -216,3 +216,27 @@ def test_bad_input():
         convert(TinyBlock(), recipe="nvfp4")
     with pytest.raises(ValueError, match="in_features"):
         FP8InferenceLinear(64, 32)(torch.randn(2, 16))
+
+
+@pytest.mark.gpu
+def test_compiled_training_step_on_the_gpu(monkeypatch):
+    """torch.compile (inductor) on the GPU: the GEMMs launch their kernels through the custom op
+    (LOWPREC_BACKEND=kernel: a failure raises instead of falling back; operands laid out by
+    inductor once reached the kernel with strides (1, M)). The quantization is the traced
+    reference compiled by inductor, whose rounding differs from the kernels' in the last bit of
+    some scales, so results match eager's to FP8 precision, not bit for bit."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    monkeypatch.setenv("LOWPREC_BACKEND", "kernel")
+    torch.manual_seed(6)
+    layer = FP8Linear(256, 128, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(200, 256, device="cuda", dtype=torch.bfloat16)
+    results = []
+    for run in (layer, torch.compile(layer)):
+        xl = x.clone().requires_grad_()
+        y = run(xl)
+        y.float().square().sum().backward()
+        results.append((y.detach(), xl.grad, layer.weight.grad.clone(), layer.bias.grad.clone()))
+        layer.zero_grad()
+    for got, want in zip(results[1], results[0]):
+        assert metrics.rel_l2(got, want) < 2e-2
