@@ -7,6 +7,7 @@ import torch
 from ..recipes import ScaleRecipe, get_recipe
 from ..runtime import kernel_failed, use_kernel
 from ..tensor import QuantizedTensor
+from . import ops
 from .reference import dequantize_reference, quantize_reference
 
 __all__ = ["quantize", "dequantize", "quantize_dual", "quantize_with_transpose"]
@@ -48,20 +49,36 @@ def quantize(x: torch.Tensor, recipe: str | ScaleRecipe, *, check_finite: bool =
         raise ValueError("x: contains NaN or Inf; quantization needs finite values "
                          "(check_finite=False skips this check)")
     x = x.detach()
+    if _traced_on_cuda(x) and _kernel_recipe(x, r):
+        return _wrap_kernel_output(x, r, *ops.quantize_fp8(x.reshape(-1, x.shape[-1]), r.name))
     if use_kernel("quantize", x.device, ("sm_90a",), lambda: _kernel_unsupported(x, r)):
         try:
             from .sm90 import interface
 
             kernel = {"fp8_block1x128": interface.quantize_1x128, "fp8_block128x128": interface.quantize_128x128,
                       "fp8_rowwise": interface.quantize_rowwise}[r.name]
-            q, s = kernel(x.reshape(-1, x.shape[-1]))
-            # 128x128: a batch of matrices (experts) is one tall matrix, as no block spans two of them
-            s = (s.view(*x.shape[:-2], -(-x.shape[-2] // r.block[0]), s.shape[-1]) if r.is_2d
-                 else s.view(*x.shape[:-1], s.shape[-1]))
-            return QuantizedTensor(q.view(x.shape), s, r, x.shape, x.dtype)
+            return _wrap_kernel_output(x, r, *kernel(x.reshape(-1, x.shape[-1])))
         except Exception as err:
             kernel_failed("quantize", err)
     return quantize_reference(x, r)
+
+
+def _traced_on_cuda(x: torch.Tensor) -> bool:
+    """torch.compile is tracing a CUDA input: the kernels go in as custom ops (:mod:`.ops`)."""
+    return torch.compiler.is_compiling() and x.is_cuda
+
+
+def _kernel_recipe(x: torch.Tensor, r: ScaleRecipe) -> bool:
+    """Recipes and shapes a quantize kernel (or its custom op) handles."""
+    return (r.name in _KERNEL_RECIPES and r.scale_rounding == "exact" and x.dtype != torch.float64
+            and not (r.is_2d and x.dim() > 2 and x.shape[-2] % r.block[0]))
+
+
+def _wrap_kernel_output(x: torch.Tensor, r: ScaleRecipe, q: torch.Tensor, s: torch.Tensor) -> QuantizedTensor:
+    # 128x128: a batch of matrices (experts) is one tall matrix, as no block spans two of them
+    s = (s.view(*x.shape[:-2], -(-x.shape[-2] // r.block[0]), s.shape[-1]) if r.is_2d
+         else s.view(*x.shape[:-1], s.shape[-1]))
+    return QuantizedTensor(q.view(x.shape), s, r, x.shape, x.dtype)
 
 
 def _kernel_unsupported(x: torch.Tensor, r: ScaleRecipe) -> str | None:
@@ -92,13 +109,17 @@ def quantize_dual(x: torch.Tensor, recipe: str | ScaleRecipe = "fp8_block1x128")
     def why_not() -> str | None:
         return "dual needs a row-block recipe" if r.is_2d else _kernel_unsupported(x2, r)
 
+    def wrap(q, s, qt, st):
+        return (QuantizedTensor(q, s, r, x2.shape, x.dtype),
+                QuantizedTensor(qt, st, r, (x2.shape[1], t_pad), x.dtype))
+
+    if _traced_on_cuda(x) and r.name == "fp8_block1x128" and _kernel_recipe(x2, r):
+        return wrap(*ops.quantize_dual_fp8(x2))
     if use_kernel("quantize", x.device, ("sm_90a",), why_not):
         try:
             from .sm90 import interface
 
-            q, s, qt, st = interface.quantize_dual(x2)
-            return (QuantizedTensor(q, s, r, x2.shape, x.dtype),
-                    QuantizedTensor(qt, st, r, (x2.shape[1], t_pad), x.dtype))
+            return wrap(*interface.quantize_dual(x2))
         except Exception as err:
             kernel_failed("quantize", err)
     padded = torch.nn.functional.pad(x2, (0, 0, 0, t_pad - t))
@@ -130,16 +151,20 @@ def quantize_with_transpose(x: torch.Tensor, recipe: str | ScaleRecipe = "fp8_bl
             return "rows per matrix must be a multiple of 16"
         return _kernel_unsupported(x, r)  # also: a batch of matrices needs rows % 128 == 0
 
+    def wrap(q, s, qt):
+        batch = x.shape[:-2]
+        s = s.view(*batch, -(-rows // 128), s.shape[-1])
+        t_shape = (*batch, cols, rows)
+        return (QuantizedTensor(q.view(x.shape), s, r, x.shape, x.dtype),
+                QuantizedTensor(qt.view(t_shape), s.transpose(-1, -2).contiguous(), r, t_shape, x.dtype))
+
+    if _traced_on_cuda(x) and r.name == "fp8_block128x128" and rows % 16 == 0 and _kernel_recipe(x, r):
+        return wrap(*ops.quantize_128x128_t_fp8(x.reshape(-1, cols), rows))
     if use_kernel("quantize", x.device, ("sm_90a",), why_not):
         try:
             from .sm90 import interface
 
-            q, s, qt = interface.quantize_128x128_t(x.reshape(-1, cols), rows)
-            batch = x.shape[:-2]
-            s = s.view(*batch, -(-rows // 128), s.shape[-1])
-            t_shape = (*batch, cols, rows)
-            return (QuantizedTensor(q.view(x.shape), s, r, x.shape, x.dtype),
-                    QuantizedTensor(qt.view(t_shape), s.transpose(-1, -2).contiguous(), r, t_shape, x.dtype))
+            return wrap(*interface.quantize_128x128_t(x.reshape(-1, cols), rows))
         except Exception as err:
             kernel_failed("quantize", err)
     q = quantize(x, r, check_finite=False)

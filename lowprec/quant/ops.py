@@ -1,0 +1,135 @@
+"""torch.library custom ops for the FP8 quantize kernels, used while ``torch.compile`` traces.
+
+A CuTe DSL launch cannot go into a graph. Traced without these ops, the quantization became the
+reference ops compiled by inductor: slower than the kernels (a compiled FP8Linear step ran slower
+than bf16) and rounding ~60% of the 1x128 scales one bit differently (its division is approximate).
+These ops launch the kernels at run time. Their fake implementations give the kernels' output
+layouts (1x128 scales MN-major and TMA-aligned). Where a kernel cannot run (another arch,
+``LOWPREC_BACKEND=reference``, columns not a multiple of 16) the reference runs and its results
+are copied into those layouts, so the traced graph holds either way.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..recipes import get_recipe
+from ..runtime import kernel_failed, use_kernel
+from .layouts import empty_mn_major_tma_aligned
+from .reference import quantize_reference
+
+__all__ = ["quantize_fp8", "quantize_dual_fp8", "quantize_128x128_t_fp8"]
+
+
+def _empty_codes_and_scales(x: torch.Tensor, recipe: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Outputs of the ``recipe`` kernel for ``x`` [M, K], uninitialised, in the kernel's layouts."""
+    m, k = x.shape
+    q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
+    if recipe == "fp8_block1x128":
+        s = empty_mn_major_tma_aligned(m, -(-k // 128), x.device)
+    elif recipe == "fp8_rowwise":
+        s = torch.empty(m, 1, dtype=torch.float32, device=x.device)
+    else:
+        s = torch.empty(-(-m // 128), -(-k // 128), dtype=torch.float32, device=x.device)
+    return q, s
+
+
+def _kernel_input(x: torch.Tensor) -> torch.Tensor | None:
+    """``x`` as the kernels take it (a contiguous copy if its strides or alignment do not suit
+    them), or None where no kernel runs."""
+    from .sm90.interface import kernel_unsupported
+
+    def why_not() -> str | None:
+        return kernel_unsupported(x.contiguous())
+
+    if not use_kernel("quantize", x.device, ("sm_90a",), why_not):
+        return None
+    return x if kernel_unsupported(x) is None else x.contiguous()
+
+
+def _fill(outputs: tuple[torch.Tensor, ...], values: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    for out, value in zip(outputs, values):
+        out.copy_(value)
+    return outputs
+
+
+@torch.library.custom_op("lowprec::quantize_fp8", mutates_args=())
+def quantize_fp8(x: torch.Tensor, recipe: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` [M, K] in ``fp8_block1x128``, ``fp8_rowwise`` or ``fp8_block128x128``: (codes, scales)."""
+    xk = _kernel_input(x)
+    if xk is not None:
+        try:
+            from .sm90 import interface
+
+            kernel = {"fp8_block1x128": interface.quantize_1x128, "fp8_rowwise": interface.quantize_rowwise,
+                      "fp8_block128x128": interface.quantize_128x128}[recipe]
+            return kernel(xk)
+        except Exception as err:
+            kernel_failed("quantize", err)
+    ref = quantize_reference(x, get_recipe(recipe))
+    return _fill(_empty_codes_and_scales(x, recipe), (ref.data, ref.scale))
+
+
+@quantize_fp8.register_fake
+def _(x, recipe):
+    return _empty_codes_and_scales(x, recipe)
+
+
+def _empty_dual(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    t, k = x.shape
+    t_pad = -(-t // 16) * 16
+    q, s = _empty_codes_and_scales(x, "fp8_block1x128")
+    qt = torch.empty(k, t_pad, dtype=torch.float8_e4m3fn, device=x.device)
+    return q, s, qt, empty_mn_major_tma_aligned(k, -(-t_pad // 128), x.device)
+
+
+@torch.library.custom_op("lowprec::quantize_dual_fp8", mutates_args=())
+def quantize_dual_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """1x128 along K of ``x`` [T, K] and along T of ``x`` zero-padded to T_pad = round_up(T, 16),
+    transposed: (codes [T, K], scales, codes [K, T_pad], scales)."""
+    xk = _kernel_input(x)
+    if xk is not None:
+        try:
+            from .sm90 import interface
+
+            return interface.quantize_dual(xk)
+        except Exception as err:
+            kernel_failed("quantize", err)
+    r = get_recipe("fp8_block1x128")
+    padded = torch.nn.functional.pad(x, (0, 0, 0, -(-x.shape[0] // 16) * 16 - x.shape[0]))
+    along_k, along_t = quantize_reference(x, r), quantize_reference(padded.t(), r)
+    return _fill(_empty_dual(x), (along_k.data, along_k.scale, along_t.data, along_t.scale))
+
+
+@quantize_dual_fp8.register_fake
+def _(x):
+    return _empty_dual(x)
+
+
+def _empty_128x128_t(x: torch.Tensor, n: int) -> tuple[torch.Tensor, ...]:
+    r, k = x.shape
+    q, s = _empty_codes_and_scales(x, "fp8_block128x128")
+    return q, s, torch.empty(r // n * k, n, dtype=torch.float8_e4m3fn, device=x.device)
+
+
+@torch.library.custom_op("lowprec::quantize_128x128_t_fp8", mutates_args=())
+def quantize_128x128_t_fp8(x: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """128x128 blocks of ``x`` [R, K], a stack of R / n matrices of ``n`` rows (n % 128 == 0 when
+    R > n): (codes [R, K], scales, each matrix's transposed codes [R / n · K, n])."""
+    xk = _kernel_input(x)
+    if xk is not None:
+        try:
+            from .sm90 import interface
+
+            return interface.quantize_128x128_t(xk, n)
+        except Exception as err:
+            kernel_failed("quantize", err)
+    ref = quantize_reference(x, get_recipe("fp8_block128x128"))
+    # square blocks: the transposed matrices' codes are the codes transposed
+    codes_t = ref.data.view(-1, n, x.shape[1]).transpose(-1, -2).reshape(-1, n)
+    return _fill(_empty_128x128_t(x, n), (ref.data, ref.scale, codes_t))
+
+
+@quantize_128x128_t_fp8.register_fake
+def _(x, n):
+    return _empty_128x128_t(x, n)

@@ -1,0 +1,52 @@
+"""The quantize custom ops (what torch.compile traces): fake and real outputs agree in shape and
+layout, and their values are quantize()'s."""
+
+import pytest
+import torch
+
+import lowprec
+from lowprec.quant import ops
+
+OPCHECK_TESTS = ("test_schema", "test_faketensor", "test_aot_dispatch_dynamic")
+
+
+@pytest.mark.parametrize("recipe", ["fp8_block1x128", "fp8_rowwise", "fp8_block128x128"])
+@pytest.mark.parametrize("shape", [(200, 256), (7, 48), (128, 72)])
+def test_quantize_op(recipe, shape):
+    x = torch.randn(*shape, dtype=torch.bfloat16)
+    torch.library.opcheck(torch.ops.lowprec.quantize_fp8.default, (x, recipe), test_utils=OPCHECK_TESTS)
+    q, s = ops.quantize_fp8(x, recipe)
+    want = lowprec.quantize(x, recipe)
+    assert torch.equal(q.view(torch.uint8), want.data.view(torch.uint8)) and torch.equal(s, want.scale)
+
+
+@pytest.mark.parametrize("tokens", [200, 7, 128])
+def test_dual_op(tokens):
+    x = torch.randn(tokens, 256)
+    torch.library.opcheck(torch.ops.lowprec.quantize_dual_fp8.default, (x,), test_utils=OPCHECK_TESTS)
+    got = ops.quantize_dual_fp8(x)
+    want = lowprec.quant.quantize_dual(x)
+    for g, w in zip(got, (want[0].data, want[0].scale, want[1].data, want[1].scale)):
+        assert g.shape == w.shape and torch.equal(g.float(), w.float())
+
+
+@pytest.mark.parametrize("stack", [(256, 256), (512, 128)])
+def test_128x128_transposing_op(stack):
+    rows, n = stack  # rows / n matrices of n rows
+    x = torch.randn(rows, 192)
+    torch.library.opcheck(torch.ops.lowprec.quantize_128x128_t_fp8.default, (x, n), test_utils=OPCHECK_TESTS)
+    q, s, qt = ops.quantize_128x128_t_fp8(x, n)
+    want, want_t = lowprec.quant.quantize_with_transpose(x.view(rows // n, n, 192))
+    assert torch.equal(q.float(), want.data.reshape(rows, 192).float())
+    assert torch.equal(s, want.scale.reshape(-1, s.shape[-1]))
+    assert torch.equal(qt.float(), want_t.data.reshape(-1, n).float())
+
+
+def test_compiled_quantize_traces_the_ops_without_graph_breaks():
+    """On CPU torch.compile traces the reference (the ops are for CUDA inputs); the ops themselves
+    go into a fullgraph trace."""
+    x = torch.randn(64, 256)
+    fn = torch.compile(lambda t: ops.quantize_fp8(t, "fp8_block1x128"), fullgraph=True, backend="aot_eager")
+    q, s = fn(x)
+    want = lowprec.quantize(x, "fp8_block1x128")
+    assert torch.equal(q.float(), want.data.float()) and torch.equal(s, want.scale)
