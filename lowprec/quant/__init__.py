@@ -55,9 +55,7 @@ def quantize(x: torch.Tensor, recipe: str | ScaleRecipe, *, check_finite: bool =
         try:
             from .sm90 import interface
 
-            kernel = {"fp8_block1x128": interface.quantize_1x128, "fp8_block128x128": interface.quantize_128x128,
-                      "fp8_rowwise": interface.quantize_rowwise}[r.name]
-            return _wrap_kernel_output(x, r, *kernel(x.reshape(-1, x.shape[-1])))
+            return _wrap_kernel_output(x, r, *interface.quantize_by_recipe(x.reshape(-1, x.shape[-1]), r.name))
         except Exception as err:
             kernel_failed("quantize", err)
     return quantize_reference(x, r)
@@ -70,8 +68,7 @@ def _traced_on_cuda(x: torch.Tensor) -> bool:
 
 def _kernel_recipe(x: torch.Tensor, r: ScaleRecipe) -> bool:
     """Recipes and shapes a quantize kernel (or its custom op) handles."""
-    return (r.name in _KERNEL_RECIPES and r.scale_rounding == "exact" and x.dtype != torch.float64
-            and not (r.is_2d and x.dim() > 2 and x.shape[-2] % r.block[0]))
+    return x.dtype != torch.float64 and _recipe_unsupported(x, r) is None
 
 
 def _wrap_kernel_output(x: torch.Tensor, r: ScaleRecipe, q: torch.Tensor, s: torch.Tensor) -> QuantizedTensor:
@@ -81,11 +78,19 @@ def _wrap_kernel_output(x: torch.Tensor, r: ScaleRecipe, q: torch.Tensor, s: tor
     return QuantizedTensor(q.view(x.shape), s, r, x.shape, x.dtype)
 
 
-def _kernel_unsupported(x: torch.Tensor, r: ScaleRecipe) -> str | None:
+def _recipe_unsupported(x: torch.Tensor, r: ScaleRecipe) -> str | None:
+    """Why no quantize kernel takes this recipe and shape (None: one does), from shapes only."""
     if r.name not in _KERNEL_RECIPES or r.scale_rounding != "exact":
         return f"recipe {r.name} ({r.scale_rounding} scales) has no quantize kernel"
     if r.is_2d and x.dim() > 2 and x.shape[-2] % r.block[0]:
         return f"128x128 kernel takes a batch of matrices only when rows are a multiple of {r.block[0]}"
+    return None
+
+
+def _kernel_unsupported(x: torch.Tensor, r: ScaleRecipe) -> str | None:
+    why = _recipe_unsupported(x, r)
+    if why is not None:
+        return why
     from .sm90.interface import kernel_unsupported
 
     return kernel_unsupported(x if x.dim() == 2 else x.reshape(-1, x.shape[-1]))

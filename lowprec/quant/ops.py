@@ -39,12 +39,8 @@ def _kernel_input(x: torch.Tensor) -> torch.Tensor | None:
     them), or None where no kernel runs."""
     from .sm90.interface import kernel_unsupported
 
-    def why_not() -> str | None:
-        return kernel_unsupported(x.contiguous())
-
-    if not use_kernel("quantize", x.device, ("sm_90a",), why_not):
-        return None
-    return x if kernel_unsupported(x) is None else x.contiguous()
+    xk = x if kernel_unsupported(x) is None else x.contiguous()
+    return xk if use_kernel("quantize", x.device, ("sm_90a",), lambda: kernel_unsupported(xk)) else None
 
 
 def _fill(outputs: tuple[torch.Tensor, ...], values: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
@@ -61,9 +57,7 @@ def quantize_fp8(x: torch.Tensor, recipe: str) -> tuple[torch.Tensor, torch.Tens
         try:
             from .sm90 import interface
 
-            kernel = {"fp8_block1x128": interface.quantize_1x128, "fp8_rowwise": interface.quantize_rowwise,
-                      "fp8_block128x128": interface.quantize_128x128}[recipe]
-            return kernel(xk)
+            return interface.quantize_by_recipe(xk, recipe)
         except Exception as err:
             kernel_failed("quantize", err)
     ref = quantize_reference(x, get_recipe(recipe))

@@ -156,6 +156,13 @@ def quantize_128x128(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, s
 
 
+def quantize_by_recipe(x: torch.Tensor, recipe: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` [M, K] in ``fp8_block1x128``, ``fp8_rowwise`` or ``fp8_block128x128``: (codes, scales)."""
+    kernel = {"fp8_block1x128": quantize_1x128, "fp8_rowwise": quantize_rowwise,
+              "fp8_block128x128": quantize_128x128}[recipe]
+    return kernel(x)
+
+
 def quantize_128x128_t(x: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``x`` [R, K], a stack of R / n matrices of ``n`` rows -> (FP8 [R, K], FP32 scales
     [ceil(R/128), ceil(K/128)] row-major, FP8 [R / n · K, n]: each matrix's transposed codes).
