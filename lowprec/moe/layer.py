@@ -309,7 +309,6 @@ def _apply_experts(x: torch.Tensor, routing: Routing, w1: torch.Tensor | Quantiz
                                   for_backward)
 
 
-@eager_under_compile
 def experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w1: torch.Tensor | QuantizedTensor,
             w2: torch.Tensor | QuantizedTensor, *, recipe: str | None = "fp8_block",
             capacity_factor: float | None = None, drop_policy: str = "probs", activation: str = "swiglu",
@@ -339,7 +338,22 @@ def experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
 
     Returns:
         ``[T, H]`` in ``x``'s dtype; tokens whose slots were all dropped give 0.
+
+    Under ``torch.compile`` a call that needs no gradient is traced as one custom op
+    (``lowprec::moe_experts``: no graph break, CUDA-graph capturable with ``check_ids=False``);
+    one that needs gradients runs eagerly on CUDA (a graph break).
     """
+    _check_experts_args(x, topk_weights, topk_ids, w1, w2, recipe, activation)
+    if torch.compiler.is_compiling() and not _needs_grad(x, topk_weights, w1, w2):
+        from .ops import moe_experts
+
+        return moe_experts(x, topk_weights, topk_ids, *_op_weights(w1, w2), recipe, capacity_factor, drop_policy,
+                           activation, check_ids)
+    return _dispatch_and_apply(x, topk_weights, topk_ids, w1, w2, recipe, capacity_factor, drop_policy, activation,
+                               check_ids)
+
+
+def _check_experts_args(x, topk_weights, topk_ids, w1, w2, recipe: str | None, activation: str) -> None:
     _check_float("x", x, 2, _X_DTYPES)
     _check_weights(w1, w2, recipe)
     tokens, hidden = x.shape
@@ -354,9 +368,25 @@ def experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
     if isinstance(topk_ids, torch.Tensor) and topk_ids.dim() == 2 and topk_ids.shape[0] != tokens:
         raise ValueError(f"topk_ids: expected [T={tokens}, k], got {tuple(topk_ids.shape)}")
     _check_options(recipe, activation, hidden, two_ffn // 2)
-    routing = dispatch(topk_weights, topk_ids, num_experts, capacity_factor=capacity_factor, drop_policy=drop_policy,
+
+
+def _needs_grad(*tensors) -> bool:
+    return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
+
+
+@eager_under_compile
+def _dispatch_and_apply(x, topk_weights, topk_ids, w1, w2, recipe, capacity_factor, drop_policy, activation,
+                        check_ids) -> torch.Tensor:
+    routing = dispatch(topk_weights, topk_ids, w1.shape[0], capacity_factor=capacity_factor, drop_policy=drop_policy,
                        check_ids=check_ids)
     return _apply_experts(x, routing, w1, w2, recipe, activation)
+
+
+def _op_weights(w1, w2) -> tuple:
+    """``(w1, w1_scale, w2, w2_scale)`` as the custom ops take them (scales None for float weights)."""
+    if isinstance(w1, QuantizedTensor):
+        return w1.data, w1.scale, w2.data, w2.scale
+    return w1, None, w2, None
 
 
 class MoE(nn.Module):
@@ -377,7 +407,10 @@ class MoE(nn.Module):
     ``w1`` ``[E, 2F, H]`` (gate rows, then up rows) and ``w2`` ``[E, H, F]``; FP8 copies of the
     weights are made each forward (once per :func:`lowprec.nn.reuse_quantized_weights` block,
     e.g. over the micro-batches of a step), the parameters keep their dtype. Under
-    ``torch.compile`` with CUDA inputs the layer runs eagerly (a graph break), on its kernels.
+    ``torch.compile`` a forward without gradients (inference, evaluation) is one custom op
+    (:mod:`lowprec.moe.ops`: ``fullgraph=True`` holds, ``mode="reduce-overhead"`` captures it into
+    CUDA graphs); with gradients to come, on CUDA, the layer runs eagerly on its kernels (a graph
+    break).
     """
 
     def __init__(self, hidden_size: int, ffn_size: int, num_experts: int, top_k: int,
@@ -430,20 +463,34 @@ def _set_config(module: nn.Module, hidden_size: int, ffn_size: int, num_experts:
     module.activation, module.score_func, module.renormalize = activation, score_func, renormalize
 
 
-@eager_under_compile
 def _route_and_apply(module: MoE | FP8InferenceMoE, x: torch.Tensor, w1, w2, recipe: str | None,
                      return_routing: bool) -> torch.Tensor | tuple[torch.Tensor, Routing]:
-    """The MoE modules' forward: router in FP32, top-k routing, then the routed experts."""
+    """The MoE modules' forward: router in FP32, top-k routing, then the routed experts. Traced by
+    torch.compile without a gradient to come, all of it is the ``lowprec::moe_layer`` op (the
+    eager result bit for bit); otherwise it runs eagerly on CUDA (a graph break)."""
     if not isinstance(x, torch.Tensor) or x.dtype not in _X_DTYPES or x.dim() < 1 \
             or x.shape[-1] != module.hidden_size:
         raise ValueError(f"x: expected a float32/bfloat16/float16 tensor [..., H={module.hidden_size}], got "
                          f"{getattr(x, 'dtype', type(x))} {tuple(getattr(x, 'shape', ()))}")
+    config = (module.top_k, module.score_func, module.renormalize, module.capacity_factor, module.drop_policy,
+              module.activation)
     tokens = x.reshape(-1, module.hidden_size)
-    logits = F.linear(tokens.float(), module.router.weight.float())
-    routing = route(logits, module.top_k, score_func=module.score_func, renormalize=module.renormalize,
-                    capacity_factor=module.capacity_factor, drop_policy=module.drop_policy)
-    y = _apply_experts(tokens, routing, w1, w2, recipe, module.activation).reshape(x.shape)
-    return (y, routing) if return_routing else y
+    if torch.compiler.is_compiling() and not return_routing and not _needs_grad(x, module.router.weight, w1, w2):
+        from .ops import moe_layer
+
+        return moe_layer(tokens, module.router.weight, *_op_weights(w1, w2), recipe, *config).reshape(x.shape)
+    y, routing = _route_and_apply_eager(tokens, module.router.weight, w1, w2, recipe, *config)
+    return (y.reshape(x.shape), routing) if return_routing else y.reshape(x.shape)
+
+
+@eager_under_compile
+def _route_and_apply_eager(tokens: torch.Tensor, router_weight: torch.Tensor, w1, w2, recipe: str | None, top_k: int,
+                           score_func: str, renormalize: bool, capacity_factor: float | None, drop_policy: str,
+                           activation: str) -> tuple[torch.Tensor, Routing]:
+    logits = F.linear(tokens.float(), router_weight.float())
+    routing = route(logits, top_k, score_func=score_func, renormalize=renormalize, capacity_factor=capacity_factor,
+                    drop_policy=drop_policy)
+    return _apply_experts(tokens, routing, w1, w2, recipe, activation), routing
 
 
 class FP8InferenceMoE(nn.Module):

@@ -4,8 +4,9 @@
 arch, else reference), ``reference`` (always the reference), ``kernel`` (a kernel or an error:
 for testing kernels, never silently the reference). Code traced by ``torch.compile`` always
 takes the reference ops (a graph cannot hold a CuTe DSL launch): the GEMM and the FP8
-quantizations are ``torch.library`` custom ops that launch their kernels at run time, and the MoE
-ops run eagerly on CUDA (:func:`eager_under_compile`).
+quantizations are ``torch.library`` custom ops that launch their kernels at run time, an MoE
+layer without gradients is one custom op (``lowprec.moe.ops``), and the other MoE ops run eagerly
+on CUDA (:func:`eager_under_compile`).
 """
 
 from __future__ import annotations

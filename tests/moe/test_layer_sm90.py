@@ -132,3 +132,25 @@ def test_moe_under_torch_compile_runs_its_kernels(monkeypatch):
     infer = FP8InferenceMoE.from_moe(layer)
     with torch.no_grad():
         assert torch.equal(torch.compile(infer)(x), infer(x))
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("inference", [False, True], ids=["MoE", "FP8InferenceMoE"])
+def test_inference_step_compiles_whole_into_cuda_graphs(inference, monkeypatch):
+    """Without a gradient to come the layer is one custom op under torch.compile: the whole step
+    compiles (fullgraph) and is captured into CUDA graphs (reduce-overhead), on the kernels
+    (LOWPREC_BACKEND=kernel), with the eager result for every new batch of tokens."""
+    from lowprec.moe import FP8InferenceMoE, MoE
+
+    monkeypatch.setenv("LOWPREC_BACKEND", "kernel")
+    torch.manual_seed(0)
+    layer = MoE(256, 256, 8, 2, capacity_factor=1.0, device="cuda", dtype=torch.bfloat16)
+    if inference:
+        layer = FP8InferenceMoE.from_moe(layer)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256, device="cuda", dtype=torch.bfloat16), layer)
+    compiled = torch.compile(model, fullgraph=True, mode="reduce-overhead")
+    with torch.no_grad():
+        for step in range(4):
+            x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16)
+            assert torch.equal(compiled(x).clone(), model(x)), step

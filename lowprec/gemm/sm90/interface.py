@@ -240,8 +240,6 @@ def compile_only(
 
 
 # ----------------------------------------------------------------------------- launch
-_dummy_bias: dict[torch.device, torch.Tensor] = {}
-_dummy_groups: dict[torch.device, torch.Tensor] = {}
 
 
 def _check(cond: bool, msg):
@@ -399,18 +397,15 @@ def gemm_blockwise_fp8(
     return d
 
 
+# Placeholders for the kernel arguments a config does not read (the group ends of a dense GEMM,
+# the bias of one without). Allocated per call, not cached: a cached device tensor first made
+# while torch.compile's CUDA graphs warm up would live untracked in their memory pool.
 def _dummy_group(device) -> torch.Tensor:
-    t = _dummy_groups.get(device)
-    if t is None:
-        t = _dummy_groups[device] = torch.zeros(1, dtype=torch.int32, device=device)
-    return t
+    return torch.empty(1, dtype=torch.int32, device=device)
 
 
 def _dummy(device) -> torch.Tensor:
-    t = _dummy_bias.get(device)
-    if t is None:
-        t = _dummy_bias[device] = torch.zeros(16, dtype=torch.float32, device=device)
-    return t
+    return torch.empty(16, dtype=torch.float32, device=device)
 
 
 def _split_ok(k_tiles: int, split: int) -> bool:
