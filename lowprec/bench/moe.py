@@ -28,14 +28,21 @@ missing from the installed torch) is reported as n/a with the reason.
 ``--sustained S`` also runs each GEMM back to back for S seconds: TFLOPS with the chip at its
 power cap, with the SM clock and power ``nvidia-smi`` reads meanwhile.
 
+``--decode T1,T2,...`` instead times inference steps of the whole layer (router included, no
+gradients) at those token counts, per config (its T unused): ``FP8InferenceMoE`` eager and under
+``torch.compile(fullgraph=True, mode="reduce-overhead")`` (one custom op, captured into CUDA
+graphs) vs the bf16 MoE eager and replayed from a CUDA graph; host synced before each call, so
+host time counts. Saved under ``moe_decode``.
+
     python -m lowprec bench moe [--quick] [--configs E,H,F,k,T;...] [--routings balanced,skewed]
-                                [--sustained S]
+                                [--sustained S] [--decode T1,T2,...]
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import math
 import statistics
 import time
@@ -45,11 +52,11 @@ import torch.nn.functional as F
 
 from ..gemm import grouped_gemm
 from ..metrics import rel_l2
-from ..moe import Routing, dispatch, experts, gather_rows, pack, unpack
+from ..moe import FP8InferenceMoE, MoE, Routing, dispatch, experts, gather_rows, pack, select_experts, unpack
 from ..nn import reuse_quantized_weights
 from ..quant import quantize
 from ..tensor import QuantizedTensor
-from .common import bench_ms, print_table, save_results, sustained
+from .common import bench_ms, cuda_graph_replay, print_table, save_results, sustained
 
 # (E, H, F, k, T): Mixtral-8x7B, DeepSeek-V3, Qwen3-30B-A3B-like expert shapes
 CONFIGS = [(8, 4096, 14336, 2, 4096), (64, 7168, 2048, 8, 4096), (128, 2048, 768, 8, 8192)]
@@ -83,6 +90,16 @@ def _routings(text: str) -> tuple[str, ...]:
     return names
 
 
+def _token_counts(text: str) -> tuple[int, ...]:
+    try:
+        counts = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        counts = ()
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"expected comma-separated token counts ≥ 1, got {text!r}")
+    return counts
+
+
 def _positive(text: str) -> float:
     try:
         value = float(text)
@@ -108,6 +125,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="rough time per measurement: slow calls get fewer repetitions (5 to 50)")
     p.add_argument("--sustained", type=_positive, default=None, metavar="SECONDS",
                    help="also run each GEMM back to back this long: TFLOPS, SM clock and power at the power cap")
+    p.add_argument("--decode", type=_token_counts, default=None, metavar="T1,T2,...",
+                   help="time inference steps of the layer at these token counts instead (module docstring)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="results JSON (default benchmarks/results/<gpu>.json)")
     args = p.parse_args(argv)
@@ -332,6 +351,8 @@ def _ratio(peer_ms: float, ms: float) -> float:
 def run(args: argparse.Namespace) -> dict:
     if not torch.cuda.is_available():
         raise SystemExit("bench moe needs a CUDA GPU (none is visible to torch)")
+    if args.decode:
+        return run_decode(args)
     gen = torch.Generator(device="cuda").manual_seed(args.seed)
     dev = torch.cuda.get_device_name()
     print(f"# {dev}, torch {torch.__version__}; capacity_factor {args.capacity_factor} (None: dropless)")
@@ -416,6 +437,69 @@ def run(args: argparse.Namespace) -> dict:
                           "interleaved rounds; gemm *.sustained: back to back for --sustained s; random data"),
                "rows": records, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     path = save_results("moe", payload, args.out)
+    print(f"saved {path}")
+    return payload
+
+
+def bf16_layer(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, w1: torch.Tensor,
+               w2: torch.Tensor) -> torch.Tensor:
+    """The bf16 MoE layer of the decode table: the modules' FP32 router and top-k, then :func:`bf16_experts`."""
+    weights, ids = select_experts(F.linear(x.float(), router_weight.float()), top_k)
+    return bf16_experts(x, weights, ids, w1, w2)
+
+
+def run_decode(args: argparse.Namespace) -> dict:
+    dev = torch.cuda.get_device_name()
+    print(f"# {dev}, torch {torch.__version__}; decode steps, tokens {args.decode}")
+    torch.manual_seed(args.seed)
+    rows, records = [], []
+    for num_experts, hidden, ffn, top_k, _ in args.configs:
+        moe = MoE(hidden, ffn, num_experts, top_k, device="cuda", dtype=torch.bfloat16)
+        layer = FP8InferenceMoE.from_moe(moe)
+        compiled = torch.compile(layer, fullgraph=True, mode="reduce-overhead")
+        name = f"E{num_experts} H{hidden} F{ffn} k{top_k}"
+        for tokens in args.decode:
+            x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+            failures: dict[str, str] = {}
+            with torch.no_grad():
+                bf16 = functools.partial(bf16_layer, x, moe.router.weight, top_k, moe.w1, moe.w2)
+                calls = {"fp8_eager": functools.partial(layer, x), "fp8_compiled": functools.partial(compiled, x),
+                         "bf16_eager": bf16}
+                try:
+                    calls["bf16_graph"] = cuda_graph_replay(bf16)
+                except Exception as err:  # noqa: BLE001 - reported as n/a
+                    failures["bf16_graph"] = f"{type(err).__name__}: {err}"
+                ms = {n: _measure(f"decode {n}", fn, args.budget_ms, failures)[0] for n, fn in calls.items()}
+                queued = {n: _queued(fn, ms[n]) for n, fn in calls.items()}
+                same = torch.equal(compiled(x).clone(), layer(x)) if not failures else None
+            ms.setdefault("bf16_graph", math.nan)
+            queued.setdefault("bf16_graph", math.nan)
+            record = {"E": num_experts, "H": hidden, "F": ffn, "top_k": top_k, "T": tokens, "ms": ms,
+                      "queued_ms": queued, "compiled_equals_eager": same,
+                      "speedup_compiled_vs_bf16_graph": _ratio(ms["bf16_graph"], ms["fp8_compiled"]),
+                      "speedup_compiled_vs_bf16_graph_queued": _ratio(queued["bf16_graph"], queued["fp8_compiled"]),
+                      "failures": failures}
+            records.append(record)
+            rows.append([name, tokens, ms["fp8_eager"], ms["fp8_compiled"], ms["bf16_eager"], ms["bf16_graph"],
+                         queued["fp8_compiled"], queued["bf16_graph"], _ratio(ms["bf16_eager"], ms["fp8_eager"]),
+                         record["speedup_compiled_vs_bf16_graph"], record["speedup_compiled_vs_bf16_graph_queued"],
+                         same])
+            for what, why in failures.items():
+                print(f"# {name} T{tokens}: {what} n/a ({why})")
+        del moe, layer, compiled
+        torch.cuda.empty_cache()
+    print("\nMoE layer inference step (router included, no grad), ms: lowprec FP8InferenceMoE eager and "
+          "compiled (fullgraph, reduce-overhead: CUDA graphs) vs the bf16 MoE on torch._grouped_mm eager and "
+          "replayed from a CUDA graph; host synced before each call, 'q': queued (no host sync between calls, "
+          "as the layers of a model step); x = bf16 ms / lowprec ms (eager / eager, compiled / graph)")
+    print_table(["config", "T", "fp8 eager", "fp8 compiled", "bf16 eager", "bf16 graph", "fp8 compiled q",
+                 "bf16 graph q", "x eager", "x compiled", "x compiled q", "compiled == eager"],
+                [[_cell(c) for c in r] for r in rows])
+    payload = {"device": dev, "torch": torch.__version__, "rows": records,
+               "timing": ("bench_ms median, L2 flushed before every call; ms: host synced before each call, "
+                          "queued_ms: no sync between calls; random data"),
+               "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    path = save_results("moe_decode", payload, args.out)
     print(f"saved {path}")
     return payload
 

@@ -23,6 +23,7 @@ def test_registered_and_parses():
     assert args.configs == [(4, 256, 128, 2, 64), (8, 512, 256, 1, 32)]
     assert args.routings == ("skewed",) and args.capacity_factor == 1.25 and args.zipf == 2.0 and args.no_layer
     assert args.sustained is None and bench.parse_args(["--sustained", "4"]).sustained == 4.0
+    assert args.decode is None and bench.parse_args(["--decode", "1,32"]).decode == (1, 32)
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -33,6 +34,8 @@ def test_registered_and_parses():
     (["--capacity-factor", "0"], "number > 0"),
     (["--zipf", "nan"], "number > 0"),
     (["--sustained", "0"], "number > 0"),
+    (["--decode", "0,8"], "token counts ≥ 1"),
+    (["--decode", "1,a"], "token counts ≥ 1"),
 ])
 def test_bad_arguments_name_the_option(argv, message, capsys):
     with pytest.raises(SystemExit):
@@ -138,3 +141,15 @@ def test_sustained_needs_a_positive_duration():
 
     with pytest.raises(ValueError, match="seconds"):
         sustained(lambda: None, 0)
+
+
+def test_decode_bf16_layer_is_the_unquantized_moe_layer():
+    """The decode table's bf16 baseline is the MoE module's computation with recipe None."""
+    from lowprec.moe import MoE
+
+    torch.manual_seed(3)
+    moe = MoE(32, 24, 4, 2, recipe=None, dtype=torch.bfloat16)
+    x = torch.randn(16, 32).bfloat16()
+    with torch.no_grad():
+        out = bench.bf16_layer(x, moe.router.weight, 2, moe.w1, moe.w2)
+        torch.testing.assert_close(out.float(), moe(x).float(), rtol=0.02, atol=0.02)
