@@ -195,9 +195,8 @@ class _ExpertsFunction(torch.autograd.Function):
                 for_backward: bool):
         dt = x.dtype
         ends = routing.group_ends
-        # the combine weight of each packed row (0 on padding rows)
-        row_w = torch.where(routing.row_slots >= 0, topk_weights.reshape(-1).float()[routing.row_slots.clamp(min=0)],
-                            0.0)
+        # the combine weight of each packed row: padding rows (slot -1) index the 0 appended last
+        row_w = F.pad(topk_weights.reshape(-1).float(), (0, 1))[routing.row_slots]
         if quantized:
             x_rows, xq, _ = pack_tokens(x, routing, _ACT_RECIPE)
             # the backward multiplies by the transposed weights only: keep those
