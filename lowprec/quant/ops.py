@@ -34,13 +34,20 @@ def _empty_codes_and_scales(x: torch.Tensor, recipe: str) -> tuple[torch.Tensor,
     return q, s
 
 
-def _kernel_input(x: torch.Tensor) -> torch.Tensor | None:
-    """``x`` as the kernels take it (a contiguous copy if its strides or alignment do not suit
-    them), or None where no kernel runs."""
-    from .sm90.interface import kernel_unsupported
+def _on_kernel(x: torch.Tensor, launch):
+    """``launch(interface, xk)`` with the Hopper quantize interface and ``x`` as the kernels take
+    it (a contiguous copy if its strides or alignment do not suit them), or None where the
+    reference must run (no kernel for these inputs, or the kernel failed in ``auto`` mode)."""
+    from .sm90 import interface
 
-    xk = x if kernel_unsupported(x) is None else x.contiguous()
-    return xk if use_kernel("quantize", x.device, ("sm_90a",), lambda: kernel_unsupported(xk)) else None
+    xk = x if interface.kernel_unsupported(x) is None else x.contiguous()
+    if not use_kernel("quantize", x.device, ("sm_90a",), lambda: interface.kernel_unsupported(xk)):
+        return None
+    try:
+        return launch(interface, xk)
+    except Exception as err:
+        kernel_failed("quantize", err)
+    return None
 
 
 def _fill(outputs: tuple[torch.Tensor, ...], values: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
@@ -52,14 +59,9 @@ def _fill(outputs: tuple[torch.Tensor, ...], values: tuple[torch.Tensor, ...]) -
 @torch.library.custom_op("lowprec::quantize_fp8", mutates_args=())
 def quantize_fp8(x: torch.Tensor, recipe: str) -> tuple[torch.Tensor, torch.Tensor]:
     """``x`` [M, K] in ``fp8_block1x128``, ``fp8_rowwise`` or ``fp8_block128x128``: (codes, scales)."""
-    xk = _kernel_input(x)
-    if xk is not None:
-        try:
-            from .sm90 import interface
-
-            return interface.quantize_by_recipe(xk, recipe)
-        except Exception as err:
-            kernel_failed("quantize", err)
+    out = _on_kernel(x, lambda iface, xk: iface.quantize_by_recipe(xk, recipe))
+    if out is not None:
+        return out
     ref = quantize_reference(x, get_recipe(recipe))
     return _fill(_empty_codes_and_scales(x, recipe), (ref.data, ref.scale))
 
@@ -81,14 +83,9 @@ def _empty_dual(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
 def quantize_dual_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """1x128 along K of ``x`` [T, K] and along T of ``x`` zero-padded to T_pad = round_up(T, 16),
     transposed: (codes [T, K], scales, codes [K, T_pad], scales)."""
-    xk = _kernel_input(x)
-    if xk is not None:
-        try:
-            from .sm90 import interface
-
-            return interface.quantize_dual(xk)
-        except Exception as err:
-            kernel_failed("quantize", err)
+    out = _on_kernel(x, lambda iface, xk: iface.quantize_dual(xk))
+    if out is not None:
+        return out
     r = get_recipe("fp8_block1x128")
     padded = torch.nn.functional.pad(x, (0, 0, 0, -(-x.shape[0] // 16) * 16 - x.shape[0]))
     along_k, along_t = quantize_reference(x, r), quantize_reference(padded.t(), r)
@@ -110,14 +107,9 @@ def _empty_128x128_t(x: torch.Tensor, n: int) -> tuple[torch.Tensor, ...]:
 def quantize_128x128_t_fp8(x: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """128x128 blocks of ``x`` [R, K], a stack of R / n matrices of ``n`` rows (n % 128 == 0 when
     R > n): (codes [R, K], scales, each matrix's transposed codes [R / n · K, n])."""
-    xk = _kernel_input(x)
-    if xk is not None:
-        try:
-            from .sm90 import interface
-
-            return interface.quantize_128x128_t(xk, n)
-        except Exception as err:
-            kernel_failed("quantize", err)
+    out = _on_kernel(x, lambda iface, xk: iface.quantize_128x128_t(xk, n))
+    if out is not None:
+        return out
     ref = quantize_reference(x, get_recipe("fp8_block128x128"))
     # square blocks: the transposed matrices' codes are the codes transposed
     codes_t = ref.data.view(-1, n, x.shape[1]).transpose(-1, -2).reshape(-1, n)
