@@ -42,7 +42,16 @@ from ..recipes import get_recipe
 from ..runtime import eager_under_compile, kernel_failed, use_kernel
 from ..tensor import QuantizedTensor
 from .packing import gather_rows, pack, pack_tokens, unpack
-from .routing import DROP_POLICIES, SCORE_FUNCS, Routing, _check_capacity_factor, _check_top_k, dispatch, route
+from .routing import (
+    DROP_POLICIES,
+    SCORE_FUNCS,
+    Routing,
+    _check_capacity_factor,
+    _check_top_k,
+    dispatch,
+    route,
+    select_experts,
+)
 from .wgrad import grouped_gemm_wgrad, quantize_k_grouped
 
 __all__ = ["MoE", "FP8InferenceMoE", "experts", "ACTIVATIONS", "RECIPES"]
@@ -51,6 +60,7 @@ RECIPES = ("fp8_block", None)
 _ACT_RECIPE = "fp8_block1x128"
 _WEIGHT_RECIPE = "fp8_block128x128"
 _GATES = {"swiglu": F.silu, "geglu": F.gelu}
+_GATE_GRADS = {"swiglu": torch.ops.aten.silu_backward, "geglu": torch.ops.aten.gelu_backward}
 ACTIVATIONS = tuple(_GATES)
 _X_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -110,11 +120,12 @@ def _activation_backward(name: str, h: torch.Tensor | QuantizedTensor, da: torch
         except Exception as err:
             kernel_failed("swiglu_backward", err)
     h = h.dequantize(torch.float32) if quantized else h.float()
-    with torch.enable_grad():
-        h = h.detach().requires_grad_()
-        s = _activation(name, h)
-    (dh,) = torch.autograd.grad(s, h, da * row_w[:, None])
-    s = s.detach()
+    gate, up = h.chunk(2, dim=-1)
+    gated = _GATES[name](gate)
+    s = gated * up
+    # the ops autograd would run, called directly: custom ops (torch.compile) run below autograd
+    ds = da * row_w[:, None]
+    dh = torch.cat([_GATE_GRADS[name](ds * up, gate), ds * gated], dim=-1)
     dh_q = quantize(dh, _ACT_RECIPE, check_finite=False) if quantized else None
     return dh, dh_q, s * row_w[:, None], (da * s).sum(dim=-1)
 
@@ -187,81 +198,104 @@ def _unflatten(tensors: tuple[torch.Tensor, ...], specs: list) -> list[torch.Ten
     return items
 
 
+def _prepare_weights(w1, w2, quantized: bool, for_backward: bool) -> tuple:
+    """``(w1, w2)`` as the forward GEMMs take them and ``(w1ᵀ, w2ᵀ)`` as the backward's (None
+    without a backward to come): FP8 128x128 when ``quantized``, else the float weights as given."""
+    if not quantized:
+        return w1, w2, w1, w2
+    if isinstance(w1, QuantizedTensor):  # FP8 weights given (inference): used as they are
+        return w1, w2, *((w1.transpose(), w2.transpose()) if for_backward else (None, None))
+    w1q, w1t = quantize_weight(w1, _WEIGHT_RECIPE, with_transpose=for_backward)
+    w2q, w2t = quantize_weight(w2, _WEIGHT_RECIPE, with_transpose=for_backward)
+    return w1q, w2q, w1t, w2t
+
+
+def _forward_core(x, topk_weights, w1, w2, routing: Routing, quantized: bool, activation: str) -> tuple:
+    """The experts' forward with prepared weights: ``(y, x_saved, h_saved, row_w)``, the last three
+    what the backward needs (FP8 1x128 ``x`` and ``h`` when ``quantized``, else ``x`` and ``h``)."""
+    dt = x.dtype
+    ends = routing.group_ends
+    # the combine weight of each packed row: padding rows (slot -1) index the 0 appended last
+    row_w = F.pad(topk_weights.detach().reshape(-1).float(), (0, 1))[routing.row_slots]
+    if quantized:
+        x_rows, x_saved, _ = pack_tokens(x, routing, _ACT_RECIPE)
+        h = grouped_gemm(x_rows, w1, group_ends=ends, out_dtype=dt)
+        a, h_saved = _quantized_activation(activation, h, row_w)
+        o = grouped_gemm(a, w2, group_ends=ends, out_dtype=dt)
+    else:
+        x_saved = x
+        h_saved = grouped_mm_rows(gather_rows(x, routing), w1.to(dt), ends)
+        a = (_activation(activation, h_saved.float()) * row_w[:, None]).to(dt)
+        o = grouped_mm_rows(a, w2.to(dt), ends)
+    return unpack(o, routing, out_dtype=dt), x_saved, h_saved, row_w
+
+
+def _backward_core(dy, routing: Routing, x, h, w1, w2, row_w, quantized: bool, activation: str, dtypes: tuple,
+                   needs: tuple) -> tuple:
+    """``(dx, dtopk_weights, dw1, dw2)`` (None where ``needs`` is False) from what
+    :func:`_forward_core` saved, ``w1``/``w2`` the backward's weights (:func:`_prepare_weights`);
+    ``dtypes``: ``(x, topk_weights, w1, w2)`` dtypes."""
+    ends = routing.group_ends
+    dt, weights_dtype, w1_dtype, w2_dtype = dtypes
+    need_x, need_weights, need_w1, need_w2 = needs
+    if quantized:
+        da = grouped_gemm(pack(dy, routing, _ACT_RECIPE)[0], w2, group_ends=ends,  # w2: quantized w2ᵀ
+                          out_dtype=torch.float32)
+    else:
+        da = grouped_mm_rows(gather_rows(dy, routing), w2.to(dt).transpose(-1, -2), ends).float()
+    dh, dh_q, a, d_row_w = _activation_backward(activation, h, da, row_w, quantized)
+
+    dx = dweights = dw1 = dw2 = None
+    if need_weights:
+        dweights = torch.where(routing.kept, d_row_w[routing.slot_rows.clamp(min=0)], 0.0).to(weights_dtype)
+    if need_x:
+        if quantized:
+            dx_rows = grouped_gemm(dh_q, w1, group_ends=ends, out_dtype=dt)  # w1: quantized w1ᵀ
+        else:
+            dx_rows = grouped_mm_rows(dh.to(dt), w1.to(dt).transpose(-1, -2), ends)
+        dx = unpack(dx_rows, routing, out_dtype=dt)
+    if quantized and (need_w1 or need_w2):
+        # the token-level dy and x are read through the packed rows' token map, not gathered
+        token_of_row = torch.where(routing.row_slots >= 0, routing.row_slots // routing.top_k, -1)
+    if need_w2:
+        if quantized:
+            dw2 = _wgrad(dy, a, ends, True, dt, w2_dtype, dy_index=token_of_row)
+        else:
+            dw2 = _wgrad(gather_rows(dy, routing), a, ends, False, dt, w2_dtype)
+        dw2 = dw2.to(w2_dtype)
+    if need_w1:
+        if quantized:  # FP8 along features -> FP8 along tokens (DeepSeek-V3 requantizes the same way)
+            dw1 = _wgrad(dh, x.dequantize(torch.float32), ends, True, dt, w1_dtype, x_index=token_of_row)
+        else:
+            dw1 = _wgrad(dh, gather_rows(x, routing), ends, False, dt, w1_dtype)
+        dw1 = dw1.to(w1_dtype)
+    return dx, dweights, dw1, dw2
+
+
 class _ExpertsFunction(torch.autograd.Function):
     """``y = experts(x)`` for a fixed routing; gradients for x, the combine weights, w1 and w2."""
 
     @staticmethod
     def forward(ctx, x, topk_weights, w1, w2, routing: Routing, quantized: bool, activation: str,
                 for_backward: bool):
-        dt = x.dtype
-        ends = routing.group_ends
-        # the combine weight of each packed row: padding rows (slot -1) index the 0 appended last
-        row_w = F.pad(topk_weights.reshape(-1).float(), (0, 1))[routing.row_slots]
-        if quantized:
-            x_rows, xq, _ = pack_tokens(x, routing, _ACT_RECIPE)
-            # the backward multiplies by the transposed weights only: keep those
-            if isinstance(w1, QuantizedTensor):  # FP8 weights given (inference): used as they are
-                w1q, w2q = w1, w2
-                w1t, w2t = (w1.transpose(), w2.transpose()) if for_backward else (w1, w2)
-            else:  # without a backward to come, no transposes to make
-                w1q, w1t = quantize_weight(w1, _WEIGHT_RECIPE, with_transpose=for_backward)
-                w2q, w2t = quantize_weight(w2, _WEIGHT_RECIPE, with_transpose=for_backward)
-            h = grouped_gemm(x_rows, w1q, group_ends=ends, out_dtype=dt)
-            a, hq = _quantized_activation(activation, h, row_w)
-            o = grouped_gemm(a, w2q, group_ends=ends, out_dtype=dt)
-            saved = (xq, hq, w1q if w1t is None else w1t, w2q if w2t is None else w2t)
-        else:
-            h = grouped_mm_rows(gather_rows(x, routing), w1.to(dt), ends)
-            a = (_activation(activation, h.float()) * row_w[:, None]).to(dt)
-            o = grouped_mm_rows(a, w2.to(dt), ends)
-            saved = (x, h, w1, w2)
-        tensors, ctx.specs = _flatten(*saved, row_w)
+        w1f, w2f, w1b, w2b = _prepare_weights(w1, w2, quantized, for_backward)
+        y, x_saved, h_saved, row_w = _forward_core(x, topk_weights, w1f, w2f, routing, quantized, activation)
+        # the backward multiplies by the transposed weights only: keep those
+        tensors, ctx.specs = _flatten(x_saved, h_saved, w1f if w1b is None else w1b, w2f if w2b is None else w2b,
+                                      row_w)
         ctx.save_for_backward(*tensors)
         # index tensors only: the router's autograd graph must not live on in this node
         ctx.routing = dataclasses.replace(routing, topk_weights=routing.topk_weights.detach())
         ctx.quantized, ctx.activation = quantized, activation
-        ctx.dtypes = (dt, topk_weights.dtype, w1.dtype, w2.dtype)
-        return unpack(o, routing, out_dtype=dt)
+        ctx.dtypes = (x.dtype, topk_weights.dtype, w1.dtype, w2.dtype)
+        return y
 
     @staticmethod
     def backward(ctx, dy):
-        routing, quantized = ctx.routing, ctx.quantized
-        ends = routing.group_ends
         x, h, w1, w2, row_w = _unflatten(ctx.saved_tensors, ctx.specs)
-        dt, weights_dtype, w1_dtype, w2_dtype = ctx.dtypes
-        need_x, need_weights, need_w1, need_w2 = ctx.needs_input_grad[:4]
-        if quantized:
-            da = grouped_gemm(pack(dy, routing, _ACT_RECIPE)[0], w2, group_ends=ends,  # w2: quantized w2ᵀ
-                              out_dtype=torch.float32)
-        else:
-            da = grouped_mm_rows(gather_rows(dy, routing), w2.to(dt).transpose(-1, -2), ends).float()
-        dh, dh_q, a, d_row_w = _activation_backward(ctx.activation, h, da, row_w, quantized)
-
-        dx = dweights = dw1 = dw2 = None
-        if need_weights:
-            dweights = torch.where(routing.kept, d_row_w[routing.slot_rows.clamp(min=0)], 0.0).to(weights_dtype)
-        if need_x:
-            if quantized:
-                dx_rows = grouped_gemm(dh_q, w1, group_ends=ends, out_dtype=dt)  # w1: quantized w1ᵀ
-            else:
-                dx_rows = grouped_mm_rows(dh.to(dt), w1.to(dt).transpose(-1, -2), ends)
-            dx = unpack(dx_rows, routing, out_dtype=dt)
-        if quantized and (need_w1 or need_w2):
-            # the token-level dy and x are read through the packed rows' token map, not gathered
-            token_of_row = torch.where(routing.row_slots >= 0, routing.row_slots // routing.top_k, -1)
-        if need_w2:
-            if quantized:
-                dw2 = _wgrad(dy, a, ends, True, dt, w2_dtype, dy_index=token_of_row)
-            else:
-                dw2 = _wgrad(gather_rows(dy, routing), a, ends, False, dt, w2_dtype)
-            dw2 = dw2.to(w2_dtype)
-        if need_w1:
-            if quantized:  # FP8 along features -> FP8 along tokens (DeepSeek-V3 requantizes the same way)
-                dw1 = _wgrad(dh, x.dequantize(torch.float32), ends, True, dt, w1_dtype, x_index=token_of_row)
-            else:
-                dw1 = _wgrad(dh, gather_rows(x, routing), ends, False, dt, w1_dtype)
-            dw1 = dw1.to(w1_dtype)
-        return dx, dweights, dw1, dw2, None, None, None, None
+        grads = _backward_core(dy, ctx.routing, x, h, w1, w2, row_w, ctx.quantized, ctx.activation, ctx.dtypes,
+                               ctx.needs_input_grad[:4])
+        return *grads, None, None, None, None
 
 
 def _check_float(name: str, t: torch.Tensor, dims: int, dtypes: tuple[torch.dtype, ...] | None = None) -> None:
@@ -338,16 +372,17 @@ def experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
     Returns:
         ``[T, H]`` in ``x``'s dtype; tokens whose slots were all dropped give 0.
 
-    Under ``torch.compile`` a call that needs no gradient is traced as one custom op
-    (``lowprec::moe_experts``: no graph break, CUDA-graph capturable with ``check_ids=False``);
-    one that needs gradients runs eagerly on CUDA (a graph break).
+    Under ``torch.compile`` (no graph break, :mod:`lowprec.moe.ops`) a call that needs no gradient
+    is one custom op (``lowprec::moe_experts``, CUDA-graph capturable with ``check_ids=False``);
+    one that needs gradients is an autograd function over a forward and a backward op, the
+    weights quantized in the traced graph. Both give the eager result bit for bit.
     """
     _check_experts_args(x, topk_weights, topk_ids, w1, w2, recipe, activation)
-    if torch.compiler.is_compiling() and not _needs_grad(x, topk_weights, w1, w2):
-        from .ops import moe_experts
+    if torch.compiler.is_compiling():
+        from .ops import traced_experts
 
-        return moe_experts(x, topk_weights, topk_ids, *_op_weights(w1, w2), recipe, capacity_factor, drop_policy,
-                           activation, check_ids)
+        return traced_experts(x, topk_weights, topk_ids, w1, w2, recipe, capacity_factor, drop_policy, activation,
+                              check_ids)
     return _dispatch_and_apply(x, topk_weights, topk_ids, w1, w2, recipe, capacity_factor, drop_policy, activation,
                                check_ids)
 
@@ -381,13 +416,6 @@ def _dispatch_and_apply(x, topk_weights, topk_ids, w1, w2, recipe, capacity_fact
     return _apply_experts(x, routing, w1, w2, recipe, activation)
 
 
-def _op_weights(w1, w2) -> tuple:
-    """``(w1, w1_scale, w2, w2_scale)`` as the custom ops take them (scales None for float weights)."""
-    if isinstance(w1, QuantizedTensor):
-        return w1.data, w1.scale, w2.data, w2.scale
-    return w1, None, w2, None
-
-
 class MoE(nn.Module):
     """Mixture-of-experts feed-forward layer: router, top-k routing, routed gated-FFN experts.
 
@@ -405,11 +433,12 @@ class MoE(nn.Module):
     Parameters: ``router`` (``nn.Linear(H, E, bias=False)``, applied in FP32, never quantized),
     ``w1`` ``[E, 2F, H]`` (gate rows, then up rows) and ``w2`` ``[E, H, F]``; FP8 copies of the
     weights are made each forward (once per :func:`lowprec.nn.reuse_quantized_weights` block,
-    e.g. over the micro-batches of a step), the parameters keep their dtype. Under
-    ``torch.compile`` a forward without gradients (inference, evaluation) is one custom op
-    (:mod:`lowprec.moe.ops`: ``fullgraph=True`` holds, ``mode="reduce-overhead"`` captures it into
-    CUDA graphs); with gradients to come, on CUDA, the layer runs eagerly on its kernels (a graph
-    break).
+    e.g. over the micro-batches of a step; not while ``torch.compile`` traces), the parameters keep
+    their dtype. Under ``torch.compile`` (:mod:`lowprec.moe.ops`) ``fullgraph=True`` holds: a
+    forward without gradients (inference, evaluation) is one custom op (``mode="reduce-overhead"``
+    captures it into CUDA graphs, the eager result bit for bit); with gradients the router is
+    traced (inductor may round its softmax differently in the last bit) and the experts run as an
+    autograd function over a forward and a backward op.
     """
 
     def __init__(self, hidden_size: int, ffn_size: int, num_experts: int, top_k: int,
@@ -466,7 +495,8 @@ def _route_and_apply(module: MoE | FP8InferenceMoE, x: torch.Tensor, w1, w2, rec
                      return_routing: bool) -> torch.Tensor | tuple[torch.Tensor, Routing]:
     """The MoE modules' forward: router in FP32, top-k routing, then the routed experts. Traced by
     torch.compile without a gradient to come, all of it is the ``lowprec::moe_layer`` op (the
-    eager result bit for bit); otherwise it runs eagerly on CUDA (a graph break)."""
+    eager result bit for bit); with gradients the router is traced and the experts are
+    :func:`experts`' training ops; with ``return_routing`` it runs eagerly (a graph break)."""
     if not isinstance(x, torch.Tensor) or x.dtype not in _X_DTYPES or x.dim() < 1 \
             or x.shape[-1] != module.hidden_size:
         raise ValueError(f"x: expected a float32/bfloat16/float16 tensor [..., H={module.hidden_size}], got "
@@ -474,10 +504,16 @@ def _route_and_apply(module: MoE | FP8InferenceMoE, x: torch.Tensor, w1, w2, rec
     config = (module.top_k, module.score_func, module.renormalize, module.capacity_factor, module.drop_policy,
               module.activation)
     tokens = x.reshape(-1, module.hidden_size)
-    if torch.compiler.is_compiling() and not return_routing and not _needs_grad(x, module.router.weight, w1, w2):
-        from .ops import moe_layer
+    if torch.compiler.is_compiling() and not return_routing:
+        from .ops import moe_layer, split_weight, traced_experts
 
-        return moe_layer(tokens, module.router.weight, *_op_weights(w1, w2), recipe, *config).reshape(x.shape)
+        if not _needs_grad(x, module.router.weight, w1, w2):
+            return moe_layer(tokens, module.router.weight, *split_weight(w1), *split_weight(w2), recipe,
+                             *config).reshape(x.shape)
+        weights, ids = select_experts(F.linear(tokens.float(), module.router.weight.float()), module.top_k,
+                                      score_func=module.score_func, renormalize=module.renormalize)
+        return traced_experts(tokens, weights, ids, w1, w2, recipe, module.capacity_factor, module.drop_policy,
+                              module.activation, False).reshape(x.shape)
     y, routing = _route_and_apply_eager(tokens, module.router.weight, w1, w2, recipe, *config)
     return (y.reshape(x.shape), routing) if return_routing else y.reshape(x.shape)
 

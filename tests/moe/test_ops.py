@@ -1,11 +1,12 @@
-"""The MoE custom ops (what torch.compile traces for a call without gradients): fake and real
-agree, and compiled layers give the eager result bit for bit with no graph break."""
+"""The MoE custom ops (what torch.compile traces): fake and real agree, and compiled layers give
+the eager result and gradients bit for bit with no graph break."""
 
 import pytest
 import torch
 
 from lowprec.moe import FP8InferenceMoE, MoE, experts
-from lowprec.moe.ops import moe_experts, moe_layer
+from lowprec.moe.ops import moe_experts, moe_experts_backward, moe_experts_train, moe_layer
+from lowprec.quant import quantize_with_transpose
 
 H, FFN, E, K, T = 64, 64, 8, 2, 40
 
@@ -55,16 +56,71 @@ def test_compiled_functional_experts_matches_eager():
         assert torch.equal(torch.compile(f, fullgraph=True, backend="aot_eager")(x, weights, ids), f(x, weights, ids))
 
 
-def test_compiled_training_keeps_the_autograd_path():
-    """With gradients to come the layer is not the op (it has no backward): it runs as before and
-    its gradients equal eager's."""
+@pytest.mark.parametrize("recipe", ["fp8_block", None])
+def test_opcheck_training_ops(recipe):
+    """The training forward and backward ops, quantized or not, every subset of gradients."""
     moe, _ = _layers()
     x = torch.randn(T, H)
-    grads = []
-    for run in (moe, torch.compile(moe, backend="aot_eager")):
-        xl = x.clone().requires_grad_()
-        run(xl).square().sum().backward()
-        grads.append([xl.grad] + [p.grad.clone() for p in moe.parameters()])
-        moe.zero_grad()
-    for got, want in zip(*grads):
-        assert torch.equal(got, want)
+    weights, ids = torch.rand(T, K).softmax(-1), torch.randint(0, E, (T, K))
+    utils = ("test_faketensor", "test_aot_dispatch_dynamic")
+    w1, w2 = moe.w1.detach(), moe.w2.detach()
+    if recipe:
+        w1q, w1t = quantize_with_transpose(w1)
+        w2q, w2t = quantize_with_transpose(w2)
+        fwd_w, bwd_w = (w1q.data, w1q.scale, w2q.data, w2q.scale), (w1t.data, w1t.scale, w2t.data, w2t.scale)
+    else:
+        fwd_w, bwd_w = (w1, None, w2, None), (w1, None, w2, None)
+    args = (x, weights, ids, *fwd_w, recipe, 0.75, "probs", "geglu", True)
+    torch.library.opcheck(moe_experts_train, args, test_utils=utils)
+    outs = moe_experts_train(*args)
+    saved = outs[7:] if recipe else (x, None, outs[7], None)
+    dy = torch.randn(T, H)
+    for needs in ([True] * 4, [True, False, False, True], [False, True, True, False]):
+        torch.library.opcheck(moe_experts_backward, (dy, weights, ids, outs[1:7], *saved, *bwd_w, "geglu",
+                                                     torch.float32, torch.float32, needs), test_utils=utils)
+
+
+def _grads(run, layer, x):
+    xl = x.clone().requires_grad_()
+    y = run(xl)
+    y.square().sum().backward()
+    out = [y.detach(), xl.grad] + [p.grad.clone() for p in layer.parameters()]
+    layer.zero_grad()
+    return out
+
+
+@pytest.mark.parametrize("recipe", ["fp8_block", None])
+def test_compiled_training_is_one_graph_with_the_eager_gradients(recipe):
+    """With gradients to come the layer traces as an autograd function over the training ops
+    (fullgraph holds); outputs and all gradients equal eager's."""
+    torch.manual_seed(0)
+    moe = MoE(H, FFN, E, K, capacity_factor=1.0, recipe=recipe, score_func="sigmoid")
+    model = torch.nn.Sequential(torch.nn.Linear(H, H), moe)
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    for shape in ((T, H), (3, 16, H)):
+        x = torch.randn(shape)
+        for got, want in zip(_grads(compiled, model, x), _grads(model, model, x)):
+            assert torch.equal(got, want)
+
+
+def test_compiled_functional_training_matches_eager():
+    """experts() with FP8 weights (no gradient for them) and with float weights frozen or not."""
+    moe, inf = _layers()
+    x = torch.randn(T, H)
+    weights, ids = torch.rand(T, K).softmax(-1), torch.randint(0, E, (T, K))
+    w1q, w2q = inf.quantized_weights()
+    for w1, w2, train_w in ((w1q, w2q, False), (moe.w1, moe.w2, True), (moe.w1, moe.w2, False)):
+        moe.w1.requires_grad_(train_w)
+        moe.w2.requires_grad_(train_w)
+
+        def f(x, weights, w1=w1, w2=w2):
+            return experts(x, weights, ids, w1, w2, capacity_factor=0.5, drop_policy="position")
+
+        results = []
+        for run in (f, torch.compile(f, fullgraph=True, backend="aot_eager")):
+            xl, wl = x.clone().requires_grad_(), weights.clone().requires_grad_()
+            y = run(xl, wl)
+            results.append([y, *torch.autograd.grad(y.square().sum(), [xl, wl, *([w1, w2] if train_w else [])])])
+        for got, want in zip(*results):
+            assert torch.equal(got, want)
+    moe.requires_grad_(True)
