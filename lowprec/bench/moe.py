@@ -34,8 +34,13 @@ gradients) at those token counts, per config (its T unused): ``FP8InferenceMoE``
 graphs) vs the bf16 MoE eager and replayed from a CUDA graph; host synced before each call, so
 host time counts. Saved under ``moe_decode``.
 
+``--train T1,T2,...`` instead times training steps of the ``MoE`` module (router included, forward
+and backward into every parameter) at those token counts: eager, under
+``torch.compile(fullgraph=True)`` and with ``mode="reduce-overhead"`` (CUDA graphs), vs the bf16
+MoE eager; the compiled gradients' largest rel-L2 against eager's. Saved under ``moe_train``.
+
     python -m lowprec bench moe [--quick] [--configs E,H,F,k,T;...] [--routings balanced,skewed]
-                                [--sustained S] [--decode T1,T2,...]
+                                [--sustained S] [--decode T1,T2,...] [--train T1,T2,...]
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ import time
 
 import torch
 import torch.nn.functional as F
+from torch._dynamo.utils import counters
 
 from ..gemm import grouped_gemm
 from ..metrics import rel_l2
@@ -127,6 +133,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="also run each GEMM back to back this long: TFLOPS, SM clock and power at the power cap")
     p.add_argument("--decode", type=_token_counts, default=None, metavar="T1,T2,...",
                    help="time inference steps of the layer at these token counts instead (module docstring)")
+    p.add_argument("--train", type=_token_counts, default=None, metavar="T1,T2,...",
+                   help="time training steps of the layer at these token counts instead (module docstring)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="results JSON (default benchmarks/results/<gpu>.json)")
     args = p.parse_args(argv)
@@ -353,6 +361,8 @@ def run(args: argparse.Namespace) -> dict:
         raise SystemExit("bench moe needs a CUDA GPU (none is visible to torch)")
     if args.decode:
         return run_decode(args)
+    if args.train:
+        return run_train(args)
     gen = torch.Generator(device="cuda").manual_seed(args.seed)
     dev = torch.cuda.get_device_name()
     print(f"# {dev}, torch {torch.__version__}; capacity_factor {args.capacity_factor} (None: dropless)")
@@ -502,6 +512,88 @@ def run_decode(args: argparse.Namespace) -> dict:
     path = save_results("moe_decode", payload, args.out)
     print(f"saved {path}")
     return payload
+
+
+def run_train(args: argparse.Namespace) -> dict:
+    dev = torch.cuda.get_device_name()
+    print(f"# {dev}, torch {torch.__version__}; training steps, tokens {args.train}")
+    torch.manual_seed(args.seed)
+    records = []
+    for config in args.configs:
+        records += _train_records(*config[:4], args)
+        torch._dynamo.reset()  # frees the CUDA graphs' memory pools
+        torch.cuda.empty_cache()
+    print("\nMoE layer training step (router included, forward + backward into every parameter), ms: lowprec "
+          "FP8 MoE eager, compiled (fullgraph) and compiled with CUDA graphs (reduce-overhead) vs the bf16 MoE on "
+          "torch._grouped_mm eager; host synced before each call, 'q': queued (no host sync between calls); "
+          "x = bf16 eager q / lowprec q; rel = largest rel-L2 of a compiled output or gradient vs eager")
+    names = ("fp8_eager", "fp8_compiled", "fp8_graphs", "bf16_eager")
+    rows = [[f"E{r['E']} H{r['H']} F{r['F']} k{r['top_k']}", r["T"], *(r["ms"][n] for n in names),
+             *(r["queued_ms"][n] for n in names), _ratio(r["queued_ms"]["bf16_eager"], r["queued_ms"]["fp8_eager"]),
+             r["speedup_graphs_vs_bf16_queued"], max(r["grads_rel_l2_vs_eager"].values(), default=math.nan)]
+            for r in records]
+    print_table(["config", "T", "fp8 eager", "fp8 compiled", "fp8 graphs", "bf16 eager", "fp8 eager q",
+                 "fp8 compiled q", "fp8 graphs q", "bf16 eager q", "x eager q", "x graphs q", "rel"],
+                [[_cell(c) for c in r] for r in rows])
+    payload = {"device": dev, "torch": torch.__version__, "rows": records,
+               "timing": ("bench_ms median, L2 flushed before every call; ms: host synced before each call, "
+                          "queued_ms: no sync between calls; random data"),
+               "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    path = save_results("moe_train", payload, args.out)
+    print(f"saved {path}")
+    return payload
+
+
+def _train_records(num_experts: int, hidden: int, ffn: int, top_k: int, args: argparse.Namespace) -> list[dict]:
+    """``run_train``'s rows of one layer config, one per token count."""
+    moe = MoE(hidden, ffn, num_experts, top_k, device="cuda", dtype=torch.bfloat16)
+    params = list(moe.parameters())
+    runs = {"fp8_eager": (moe, False), "fp8_compiled": (torch.compile(moe, fullgraph=True), False),
+            "fp8_graphs": (torch.compile(moe, fullgraph=True, mode="reduce-overhead"), True),
+            "bf16_eager": (functools.partial(bf16_layer, router_weight=moe.router.weight, top_k=top_k, w1=moe.w1,
+                                             w2=moe.w2), False)}
+    records = []
+    counters.clear()
+    for tokens in args.train:
+        x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+        dy = torch.randn_like(x)
+
+        def step(layer, new_graph_step: bool, keep: bool = False, x=x, dy=dy):
+            if new_graph_step:  # the previous step's graph outputs are not read any more
+                torch.compiler.cudagraph_mark_step_begin()
+            for p in params:
+                p.grad = None
+            xl = x.detach().requires_grad_()
+            y = layer(xl)
+            y.backward(dy)
+            return [y.detach().clone(), xl.grad, *(p.grad.clone() for p in params)] if keep else None
+
+        failures: dict[str, str] = {}
+        ms = {n: _measure(f"train {n}", functools.partial(step, *run), args.budget_ms, failures)[0]
+              for n, run in runs.items()}
+        queued = {n: _queued(functools.partial(step, *run), ms[n]) for n, run in runs.items()}
+        rel = {}
+        if "train fp8_eager" not in failures:
+            eager = step(*runs["fp8_eager"], keep=True)
+            for n in ("fp8_compiled", "fp8_graphs"):
+                if f"train {n}" not in failures:
+                    rel[n] = max(_rel_l2_chunked(g, e) for g, e in zip(step(*runs[n], keep=True), eager))
+        for what, why in failures.items():
+            print(f"# E{num_experts} H{hidden} F{ffn} k{top_k} T{tokens}: {what} n/a ({why})")
+        records.append({"E": num_experts, "H": hidden, "F": ffn, "top_k": top_k, "T": tokens, "ms": ms,
+                        "queued_ms": queued, "grads_rel_l2_vs_eager": rel,
+                        "speedup_graphs_vs_bf16_queued": _ratio(queued["bf16_eager"], queued["fp8_graphs"]),
+                        "cudagraph_skips": int(counters["inductor"]["cudagraph_skips"]), "failures": failures})
+    return records
+
+
+def _rel_l2_chunked(x: torch.Tensor, ref: torch.Tensor, chunk: int = 1 << 26) -> float:
+    """rel-L2 of tensors as large as all expert weights, in FP32 pieces (an FP64 copy may not fit)."""
+    num = den = 0.0
+    for a, b in zip(x.reshape(-1).split(chunk), ref.reshape(-1).split(chunk)):
+        num += float((a.float() - b.float()).square().sum(dtype=torch.float64))
+        den += float(b.float().square().sum(dtype=torch.float64))
+    return math.sqrt(num / max(den, 1e-300))
 
 
 def _cell(value):

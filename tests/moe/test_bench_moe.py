@@ -24,6 +24,7 @@ def test_registered_and_parses():
     assert args.routings == ("skewed",) and args.capacity_factor == 1.25 and args.zipf == 2.0 and args.no_layer
     assert args.sustained is None and bench.parse_args(["--sustained", "4"]).sustained == 4.0
     assert args.decode is None and bench.parse_args(["--decode", "1,32"]).decode == (1, 32)
+    assert args.train is None and bench.parse_args(["--train", "256,4096"]).train == (256, 4096)
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -36,6 +37,7 @@ def test_registered_and_parses():
     (["--sustained", "0"], "number > 0"),
     (["--decode", "0,8"], "token counts ≥ 1"),
     (["--decode", "1,a"], "token counts ≥ 1"),
+    (["--train", "0"], "token counts ≥ 1"),
 ])
 def test_bad_arguments_name_the_option(argv, message, capsys):
     with pytest.raises(SystemExit):

@@ -158,3 +158,36 @@ def test_inference_step_compiles_whole_into_cuda_graphs(inference, monkeypatch):
         for step in range(4):
             x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16)
             assert torch.equal(compiled(x).clone(), model(x)), step
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_training_step_compiles_into_cuda_graphs(monkeypatch):
+    """The training step (router, experts, backward into every parameter) under
+    torch.compile(fullgraph=True, mode="reduce-overhead"): forward and backward replay from CUDA
+    graphs on the kernels (LOWPREC_BACKEND=kernel; nothing in the step reads back from the GPU),
+    close to eager for every new batch (inductor rounds the router's softmax its own way)."""
+    from torch._dynamo.utils import counters
+
+    from lowprec.moe import MoE
+
+    monkeypatch.setenv("LOWPREC_BACKEND", "kernel")
+    torch.manual_seed(0)
+    counters.clear()
+    layer = MoE(256, 256, 8, 2, device="cuda", dtype=torch.bfloat16)
+    compiled = torch.compile(layer, fullgraph=True, mode="reduce-overhead")
+    for step in range(4):
+        x = torch.randn(512, 256, device="cuda", dtype=torch.bfloat16)
+        dy = torch.randn_like(x)
+        results = []
+        for run, new_graph_step in ((layer, False), (compiled, True)):
+            if new_graph_step:
+                torch.compiler.cudagraph_mark_step_begin()
+            xl = x.clone().requires_grad_()
+            y = run(xl)
+            y.backward(dy)
+            results.append([y.detach().clone(), xl.grad] + [p.grad.clone() for p in layer.parameters()])
+            layer.zero_grad(set_to_none=True)
+        for got, want in zip(*results):
+            assert rel_l2(got.float(), want.float()) < 1e-2, step
+    assert not counters["inductor"]["cudagraph_skips"]  # inductor would run the step without graphs
