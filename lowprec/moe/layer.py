@@ -52,7 +52,7 @@ from .routing import (
     route,
     select_experts,
 )
-from .wgrad import grouped_gemm_wgrad, quantize_k_grouped
+from .wgrad import grouped_gemm_wgrad, quantize_k_grouped_many
 
 __all__ = ["MoE", "FP8InferenceMoE", "experts", "ACTIVATIONS", "RECIPES"]
 
@@ -151,18 +151,9 @@ def _swiglu_kernel_unsupported(h: torch.Tensor, row_w: torch.Tensor) -> str | No
     return kernel_unsupported(h)
 
 
-def _wgrad(dy_rows: torch.Tensor, x_rows: torch.Tensor, group_ends: torch.Tensor, quantized: bool,
-           dtype: torch.dtype, out_dtype: torch.dtype, dy_index: torch.Tensor | None = None,
-           x_index: torch.Tensor | None = None) -> torch.Tensor:
-    """``dW[e] = dy_rowsₑᵀ · x_rowsₑ``, ``[E, N, P]``: FP8 K-grouped (FP32 accumulation, stored in
-    ``out_dtype``: one rounding, as ``.to(out_dtype)`` of the FP32 result), or plain in ``dtype``.
-    FP8 only: ``dy_index`` / ``x_index`` map packed rows to rows of token-level operands
-    (:func:`quantize_k_grouped`'s ``row_index``)."""
-    if quantized:
-        dy_t, aligned_ends = quantize_k_grouped(dy_rows, group_ends, _ACT_RECIPE, dy_index)
-        x_t, _ = quantize_k_grouped(x_rows, group_ends, _ACT_RECIPE, x_index)
-        store = out_dtype if out_dtype in (torch.bfloat16, torch.float16, torch.float32) else torch.float32
-        return grouped_gemm_wgrad(dy_t, x_t, aligned_ends, out_dtype=store)
+def _wgrad(dy_rows: torch.Tensor, x_rows: torch.Tensor, group_ends: torch.Tensor, dtype: torch.dtype
+           ) -> torch.Tensor:
+    """Unquantized ``dW[e] = dy_rowsₑᵀ · x_rowsₑ`` in ``dtype``, ``[E, N, P]``."""
     dy_rows, x_rows = dy_rows.to(dtype), x_rows.to(dtype)
     out = dy_rows.new_zeros(group_ends.numel(), dy_rows.shape[1], x_rows.shape[1])
     start = 0
@@ -171,6 +162,30 @@ def _wgrad(dy_rows: torch.Tensor, x_rows: torch.Tensor, group_ends: torch.Tensor
             out[e] = dy_rows[start:end].T @ x_rows[start:end]
         start = end
     return out
+
+
+def _wgrad_fp8(routing: Routing, dy: torch.Tensor, a: torch.Tensor, dh: torch.Tensor, x: QuantizedTensor,
+               needs: tuple[bool, bool], dtypes: tuple[torch.dtype, torch.dtype]) -> list[torch.Tensor | None]:
+    """``[dW1, dW2]`` (None where ``needs`` is False; ``dtypes``: theirs): ``dW2ₑ = dOₑᵀ · Aₑ``,
+    ``dW1ₑ = dHₑᵀ · Xₑ``, FP8 K-grouped over each expert's packed rows, FP32 accumulation, one
+    rounding to the weight's dtype. The token-level ``dy`` and ``x`` are read through the packed
+    rows' token map, not gathered; the operands share one column layout."""
+    token_of_row = torch.where(routing.row_slots >= 0, routing.row_slots // routing.top_k, -1)
+    # x: FP8 along features -> FP8 along tokens (DeepSeek-V3 requantizes the same way)
+    pairs = ([(dh, None), (x.dequantize(torch.float32), token_of_row)], [(dy, token_of_row), (a, None)])
+    operands = [op for need, pair in zip(needs, pairs) if need for op in pair]
+    quantized, aligned_ends = quantize_k_grouped_many(operands, routing.group_ends, get_recipe(_ACT_RECIPE),
+                                                      routing.num_rows)
+    grads = []
+    for need, dtype in zip(needs, dtypes):
+        if not need:
+            grads.append(None)
+            continue
+        store = dtype if dtype in (torch.bfloat16, torch.float16, torch.float32) else torch.float32
+        dy_t, x_t = quantized[:2]
+        quantized = quantized[2:]
+        grads.append(grouped_gemm_wgrad(dy_t, x_t, aligned_ends, out_dtype=store).to(dtype))
+    return grads
 
 
 def _flatten(*items: torch.Tensor | QuantizedTensor) -> tuple[list[torch.Tensor], list]:
@@ -254,21 +269,14 @@ def _backward_core(dy, routing: Routing, x, h, w1, w2, row_w, quantized: bool, a
         else:
             dx_rows = grouped_mm_rows(dh.to(dt), w1.to(dt).transpose(-1, -2), ends)
         dx = unpack(dx_rows, routing, out_dtype=dt)
-    if quantized and (need_w1 or need_w2):
-        # the token-level dy and x are read through the packed rows' token map, not gathered
-        token_of_row = torch.where(routing.row_slots >= 0, routing.row_slots // routing.top_k, -1)
-    if need_w2:
-        if quantized:
-            dw2 = _wgrad(dy, a, ends, True, dt, w2_dtype, dy_index=token_of_row)
-        else:
-            dw2 = _wgrad(gather_rows(dy, routing), a, ends, False, dt, w2_dtype)
-        dw2 = dw2.to(w2_dtype)
-    if need_w1:
-        if quantized:  # FP8 along features -> FP8 along tokens (DeepSeek-V3 requantizes the same way)
-            dw1 = _wgrad(dh, x.dequantize(torch.float32), ends, True, dt, w1_dtype, x_index=token_of_row)
-        else:
-            dw1 = _wgrad(dh, gather_rows(x, routing), ends, False, dt, w1_dtype)
-        dw1 = dw1.to(w1_dtype)
+    if quantized:
+        if need_w1 or need_w2:
+            dw1, dw2 = _wgrad_fp8(routing, dy, a, dh, x, (need_w1, need_w2), (w1_dtype, w2_dtype))
+    else:
+        if need_w2:
+            dw2 = _wgrad(gather_rows(dy, routing), a, ends, dt).to(w2_dtype)
+        if need_w1:
+            dw1 = _wgrad(dh, gather_rows(x, routing), ends, dt).to(w1_dtype)
     return dx, dweights, dw1, dw2
 
 

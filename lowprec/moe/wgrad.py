@@ -69,36 +69,51 @@ def quantize_k_grouped(rows: torch.Tensor, group_ends: torch.Tensor, recipe: str
         raise ValueError(f"recipe: expected 1 x N blocks with N dividing {_ALIGN} and no global scale, "
                          f"got {r.name!r} with block {r.block}")
     m = rows.shape[0] if row_index is None else row_index.shape[0]
+    (q,), aligned_ends = quantize_k_grouped_many([(rows, row_index)], group_ends, r, m)
+    return q, aligned_ends
+
+
+def quantize_k_grouped_many(operands: list[tuple[torch.Tensor, torch.Tensor | None]], group_ends: torch.Tensor,
+                            r: ScaleRecipe, m: int) -> tuple[list[QuantizedTensor], torch.Tensor]:
+    """:func:`quantize_k_grouped` of several ``(rows, row_index)`` (validated) over the same
+    ``m`` packed rows and groups, the column layout computed once (the weight-gradient
+    operands of one backward pass: ~15 small ops each time otherwise)."""
     num_groups = group_ends.numel()
+    device = group_ends.device
     width = -(-m // _ALIGN) * _ALIGN + _ALIGN * num_groups
     ends = group_ends.long()
     counts = torch.diff(ends, prepend=ends.new_zeros(1))
     aligned = (counts + _ALIGN - 1) // _ALIGN * _ALIGN
     aligned_ends = torch.cumsum(aligned, 0)
     # destination column of every row; rows outside the groups go to scratch columns (cut below)
-    p = torch.arange(m, device=rows.device)
+    p = torch.arange(m, device=device)
     group = torch.searchsorted(ends, p, right=True)
     g = group.clamp(max=num_groups - 1)
-    dest = torch.where(group < num_groups, aligned_ends[g] - aligned[g] + p - (ends[g] - counts[g]),
-                       width + p)
-    if use_kernel("quantize", rows.device, ("sm_90a",), lambda: _gather_kernel_unsupported(rows, r)):
-        try:
-            from ..quant.sm90 import interface
+    dest = torch.where(group < num_groups, aligned_ends[g] - aligned[g] + p - (ends[g] - counts[g]), width + p)
+    sources: dict[int | None, torch.Tensor] = {}  # by row_index: the source row of every column
+    out = []
+    for rows, row_index in operands:
+        if use_kernel("quantize", rows.device, ("sm_90a",), lambda rows=rows: _gather_kernel_unsupported(rows, r)):
+            try:
+                from ..quant.sm90 import interface
 
-            # source row of every column (-1: zero padding): the kernel gathers the rows itself
-            src = torch.full((width + m,), -1, dtype=torch.int32, device=rows.device)
-            src.index_copy_(0, dest, p.int() if row_index is None else row_index.int())
-            qt, st = interface.quantize_t_gathered(rows, src[:width])
-            return QuantizedTensor(qt, st, r, (rows.shape[1], width), rows.dtype), aligned_ends.int()
-        except Exception as err:
-            kernel_failed("quantize", err)
-    if row_index is not None:  # gather: a zero row appended for the -1 entries
-        src = torch.where(row_index >= 0, row_index, rows.shape[0])
-        rows = torch.cat([rows, rows.new_zeros(1, rows.shape[1])])[src]
-    buf = rows.new_zeros(width + m, rows.shape[1]).index_copy_(0, dest, rows)
-    # the token-major half of the dual quantization is quantize(buf[:width]ᵀ), read without a
-    # transposed copy of buf (width is a multiple of 16: no padding columns)
-    return quantize_dual(buf[:width], r)[1], aligned_ends.int()
+                key = None if row_index is None else id(row_index)
+                if key not in sources:  # -1: zero padding; the kernel gathers the rows itself
+                    src = torch.full((width + m,), -1, dtype=torch.int32, device=device)
+                    sources[key] = src.index_copy_(0, dest, p.int() if row_index is None else row_index.int())[:width]
+                qt, st = interface.quantize_t_gathered(rows, sources[key])
+                out.append(QuantizedTensor(qt, st, r, (rows.shape[1], width), rows.dtype))
+                continue
+            except Exception as err:
+                kernel_failed("quantize", err)
+        if row_index is not None:  # gather: a zero row appended for the -1 entries
+            src = torch.where(row_index >= 0, row_index, rows.shape[0])
+            rows = torch.cat([rows, rows.new_zeros(1, rows.shape[1])])[src]
+        buf = rows.new_zeros(width + m, rows.shape[1]).index_copy_(0, dest, rows)
+        # the token-major half of the dual quantization is quantize(buf[:width]ᵀ), read without a
+        # transposed copy of buf (width is a multiple of 16: no padding columns)
+        out.append(quantize_dual(buf[:width], r)[1])
+    return out, aligned_ends.int()
 
 
 def _gather_kernel_unsupported(rows: torch.Tensor, r: ScaleRecipe) -> str | None:
