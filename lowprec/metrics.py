@@ -28,10 +28,17 @@ def rel_l1(x: torch.Tensor, ref: torch.Tensor) -> float:
     return float((x - ref).abs().sum() / ref.abs().sum().clamp_min(1e-300))
 
 
-def rel_l2(x: torch.Tensor, ref: torch.Tensor) -> float:
-    """‖x − ref‖₂ / ‖ref‖₂."""
-    x, ref = _pair(x, ref)
-    return float((x - ref).norm() / ref.norm().clamp_min(1e-300))
+def rel_l2(x: torch.Tensor, ref: torch.Tensor, chunk: int = 1 << 24) -> float:
+    """‖x − ref‖₂ / ‖ref‖₂, in FP64 pieces of ``chunk`` elements (an FP64 copy of tensors as
+    large as a layer's expert weights or their gradients need not fit)."""
+    if x.shape != ref.shape:
+        raise ValueError(f"x: shape {tuple(x.shape)} differs from ref's {tuple(ref.shape)}")
+    diff_sq = ref_sq = 0.0
+    for a, b in zip(x.detach().reshape(-1).split(chunk), ref.detach().reshape(-1).split(chunk)):
+        a, b = a.to(torch.float64), b.to(torch.float64).to(a.device)
+        diff_sq += float((a - b).square().sum())
+        ref_sq += float(b.square().sum())
+    return math.sqrt(diff_sq) / max(math.sqrt(ref_sq), 1e-300)
 
 
 def rmse(x: torch.Tensor, ref: torch.Tensor) -> float:

@@ -505,13 +505,7 @@ def run_decode(args: argparse.Namespace) -> dict:
     print_table(["config", "T", "fp8 eager", "fp8 compiled", "bf16 eager", "bf16 graph", "fp8 compiled q",
                  "bf16 graph q", "x eager", "x compiled", "x compiled q", "compiled == eager"],
                 [[_cell(c) for c in r] for r in rows])
-    payload = {"device": dev, "torch": torch.__version__, "rows": records,
-               "timing": ("bench_ms median, L2 flushed before every call; ms: host synced before each call, "
-                          "queued_ms: no sync between calls; random data"),
-               "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    path = save_results("moe_decode", payload, args.out)
-    print(f"saved {path}")
-    return payload
+    return _save_steps("moe_decode", dev, records, args)
 
 
 def run_train(args: argparse.Namespace) -> dict:
@@ -535,11 +529,16 @@ def run_train(args: argparse.Namespace) -> dict:
     print_table(["config", "T", "fp8 eager", "fp8 compiled", "fp8 graphs", "bf16 eager", "fp8 eager q",
                  "fp8 compiled q", "fp8 graphs q", "bf16 eager q", "x eager q", "x graphs q", "rel"],
                 [[_cell(c) for c in r] for r in rows])
+    return _save_steps("moe_train", dev, records, args)
+
+
+def _save_steps(section: str, dev: str, records: list[dict], args: argparse.Namespace) -> dict:
+    """Save the ``--decode`` / ``--train`` rows under ``section`` of the results JSON."""
     payload = {"device": dev, "torch": torch.__version__, "rows": records,
                "timing": ("bench_ms median, L2 flushed before every call; ms: host synced before each call, "
                           "queued_ms: no sync between calls; random data"),
                "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    path = save_results("moe_train", payload, args.out)
+    path = save_results(section, payload, args.out)
     print(f"saved {path}")
     return payload
 
@@ -577,7 +576,7 @@ def _train_records(num_experts: int, hidden: int, ffn: int, top_k: int, args: ar
             eager = step(*runs["fp8_eager"], keep=True)
             for n in ("fp8_compiled", "fp8_graphs"):
                 if f"train {n}" not in failures:
-                    rel[n] = max(_rel_l2_chunked(g, e) for g, e in zip(step(*runs[n], keep=True), eager))
+                    rel[n] = max(rel_l2(g, e) for g, e in zip(step(*runs[n], keep=True), eager))
         for what, why in failures.items():
             print(f"# E{num_experts} H{hidden} F{ffn} k{top_k} T{tokens}: {what} n/a ({why})")
         records.append({"E": num_experts, "H": hidden, "F": ffn, "top_k": top_k, "T": tokens, "ms": ms,
@@ -585,15 +584,6 @@ def _train_records(num_experts: int, hidden: int, ffn: int, top_k: int, args: ar
                         "speedup_graphs_vs_bf16_queued": _ratio(queued["bf16_eager"], queued["fp8_graphs"]),
                         "cudagraph_skips": int(counters["inductor"]["cudagraph_skips"]), "failures": failures})
     return records
-
-
-def _rel_l2_chunked(x: torch.Tensor, ref: torch.Tensor, chunk: int = 1 << 26) -> float:
-    """rel-L2 of tensors as large as all expert weights, in FP32 pieces (an FP64 copy may not fit)."""
-    num = den = 0.0
-    for a, b in zip(x.reshape(-1).split(chunk), ref.reshape(-1).split(chunk)):
-        num += float((a.float() - b.float()).square().sum(dtype=torch.float64))
-        den += float(b.float().square().sum(dtype=torch.float64))
-    return math.sqrt(num / max(den, 1e-300))
 
 
 def _cell(value):

@@ -176,16 +176,14 @@ def _wgrad_fp8(routing: Routing, dy: torch.Tensor, a: torch.Tensor, dh: torch.Te
     operands = [op for need, pair in zip(needs, pairs) if need for op in pair]
     quantized, aligned_ends = quantize_k_grouped_many(operands, routing.group_ends, get_recipe(_ACT_RECIPE),
                                                       routing.num_rows)
-    grads = []
-    for need, dtype in zip(needs, dtypes):
-        if not need:
-            grads.append(None)
-            continue
-        store = dtype if dtype in (torch.bfloat16, torch.float16, torch.float32) else torch.float32
-        dy_t, x_t = quantized[:2]
-        quantized = quantized[2:]
-        grads.append(grouped_gemm_wgrad(dy_t, x_t, aligned_ends, out_dtype=store).to(dtype))
-    return grads
+    pending = iter(quantized)  # (dY, X) per needed gradient, in order
+    return [grouped_gemm_wgrad(next(pending), next(pending), aligned_ends, out_dtype=_store_dtype(dtype)).to(dtype)
+            if need else None for need, dtype in zip(needs, dtypes)]
+
+
+def _store_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the K-grouped kernel stores a ``dtype`` gradient in (FP32 where it cannot store ``dtype``)."""
+    return dtype if dtype in (torch.bfloat16, torch.float16, torch.float32) else torch.float32
 
 
 def _flatten(*items: torch.Tensor | QuantizedTensor) -> tuple[list[torch.Tensor], list]:

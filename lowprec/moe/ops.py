@@ -225,9 +225,11 @@ def split_weight(w) -> tuple:
 def traced_experts(x, topk_weights, topk_ids, w1, w2, recipe, capacity_factor, drop_policy, activation, check_ids):
     """:func:`lowprec.moe.experts` under torch.compile: one op without gradients, else the
     autograd function over the training ops."""
+    from .layer import _needs_grad
+
     w1, w1_scale = split_weight(w1)
     w2, w2_scale = split_weight(w2)
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (x, topk_weights, w1, w2)):
+    if _needs_grad(x, topk_weights, w1, w2):
         return _TracedExperts.apply(x, topk_weights, topk_ids, w1, w1_scale, w2, w2_scale, recipe, capacity_factor,
                                     drop_policy, activation, check_ids)
     return moe_experts(x, topk_weights, topk_ids, w1, w1_scale, w2, w2_scale, recipe, capacity_factor, drop_policy,
