@@ -6,9 +6,10 @@ import json
 
 import torch
 
+from .blocks import dequantize_blocks
 from .recipes import ScaleRecipe
 
-__all__ = ["QuantizedTensor"]
+__all__ = ["QuantizedTensor", "flatten_all", "unflatten_all"]
 
 
 class QuantizedTensor:
@@ -92,15 +93,28 @@ class QuantizedTensor:
                                self.recipe, shape, self.dtype, self.global_scale)
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """Return ``q * scale`` with the logical shape, in ``dtype`` (default: the original)."""
-        from .quant import dequantize
+        """Return ``q * scale`` with the logical shape, in ``dtype`` (default: the original).
 
-        return dequantize(self, dtype=dtype)
+        Pass ``dtype=torch.float64`` for an exact dequantization (error references)."""
+        return dequantize_blocks(self, dtype)
 
     def to(self, device: torch.device | str) -> QuantizedTensor:
         """A copy on ``device`` (data, scales and global scale move together)."""
         g = None if self.global_scale is None else self.global_scale.to(device)
         return QuantizedTensor(self.data.to(device), self.scale.to(device), self.recipe, self.shape, self.dtype, g)
+
+    def flatten(self) -> tuple[tuple[torch.Tensor, ...], tuple]:
+        """The tensors ``(data, scale[, global_scale])`` and the plain metadata ``(recipe, shape,
+        dtype)`` that :meth:`unflatten` rebuilds this from (for ``save_for_backward`` and the
+        like: the one way to take a QuantizedTensor apart)."""
+        tensors = (self.data, self.scale) if self.global_scale is None else (self.data, self.scale, self.global_scale)
+        return tensors, (self.recipe, tuple(self.shape), self.dtype)
+
+    @classmethod
+    def unflatten(cls, tensors, meta: tuple) -> QuantizedTensor:
+        """Inverse of :meth:`flatten`."""
+        recipe, shape, dtype = meta
+        return cls(tensors[0], tensors[1], recipe, shape, dtype, tensors[2] if len(tensors) > 2 else None)
 
     def metadata(self) -> dict:
         """Everything but the tensors, JSON-serializable: recipe, logical shape, original dtype."""
@@ -128,3 +142,32 @@ class QuantizedTensor:
             f"data={self.data.dtype}{tuple(self.data.shape)}, scale={self.scale.dtype}{tuple(self.scale.shape)}, "
             f"device={self.device})"
         )
+
+
+def flatten_all(*items: torch.Tensor | QuantizedTensor | None) -> tuple[list[torch.Tensor], list]:
+    """Plain tensors for ``save_for_backward`` from tensors, QuantizedTensors and Nones, and the
+    specs :func:`unflatten_all` rebuilds the items from."""
+    tensors, specs = [], []
+    for item in items:
+        if isinstance(item, QuantizedTensor):
+            parts, meta = item.flatten()
+            tensors += parts
+            specs.append((len(parts), meta))
+        elif item is None:
+            specs.append((0, None))
+        else:
+            tensors.append(item)
+            specs.append((1, None))
+    return tensors, specs
+
+
+def unflatten_all(tensors, specs: list) -> list[torch.Tensor | QuantizedTensor | None]:
+    """Inverse of :func:`flatten_all`."""
+    items, i = [], 0
+    for count, meta in specs:
+        if meta is not None:
+            items.append(QuantizedTensor.unflatten(tensors[i:i + count], meta))
+        else:
+            items.append(tensors[i] if count else None)
+        i += count
+    return items

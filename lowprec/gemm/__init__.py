@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import torch
 
-from ..runtime import eager_under_compile, kernel_failed, use_kernel
+from ..runtime import eager_under_compile, registry
 from ..tensor import QuantizedTensor
 from .ops import gemm_dispatch, gemm_op
 from .reference import grouped_gemm_contiguous_reference, grouped_gemm_masked_reference
 
 __all__ = ["gemm", "grouped_gemm"]
+
+registry.load_arch_packages(__name__, __path__)
 
 _OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -92,8 +94,7 @@ def grouped_gemm(a: QuantizedTensor, b: QuantizedTensor, *, group_ends: torch.Te
                 bool((group_ends.diff() < 0).any()) or int(group_ends[-1]) > a.shape[0] or int(group_ends[0]) < 0):
             raise ValueError(
                 f"group_ends: must be non-decreasing within [0, M={a.shape[0]}], got {group_ends.tolist()}")
-        out = _grouped_kernel(a, b, out_dtype, group_ends=group_ends)
-        return out if out is not None else grouped_gemm_contiguous_reference(a, b, group_ends, out_dtype)
+        return _grouped_kernel(a, b, out_dtype, group_ends=group_ends)
     _check_operand("a", a, 3)
     _check_common(a, b, out_dtype)
     if a.shape[0] != num_groups:
@@ -102,32 +103,17 @@ def grouped_gemm(a: QuantizedTensor, b: QuantizedTensor, *, group_ends: torch.Te
     if masked_counts.device.type == "cpu" and (
             bool((masked_counts < 0).any()) or bool((masked_counts > a.shape[1]).any())):
         raise ValueError(f"masked_counts: each count must be in [0, M_max={a.shape[1]}], got {masked_counts.tolist()}")
-    out = _grouped_kernel(a, b, out_dtype, masked_counts=masked_counts)
-    return out if out is not None else grouped_gemm_masked_reference(a, b, masked_counts, out_dtype)
+    return _grouped_kernel(a, b, out_dtype, masked_counts=masked_counts)
 
 
-def _grouped_unsupported(a: QuantizedTensor, b: QuantizedTensor) -> str | None:
-    """Why the Hopper grouped kernel cannot take these operands (None: it can)."""
-    if a.recipe.name != "fp8_block1x128" or b.recipe.name != "fp8_block128x128":
-        return (f"recipes {a.recipe.name} x {b.recipe.name}; the grouped kernel takes fp8_block1x128 activations "
-                "and fp8_block128x128 weights")
-    n, k = b.shape[1], b.shape[2]
-    if n % 16 or k % 16:
-        return f"N={n} and K={k} must be multiples of 16"
-    return None
+def _grouped_kernel(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype,
+                    group_ends: torch.Tensor | None = None, masked_counts: torch.Tensor | None = None) -> torch.Tensor:
+    def reference():
+        if group_ends is not None:
+            return grouped_gemm_contiguous_reference(a, b, group_ends, out_dtype)
+        return grouped_gemm_masked_reference(a, b, masked_counts, out_dtype)
 
-
-def _grouped_kernel(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype, **group) -> torch.Tensor | None:
-    """The grouped GEMM on the Hopper kernel, or None where the reference must run."""
-    if not use_kernel("grouped_gemm", a.device, ("sm_90a",), lambda: _grouped_unsupported(a, b)):
-        return None
-    try:
-        from .sm90.interface import grouped_gemm_blockwise_fp8
-
-        return grouped_gemm_blockwise_fp8(a.data, a.scale, b.data, b.scale, out_dtype=out_dtype, **group)
-    except Exception as err:
-        kernel_failed("grouped_gemm", err)
-    return None
+    return registry.run("grouped_gemm", a.device, (a, b, out_dtype, group_ends, masked_counts), reference)
 
 
 def _check_groups(name: str, t: torch.Tensor, num_groups: int, device: torch.device) -> None:

@@ -11,70 +11,17 @@ from __future__ import annotations
 import torch
 
 from ..recipes import ScaleRecipe
-from ..runtime import kernel_failed, use_kernel
+from ..runtime import registry
 from ..tensor import QuantizedTensor
 from .reference import gemm_reference
 
 __all__ = ["gemm_op", "gemm_dispatch"]
 
 
-_FP8_FP32_SCALED = ("fp8_block1x128", "fp8_block128x128", "fp8_rowwise", "fp8_tensorwise")
-
-
-def _sm90_unsupported(a: QuantizedTensor, b: QuantizedTensor, bias: torch.Tensor | None) -> str | None:
-    """Why the Hopper kernel cannot take these operands (None: it can)."""
-    for name, t in (("a", a), ("b", b)):
-        if t.recipe.name not in _FP8_FP32_SCALED:
-            return f"{name}'s recipe is {t.recipe.name}; the kernel takes FP8 with FP32 scales {_FP8_FP32_SCALED}"
-    if a.recipe.name == "fp8_block128x128":
-        return "a in 128x128 blocks (activations use 1x128, rowwise or tensorwise)"
-    n, k = b.shape
-    if a.shape[0] == 0:
-        return "M=0: nothing to compute"
-    if n % 16 or k % 16:
-        return f"N={n} and K={k} must be multiples of 16"
-    if bias is not None and bias.dtype not in (torch.float32, torch.bfloat16):
-        return f"bias dtype {bias.dtype}"
-    return None
-
-
-def _blockwise_scales(a: QuantizedTensor, b: QuantizedTensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Scales as the kernel takes them: A [M, ceil(K/128)]; B [ceil(N/128) or N, ceil(K/128)].
-
-    Rowwise and tensorwise scales are constant along K, so repeating them per 128-wide K block
-    gives the same product: one kernel serves all FP8 recipes with FP32 scales.
-    """
-    m, k = a.shape
-    n = b.shape[0]
-    kb = -(-k // 128)
-    sa = a.scale if a.recipe.name == "fp8_block1x128" else a.scale.reshape(-1, 1).expand(m, kb).contiguous()
-    if b.recipe.name in ("fp8_block128x128", "fp8_block1x128"):
-        sb = b.scale
-    elif b.recipe.name == "fp8_rowwise":
-        sb = b.scale.reshape(n, 1).expand(n, kb).contiguous()
-    else:
-        sb = b.scale.reshape(1, 1).expand(-(-n // 128), kb).contiguous()
-    return sa, sb
-
-
-def _k_major(data: torch.Tensor) -> torch.Tensor:
-    """FP8 codes as the kernel reads them, K contiguous. Under torch.compile the op gets the
-    layouts inductor chose for the traced reference quantization (e.g. strides (1, M))."""
-    return data if data.stride(-1) == 1 else data.contiguous()
-
-
 def gemm_dispatch(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype,
                   bias: torch.Tensor | None) -> torch.Tensor:
-    """Run the kernel where the device and operands allow, else the reference (validated inputs)."""
-    if use_kernel("gemm", a.device, ("sm_90a",), lambda: _sm90_unsupported(a, b, bias)):
-        try:
-            from .sm90.interface import gemm_blockwise_fp8
-
-            sa, sb = _blockwise_scales(a, b)
-            return gemm_blockwise_fp8(_k_major(a.data), sa, _k_major(b.data), sb, out_dtype=out_dtype, bias=bias)
-        except Exception as err:
-            kernel_failed("gemm", err)
-    return gemm_reference(a, b, out_dtype, bias)
+    """Run a kernel where the device and operands allow, else the reference (validated inputs)."""
+    return registry.run("gemm", a.device, (a, b, out_dtype, bias), lambda: gemm_reference(a, b, out_dtype, bias))
 
 
 @torch.library.custom_op("lowprec::gemm", mutates_args=())

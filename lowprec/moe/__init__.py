@@ -1,5 +1,6 @@
 """Mixture-of-experts: routing, token packing and the MoE layer on FP8 grouped GEMMs."""
 
+from ..runtime import registry
 from .layer import ACTIVATIONS, RECIPES, FP8InferenceMoE, MoE, experts
 from .packing import gather_rows, pack, pack_tokens, unpack
 from .routing import DROP_POLICIES, SCORE_FUNCS, Routing, dispatch, expert_capacity, route, select_experts
@@ -10,3 +11,5 @@ __all__ = [
     "expert_capacity", "experts", "gather_rows", "grouped_gemm_wgrad", "pack", "pack_tokens", "quantize_k_grouped",
     "route", "select_experts", "unpack",
 ]
+
+registry.load_arch_packages(__name__, __path__)

@@ -25,11 +25,20 @@ import torch
 from ..quant.layouts import empty_mn_major_tma_aligned
 from ..recipes import get_recipe
 from ..tensor import QuantizedTensor
+from .core import (
+    _ACT_RECIPE,
+    _WEIGHT_RECIPE,
+    _backward_core,
+    _dispatch_and_apply,
+    _forward_core,
+    _needs_grad,
+    _prepare_weights,
+    _route_and_apply_eager,
+)
+from .routing import Routing, dispatch
 
 __all__ = ["moe_experts", "moe_layer", "moe_experts_train", "moe_experts_backward", "traced_experts"]
 
-_ACT_RECIPE = "fp8_block1x128"
-_WEIGHT_RECIPE = "fp8_block128x128"
 
 
 def _weights(w1, w1_scale, w2, w2_scale, dtype: torch.dtype):
@@ -46,12 +55,10 @@ def moe_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Ten
                 capacity_factor: float | None, drop_policy: str, activation: str, check_ids: bool) -> torch.Tensor:
     """:func:`lowprec.moe.experts` without autograd. ``w1``/``w2``: float weights, or FP8 codes
     with their 128x128 scales ``w1_scale``/``w2_scale`` (both given or both None)."""
-    from .layer import experts
-
     w1, w2 = _weights(w1, w1_scale, w2, w2_scale, x.dtype)
     with torch.no_grad():
-        return experts(x, topk_weights, topk_ids, w1, w2, recipe=recipe, capacity_factor=capacity_factor,
-                       drop_policy=drop_policy, activation=activation, check_ids=check_ids)
+        return _dispatch_and_apply(x, topk_weights, topk_ids, w1, w2, recipe, capacity_factor, drop_policy, activation,
+                                   check_ids)
 
 
 @moe_experts.register_fake
@@ -66,7 +73,6 @@ def moe_layer(tokens: torch.Tensor, router_weight: torch.Tensor, w1: torch.Tenso
               renormalize: bool, capacity_factor: float | None, drop_policy: str, activation: str) -> torch.Tensor:
     """The MoE modules' forward on ``tokens`` [T, H] without autograd: router in FP32, top-k
     routing, the routed experts (weights as in :func:`moe_experts`)."""
-    from .layer import _route_and_apply_eager
 
     w1, w2 = _weights(w1, w1_scale, w2, w2_scale, router_weight.dtype)
     with torch.no_grad():
@@ -113,8 +119,6 @@ def moe_experts_train(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: tor
     """The forward of :func:`lowprec.moe.experts` with a backward to come (``w1``/``w2`` as in
     :func:`moe_experts`, FP8 when ``recipe`` is set): ``y`` and what the backward needs, laid out
     as :func:`_empty_train_outputs` says."""
-    from .layer import _forward_core
-    from .routing import dispatch
 
     w1, w2 = _weights(w1, w1_scale, w2, w2_scale, x.dtype)
     with torch.no_grad():
@@ -143,8 +147,6 @@ def moe_experts_backward(dy: torch.Tensor, topk_weights: torch.Tensor, topk_ids:
     group_ends, row weights), ``x``/``h`` (FP8 with scales, or float without) and the transposed
     weights ``w1`` [E, H, 2F], ``w2`` [E, F, H] (FP8 with 128x128 scales, or the float weights
     [E, 2F, H], [E, H, F] unquantized)."""
-    from .layer import _backward_core
-    from .routing import Routing
 
     kept, slot_rows, row_slots, counts, group_ends, row_w = plan
     routing = Routing(topk_weights=topk_weights, topk_ids=topk_ids.long(), kept=kept, slot_rows=slot_rows,
@@ -189,7 +191,6 @@ class _TracedExperts(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, topk_weights, topk_ids, w1, w1_scale, w2, w2_scale, recipe, capacity_factor, drop_policy,
                 activation, check_ids):
-        from .layer import _prepare_weights
 
         quantized = recipe is not None
         w1_master, w2_master = _weights(w1, w1_scale, w2, w2_scale, x.dtype)
@@ -225,7 +226,6 @@ def split_weight(w) -> tuple:
 def traced_experts(x, topk_weights, topk_ids, w1, w2, recipe, capacity_factor, drop_policy, activation, check_ids):
     """:func:`lowprec.moe.experts` under torch.compile: one op without gradients, else the
     autograd function over the training ops."""
-    from .layer import _needs_grad
 
     w1, w1_scale = split_weight(w1)
     w2, w2_scale = split_weight(w2)

@@ -12,7 +12,7 @@ import torch
 
 from ..quant import quantize
 from ..recipes import ScaleRecipe, get_recipe
-from ..runtime import eager_under_compile, kernel_failed, use_kernel
+from ..runtime import eager_under_compile, registry
 from ..tensor import QuantizedTensor
 from .routing import Routing
 
@@ -122,29 +122,17 @@ def _pack_quantized(x: torch.Tensor, routing: Routing, r: ScaleRecipe, with_toke
     """The packed rows and the quantized tokens (None from the kernel without ``with_tokens``)."""
     _check_tokens(x, routing)
     x = x.detach()
-    if use_kernel("pack", x.device, ("sm_90a",), lambda: _pack_kernel_unsupported(x, routing, r)):
-        try:
-            from ..quant.sm90 import interface
 
-            q, s, xq, xs = interface.pack_1x128(x, routing.slot_rows, routing.row_slots, with_tokens)
-            rows = QuantizedTensor(q, s, r, (routing.num_rows, x.shape[1]), x.dtype)
-            return rows, (QuantizedTensor(xq, xs, r, x.shape, x.dtype) if with_tokens else None)
-        except Exception as err:
-            kernel_failed("pack", err)
-    tokens = quantize(x, r, check_finite=False)
-    return gather_rows(tokens, routing), tokens
+    def reference():
+        tokens = quantize(x, r, check_finite=False)
+        return gather_rows(tokens, routing), tokens
 
+    def wrap(q, s, xq, xs):
+        rows = QuantizedTensor(q, s, r, (routing.num_rows, x.shape[1]), x.dtype)
+        return rows, (QuantizedTensor(xq, xs, r, x.shape, x.dtype) if with_tokens else None)
 
-def _pack_kernel_unsupported(x: torch.Tensor, routing: Routing, r: ScaleRecipe) -> str | None:
-    if r != get_recipe(_KERNEL_RECIPE):
-        return f"recipe {r.name} ({r.scale_rounding} scales) has no packing kernel"
-    for name in ("slot_rows", "row_slots"):
-        index = getattr(routing, name)
-        if index.dtype != torch.int64 or not index.is_contiguous():
-            return f"routing.{name} must be contiguous int64 for the kernel"
-    from ..quant.sm90.interface import kernel_unsupported
-
-    return kernel_unsupported(x)
+    args = (x, routing, r, with_tokens)
+    return registry.run("moe_pack", x.device, args, reference, lambda kernel: wrap(*kernel(*args)))
 
 
 @eager_under_compile
@@ -184,16 +172,15 @@ def unpack(rows: torch.Tensor | QuantizedTensor, routing: Routing, weights: torc
     if rows.device != routing.slot_rows.device:
         raise ValueError(f"rows: on {rows.device}, but routing is on {routing.slot_rows.device}")
     out_dtype = rows.dtype if out_dtype is None else out_dtype
-    if use_kernel("unpack", rows.device, ("sm_90a",), lambda: _unpack_kernel_unsupported(rows, routing, out_dtype)):
-        try:
-            needs_grad = torch.is_grad_enabled() and (rows.requires_grad
-                                                      or (weights is not None and weights.requires_grad))
-            if needs_grad:
-                return _UnpackKernel.apply(rows, weights, routing, out_dtype)
-            return _unpack_kernel(rows, routing, weights, out_dtype)
-        except Exception as err:
-            kernel_failed("unpack", err)
-    return _unpack_reference(rows, routing, weights, out_dtype)
+    needs_grad = torch.is_grad_enabled() and (rows.requires_grad or (weights is not None and weights.requires_grad))
+
+    def launch(kernel):
+        if needs_grad:
+            return _UnpackKernel.apply(kernel, rows, weights, routing, out_dtype)
+        return kernel(rows, routing, weights, out_dtype)
+
+    return registry.run("moe_unpack", rows.device, (rows, routing, weights, out_dtype),
+                        lambda: _unpack_reference(rows, routing, weights, out_dtype), launch)
 
 
 def _unpack_reference(rows: torch.Tensor, routing: Routing, weights: torch.Tensor | None,
@@ -209,44 +196,26 @@ def _unpack_reference(rows: torch.Tensor, routing: Routing, weights: torch.Tenso
     return acc.to(out_dtype)
 
 
-def _unpack_kernel_unsupported(rows: torch.Tensor, routing: Routing, out_dtype: torch.dtype) -> str | None:
-    from ..quant.sm90.interface import UNPACK_DTYPES, kernel_unsupported
-
-    if rows.dtype not in UNPACK_DTYPES or out_dtype not in UNPACK_DTYPES:
-        return f"rows {rows.dtype} -> {out_dtype}: the unpack kernel takes {[str(d) for d in UNPACK_DTYPES]}"
-    index = routing.slot_rows
-    if index.dtype != torch.int64 or not index.is_contiguous():
-        return "routing.slot_rows must be contiguous int64 for the kernel"
-    return kernel_unsupported(rows)
-
-
-def _kernel_weights(rows: torch.Tensor, routing: Routing, weights: torch.Tensor | None) -> torch.Tensor:
+def _fp32_weights(rows: torch.Tensor, routing: Routing, weights: torch.Tensor | None) -> torch.Tensor:
     """FP32 ``[T, k]`` contiguous weights, as the reference rounds them (ones for a plain sum: exact)."""
     if weights is None:
         return torch.ones(routing.kept.shape, dtype=torch.float32, device=rows.device)
     return weights.detach().float().contiguous()
 
 
-def _unpack_kernel(rows: torch.Tensor, routing: Routing, weights: torch.Tensor | None,
-                   out_dtype: torch.dtype) -> torch.Tensor:
-    from ..quant.sm90 import interface
-
-    return interface.unpack_rows(rows.detach(), routing.slot_rows, _kernel_weights(rows, routing, weights), out_dtype)
-
-
 class _UnpackKernel(torch.autograd.Function):
-    """The unpack kernel with gradients for ``rows`` and ``weights``, computed with torch ops:
+    """An unpack ``kernel`` with gradients for ``rows`` and ``weights``, computed with torch ops:
     packed row ``p`` holding slot ``(t, j)`` gets ``weights[t, j] · dout[t]`` (rounded to FP32, then
     to ``rows``' dtype: the reference's gradient), padding rows 0; ``dweights[t, j] =
     ⟨dout[t], rows[slot_rows[t, j]]⟩`` over kept slots (FP32; the sum's order is torch's)."""
 
     @staticmethod
-    def forward(ctx, rows, weights, routing: Routing, out_dtype):
-        w = _kernel_weights(rows, routing, weights)
+    def forward(ctx, kernel, rows, weights, routing: Routing, out_dtype):
+        w = _fp32_weights(rows, routing, weights)
         ctx.save_for_backward(rows, w)
         ctx.routing = dataclasses.replace(routing, topk_weights=routing.topk_weights.detach())
         ctx.weights_dtype = None if weights is None else weights.dtype
-        return _unpack_kernel(rows, routing, w, out_dtype)
+        return kernel(rows.detach(), routing, w, out_dtype)
 
     @staticmethod
     def backward(ctx, dout):
@@ -254,13 +223,13 @@ class _UnpackKernel(torch.autograd.Function):
         routing = ctx.routing
         dout = dout.float()
         drows = dweights = None
-        if ctx.needs_input_grad[0]:
+        if ctx.needs_input_grad[1]:
             slots = routing.row_slots.clamp(min=0)
             drows = dout[slots // routing.top_k] * w.reshape(-1)[slots, None]
             drows = torch.where((routing.row_slots >= 0)[:, None], drows, 0.0).to(rows.dtype)
-        if ctx.needs_input_grad[1]:
+        if ctx.needs_input_grad[2]:
             src = routing.slot_rows.clamp(min=0)
             dweights = torch.stack([torch.linalg.vecdot(dout, rows[src[:, j]].float())
                                     for j in range(routing.top_k)], dim=1)
             dweights = torch.where(routing.kept, dweights, 0.0).to(ctx.weights_dtype)
-        return drows, dweights, None, None
+        return None, drows, dweights, None, None

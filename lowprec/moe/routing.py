@@ -246,24 +246,11 @@ def dispatch(topk_weights: torch.Tensor, topk_ids: torch.Tensor, num_experts: in
 
 
 def _plan_kernel(ids: torch.Tensor, num_experts: int, capacity: int | None):
-    """The plan (dropless, or ``"position"`` drops) from the Hopper dispatch kernels (two launches
-    instead of ~16 torch ops), or None where the torch form runs."""
-    from ..runtime import kernel_failed, use_kernel
+    """The plan (dropless, or ``"position"`` drops) from the dispatch kernels (two launches instead
+    of ~16 torch ops), or None where the torch form runs."""
+    from ..runtime import registry
 
-    def why_not():
-        from .sm90.interface import dispatch_unsupported
-
-        return dispatch_unsupported(ids.numel(), num_experts)
-
-    if ids.device.type != "cuda" or not use_kernel("moe_dispatch", ids.device, ("sm_90a",), why_not):
-        return None
-    try:
-        from .sm90.interface import dispatch_plan
-
-        return dispatch_plan(ids.contiguous(), num_experts, capacity)
-    except Exception as err:
-        kernel_failed("moe_dispatch", err)
-    return None
+    return registry.run("moe_dispatch", ids.device, (ids, num_experts, capacity), lambda: None)
 
 
 @eager_under_compile

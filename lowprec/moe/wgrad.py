@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import torch
 
-from ..quant import _kernel_unsupported, quantize_dual
+from ..quant import quantize_dual
 from ..recipes import WHOLE, ScaleRecipe, get_recipe
-from ..runtime import eager_under_compile, kernel_failed, use_kernel
+from ..runtime import eager_under_compile, kernel_failed, registry
 from ..tensor import QuantizedTensor
 
 __all__ = ["grouped_gemm_wgrad", "quantize_k_grouped"]
@@ -93,19 +93,19 @@ def quantize_k_grouped_many(operands: list[tuple[torch.Tensor, torch.Tensor | No
     sources: dict[int | None, torch.Tensor] = {}  # by row_index: the source row of every column
     out = []
     for rows, row_index in operands:
-        if use_kernel("quantize", rows.device, ("sm_90a",), lambda rows=rows: _gather_kernel_unsupported(rows, r)):
+        key = None if row_index is None else id(row_index)
+        if key not in sources:  # -1: zero padding; the kernel gathers the rows itself
+            src = torch.full((width + m,), -1, dtype=torch.int32, device=device)
+            sources[key] = src.index_copy_(0, dest, p.int() if row_index is None else row_index.int())[:width]
+        args = (rows, r, sources[key])
+        kernel = registry.kernel_for("quantize_t_gathered", rows.device, *args)
+        if kernel is not None:
             try:
-                from ..quant.sm90 import interface
-
-                key = None if row_index is None else id(row_index)
-                if key not in sources:  # -1: zero padding; the kernel gathers the rows itself
-                    src = torch.full((width + m,), -1, dtype=torch.int32, device=device)
-                    sources[key] = src.index_copy_(0, dest, p.int() if row_index is None else row_index.int())[:width]
-                qt, st = interface.quantize_t_gathered(rows, sources[key])
+                qt, st = kernel(*args)
                 out.append(QuantizedTensor(qt, st, r, (rows.shape[1], width), rows.dtype))
                 continue
             except Exception as err:
-                kernel_failed("quantize", err)
+                kernel_failed("quantize_t_gathered", err)
         if row_index is not None:  # gather: a zero row appended for the -1 entries
             src = torch.where(row_index >= 0, row_index, rows.shape[0])
             rows = torch.cat([rows, rows.new_zeros(1, rows.shape[1])])[src]
@@ -114,12 +114,6 @@ def quantize_k_grouped_many(operands: list[tuple[torch.Tensor, torch.Tensor | No
         # transposed copy of buf (width is a multiple of 16: no padding columns)
         out.append(quantize_dual(buf[:width], r)[1])
     return out, aligned_ends.int()
-
-
-def _gather_kernel_unsupported(rows: torch.Tensor, r: ScaleRecipe) -> str | None:
-    if r.block != (1, _ALIGN):
-        return f"recipe {r.name}: the gathering kernel quantizes 1x{_ALIGN} blocks"
-    return _kernel_unsupported(rows, r)
 
 
 @eager_under_compile
@@ -152,13 +146,12 @@ def grouped_gemm_wgrad(a: QuantizedTensor, b: QuantizedTensor, group_ends: torch
     if a.device != b.device:
         raise ValueError(f"b: on {b.device}, but a is on {a.device}")
     _check_ends(group_ends, a.device)
-    if use_kernel("grouped_gemm_wgrad", a.device, ("sm_90a",), lambda: _wgrad_unsupported(a, b)):
-        try:
-            from ..gemm.sm90.interface import grouped_gemm_wgrad_fp8
+    return registry.run("grouped_gemm_wgrad", a.device, (a, b, group_ends, out_dtype),
+                    lambda: _grouped_gemm_wgrad_reference(a, b, group_ends, out_dtype))
 
-            return grouped_gemm_wgrad_fp8(a.data, a.scale, b.data, b.scale, group_ends, out_dtype)
-        except Exception as err:
-            kernel_failed("grouped_gemm_wgrad", err)
+
+def _grouped_gemm_wgrad_reference(a: QuantizedTensor, b: QuantizedTensor, group_ends: torch.Tensor,
+                                  out_dtype: torch.dtype) -> torch.Tensor:
     ends = group_ends.tolist()
     starts = [0, *ends[:-1]]
     k = a.shape[1]
@@ -174,12 +167,3 @@ def grouped_gemm_wgrad(a: QuantizedTensor, b: QuantizedTensor, group_ends: torch
         if end > s:
             out[e] = a_deq[:, s:end] @ b_deq[:, s:end].T
     return out.to(out_dtype)
-
-
-def _wgrad_unsupported(a: QuantizedTensor, b: QuantizedTensor) -> str | None:
-    """Why the Hopper K-grouped kernel cannot take these operands (None: it can)."""
-    if a.recipe.name != "fp8_block1x128" or b.recipe.name != "fp8_block1x128":
-        return f"recipes {a.recipe.name} x {b.recipe.name}; the kernel takes fp8_block1x128 operands"
-    if a.shape[0] % 64 or b.shape[0] % 16 or a.shape[1] % 16:
-        return f"a rows {a.shape[0]} (multiple of 64), b rows {b.shape[0]} and K {a.shape[1]} (multiples of 16)"
-    return None

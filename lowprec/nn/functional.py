@@ -19,7 +19,7 @@ import torch
 
 from ..gemm import gemm
 from ..quant import quantize, quantize_dual
-from ..tensor import QuantizedTensor
+from ..tensor import flatten_all, unflatten_all
 from .weight_cache import quantize_weight
 
 __all__ = ["LinearRecipe", "LINEAR_RECIPES", "get_linear_recipe", "fp8_linear"]
@@ -65,24 +65,14 @@ class _FP8Linear(torch.autograd.Function):
         ctx.recipe = recipe
         ctx.has_bias = bias is not None
         ctx.weight_dtype = weight.dtype
-        tensors = []
-        if xt_q is not None:
-            ctx.xt_meta = (xt_q.recipe, xt_q.shape, xt_q.dtype)
-            tensors += [xt_q.data, xt_q.scale]
-        if w_t is not None:
-            ctx.w_meta = (w_t.recipe, w_t.shape, w_t.dtype)
-            tensors += [w_t.data, w_t.scale]
+        tensors, ctx.specs = flatten_all(xt_q, w_t)
         ctx.save_for_backward(*tensors)
         return y
 
     @staticmethod
     def backward(ctx, dy):
         recipe = ctx.recipe
-        saved = list(ctx.saved_tensors)
-        xt_q = None
-        if ctx.needs_input_grad[1]:
-            data, scale = saved.pop(0), saved.pop(0)
-            xt_q = QuantizedTensor(data, scale, *ctx.xt_meta)
+        xt_q, w_t = unflatten_all(ctx.saved_tensors, ctx.specs)
         dy = dy.contiguous()
         dx = dw = db = None
         if ctx.needs_input_grad[1]:
@@ -91,7 +81,7 @@ class _FP8Linear(torch.autograd.Function):
         else:
             dy_q = quantize(dy, recipe.grad, check_finite=False)
         if ctx.needs_input_grad[0]:
-            dx = gemm(dy_q, QuantizedTensor(saved[0], saved[1], *ctx.w_meta), out_dtype=dy.dtype)
+            dx = gemm(dy_q, w_t, out_dtype=dy.dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy.sum(0, dtype=torch.float32)
         return dx, dw, db, None

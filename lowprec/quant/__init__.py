@@ -5,14 +5,14 @@ from __future__ import annotations
 import torch
 
 from ..recipes import ScaleRecipe, get_recipe
-from ..runtime import kernel_failed, use_kernel
+from ..runtime import registry
 from ..tensor import QuantizedTensor
 from . import ops
 from .reference import dequantize_reference, quantize_reference
 
 __all__ = ["quantize", "dequantize", "quantize_dual", "quantize_with_transpose"]
 
-_KERNEL_RECIPES = ("fp8_block1x128", "fp8_block128x128", "fp8_rowwise")
+registry.load_arch_packages(__name__, __path__)
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
@@ -49,16 +49,10 @@ def quantize(x: torch.Tensor, recipe: str | ScaleRecipe, *, check_finite: bool =
         raise ValueError("x: contains NaN or Inf; quantization needs finite values "
                          "(check_finite=False skips this check)")
     x = x.detach()
-    if _traced_on_cuda(x) and _kernel_recipe(x, r):
+    if _traced_on_cuda(x) and _custom_op_recipe(x, r):
         return _wrap_kernel_output(x, r, *ops.quantize_fp8(x.reshape(-1, x.shape[-1]), r.name))
-    if use_kernel("quantize", x.device, ("sm_90a",), lambda: _kernel_unsupported(x, r)):
-        try:
-            from .sm90 import interface
-
-            return _wrap_kernel_output(x, r, *interface.quantize_by_recipe(x.reshape(-1, x.shape[-1]), r.name))
-        except Exception as err:
-            kernel_failed("quantize", err)
-    return quantize_reference(x, r)
+    return registry.run("quantize", x.device, (x, r), lambda: quantize_reference(x, r),
+                    lambda kernel: _wrap_kernel_output(x, r, *kernel(x, r)))
 
 
 def _traced_on_cuda(x: torch.Tensor) -> bool:
@@ -66,9 +60,11 @@ def _traced_on_cuda(x: torch.Tensor) -> bool:
     return torch.compiler.is_compiling() and x.is_cuda
 
 
-def _kernel_recipe(x: torch.Tensor, r: ScaleRecipe) -> bool:
-    """Recipes and shapes a quantize kernel (or its custom op) handles."""
-    return x.dtype != torch.float64 and _recipe_unsupported(x, r) is None
+def _custom_op_recipe(x: torch.Tensor, r: ScaleRecipe) -> bool:
+    """Recipes and shapes the quantize custom ops (:mod:`.ops`) take."""
+    if x.dtype == torch.float64 or r.name not in ops.RECIPES or r.scale_rounding != "exact":
+        return False
+    return not (r.is_2d and x.dim() > 2 and x.shape[-2] % r.block[0])
 
 
 def _wrap_kernel_output(x: torch.Tensor, r: ScaleRecipe, q: torch.Tensor, s: torch.Tensor) -> QuantizedTensor:
@@ -76,24 +72,6 @@ def _wrap_kernel_output(x: torch.Tensor, r: ScaleRecipe, q: torch.Tensor, s: tor
     s = (s.view(*x.shape[:-2], -(-x.shape[-2] // r.block[0]), s.shape[-1]) if r.is_2d
          else s.view(*x.shape[:-1], s.shape[-1]))
     return QuantizedTensor(q.view(x.shape), s, r, x.shape, x.dtype)
-
-
-def _recipe_unsupported(x: torch.Tensor, r: ScaleRecipe) -> str | None:
-    """Why no quantize kernel takes this recipe and shape (None: one does), from shapes only."""
-    if r.name not in _KERNEL_RECIPES or r.scale_rounding != "exact":
-        return f"recipe {r.name} ({r.scale_rounding} scales) has no quantize kernel"
-    if r.is_2d and x.dim() > 2 and x.shape[-2] % r.block[0]:
-        return f"128x128 kernel takes a batch of matrices only when rows are a multiple of {r.block[0]}"
-    return None
-
-
-def _kernel_unsupported(x: torch.Tensor, r: ScaleRecipe) -> str | None:
-    why = _recipe_unsupported(x, r)
-    if why is not None:
-        return why
-    from .sm90.interface import kernel_unsupported
-
-    return kernel_unsupported(x if x.dim() == 2 else x.reshape(-1, x.shape[-1]))
 
 
 def quantize_dual(x: torch.Tensor, recipe: str | ScaleRecipe = "fp8_block1x128") -> tuple[QuantizedTensor,
@@ -111,24 +89,17 @@ def quantize_dual(x: torch.Tensor, recipe: str | ScaleRecipe = "fp8_block1x128")
     x2 = x.detach().reshape(-1, x.shape[-1])
     t = x2.shape[0]
     t_pad = -(-t // 16) * 16
-    def why_not() -> str | None:
-        return "dual needs a row-block recipe" if r.is_2d else _kernel_unsupported(x2, r)
-
     def wrap(q, s, qt, st):
         return (QuantizedTensor(q, s, r, x2.shape, x.dtype),
                 QuantizedTensor(qt, st, r, (x2.shape[1], t_pad), x.dtype))
 
-    if _traced_on_cuda(x) and r.name == "fp8_block1x128" and _kernel_recipe(x2, r):
-        return wrap(*ops.quantize_dual_fp8(x2))
-    if use_kernel("quantize", x.device, ("sm_90a",), why_not):
-        try:
-            from .sm90 import interface
+    def reference():
+        padded = torch.nn.functional.pad(x2, (0, 0, 0, t_pad - t))
+        return quantize_reference(x2, r), quantize_reference(padded.t(), r)
 
-            return wrap(*interface.quantize_dual(x2))
-        except Exception as err:
-            kernel_failed("quantize", err)
-    padded = torch.nn.functional.pad(x2, (0, 0, 0, t_pad - t))
-    return quantize_reference(x2, r), quantize_reference(padded.t(), r)
+    if _traced_on_cuda(x) and r.name == "fp8_block1x128" and _custom_op_recipe(x2, r):
+        return wrap(*ops.quantize_dual_fp8(x2))
+    return registry.run("quantize_dual", x.device, (x2, r), reference, lambda kernel: wrap(*kernel(x2, r)))
 
 
 def quantize_with_transpose(x: torch.Tensor, recipe: str | ScaleRecipe = "fp8_block128x128"
@@ -149,13 +120,6 @@ def quantize_with_transpose(x: torch.Tensor, recipe: str | ScaleRecipe = "fp8_bl
     x = x.detach()
     rows, cols = x.shape[-2:]
 
-    def why_not() -> str | None:
-        if r.name != "fp8_block128x128":
-            return f"recipe {r.name!r} (the transposing kernel is 128x128 FP8)"
-        if rows % 16:
-            return "rows per matrix must be a multiple of 16"
-        return _kernel_unsupported(x, r)  # also: a batch of matrices needs rows % 128 == 0
-
     def wrap(q, s, qt):
         batch = x.shape[:-2]
         s = s.view(*batch, -(-rows // 128), s.shape[-1])
@@ -163,17 +127,13 @@ def quantize_with_transpose(x: torch.Tensor, recipe: str | ScaleRecipe = "fp8_bl
         return (QuantizedTensor(q.view(x.shape), s, r, x.shape, x.dtype),
                 QuantizedTensor(qt.view(t_shape), s.transpose(-1, -2).contiguous(), r, t_shape, x.dtype))
 
-    if _traced_on_cuda(x) and r.name == "fp8_block128x128" and rows % 16 == 0 and _kernel_recipe(x, r):
-        return wrap(*ops.quantize_128x128_t_fp8(x.reshape(-1, cols), rows))
-    if use_kernel("quantize", x.device, ("sm_90a",), why_not):
-        try:
-            from .sm90 import interface
+    def reference():
+        q = quantize(x, r, check_finite=False)
+        return q, q.transpose()
 
-            return wrap(*interface.quantize_128x128_t(x.reshape(-1, cols), rows))
-        except Exception as err:
-            kernel_failed("quantize", err)
-    q = quantize(x, r, check_finite=False)
-    return q, q.transpose()
+    if _traced_on_cuda(x) and r.name == "fp8_block128x128" and rows % 16 == 0 and _custom_op_recipe(x, r):
+        return wrap(*ops.quantize_128x128_t_fp8(x.reshape(-1, cols), rows))
+    return registry.run("quantize_with_transpose", x.device, (x, r), reference, lambda kernel: wrap(*kernel(x, r)))
 
 
 def dequantize(qt: QuantizedTensor, dtype: torch.dtype | None = None) -> torch.Tensor:

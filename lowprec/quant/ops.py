@@ -14,11 +14,13 @@ from __future__ import annotations
 import torch
 
 from ..recipes import get_recipe
-from ..runtime import kernel_failed, use_kernel
+from ..runtime import registry
 from .layouts import empty_mn_major_tma_aligned
 from .reference import quantize_reference
 
-__all__ = ["quantize_fp8", "quantize_dual_fp8", "quantize_128x128_t_fp8"]
+__all__ = ["quantize_fp8", "quantize_dual_fp8", "quantize_128x128_t_fp8", "RECIPES"]
+
+RECIPES = ("fp8_block1x128", "fp8_block128x128", "fp8_rowwise")  # of quantize_fp8 (exact FP32 scales)
 
 
 def _empty_codes_and_scales(x: torch.Tensor, recipe: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -34,22 +36,6 @@ def _empty_codes_and_scales(x: torch.Tensor, recipe: str) -> tuple[torch.Tensor,
     return q, s
 
 
-def _on_kernel(x: torch.Tensor, launch):
-    """``launch(interface, xk)`` with the Hopper quantize interface and ``x`` as the kernels take
-    it (a contiguous copy if its strides or alignment do not suit them), or None where the
-    reference must run (no kernel for these inputs, or the kernel failed in ``auto`` mode)."""
-    from .sm90 import interface
-
-    xk = x if interface.kernel_unsupported(x) is None else x.contiguous()
-    if not use_kernel("quantize", x.device, ("sm_90a",), lambda: interface.kernel_unsupported(xk)):
-        return None
-    try:
-        return launch(interface, xk)
-    except Exception as err:
-        kernel_failed("quantize", err)
-    return None
-
-
 def _fill(outputs: tuple[torch.Tensor, ...], values: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
     for out, value in zip(outputs, values):
         out.copy_(value)
@@ -59,11 +45,14 @@ def _fill(outputs: tuple[torch.Tensor, ...], values: tuple[torch.Tensor, ...]) -
 @torch.library.custom_op("lowprec::quantize_fp8", mutates_args=())
 def quantize_fp8(x: torch.Tensor, recipe: str) -> tuple[torch.Tensor, torch.Tensor]:
     """``x`` [M, K] in ``fp8_block1x128``, ``fp8_rowwise`` or ``fp8_block128x128``: (codes, scales)."""
-    out = _on_kernel(x, lambda iface, xk: iface.quantize_by_recipe(xk, recipe))
-    if out is not None:
-        return out
-    ref = quantize_reference(x, get_recipe(recipe))
-    return _fill(_empty_codes_and_scales(x, recipe), (ref.data, ref.scale))
+    r = get_recipe(recipe)
+
+    def reference():
+        ref = quantize_reference(x, r)
+        return _fill(_empty_codes_and_scales(x, recipe), (ref.data, ref.scale))
+
+    xk = x.contiguous()  # the kernels read whole 16-byte rows
+    return registry.run("quantize", x.device, (xk, r), reference)
 
 
 @quantize_fp8.register_fake
@@ -83,13 +72,14 @@ def _empty_dual(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
 def quantize_dual_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """1x128 along K of ``x`` [T, K] and along T of ``x`` zero-padded to T_pad = round_up(T, 16),
     transposed: (codes [T, K], scales, codes [K, T_pad], scales)."""
-    out = _on_kernel(x, lambda iface, xk: iface.quantize_dual(xk))
-    if out is not None:
-        return out
     r = get_recipe("fp8_block1x128")
-    padded = torch.nn.functional.pad(x, (0, 0, 0, -(-x.shape[0] // 16) * 16 - x.shape[0]))
-    along_k, along_t = quantize_reference(x, r), quantize_reference(padded.t(), r)
-    return _fill(_empty_dual(x), (along_k.data, along_k.scale, along_t.data, along_t.scale))
+
+    def reference():
+        padded = torch.nn.functional.pad(x, (0, 0, 0, -(-x.shape[0] // 16) * 16 - x.shape[0]))
+        along_k, along_t = quantize_reference(x, r), quantize_reference(padded.t(), r)
+        return _fill(_empty_dual(x), (along_k.data, along_k.scale, along_t.data, along_t.scale))
+
+    return registry.run("quantize_dual", x.device, (x.contiguous(), r), reference)
 
 
 @quantize_dual_fp8.register_fake
@@ -107,13 +97,16 @@ def _empty_128x128_t(x: torch.Tensor, n: int) -> tuple[torch.Tensor, ...]:
 def quantize_128x128_t_fp8(x: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """128x128 blocks of ``x`` [R, K], a stack of R / n matrices of ``n`` rows (n % 128 == 0 when
     R > n): (codes [R, K], scales, each matrix's transposed codes [R / n · K, n])."""
-    out = _on_kernel(x, lambda iface, xk: iface.quantize_128x128_t(xk, n))
-    if out is not None:
-        return out
-    ref = quantize_reference(x, get_recipe("fp8_block128x128"))
-    # square blocks: the transposed matrices' codes are the codes transposed
-    codes_t = ref.data.view(-1, n, x.shape[1]).transpose(-1, -2).reshape(-1, n)
-    return _fill(_empty_128x128_t(x, n), (ref.data, ref.scale, codes_t))
+    r = get_recipe("fp8_block128x128")
+
+    def reference():
+        ref = quantize_reference(x, r)
+        # square blocks: the transposed matrices' codes are the codes transposed
+        codes_t = ref.data.view(-1, n, x.shape[1]).transpose(-1, -2).reshape(-1, n)
+        return _fill(_empty_128x128_t(x, n), (ref.data, ref.scale, codes_t))
+
+    matrices = x.contiguous().view(-1, n, x.shape[1])
+    return registry.run("quantize_with_transpose", x.device, (matrices, r), reference)
 
 
 @quantize_128x128_t_fp8.register_fake

@@ -10,22 +10,15 @@ from __future__ import annotations
 
 import torch
 
-from ..formats import E4M3, decode, encode, encode_e8m0, pack_fp4, unpack_fp4
-from ..recipes import WHOLE, ScaleRecipe
+from ..blocks import block_dims, dequantize_blocks, expand_scale
+from ..formats import E4M3, encode, encode_e8m0, pack_fp4
+from ..recipes import ScaleRecipe
 from ..tensor import QuantizedTensor
 
 __all__ = ["quantize_reference", "dequantize_reference", "scale_from_amax", "block_dims"]
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _FP32_TINY = torch.finfo(torch.float32).tiny
-
-
-def block_dims(recipe: ScaleRecipe, shape: torch.Size) -> tuple[int, int]:
-    """The concrete ``(rows, cols)`` of one block for a tensor of ``shape`` (WHOLE resolved)."""
-    rows = shape[-2] if len(shape) >= 2 else 1
-    cols = shape[-1]
-    br, bc = recipe.block
-    return (max(rows, 1) if br == WHOLE else br), (max(cols, 1) if bc == WHOLE else bc)
 
 
 def _div(a: torch.Tensor, b: float | torch.Tensor) -> torch.Tensor:
@@ -73,12 +66,6 @@ def _blocked_amax(x: torch.Tensor, br: int, bc: int) -> torch.Tensor:
     return a.amax(dim=(-3, -1))
 
 
-def expand_scale(scale: torch.Tensor, br: int, bc: int, rows: int, cols: int) -> torch.Tensor:
-    """Broadcast a [..., nr, nc] block-scale grid to [..., rows, cols] (crop the padding)."""
-    s = scale.repeat_interleave(br, dim=-2).repeat_interleave(bc, dim=-1)
-    return s[..., :rows, :cols]
-
-
 def quantize_reference(x: torch.Tensor, recipe: ScaleRecipe) -> QuantizedTensor:
     """Quantize ``x`` (validated by the caller) with ``recipe`` in plain torch."""
     shape = x.shape
@@ -121,24 +108,5 @@ def quantize_reference(x: torch.Tensor, recipe: ScaleRecipe) -> QuantizedTensor:
 
 
 def dequantize_reference(qt: QuantizedTensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """``q * scale (* global_scale)`` with the logical shape.
-
-    Computed in FP32, or in FP64 when ``dtype`` is float64 (exact: use it for error references).
-    """
-    dtype = qt.dtype if dtype is None else dtype
-    work = torch.float64 if dtype == torch.float64 else torch.float32
-    shape = qt.shape
-    rows, cols = (shape[-2], shape[-1]) if len(shape) >= 2 else (1, shape[-1])
-    data = qt.data if len(shape) >= 2 else qt.data.reshape(1, -1)
-    if qt.recipe.is_fp4:
-        q = decode(unpack_fp4(data), qt.recipe.element)[..., :cols]
-    else:
-        q = data.float()
-    scale = qt.scale.float()
-    if len(shape) < 2:
-        scale = scale.reshape(1, -1)
-    if qt.global_scale is not None:
-        scale = scale * qt.global_scale.float()
-    br, bc = block_dims(qt.recipe, shape)
-    out = q.to(work) * expand_scale(scale.to(work), br, bc, rows, cols)
-    return out.reshape(shape).to(dtype)
+    """``q * scale (* global_scale)`` with the logical shape (:func:`lowprec.blocks.dequantize_blocks`)."""
+    return dequantize_blocks(qt, dtype)

@@ -1,8 +1,9 @@
-"""Backend choice: run a CuTe DSL kernel or the plain-torch reference.
+"""Backend policy: run a CuTe DSL kernel or the plain-torch reference.
 
 ``LOWPREC_BACKEND`` (environment): ``auto`` (default: kernel where one exists for the device's
 arch, else reference), ``reference`` (always the reference), ``kernel`` (a kernel or an error:
-for testing kernels, never silently the reference). Code traced by ``torch.compile`` always
+for testing kernels, never silently the reference). The kernel registry
+(:mod:`lowprec.runtime.registry`) applies it. Code traced by ``torch.compile`` always
 takes the reference ops (a graph cannot hold a CuTe DSL launch): the GEMM and the FP8
 quantizations are ``torch.library`` custom ops that launch their kernels at run time, an MoE
 layer without gradients is one custom op (``lowprec.moe.ops``), and the other MoE ops run eagerly
@@ -19,9 +20,7 @@ from collections.abc import Callable
 
 import torch
 
-from .arch import device_arch
-
-__all__ = ["backend_mode", "use_kernel", "warn_once", "kernel_failed", "dsl_available", "eager_under_compile"]
+__all__ = ["backend_mode", "warn_once", "kernel_failed", "dsl_available", "eager_under_compile"]
 
 _MODES = ("auto", "reference", "kernel")
 log = logging.getLogger("lowprec")
@@ -42,36 +41,6 @@ def dsl_available() -> bool:
         import cutlass.cute  # noqa: F401
     except Exception as err:  # any import failure means: no kernels
         log.info("lowprec: CuTe DSL unavailable (%s); using reference ops", err)
-        return False
-    return True
-
-
-def use_kernel(op: str, device: torch.device, supported_archs: tuple[str, ...],
-               why_not: str | None | Callable[[], str | None] = None) -> bool:
-    """Decide whether ``op`` runs a kernel on ``device``.
-
-    ``why_not``: the caller's reason the inputs cannot take the kernel (None when they can), or
-    a function returning it, called only on a device with a kernel. In ``kernel`` mode every
-    reason is an error; in ``auto`` mode it means the reference.
-    """
-    mode = backend_mode()
-    # traced by torch.compile: only the reference ops can go into a graph (CuTe DSL launches
-    # cannot be traced; ops that keep their kernels there are custom ops or run eagerly)
-    if mode == "reference" or torch.compiler.is_compiling():
-        return False
-    arch = device_arch(device)
-    reason = None
-    if arch not in supported_archs:
-        reason = f"no {op} kernel for device {device} (arch {arch}; kernels for {list(supported_archs)})"
-    elif callable(why_not):
-        reason = why_not()
-    else:
-        reason = why_not
-    if reason is None and not dsl_available():
-        reason = "CuTe DSL (nvidia-cutlass-dsl) does not import"
-    if reason is not None:
-        if mode == "kernel":
-            raise RuntimeError(f"LOWPREC_BACKEND=kernel but {op} cannot run a kernel: {reason}")
         return False
     return True
 

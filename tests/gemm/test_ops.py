@@ -4,8 +4,9 @@ import pytest
 import torch
 
 import lowprec
-from lowprec.gemm.ops import _blockwise_scales, _sm90_unsupported
 from lowprec.gemm.reference import gemm_reference
+from lowprec.gemm.sm90.config import gemm_unsupported
+from lowprec.gemm.sm90.interface import _blockwise_scales
 from lowprec.recipes import RECIPE_NAMES, ScaleRecipe, get_recipe
 from lowprec.tensor import QuantizedTensor
 
@@ -28,14 +29,15 @@ def test_opcheck_fake_and_dynamic():
 def test_kernel_eligibility():
     a = lowprec.quantize(torch.randn(8, 256), "fp8_block1x128")
     w = lowprec.quantize(torch.randn(64, 256), "fp8_block128x128")
-    assert _sm90_unsupported(a, w, None) is None
-    assert _sm90_unsupported(lowprec.quantize(torch.randn(8, 256), "fp8_rowwise"), w, None) is None
-    assert "M=0" in _sm90_unsupported(lowprec.quantize(torch.randn(0, 256), "fp8_block1x128"), w, None)
-    assert "mxfp8" in _sm90_unsupported(lowprec.quantize(torch.randn(8, 256), "mxfp8"), w, None)
-    assert "128x128 blocks" in _sm90_unsupported(lowprec.quantize(torch.randn(8, 256), "fp8_block128x128"), w, None)
+    bf16 = torch.bfloat16
+    assert gemm_unsupported(a, w, bf16, None) is None
+    assert gemm_unsupported(lowprec.quantize(torch.randn(8, 256), "fp8_rowwise"), w, bf16, None) is None
+    assert "M=0" in gemm_unsupported(lowprec.quantize(torch.randn(0, 256), "fp8_block1x128"), w, bf16, None)
+    assert "mxfp8" in gemm_unsupported(lowprec.quantize(torch.randn(8, 256), "mxfp8"), w, bf16, None)
+    assert "activations" in gemm_unsupported(lowprec.quantize(torch.randn(8, 256), "fp8_block128x128"), w, bf16, None)
     w_odd = lowprec.quantize(torch.randn(40, 256), "fp8_block128x128")
-    assert "multiples of 16" in _sm90_unsupported(a, w_odd, None)
-    assert "bias" in _sm90_unsupported(a, w, torch.zeros(64, dtype=torch.float16))
+    assert "multiples of 16" in gemm_unsupported(a, w_odd, bf16, None)
+    assert "bias" in gemm_unsupported(a, w, bf16, torch.zeros(64, dtype=torch.float16))
 
 
 def test_empty_m(device):

@@ -1,7 +1,7 @@
 """The MoE layer's fused SwiGLU + 1x128 quantization on Hopper, and the layer forward with the fused
 kernels (token packing with the tokens' own codes, SwiGLU, unpack) against the unfused torch steps.
 
-Compiles for sm_90a on any machine (``tests/quant/test_sm90.py`` compiles every entry of
+Compiles for sm_90a on any machine (``tests/moe/test_kernels_sm90.py`` compiles every entry of
 ``KERNELS``); on the GPU the kernel must match the torch ops bit for bit.
 """
 
@@ -9,9 +9,10 @@ import pytest
 import torch
 
 import lowprec
-from lowprec.moe import experts, gather_rows, layer
-from lowprec.moe.layer import _quantized_activation, _swiglu_kernel_unsupported
-from lowprec.quant.sm90.interface import KERNELS
+from lowprec.moe import core, experts, gather_rows
+from lowprec.moe.core import _quantized_activation
+from lowprec.moe.sm90.config import swiglu_unsupported
+from lowprec.moe.sm90.interface import KERNELS
 
 from ..quant.test_sm90 import _poison_allocator
 
@@ -23,10 +24,10 @@ def test_swiglu_kernels_are_shipped_and_compiled_in_ci():
 def test_swiglu_kernel_eligibility():
     h = torch.randn(8, 512, dtype=torch.bfloat16)
     w = torch.rand(8)
-    assert _swiglu_kernel_unsupported(h, w) is None
-    assert "multiple of 16" in _swiglu_kernel_unsupported(h[:, :48], w)
-    assert "float32" in _swiglu_kernel_unsupported(h, w.double())
-    assert "dtype" in _swiglu_kernel_unsupported(h.double(), w)
+    assert swiglu_unsupported(h, w) is None
+    assert "multiple of 16" in swiglu_unsupported(h[:, :48], w)
+    assert "float32" in swiglu_unsupported(h, w.double())
+    assert "dtype" in swiglu_unsupported(h.double(), w)
 
 
 @pytest.mark.parametrize("activation", ["swiglu", "geglu"])
@@ -36,7 +37,7 @@ def test_cpu_takes_the_torch_ops(activation, monkeypatch):  # and geglu everywhe
     w = torch.rand(20, generator=g)
     monkeypatch.setenv("LOWPREC_BACKEND", "auto")
     a, hq = _quantized_activation(activation, h, w)
-    ref = layer._activation(activation, h.float()) * w[:, None]
+    ref = core._activation(activation, h.float()) * w[:, None]
     assert torch.equal(a.dequantize(torch.float32), lowprec.quantize(ref, "fp8_block1x128").dequantize(torch.float32))
     assert a.dtype == torch.float32 and hq.dtype == torch.bfloat16 and hq.shape == h.shape
     _same(hq, lowprec.quantize(h, "fp8_block1x128"))
@@ -122,7 +123,7 @@ def _unfused_pack_tokens(x, routing, recipe):
 
 def _unfused_activation(name, h, row_w):
     """The layer's forward before the fused kernel: torch SwiGLU in FP32, then two quantizations."""
-    a = layer._activation(name, h.float()) * row_w[:, None]
+    a = core._activation(name, h.float()) * row_w[:, None]
     return (lowprec.quantize(a, "fp8_block1x128", check_finite=False),
             lowprec.quantize(h, "fp8_block1x128", check_finite=False))
 
@@ -148,8 +149,8 @@ def test_layer_forward_and_gradients_unchanged_by_the_fused_kernels(ffn, capacit
         return [y.detach()] + [t.grad for t in leaves]
 
     fused = run()
-    monkeypatch.setattr(layer, "pack_tokens", _unfused_pack_tokens)
-    monkeypatch.setattr(layer, "_quantized_activation", _unfused_activation)
+    monkeypatch.setattr(core, "pack_tokens", _unfused_pack_tokens)
+    monkeypatch.setattr(core, "_quantized_activation", _unfused_activation)
     unfused = run()
     for name, a, b in zip(("y", "dx", "dweights", "dw1", "dw2"), fused, unfused):
         assert torch.equal(a, b), name

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from lowprec.moe import dispatch, route
-from lowprec.moe.sm90.interface import MAX_EXPERTS, MAX_SLOTS, build_dispatch_kernel, dispatch_unsupported
+from lowprec.moe.sm90.config import MAX_EXPERTS, MAX_SLOTS, dispatch_unsupported
+from lowprec.moe.sm90.interface import build_dispatch_kernel
 from lowprec.runtime import cubin_arch, local_memory_ops, sass_of
 
 from .test_packing_sm90 import _choices
@@ -22,9 +23,12 @@ def test_dispatch_kernels_compile_for_sm90a_without_spills(num_experts):
 
 
 def test_dispatch_unsupported_names_the_limit():
-    assert dispatch_unsupported(MAX_SLOTS, MAX_EXPERTS) is None
-    assert f"E={MAX_EXPERTS + 1}" in dispatch_unsupported(8, MAX_EXPERTS + 1)
-    assert f"{MAX_SLOTS + 1} slots" in dispatch_unsupported(MAX_SLOTS + 1, 8)
+    def ids(n):
+        return torch.empty(n, dtype=torch.int64)
+
+    assert dispatch_unsupported(ids(MAX_SLOTS), MAX_EXPERTS, None) is None
+    assert f"E={MAX_EXPERTS + 1}" in dispatch_unsupported(ids(8), MAX_EXPERTS + 1, None)
+    assert f"{MAX_SLOTS + 1} slots" in dispatch_unsupported(ids(MAX_SLOTS + 1), 8, None)
 
 
 def _both(weights, ids, num_experts, monkeypatch, **kw):

@@ -46,7 +46,7 @@ def test_swiglu_backward_kernel_matches_torch_autograd(rows, ffn, monkeypatch):
     its 1x128 quantization and act(h)·w bit for bit; ∂y/∂w, a sum in another order, within the
     rounding bound of the sum."""
     from lowprec import quantize
-    from lowprec.moe.layer import _activation_backward
+    from lowprec.moe.core import _activation_backward
 
     g = torch.Generator(device="cuda").manual_seed(rows + ffn)
     h = torch.randn(rows, 2 * ffn, device="cuda", generator=g) * 3

@@ -1,7 +1,7 @@
 """Hopper token packing (fused 1x128 quantization), unpack, and the sync-free MoE permutation path.
 
-The kernels compile for sm_90a on any machine (``tests/quant/test_sm90.py`` compiles every entry
-of ``KERNELS``, ``pack_1x128`` included; the unpack kernel is compiled here); on the GPU they must
+The kernels compile for sm_90a on any machine (``tests/moe/test_kernels_sm90.py`` compiles every
+entry of ``KERNELS``, ``pack_1x128`` included; the unpack kernel is compiled here); on the GPU they must
 match ``pack`` / ``unpack`` on the reference backend bit for bit.
 """
 
@@ -12,9 +12,9 @@ import torch
 
 import lowprec
 from lowprec.moe import dispatch, pack, route, unpack
-from lowprec.moe.packing import _pack_kernel_unsupported, _unpack_kernel_unsupported, _UnpackKernel, pack_tokens
-from lowprec.quant.sm90 import interface
-from lowprec.quant.sm90.interface import KERNELS, UNPACK_DTYPES, build_unpack_kernel
+from lowprec.moe.packing import _UnpackKernel, pack_tokens
+from lowprec.moe.sm90.config import UNPACK_DTYPES, pack_unsupported, unpack_unsupported
+from lowprec.moe.sm90.interface import KERNELS, build_unpack_kernel
 from lowprec.runtime import cubin_arch, local_memory_ops, sass_of
 
 from ..quant.test_sm90 import _data as _tokens  # outliers, an all-zero row
@@ -55,11 +55,11 @@ def test_pack_kernel_is_shipped_and_compiled_in_ci():
 def test_kernel_eligibility():
     r = _routing(8, 2, 4, "balanced", "cpu")
     x = torch.randn(8, 256, dtype=torch.bfloat16)
-    assert _pack_kernel_unsupported(x, r, lowprec.get_recipe("fp8_block1x128")) is None
-    assert "no packing kernel" in _pack_kernel_unsupported(x, r, lowprec.get_recipe("fp8_block1x128",
-                                                                                     pow2_scale=True))
-    assert "no packing kernel" in _pack_kernel_unsupported(x, r, lowprec.get_recipe("fp8_rowwise"))
-    assert "multiple of 16" in _pack_kernel_unsupported(x[:, :40], r, lowprec.get_recipe("fp8_block1x128"))
+    r1x128 = lowprec.get_recipe("fp8_block1x128")
+    assert pack_unsupported(x, r, r1x128, False) is None
+    assert "no packing kernel" in pack_unsupported(x, r, lowprec.get_recipe("fp8_block1x128", pow2_scale=True), False)
+    assert "no packing kernel" in pack_unsupported(x, r, lowprec.get_recipe("fp8_rowwise"), False)
+    assert "multiple of 16" in pack_unsupported(x[:, :40], r, r1x128, False)
 
 
 def test_cpu_takes_the_reference_and_kernel_mode_refuses(monkeypatch):
@@ -270,10 +270,10 @@ def test_unpack_kernel_compiles_for_sm90a_unfused_and_without_spills(dtype, out_
 def test_unpack_kernel_eligibility():
     r = _routing(8, 2, 4, "balanced", "cpu")
     rows = torch.randn(16, 256, dtype=torch.bfloat16)
-    assert _unpack_kernel_unsupported(rows, r, torch.float32) is None
-    assert "takes" in _unpack_kernel_unsupported(rows.double(), r, torch.float32)
-    assert "takes" in _unpack_kernel_unsupported(rows, r, torch.float64)
-    assert "multiple of 16" in _unpack_kernel_unsupported(rows[:, :40], r, torch.bfloat16)
+    assert unpack_unsupported(rows, r, None, torch.float32) is None
+    assert "takes" in unpack_unsupported(rows.double(), r, None, torch.float32)
+    assert "takes" in unpack_unsupported(rows, r, None, torch.float64)
+    assert "multiple of 16" in unpack_unsupported(rows[:, :40], r, None, torch.bfloat16)
     assert set(UNPACK_DTYPES) == {torch.bfloat16, torch.float16, torch.float32}
 
 
@@ -287,8 +287,9 @@ def test_unpack_cpu_takes_the_reference_and_kernel_mode_refuses(monkeypatch):
         unpack(rows, r)
 
 
-def _reference_unpack_rows(rows, slot_rows, weights, out_dtype):
+def _reference_unpack_rows(rows, routing, weights, out_dtype):
     """The kernel's contract in torch (for testing the autograd wrapper without a GPU)."""
+    slot_rows = routing.slot_rows
     acc = torch.zeros(slot_rows.shape[0], rows.shape[1])
     for j in range(slot_rows.shape[1]):
         term = rows[slot_rows[:, j].clamp(min=0)].float() * weights[:, j, None]
@@ -297,8 +298,7 @@ def _reference_unpack_rows(rows, slot_rows, weights, out_dtype):
 
 
 @pytest.mark.parametrize("weighted", [True, False])
-def test_unpack_kernel_gradients_match_the_reference(weighted, monkeypatch):
-    monkeypatch.setattr(interface, "unpack_rows", _reference_unpack_rows)
+def test_unpack_kernel_gradients_match_the_reference(weighted):
     r = _routing(60, 3, 5, "zipf", "cpu", 0.5, seed=4)
     assert (~r.kept).all(1).any()  # a token with every slot dropped
     g = torch.Generator().manual_seed(3)
@@ -306,7 +306,7 @@ def test_unpack_kernel_gradients_match_the_reference(weighted, monkeypatch):
     weights = torch.rand(60, 3, generator=g, dtype=torch.float64) if weighted else None
     dout = torch.randn(60, 32, generator=g)
     grads = []
-    for fn in (lambda a, w: _UnpackKernel.apply(a, w, r, torch.float32),
+    for fn in (lambda a, w: _UnpackKernel.apply(_reference_unpack_rows, a, w, r, torch.float32),
                lambda a, w: unpack(a, r, w, out_dtype=torch.float32)):
         leaves = [rows.clone().requires_grad_(), None if weights is None else weights.clone().requires_grad_()]
         out = fn(*leaves)

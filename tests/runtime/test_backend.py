@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from lowprec.runtime import backend_mode, device_arch, kernel_failed, use_kernel
+from lowprec.runtime import backend_mode, device_arch, kernel_failed
 
 
 def test_modes(monkeypatch):
@@ -12,18 +12,6 @@ def test_modes(monkeypatch):
     monkeypatch.setenv("LOWPREC_BACKEND", "fast")
     with pytest.raises(ValueError, match="LOWPREC_BACKEND"):
         backend_mode()
-
-
-def test_cpu_uses_reference_and_kernel_mode_refuses(monkeypatch):
-    cpu = torch.device("cpu")
-    assert device_arch(cpu) is None
-    monkeypatch.setenv("LOWPREC_BACKEND", "auto")
-    assert not use_kernel("gemm", cpu, ("sm_90a",))
-    monkeypatch.setenv("LOWPREC_BACKEND", "kernel")
-    with pytest.raises(RuntimeError, match="cannot run a kernel"):
-        use_kernel("gemm", cpu, ("sm_90a",))
-    with pytest.raises(RuntimeError, match="no gemm kernel for device cpu"):
-        use_kernel("gemm", cpu, ("sm_90a",), why_not=lambda: pytest.fail("only asked on a kernel device"))
 
 
 def test_kernel_failure_warns_once_in_auto_and_raises_in_kernel_mode(monkeypatch):

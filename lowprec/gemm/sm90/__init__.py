@@ -1,1 +1,10 @@
-"""Hopper (sm_90a) kernels of the GEMM family. Importing this package does not import cutlass."""
+"""Hopper (sm_90a) kernels of the GEMM family, registered with the kernel registry. Importing
+this package does not import cutlass."""
+
+from ...runtime.registry import register
+from . import config
+
+register("gemm", "sm_90a", f"{__name__}.interface:gemm_quantized", config.gemm_unsupported)
+register("grouped_gemm", "sm_90a", f"{__name__}.interface:grouped_gemm_quantized", config.grouped_unsupported)
+register("grouped_gemm_wgrad", "sm_90a", f"{__name__}.interface:grouped_gemm_wgrad_quantized",
+         config.wgrad_unsupported)

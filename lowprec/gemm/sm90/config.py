@@ -49,3 +49,61 @@ def valid_tile_n(tile_n: int) -> bool:
     and a tile touches at most three 128-wide weight-scale blocks (176 does: 2112 = 12 x 176).
     """
     return tile_n % 16 == 0 and 16 <= tile_n <= 192 and scale_blocks_spanned(tile_n) <= 3
+
+
+# ----------------------------------------------------------------------------- what the kernels take
+# Stated once: the registry asks these (``why_not``), the launchers in interface.py check the
+# same constants on raw tensors.
+MN_MULTIPLE = 16  # N and K (GEMM), N, P and K (K-grouped): TMA rows of 16 bytes
+WGRAD_N_MULTIPLE = 64  # K-grouped GEMM: a tile never straddles two groups' outputs
+OUT_DTYPES = ("bfloat16", "float16", "float32")
+BIAS_DTYPES = ("float32", "bfloat16")
+# FP8 recipes with FP32 scales: rowwise and tensorwise scales repeat per 128-wide K block
+A_RECIPES = ("fp8_block1x128", "fp8_rowwise", "fp8_tensorwise")
+B_RECIPES = ("fp8_block1x128", "fp8_block128x128", "fp8_rowwise", "fp8_tensorwise")
+
+
+def _dtype_name(dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _mn_unsupported(**dims: int) -> str | None:
+    if any(v % MN_MULTIPLE for v in dims.values()):
+        return " and ".join(f"{k}={v}" for k, v in dims.items()) + f" must be multiples of {MN_MULTIPLE}"
+    return None
+
+
+def gemm_unsupported(a, b, out_dtype, bias) -> str | None:
+    """Why the dense kernel cannot take QuantizedTensors ``a`` [M, K], ``b`` [N, K] (None: it can)."""
+    if a.recipe.name not in A_RECIPES:
+        return f"a's recipe is {a.recipe.name}; the kernel takes {A_RECIPES} activations"
+    if b.recipe.name not in B_RECIPES:
+        return f"b's recipe is {b.recipe.name}; the kernel takes {B_RECIPES} weights"
+    if a.shape[0] == 0:
+        return "M=0: nothing to compute"
+    if _dtype_name(out_dtype) not in OUT_DTYPES:
+        return f"out_dtype {out_dtype}"
+    if bias is not None and _dtype_name(bias.dtype) not in BIAS_DTYPES:
+        return f"bias dtype {bias.dtype} (the kernel takes {BIAS_DTYPES})"
+    return _mn_unsupported(N=b.shape[0], K=b.shape[1])
+
+
+def grouped_unsupported(a, b, out_dtype, group_ends, masked_counts) -> str | None:
+    """Why the grouped kernel cannot take ``a`` (1x128) and ``b`` [E, N, K] (128x128) (None: it can)."""
+    if a.recipe.name != "fp8_block1x128" or b.recipe.name != "fp8_block128x128":
+        return (f"recipes {a.recipe.name} x {b.recipe.name}; the grouped kernel takes fp8_block1x128 activations "
+                "and fp8_block128x128 weights")
+    if _dtype_name(out_dtype) not in OUT_DTYPES:
+        return f"out_dtype {out_dtype}"
+    return _mn_unsupported(N=b.shape[1], K=b.shape[2])
+
+
+def wgrad_unsupported(a, b, group_ends, out_dtype) -> str | None:
+    """Why the K-grouped kernel cannot take ``a`` [N, K], ``b`` [P, K] (1x128 along K) (None: it can)."""
+    if a.recipe.name != "fp8_block1x128" or b.recipe.name != "fp8_block1x128":
+        return f"recipes {a.recipe.name} x {b.recipe.name}; the kernel takes fp8_block1x128 operands"
+    if a.shape[0] % WGRAD_N_MULTIPLE:
+        return f"a rows {a.shape[0]} must be a multiple of {WGRAD_N_MULTIPLE}"
+    if _dtype_name(out_dtype) not in OUT_DTYPES:
+        return f"out_dtype {out_dtype}"
+    return _mn_unsupported(P=b.shape[0], K=a.shape[1])

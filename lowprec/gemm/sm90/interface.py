@@ -17,8 +17,8 @@ import importlib.util
 import torch
 
 from ...runtime import sm_count
+from .config import MN_MULTIPLE, SCALE_BLOCK, WGRAD_N_MULTIPLE
 
-SCALE_BLOCK = 128
 _ARCH_DEFAULT = "sm_90a"
 _TILE_N_CHOICES = (16, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176)
 _SPLIT_TILE_N = (64,)  # 64x128 split (fp32 partials) spills 4 bytes with mma_overlap
@@ -275,8 +275,8 @@ def _validate(a, a_scale, b, b_scale, out_dtype, bias):
     n, kb_ = b.shape
     _check(kb_ == k, lambda: f"b: K mismatch, a is [{m}, {k}] but b is [{n}, {kb_}] (b must be [N, K])")
     _check(m >= 1, lambda: f"a: M must be >= 1, got {m}")
-    _check(n % 16 == 0 and n > 0, lambda: f"b: N must be a positive multiple of 16, got {n}")
-    _check(k % 16 == 0 and k > 0, lambda: f"a: K must be a positive multiple of 16, got {k}")
+    _check(n % MN_MULTIPLE == 0 and n > 0, lambda: f"b: N must be a positive multiple of {MN_MULTIPLE}, got {n}")
+    _check(k % MN_MULTIPLE == 0 and k > 0, lambda: f"a: K must be a positive multiple of {MN_MULTIPLE}, got {k}")
     _check(a.stride(1) == 1, lambda: f"a: must be K-major (stride(1) == 1), got strides {a.stride()}")
     _check(b.stride(1) == 1, lambda: f"b: must be K-major (stride(1) == 1), got strides {b.stride()}")
     _check(a.stride(0) % 16 == 0 or m == 1, lambda: f"a: row stride must be a multiple of 16, got {a.stride(0)}")
@@ -481,8 +481,8 @@ def _validate_grouped(a, a_scale, b, b_scale, group, out_dtype, masked):
         _check(a.dim() == 2 and a.shape[1] == k, lambda: f"a: expected [M, K={k}], got shape {tuple(a.shape)}")
         rows = a.shape[0]
     kb, nb = -(-k // SCALE_BLOCK), -(-n // SCALE_BLOCK)
-    _check(n % 16 == 0 and n > 0, lambda: f"b: N must be a positive multiple of 16, got {n}")
-    _check(k % 16 == 0 and k > 0, lambda: f"b: K must be a positive multiple of 16, got {k}")
+    _check(n % MN_MULTIPLE == 0 and n > 0, lambda: f"b: N must be a positive multiple of {MN_MULTIPLE}, got {n}")
+    _check(k % MN_MULTIPLE == 0 and k > 0, lambda: f"b: K must be a positive multiple of {MN_MULTIPLE}, got {k}")
     _check(tuple(a_scale.shape) == (*a.shape[:-1], kb),
            lambda: f"a_scale: expected shape {(*a.shape[:-1], kb)} (1x128 blocks), got {tuple(a_scale.shape)}")
     _check(tuple(b_scale.shape) == (e, nb, kb),
@@ -574,9 +574,10 @@ def grouped_gemm_wgrad_fp8(
     n, k = a.shape
     p = b.shape[0]
     kb = -(-k // SCALE_BLOCK)
-    _check(n % 64 == 0 and n > 0, lambda: f"a: N must be a positive multiple of 64, got {n}")
-    _check(p % 16 == 0 and p > 0, lambda: f"b: P must be a positive multiple of 16, got {p}")
-    _check(k % 16 == 0 and k > 0, lambda: f"a: K must be a positive multiple of 16, got {k}")
+    _check(n % WGRAD_N_MULTIPLE == 0 and n > 0,
+           lambda: f"a: N must be a positive multiple of {WGRAD_N_MULTIPLE}, got {n}")
+    _check(p % MN_MULTIPLE == 0 and p > 0, lambda: f"b: P must be a positive multiple of {MN_MULTIPLE}, got {p}")
+    _check(k % MN_MULTIPLE == 0 and k > 0, lambda: f"a: K must be a positive multiple of {MN_MULTIPLE}, got {k}")
     _check(tuple(a_scale.shape) == (n, kb) and tuple(b_scale.shape) == (p, kb),
            lambda: f"a_scale, b_scale: expected shapes {(n, kb)} and {(p, kb)} (1x128 blocks), got "
            f"{tuple(a_scale.shape)} and {tuple(b_scale.shape)}")
@@ -605,3 +606,49 @@ def grouped_gemm_wgrad_fp8(
     _launch(fn, a, b, d.view(e * n, p), _tma_a_scale(a_scale), _prep_b_scale_per_col(b_scale), _dummy(dev),
             ends, n)
     return d
+
+
+# ----------------------------------------------------------------------------- registered kernels
+# The registry's implementations (``lowprec.gemm.sm90``): the reference's arguments,
+# QuantizedTensors whose constraints ``config`` states.
+def _blockwise_scales(a, b) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scales as the kernel takes them: A [M, ceil(K/128)]; B [ceil(N/128) or N, ceil(K/128)].
+
+    Rowwise and tensorwise scales are constant along K, so repeating them per 128-wide K block
+    gives the same product: one kernel serves all FP8 recipes with FP32 scales.
+    """
+    m, k = a.shape
+    n = b.shape[0]
+    kb = -(-k // SCALE_BLOCK)
+    sa = a.scale if a.recipe.name == "fp8_block1x128" else a.scale.reshape(-1, 1).expand(m, kb).contiguous()
+    if b.recipe.name in ("fp8_block128x128", "fp8_block1x128"):
+        sb = b.scale
+    elif b.recipe.name == "fp8_rowwise":
+        sb = b.scale.reshape(n, 1).expand(n, kb).contiguous()
+    else:
+        sb = b.scale.reshape(1, 1).expand(-(-n // SCALE_BLOCK), kb).contiguous()
+    return sa, sb
+
+
+def _k_major(data: torch.Tensor) -> torch.Tensor:
+    """FP8 codes as the kernel reads them, K contiguous. Under torch.compile the op gets the
+    layouts inductor chose for the traced reference quantization (e.g. strides (1, M))."""
+    return data if data.stride(-1) == 1 else data.contiguous()
+
+
+def gemm_quantized(a, b, out_dtype: torch.dtype, bias: torch.Tensor | None) -> torch.Tensor:
+    """``lowprec.gemm`` on this kernel."""
+    sa, sb = _blockwise_scales(a, b)
+    return gemm_blockwise_fp8(_k_major(a.data), sa, _k_major(b.data), sb, out_dtype=out_dtype, bias=bias)
+
+
+def grouped_gemm_quantized(a, b, out_dtype: torch.dtype, group_ends: torch.Tensor | None,
+                           masked_counts: torch.Tensor | None) -> torch.Tensor:
+    """``lowprec.grouped_gemm`` on this kernel."""
+    return grouped_gemm_blockwise_fp8(a.data, a.scale, b.data, b.scale, group_ends=group_ends,
+                                      masked_counts=masked_counts, out_dtype=out_dtype)
+
+
+def grouped_gemm_wgrad_quantized(a, b, group_ends: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """``lowprec.moe.grouped_gemm_wgrad`` on this kernel."""
+    return grouped_gemm_wgrad_fp8(a.data, a.scale, b.data, b.scale, group_ends, out_dtype)

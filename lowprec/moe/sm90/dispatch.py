@@ -26,8 +26,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64, Uint8
 
-from ...quant.sm90.fp8_quant import after_previous_grid
-from .interface import THREADS
+from ...cute.pdl import after_previous_grid
+from .config import THREADS
 
 WARPS = THREADS // 32
 

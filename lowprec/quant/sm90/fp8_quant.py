@@ -4,10 +4,6 @@
   one 128-wide block and reduce its amax with warp shuffles; a tile is one column block of 64
   rows (its scales are contiguous in the MN-major layout); persistent CTAs copy the next tile
   into shared memory (cp.async) while quantizing the current one.
-- ``pack_1x128``: ``quant_1x128`` of MoE tokens, each stored to its packed (expert-contiguous)
-  rows, padding rows zero-filled; ``pack_tokens_1x128`` also stores the tokens' own codes.
-- ``swiglu_1x128`` / ``swiglu_h_1x128``: the MoE layer's ``silu(gate) · up · w`` quantized
-  1x128 (and h itself, for the backward pass), h read once.
 - ``quant_rowwise``: one CTA per row, amax sweep then quantize sweep (the second from L2);
   ``quant_rowwise_staged`` for long rows reads up to 16384 columns once, into shared memory.
 - ``quant_128x128``: one CTA per 128x128 weight tile, held in registers (read once).
@@ -19,7 +15,9 @@
   (zeros where the map is -1): the MoE layer's K-grouped weight-gradient operands.
 
 All multiply by ``1 / scale`` (one IEEE division per block, as the reference) and convert with
-``cvt.rn.satfinite``. Scales go straight into the layout the GEMM reads (any strides).
+``cvt.rn.satfinite`` (the block pieces: :mod:`lowprec.cute.fp8_block`). Scales go straight into
+the layout the GEMM reads (any strides). The MoE's fused kernels (pack, SwiGLU) are in
+:mod:`lowprec.moe.sm90`.
 """
 
 from __future__ import annotations
@@ -28,115 +26,22 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32
 
-VEC = 8  # elements per thread: one 16-byte load of bf16
-BLOCK = 128
-LANES = BLOCK // VEC  # threads per scale block
-THREADS = 256
-GROUPS_PER_CTA = THREADS // LANES
-WARPS_PER_CTA = THREADS // 32
-E4M3_MAX = 448.0
-FP32_TINY = 1.1754943508222875e-38  # smallest normal: amax / 448 never flushes to zero
+from ...cute.fp8_block import (
+    BLOCK,
+    GROUPS_PER_CTA,
+    LANES,
+    ROWS_PER_CTA,
+    THREADS,
+    UNROLL,
+    VEC,
+    WARPS_PER_CTA,
+    as_fp8,
+    grid_1x128,
+    scale_and_inverse,
+    store_row_chunk,
+)
+from ...cute.pdl import after_previous_grid
 
-
-def as_fp8(codes_u8: cute.Tensor) -> cute.Tensor:
-    """The kernels take FP8 outputs as uint8 tensors (TVM-FFI has no FP8 dtype): the same memory
-    and layout, typed E4M3."""
-    return cute.make_tensor(cute.recast_ptr(codes_u8.iterator, dtype=cutlass.Float8E4M3FN), codes_u8.layout)
-
-
-@cute.jit
-def after_previous_grid():
-    """Programmatic dependent launch (kernels launched with ``use_pdl=True``): the CTA may start
-    while the previous kernel on the stream drains; wait for that grid before touching global
-    memory, then let the next kernel's CTAs launch as this grid's leave."""
-    cute.arch.griddepcontrol_wait()
-    cute.arch.griddepcontrol_launch_dependents()
-
-
-@cute.jit
-def _scale_and_inverse(amax):
-    scale = Float32(1.0)
-    if amax > Float32(0.0):
-        scale = cute.arch.fmax(amax / Float32(E4M3_MAX), Float32(FP32_TINY))
-    return scale, Float32(1.0) / scale
-
-
-@cute.jit
-def _store_row_chunk(mQ: cute.Tensor, values, r, col):
-    q_frag = cute.make_rmem_tensor((1, VEC), cutlass.Float8E4M3FN)
-    q_frag.store(values.to(cutlass.Float8E4M3FN))
-    cute.autovec_copy(q_frag, cute.local_tile(mQ, (1, VEC), (r, col // VEC)))
-
-
-UNROLL = 4  # scale blocks per 16-lane group: 4 independent 16-byte loads in flight per thread
-# A CTA of the 1x128 kernels covers one 128-wide column block of ROWS_PER_CTA consecutive rows:
-# its scales are one contiguous 256-byte run of the MN-major [KB, M] scale layout (whole sectors,
-# no scattered 4-byte stores), and neighbouring CTAs read neighbouring blocks of the same rows.
-ROWS_PER_CTA = GROUPS_PER_CTA * UNROLL
-
-
-# SwiGLU: ~50 instructions per element (expf, IEEE division) on top of two loads. With UNROLL
-# blocks a thread held 98 registers (2 CTAs per SM, load then compute then store): 44-47% of copy
-# bandwidth; one block per thread: 44 registers, 5 CTAs per SM overlapping each other, 74-77%.
-SWIGLU_UNROLL = 1
-
-
-@cute.jit
-def _grid_1x128(rows, blocks_per_row, unroll: cutlass.Constexpr = UNROLL):
-    rows_per_cta = GROUPS_PER_CTA * unroll
-    return (rows + rows_per_cta - 1) // rows_per_cta * blocks_per_row
-
-
-@cute.jit
-def _load_blocks(mX: cute.Tensor, bidx, tidx, blocks_per_row):
-    """The thread's VEC values (FP32, zeros outside ``mX``) of each of its group's UNROLL 1x128
-    blocks (the CTA's column block, rows 16 apart), and each block's ``(row, block column, first
-    column)``."""
-    values, coords = _load_block_columns(mX, bidx, tidx, blocks_per_row, mX.shape[1], (0,))
-    return [v[0] for v in values], coords
-
-
-@cute.jit
-def _load_block_columns(mX: cute.Tensor, bidx, tidx, blocks_per_row, cols, offsets,
-                        unroll: cutlass.Constexpr = UNROLL):
-    """``_load_blocks`` of the blocks of ``cols`` columns, each read at every column offset in
-    ``offsets``: the values of a block are a list, one entry per offset. ``unroll`` blocks per
-    16-lane group (a CTA covers ``GROUPS_PER_CTA * unroll`` rows)."""
-    lane = tidx % LANES
-    row_tile = bidx // blocks_per_row
-    kb = bidx - row_tile * blocks_per_row
-    col = kb * BLOCK + lane * VEC
-    values = []
-    coords = []
-    for u in cutlass.range_constexpr(unroll):
-        # for each u the CTA's 16 groups take 16 consecutive rows
-        row = (row_tile * unroll + u) * GROUPS_PER_CTA + tidx // LANES
-        per_offset = []
-        for offset in offsets:
-            frag = cute.make_rmem_tensor((1, VEC), mX.element_type)
-            frag.fill(0)
-            if row < mX.shape[0] and col < cols:
-                cute.autovec_copy(cute.local_tile(mX, (1, VEC), (row, (offset + col) // VEC)), frag)
-            per_offset.append(frag.load().to(Float32))
-        values.append(per_offset)
-        coords.append((row, kb, col))
-    return values, coords
-
-
-@cute.jit
-def _quantize_block(mQ: cute.Tensor, mS: cute.Tensor, values, row, kb, col, lane, in_bounds):
-    """Quantize one 1x128 block held by 16 lanes (VEC ``values`` each) and store codes and scale;
-    every lane joins the amax shuffle, in bounds or not."""
-    amax = abs(values).reduce(cute.ReductionOp.MAX, Float32(0.0), 0)
-    amax = cute.arch.warp_reduction_max(amax, threads_in_group=LANES)
-    scale, inv = _scale_and_inverse(amax)
-    if in_bounds:
-        _store_row_chunk(mQ, values * inv, row, col)
-        if lane == 0:
-            mS[row, kb] = scale
-
-
-# Streaming through shared memory (1x128, dual): a persistent CTA walks its tiles (CTA id, + grid,
 # ...) and each thread copies its own 16-byte chunks of the tiles PREFETCH ahead global -> shared
 # with cp.async (LDGSTS: no register holds the bytes in flight), then reads back the chunks of the
 # tile it quantizes. A thread reads only what it copied itself: no CTA barrier guards the slots.
@@ -206,7 +111,7 @@ def _quant_1x128_kernel(mX: cute.Tensor, mQ_u8: cute.Tensor, mS: cute.Tensor):
     rows = mX.shape[0]
     cols = mX.shape[1]
     blocks_per_row = mS.shape[1]
-    n_tiles = _grid_1x128(rows, blocks_per_row)
+    n_tiles = grid_1x128(rows, blocks_per_row)
     mQ = as_fp8(mQ_u8)
     smem = cutlass.memory.SmemAllocator()
     slots = _alloc_slots(smem, mX.element_type, UNROLL, STAGES_1X128)
@@ -226,9 +131,9 @@ def _quant_1x128_kernel(mX: cute.Tensor, mQ_u8: cute.Tensor, mS: cute.Tensor):
             # every lane joins the shuffle, in bounds or not
             amax = abs(values).reduce(cute.ReductionOp.MAX, Float32(0.0), 0)
             amax = cute.arch.warp_reduction_max(amax, threads_in_group=LANES)
-            scale, inv = _scale_and_inverse(amax)
+            scale, inv = scale_and_inverse(amax)
             if row < rows and col < cols:
-                _store_row_chunk(mQ, values * inv, row, col)
+                store_row_chunk(mQ, values * inv, row, col)
                 if lane == 0:
                     mS[row, kb] = scale
 
@@ -236,133 +141,9 @@ def _quant_1x128_kernel(mX: cute.Tensor, mQ_u8: cute.Tensor, mS: cute.Tensor):
 @cute.jit
 def quant_1x128(mX: cute.Tensor, mQ_u8: cute.Tensor, mS: cute.Tensor, max_ctas: cutlass.Int32, stream):
     """``max_ctas``: the CTAs resident at once on the device (the grid of the persistent walk)."""
-    grid = cutlass.min(_grid_1x128(mX.shape[0], mS.shape[1]), max_ctas)
+    grid = cutlass.min(grid_1x128(mX.shape[0], mS.shape[1]), max_ctas)
     _quant_1x128_kernel(mX, mQ_u8, mS).launch(
         grid=(grid, 1, 1), block=(THREADS, 1, 1), stream=stream, use_pdl=True)
-
-
-# ---------------------------------------------------------------------------------------------
-# MoE token packing fused with 1x128 quantization. The grid walks the T tokens like quant_1x128
-# (each block of x read and quantized once, not k times) and stores the codes to the token's
-# packed rows ``slot_rows[t, j]`` (none where dropped). There are T·k packed rows, k per token: the
-# group handling token t also zero-fills those of rows t·k .. t·k + k - 1 that are padding
-# (``row_slots[p] == -1``), so every packed row is written exactly once, sized without a host sync.
-# ``pack_tokens_1x128`` also stores the codes at the token's own row (quant_1x128 of x, which the
-# MoE layer keeps for its backward pass) from the same registers.
-@cute.kernel
-def _pack_1x128_kernel(mX: cute.Tensor, mSlotRows: cute.Tensor, mRowSlots: cute.Tensor, mQ_u8: cute.Tensor,
-                       mS: cute.Tensor, mXQ_u8: cute.Tensor, mXS: cute.Tensor, with_tokens: cutlass.Constexpr):
-    tidx, _, _ = cute.arch.thread_idx()
-    after_previous_grid()
-    bidx, _, _ = cute.arch.block_idx()
-    tokens = mX.shape[0]
-    cols = mX.shape[1]
-    top_k = mSlotRows.shape[1]
-    blocks_per_row = mS.shape[1]
-    mQ = as_fp8(mQ_u8)
-    mXQ = as_fp8(mXQ_u8)
-
-    lane = tidx % LANES
-    values, coords = _load_blocks(mX, bidx, tidx, blocks_per_row)
-    zeros = cute.make_rmem_tensor((1, VEC), cutlass.Uint8)
-    zeros.fill(0)
-    for u in cutlass.range_constexpr(UNROLL):
-        token, kb, col = coords[u]
-        amax = abs(values[u]).reduce(cute.ReductionOp.MAX, Float32(0.0), 0)
-        amax = cute.arch.warp_reduction_max(amax, threads_in_group=LANES)
-        scale, inv = _scale_and_inverse(amax)
-        if token < tokens and col < cols:
-            q_frag = cute.make_rmem_tensor((1, VEC), cutlass.Float8E4M3FN)
-            q_frag.store((values[u] * inv).to(cutlass.Float8E4M3FN))
-            if cutlass.const_expr(with_tokens):
-                cute.autovec_copy(q_frag, cute.local_tile(mXQ, (1, VEC), (token, col // VEC)))
-                if lane == 0:
-                    mXS[token, kb] = scale
-            for j in cutlass.range(top_k):
-                dst = cutlass.Int32(mSlotRows[token, j])
-                if dst >= 0:
-                    cute.autovec_copy(q_frag, cute.local_tile(mQ, (1, VEC), (dst, col // VEC)))
-                    if lane == 0:
-                        mS[dst, kb] = scale
-                pad = token * top_k + j
-                if mRowSlots[pad] < 0:
-                    cute.autovec_copy(zeros, cute.local_tile(mQ_u8, (1, VEC), (pad, col // VEC)))
-                    if lane == 0:
-                        mS[pad, kb] = Float32(1.0)
-
-
-@cute.jit
-def _launch_pack(mX: cute.Tensor, mSlotRows: cute.Tensor, mRowSlots: cute.Tensor, mQ_u8: cute.Tensor,
-                 mS: cute.Tensor, mXQ_u8: cute.Tensor, mXS: cute.Tensor, with_tokens: cutlass.Constexpr, stream):
-    grid = _grid_1x128(mX.shape[0], mS.shape[1])
-    _pack_1x128_kernel(mX, mSlotRows, mRowSlots, mQ_u8, mS, mXQ_u8, mXS, with_tokens).launch(
-        grid=(grid, 1, 1), block=(THREADS, 1, 1), stream=stream, use_pdl=True)
-
-
-@cute.jit
-def pack_1x128(mX: cute.Tensor, mSlotRows: cute.Tensor, mRowSlots: cute.Tensor, mQ_u8: cute.Tensor,
-               mS: cute.Tensor, stream):
-    _launch_pack(mX, mSlotRows, mRowSlots, mQ_u8, mS, mQ_u8, mS, False, stream)
-
-
-@cute.jit
-def pack_tokens_1x128(mX: cute.Tensor, mSlotRows: cute.Tensor, mRowSlots: cute.Tensor, mQ_u8: cute.Tensor,
-                      mS: cute.Tensor, mXQ_u8: cute.Tensor, mXS: cute.Tensor, stream):
-    _launch_pack(mX, mSlotRows, mRowSlots, mQ_u8, mS, mXQ_u8, mXS, True, stream)
-
-
-# ---------------------------------------------------------------------------------------------
-# SwiGLU fused with 1x128 quantization (the MoE layer's activation). h = [gate | up] is [R, 2F]
-# (the first expert GEMM's output); A = silu(gate) · up · w[row] in FP32, each step rounded as
-# torch computes it on the GPU: silu(g) = g / (1 + expf(-g)) (libdevice expf, IEEE division), then
-# the two products. Each 16-lane group reads a 1x128 block of gate and the matching block of up,
-# like quant_1x128. With ``with_h`` (F a multiple of 128, so those are blocks of h) it also
-# quantizes h itself, the copy the layer keeps for the backward pass: h is read once.
-@cute.kernel
-def _swiglu_1x128_kernel(mH: cute.Tensor, mW: cute.Tensor, mQ_u8: cute.Tensor, mS: cute.Tensor,
-                         mHQ_u8: cute.Tensor, mHS: cute.Tensor, with_h: cutlass.Constexpr):
-    tidx, _, _ = cute.arch.thread_idx()
-    after_previous_grid()
-    bidx, _, _ = cute.arch.block_idx()
-    rows = mH.shape[0]
-    ffn = mQ_u8.shape[1]
-    blocks_per_row = mS.shape[1]
-    mQ = as_fp8(mQ_u8)
-    mHQ = as_fp8(mHQ_u8)
-
-    lane = tidx % LANES
-    values, coords = _load_block_columns(mH, bidx, tidx, blocks_per_row, ffn, (0, ffn), SWIGLU_UNROLL)
-    for u in cutlass.range_constexpr(SWIGLU_UNROLL):
-        row, kb, col = coords[u]
-        gate, up = values[u]
-        in_bounds = row < rows and col < ffn
-        if cutlass.const_expr(with_h):
-            _quantize_block(mHQ, mHS, gate, row, kb, col, lane, in_bounds)
-            _quantize_block(mHQ, mHS, up, row, blocks_per_row + kb, ffn + col, lane, in_bounds)
-        w = Float32(0.0)
-        if row < rows:
-            w = mW[row]
-        silu = gate / (Float32(1.0) + cute.math.exp(-gate))
-        _quantize_block(mQ, mS, silu * up * w, row, kb, col, lane, in_bounds)
-
-
-@cute.jit
-def _launch_swiglu(mH: cute.Tensor, mW: cute.Tensor, mQ_u8: cute.Tensor, mS: cute.Tensor, mHQ_u8: cute.Tensor,
-                   mHS: cute.Tensor, with_h: cutlass.Constexpr, stream):
-    grid = _grid_1x128(mH.shape[0], mS.shape[1], SWIGLU_UNROLL)
-    _swiglu_1x128_kernel(mH, mW, mQ_u8, mS, mHQ_u8, mHS, with_h).launch(
-        grid=(grid, 1, 1), block=(THREADS, 1, 1), stream=stream, use_pdl=True)
-
-
-@cute.jit
-def swiglu_1x128(mH: cute.Tensor, mW: cute.Tensor, mQ_u8: cute.Tensor, mS: cute.Tensor, stream):
-    _launch_swiglu(mH, mW, mQ_u8, mS, mQ_u8, mS, False, stream)
-
-
-@cute.jit
-def swiglu_h_1x128(mH: cute.Tensor, mW: cute.Tensor, mQ_u8: cute.Tensor, mS: cute.Tensor, mHQ_u8: cute.Tensor,
-                   mHS: cute.Tensor, stream):
-    _launch_swiglu(mH, mW, mQ_u8, mS, mHQ_u8, mHS, True, stream)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -425,18 +206,18 @@ def _quant_rowwise_kernel(mX: cute.Tensor, mQ_u8: cute.Tensor, mS: cute.Tensor, 
             cute.autovec_copy(cute.local_tile(mX, (1, VEC), (row, col // VEC)), frag)
         amax = cute.arch.fmax(amax, abs(frag.load().to(Float32)).reduce(cute.ReductionOp.MAX, Float32(0.0), 0))
     amax = _cta_max(amax, warp_max, tidx)
-    scale, inv = _scale_and_inverse(amax)
+    scale, inv = scale_and_inverse(amax)
     if cutlass.const_expr(staged > 0):
         for c in cutlass.range_constexpr(staged):
             staged_col = c * CHUNK + tidx * VEC
             if c < chunks and staged_col < cols:
-                _store_row_chunk(mQ, _read_chunk(slots, tidx, c, 0) * inv, row, staged_col)
+                store_row_chunk(mQ, _read_chunk(slots, tidx, c, 0) * inv, row, staged_col)
     for i in cutlass.range(staged, chunks):
         col = i * CHUNK + tidx * VEC
         if col < cols:
             frag = cute.make_rmem_tensor((1, VEC), mX.element_type)
             cute.autovec_copy(cute.local_tile(mX, (1, VEC), (row, col // VEC)), frag)
-            _store_row_chunk(mQ, frag.load().to(Float32) * inv, row, col)
+            store_row_chunk(mQ, frag.load().to(Float32) * inv, row, col)
     if tidx == 0:
         mS[row, 0] = scale
 
@@ -538,11 +319,11 @@ def _quant_128x128_kernel(mX: cute.Tensor, mQ_u8: cute.Tensor, mS: cute.Tensor, 
     for p in cutlass.range_constexpr(PASSES):
         amax = cute.arch.fmax(amax, abs(values[p]).reduce(cute.ReductionOp.MAX, Float32(0.0), 0))
     amax = _cta_max(amax, warp_max, tidx)
-    scale, inv = _scale_and_inverse(amax)
+    scale, inv = scale_and_inverse(amax)
     for p in cutlass.range_constexpr(PASSES):
         r = first_row + row_step * p
         if r < mX.shape[0] and col < mX.shape[1]:
-            _store_row_chunk(mQ, values[p] * inv, r, col)
+            store_row_chunk(mQ, values[p] * inv, r, col)
     if tidx == 0:
         mS[tile_r, tile_c] = scale
     if cutlass.const_expr(with_t):
@@ -594,7 +375,7 @@ def _quantize_columns(values, col_max: cute.Tensor, tile_t: cute.Tensor, mQT: cu
         cmax = col_max[0, j, lane]
         for w in cutlass.range_constexpr(1, WARPS_PER_CTA):
             cmax = cute.arch.fmax(cmax, col_max[w, j, lane])
-        scale, inv = _scale_and_inverse(cmax)
+        scale, inv = scale_and_inverse(cmax)
         _stage_column(tile_t, _column_codes(values, j, inv), lane, rgrp, j)
         if rgrp == 0 and tile_c * TILE + c < cols:
             mST[tile_c * TILE + c, tile_r] = scale
@@ -695,13 +476,13 @@ def _dual_tile(slots: cute.Tensor, stage, mQ: cute.Tensor, mS: cute.Tensor, mQT:
     warp, wlane = tidx // 32, tidx % 32
     first_row = tile_r * TILE + rgrp * PASSES
     col = tile_c * TILE + lane * VEC
-    # one view of the thread's 8 rows of Q (a local_tile per row, as _store_row_chunk, adds 48 SASS)
+    # one view of the thread's 8 rows of Q (a local_tile per row, as store_row_chunk, adds 48 SASS)
     q_rows = cute.local_tile(mQ, (PASSES, VEC), (first_row // PASSES, col // VEC))
 
     values = [_read_chunk(slots, tidx, p, stage) for p in range(PASSES)]
     row_max = [abs(values[p]).reduce(cute.ReductionOp.MAX, Float32(0.0), 0) for p in range(PASSES)]
     # rows: 1x128 along the feature dim; lanes 2ρ, 2ρ + 1 of a row group own row ρ's scale
-    scale, inv = _scale_and_inverse(_row_max_scattered(row_max, lane))
+    scale, inv = scale_and_inverse(_row_max_scattered(row_max, lane))
     my_row = first_row + (lane // 2) % PASSES
     if lane % 2 == 0 and my_row < rows:
         mS[my_row, tile_c] = scale
@@ -734,7 +515,7 @@ def _dual_tile(slots: cute.Tensor, stage, mQ: cute.Tensor, mS: cute.Tensor, mQT:
     quad_inv = cute.make_rmem_tensor((4,), Float32)
     quad_scale = cute.make_rmem_tensor((4,), Float32)
     for c in cutlass.range_constexpr(4):
-        quad_scale[c], quad_inv[c] = _scale_and_inverse(quad[c])
+        quad_scale[c], quad_inv[c] = scale_and_inverse(quad[c])
     if warp == 0:
         st_cols = cute.local_tile(mST, (4, 1), (tile_c * (TILE // 4) + wlane, tile_r))
         for c in cutlass.range_constexpr(4):

@@ -7,34 +7,38 @@ import torch
 from ...runtime import kernel_cache, sm_count
 from ..layouts import empty_mn_major_tma_aligned
 
-__all__ = ["kernel_unsupported", "quantize_1x128", "quantize_rowwise", "quantize_128x128", "quantize_128x128_t",
-           "quantize_dual", "quantize_t_gathered",
-           "pack_1x128", "swiglu_1x128", "swiglu_backward_1x128",
-           "unpack_rows", "build_kernel", "build_unpack_kernel", "compile_kernel",
-           "KERNELS", "UNPACK_DTYPES"]
+__all__ = ["quantize_1x128", "quantize_rowwise", "quantize_128x128", "quantize_128x128_t", "quantize_dual",
+           "quantize_t_gathered", "quantize_codes", "quantize_dual_codes", "quantize_with_transpose_codes",
+           "quantize_t_gathered_codes", "build_kernel", "compile_kernel", "KERNELS", "fake_rows", "fake_scales",
+           "cutlass_dtype"]
 
 ARCH = "sm_90a"
-KERNELS = ("1x128", "128x128", "128x128_t", "dual", "rowwise", "rowwise_staged", "pack_1x128", "pack_tokens_1x128",
-           "swiglu_1x128", "swiglu_h_1x128", "swiglu_backward_1x128", "swiglu_backward", "t_gathered")
-_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-UNPACK_DTYPES = _DTYPES  # rows and output dtypes of the unpack kernel
+KERNELS = ("1x128", "128x128", "128x128_t", "dual", "rowwise", "rowwise_staged", "t_gathered")
 
 
-def kernel_unsupported(x: torch.Tensor) -> str | None:
-    """Why the kernels cannot take ``x`` (None: they can)."""
-    if x.dtype not in _DTYPES:
-        return f"dtype {x.dtype}"
-    if x.dim() != 2:
-        return f"{x.dim()}-D input (the kernels take [rows, cols])"
-    if x.shape[1] % 16 or x.stride(1) != 1 or x.stride(0) % 16 or x.data_ptr() % 16:
-        return "cols must be a multiple of 16, rows contiguous and 16-byte aligned"
-    return None
-
-
-def _cutlass_dtype(dtype: torch.dtype):
+def cutlass_dtype(dtype: torch.dtype):
     import cutlass
 
     return {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16, torch.float32: cutlass.Float32}[dtype]
+
+
+def fake_rows(dtype):
+    """A fake [rows, cols] tensor as the kernels take it: cols a multiple of 16, rows 16-byte aligned."""
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_tensor
+
+    return make_fake_tensor(dtype, (cute.sym_int(), cute.sym_int(divisibility=16)),
+                            stride=(cute.sym_int64(divisibility=16), 1), assumed_align=16)
+
+
+def fake_scales():
+    """A fake FP32 scale grid of any strides."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_tensor
+
+    return make_fake_tensor(cutlass.Float32, (cute.sym_int(), cute.sym_int()),
+                            stride=(cute.sym_int64(), cute.sym_int64()), assumed_align=4)
 
 
 def build_kernel(kind: str, dtype: torch.dtype, arch: str = ARCH):
@@ -46,58 +50,33 @@ def build_kernel(kind: str, dtype: torch.dtype, arch: str = ARCH):
     from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
 
     from ...runtime import compile_for_arch
-    from . import fp8_quant, swiglu_backward
+    from . import fp8_quant
 
-    def data(dt):
-        return make_fake_tensor(dt, (cute.sym_int(), cute.sym_int(divisibility=16)),
-                                stride=(cute.sym_int64(divisibility=16), 1), assumed_align=16)
-
-    def scale():
-        return make_fake_tensor(cutlass.Float32, (cute.sym_int(), cute.sym_int()),
-                                stride=(cute.sym_int64(), cute.sym_int64()), assumed_align=4)
-
-    x, q = data(_cutlass_dtype(dtype)), data(cutlass.Uint8)
+    x, q = fake_rows(cutlass_dtype(dtype)), fake_rows(cutlass.Uint8)
     stream = make_fake_stream(use_tvm_ffi_env_stream=True)
     fn = {"1x128": fp8_quant.quant_1x128, "128x128": fp8_quant.quant_128x128,
           "128x128_t": fp8_quant.quant_128x128_t, "dual": fp8_quant.quant_dual,
           "rowwise": fp8_quant.quant_rowwise, "rowwise_staged": fp8_quant.quant_rowwise_staged,
-          "pack_1x128": fp8_quant.pack_1x128,
-          "pack_tokens_1x128": fp8_quant.pack_tokens_1x128,
-          "swiglu_1x128": fp8_quant.swiglu_1x128, "swiglu_h_1x128": fp8_quant.swiglu_h_1x128,
-          "swiglu_backward_1x128": swiglu_backward.swiglu_backward_1x128,
-          "swiglu_backward": swiglu_backward.swiglu_backward, "t_gathered": fp8_quant.quant_t_gathered}[kind]
-    if kind.startswith("swiglu_backward"):  # dtype: da's (h is FP8; dh and a are FP32)
-        row_weights = make_fake_tensor(cutlass.Float32, (cute.sym_int(),), stride=(1,), assumed_align=4)
-        dh_q = (data(cutlass.Uint8), scale()) if kind == "swiglu_backward_1x128" else ()
-        args = (q, scale(), x, row_weights, *dh_q, data(cutlass.Float32), data(cutlass.Float32), scale())
-    elif kind == "dual":
-        args = (x, q, scale(), data(cutlass.Uint8), scale(), cutlass.Int32(1))
+          "t_gathered": fp8_quant.quant_t_gathered}[kind]
+    if kind == "dual":
+        args = (x, q, fake_scales(), fake_rows(cutlass.Uint8), fake_scales(), cutlass.Int32(1))
     elif kind == "t_gathered":
         src = make_fake_tensor(cutlass.Int32, (cute.sym_int(),), stride=(1,), assumed_align=4)
-        args = (x, src, q, scale())
+        args = (x, src, q, fake_scales())
     elif kind == "128x128_t":
-        args = (x, q, scale(), data(cutlass.Uint8))
-    elif kind.startswith("pack"):
-        slot_rows = make_fake_tensor(cutlass.Int64, (cute.sym_int(), cute.sym_int()), stride=(cute.sym_int64(), 1),
-                                     assumed_align=8)
-        row_slots = make_fake_tensor(cutlass.Int64, (cute.sym_int(),), stride=(1,), assumed_align=8)
-        args = (x, slot_rows, row_slots, q, scale()) + ((data(cutlass.Uint8), scale()) if kind == "pack_tokens_1x128"
-                                                          else ())
-    elif kind.startswith("swiglu"):
-        row_weights = make_fake_tensor(cutlass.Float32, (cute.sym_int(),), stride=(1,), assumed_align=4)
-        args = (x, row_weights, q, scale()) + ((data(cutlass.Uint8), scale()) if kind == "swiglu_h_1x128" else ())
+        args = (x, q, fake_scales(), fake_rows(cutlass.Uint8))
     elif kind == "1x128":
-        args = (x, q, scale(), cutlass.Int32(1))
+        args = (x, q, fake_scales(), cutlass.Int32(1))
     else:
-        args = (x, q, scale())
+        args = (x, q, fake_scales())
     return compile_for_arch(fn, *args, stream, arch=arch, tvm_ffi=True)
 
 
 def compile_kernel(kind: str, dtype: torch.dtype, arch: str = ARCH):
     """The launchable kernel, compiled once per (kind, dtype, arch) through the kernel cache."""
-    from . import fp8_quant, swiglu_backward
+    from . import fp8_quant
 
-    return kernel_cache.get(f"quant_fp8_{kind}", {"dtype": dtype}, arch, [fp8_quant, swiglu_backward],
+    return kernel_cache.get(f"quant_fp8_{kind}", {"dtype": dtype}, arch, [fp8_quant],
                             lambda: build_kernel(kind, dtype, arch))
 
 
@@ -211,120 +190,23 @@ def quantize_t_gathered(x: torch.Tensor, src_rows: torch.Tensor) -> tuple[torch.
     return qt, st
 
 
-def pack_1x128(x: torch.Tensor, slot_rows: torch.Tensor, row_slots: torch.Tensor, with_tokens: bool = False
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """MoE packing fused with 1x128 quantization: ``x`` [T, H] -> (FP8 [T·k, H], FP32 scales
-    [T·k, ceil(H/128)] MN-major), then with ``with_tokens`` ``quantize_1x128(x)`` (FP8 [T, H],
-    scales MN-major) from the same pass, else None, None. Packed row ``slot_rows[t, j]`` holds
-    token ``t`` (nothing where -1); row ``p`` with ``row_slots[p] == -1`` is zero with scale 1.
-    Both index maps int64, contiguous (:class:`lowprec.moe.Routing`'s)."""
-    t, h = x.shape
-    n = row_slots.shape[0]
-    q = torch.empty(n, h, dtype=torch.float8_e4m3fn, device=x.device)
-    s = empty_mn_major_tma_aligned(n, -(-h // 128), x.device)
-    xq = xs = None
-    if with_tokens:
-        xq = torch.empty(t, h, dtype=torch.float8_e4m3fn, device=x.device)
-        xs = empty_mn_major_tma_aligned(t, -(-h // 128), x.device)
-    if t and h:
-        with torch.cuda.device(x.device):
-            if with_tokens:
-                compile_kernel("pack_tokens_1x128", x.dtype)(x, slot_rows, row_slots, q.view(torch.uint8), s,
-                                                              xq.view(torch.uint8), xs)
-            else:
-                compile_kernel("pack_1x128", x.dtype)(x, slot_rows, row_slots, q.view(torch.uint8), s)
-    return q, s, xq, xs
+# ----------------------------------------------------------------------------- registered kernels
+# The registry's implementations (``lowprec.quant.sm90``), with the arguments ``config`` checks.
+def quantize_codes(x: torch.Tensor, r) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize(x, r)``'s codes and scales, ``x`` viewed as [rows, cols]."""
+    return quantize_by_recipe(x.reshape(-1, x.shape[-1]), r.name)
 
 
-def swiglu_1x128(h: torch.Tensor, row_weights: torch.Tensor, with_h: bool
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """``h = [gate | up]`` [R, 2F] -> ``A = silu(gate) · up · row_weights[:, None]`` (FP32, as torch
-    on the GPU) quantized 1x128: (FP8 [R, F], FP32 scales [R, ceil(F/128)] MN-major), and with
-    ``with_h`` (F a multiple of 128) also ``h`` quantized 1x128 (FP8 [R, 2F], scales MN-major),
-    else None, None. ``row_weights``: FP32 [R], contiguous."""
-    r, two_f = h.shape
-    f = two_f // 2
-    q = torch.empty(r, f, dtype=torch.float8_e4m3fn, device=h.device)
-    s = empty_mn_major_tma_aligned(r, -(-f // 128), h.device)
-    hq = hs = None
-    if with_h:
-        hq = torch.empty(r, two_f, dtype=torch.float8_e4m3fn, device=h.device)
-        hs = empty_mn_major_tma_aligned(r, two_f // 128, h.device)
-    if r and f:
-        with torch.cuda.device(h.device):
-            if with_h:
-                compile_kernel("swiglu_h_1x128", h.dtype)(h, row_weights, q.view(torch.uint8), s, hq.view(torch.uint8),
-                                                           hs)
-            else:
-                compile_kernel("swiglu_1x128", h.dtype)(h, row_weights, q.view(torch.uint8), s)
-    return q, s, hq, hs
+def quantize_dual_codes(x: torch.Tensor, r) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``quantize_dual(x, r)``'s codes and scales, both orientations."""
+    return quantize_dual(x)
 
 
-def swiglu_backward_1x128(hq: torch.Tensor, hs: torch.Tensor, da: torch.Tensor, row_weights: torch.Tensor
-                          ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor,
-                                     torch.Tensor]:
-    """SwiGLU backward (see :mod:`.swiglu_backward`) from the saved ``h = [gate | up]`` (FP8
-    ``hq`` [R, 2F] contiguous, 1x128 scales ``hs`` [R, ceil(2F/128)], any strides), ``da``
-    [R, F] FP32 and ``row_weights`` FP32 [R], F a multiple of 16.
-
-    Returns ``(dh FP32 [R, 2F], dh codes FP8 [R, 2F], dh scales [R, 2F/128] MN-major, a =
-    silu(gate)·up·w FP32 [R, F], ∂y/∂w FP32 [R])``; the codes and scales are None unless F is a
-    multiple of 128 (then dh's 1x128 blocks straddle gate and up: quantize ``dh`` instead)."""
-    r, f = da.shape
-    dev = da.device
-    with_q = f % 128 == 0
-    dh = torch.empty(r, 2 * f, dtype=torch.float32, device=dev)
-    a = torch.empty(r, f, dtype=torch.float32, device=dev)
-    dw_parts = torch.empty(r, -(-f // 128), dtype=torch.float32, device=dev)
-    dhq = dhs = None
-    if with_q:
-        dhq = torch.empty(r, 2 * f, dtype=torch.float8_e4m3fn, device=dev)
-        dhs = empty_mn_major_tma_aligned(r, 2 * f // 128, dev)
-    if r and f:
-        with torch.cuda.device(dev):
-            if with_q:
-                compile_kernel("swiglu_backward_1x128", da.dtype)(hq.view(torch.uint8), hs, da, row_weights,
-                                                                   dhq.view(torch.uint8), dhs, dh, a, dw_parts)
-            else:
-                compile_kernel("swiglu_backward", da.dtype)(hq.view(torch.uint8), hs, da, row_weights, dh, a,
-                                                             dw_parts)
-    return dh, dhq, dhs, a, dw_parts.sum(dim=1)
+def quantize_with_transpose_codes(x: torch.Tensor, r) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``quantize_with_transpose(x, r)``'s codes, scales and transposed codes."""
+    return quantize_128x128_t(x.reshape(-1, x.shape[-1]), x.shape[-2])
 
 
-def build_unpack_kernel(dtype: torch.dtype, out_dtype: torch.dtype, top_k: int, arch: str = ARCH):
-    """Compile the MoE unpack kernel for ``dtype`` rows, ``out_dtype`` output and ``top_k`` slots
-    per token (a static dimension: the slot loop unrolls) on fake tensors, uncached."""
-    import cutlass
-    import cutlass.cute as cute
-    from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
-
-    from ...runtime import compile_for_arch
-    from . import unpack
-
-    def data(dt):
-        return make_fake_tensor(dt, (cute.sym_int(), cute.sym_int(divisibility=16)),
-                                stride=(cute.sym_int64(divisibility=16), 1), assumed_align=16)
-
-    tokens = cute.sym_int()
-    slot_rows = make_fake_tensor(cutlass.Int64, (tokens, top_k), stride=(top_k, 1), assumed_align=8)
-    weights = make_fake_tensor(cutlass.Float32, (tokens, top_k), stride=(top_k, 1), assumed_align=4)
-    stream = make_fake_stream(use_tvm_ffi_env_stream=True)
-    return compile_for_arch(unpack.unpack_rows, data(_cutlass_dtype(dtype)), slot_rows, weights,
-                            data(_cutlass_dtype(out_dtype)), stream, arch=arch, tvm_ffi=True)
-
-
-def unpack_rows(rows: torch.Tensor, slot_rows: torch.Tensor, weights: torch.Tensor,
-                out_dtype: torch.dtype) -> torch.Tensor:
-    """MoE combine: ``rows`` [T·k, H] -> ``out`` [T, H] in ``out_dtype``, ``out[t] = Σ_j weights[t, j] ·
-    rows[slot_rows[t, j]]`` over ``slot_rows[t, j] >= 0`` (FP32, slot order, product rounded before
-    the add). ``slot_rows`` int64 and ``weights`` FP32, both [T, k] contiguous."""
-    tokens, top_k = slot_rows.shape
-    out = torch.empty(tokens, rows.shape[1], dtype=out_dtype, device=rows.device)
-    if tokens and rows.shape[1]:
-        from . import unpack
-
-        kernel = kernel_cache.get("moe_unpack", {"dtype": rows.dtype, "out_dtype": out_dtype, "top_k": top_k}, ARCH,
-                                  [unpack], lambda: build_unpack_kernel(rows.dtype, out_dtype, top_k))
-        with torch.cuda.device(rows.device):
-            kernel(rows, slot_rows, weights, out)
-    return out
+def quantize_t_gathered_codes(rows: torch.Tensor, r, sources: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The token-major 1x128 codes and scales of ``rows`` gathered through ``sources``."""
+    return quantize_t_gathered(rows, sources)

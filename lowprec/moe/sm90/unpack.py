@@ -20,7 +20,7 @@ from cutlass import Float32
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
-from .fp8_quant import after_previous_grid
+from ...cute.pdl import after_previous_grid
 
 VEC = 8  # columns per thread: one 16-byte load of bf16 rows
 THREADS = 128

@@ -26,18 +26,18 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32
 
-from .fp8_quant import (
+from ...cute.fp8_block import (
     GROUPS_PER_CTA,
     LANES,
     ROWS_PER_CTA,
     THREADS,
     UNROLL,
     VEC,
-    _grid_1x128,
-    _quantize_block,
-    after_previous_grid,
     as_fp8,
+    grid_1x128,
+    quantize_block,
 )
+from ...cute.pdl import after_previous_grid
 
 
 @cute.jit
@@ -111,15 +111,15 @@ def _swiglu_backward_kernel(mHQ_u8: cute.Tensor, mHS: cute.Tensor, mDA: cute.Ten
             if lane == 0:
                 mDW[row, kb] = dw_part
         if cutlass.const_expr(with_q):
-            _quantize_block(mDHQ, mDHS, d_gate.load(), row, kb, col, lane, in_bounds)
-            _quantize_block(mDHQ, mDHS, d_up.load(), row, blocks_per_row + kb, ffn + col, lane, in_bounds)
+            quantize_block(mDHQ, mDHS, d_gate.load(), row, kb, col, lane, in_bounds)
+            quantize_block(mDHQ, mDHS, d_up.load(), row, blocks_per_row + kb, ffn + col, lane, in_bounds)
 
 
 @cute.jit
 def swiglu_backward_1x128(mHQ_u8: cute.Tensor, mHS: cute.Tensor, mDA: cute.Tensor, mW: cute.Tensor,
                           mDHQ_u8: cute.Tensor, mDHS: cute.Tensor, mDH: cute.Tensor, mA: cute.Tensor,
                           mDW: cute.Tensor, stream):
-    grid = _grid_1x128(mDA.shape[0], mDW.shape[1])
+    grid = grid_1x128(mDA.shape[0], mDW.shape[1])
     _swiglu_backward_kernel(mHQ_u8, mHS, mDA, mW, mDHQ_u8, mDHS, mDH, mA, mDW, True).launch(
         grid=(grid, 1, 1), block=(THREADS, 1, 1), stream=stream, use_pdl=True)
 
@@ -127,6 +127,6 @@ def swiglu_backward_1x128(mHQ_u8: cute.Tensor, mHS: cute.Tensor, mDA: cute.Tenso
 @cute.jit
 def swiglu_backward(mHQ_u8: cute.Tensor, mHS: cute.Tensor, mDA: cute.Tensor, mW: cute.Tensor, mDH: cute.Tensor,
                     mA: cute.Tensor, mDW: cute.Tensor, stream):
-    grid = _grid_1x128(mDA.shape[0], mDW.shape[1])
+    grid = grid_1x128(mDA.shape[0], mDW.shape[1])
     _swiglu_backward_kernel(mHQ_u8, mHS, mDA, mW, mHQ_u8, mHS, mDH, mA, mDW, False).launch(
         grid=(grid, 1, 1), block=(THREADS, 1, 1), stream=stream, use_pdl=True)

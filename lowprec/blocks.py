@@ -1,0 +1,49 @@
+"""Block geometry of a recipe and dequantization, in plain torch: what a QuantizedTensor needs to
+turn itself back into a tensor (below :mod:`lowprec.quant`, which quantizes)."""
+
+from __future__ import annotations
+
+import torch
+
+from .formats import decode, unpack_fp4
+from .recipes import WHOLE, ScaleRecipe
+
+__all__ = ["block_dims", "expand_scale", "dequantize_blocks"]
+
+
+def block_dims(recipe: ScaleRecipe, shape: torch.Size) -> tuple[int, int]:
+    """The concrete ``(rows, cols)`` of one block for a tensor of ``shape`` (WHOLE resolved)."""
+    rows = shape[-2] if len(shape) >= 2 else 1
+    cols = shape[-1]
+    br, bc = recipe.block
+    return (max(rows, 1) if br == WHOLE else br), (max(cols, 1) if bc == WHOLE else bc)
+
+
+def expand_scale(scale: torch.Tensor, br: int, bc: int, rows: int, cols: int) -> torch.Tensor:
+    """Broadcast a [..., nr, nc] block-scale grid to [..., rows, cols] (crop the padding)."""
+    s = scale.repeat_interleave(br, dim=-2).repeat_interleave(bc, dim=-1)
+    return s[..., :rows, :cols]
+
+
+def dequantize_blocks(qt, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``q * scale (* global_scale)`` of a QuantizedTensor ``qt`` with its logical shape.
+
+    Computed in FP32, or in FP64 when ``dtype`` is float64 (exact: use it for error references).
+    """
+    dtype = qt.dtype if dtype is None else dtype
+    work = torch.float64 if dtype == torch.float64 else torch.float32
+    shape = qt.shape
+    rows, cols = (shape[-2], shape[-1]) if len(shape) >= 2 else (1, shape[-1])
+    data = qt.data if len(shape) >= 2 else qt.data.reshape(1, -1)
+    if qt.recipe.is_fp4:
+        q = decode(unpack_fp4(data), qt.recipe.element)[..., :cols]
+    else:
+        q = data.float()
+    scale = qt.scale.float()
+    if len(shape) < 2:
+        scale = scale.reshape(1, -1)
+    if qt.global_scale is not None:
+        scale = scale * qt.global_scale.float()
+    br, bc = block_dims(qt.recipe, shape)
+    out = q.to(work) * expand_scale(scale.to(work), br, bc, rows, cols)
+    return out.reshape(shape).to(dtype)

@@ -1,0 +1,57 @@
+"""What the sm_90a FP8 quantize kernels take, stated once (no cutlass import): the registry asks
+these functions, each with the arguments of the kernel it guards."""
+
+from __future__ import annotations
+
+import torch
+
+INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+RECIPES = ("fp8_block1x128", "fp8_block128x128", "fp8_rowwise")  # with exact FP32 scales
+COL_MULTIPLE = 16  # 16-byte rows of FP8 codes
+
+
+def rows_unsupported(x: torch.Tensor) -> str | None:
+    """Why the kernels cannot read ``x`` as [rows, cols] (None: they can)."""
+    if x.dtype not in INPUT_DTYPES:
+        return f"dtype {x.dtype}"
+    if x.dim() != 2:
+        return f"{x.dim()}-D input (the kernels take [rows, cols])"
+    if x.shape[1] % COL_MULTIPLE or x.stride(1) != 1 or x.stride(0) % 16 or x.data_ptr() % 16:
+        return f"cols must be a multiple of {COL_MULTIPLE}, rows contiguous and 16-byte aligned"
+    return None
+
+
+def _recipe_unsupported(x: torch.Tensor, r) -> str | None:
+    if r.name not in RECIPES or r.scale_rounding != "exact":
+        return f"recipe {r.name} ({r.scale_rounding} scales) has no quantize kernel"
+    if r.is_2d and x.dim() > 2 and x.shape[-2] % r.block[0]:
+        return f"the 128x128 kernel takes a batch of matrices only when rows are a multiple of {r.block[0]}"
+    return None
+
+
+def quantize_unsupported(x: torch.Tensor, r) -> str | None:
+    """``quantize(x, r)``: ``x`` of any dims, viewed as [rows, cols]."""
+    return _recipe_unsupported(x, r) or rows_unsupported(x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x)
+
+
+def dual_unsupported(x: torch.Tensor, r) -> str | None:
+    """``quantize_dual(x, r)``: ``x`` [T, K], both orientations in 1x128 blocks."""
+    if r.name != "fp8_block1x128" or r.scale_rounding != "exact":
+        return f"recipe {r.name}: the dual kernel quantizes exact 1x128 blocks"
+    return rows_unsupported(x)
+
+
+def transpose_unsupported(x: torch.Tensor, r) -> str | None:
+    """``quantize_with_transpose(x, r)``: a batch of matrices ``x`` [..., rows, cols] in 128x128 blocks."""
+    if r.name != "fp8_block128x128":
+        return f"recipe {r.name!r} (the transposing kernel is 128x128 FP8)"
+    if x.shape[-2] % 16:
+        return "rows per matrix must be a multiple of 16"
+    return quantize_unsupported(x, r)
+
+
+def gathered_unsupported(rows: torch.Tensor, r, sources: torch.Tensor) -> str | None:
+    """The token-major 1x128 quantization of ``rows`` gathered through ``sources``."""
+    if r.block != (1, 128) or r.name != "fp8_block1x128":
+        return f"recipe {r.name}: the gathering kernel quantizes 1x128 blocks"
+    return rows_unsupported(rows)
