@@ -50,3 +50,20 @@ def test_compiled_quantize_traces_the_ops_without_graph_breaks():
     q, s = fn(x)
     want = lowprec.quantize(x, "fp8_block1x128")
     assert torch.equal(q.float(), want.data.float()) and torch.equal(s, want.scale)
+
+
+def test_kernel_constraints_are_stated_by_the_hopper_config():
+    """What the sm_90a quantize kernels take, asked with each kernel's own arguments."""
+    from lowprec.quant.sm90.config import dual_unsupported, quantize_unsupported, transpose_unsupported
+
+    x = torch.randn(32, 256, dtype=torch.bfloat16)
+    r1x128, rowwise = lowprec.get_recipe("fp8_block1x128"), lowprec.get_recipe("fp8_rowwise")
+    assert quantize_unsupported(x, rowwise) is None
+    assert "no quantize kernel" in quantize_unsupported(x, lowprec.get_recipe("mxfp8"))
+    assert "dtype" in quantize_unsupported(x.double(), r1x128)
+    assert "multiple of 16" in quantize_unsupported(x[:, :40], r1x128)
+    assert dual_unsupported(x, r1x128) is None
+    assert "1x128" in dual_unsupported(x, rowwise)  # the dual kernel writes 1x128 scales only
+    r128 = lowprec.get_recipe("fp8_block128x128")
+    assert transpose_unsupported(x.reshape(2, 16, 256), r128) is not None  # 16-row matrices in a batch
+    assert transpose_unsupported(torch.randn(2, 128, 256), r128) is None
