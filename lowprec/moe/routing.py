@@ -250,6 +250,8 @@ def _plan_kernel(ids: torch.Tensor, num_experts: int, capacity: int | None):
     of ~16 torch ops), or None where the torch form runs."""
     from ..runtime import registry
 
+    if ids.device.type != "cuda":  # the torch form is the CPU path, in every backend mode
+        return None
     return registry.run("moe_dispatch", ids.device, (ids, num_experts, capacity), lambda: None)
 
 
