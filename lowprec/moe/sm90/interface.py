@@ -51,8 +51,6 @@ def dispatch_plan(ids: torch.Tensor, num_experts: int, capacity: int | None
     is None); ``capacity``: None (dropless) or the slots each expert keeps, its earliest (the
     ``"position"`` drop policy). Returns (kept bool [n], slot_rows int64 [n], row_slots int64 [n],
     counts int32 [E], group_ends int32 [E]) of :func:`lowprec.moe.dispatch`'s plan."""
-    from . import dispatch
-
     n = ids.shape[0]
     dev = ids.device
     kept = torch.empty(n, dtype=torch.bool, device=dev)
@@ -65,7 +63,7 @@ def dispatch_plan(ids: torch.Tensor, num_experts: int, capacity: int | None
         ends.zero_()
         return kept, slot_rows, row_slots, counts, ends
     hist = torch.empty(-(-n // THREADS), num_experts, dtype=torch.int32, device=dev)
-    kernel = kernel_cache.get("moe_dispatch_plan", {"num_experts": num_experts}, ARCH, [dispatch],
+    kernel = kernel_cache.get("moe_dispatch_plan", {"num_experts": num_experts}, ARCH,
                               lambda: build_dispatch_kernel(num_experts))
     with torch.cuda.device(dev):
         kernel(ids, hist, counts, ends, row_slots, slot_rows, kept.view(torch.uint8), min(capacity or n, n))

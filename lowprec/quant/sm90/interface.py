@@ -95,9 +95,7 @@ def build_kernel(kind: str, dtype: torch.dtype, arch: str = ARCH):
 
 def compile_kernel(kind: str, dtype: torch.dtype, arch: str = ARCH):
     """The launchable kernel, compiled once per (kind, dtype, arch) through the kernel cache."""
-    from . import fp8_quant, swiglu_backward
-
-    return kernel_cache.get(f"quant_fp8_{kind}", {"dtype": dtype}, arch, [fp8_quant, swiglu_backward],
+    return kernel_cache.get(f"quant_fp8_{kind}", {"dtype": dtype}, arch,
                             lambda: build_kernel(kind, dtype, arch))
 
 
@@ -321,10 +319,8 @@ def unpack_rows(rows: torch.Tensor, slot_rows: torch.Tensor, weights: torch.Tens
     tokens, top_k = slot_rows.shape
     out = torch.empty(tokens, rows.shape[1], dtype=out_dtype, device=rows.device)
     if tokens and rows.shape[1]:
-        from . import unpack
-
         kernel = kernel_cache.get("moe_unpack", {"dtype": rows.dtype, "out_dtype": out_dtype, "top_k": top_k}, ARCH,
-                                  [unpack], lambda: build_unpack_kernel(rows.dtype, out_dtype, top_k))
+                                  lambda: build_unpack_kernel(rows.dtype, out_dtype, top_k))
         with torch.cuda.device(rows.device):
             kernel(rows, slot_rows, weights, out)
     return out
