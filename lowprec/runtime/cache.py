@@ -1,59 +1,93 @@
 """Compile cache for CuTe DSL kernels: in memory, and on disk for TVM-FFI kernels.
 
-The key holds the kernel's name, its config, the target arch, the CuTe DSL version and a
-fingerprint of the kernel's source files, so editing a kernel or upgrading the DSL never reuses a
-stale binary. On disk, a TVM-FFI kernel is exported to an object file and linked into a shared
-library (``$LOWPREC_CACHE_DIR``, default ``~/.cache/lowprec/kernels``). The disk layer is opt-in
-(``LOWPREC_DISK_CACHE=1``): with nvidia-cutlass-dsl 4.8.1, kernels that use shared memory fail to
-launch when loaded back from the exported library (CUDA error 98, seen on H100), while kernels
-without shared memory run. Kernels compiled without TVM-FFI are cached in memory only.
+The key holds the kernel's name, its config, the target arch and a fingerprint of the whole
+``lowprec`` package source (every ``.py`` under it) plus the installed nvidia-cutlass-dsl,
+apache-tvm-ffi and Python versions, so editing any kernel or shared helper, or upgrading the DSL,
+never reuses a stale binary.
+
+On disk, a TVM-FFI kernel is exported to an object file and loaded back directly (JITLink, one
+isolated link unit per kernel, as quack and FlashAttention-4 do), with its cubin beside it for
+:func:`lowprec.runtime.compile.sass_of`. The directory is ``$LOWPREC_CACHE_DIR`` (default
+``~/.cache/lowprec/kernels``) with one subdirectory per source fingerprint (the 8 most recently
+written are kept; any can be deleted at any time). ``LOWPREC_DISK_CACHE=0`` turns the disk layer
+off. Files are written to a temporary name and renamed into place, so a reader never sees half a
+file; an unreadable file is ignored with a warning and the kernel recompiled. Kernels compiled
+without TVM-FFI are cached in memory only.
+
+Before, each object file was linked into a shared library. Every export names its symbols after
+the export name, the same for every kernel, so two such libraries in one process resolved the
+second's same-named symbols to the first's: whichever kernel was loaded second failed to launch
+(CUDA error 98), which, as the GEMM and the quantize kernels were the ones loaded, read as "kernels
+with shared memory fail" (H100, nvidia-cutlass-dsl 4.8.1: each library alone, or names made
+unique, ran; preloading the runtime libraries globally did not help). Object files loaded by
+JITLink each stay in their own link unit.
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
-import inspect
 import json
 import logging
 import os
+import pathlib
 import shutil
-import subprocess
+import sys
 import tempfile
 import threading
-from collections.abc import Callable, Iterable, Mapping
-from types import ModuleType
+import warnings
+from collections.abc import Callable, Mapping
 
-__all__ = ["KernelCache", "kernel_cache", "cache_key", "source_fingerprint"]
+__all__ = ["KernelCache", "kernel_cache", "cache_key", "source_fingerprint", "DEFAULT_CACHE_DIR"]
 
 log = logging.getLogger("lowprec")
 _EXPORT_NAME = "lowprec_kernel"
+_PACKAGE_ROOT = pathlib.Path(__file__).resolve().parents[1]
+DEFAULT_CACHE_DIR = os.path.join("~", ".cache", "lowprec", "kernels")
+KEEP_FINGERPRINTS = 8  # source versions kept on disk
 
 
-def source_fingerprint(sources: Iterable[ModuleType | Callable | str]) -> str:
-    """sha256 over the source files of modules / functions (or file paths)."""
-    return _fingerprint_paths(tuple(src if isinstance(src, str) else inspect.getsourcefile(src) for src in sources))
+def source_fingerprint(root: str | os.PathLike | None = None) -> str:
+    """sha256 over every ``.py`` file under ``root`` (default: the ``lowprec`` package), sorted
+    relative paths and contents; computed once per process and root."""
+    return _tree_fingerprint(str(pathlib.Path(root).resolve() if root is not None else _PACKAGE_ROOT))
 
 
 @functools.cache
-def _fingerprint_paths(paths: tuple[str, ...]) -> str:
-    # once per process: kernel sources do not change under a running program, and launches are hot
+def _tree_fingerprint(root: str) -> str:
+    # once per process: sources do not change under a running program, and launches are hot
     h = hashlib.sha256()
-    for path in paths:
-        with open(path, "rb") as f:
-            h.update(f.read())
+    base = pathlib.Path(root)
+    for path in sorted(p for p in base.rglob("*.py") if p.is_file()):
+        content = path.read_bytes()
+        h.update(path.relative_to(base).as_posix().encode() + b"\0")
+        h.update(len(content).to_bytes(8, "little"))
+        h.update(content)
     return h.hexdigest()
 
 
-def _dsl_version() -> str:
-    import cutlass
+@functools.cache
+def _versions() -> dict[str, str]:
+    """The versions a compiled kernel depends on besides its source."""
+    from importlib import metadata
 
-    return cutlass.__version__
+    def version(dist: str, module: str) -> str:
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:  # installed without metadata: ask the module
+            try:
+                return getattr(__import__(module), "__version__", "unknown")
+            except ImportError:
+                return "none"
+
+    return {"cutlass-dsl": version("nvidia-cutlass-dsl", "cutlass"), "tvm-ffi": version("apache-tvm-ffi", "tvm_ffi"),
+            "python": f"{sys.version_info.major}.{sys.version_info.minor}"}
 
 
-def cache_key(kernel: str, config: Mapping, arch: str, fingerprint: str) -> str:
-    payload = {"kernel": kernel, "config": {k: str(v) for k, v in sorted(config.items())},
-               "arch": arch, "dsl": _dsl_version(), "src": fingerprint}
+def cache_key(kernel: str, config: Mapping, arch: str, fingerprint: str | None = None) -> str:
+    """The disk key of a kernel: its name, config, arch, the package fingerprint and the versions."""
+    payload = {"kernel": kernel, "config": {k: str(v) for k, v in sorted(config.items())}, "arch": arch,
+               "src": fingerprint if fingerprint is not None else source_fingerprint(), "versions": _versions()}
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:32]
 
 
@@ -62,16 +96,18 @@ class KernelCache:
 
     def __init__(self, directory: str | None = None) -> None:
         self._memory: dict[str, object] = {}
-        self._by_args: dict[tuple, object] = {}  # launch-time fast path: no hashing of sources
-        self._modules: dict[str, object] = {}  # loaded shared libraries, kept alive
+        self._by_args: dict[tuple, object] = {}  # launch-time fast path: no hashing
         self._lock = threading.Lock()
         self._directory = directory
+        self.compiles = 0  # kernels compiled by this cache (not loaded from disk)
+        self.loads = 0  # kernels loaded from disk
 
     @property
     def directory(self) -> str | None:
-        if os.environ.get("LOWPREC_DISK_CACHE", "0") != "1":
+        """Where kernels are kept on disk (one subdirectory per source fingerprint), or None."""
+        if os.environ.get("LOWPREC_DISK_CACHE", "1") == "0":
             return None
-        return self._directory or os.environ.get("LOWPREC_CACHE_DIR") or os.path.expanduser("~/.cache/lowprec/kernels")
+        return self._directory or os.environ.get("LOWPREC_CACHE_DIR") or os.path.expanduser(DEFAULT_CACHE_DIR)
 
     def __len__(self) -> int:
         return len(self._memory)
@@ -81,17 +117,16 @@ class KernelCache:
             self._memory.clear()
             self._by_args.clear()
 
-    def get(self, kernel: str, config: Mapping, arch: str, sources: Iterable, compile_fn: Callable[[], object]):
-        """The kernel for ``(kernel, config, arch, sources)``: from memory, disk, or ``compile_fn()``."""
-        sources = tuple(sources)
+    def get(self, kernel: str, config: Mapping, arch: str, compile_fn: Callable[[], object]):
+        """The kernel for ``(kernel, config, arch)``: from memory, disk, or ``compile_fn()``."""
         try:
-            args_key = (kernel, tuple(sorted(config.items())), arch, sources)
+            args_key = (kernel, tuple(sorted(config.items())), arch)
             hit = self._by_args.get(args_key)
         except TypeError:  # unhashable config values: take the slow path every time
             args_key, hit = None, None
         if hit is not None:
             return hit
-        hit = self._get(cache_key(kernel, config, arch, source_fingerprint(sources)), compile_fn)
+        hit = self._get(cache_key(kernel, config, arch), compile_fn)
         if args_key is not None:
             self._by_args[args_key] = hit
         return hit
@@ -103,48 +138,103 @@ class KernelCache:
         with self._lock:
             hit = self._memory.get(key)
             if hit is None:
-                hit = self._load(key) or self._compile_and_store(key, compile_fn)
+                path = self._path(key)
+                hit = (_load(path) if path is not None else None)
+                if hit is not None:
+                    self.loads += 1
+                else:
+                    hit = compile_fn()
+                    self.compiles += 1
+                    if path is not None:
+                        _store(hit, path)
                 self._memory[key] = hit
         return hit
 
     def _path(self, key: str) -> str | None:
         d = self.directory
-        return None if d is None else os.path.join(d, f"{key}.so")
+        return None if d is None else os.path.join(d, source_fingerprint()[:16], f"{key}.o")
 
-    def _load(self, key: str):
-        path = self._path(key)
-        if path is None or not os.path.exists(path):
-            return None
+
+def _load(path: str):
+    """The kernel exported to ``path``, or None when there is none (or it is unreadable)."""
+    if not os.path.exists(path):
+        return None
+    try:
+        _check_object_file(path)
+        from cutlass.runtime import load_module
+
+        fn = getattr(load_module(path, enable_tvm_ffi=True), _EXPORT_NAME)
+    except Exception as err:  # a corrupt or foreign file: recompile (and overwrite it)
+        warnings.warn(f"lowprec: ignoring unreadable cached kernel {path} ({err}); recompiling",
+                      RuntimeWarning, stacklevel=4)
+        return None
+    cubin = path[:-2] + ".cubin"
+    if os.path.exists(cubin):
+        with open(cubin, "rb") as f:
+            fn.__cubin__ = f.read()  # for sass_of, as on a freshly compiled kernel
+    log.debug("lowprec: loaded %s", path)
+    return fn
+
+
+def _check_object_file(path: str) -> None:
+    """Refuse what is not a whole 64-bit ELF object before handing it to the linker: a truncated
+    file must be recompiled, not linked."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        head = f.read(64)
+    if len(head) < 64 or head[:5] != b"\x7fELF\x02":
+        raise ValueError("not a 64-bit ELF object")
+    order = "little" if head[5] == 1 else "big"
+    shoff = int.from_bytes(head[40:48], order)
+    shentsize, shnum = int.from_bytes(head[58:60], order), int.from_bytes(head[60:62], order)
+    if shoff + shentsize * shnum > size:
+        raise ValueError(f"truncated ({size} bytes, section headers end at {shoff + shentsize * shnum})")
+
+
+def _store(compiled, path: str) -> None:
+    """Export a TVM-FFI kernel to ``path`` (and its cubin beside it); an optimization only."""
+    if not hasattr(compiled, "export_to_c"):
+        return
+    try:
+        if not os.path.isdir(os.path.dirname(path)):
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            _prune(os.path.dirname(os.path.dirname(path)))
+        cubin = getattr(compiled, "__cubin__", None)
+        if isinstance(cubin, (bytes, bytearray)):
+            _atomic_write(path[:-2] + ".cubin", lambda tmp: pathlib.Path(tmp).write_bytes(cubin))
+        # the object last: it is what a reader looks for
+        _atomic_write(path, lambda tmp: compiled.export_to_c(tmp, function_name=_EXPORT_NAME))
+    except Exception as err:
+        log.info("lowprec: kernel %s kept in memory only (%s)", path, err)
+
+
+def _prune(directory: str, keep: int = KEEP_FINGERPRINTS) -> None:
+    """Delete all but the ``keep`` most recently written fingerprint subdirectories: every source
+    edit starts a new one, and nothing reads the old ones again."""
+    try:
+        subdirs = [e for e in os.scandir(directory) if e.is_dir() and len(e.name) == 16
+                   and all(c in "0123456789abcdef" for c in e.name)]
+        subdirs.sort(key=lambda e: e.stat().st_mtime, reverse=True)
+        for old in subdirs[keep:]:
+            shutil.rmtree(old.path, ignore_errors=True)
+    except OSError:
+        pass
+
+
+def _atomic_write(path: str, write: Callable[[str], object]) -> None:
+    """``write(tmp)`` to a temporary file beside ``path``, then rename it over ``path``: a reader
+    (another process) sees the old file or the whole new one, never half of one."""
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-", suffix=os.path.splitext(path)[1])
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
         try:
-            from cutlass.runtime import load_module
-
-            module = load_module(path, enable_tvm_ffi=True)
-            fn = getattr(module, _EXPORT_NAME)
-        except Exception as err:  # a corrupt or foreign file: recompile
-            log.warning("lowprec: ignoring unreadable cached kernel %s (%s)", path, err)
-            return None
-        self._modules[key] = module
-        return fn
-
-    def _compile_and_store(self, key: str, compile_fn: Callable[[], object]):
-        compiled = compile_fn()
-        path = self._path(key)
-        if path is not None and hasattr(compiled, "export_to_c") and shutil.which("cc"):
-            try:
-                _export_shared_library(compiled, path)
-            except Exception as err:  # the disk layer is an optimization only
-                log.info("lowprec: kernel %s kept in memory only (%s)", key, err)
-        return compiled
-
-
-def _export_shared_library(compiled, path: str) -> None:
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=os.path.dirname(path)) as tmp:
-        obj = os.path.join(tmp, "kernel.o")
-        lib = os.path.join(tmp, "kernel.so")
-        compiled.export_to_c(obj, function_name=_EXPORT_NAME)
-        subprocess.run(["cc", "-shared", "-o", lib, obj], check=True, capture_output=True)
-        os.replace(lib, path)  # atomic: concurrent processes never see half a file
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
 
 
 kernel_cache = KernelCache()

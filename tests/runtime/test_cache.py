@@ -1,9 +1,16 @@
 import importlib.util
+import json
+import os
 import pathlib
+import subprocess
+import sys
+import textwrap
+import threading
 
 import pytest
+import torch
 
-from lowprec.runtime import KernelCache, cache_key, compile_for_arch, source_fingerprint
+from lowprec.runtime import KernelCache, cache, cache_key, compile_for_arch, source_fingerprint
 
 
 def _probe():
@@ -13,62 +20,246 @@ def _probe():
     return module
 
 
-def test_memory_cache_compiles_once(tmp_path, monkeypatch):
+def _compile_probe():
+    k = _probe()
+    return compile_for_arch(k.scale, *k.fake_args(), arch="sm_90a", tvm_ffi=True)
+
+
+def test_memory_cache_compiles_once(monkeypatch):
     monkeypatch.setenv("LOWPREC_DISK_CACHE", "0")
-    cache = KernelCache()
+    c = KernelCache()
     calls = []
-    src = [str(pathlib.Path(__file__).with_name("probe_kernel.py"))]
 
     def compile_fn():
         calls.append(1)
         return object()
 
-    a = cache.get("probe", {"block": 128}, "sm_90a", src, compile_fn)
-    b = cache.get("probe", {"block": 128}, "sm_90a", src, compile_fn)
-    c = cache.get("probe", {"block": 256}, "sm_90a", src, compile_fn)
-    d = cache.get("probe", {"block": 128}, "sm_100a", src, compile_fn)
-    assert a is b and a is not c and c is not d and len(calls) == 3 and len(cache) == 3
+    a = c.get("probe", {"block": 128}, "sm_90a", compile_fn)
+    b = c.get("probe", {"block": 128}, "sm_90a", compile_fn)
+    d = c.get("probe", {"block": 256}, "sm_90a", compile_fn)
+    e = c.get("probe", {"block": 128}, "sm_100a", compile_fn)
+    assert a is b and a is not d and d is not e and len(calls) == 3 == c.compiles and len(c) == 3
 
 
-def test_key_depends_on_everything(tmp_path):
-    f1, f2 = tmp_path / "k1.py", tmp_path / "k2.py"
-    f1.write_text("x = 1\n")
-    f2.write_text("x = 2\n")
-    fp1, fp2 = source_fingerprint([str(f1)]), source_fingerprint([str(f2)])
-    base = cache_key("k", {"n": 1}, "sm_90a", fp1)
-    assert base == cache_key("k", {"n": 1}, "sm_90a", fp1)
-    assert len({base, cache_key("k", {"n": 2}, "sm_90a", fp1), cache_key("k", {"n": 1}, "sm_100a", fp1),
-                cache_key("k", {"n": 1}, "sm_90a", fp2), cache_key("j", {"n": 1}, "sm_90a", fp1)}) == 5
+def test_key_depends_on_kernel_config_arch_and_source():
+    fp = source_fingerprint()
+    base = cache_key("k", {"n": 1}, "sm_90a")
+    assert base == cache_key("k", {"n": 1}, "sm_90a") == cache_key("k", {"n": 1}, "sm_90a", fp)
+    assert len({base, cache_key("k", {"n": 2}, "sm_90a"), cache_key("k", {"n": 1}, "sm_100a"),
+                cache_key("k", {"n": 1}, "sm_90a", "0" * 64), cache_key("j", {"n": 1}, "sm_90a")}) == 5
+
+
+def test_fingerprint_covers_every_package_source_file(tmp_path):
+    pkg = tmp_path / "pkg"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "a.py").write_text("x = 1\n")
+    (pkg / "sub" / "helper.py").write_text("y = 1\n")
+    (pkg / "notes.txt").write_text("not source\n")
+    seen = {source_fingerprint(pkg)}
+
+    def fresh():  # a new process: nothing memoized
+        cache._tree_fingerprint.cache_clear()
+        return source_fingerprint(pkg)
+
+    assert fresh() in seen  # stable
+    (pkg / "notes.txt").write_text("still not source\n")
+    assert fresh() in seen
+    (pkg / "sub" / "helper.py").write_text("y = 2\n")  # a shared helper, not the kernel's own file
+    seen.add(fresh())
+    (pkg / "sub" / "new.py").write_text("")  # a new (even empty) file
+    seen.add(fresh())
+    (pkg / "sub" / "new.py").rename(pkg / "sub" / "renamed.py")
+    seen.add(fresh())
+    assert len(seen) == 4
+    cache._tree_fingerprint.cache_clear()
+
+
+def test_fingerprint_of_the_package_is_memoized_and_covers_it(monkeypatch):
+    root = pathlib.Path(cache.__file__).resolve().parents[1]
+    assert root.name == "lowprec"
+    assert source_fingerprint() == source_fingerprint(root)
+    reads = []
+    monkeypatch.setattr(pathlib.Path, "read_bytes", lambda self: reads.append(self) or b"")
+    source_fingerprint()  # memoized: no file read again
+    assert reads == []
+
+
+def test_key_changes_with_dsl_and_tvm_ffi_versions(monkeypatch):
+    versions = cache._versions()
+    assert set(versions) == {"cutlass-dsl", "tvm-ffi", "python"}
+    base = cache_key("k", {}, "sm_90a")
+    for dist in ("cutlass-dsl", "tvm-ffi"):
+        monkeypatch.setattr(cache, "_versions", lambda dist=dist: {**versions, dist: "9.9.9"})
+        assert cache_key("k", {}, "sm_90a") != base
+
+
+def test_disk_cache_is_on_by_default(tmp_path, monkeypatch):
+    monkeypatch.delenv("LOWPREC_DISK_CACHE", raising=False)
+    monkeypatch.delenv("LOWPREC_CACHE_DIR", raising=False)
+    assert KernelCache(str(tmp_path)).directory == str(tmp_path)
+    assert KernelCache().directory == os.path.expanduser("~/.cache/lowprec/kernels")
+    monkeypatch.setenv("LOWPREC_CACHE_DIR", str(tmp_path / "env"))
+    assert KernelCache().directory == str(tmp_path / "env")
+    monkeypatch.setenv("LOWPREC_DISK_CACHE", "0")
+    assert KernelCache(str(tmp_path)).directory is None and KernelCache().directory is None
+    c = KernelCache(str(tmp_path / "off"))
+    c.get("probe", {}, "sm_90a", _compile_probe)
+    assert not (tmp_path / "off").exists()
 
 
 def test_disk_cache_exports_and_reloads_tvm_ffi_kernel(tmp_path, monkeypatch):
-    monkeypatch.setenv("LOWPREC_DISK_CACHE", "1")
-    k = _probe()
-    src = [k.__file__]
+    monkeypatch.delenv("LOWPREC_DISK_CACHE", raising=False)
     first = KernelCache(str(tmp_path))
-    compiled = first.get("probe", {}, "sm_90a", src,
-                         lambda: compile_for_arch(k.scale, *k.fake_args(), arch="sm_90a", tvm_ffi=True))
-    files = list(tmp_path.glob("*.so"))
-    assert len(files) == 1 and compiled is not None
+    compiled = first.get("probe", {}, "sm_90a", _compile_probe)
+    (entry_dir,) = tmp_path.iterdir()
+    assert entry_dir.name == source_fingerprint()[:16]
+    assert sorted(p.suffix for p in entry_dir.iterdir()) == [".cubin", ".o"]  # no temporary left behind
+    assert first.compiles == 1 and first.loads == 0
 
     second = KernelCache(str(tmp_path))  # a new process would start like this
-    loaded = second.get("probe", {}, "sm_90a", src, lambda: pytest.fail("should load from disk, not compile"))
-    assert callable(loaded)
+    loaded = second.get("probe", {}, "sm_90a", lambda: pytest.fail("should load from disk, not compile"))
+    assert callable(loaded) and second.loads == 1 and second.compiles == 0
+    assert loaded.__cubin__ == compiled.__cubin__  # sass_of works on a loaded kernel too
 
 
-def test_disk_cache_is_opt_in(tmp_path, monkeypatch):
+def _entry(tmp_path, kernel="probe"):
+    path = pathlib.Path(KernelCache(str(tmp_path))._path(cache_key(kernel, {}, "sm_90a")))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+@pytest.mark.parametrize("damage", ["garbage", "empty", "truncated", "bad_sections"])
+def test_unreadable_disk_entry_is_recompiled(tmp_path, monkeypatch, damage):
     monkeypatch.delenv("LOWPREC_DISK_CACHE", raising=False)
-    assert KernelCache(str(tmp_path)).directory is None
-    monkeypatch.setenv("LOWPREC_DISK_CACHE", "1")
-    assert KernelCache(str(tmp_path)).directory == str(tmp_path)
+    KernelCache(str(tmp_path)).get("probe", {}, "sm_90a", _compile_probe)
+    path = _entry(tmp_path)
+    good = path.read_bytes()
+    if damage == "garbage":
+        path.write_bytes(b"not an object file")
+    elif damage == "empty":
+        path.write_bytes(b"")
+    elif damage == "truncated":  # a writer killed halfway (without our tmp + rename)
+        path.write_bytes(good[: len(good) // 2])
+    else:  # a whole ELF header over a damaged section table
+        shoff = int.from_bytes(good[40:48], "little")
+        path.write_bytes(good[:shoff] + b"\xff" * (len(good) - shoff))
+    c = KernelCache(str(tmp_path))
+    with pytest.warns(RuntimeWarning, match="unreadable cached kernel"):
+        kernel = c.get("probe", {}, "sm_90a", _compile_probe)
+    assert c.compiles == 1 and c.loads == 0 and kernel is not None
+    assert path.read_bytes() == good  # rewritten: the next process loads it
+    again = KernelCache(str(tmp_path))
+    again.get("probe", {}, "sm_90a", lambda: pytest.fail("the rewritten entry should load"))
+    assert again.loads == 1
 
 
-def test_unreadable_disk_entry_is_recompiled(tmp_path, monkeypatch):
-    monkeypatch.setenv("LOWPREC_DISK_CACHE", "1")
-    k = _probe()
-    src = [k.__file__]
-    key = cache_key("probe", {}, "sm_90a", source_fingerprint(src))
-    (tmp_path / f"{key}.so").write_bytes(b"not a shared library")
-    cache = KernelCache(str(tmp_path))
-    sentinel = object()
-    assert cache.get("probe", {}, "sm_90a", src, lambda: sentinel) is sentinel
+def test_disk_write_is_atomic(tmp_path, monkeypatch):
+    """The object file appears whole under its name or not at all: it is written to a temporary
+    file beside it and renamed; a failed export leaves neither a partial entry nor a temporary."""
+    monkeypatch.delenv("LOWPREC_DISK_CACHE", raising=False)
+    compiled = _compile_probe()
+    path = _entry(tmp_path)
+    seen = []
+    real_replace = os.replace
+
+    def replace(src, dst):
+        seen.append((src, dst, os.path.exists(dst), os.path.getsize(src)))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", replace)
+    cache._store(compiled, str(path))
+    (src, dst, existed, size), = [s for s in seen if s[1].endswith(".o")]
+    assert dst == str(path) and not existed and os.path.dirname(src) == str(path.parent) and src != dst
+    assert size == path.stat().st_size > 0
+
+    class Failing:
+        __cubin__ = b"cubin"
+
+        def export_to_c(self, path, function_name):
+            pathlib.Path(path).write_bytes(b"\x7fELF half")
+            raise RuntimeError("killed halfway")
+
+    other = _entry(tmp_path, "other")
+    cache._store(Failing(), str(other))  # the disk layer is an optimization: no error
+    assert not other.exists()
+    assert sorted(p.name for p in path.parent.iterdir() if p.name.startswith(".tmp")) == []
+
+
+def test_old_fingerprint_directories_are_pruned(tmp_path, monkeypatch):
+    monkeypatch.delenv("LOWPREC_DISK_CACHE", raising=False)
+    for i in range(10):
+        old = tmp_path / f"{i:016x}"
+        old.mkdir()
+        os.utime(old, (1000 + i, 1000 + i))
+    (tmp_path / "mine").mkdir()  # not a fingerprint directory: left alone
+    KernelCache(str(tmp_path)).get("probe", {}, "sm_90a", _compile_probe)
+    kept = sorted(p.name for p in tmp_path.iterdir())
+    assert kept == sorted([f"{i:016x}" for i in range(3, 10)] + ["mine", source_fingerprint()[:16]])
+
+
+def test_concurrent_gets_compile_once(tmp_path, monkeypatch):
+    monkeypatch.setenv("LOWPREC_DISK_CACHE", "0")
+    c = KernelCache()
+    calls = []
+    barrier = threading.Barrier(8)
+
+    def compile_fn():
+        calls.append(1)
+        return object()
+
+    def worker(out):
+        barrier.wait()
+        out.append(c.get("probe", {"n": 1}, "sm_90a", compile_fn))
+
+    results = []
+    threads = [threading.Thread(target=worker, args=(results,)) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(calls) == 1 and len({id(r) for r in results}) == 1
+
+
+# --------------------------------------------------------------------------------------- GPU
+_CHILD = textwrap.dedent("""
+    import json, sys
+    import torch
+    from lowprec.runtime import kernel_cache
+    from lowprec.gemm.sm90.interface import gemm_blockwise_fp8
+    from lowprec.quant.sm90.interface import quantize_1x128, quantize_128x128
+
+    torch.manual_seed(0)
+    x = torch.randn(256, 512, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(384, 512, device="cuda", dtype=torch.bfloat16)
+    a, sa = quantize_1x128(x)  # shared-memory slots
+    b, sb = quantize_128x128(w)
+    d = gemm_blockwise_fp8(a, sa, b, sb)  # dynamic shared memory (the max-dynamic-smem attribute)
+    torch.cuda.synchronize()
+    torch.save({"a": a.view(torch.uint8).cpu(), "sa": sa.cpu(), "b": b.view(torch.uint8).cpu(), "sb": sb.cpu(),
+                "d": d.cpu()}, sys.argv[1])
+    print(json.dumps({"compiles": kernel_cache.compiles, "loads": kernel_cache.loads}))
+""")
+
+
+@pytest.mark.gpu
+def test_kernels_load_from_disk_in_a_fresh_process(tmp_path):
+    """A GEMM (dynamic shared memory) and two quantize kernels compiled and saved by one process
+    load in a fresh one without compiling and give the same bits."""
+    if torch.cuda.get_device_capability() != (9, 0) or importlib.util.find_spec("cutlass") is None:
+        pytest.skip("needs an sm_90 GPU and nvidia-cutlass-dsl")
+    env = {**os.environ, "LOWPREC_CACHE_DIR": str(tmp_path / "kernels")}
+    env.pop("LOWPREC_DISK_CACHE", None)  # the default: on
+    env["PYTHONPATH"] = os.pathsep.join([str(pathlib.Path(cache.__file__).resolve().parents[2]),
+                                         env.get("PYTHONPATH", "")])
+    runs = []
+    for i in range(2):
+        done = subprocess.run([sys.executable, "-c", _CHILD, str(tmp_path / f"out{i}.pt")], env=env,
+                              capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-4000:]
+        runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    assert runs[0] == {"compiles": 3, "loads": 0}
+    assert runs[1] == {"compiles": 0, "loads": 3}
+    first, second = torch.load(tmp_path / "out0.pt"), torch.load(tmp_path / "out1.pt")
+    for name in first:
+        bits = [t[name].contiguous().view(torch.uint8) for t in (first, second)]
+        assert torch.equal(*bits), name

@@ -210,14 +210,12 @@ def _get_compiled(config, out_dtype, b_scale_per_col, bias_dtype, num_sms, arch=
     """The launchable kernel, compiled once per key through the package's kernel cache (the
     lru_cache in front keeps the per-launch lookup to one tuple hash)."""
     from ...runtime import kernel_cache
-    from . import blockscaled_gemm
-    from . import config as config_mod
 
     if config.split_k > 1:  # one kernel per split config: fp32 partials, no bias
         out_dtype, bias_dtype = torch.float32, None
     key = dict(dataclasses.asdict(config), out=out_dtype, per_col=bool(b_scale_per_col), bias=bias_dtype,
                num_sms=int(num_sms), tvm_ffi=_use_tvm_ffi(), grouping=grouping)
-    return kernel_cache.get("gemm_sm90_blockscaled", key, arch, [blockscaled_gemm, config_mod],
+    return kernel_cache.get("gemm_sm90_blockscaled", key, arch,
                             lambda: build_kernel(config, out_dtype, b_scale_per_col, bias_dtype, num_sms, arch,
                                                  grouping))
 

@@ -45,8 +45,6 @@ def dispatch_plan(ids: torch.Tensor, num_experts: int, capacity: int | None
     ``capacity``: None (dropless) or the slots each expert keeps, its earliest (the
     ``"position"`` drop policy). Returns (kept bool [n], slot_rows int64 [n], row_slots int64 [n],
     counts int32 [E], group_ends int32 [E]) of :func:`lowprec.moe.dispatch`'s plan."""
-    from . import dispatch
-
     ids = ids.contiguous()
     n = ids.shape[0]
     dev = ids.device
@@ -60,7 +58,7 @@ def dispatch_plan(ids: torch.Tensor, num_experts: int, capacity: int | None
         ends.zero_()
         return kept, slot_rows, row_slots, counts, ends
     hist = torch.empty(-(-n // THREADS), num_experts, dtype=torch.int32, device=dev)
-    kernel = kernel_cache.get("moe_dispatch_plan", {"num_experts": num_experts}, ARCH, [dispatch],
+    kernel = kernel_cache.get("moe_dispatch_plan", {"num_experts": num_experts}, ARCH,
                               lambda: build_dispatch_kernel(num_experts))
     with torch.cuda.device(dev):
         kernel(ids, hist, counts, ends, row_slots, slot_rows, kept.view(torch.uint8), min(capacity or n, n))
@@ -103,9 +101,7 @@ def build_kernel(kind: str, dtype: torch.dtype, arch: str = ARCH):
 
 def compile_kernel(kind: str, dtype: torch.dtype, arch: str = ARCH):
     """The launchable kernel, compiled once per (kind, dtype, arch) through the kernel cache."""
-    from . import pack, swiglu, swiglu_backward
-
-    return kernel_cache.get(f"moe_{kind}", {"dtype": dtype}, arch, [pack, swiglu, swiglu_backward],
+    return kernel_cache.get(f"moe_{kind}", {"dtype": dtype}, arch,
                             lambda: build_kernel(kind, dtype, arch))
 
 
@@ -220,10 +216,8 @@ def unpack_rows(rows: torch.Tensor, routing, weights: torch.Tensor | None, out_d
                else weights.detach().float().contiguous())
     out = torch.empty(tokens, rows.shape[1], dtype=out_dtype, device=rows.device)
     if tokens and rows.shape[1]:
-        from . import unpack
-
         kernel = kernel_cache.get("moe_unpack", {"dtype": rows.dtype, "out_dtype": out_dtype, "top_k": top_k}, ARCH,
-                                  [unpack], lambda: build_unpack_kernel(rows.dtype, out_dtype, top_k))
+                                  lambda: build_unpack_kernel(rows.dtype, out_dtype, top_k))
         with torch.cuda.device(rows.device):
             kernel(rows.detach(), slot_rows, weights, out)
     return out

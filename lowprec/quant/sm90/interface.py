@@ -74,9 +74,7 @@ def build_kernel(kind: str, dtype: torch.dtype, arch: str = ARCH):
 
 def compile_kernel(kind: str, dtype: torch.dtype, arch: str = ARCH):
     """The launchable kernel, compiled once per (kind, dtype, arch) through the kernel cache."""
-    from . import fp8_quant
-
-    return kernel_cache.get(f"quant_fp8_{kind}", {"dtype": dtype}, arch, [fp8_quant],
+    return kernel_cache.get(f"quant_fp8_{kind}", {"dtype": dtype}, arch,
                             lambda: build_kernel(kind, dtype, arch))
 
 
