@@ -15,7 +15,8 @@ class QuantizedTensor:
     """A tensor quantized with a :class:`~lowprec.recipes.ScaleRecipe`.
 
     Attributes:
-        data: the elements. FP8 recipes: ``torch.float8_e4m3fn`` with the logical shape. FP4
+        data: the elements. FP8 recipes: ``torch.float8_e4m3fn`` (``float8_e5m2`` for E5M2
+            elements) with the logical shape. FP4
             recipes: ``uint8`` holding two E2M1 codes per byte along the last dim (element 2i in
             the low nibble), last dim ``ceil(cols / 2)``.
         scale: dequantization multipliers, row-major: ``[..., rows, ceil(cols / block)]`` for

@@ -109,7 +109,7 @@ def quantize_reference(x: torch.Tensor, recipe: ScaleRecipe) -> QuantizedTensor:
             codes = torch.nn.functional.pad(codes, (0, 1))
         data = pack_fp4(codes)
     else:
-        data = q.to(torch.float8_e4m3fn)
+        data = q.to(recipe.element.torch_dtype)
     if x.dim() == 1:
         data = data[0]
         scale = scale.reshape(scale.shape[-1])

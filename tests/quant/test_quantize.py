@@ -264,3 +264,24 @@ def test_quantize_with_transpose_rejects_non_square_blocks():
         quantize_with_transpose(torch.randn(128, 128), "fp8_block1x128")
     with pytest.raises(ValueError, match="x: expected"):
         quantize_with_transpose(torch.randn(128), "fp8_block128x128")
+
+
+@pytest.mark.parametrize("scale_format, rounding", [("fp32", "exact"), ("fp32", "pow2"), ("e8m0", "rceil")])
+def test_e5m2_elements_are_stored_as_e5m2_codes(scale_format, rounding, tmp_path):
+    from lowprec.recipes import WHOLE, ScaleRecipe
+
+    r = ScaleRecipe("e5m2_rows", (1, WHOLE) if scale_format == "fp32" else (1, 32), "e5m2", scale_format, rounding)
+    x = _data(8, 64, seed=6)
+    qt = quantize(x, r)
+    assert qt.data.dtype == torch.float8_e5m2
+    deq = qt.dequantize(torch.float64)
+    # E5M2 keeps 2 mantissa bits: within 2^-3 of every value, the largest included (E4M3 codes
+    # saturated at 448 gave them back at ~1/128 of their size)
+    assert ((deq - x.double()).abs() <= x.double().abs() * 2.0**-3 + qt.scale.double().max() * 2.0**-16).all()
+    inv = (1 / qt.scale.float()).repeat_interleave(x.shape[1] // qt.scale.shape[1], 1)
+    codes = (x * inv).clamp(-57344, 57344).to(torch.float8_e5m2)
+    assert torch.equal(qt.data.view(torch.uint8), codes.view(torch.uint8))
+    lowprec.save(qt, tmp_path / "e5m2.safetensors")
+    back = lowprec.load(tmp_path / "e5m2.safetensors")
+    assert back.recipe == r and back.data.dtype == torch.float8_e5m2
+    assert torch.equal(back.dequantize(), qt.dequantize())
