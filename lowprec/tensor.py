@@ -6,9 +6,35 @@ import json
 
 import torch
 
-from .recipes import ScaleRecipe
+from .recipes import WHOLE, ScaleRecipe
 
-__all__ = ["QuantizedTensor"]
+__all__ = ["QuantizedTensor", "scale_grid"]
+
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+_SCALE_DTYPES = {"fp32": torch.float32, "e8m0": torch.float8_e8m0fnu, "e4m3": torch.float8_e4m3fn}
+
+
+def scale_grid(recipe: ScaleRecipe, shape: torch.Size | tuple[int, ...]) -> tuple[int, ...]:
+    """The shape of ``recipe``'s row-major scale grid for a tensor of ``shape`` (see
+    :class:`QuantizedTensor`); a 1-dim tensor is one row and has a 1-dim grid."""
+    *lead, cols = shape
+    br, bc = recipe.block
+    per_row = min(cols, 1) if bc == WHOLE else -(-cols // bc)  # a row of no columns has no scale
+    if not lead:
+        return (per_row,)
+    *batch, rows = lead
+    if br == WHOLE:  # tensorwise
+        return (1,) * len(shape)
+    return (*batch, rows if br == 1 else -(-rows // br), per_row)
+
+
+def _check_part(name: str, t: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...], what: str,
+                kind: str = "shape") -> None:
+    if t.dtype != dtype:
+        raise TypeError(f"{name}: expected {dtype} for {what}, got {t.dtype}")
+    if tuple(t.shape) != shape:
+        raise ValueError(f"{name}: expected a {shape} {kind}, got {tuple(t.shape)}" if kind != "shape"
+                         else f"{name}: expected shape {shape}, got {tuple(t.shape)}")
 
 
 class QuantizedTensor:
@@ -44,17 +70,39 @@ class QuantizedTensor:
     ) -> None:
         if not isinstance(recipe, ScaleRecipe):
             raise TypeError(f"recipe: expected a ScaleRecipe, got {type(recipe).__name__}")
+        if dtype not in _FLOAT_DTYPES:
+            raise TypeError(f"dtype: expected one of {[str(d) for d in _FLOAT_DTYPES]} (the original tensor's "
+                            f"dtype), got {dtype!r}")
+        try:
+            shape = torch.Size(shape)
+        except (TypeError, ValueError):
+            shape = None
+        if not shape or any(n < 0 for n in shape):
+            raise ValueError(f"shape: expected the logical shape, ≥ 1 dim of sizes ≥ 0, got {shape!r}")
+        for name, t in (("data", data), ("scale", scale), ("global_scale", global_scale)):
+            if t is not None and not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        cols = shape[-1]
+        expected = ((torch.uint8, (*shape[:-1], -(-cols // 2))) if recipe.is_fp4
+                    else (recipe.element.torch_dtype, tuple(shape)))
+        _check_part("data", data, *expected, f"{recipe.elem_format} elements")
+        _check_part("scale", scale, _SCALE_DTYPES[recipe.scale_format], scale_grid(recipe, shape),
+                    f"{recipe.scale_format} scales", "scale grid")
         if recipe.global_scale != (global_scale is not None):
             raise ValueError(
                 f"global_scale: recipe {recipe.name!r} {'needs' if recipe.global_scale else 'takes no'} global scale"
             )
-        if data.device != scale.device:
-            raise ValueError(f"scale: on {scale.device}, but data is on {data.device}")
+        if global_scale is not None and (global_scale.dtype != torch.float32 or global_scale.dim() != 0):
+            raise ValueError(f"global_scale: expected a 0-dim float32 tensor, got {global_scale.dtype} "
+                             f"{tuple(global_scale.shape)}")
+        for name, t in (("scale", scale), ("global_scale", global_scale)):
+            if t is not None and t.device != data.device:
+                raise ValueError(f"{name}: on {t.device}, but data is on {data.device}")
         self.data = data
         self.scale = scale
         self.global_scale = global_scale
         self.recipe = recipe
-        self.shape = torch.Size(shape)
+        self.shape = shape
         self.dtype = dtype
 
     @property
@@ -98,10 +146,16 @@ class QuantizedTensor:
 
         return dequantize(self, dtype=dtype)
 
-    def to(self, device: torch.device | str) -> QuantizedTensor:
-        """A copy on ``device`` (data, scales and global scale move together)."""
-        g = None if self.global_scale is None else self.global_scale.to(device)
-        return QuantizedTensor(self.data.to(device), self.scale.to(device), self.recipe, self.shape, self.dtype, g)
+    def to(self, device: torch.device | str, copy: bool = False) -> QuantizedTensor:
+        """On ``device`` (data, scales and global scale move together). As ``torch.Tensor.to``,
+        the tensors are shared when they are there already, unless ``copy``. Devices only: the
+        codes and scales keep their formats (``dequantize(dtype)`` gives a float tensor)."""
+        if isinstance(device, torch.dtype):
+            raise TypeError(f"device: QuantizedTensor.to moves between devices only, got the dtype {device}; "
+                            f"use dequantize({device}) for a {device} tensor")
+        g = None if self.global_scale is None else self.global_scale.to(device, copy=copy)
+        return QuantizedTensor(self.data.to(device, copy=copy), self.scale.to(device, copy=copy), self.recipe,
+                               self.shape, self.dtype, g)
 
     def metadata(self) -> dict:
         """Everything but the tensors, JSON-serializable: recipe, logical shape, original dtype."""
