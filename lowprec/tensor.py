@@ -165,17 +165,26 @@ class QuantizedTensor:
     @classmethod
     def from_parts(cls, data: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor | None,
                    metadata: dict, where: str = "metadata") -> QuantizedTensor:
-        """Inverse of (``data``, ``scale``, ``global_scale``, :meth:`metadata`)."""
+        """Inverse of (``data``, ``scale``, ``global_scale``, :meth:`metadata`). Raises ValueError,
+        prefixed by ``where``, for anything that does not make a valid QuantizedTensor."""
+        if not isinstance(metadata, dict):
+            raise ValueError(f"{where}: expected a JSON object (recipe, shape, dtype), got {metadata!r}")
         if "recipe" not in metadata:
             raise ValueError(f"{where}: no recipe")
         try:
             recipe = ScaleRecipe.from_json(json.dumps(metadata["recipe"]))
         except ValueError as err:
             raise ValueError(f"{where}: unknown recipe: {err}") from None
+        shape = metadata.get("shape")
+        if not isinstance(shape, list) or not all(isinstance(n, int) and not isinstance(n, bool) for n in shape):
+            raise ValueError(f"{where}: 'shape' must be a list of sizes, got {shape!r}")
         dtype = getattr(torch, str(metadata.get("dtype")), None)
         if not isinstance(dtype, torch.dtype):
             raise ValueError(f"{where}: unknown dtype {metadata.get('dtype')!r}")
-        return cls(data, scale, recipe, metadata["shape"], dtype, global_scale)
+        try:
+            return cls(data, scale, recipe, shape, dtype, global_scale)
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"{where}: {err}") from None
 
     def __repr__(self) -> str:
         return (
