@@ -36,6 +36,7 @@ from torch import nn
 
 from ..gemm import grouped_gemm
 from ..gemm.reference import grouped_mm_rows
+from ..nn.linear import keep_formats
 from ..nn.weight_cache import quantize_weight
 from ..quant import quantize
 from ..recipes import get_recipe
@@ -544,9 +545,10 @@ class FP8InferenceMoE(nn.Module):
 
     Buffers: ``w1`` (float8_e4m3fn ``[E, 2F, H]``) with ``w1_scale`` (FP32
     ``[E, ceil(2F/128), ceil(H/128)]``, one scale per 128x128 block), ``w2`` (``[E, H, F]``) with
-    ``w2_scale``; the ``router`` stays an ``nn.Linear`` applied in FP32. The forward is the FP8
-    forward of :class:`MoE` with the same quantized weights, so it gives the same outputs; it is
-    differentiable in ``x`` (the expert weights are constants).
+    ``w2_scale``; the ``router`` stays an ``nn.Linear`` applied in FP32. Module casts
+    (``.half()``, ``.to(dtype)``) cast the router and leave these buffers as they are. The
+    forward is the FP8 forward of :class:`MoE` with the same quantized weights, so it gives the
+    same outputs; it is differentiable in ``x`` (the expert weights are constants).
     """
 
     def __init__(self, hidden_size: int, ffn_size: int, num_experts: int, top_k: int,
@@ -581,6 +583,9 @@ class FP8InferenceMoE(nn.Module):
                 layer.register_buffer(name, q.data)
                 layer.register_buffer(f"{name}_scale", q.scale)
         return layer
+
+    def _apply(self, fn, recurse=True):
+        return super()._apply(keep_formats(self, fn, ("w1", "w1_scale", "w2", "w2_scale")), recurse)
 
     def quantized_weights(self) -> tuple[QuantizedTensor, QuantizedTensor]:
         """``(w1, w2)`` as ``fp8_block128x128`` QuantizedTensors (what :func:`experts` takes)."""
