@@ -36,7 +36,7 @@ from torch import nn
 
 from ..gemm import grouped_gemm
 from ..gemm.reference import grouped_mm_rows
-from ..nn.linear import keep_formats
+from ..nn.linear import QuantizedBuffersModule
 from ..nn.weight_cache import quantize_weight
 from ..quant import quantize
 from ..recipes import get_recipe
@@ -535,7 +535,7 @@ def _route_and_apply_eager(tokens: torch.Tensor, router_weight: torch.Tensor, w1
     return _apply_experts(tokens, routing, w1, w2, recipe, activation), routing
 
 
-class FP8InferenceMoE(nn.Module):
+class FP8InferenceMoE(QuantizedBuffersModule):
     """Inference :class:`MoE` keeping only FP8 expert weights: about half the memory of bf16
     experts, and no weight quantization per call (the expert weights are quantized once).
 
@@ -550,6 +550,8 @@ class FP8InferenceMoE(nn.Module):
     forward is the FP8 forward of :class:`MoE` with the same quantized weights, so it gives the
     same outputs; it is differentiable in ``x`` (the expert weights are constants).
     """
+
+    _quantized = ("w1", "w1_scale", "w2", "w2_scale")
 
     def __init__(self, hidden_size: int, ffn_size: int, num_experts: int, top_k: int,
                  capacity_factor: float | None = None, activation: str = "swiglu", score_func: str = "softmax",
@@ -583,9 +585,6 @@ class FP8InferenceMoE(nn.Module):
                 layer.register_buffer(name, q.data)
                 layer.register_buffer(f"{name}_scale", q.scale)
         return layer
-
-    def _apply(self, fn, recurse=True):
-        return super()._apply(keep_formats(self, fn, ("w1", "w1_scale", "w2", "w2_scale")), recurse)
 
     def quantized_weights(self) -> tuple[QuantizedTensor, QuantizedTensor]:
         """``(w1, w2)`` as ``fp8_block128x128`` QuantizedTensors (what :func:`experts` takes)."""

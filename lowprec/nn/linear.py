@@ -21,20 +21,40 @@ _ALIGN = 16  # the GEMM kernels take N and K in multiples of 16
 _X_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def keep_formats(module: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor], names: tuple[str, ...]
-                 ) -> Callable[[torch.Tensor], torch.Tensor]:
-    """``fn`` for ``nn.Module._apply`` (``.half()``, ``.to(dtype)``, ``.cuda()``, ...) that leaves
-    the dtype of ``module``'s buffers ``names`` (FP8 codes, FP32 scales) as it is: it follows
-    device moves only. Casting them would double their memory and flush small scales to zero."""
-    kept = [module._buffers[name] for name in names]
+class QuantizedBuffersModule(nn.Module):
+    """Base of modules keeping FP8 codes and FP32 scales as buffers (their names in
+    ``_quantized``): module casts (``.half()``, ``.to(dtype)``, ...) move them between devices
+    but keep their dtypes (a cast would double their memory and flush small scales to zero), and
+    ``load_state_dict`` takes them only in those dtypes (a float weight copied into the codes
+    would be cast to FP8 under scales that do not belong to it)."""
 
-    def apply(t: torch.Tensor) -> torch.Tensor:
-        if not any(t is k for k in kept):
-            return fn(t)
-        target = fn(t.new_empty(0))  # where and in what dtype fn puts a tensor of t's kind
-        return fn(t) if target.dtype == t.dtype else t.to(target.device)
+    _quantized: tuple[str, ...] = ()
 
-    return apply
+    def _apply(self, fn, recurse=True):
+        kept = [self._buffers[name] for name in self._quantized]
+
+        def apply(t: torch.Tensor) -> torch.Tensor:
+            if not any(t is k for k in kept):
+                return fn(t)
+            target = fn(t.new_empty(0))  # where and in what dtype fn puts a tensor of t's kind
+            return fn(t) if target.dtype == t.dtype else t.to(target.device)
+
+        return super()._apply(apply, recurse)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        wrong = {}
+        for name in self._quantized:
+            key, own = prefix + name, self._buffers[name]
+            t = state_dict.get(key)
+            if isinstance(t, torch.Tensor) and t.dtype != own.dtype:
+                wrong[key] = state_dict.pop(key)
+                error_msgs.append(f"{key}: expected {own.dtype}, as state_dict() saves it, got {t.dtype} (float "
+                                  f"weights are quantized by from_linear / from_moe or lowprec.convert)")
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+        state_dict.update(wrong)
+        missing_keys[:] = [k for k in missing_keys if k not in wrong]
 
 
 def _check_features(in_features: int, out_features: int) -> None:
@@ -103,15 +123,18 @@ class _FrozenFP8Linear(torch.autograd.Function):
         return gemm(dy_q, w_t, out_dtype=dy.dtype), None, None, None
 
 
-class FP8InferenceLinear(nn.Module):
+class FP8InferenceLinear(QuantizedBuffersModule):
     """Inference linear holding just the FP8 weight and its scales (about half the memory);
     differentiable in ``x`` (the weight is a constant).
 
     Buffers: ``weight`` (float8_e4m3fn ``[out, in]``), ``weight_scale`` (FP32, the recipe's
     row-major scale grid) and ``bias`` (if any). Module casts (``.half()``, ``.to(dtype)``) cast
-    the bias only: the weight keeps its FP8 codes and FP32 scales. Save and load with
-    ``model.state_dict()`` and :func:`lowprec.save` / :func:`lowprec.load`.
+    the bias only: the weight keeps its FP8 codes and FP32 scales (see
+    :class:`QuantizedBuffersModule`). Save and load with ``model.state_dict()`` and
+    :func:`lowprec.save` / :func:`lowprec.load`.
     """
+
+    _quantized = ("weight", "weight_scale")
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, recipe: str = "fp8_block",
                  device=None, out_dtype: torch.dtype = torch.bfloat16) -> None:
@@ -141,9 +164,6 @@ class FP8InferenceLinear(nn.Module):
     def quantized_weight(self) -> QuantizedTensor:
         return QuantizedTensor(self.weight, self.weight_scale, get_recipe(self.recipe.weight),
                                self.weight.shape, self.out_dtype)
-
-    def _apply(self, fn, recurse=True):
-        return super()._apply(keep_formats(self, fn, ("weight", "weight_scale")), recurse)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x · Wᵀ + b``, differentiable in ``x`` (the weight and bias are constants)."""

@@ -364,3 +364,10 @@ def test_inference_module_casts_keep_fp8_experts_and_fp32_scales(cast):
         assert b.dtype == before[name].dtype and torch.equal(b.view(torch.uint8), before[name].view(torch.uint8))
     with torch.no_grad():
         assert torch.equal(infer(x), ref(x))
+
+
+def test_inference_module_refuses_float_expert_weights():
+    m = MoE(H, FFN, E, K)
+    infer = FP8InferenceMoE.from_moe(m)
+    with pytest.raises(RuntimeError, match="w1: expected torch.float8_e4m3fn"):
+        infer.load_state_dict({**infer.state_dict(), "w1": m.w1.detach()})

@@ -346,3 +346,18 @@ def test_convert_again_with_another_recipe(caplog):
     with caplog.at_level(logging.WARNING, logger="lowprec"):
         convert(infer, "fp8_rowwise", inference=True)
     assert infer.qkv.recipe.name == "fp8_block" and "fp8_block" in caplog.text and "qkv" in caplog.text
+
+
+def test_load_state_dict_refuses_float_weights_for_fp8_codes():
+    """A float weight loaded into the FP8 codes was cast to FP8 under scales not its own (relative
+    error 0.99, silently)."""
+    linear = nn.Linear(128, 64)
+    layer = FP8InferenceLinear.from_linear(linear)
+    before = layer.weight.view(torch.uint8).clone()
+    sd = {"weight": linear.weight.detach(), "weight_scale": layer.weight_scale, "bias": linear.bias.detach()}
+    with pytest.raises(RuntimeError, match="weight: expected torch.float8_e4m3fn.*got torch.float32"):
+        layer.load_state_dict(sd)
+    assert torch.equal(layer.weight.view(torch.uint8), before)
+    with pytest.raises(RuntimeError, match="weight_scale: expected torch.float32"):
+        layer.load_state_dict({**layer.state_dict(), "weight_scale": layer.weight_scale.half()})
+    layer.load_state_dict(FP8InferenceLinear.from_linear(linear).state_dict())  # its own format loads
