@@ -134,6 +134,8 @@ class QuantizedTensor:
         Exactly ``quantize(x.transpose(-1, -2))`` for square-block (128x128) and tensorwise
         recipes; other recipes raise ValueError (requantize the transposed tensor instead).
         """
+        if self.dim() < 2:
+            raise ValueError(f"transpose: needs ≥ 2 dims, got shape {tuple(self.shape)}")
         if not self.transposable:
             raise ValueError(f"transpose: recipe {self.recipe.name} blocks are not square; requantize instead")
         shape = (*self.shape[:-2], self.shape[-1], self.shape[-2])

@@ -83,3 +83,8 @@ def test_to_copies_only_when_asked():
     copy = qt.to("cpu", copy=True)
     for a, b in ((copy.data, qt.data), (copy.scale, qt.scale), (copy.global_scale, qt.global_scale)):
         assert a.data_ptr() != b.data_ptr() and torch.equal(a.float(), b.float())
+
+
+def test_transpose_of_a_1d_tensor_says_why():
+    with pytest.raises(ValueError, match="transpose: needs ≥ 2 dims"):
+        lowprec.quantize(torch.randn(64), "fp8_tensorwise").transpose()

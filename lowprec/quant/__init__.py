@@ -200,4 +200,6 @@ def dequantize(qt: QuantizedTensor, dtype: torch.dtype | None = None) -> torch.T
     """
     if not isinstance(qt, QuantizedTensor):
         raise TypeError(f"qt: expected a QuantizedTensor, got {type(qt).__name__}")
+    if dtype is not None and dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"dtype: expected one of {[str(d) for d in _FLOAT_DTYPES]} or None, got {dtype!r}")
     return dequantize_reference(qt, dtype)

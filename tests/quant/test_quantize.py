@@ -322,3 +322,10 @@ def test_unchecked_nan_keeps_the_scale_of_the_finite_values(name):
     deq = quantize(x, name, check_finite=False).dequantize()
     assert deq[0, 1] == pytest.approx(1e6, rel=0.25)
     assert deq[0, 0].isnan() != lowprec.get_recipe(name).is_fp4  # E2M1 has no NaN
+
+
+def test_dequantize_dtype_must_be_a_float_dtype():
+    qt = quantize(torch.randn(4, 64), "mxfp8")
+    for bad in (torch.int32, "float32", torch.float8_e4m3fn):
+        with pytest.raises(TypeError, match="dtype: expected one of"):
+            qt.dequantize(bad)
