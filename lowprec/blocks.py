@@ -10,6 +10,8 @@ from .recipes import WHOLE, ScaleRecipe
 
 __all__ = ["block_dims", "expand_scale", "dequantize_blocks"]
 
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
 
 def block_dims(recipe: ScaleRecipe, shape: torch.Size) -> tuple[int, int]:
     """The concrete ``(rows, cols)`` of one block for a tensor of ``shape`` (WHOLE resolved)."""
@@ -30,6 +32,8 @@ def dequantize_blocks(qt, dtype: torch.dtype | None = None) -> torch.Tensor:
 
     Computed in FP32, or in FP64 when ``dtype`` is float64 (exact: use it for error references).
     """
+    if dtype is not None and dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"dtype: expected one of {[str(d) for d in _FLOAT_DTYPES]} or None, got {dtype!r}")
     dtype = qt.dtype if dtype is None else dtype
     work = torch.float64 if dtype == torch.float64 else torch.float32
     shape = qt.shape

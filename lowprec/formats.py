@@ -91,7 +91,7 @@ def encode(x: torch.Tensor, fmt: str | ElementFormat, saturate: bool | None = No
     ``saturate``: values beyond the largest finite value become ±max when True; when False they
     become Inf (E5M2) or NaN (E4M3), as IEEE-style overflow. Default: E4M3 saturates (Inf too,
     as torch ≥ 2.13's cast; older torch gives NaN), E5M2 overflows to Inf (as torch). E2M1 has neither Inf nor NaN and
-    always saturates; NaN input to E2M1 saturates to +6 (check finiteness before, as
+    always saturates; NaN input to E2M1 becomes a zero code (check finiteness before, as
     ``lowprec.quantize`` does by default).
     """
     f = get_format(fmt)

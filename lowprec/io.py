@@ -2,7 +2,9 @@
 
 A QuantizedTensor stored under key ``k`` becomes the tensors ``k::data``, ``k::scale`` (and
 ``k::global_scale``); its recipe, logical shape and original dtype go into the file's metadata
-under ``lowprec.quantized`` as JSON. Plain tensors are stored as they are.
+under ``lowprec.quantized`` as JSON. Plain tensors are stored as they are; a tensor that is another
+one (tied weights) is stored once and its other names go under ``lowprec.aliases``, shared again
+on load.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ __all__ = ["save", "load"]
 _FORMAT_VERSION = "1"
 _SINGLE_KEY = "tensor"
 _PARTS = ("data", "scale", "global_scale")
+_KINDS = ("state_dict", "quantized_tensor")
 
 
 def save(obj: QuantizedTensor | Mapping[str, torch.Tensor | QuantizedTensor], path: str | os.PathLike,
@@ -52,6 +55,7 @@ def save(obj: QuantizedTensor | Mapping[str, torch.Tensor | QuantizedTensor], pa
             tensors[key] = value.detach().contiguous().cpu()
         else:
             raise TypeError(f"obj[{key!r}]: expected a Tensor or QuantizedTensor, got {type(value).__name__}")
+    tensors, aliases = _unshare(tensors)
     meta = {str(k): str(v) for k, v in (metadata or {}).items()}
     if any(k.startswith("lowprec.") for k in meta):
         raise ValueError("metadata: keys starting with 'lowprec.' are reserved")
@@ -60,35 +64,95 @@ def save(obj: QuantizedTensor | Mapping[str, torch.Tensor | QuantizedTensor], pa
         "lowprec.kind": kind,
         "lowprec.quantized": json.dumps(quantized, sort_keys=True),
     })
+    if aliases:
+        meta["lowprec.aliases"] = json.dumps(aliases, sort_keys=True)
     safetensors.torch.save_file(tensors, os.fspath(path), metadata=meta)
+
+
+def _unshare(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """safetensors stores no two tensors over the same memory (tied weights): a tensor that is
+    another one exactly is stored once and named in ``aliases`` (``{alias: stored name}``,
+    shared again by :func:`load`); one that only overlaps another (a view) is stored as a copy."""
+    stored: dict[str, torch.Tensor] = {}
+    aliases: dict[str, str] = {}
+    seen: dict[tuple, str] = {}
+    storages: set[int] = set()
+    for name, t in tensors.items():
+        ptr = t.untyped_storage().data_ptr() if t.numel() else None
+        ident = (ptr, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+        if ptr is not None and ident in seen:
+            aliases[name] = seen[ident]
+            continue
+        if ptr is not None and ptr in storages:
+            t = t.clone()
+        else:
+            storages.add(ptr)
+        seen[ident] = name
+        stored[name] = t
+    return stored, aliases
 
 
 def load(path: str | os.PathLike, device: str | torch.device = "cpu") -> QuantizedTensor | dict:
     """Load what :func:`save` wrote: a QuantizedTensor, or a dict of Tensors / QuantizedTensors.
 
-    Raises ValueError when a quantized entry's recipe is missing or not one lowprec knows.
+    Files without lowprec metadata load as plain tensors. Damaged lowprec metadata (a format
+    version or kind this version does not read, a quantized entry without its recipe, shape,
+    dtype or tensors, parts that do not fit together) raises one ValueError naming the key.
     """
     path = os.fspath(path)
     with safetensors.safe_open(path, framework="pt", device=str(device)) as f:
         meta = f.metadata() or {}
         tensors = {k: f.get_tensor(k) for k in f.keys()}
+    version = meta.get("lowprec.format_version", _FORMAT_VERSION)
+    if version != _FORMAT_VERSION:
+        raise ValueError(f"{path}: metadata 'lowprec.format_version' is {version!r}; this lowprec reads "
+                         f"{_FORMAT_VERSION!r}")
     kind = meta.get("lowprec.kind", "state_dict")
-    try:
-        quantized = json.loads(meta.get("lowprec.quantized", "{}"))
-    except ValueError:
-        raise ValueError(f"{path}: metadata 'lowprec.quantized' is not valid JSON") from None
+    if kind not in _KINDS:
+        raise ValueError(f"{path}: metadata 'lowprec.kind' is {kind!r}; expected one of {_KINDS}")
+    quantized = _json_object(meta, "lowprec.quantized", path)
+    for alias, name in _json_object(meta, "lowprec.aliases", path).items():
+        if not isinstance(name, str) or name not in tensors:
+            raise ValueError(f"{path}: metadata 'lowprec.aliases' makes {alias!r} an alias of {name!r}, which the "
+                             f"file does not hold")
+        tensors[alias] = tensors[name]
 
     out: dict[str, torch.Tensor | QuantizedTensor] = {}
-    part_keys = {k for k in tensors if "::" in k}
-    for key in sorted({k.split("::", 1)[0] for k in part_keys}):
-        info = quantized.get(key)
-        if info is None or "recipe" not in info:
-            raise ValueError(f"{path}: quantized entry {key!r} has no recipe in the file's metadata")
-        out[key] = QuantizedTensor.from_parts(tensors[f"{key}::data"], tensors[f"{key}::scale"],
-                                              tensors.get(f"{key}::global_scale"), info, f"{path}: entry {key!r}")
-    for key, t in tensors.items():
-        if "::" not in key:
-            out[key] = t
+    parts: dict[str, dict[str, torch.Tensor]] = {key: {} for key in quantized}
+    for name, t in tensors.items():
+        if "::" not in name:
+            out[name] = t
+            continue
+        key, part = name.split("::", 1)
+        if part not in _PARTS:
+            raise ValueError(f"{path}: tensor {name!r} is no part of a quantized entry (expected {_PARTS})")
+        parts.setdefault(key, {})[part] = t
+    for key in sorted(parts):
+        where = f"{path}: entry {key!r}"
+        info, found = quantized.get(key), parts[key]
+        if not isinstance(info, dict) or "recipe" not in info:
+            if info is None or isinstance(info, dict):
+                raise ValueError(f"{path}: quantized entry {key!r} has no recipe in the file's metadata")
+            raise ValueError(f"{where}: expected a JSON object (recipe, shape, dtype), got {info!r}")
+        if not found:
+            raise ValueError(f"{where}: no tensors ({key!r}::data, ::scale) in the file")
+        for part in ("data", "scale"):
+            if part not in found:
+                raise ValueError(f"{where}: tensor '{key}::{part}' is missing")
+        out[key] = QuantizedTensor.from_parts(found["data"], found["scale"], found.get("global_scale"), info, where)
     if kind == "quantized_tensor":
+        if set(out) != {_SINGLE_KEY}:
+            raise ValueError(f"{path}: metadata 'lowprec.kind' is 'quantized_tensor', but the file holds "
+                             f"{sorted(out)} instead of one entry {_SINGLE_KEY!r}")
         return out[_SINGLE_KEY]
     return out
+
+
+def _json_object(meta: dict[str, str], key: str, path: str) -> dict:
+    try:
+        value = json.loads(meta.get(key, "{}"))
+    except ValueError:
+        raise ValueError(f"{path}: metadata {key!r} is not valid JSON") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path}: metadata {key!r} must be a JSON object, got {type(value).__name__}")
+    return value

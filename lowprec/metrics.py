@@ -1,4 +1,5 @@
-"""Error metrics, computed in FP64: ``x`` is the approximation, ``ref`` the reference."""
+"""Error metrics, computed in FP64: ``x`` is the approximation, ``ref`` the reference. Empty
+tensors are identical by every metric."""
 
 from __future__ import annotations
 
@@ -16,10 +17,13 @@ def _pair(x: torch.Tensor, ref: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
 
 
 def cos_sim(x: torch.Tensor, ref: torch.Tensor) -> float:
-    """Cosine similarity (1.0 = same direction)."""
+    """Cosine similarity (1.0 = same direction). Two all-zero tensors give 1.0 (identical); one
+    all-zero tensor against another that is not gives 0.0 (no direction in common)."""
     x, ref = _pair(x, ref)
-    denom = x.norm() * ref.norm()
-    return 1.0 if float(denom) == 0 else float(x @ ref / denom)
+    x_norm, ref_norm = float(x.norm()), float(ref.norm())
+    if x_norm == 0 or ref_norm == 0:
+        return 1.0 if x_norm == ref_norm else 0.0
+    return float(x @ ref / (x.norm() * ref.norm()))
 
 
 def rel_l1(x: torch.Tensor, ref: torch.Tensor) -> float:
@@ -44,7 +48,7 @@ def rel_l2(x: torch.Tensor, ref: torch.Tensor, chunk: int = 1 << 24) -> float:
 def rmse(x: torch.Tensor, ref: torch.Tensor) -> float:
     """Root mean squared error."""
     x, ref = _pair(x, ref)
-    return float((x - ref).pow(2).mean().sqrt())
+    return float((x - ref).pow(2).mean().sqrt()) if x.numel() else 0.0
 
 
 def sqnr_db(x: torch.Tensor, ref: torch.Tensor) -> float:
@@ -67,6 +71,8 @@ def calc_diff(x: torch.Tensor, ref: torch.Tensor) -> float:
 def max_rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
     """max|x − ref| / max|ref|: the worst element error relative to the tensor's range."""
     x, ref = _pair(x, ref)
+    if not x.numel():
+        return 0.0
     return float((x - ref).abs().max() / ref.abs().max().clamp_min(1e-300))
 
 

@@ -29,8 +29,12 @@ __all__ = ["ScaleRecipe", "get_recipe", "RECIPE_NAMES", "WHOLE"]
 
 WHOLE = -1  # a block dimension spanning the whole extent (tensorwise, rowwise)
 
+_ELEM_FORMATS = ("e4m3", "e5m2", "e2m1")
 _SCALE_FORMATS = ("fp32", "e8m0", "e4m3")
 _ROUNDINGS = ("exact", "pow2", "rceil", "floor")
+# each named recipe's variants (filled below): kernels are chosen by a recipe's name, so a name is
+# reserved for the recipe it names
+_NAMED_VARIANTS: dict[str, tuple[ScaleRecipe, ...]] = {}
 
 
 @dataclass(frozen=True)
@@ -57,20 +61,41 @@ class ScaleRecipe:
     global_scale: bool = False
 
     def __post_init__(self) -> None:
-        get_format(self.elem_format)
+        if not isinstance(self.name, str):
+            raise ValueError(f"name: expected a str, got {self.name!r}")
+        if self.elem_format not in _ELEM_FORMATS:
+            raise ValueError(f"elem_format: expected one of {_ELEM_FORMATS}, got {self.elem_format!r}")
         if self.scale_format not in _SCALE_FORMATS:
             raise ValueError(f"scale_format: expected one of {_SCALE_FORMATS}, got {self.scale_format!r}")
         if self.scale_rounding not in _ROUNDINGS:
             raise ValueError(f"scale_rounding: expected one of {_ROUNDINGS}, got {self.scale_rounding!r}")
+        if not isinstance(self.global_scale, bool):
+            raise ValueError(f"global_scale: expected a bool, got {self.global_scale!r}")
         if self.scale_format == "e8m0" and self.scale_rounding not in ("rceil", "floor"):
             raise ValueError("scale_rounding: E8M0 scales need 'rceil' or 'floor'")
         if self.scale_format != "e8m0" and self.scale_rounding in ("rceil", "floor"):
             raise ValueError(f"scale_rounding: {self.scale_rounding!r} applies to E8M0 scales only")
+        # E4M3 block scales exist to be refined by a per-tensor FP32 scale (NVFP4); over FP32 or
+        # E8M0 block scales a global scale would be applied twice
+        if self.global_scale != (self.scale_format == "e4m3"):
+            raise ValueError(f"global_scale: goes with E4M3 block scales only (E4M3 block scales need "
+                             f"global_scale=True), got scale_format={self.scale_format!r}, "
+                             f"global_scale={self.global_scale}")
+        if self.scale_format == "e4m3" and self.scale_rounding != "exact":
+            raise ValueError(f"scale_rounding: E4M3 block scales round to nearest ('exact'), "
+                             f"got {self.scale_rounding!r}")
+        if not isinstance(self.block, tuple) or len(self.block) != 2:
+            raise ValueError(f"block: expected a tuple of two sizes (rows, cols), got {self.block!r}")
+        if any(isinstance(b, bool) or not isinstance(b, int) for b in self.block):
+            raise ValueError(f"block: sizes must be integers, got {self.block}")
         rows, cols = self.block
         if rows == WHOLE and cols != WHOLE:
             raise ValueError(f"block: a whole-extent row block needs whole columns too, got {self.block}")
         if any(b != WHOLE and b < 1 for b in self.block):
             raise ValueError(f"block: sizes must be positive or WHOLE (-1), got {self.block}")
+        if self.name in _NAMED_VARIANTS and self not in _NAMED_VARIANTS[self.name]:
+            raise ValueError(f"name: {self.name!r} is a named recipe (get_recipe({self.name!r}, ...)); "
+                             f"give a custom recipe a name of its own")
 
     @property
     def element(self) -> ElementFormat:
@@ -123,8 +148,15 @@ class ScaleRecipe:
             raise ValueError(f"recipe: cannot read a ScaleRecipe from {text!r}: {err}") from None
 
 
+def _flag(option: str, value) -> bool:
+    """A boolean option, as a bool (``"no"`` would be truthy)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{option}: expected a bool, got {value!r}")
+    return value
+
+
 def _fp32(name: str, block: tuple[int, int], pow2_scale: bool) -> ScaleRecipe:
-    return ScaleRecipe(name, block, "e4m3", "fp32", "pow2" if pow2_scale else "exact")
+    return ScaleRecipe(name, block, "e4m3", "fp32", "pow2" if _flag("pow2_scale", pow2_scale) else "exact")
 
 
 def _mx(name: str, elem: str, rounding: str) -> ScaleRecipe:
@@ -141,11 +173,14 @@ _FACTORIES = {
     "mxfp8": lambda rounding="rceil": _mx("mxfp8", "e4m3", rounding),
     "mxfp4": lambda rounding="rceil": _mx("mxfp4", "e2m1", rounding),
     "nvfp4": lambda weight_2d=False: ScaleRecipe(
-        "nvfp4", (16, 16) if weight_2d else (1, 16), "e2m1", "e4m3", "exact", global_scale=True
+        "nvfp4", (16, 16) if _flag("weight_2d", weight_2d) else (1, 16), "e2m1", "e4m3", "exact", global_scale=True
     ),
 }
 
 RECIPE_NAMES = tuple(_FACTORIES)
+_OTHER_OPTION = {"mxfp8": {"rounding": "floor"}, "mxfp4": {"rounding": "floor"}, "nvfp4": {"weight_2d": True}}
+_NAMED_VARIANTS.update({name: (factory(), factory(**_OTHER_OPTION.get(name, {"pow2_scale": True})))
+                        for name, factory in _FACTORIES.items()})
 # built at import: recipes are immutable and hot paths ask for them per op; building one lazily
 # would write to this dict while torch.compile traces, a side effect it cannot keep in a graph
 _DEFAULT_RECIPES: dict[str, ScaleRecipe] = {name: factory() for name, factory in _FACTORIES.items()}

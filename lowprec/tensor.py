@@ -7,16 +7,43 @@ import json
 import torch
 
 from .blocks import dequantize_blocks
-from .recipes import ScaleRecipe
+from .recipes import WHOLE, ScaleRecipe
 
-__all__ = ["QuantizedTensor", "flatten_all", "unflatten_all"]
+__all__ = ["QuantizedTensor", "scale_grid", "flatten_all", "unflatten_all"]
+
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+_SCALE_DTYPES = {"fp32": torch.float32, "e8m0": torch.float8_e8m0fnu, "e4m3": torch.float8_e4m3fn}
+
+
+def scale_grid(recipe: ScaleRecipe, shape: torch.Size | tuple[int, ...]) -> tuple[int, ...]:
+    """The shape of ``recipe``'s row-major scale grid for a tensor of ``shape`` (see
+    :class:`QuantizedTensor`); a 1-dim tensor is one row and has a 1-dim grid."""
+    *lead, cols = shape
+    br, bc = recipe.block
+    per_row = min(cols, 1) if bc == WHOLE else -(-cols // bc)  # a row of no columns has no scale
+    if not lead:
+        return (per_row,)
+    *batch, rows = lead
+    if br == WHOLE:  # tensorwise
+        return (1,) * len(shape)
+    return (*batch, rows if br == 1 else -(-rows // br), per_row)
+
+
+def _check_part(name: str, t: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...], what: str,
+                kind: str = "shape") -> None:
+    if t.dtype != dtype:
+        raise TypeError(f"{name}: expected {dtype} for {what}, got {t.dtype}")
+    if tuple(t.shape) != shape:
+        raise ValueError(f"{name}: expected a {shape} {kind}, got {tuple(t.shape)}" if kind != "shape"
+                         else f"{name}: expected shape {shape}, got {tuple(t.shape)}")
 
 
 class QuantizedTensor:
     """A tensor quantized with a :class:`~lowprec.recipes.ScaleRecipe`.
 
     Attributes:
-        data: the elements. FP8 recipes: ``torch.float8_e4m3fn`` with the logical shape. FP4
+        data: the elements. FP8 recipes: ``torch.float8_e4m3fn`` (``float8_e5m2`` for E5M2
+            elements) with the logical shape. FP4
             recipes: ``uint8`` holding two E2M1 codes per byte along the last dim (element 2i in
             the low nibble), last dim ``ceil(cols / 2)``.
         scale: dequantization multipliers, row-major: ``[..., rows, ceil(cols / block)]`` for
@@ -44,17 +71,39 @@ class QuantizedTensor:
     ) -> None:
         if not isinstance(recipe, ScaleRecipe):
             raise TypeError(f"recipe: expected a ScaleRecipe, got {type(recipe).__name__}")
+        if dtype not in _FLOAT_DTYPES:
+            raise TypeError(f"dtype: expected one of {[str(d) for d in _FLOAT_DTYPES]} (the original tensor's "
+                            f"dtype), got {dtype!r}")
+        try:
+            shape = torch.Size(shape)
+        except (TypeError, ValueError):
+            shape = None
+        if not shape or any(n < 0 for n in shape):
+            raise ValueError(f"shape: expected the logical shape, ≥ 1 dim of sizes ≥ 0, got {shape!r}")
+        for name, t in (("data", data), ("scale", scale), ("global_scale", global_scale)):
+            if t is not None and not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        cols = shape[-1]
+        expected = ((torch.uint8, (*shape[:-1], -(-cols // 2))) if recipe.is_fp4
+                    else (recipe.element.torch_dtype, tuple(shape)))
+        _check_part("data", data, *expected, f"{recipe.elem_format} elements")
+        _check_part("scale", scale, _SCALE_DTYPES[recipe.scale_format], scale_grid(recipe, shape),
+                    f"{recipe.scale_format} scales", "scale grid")
         if recipe.global_scale != (global_scale is not None):
             raise ValueError(
                 f"global_scale: recipe {recipe.name!r} {'needs' if recipe.global_scale else 'takes no'} global scale"
             )
-        if data.device != scale.device:
-            raise ValueError(f"scale: on {scale.device}, but data is on {data.device}")
+        if global_scale is not None and (global_scale.dtype != torch.float32 or global_scale.dim() != 0):
+            raise ValueError(f"global_scale: expected a 0-dim float32 tensor, got {global_scale.dtype} "
+                             f"{tuple(global_scale.shape)}")
+        for name, t in (("scale", scale), ("global_scale", global_scale)):
+            if t is not None and t.device != data.device:
+                raise ValueError(f"{name}: on {t.device}, but data is on {data.device}")
         self.data = data
         self.scale = scale
         self.global_scale = global_scale
         self.recipe = recipe
-        self.shape = torch.Size(shape)
+        self.shape = shape
         self.dtype = dtype
 
     @property
@@ -86,6 +135,8 @@ class QuantizedTensor:
         Exactly ``quantize(x.transpose(-1, -2))`` for square-block (128x128) and tensorwise
         recipes; other recipes raise ValueError (requantize the transposed tensor instead).
         """
+        if self.dim() < 2:
+            raise ValueError(f"transpose: needs ≥ 2 dims, got shape {tuple(self.shape)}")
         if not self.transposable:
             raise ValueError(f"transpose: recipe {self.recipe.name} blocks are not square; requantize instead")
         shape = (*self.shape[:-2], self.shape[-1], self.shape[-2])
@@ -98,10 +149,16 @@ class QuantizedTensor:
         Pass ``dtype=torch.float64`` for an exact dequantization (error references)."""
         return dequantize_blocks(self, dtype)
 
-    def to(self, device: torch.device | str) -> QuantizedTensor:
-        """A copy on ``device`` (data, scales and global scale move together)."""
-        g = None if self.global_scale is None else self.global_scale.to(device)
-        return QuantizedTensor(self.data.to(device), self.scale.to(device), self.recipe, self.shape, self.dtype, g)
+    def to(self, device: torch.device | str, copy: bool = False) -> QuantizedTensor:
+        """On ``device`` (data, scales and global scale move together). As ``torch.Tensor.to``,
+        the tensors are shared when they are there already, unless ``copy``. Devices only: the
+        codes and scales keep their formats (``dequantize(dtype)`` gives a float tensor)."""
+        if isinstance(device, torch.dtype):
+            raise TypeError(f"device: QuantizedTensor.to moves between devices only, got the dtype {device}; "
+                            f"use dequantize({device}) for a {device} tensor")
+        g = None if self.global_scale is None else self.global_scale.to(device, copy=copy)
+        return QuantizedTensor(self.data.to(device, copy=copy), self.scale.to(device, copy=copy), self.recipe,
+                               self.shape, self.dtype, g)
 
     def flatten(self) -> tuple[tuple[torch.Tensor, ...], tuple]:
         """The tensors ``(data, scale[, global_scale])`` and the plain metadata ``(recipe, shape,
@@ -124,17 +181,26 @@ class QuantizedTensor:
     @classmethod
     def from_parts(cls, data: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor | None,
                    metadata: dict, where: str = "metadata") -> QuantizedTensor:
-        """Inverse of (``data``, ``scale``, ``global_scale``, :meth:`metadata`)."""
+        """Inverse of (``data``, ``scale``, ``global_scale``, :meth:`metadata`). Raises ValueError,
+        prefixed by ``where``, for anything that does not make a valid QuantizedTensor."""
+        if not isinstance(metadata, dict):
+            raise ValueError(f"{where}: expected a JSON object (recipe, shape, dtype), got {metadata!r}")
         if "recipe" not in metadata:
             raise ValueError(f"{where}: no recipe")
         try:
             recipe = ScaleRecipe.from_json(json.dumps(metadata["recipe"]))
         except ValueError as err:
             raise ValueError(f"{where}: unknown recipe: {err}") from None
+        shape = metadata.get("shape")
+        if not isinstance(shape, list) or not all(isinstance(n, int) and not isinstance(n, bool) for n in shape):
+            raise ValueError(f"{where}: 'shape' must be a list of sizes, got {shape!r}")
         dtype = getattr(torch, str(metadata.get("dtype")), None)
         if not isinstance(dtype, torch.dtype):
             raise ValueError(f"{where}: unknown dtype {metadata.get('dtype')!r}")
-        return cls(data, scale, recipe, metadata["shape"], dtype, global_scale)
+        try:
+            return cls(data, scale, recipe, shape, dtype, global_scale)
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"{where}: {err}") from None
 
     def __repr__(self) -> str:
         return (

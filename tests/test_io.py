@@ -77,3 +77,102 @@ def test_load_to_cuda(tmp_path):
     lowprec.save(qt, tmp_path / "t.safetensors")
     back = lowprec.load(tmp_path / "t.safetensors", device="cuda")
     assert back.device.type == "cuda" and torch.equal(back.dequantize(), qt.dequantize())
+
+
+def _damaged(tmp_path, edit_meta=None, edit_tensors=None, obj=None):
+    """A file saved by lowprec, then its metadata / tensors edited in place."""
+    path = tmp_path / "d.safetensors"
+    lowprec.save(obj if obj is not None else {"w": lowprec.quantize(torch.randn(4, 256), "nvfp4"),
+                                              "b": torch.ones(3)}, path)
+    with safetensors.safe_open(path, "pt") as f:
+        meta, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+    info = json.loads(meta["lowprec.quantized"])
+    if edit_meta:
+        edit_meta(meta, info)
+    meta["lowprec.quantized"] = info if isinstance(info, str) else json.dumps(info)
+    if edit_tensors:
+        edit_tensors(tensors)
+    safetensors.torch.save_file(tensors, path, metadata=meta)
+    return path
+
+
+def _set(*keys, value=None, delete=False):
+    def edit(meta, info):
+        d = info
+        for k in keys[:-1]:
+            d = d[k]
+        if delete:
+            del d[keys[-1]]
+        else:
+            d[keys[-1]] = value
+    return edit
+
+
+@pytest.mark.parametrize("edit_meta, edit_tensors, match", [
+    (_set("w", "shape", delete=True), None, "entry 'w'.*'shape'"),
+    (_set("w", "shape", value=[4, 300]), None, "entry 'w'.*data: expected shape"),
+    (_set("w", "shape", value="4x256"), None, "entry 'w'.*'shape'"),
+    (_set("w", "dtype", value="int8"), None, "entry 'w'.*dtype"),
+    (_set("w", "dtype", delete=True), None, "entry 'w'.*dtype"),
+    (_set("w", "recipe", "block", value=[1, 32]), None, "entry 'w'.*recipe"),
+    (lambda meta, info: info["w"]["recipe"].update(name="my_fp4", block=[1, 8]), None,
+     "entry 'w'.*scale: expected a"),
+    (_set("w", value=[1, 2]), None, "entry 'w'.*JSON object"),
+    (_set("w", "recipe", "global_scale", value=False), None, "entry 'w'"),
+    (None, lambda t: t.pop("w::data"), "entry 'w'.*'w::data'"),
+    (None, lambda t: t.pop("w::global_scale"), "entry 'w'.*global scale"),
+    (None, lambda t: t.update({"w::bias": torch.ones(1)}), "'w::bias'"),
+    (None, lambda t: t.update({"v::data": torch.ones(1)}), "entry 'v'.*no recipe"),
+    (_set("x", value={"recipe": {}}), None, "entry 'x'.*no tensors"),
+    (lambda meta, info: meta.update({"lowprec.format_version": "2"}), None, "'lowprec.format_version'"),
+    (lambda meta, info: meta.update({"lowprec.kind": "model"}), None, "'lowprec.kind'"),
+    (lambda meta, info: meta.update({"lowprec.kind": "quantized_tensor"}), None, "'lowprec.kind'.*'tensor'"),
+    (lambda meta, info: info.clear() or info.update({"w": 1}) or None, None, "entry 'w'.*JSON object"),
+])
+def test_damaged_metadata_is_one_value_error_naming_the_key(tmp_path, edit_meta, edit_tensors, match):
+    path = _damaged(tmp_path, edit_meta, edit_tensors)
+    with pytest.raises(ValueError, match=match):
+        lowprec.load(path)
+
+
+def test_quantized_metadata_must_be_a_json_object(tmp_path):
+    path = _damaged(tmp_path, lambda meta, info: None)
+    with safetensors.safe_open(path, "pt") as f:
+        meta, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+    meta["lowprec.quantized"] = "[1, 2]"
+    safetensors.torch.save_file(tensors, path, metadata=meta)
+    with pytest.raises(ValueError, match="'lowprec.quantized'.*JSON object"):
+        lowprec.load(path)
+
+
+def test_plain_safetensors_file_loads(tmp_path):
+    path = tmp_path / "plain.safetensors"
+    safetensors.torch.save_file({"a": torch.ones(2)}, path)
+    assert torch.equal(lowprec.load(path)["a"], torch.ones(2))
+
+
+def test_tied_weights_are_saved_once_and_stay_tied(tmp_path):
+    model = torch.nn.Sequential(torch.nn.Embedding(32, 16), torch.nn.Linear(16, 32, bias=False))
+    model[1].weight = model[0].weight
+    sd = dict(model.state_dict())
+    sd["q"] = lowprec.quantize(torch.randn(16, 128), "fp8_block1x128")
+    sd["q_again"] = sd["q"]
+    sd["row"] = model[0].weight.detach()[3]  # a view into a tied tensor: stored on its own
+    path = tmp_path / "tied.safetensors"
+    lowprec.save(sd, path)
+    back = lowprec.load(path)
+    assert set(back) == set(sd)
+    assert back["1.weight"].data_ptr() == back["0.weight"].data_ptr()
+    assert torch.equal(back["0.weight"], model[0].weight) and torch.equal(back["row"], sd["row"])
+    assert back["q_again"].data.data_ptr() == back["q"].data.data_ptr()
+    fresh = torch.nn.Sequential(torch.nn.Embedding(32, 16), torch.nn.Linear(16, 32, bias=False))
+    fresh.load_state_dict({k: v for k, v in back.items() if "q" not in k and k != "row"})
+    assert torch.equal(fresh[1].weight, model[1].weight)
+
+
+def test_alias_to_a_missing_tensor_is_a_clear_error(tmp_path):
+    t = torch.ones(4)
+    path = _damaged(tmp_path, lambda meta, info: meta.update({"lowprec.aliases": json.dumps({"c": "zz"})}),
+                    obj={"a": t, "b": t})
+    with pytest.raises(ValueError, match="'lowprec.aliases'.*'c'.*'zz'"):
+        lowprec.load(path)

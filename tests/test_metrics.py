@@ -24,3 +24,16 @@ def test_metrics_known_values():
 def test_metrics_shape_mismatch():
     with pytest.raises(ValueError, match="shape"):
         metrics.rmse(torch.zeros(3), torch.zeros(4))
+
+
+def test_cos_sim_against_an_all_zero_tensor_is_not_perfect():
+    x = torch.randn(10)
+    assert metrics.cos_sim(x, torch.zeros(10)) == 0.0
+    assert metrics.cos_sim(torch.zeros(10), x) == 0.0
+    assert metrics.cos_sim(torch.zeros(10), torch.zeros(10)) == 1.0  # identical
+
+
+def test_empty_tensors_are_identical_by_every_metric():
+    e = torch.zeros(0, 4)
+    assert metrics.error_report(e, e) == {"cos_sim": 1.0, "rel_l1": 0.0, "rel_l2": 0.0, "rmse": 0.0,
+                                          "sqnr_db": math.inf, "calc_diff": 0.0, "max_rel_err": 0.0}

@@ -45,3 +45,37 @@ def test_errors():
 def test_default_recipes_are_built_once_and_options_still_apply():
     assert get_recipe("fp8_block1x128") is get_recipe("fp8_block1x128")
     assert get_recipe("mxfp8", rounding="floor") != get_recipe("mxfp8")
+
+
+@pytest.mark.parametrize("args, match", [
+    (("g", (1, 16), "e4m3", "fp32", "exact", True), "global_scale.*E4M3 block scales"),
+    (("g", (1, 32), "e4m3", "e8m0", "rceil", True), "global_scale.*E4M3 block scales"),
+    (("g", (1, 16), "e2m1", "e4m3", "exact", False), "E4M3 block scales need.*global_scale"),
+    (("g", (1, 16), "e2m1", "e4m3", "pow2", True), "E4M3 block scales.*'exact'"),
+    (("g", (2.5, 16)), "block: .*integers"),
+    (("g", (1, True)), "block: .*integers"),
+    (("g", (1, 16, 1)), "block: .*two"),
+    (("g", 16), "block: .*two"),
+    (("g", (1, 16), "e3m4"), "elem_format"),
+    (("g", (1, 16), "e4m3", "fp32", "exact", "yes"), "global_scale: expected a bool"),
+    ((7, (1, 16)), "name"),
+])
+def test_invalid_combinations_are_rejected_at_construction(args, match):
+    with pytest.raises(ValueError, match=match):
+        ScaleRecipe(*args)
+
+
+@pytest.mark.parametrize("name, option, value", [
+    ("fp8_block1x128", "pow2_scale", "no"), ("fp8_tensorwise", "pow2_scale", 1), ("nvfp4", "weight_2d", "yes"),
+])
+def test_recipe_options_must_be_bools(name, option, value):
+    with pytest.raises(TypeError, match=f"{option}: expected a bool"):
+        get_recipe(name, **{option: value})
+
+
+def test_named_recipe_names_are_reserved():
+    # kernels are picked by name: an E5M2 recipe called "fp8_rowwise" would get E4M3 kernels
+    with pytest.raises(ValueError, match="name: 'fp8_rowwise' is a named recipe"):
+        ScaleRecipe("fp8_rowwise", (1, WHOLE), "e5m2")
+    assert ScaleRecipe("fp8_rowwise", (1, WHOLE), "e4m3", "fp32", "pow2") == get_recipe("fp8_rowwise", pow2_scale=True)
+    assert ScaleRecipe("my_rowwise", (1, WHOLE), "e5m2").elem_format == "e5m2"

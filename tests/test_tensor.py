@@ -22,3 +22,69 @@ def test_transpose_refuses_non_square_blocks(recipe):
     assert not qt.transposable
     with pytest.raises(ValueError, match="requantize"):
         qt.transpose()
+
+
+def _parts(recipe="fp8_block1x128", shape=(4, 256)):
+    qt = lowprec.quantize(torch.randn(*shape), recipe)
+    return qt, dict(data=qt.data, scale=qt.scale, recipe=qt.recipe, shape=qt.shape, dtype=qt.dtype,
+                    global_scale=qt.global_scale)
+
+
+@pytest.mark.parametrize("recipe", lowprec.RECIPE_NAMES)
+@pytest.mark.parametrize("shape", [(300,), (5, 33), (2, 3, 40), (0, 64), (3, 0)])
+def test_constructor_accepts_what_quantize_makes(recipe, shape):
+    if lowprec.get_recipe(recipe).is_2d and len(shape) < 2:
+        return
+    qt, parts = _parts(recipe, shape)
+    assert lowprec.QuantizedTensor(**parts).shape == qt.shape
+
+
+@pytest.mark.parametrize("field, value, error, match", [
+    ("data", torch.zeros(4, 256), TypeError, "data: expected torch.float8_e4m3fn"),
+    ("data", torch.zeros(4, 128, dtype=torch.float8_e4m3fn), ValueError, r"data: expected shape \(4, 256\)"),
+    ("data", [1, 2], TypeError, "data: expected a torch.Tensor"),
+    ("scale", torch.ones(4, 3), ValueError, r"scale: expected a \(4, 2\) scale grid"),
+    ("scale", torch.ones(4, 2, dtype=torch.float64), TypeError, "scale: expected torch.float32"),
+    ("dtype", "float32", TypeError, "dtype: expected one of"),
+    ("dtype", torch.int8, TypeError, "dtype: expected one of"),
+    ("shape", (4, -256), ValueError, "shape: expected"),
+    ("shape", (4, 2.5), ValueError, "shape: expected"),
+    ("shape", (), ValueError, "shape: expected"),
+])
+def test_constructor_validates_its_fields(field, value, error, match):
+    _, parts = _parts()
+    parts[field] = value
+    with pytest.raises(error, match=match):
+        lowprec.QuantizedTensor(**parts)
+
+
+def test_constructor_validates_fp4_and_global_scale():
+    _, parts = _parts("nvfp4", (4, 33))
+    assert parts["data"].shape == (4, 17)
+    with pytest.raises(ValueError, match=r"data: expected shape \(4, 17\)"):
+        lowprec.QuantizedTensor(**{**parts, "data": parts["data"][:, :16]})
+    with pytest.raises(TypeError, match="data: expected torch.uint8"):
+        lowprec.QuantizedTensor(**{**parts, "data": parts["data"].view(torch.int8)})
+    with pytest.raises(ValueError, match="global_scale: expected a 0-dim float32"):
+        lowprec.QuantizedTensor(**{**parts, "global_scale": parts["global_scale"].reshape(1)})
+
+
+def test_to_refuses_dtypes():
+    qt, _ = _parts()
+    with pytest.raises(TypeError, match="dequantize"):
+        qt.to(torch.bfloat16)
+    assert qt.data.dtype == torch.float8_e4m3fn
+
+
+def test_to_copies_only_when_asked():
+    qt, _ = _parts("nvfp4")
+    same = qt.to("cpu")
+    assert same.data.data_ptr() == qt.data.data_ptr()  # as torch.Tensor.to
+    copy = qt.to("cpu", copy=True)
+    for a, b in ((copy.data, qt.data), (copy.scale, qt.scale), (copy.global_scale, qt.global_scale)):
+        assert a.data_ptr() != b.data_ptr() and torch.equal(a.float(), b.float())
+
+
+def test_transpose_of_a_1d_tensor_says_why():
+    with pytest.raises(ValueError, match="transpose: needs ≥ 2 dims"):
+        lowprec.quantize(torch.randn(64), "fp8_tensorwise").transpose()

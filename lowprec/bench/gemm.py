@@ -197,8 +197,7 @@ def run(args=None):
     if args is None or isinstance(args, (list, tuple)):
         args = parse_args(args)
     if not torch.cuda.is_available():
-        print("bench gemm: no CUDA device, nothing to measure")
-        return None
+        raise SystemExit("bench gemm needs a CUDA GPU")
     from lowprec.gemm.sm90.interface import choose_config, gemm_blockwise_fp8
 
     dev_name = torch.cuda.get_device_name()

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..nn.buffers import QuantizedBuffersModule
 from ..quant import quantize
 from ..recipes import get_recipe
 from ..tensor import QuantizedTensor
@@ -174,7 +175,7 @@ def _route_and_apply(module: MoE | FP8InferenceMoE, x: torch.Tensor, w1, w2, rec
     return (y.reshape(x.shape), routing) if return_routing else y.reshape(x.shape)
 
 
-class FP8InferenceMoE(nn.Module):
+class FP8InferenceMoE(QuantizedBuffersModule):
     """Inference :class:`MoE` keeping only FP8 expert weights: about half the memory of bf16
     experts, and no weight quantization per call (the expert weights are quantized once).
 
@@ -184,10 +185,13 @@ class FP8InferenceMoE(nn.Module):
 
     Buffers: ``w1`` (float8_e4m3fn ``[E, 2F, H]``) with ``w1_scale`` (FP32
     ``[E, ceil(2F/128), ceil(H/128)]``, one scale per 128x128 block), ``w2`` (``[E, H, F]``) with
-    ``w2_scale``; the ``router`` stays an ``nn.Linear`` applied in FP32. The forward is the FP8
-    forward of :class:`MoE` with the same quantized weights, so it gives the same outputs; it is
-    differentiable in ``x`` (the expert weights are constants).
+    ``w2_scale``; the ``router`` stays an ``nn.Linear`` applied in FP32. Module casts
+    (``.half()``, ``.to(dtype)``) cast the router and leave these buffers as they are. The
+    forward is the FP8 forward of :class:`MoE` with the same quantized weights, so it gives the
+    same outputs; it is differentiable in ``x`` (the expert weights are constants).
     """
+
+    _quantized = ("w1", "w1_scale", "w2", "w2_scale")
 
     def __init__(self, hidden_size: int, ffn_size: int, num_experts: int, top_k: int,
                  capacity_factor: float | None = None, activation: str = "swiglu", score_func: str = "softmax",

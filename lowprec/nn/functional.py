@@ -77,7 +77,9 @@ class _FP8Linear(torch.autograd.Function):
         dx = dw = db = None
         if ctx.needs_input_grad[1]:
             dy_q, dyt_q = quantize_dual(dy, recipe.grad)
-            dw = gemm(dyt_q, xt_q, out_dtype=ctx.weight_dtype)
+            # the GEMM stores bf16 / fp16 / fp32: other master weights (float64) get FP32, cast
+            out = ctx.weight_dtype if ctx.weight_dtype in _FLOAT_DTYPES else torch.float32
+            dw = gemm(dyt_q, xt_q, out_dtype=out).to(ctx.weight_dtype)
         else:
             dy_q = quantize(dy, recipe.grad, check_finite=False)
         if ctx.needs_input_grad[0]:

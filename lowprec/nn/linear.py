@@ -12,12 +12,14 @@ from ..gemm import gemm
 from ..quant import quantize
 from ..recipes import get_recipe
 from ..tensor import QuantizedTensor
+from .buffers import QuantizedBuffersModule
 from .functional import LinearRecipe, fp8_linear, get_linear_recipe
 
 __all__ = ["FP8Linear", "FP8InferenceLinear", "convert"]
 
 log = logging.getLogger("lowprec")
 _ALIGN = 16  # the GEMM kernels take N and K in multiples of 16
+_X_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _check_features(in_features: int, out_features: int) -> None:
@@ -67,13 +69,37 @@ class FP8Linear(nn.Module):
                 f"bias={self.bias is not None}, recipe={self.recipe.name}")
 
 
-class FP8InferenceLinear(nn.Module):
-    """Inference-only linear holding just the FP8 weight and its scales (about half the memory).
+class _FrozenFP8Linear(torch.autograd.Function):
+    """``x · Wᵀ + b`` with a constant FP8 weight: the input gradient ``dX = dY_q · (Wᵀ)_q`` as
+    :class:`FP8Linear`'s, ``(Wᵀ)_q`` the codes transposed for square blocks and tensorwise
+    scales, else the weight requantized along its other dim."""
+
+    @staticmethod
+    def forward(ctx, x2, w: QuantizedTensor, bias, recipe: LinearRecipe):
+        ctx.w, ctx.recipe = w, recipe
+        return gemm(quantize(x2, recipe.activation, check_finite=False), w, out_dtype=x2.dtype, bias=bias)
+
+    @staticmethod
+    def backward(ctx, dy):
+        w = ctx.w
+        w_t = w.transpose() if w.transposable else quantize(w.dequantize(torch.float32).t(), w.recipe,
+                                                            check_finite=False)
+        dy_q = quantize(dy.contiguous(), ctx.recipe.grad, check_finite=False)
+        return gemm(dy_q, w_t, out_dtype=dy.dtype), None, None, None
+
+
+class FP8InferenceLinear(QuantizedBuffersModule):
+    """Inference linear holding just the FP8 weight and its scales (about half the memory);
+    differentiable in ``x`` (the weight is a constant).
 
     Buffers: ``weight`` (float8_e4m3fn ``[out, in]``), ``weight_scale`` (FP32, the recipe's
-    row-major scale grid) and ``bias`` (if any). Save and load with ``model.state_dict()`` and
+    row-major scale grid) and ``bias`` (if any). Module casts (``.half()``, ``.to(dtype)``) cast
+    the bias only: the weight keeps its FP8 codes and FP32 scales (see
+    :class:`QuantizedBuffersModule`). Save and load with ``model.state_dict()`` and
     :func:`lowprec.save` / :func:`lowprec.load`.
     """
+
+    _quantized = ("weight", "weight_scale")
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, recipe: str = "fp8_block",
                  device=None, out_dtype: torch.dtype = torch.bfloat16) -> None:
@@ -105,12 +131,18 @@ class FP8InferenceLinear(nn.Module):
                                self.weight.shape, self.out_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x · Wᵀ + b``, differentiable in ``x`` (the weight and bias are constants)."""
+        if not isinstance(x, torch.Tensor) or x.dtype not in _X_DTYPES:
+            raise TypeError(f"x: expected a float32/bfloat16/float16 tensor, got {getattr(x, 'dtype', type(x))}")
         if x.shape[-1] != self.in_features:
             raise ValueError(f"x: last dim must be in_features={self.in_features}, got shape {tuple(x.shape)}")
         x2 = x.reshape(-1, self.in_features)
-        x_q = quantize(x2, self.recipe.activation, check_finite=False)
         bias = None if self.bias is None else self.bias.float()
-        y = gemm(x_q, self.quantized_weight(), out_dtype=x.dtype, bias=bias)
+        if torch.is_grad_enabled() and x.requires_grad:
+            y = _FrozenFP8Linear.apply(x2, self.quantized_weight(), bias, self.recipe)
+        else:
+            x_q = quantize(x2, self.recipe.activation, check_finite=False)
+            y = gemm(x_q, self.quantized_weight(), out_dtype=x.dtype, bias=bias)
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
@@ -150,35 +182,56 @@ def convert(model: nn.Module, recipe: str = "fp8_block", filter_fn: Callable[[st
     ``recipe``) and their router is never quantized: training conversion leaves them as they
     are; ``inference=True`` makes each a :class:`lowprec.moe.FP8InferenceMoE` (expert weights in
     128x128 FP8 blocks, whatever ``recipe`` says).
+
+    Converting again: :class:`FP8Linear` layers take the new ``recipe`` (the same master
+    weights); :class:`FP8InferenceLinear` layers of another recipe stay as they are, with one log
+    line each (their FP8 weights cannot be requantized without the master weights). A module
+    referenced several times (``self.b = self.a``) is converted once, by its first name, and
+    stays shared.
     """
     from ..moe import FP8InferenceMoE, MoE  # lowprec.moe imports lowprec.nn
 
     get_linear_recipe(recipe)
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected an nn.Module, got {type(model).__name__}")
-    if filter_fn is not None and type(model) in (nn.Linear, MoE) and not filter_fn("", model):
-        return model
-    if type(model) is nn.Linear:
-        return _swap(model, "", recipe, inference)
-    if isinstance(model, MoE):
-        return FP8InferenceMoE.from_moe(model) if inference else model
-    if inference and isinstance(model, FP8Linear):
-        return FP8InferenceLinear.from_linear(model, model.recipe.name)
+    if _convertible(model):
+        return model if filter_fn is not None and not filter_fn("", model) else _converted(model, "", recipe,
+                                                                                            inference)
+    done: dict[int, nn.Module] = {}  # id(module) -> what it became: shared modules stay shared
     for parent_name, parent in list(model.named_modules()):
         if isinstance(parent, (MoE, FP8InferenceMoE)):  # the router is read as a weight, in FP32
             continue
-        for child_name, child in list(parent.named_children()):
-            trained = inference and isinstance(child, FP8Linear)
-            moe = inference and isinstance(child, MoE)
-            if type(child) is not nn.Linear and not trained and not moe:
+        for child_name, child in list(parent._modules.items()):  # named_children() skips repeats
+            if child is None or not _convertible(child):
                 continue
-            name = f"{parent_name}.{child_name}" if parent_name else child_name
-            if filter_fn is not None and not filter_fn(name, child):
-                continue
-            if moe:
-                setattr(parent, child_name, FP8InferenceMoE.from_moe(child))
-            elif trained:
-                setattr(parent, child_name, FP8InferenceLinear.from_linear(child, child.recipe.name))
-            else:
-                setattr(parent, child_name, _swap(child, name, recipe, inference))
+            if id(child) not in done:
+                name = f"{parent_name}.{child_name}" if parent_name else child_name
+                keep = filter_fn is not None and not filter_fn(name, child)
+                done[id(child)] = child if keep else _converted(child, name, recipe, inference)
+            setattr(parent, child_name, done[id(child)])
     return model
+
+
+def _convertible(module: nn.Module) -> bool:
+    from ..moe import MoE
+
+    return type(module) is nn.Linear or isinstance(module, (MoE, FP8Linear, FP8InferenceLinear))
+
+
+def _converted(module: nn.Module, name: str, recipe: str, inference: bool) -> nn.Module:
+    """What :func:`convert` makes of one :func:`_convertible` module (itself where nothing applies)."""
+    from ..moe import FP8InferenceMoE, MoE
+
+    if type(module) is nn.Linear:
+        return _swap(module, name, recipe, inference)
+    if isinstance(module, MoE):
+        return FP8InferenceMoE.from_moe(module) if inference else module
+    if isinstance(module, FP8Linear):
+        if inference:
+            return FP8InferenceLinear.from_linear(module, module.recipe.name)
+        module.recipe = get_linear_recipe(recipe)
+        return module
+    if module.recipe.name != recipe:
+        log.warning("lowprec.convert: keeping %s as FP8InferenceLinear in %s, not %s: its FP8 weights cannot be "
+                    "requantized without the master weights", name or "<model>", module.recipe.name, recipe)
+    return module

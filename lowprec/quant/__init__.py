@@ -15,6 +15,7 @@ __all__ = ["quantize", "dequantize", "quantize_dual", "quantize_with_transpose"]
 registry.load_arch_packages(__name__, __path__)
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+_FP32_MAX = torch.finfo(torch.float32).max
 
 
 def quantize(x: torch.Tensor, recipe: str | ScaleRecipe, *, check_finite: bool = True, **options) -> QuantizedTensor:
@@ -26,9 +27,12 @@ def quantize(x: torch.Tensor, recipe: str | ScaleRecipe, *, check_finite: bool =
             need at least 2 dims and treat leading dims as a batch (per-matrix blocks). Shapes not
             divisible by the block are padded internally; the logical shape is kept.
         recipe: e.g. ``"fp8_block1x128"``, ``"mxfp8"``, ``"nvfp4"``.
-        check_finite: raise on NaN / Inf input (default). This reads a flag back from the device;
-            pass False on hot paths where the input is known finite. Without the check, NaN and
-            Inf give undefined codes in formats that cannot represent them.
+        check_finite: raise on NaN / Inf input, and on float64 values beyond FP32's range (which
+            the cast to FP32 would make Inf) (default). This reads a flag back from the device;
+            pass False on hot paths where the input is known finite. Without the check a NaN
+            dequantizes to NaN (E2M1, which has no NaN: to 0) and its block's scale comes from
+            the other values; an Inf makes its whole block NaN (NVFP4: the whole tensor, through
+            the global scale).
         **options: recipe options, e.g. ``pow2_scale=True``, ``rounding="floor"``,
             ``weight_2d=True`` (see :mod:`lowprec.recipes`).
 
@@ -45,14 +49,27 @@ def quantize(x: torch.Tensor, recipe: str | ScaleRecipe, *, check_finite: bool =
     if r.is_2d and x.dim() < 2:
         raise ValueError(f"x: recipe {r.name!r} uses {r.block[0]}x{r.block[1]} blocks and needs ≥ 2 dims, "
                          f"got shape {tuple(x.shape)}")
-    if check_finite and x.numel() and not bool(torch.isfinite(x).all()):
-        raise ValueError("x: contains NaN or Inf; quantization needs finite values "
-                         "(check_finite=False skips this check)")
+    if check_finite and x.numel():
+        _check_finite(x)
     x = x.detach()
     if _traced_on_cuda(x) and _custom_op_recipe(x, r):
         return _wrap_kernel_output(x, r, *ops.quantize_fp8(x.reshape(-1, x.shape[-1]), r.name))
     return registry.run("quantize", x.device, (x, r), lambda: quantize_reference(x, r),
                     lambda kernel: _wrap_kernel_output(x, r, *kernel(x, r)))
+
+
+def _check_finite(x: torch.Tensor) -> None:
+    """NaN / Inf, or float64 values that the cast to FP32 (where quantization computes) makes Inf."""
+    if x.dtype == torch.float64:
+        ok = bool((x.abs() <= _FP32_MAX).all())  # False for NaN too
+    else:
+        ok = bool(torch.isfinite(x).all())
+    if ok:
+        return
+    if x.dtype == torch.float64 and bool(torch.isfinite(x).all()):
+        raise ValueError(f"x: float64 values beyond FP32's range (|x| ≤ {_FP32_MAX:.6g}): quantization computes "
+                         f"in FP32, where they would be Inf")
+    raise ValueError("x: contains NaN or Inf; quantization needs finite values (check_finite=False skips this check)")
 
 
 def _traced_on_cuda(x: torch.Tensor) -> bool:

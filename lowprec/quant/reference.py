@@ -4,6 +4,9 @@ All arithmetic is FP32, in this order (kernels must reproduce it to be bit-ident
 ``amax`` per block -> scale (see :mod:`lowprec.recipes`) -> ``inv = 1 / scale`` (IEEE division,
 once per block) -> ``q = x * inv`` -> clamp to the element format's range -> round to nearest
 even. (A multiply per element, not a division: kernels stay memory-bound.)
+
+The amax ignores NaN (as the kernels' max does), so with ``check_finite=False`` a NaN's block is
+scaled by its finite values and the NaN stays NaN (E2M1, which has no NaN: 0).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ __all__ = ["quantize_reference", "dequantize_reference", "scale_from_amax", "blo
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _FP32_TINY = torch.finfo(torch.float32).tiny
+_FP32_MIN_SUBNORMAL = 2.0**-149
 
 
 def _div(a: torch.Tensor, b: float | torch.Tensor) -> torch.Tensor:
@@ -50,17 +54,20 @@ def scale_from_amax(amax: torch.Tensor, recipe: ScaleRecipe, global_scale: torch
             codes = encode_e8m0(amax, "floor").to(torch.int32) - recipe.element.emax
             codes = torch.where(amax > 0, codes, torch.zeros_like(codes)).clamp(0, 254).to(torch.uint8)
         return codes.view(torch.float8_e8m0fnu).float()
-    # e4m3 block scale under an FP32 global scale (NVFP4)
+    # e4m3 block scale under an FP32 global scale (NVFP4); at least the scale whose product with
+    # the global scale is not flushed to 0 in FP32 (2^-149 / global_scale: above 2^-9 only for
+    # tensors of FP32 subnormals)
     s = _div(_div(amax, elem_max), global_scale)
-    s = s.clamp(min=E4M3.min_subnormal, max=E4M3.max)
+    s = torch.maximum(s.clamp(max=E4M3.max), _div(torch.full_like(global_scale, _FP32_MIN_SUBNORMAL), global_scale)
+                      .clamp(min=E4M3.min_subnormal, max=E4M3.max))
     return s.to(torch.float8_e4m3fn).float()
 
 
-def _blocked_amax(x: torch.Tensor, br: int, bc: int) -> torch.Tensor:
-    """amax over [br, bc] blocks of the last two dims of ``x`` (zero-padded), FP32."""
-    rows, cols = x.shape[-2:]
+def _blocked_amax(a: torch.Tensor, br: int, bc: int) -> torch.Tensor:
+    """max over [br, bc] blocks of the last two dims of ``a`` (magnitudes, zero-padded), FP32."""
+    rows, cols = a.shape[-2:]
     pr, pc = -rows % br, -cols % bc
-    a = torch.nn.functional.pad(x.abs(), (0, pc, 0, pr))
+    a = torch.nn.functional.pad(a, (0, pc, 0, pr))
     lead = a.shape[:-2]
     a = a.reshape(*lead, (rows + pr) // br, br, (cols + pc) // bc, bc)
     return a.amax(dim=(-3, -1))
@@ -74,20 +81,27 @@ def quantize_reference(x: torch.Tensor, recipe: ScaleRecipe) -> QuantizedTensor:
     br, bc = block_dims(recipe, shape)
     rows, cols = x2.shape[-2:]
 
+    mag = xf.abs().nan_to_num(nan=0.0, posinf=torch.inf)
     if recipe.tensorwise:
-        amax = xf.abs().amax() if xf.numel() else xf.new_zeros(())
+        amax = mag.amax() if xf.numel() else xf.new_zeros(())
         amax = amax.reshape([1] * x2.dim())
     else:
-        amax = _blocked_amax(xf, br, bc)
+        amax = _blocked_amax(mag, br, bc)
 
     global_scale = None
     if recipe.global_scale:
         amax_t = amax.amax() if amax.numel() else amax.new_zeros(())
-        global_scale = torch.where(amax_t > 0, _div(amax_t, E4M3.max * recipe.element.max), torch.ones_like(amax_t))
+        # at least the smallest FP32 subnormal: a tensor of subnormals would get 0
+        global_scale = torch.where(amax_t > 0, _div(amax_t, E4M3.max * recipe.element.max).clamp(
+            min=_FP32_MIN_SUBNORMAL), torch.ones_like(amax_t))
     scale = scale_from_amax(amax, recipe, global_scale)
     divisor = scale if global_scale is None else scale * global_scale
-    inv = _div(torch.ones_like(divisor), divisor)
-    q = xf * expand_scale(inv, br, bc, rows, cols)
+    inv = expand_scale(_div(torch.ones_like(divisor), divisor), br, bc, rows, cols)
+    q = xf * inv
+    if global_scale is not None:
+        # below 2^-128 (a global scale of tiny inputs) 1 / divisor overflows FP32: divide there.
+        # FP32 and E8M0 scales are ≥ 2^-127, so their reciprocals are finite.
+        q = torch.where(inv.isinf(), _div(xf, expand_scale(divisor, br, bc, rows, cols)), q)
     q = q.clamp(-recipe.element.max, recipe.element.max)
 
     if recipe.is_fp4:
@@ -96,7 +110,7 @@ def quantize_reference(x: torch.Tensor, recipe: ScaleRecipe) -> QuantizedTensor:
             codes = torch.nn.functional.pad(codes, (0, 1))
         data = pack_fp4(codes)
     else:
-        data = q.to(torch.float8_e4m3fn)
+        data = q.to(recipe.element.torch_dtype)
     if x.dim() == 1:
         data = data[0]
         scale = scale.reshape(scale.shape[-1])

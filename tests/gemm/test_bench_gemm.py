@@ -1,6 +1,12 @@
 """``python -m lowprec bench gemm``: its shapes, arguments and timing rounds on the CPU (the
 bench itself needs CUDA)."""
 
+import subprocess
+import sys
+
+import pytest
+import torch
+
 from lowprec.__main__ import BENCHES
 from lowprec.bench import gemm as bench
 
@@ -33,3 +39,10 @@ def test_interleaved_rounds_alternate_who_goes_first():
 def test_one_library_alone_is_timed_every_round():
     rounds = bench._interleaved_rounds({"lp": lambda rep: 3.0}, rep=1, rounds=bench.ROUNDS)
     assert rounds == {"lp": [3.0] * bench.ROUNDS}
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the exit shown without CUDA")
+def test_needs_cuda_exits_1():
+    proc = subprocess.run([sys.executable, "-m", "lowprec", "bench", "gemm", "--quick"], capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 1 and "needs a CUDA GPU" in proc.stderr

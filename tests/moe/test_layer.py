@@ -343,3 +343,31 @@ def test_module_under_torch_compile_on_cpu():
     compiled = torch.compile(m, backend="aot_eager")
     with torch.no_grad():
         assert torch.equal(compiled(x), m(x))
+
+
+@pytest.mark.parametrize("cast", [lambda m: m.half(), lambda m: m.bfloat16(), lambda m: m.to(torch.float16),
+                                  lambda m: m.float()], ids=["half", "bfloat16", "to_dtype", "float"])
+def test_inference_module_casts_keep_fp8_experts_and_fp32_scales(cast):
+    """Module casts move the router (a float parameter) and leave the FP8 expert weights and
+    their FP32 scales as they are (they once doubled in memory and flushed small scales to 0)."""
+    torch.manual_seed(4)
+    m = MoE(H, FFN, E, K, dtype=torch.bfloat16)
+    with torch.no_grad():
+        m.w2[0] *= 1e-9  # scales below FP16's smallest subnormal
+    infer = FP8InferenceMoE.from_moe(m)
+    before = {n: b.clone() for n, b in infer.named_buffers()}
+    x = torch.randn(T, H, dtype=torch.bfloat16)
+    ref = FP8InferenceMoE.from_moe(m)
+    cast(ref.router)  # what the cast may change: the router
+    assert cast(infer) is infer
+    for name, b in infer.named_buffers():
+        assert b.dtype == before[name].dtype and torch.equal(b.view(torch.uint8), before[name].view(torch.uint8))
+    with torch.no_grad():
+        assert torch.equal(infer(x), ref(x))
+
+
+def test_inference_module_refuses_float_expert_weights():
+    m = MoE(H, FFN, E, K)
+    infer = FP8InferenceMoE.from_moe(m)
+    with pytest.raises(RuntimeError, match="w1: expected torch.float8_e4m3fn"):
+        infer.load_state_dict({**infer.state_dict(), "w1": m.w1.detach()})

@@ -239,3 +239,125 @@ def test_compiled_training_step_on_the_gpu(monkeypatch):
         layer.zero_grad()
     for got, want in zip(results[1], results[0]):
         assert torch.equal(got, want)
+
+
+def _buffer_bytes(module):
+    return {n: (b.dtype, b.untyped_storage().nbytes(), b.view(torch.uint8).clone()) for n, b in
+            module.named_buffers() if b.dtype in (torch.float8_e4m3fn, torch.float32) and "bias" not in n}
+
+
+@pytest.mark.parametrize("cast", [lambda m: m.half(), lambda m: m.bfloat16(), lambda m: m.to(torch.float16),
+                                  lambda m: m.to("cpu", torch.bfloat16), lambda m: m.double(), lambda m: m.float()],
+                         ids=["half", "bfloat16", "to_dtype", "to_device_dtype", "double", "float"])
+def test_module_casts_keep_fp8_weights_and_fp32_scales(cast):
+    torch.manual_seed(7)
+    linear = nn.Linear(128, 64, bias=False)
+    with torch.no_grad():
+        linear.weight[:16] *= 1e-9  # FP32 scales below FP16's smallest subnormal (~6e-8)
+    layer = FP8InferenceLinear.from_linear(linear)
+    before = _buffer_bytes(layer)
+    x = torch.randn(4, 128)
+    with torch.no_grad():
+        y = layer(x)
+        assert cast(layer) is layer
+        after = _buffer_bytes(layer)
+        assert after.keys() == before.keys()
+        for name, (dtype, nbytes, raw) in before.items():
+            assert after[name][:2] == (dtype, nbytes) and torch.equal(after[name][2], raw), name
+        assert torch.equal(layer(x), y)
+
+
+def test_module_casts_move_the_bias_with_the_cast():
+    layer = FP8InferenceLinear.from_linear(nn.Linear(128, 64))
+    layer.half()
+    assert layer.bias.dtype == torch.float16 and layer.weight.dtype == torch.float8_e4m3fn
+    assert layer(torch.randn(2, 128, dtype=torch.float16)).dtype == torch.float16
+
+
+def test_shared_modules_stay_shared():
+    class Shared(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(128, 128)
+            self.b = self.a
+            self.seq = nn.Sequential(self.a, nn.ReLU())
+
+        def forward(self, x):
+            return self.seq(self.b(self.a(x)))
+
+    for inference in (False, True):
+        model = convert(Shared(), inference=inference)
+        assert model.a is model.b is model.seq[0]
+        assert type(model.a) is (FP8InferenceLinear if inference else FP8Linear)
+        sd = model.state_dict()
+        assert all(sd[f"{n}.weight"].dtype == sd["a.weight"].dtype for n in ("b", "seq.0"))
+
+
+def test_inference_linear_is_differentiable_in_x():
+    """The input gradient of y = layer(x) is dy · W (W the dequantized FP8 weight, frozen), in FP8
+    as FP8Linear's: it once flowed only through other paths (y + x gave dx = dy)."""
+    for recipe in ("fp8_block", "fp8_rowwise", "fp8_tensorwise"):
+        torch.manual_seed(11)
+        linear = nn.Linear(256, 128)
+        layer = FP8InferenceLinear.from_linear(linear, recipe)
+        x = torch.randn(32, 256, requires_grad=True)
+        dy = torch.randn(32, 128)
+        (layer(x) + x[:, :128]).backward(dy)
+        w = layer.quantized_weight().dequantize(torch.float64)
+        want = dy.double() @ w
+        want[:, :128] += dy.double()
+        assert metrics.rel_l2(x.grad, want) < 0.05, recipe
+        assert not any(t.requires_grad for t in layer.buffers())
+        if recipe == "fp8_rowwise":  # its transposed weight is requantized: no master weight here
+            continue
+        # the same gradient as the training layer it came from (same FP8 steps)
+        x2 = x.detach().clone().requires_grad_()
+        train = FP8Linear.from_linear(copy.deepcopy(linear), recipe)
+        train.weight.requires_grad_(False)
+        train.bias.requires_grad_(False)
+        train(x2).backward(dy)
+        x3 = x.detach().clone().requires_grad_()
+        layer(x3).backward(dy)
+        assert torch.equal(x3.grad, x2.grad)
+
+
+def test_float64_master_weights_train():
+    torch.manual_seed(2)
+    layer = FP8Linear(128, 64).double()
+    x = torch.randn(8, 128, requires_grad=True)
+    layer(x).sum().backward()
+    assert layer.weight.grad.dtype == torch.float64 and torch.isfinite(layer.weight.grad).all()
+    want = torch.ones(8, 64, dtype=torch.float64).T @ x.detach().double()
+    assert metrics.rel_l2(layer.weight.grad, want) < 0.05
+
+
+def test_inference_linear_names_x_for_a_bad_dtype():
+    layer = FP8InferenceLinear(128, 64)
+    for x in (torch.randn(2, 128, dtype=torch.float64), torch.ones(2, 128, dtype=torch.int64)):
+        with pytest.raises(TypeError, match="x: expected a float32/bfloat16/float16"):
+            layer(x)
+
+
+def test_convert_again_with_another_recipe(caplog):
+    model = convert(TinyBlock(), "fp8_block")
+    convert(model, "fp8_tensorwise")
+    assert model.qkv.recipe.name == "fp8_tensorwise"  # the same master weights, now tensorwise
+    infer = convert(TinyBlock(), "fp8_block", inference=True)
+    with caplog.at_level(logging.WARNING, logger="lowprec"):
+        convert(infer, "fp8_rowwise", inference=True)
+    assert infer.qkv.recipe.name == "fp8_block" and "fp8_block" in caplog.text and "qkv" in caplog.text
+
+
+def test_load_state_dict_refuses_float_weights_for_fp8_codes():
+    """A float weight loaded into the FP8 codes was cast to FP8 under scales not its own (relative
+    error 0.99, silently)."""
+    linear = nn.Linear(128, 64)
+    layer = FP8InferenceLinear.from_linear(linear)
+    before = layer.weight.view(torch.uint8).clone()
+    sd = {"weight": linear.weight.detach(), "weight_scale": layer.weight_scale, "bias": linear.bias.detach()}
+    with pytest.raises(RuntimeError, match="weight: expected torch.float8_e4m3fn.*got torch.float32"):
+        layer.load_state_dict(sd)
+    assert torch.equal(layer.weight.view(torch.uint8), before)
+    with pytest.raises(RuntimeError, match="weight_scale: expected torch.float32"):
+        layer.load_state_dict({**layer.state_dict(), "weight_scale": layer.weight_scale.half()})
+    layer.load_state_dict(FP8InferenceLinear.from_linear(linear).state_dict())  # its own format loads

@@ -264,3 +264,68 @@ def test_quantize_with_transpose_rejects_non_square_blocks():
         quantize_with_transpose(torch.randn(128, 128), "fp8_block1x128")
     with pytest.raises(ValueError, match="x: expected"):
         quantize_with_transpose(torch.randn(128), "fp8_block128x128")
+
+
+@pytest.mark.parametrize("scale_format, rounding", [("fp32", "exact"), ("fp32", "pow2"), ("e8m0", "rceil")])
+def test_e5m2_elements_are_stored_as_e5m2_codes(scale_format, rounding, tmp_path):
+    from lowprec.recipes import WHOLE, ScaleRecipe
+
+    r = ScaleRecipe("e5m2_rows", (1, WHOLE) if scale_format == "fp32" else (1, 32), "e5m2", scale_format, rounding)
+    x = _data(8, 64, seed=6)
+    qt = quantize(x, r)
+    assert qt.data.dtype == torch.float8_e5m2
+    deq = qt.dequantize(torch.float64)
+    # E5M2 keeps 2 mantissa bits: within 2^-3 of every value, the largest included (E4M3 codes
+    # saturated at 448 gave them back at ~1/128 of their size)
+    assert ((deq - x.double()).abs() <= x.double().abs() * 2.0**-3 + qt.scale.double().max() * 2.0**-16).all()
+    inv = (1 / qt.scale.float()).repeat_interleave(x.shape[1] // qt.scale.shape[1], 1)
+    codes = (x * inv).clamp(-57344, 57344).to(torch.float8_e5m2)
+    assert torch.equal(qt.data.view(torch.uint8), codes.view(torch.uint8))
+    lowprec.save(qt, tmp_path / "e5m2.safetensors")
+    back = lowprec.load(tmp_path / "e5m2.safetensors")
+    assert back.recipe == r and back.data.dtype == torch.float8_e5m2
+    assert torch.equal(back.dequantize(), qt.dequantize())
+
+
+@pytest.mark.parametrize("name", RECIPE_NAMES)
+def test_float64_beyond_fp32_range_is_an_error_not_nan(name):
+    x = torch.tensor([[1e300, 1.0]], dtype=torch.float64).expand(16, 2).contiguous()
+    with pytest.raises(ValueError, match="x: .*beyond FP32's range"):
+        quantize(x, name)
+    x = torch.tensor([[3e38, -1.0]], dtype=torch.float64).expand(16, 2).contiguous()  # within FP32's range
+    deq = quantize(x, name).dequantize()
+    assert torch.isfinite(deq).all() and deq[0, 0] > 1e38
+
+
+@pytest.mark.parametrize("scale", [1e-39, 1e-42, 1e-45])
+def test_nvfp4_tiny_and_subnormal_inputs(scale):
+    """FP32 subnormal inputs: no NaN, zeros stay +0, and the error is no worse than mxfp4's
+    (``1 / (scale · global_scale)`` overflowed FP32: relative error 1.6, or all NaN)."""
+    x = torch.randn(8, 64) * scale
+    x[2] = 0.0
+    qt = quantize(x, "nvfp4")
+    deq = qt.dequantize()
+    assert not deq.isnan().any()
+    assert not torch.signbit(deq[2]).any()
+    err = lowprec.metrics.rel_l2(deq, x)
+    assert err < 1 and err <= lowprec.metrics.rel_l2(quantize(x, "mxfp4").dequantize(), x) + 1e-6
+    if scale >= 1e-39:  # ~20 bits of subnormal precision left: as accurate as normal inputs
+        assert err < 0.15
+
+
+@pytest.mark.parametrize("name", RECIPE_NAMES)
+def test_unchecked_nan_keeps_the_scale_of_the_finite_values(name):
+    """With check_finite=False a NaN's block takes its scale from the finite values (the NaN made
+    it 1: 1e6 saturated to 448). The NaN stays NaN where the element format has one."""
+    x = torch.ones(2, 64)
+    x[0, :3] = torch.tensor([math.nan, 1e6, 1.0])
+    deq = quantize(x, name, check_finite=False).dequantize()
+    assert deq[0, 1] == pytest.approx(1e6, rel=0.25)
+    assert deq[0, 0].isnan() != lowprec.get_recipe(name).is_fp4  # E2M1 has no NaN
+
+
+def test_dequantize_dtype_must_be_a_float_dtype():
+    qt = quantize(torch.randn(4, 64), "mxfp8")
+    for bad in (torch.int32, "float32", torch.float8_e4m3fn):
+        with pytest.raises(TypeError, match="dtype: expected one of"):
+            qt.dequantize(bad)

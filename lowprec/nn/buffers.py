@@ -1,0 +1,44 @@
+"""A module base for FP8 codes and FP32 scales kept as buffers (the inference layers)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+__all__ = ["QuantizedBuffersModule"]
+
+
+class QuantizedBuffersModule(nn.Module):
+    """Base of modules keeping FP8 codes and FP32 scales as buffers (their names in
+    ``_quantized``): module casts (``.half()``, ``.to(dtype)``, ...) move them between devices
+    but keep their dtypes (a cast would double their memory and flush small scales to zero), and
+    ``load_state_dict`` takes them only in those dtypes (a float weight copied into the codes
+    would be cast to FP8 under scales that do not belong to it)."""
+
+    _quantized: tuple[str, ...] = ()
+
+    def _apply(self, fn, recurse=True):
+        kept = [self._buffers[name] for name in self._quantized]
+
+        def apply(t: torch.Tensor) -> torch.Tensor:
+            if not any(t is k for k in kept):
+                return fn(t)
+            target = fn(t.new_empty(0))  # where and in what dtype fn puts a tensor of t's kind
+            return fn(t) if target.dtype == t.dtype else t.to(target.device)
+
+        return super()._apply(apply, recurse)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        wrong = {}
+        for name in self._quantized:
+            key, own = prefix + name, self._buffers[name]
+            t = state_dict.get(key)
+            if isinstance(t, torch.Tensor) and t.dtype != own.dtype:
+                wrong[key] = state_dict.pop(key)
+                error_msgs.append(f"{key}: expected {own.dtype}, as state_dict() saves it, got {t.dtype} (float "
+                                  f"weights are quantized by from_linear / from_moe or lowprec.convert)")
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+        state_dict.update(wrong)
+        missing_keys[:] = [k for k in missing_keys if k not in wrong]
