@@ -217,7 +217,7 @@ def _get_compiled(config, out_dtype, b_scale_per_col, bias_dtype, num_sms, arch=
         out_dtype, bias_dtype = torch.float32, None
     key = dict(dataclasses.asdict(config), out=out_dtype, per_col=bool(b_scale_per_col), bias=bias_dtype,
                num_sms=int(num_sms), tvm_ffi=_use_tvm_ffi(), grouping=grouping)
-    return kernel_cache.get("gemm_sm90_blockscaled", key, arch, [blockscaled_gemm, config_mod],
+    return kernel_cache.get("gemm_sm90_blockscaled", key, arch, [*blockscaled_gemm.source_modules(), config_mod],
                             lambda: build_kernel(config, out_dtype, b_scale_per_col, bias_dtype, num_sms, arch,
                                                  grouping))
 
