@@ -1,12 +1,18 @@
 """Same-run A/B of two versions of the GEMM kernel module on the grouped GEMMs of ``bench moe``:
-HEAD's ``blockscaled_gemm.py`` (old) against the working tree's (new). Contiguous (forward) GEMMs
+an old ``blockscaled_gemm.py`` (REF below) against the working tree's (new). Contiguous (forward) GEMMs
 with uniform routed counts and K-grouped (weight-gradient) GEMMs with every expert's tokens
 equal, each with the configs the library picks. Outputs are asserted bit-identical; TFLOPS over
 the routed rows, ``bench_ms`` (L2 flushed), four rounds in alternating order (median of the
 middle two first, then every round).
 
-    git show HEAD:lowprec/gemm/sm90/blockscaled_gemm.py > lowprec/gemm/sm90/blockscaled_gemm_old_tmp.py
+    git show REF:lowprec/gemm/sm90/blockscaled_gemm.py > lowprec/gemm/sm90/blockscaled_gemm_old_tmp.py
     python benchmarks/ab_grouped_versions.py
+
+REF: HEAD, or the commit to compare with. Before session 18 the module was self-contained (only
+``.config``); since then it imports ``.mainloop`` and ``lowprec.cute``, which the old copy shares
+with the new one: to A/B a change in those, check the old commit out in a second worktree and
+copy its files under new names instead. Session 18's refactor against the module before it:
+``git show c00e11c:lowprec/gemm/sm90/blockscaled_gemm.py``.
 """
 import importlib
 import math

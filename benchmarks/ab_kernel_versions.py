@@ -1,11 +1,17 @@
-"""Same-run A/B of two versions of the dense GEMM kernel module: HEAD's ``blockscaled_gemm.py``
-(old) against the working tree's (new), on the M = 4096 ``bench gemm`` shapes, 8192³, a 1x128-B
+"""Same-run A/B of two versions of the dense GEMM kernel module: an old ``blockscaled_gemm.py`` (REF
+below) against the working tree's (new), on the M = 4096 ``bench gemm`` shapes, 8192³, a 1x128-B
 (weight-gradient) shape and a small-M shape, each with its heuristic config. Outputs are asserted
 bit-identical; TFLOPS in the benchmark's rot timing, four rounds in alternating order (the mean
 of the middle two first, then every round).
 
-    git show HEAD:lowprec/gemm/sm90/blockscaled_gemm.py > lowprec/gemm/sm90/blockscaled_gemm_old_tmp.py
+    git show REF:lowprec/gemm/sm90/blockscaled_gemm.py > lowprec/gemm/sm90/blockscaled_gemm_old_tmp.py
     python benchmarks/ab_kernel_versions.py
+
+REF: HEAD, or the commit to compare with. Before session 18 the module was self-contained (only
+``.config``); since then it imports ``.mainloop`` and ``lowprec.cute``, which the old copy shares
+with the new one: to A/B a change in those, check the old commit out in a second worktree and
+copy its files under new names instead. Session 18's refactor against the module before it:
+``git show c00e11c:lowprec/gemm/sm90/blockscaled_gemm.py``.
 """
 import importlib
 import sys

@@ -1,0 +1,1 @@
+"""sm_90a CuTe DSL building blocks (see ``lowprec.cute``)."""

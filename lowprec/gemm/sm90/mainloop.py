@@ -1,0 +1,159 @@
+"""The consumer's K loop of the block-scaled GEMM: per K block a wgmma batch into a fresh block
+accumulator, the block's scales, FP32 promotion into ``acc`` (composed of ``lowprec.cute.sm90``).
+
+With ``overlap`` two block accumulators alternate, so the wgmma batch of block k+1 runs while
+block k is promoted (``wait_group(1)``, operands pinned by ``fence_operand``); otherwise each
+block is waited for (``wait_group(0)``). ``sb_from_smem``: 1x128 B scales on tiles over 64
+columns are read from the stage at promotion (the stage released after it) instead of being held
+in registers from the issue on, so that the second block accumulator fits. Tiles that can
+straddle two 128-wide scale blocks get one copy of the K loop per possible split column when
+not overlapped (:meth:`PromotedMainloop.run`), so each column group's scale block is known when
+tracing.
+"""
+
+from __future__ import annotations
+
+import math
+
+import cutlass
+import cutlass.cute as cute
+
+from ...cute.sm90.promote import promote_col_blocks, promote_per_col
+from ...cute.sm90.scales import FragmentScales, ScaleRegs
+from ...cute.utils import LoopInvariant, fence_operand
+from .config import SCALE_BLOCK
+
+__all__ = ["KSlot", "PromotedMainloop"]
+
+
+class KSlot(LoopInvariant):
+    """A block accumulator with the register copies of its K block's scales."""
+
+    def __init__(self, blk: cute.Tensor, regs: ScaleRegs):
+        self.blk, self.regs = blk, regs
+
+
+class PromotedMainloop(LoopInvariant):
+    """``ring``: the TMA ring; ``mma``: a ``BlockMma``; ``scales``: the thread's
+    ``FragmentScales``; ``acc``: the FP32 accumulator; ``slots``: one or two ``KSlot``."""
+
+    def __init__(self, ring, mma, scales: FragmentScales, acc, slots, *, overlap: bool, sb_from_smem: bool,
+                 per_col: bool, n_straddle: bool, tile_n: int):
+        self.ring, self.mma, self.scales, self.acc, self.slots = ring, mma, scales, acc, slots
+        self.overlap, self.sb_from_smem, self.per_col = overlap, sb_from_smem, per_col
+        self.n_straddle, self.tile_n = n_straddle, tile_n
+
+    def shifted(self, dr):
+        """The same loop, A's row scales read ``dr`` rows further into the stage's box."""
+        return PromotedMainloop(self.ring, self.mma, self.scales.shifted(dr), self.acc, self.slots,
+                                overlap=self.overlap, sb_from_smem=self.sb_from_smem, per_col=self.per_col,
+                                n_straddle=self.n_straddle, tile_n=self.tile_n)
+
+    @cute.jit
+    def run(self, n0, k_first, k_cnt, read_state, release_state):
+        """``acc`` (zeroed by the caller) += the promoted products of K blocks k_first ..
+        k_first+k_cnt-1 (k_cnt >= 1) of the tile at column ``n0``; returns the advanced states
+        (reassign them, so that the caller's dynamic loop carries them)."""
+        # first column (tile-relative) that belongs to the next 128-wide scale block
+        split = (n0 // SCALE_BLOCK + 1) * SCALE_BLOCK - n0
+        if cutlass.const_expr(self.n_straddle and not self.per_col and not self.overlap):
+            # one copy of the loop per value split can take (tiles start at multiples of tile_n):
+            # no selects per column group and K block (19% of the stall samples of 128x160).
+            # Not overlapped loops: unmeasured there, and 8 copies of the 2x-unrolled body take
+            # 5x as long to compile (64x112: 1.7 -> 9 s)
+            step = math.gcd(self.tile_n, SCALE_BLOCK)
+            for split_c in cutlass.range_constexpr(step, SCALE_BLOCK + 1, step):
+                if split == split_c:
+                    read_state, release_state = self._run_at(split_c, k_first, k_cnt, read_state, release_state)
+        else:
+            read_state, release_state = self._run_at(split, k_first, k_cnt, read_state, release_state)
+        return read_state, release_state
+
+    @cute.jit
+    def _run_at(self, split, k_first, k_cnt, read_state, release_state):
+        if cutlass.const_expr(self.overlap):
+            read_state, release_state = self._run_overlapped(split, k_first, k_cnt, read_state, release_state)
+        else:
+            s0 = self.slots[0]
+            for k_tile in range(k_cnt):
+                # NB: pipeline-state updates stay in this loop body (``x.advance()``)
+                # so that the DSL carries the states through the dynamic loop / if regions.
+                self._issue(s0, read_state, k_first + k_tile)
+                cute.nvgpu.warpgroup.wait_group(0)
+                self.ring.release(read_state)
+                read_state.advance()
+                release_state.advance()
+                self._promote(s0, split)
+        return read_state, release_state
+
+    @cute.jit
+    def _run_overlapped(self, split, k_first, k_cnt, read_state, release_state):
+        """Software pipeline over K blocks: entry and exit of each steady iteration have one block
+        in flight in slot 0 (even blocks); straight-line body (keeps ptxas' wgmma register
+        analysis exact). Block k's scales are read right after its wgmma is issued."""
+        s0, s1 = self.slots
+        fence_operand(s0.blk)
+        self._issue(s0, read_state, k_first)
+        read_state.advance()
+        for j in range((k_cnt - 1) // 2):
+            release_state, read_state = self._step(s1, s0, k_first + 2 * j + 1, split, read_state, release_state)
+            fence_operand(self.acc)
+            release_state, read_state = self._step(s0, s1, k_first + 2 * j + 2, split, read_state, release_state)
+            fence_operand(self.acc)
+        # tail: the block in slot 0, plus one more block when k_cnt is even
+        if k_cnt % 2 == 0:
+            release_state, read_state = self._step(s1, s0, k_first + k_cnt - 1, split, read_state, release_state)
+            cute.nvgpu.warpgroup.wait_group(0)
+            fence_operand(s1.blk)
+            release_state = self._retire(s1, split, release_state)
+        else:
+            cute.nvgpu.warpgroup.wait_group(0)
+            fence_operand(s0.blk)
+            release_state = self._retire(s0, split, release_state)
+        return read_state, release_state
+
+    @cute.jit
+    def _step(self, nxt: KSlot, done: KSlot, k, split, read_state, release_state):
+        """Issue K block ``k`` into ``nxt``, then promote the block in flight in ``done``."""
+        fence_operand(nxt.blk)
+        self._issue(nxt, read_state, k)
+        read_state.advance()
+        cute.nvgpu.warpgroup.wait_group(1)
+        fence_operand(done.blk)
+        release_state = self._retire(done, split, release_state)
+        return release_state, read_state
+
+    @cute.jit
+    def _issue(self, slot: KSlot, read_state, k):
+        """Wait for the stage of ``read_state``, issue its wgmma batch into ``slot.blk``
+        (asynchronous) and copy K block ``k``'s scales from the stage to ``slot.regs``."""
+        self.ring.wait(read_state)
+        self.mma.issue(slot.blk, read_state.index)
+        if cutlass.const_expr(not self.sb_from_smem):  # else read at promotion (_retire)
+            self.scales.load(read_state.index, k, slot.regs)
+
+    @cute.jit
+    def _retire(self, slot: KSlot, split, release_state):
+        """Promote a finished block and release its stage: after the promotion when its scales
+        are read from the stage (``sb_from_smem``), else first. Returns the advanced state."""
+        if cutlass.const_expr(self.sb_from_smem):
+            stage = release_state.index
+            sc = self.scales
+            promote_per_col(self.acc, slot.blk, [sc.row(stage, r) for r in range(2)],
+                            lambda j, c: sc.col(stage, j, c))
+            self.ring.release(release_state)
+            release_state.advance()
+        else:
+            self.ring.release(release_state)
+            release_state.advance()
+            self._promote(slot, split)
+        return release_state
+
+    @cute.jit
+    def _promote(self, slot: KSlot, split):
+        regs = slot.regs
+        if cutlass.const_expr(self.per_col):
+            promote_per_col(self.acc, slot.blk, regs.row, lambda j, c: regs.col[2 * j + c])
+        else:
+            promote_col_blocks(self.acc, slot.blk, regs.row, regs.col, len(self.scales.s_col), split,
+                               self.n_straddle, SCALE_BLOCK)
