@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass
 
 from .formats import ElementFormat, get_format
 
-__all__ = ["ScaleRecipe", "get_recipe", "RECIPE_NAMES", "WHOLE"]
+__all__ = ["ScaleRecipe", "get_recipe", "RECIPE_NAMES", "WHOLE", "LinearRecipe", "LINEAR_RECIPES", "get_linear_recipe"]
 
 WHOLE = -1  # a block dimension spanning the whole extent (tensorwise, rowwise)
 
@@ -200,3 +200,29 @@ def get_recipe(recipe: str | ScaleRecipe, **options) -> ScaleRecipe:
         return _FACTORIES[recipe](**options)
     except TypeError as err:
         raise TypeError(f"recipe {recipe!r}: bad options {options}: {err}") from None
+
+
+@dataclass(frozen=True)
+class LinearRecipe:
+    """Which scale recipe each operand of a linear layer uses: the activation (forward input),
+    the weight, and the output gradient. Shared by ``lowprec.nn`` and the MoE's expert GEMMs."""
+
+    name: str
+    activation: str
+    weight: str
+    grad: str
+
+
+LINEAR_RECIPES = {
+    "fp8_block": LinearRecipe("fp8_block", "fp8_block1x128", "fp8_block128x128", "fp8_block1x128"),
+    "fp8_rowwise": LinearRecipe("fp8_rowwise", "fp8_rowwise", "fp8_rowwise", "fp8_rowwise"),
+    "fp8_tensorwise": LinearRecipe("fp8_tensorwise", "fp8_tensorwise", "fp8_tensorwise", "fp8_tensorwise"),
+}
+
+
+def get_linear_recipe(recipe: str | LinearRecipe) -> LinearRecipe:
+    if isinstance(recipe, LinearRecipe):
+        return recipe
+    if recipe not in LINEAR_RECIPES:
+        raise ValueError(f"recipe: unknown linear recipe {recipe!r}; expected one of {list(LINEAR_RECIPES)}")
+    return LINEAR_RECIPES[recipe]

@@ -41,7 +41,7 @@ from ..gemm import grouped_gemm
 from ..gemm.reference import grouped_mm_rows
 from ..nn.weight_cache import quantize_weight
 from ..quant import quantize
-from ..recipes import get_recipe
+from ..recipes import LINEAR_RECIPES, get_recipe
 from ..runtime import eager_under_compile, registry
 from ..tensor import QuantizedTensor, flatten_all, unflatten_all
 from .packing import gather_rows, pack, pack_tokens, unpack
@@ -53,8 +53,11 @@ from .routing import (
 from .wgrad import grouped_gemm_wgrad, quantize_k_grouped_many
 
 RECIPES = ("fp8_block", None)
-_ACT_RECIPE = "fp8_block1x128"
-_WEIGHT_RECIPE = "fp8_block128x128"
+# the expert GEMMs' operands: the per-operand recipe "fp8_block" that FP8Linear uses too
+_OPERANDS = LINEAR_RECIPES["fp8_block"]
+_ACT_RECIPE = _OPERANDS.activation
+_WEIGHT_RECIPE = _OPERANDS.weight
+_GRAD_RECIPE = _OPERANDS.grad
 _GATES = {"swiglu": F.silu, "geglu": F.gelu}
 _GATE_GRADS = {"swiglu": torch.ops.aten.silu_backward, "geglu": torch.ops.aten.gelu_backward}
 ACTIVATIONS = tuple(_GATES)
@@ -101,8 +104,8 @@ def _activation_backward(name: str, h: torch.Tensor | QuantizedTensor, da: torch
     that reads ``h`` and ``da`` once and writes all four (dh's quantization joins it when F is a
     multiple of 128), the elementwise steps rounded as torch's autograd rounds them on the GPU."""
     def wrap(dh, dhq, dhs, a, d_row_w):
-        dh_q = (quantize(dh, _ACT_RECIPE, check_finite=False) if dhq is None
-                else QuantizedTensor(dhq, dhs, get_recipe(_ACT_RECIPE), dh.shape, torch.float32))
+        dh_q = (quantize(dh, _GRAD_RECIPE, check_finite=False) if dhq is None
+                else QuantizedTensor(dhq, dhs, get_recipe(_GRAD_RECIPE), dh.shape, torch.float32))
         return dh, dh_q, a, d_row_w
 
     reference = lambda: _activation_backward_reference(name, h, da, row_w, quantized)  # noqa: E731
@@ -122,7 +125,7 @@ def _activation_backward_reference(name: str, h: torch.Tensor | QuantizedTensor,
     # the ops autograd would run, called directly: custom ops (torch.compile) run below autograd
     ds = da * row_w[:, None]
     dh = torch.cat([_GATE_GRADS[name](ds * up, gate), ds * gated], dim=-1)
-    dh_q = quantize(dh, _ACT_RECIPE, check_finite=False) if quantized else None
+    dh_q = quantize(dh, _GRAD_RECIPE, check_finite=False) if quantized else None
     return dh, dh_q, s * row_w[:, None], (da * s).sum(dim=-1)
 
 
@@ -202,7 +205,7 @@ def _backward_core(dy, routing: Routing, x, h, w1, w2, row_w, quantized: bool, a
     dt, weights_dtype, w1_dtype, w2_dtype = dtypes
     need_x, need_weights, need_w1, need_w2 = needs
     if quantized:
-        da = grouped_gemm(pack(dy, routing, _ACT_RECIPE)[0], w2, group_ends=ends,  # w2: quantized w2ᵀ
+        da = grouped_gemm(pack(dy, routing, _GRAD_RECIPE)[0], w2, group_ends=ends,  # w2: quantized w2ᵀ
                           out_dtype=torch.float32)
     else:
         da = grouped_mm_rows(gather_rows(dy, routing), w2.to(dt).transpose(-1, -2), ends).float()

@@ -13,43 +13,18 @@ Master weights keep their dtype; gradients come back in it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from ..gemm import gemm
 from ..quant import quantize, quantize_dual
+from ..recipes import LINEAR_RECIPES, LinearRecipe, get_linear_recipe
 from ..tensor import flatten_all, unflatten_all
 from .weight_cache import quantize_weight
 
 __all__ = ["LinearRecipe", "LINEAR_RECIPES", "get_linear_recipe", "fp8_linear"]
 
 
-@dataclass(frozen=True)
-class LinearRecipe:
-    """Which scale recipe each operand of a linear layer uses."""
-
-    name: str
-    activation: str
-    weight: str
-    grad: str
-
-
-LINEAR_RECIPES = {
-    "fp8_block": LinearRecipe("fp8_block", "fp8_block1x128", "fp8_block128x128", "fp8_block1x128"),
-    "fp8_rowwise": LinearRecipe("fp8_rowwise", "fp8_rowwise", "fp8_rowwise", "fp8_rowwise"),
-    "fp8_tensorwise": LinearRecipe("fp8_tensorwise", "fp8_tensorwise", "fp8_tensorwise", "fp8_tensorwise"),
-}
-
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def get_linear_recipe(recipe: str | LinearRecipe) -> LinearRecipe:
-    if isinstance(recipe, LinearRecipe):
-        return recipe
-    if recipe not in LINEAR_RECIPES:
-        raise ValueError(f"recipe: unknown linear recipe {recipe!r}; expected one of {list(LINEAR_RECIPES)}")
-    return LINEAR_RECIPES[recipe]
 
 
 class _FP8Linear(torch.autograd.Function):
