@@ -34,12 +34,17 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
         if t.device != q.device:
             raise ValueError(f"{name}: on {t.device}, but q is on {q.device}")
     b, h, _, d = q.shape
+    if k.shape[1] == 0:
+        raise ValueError(f"k: expected Hkv ≥ 1 key/value heads (dividing H={h}), got shape {tuple(k.shape)}")
     if k.shape[0] != b or k.shape[-1] != d or h % k.shape[1]:
         raise ValueError(f"k: expected [B={b}, Hkv dividing H={h}, Sk, D={d}], got {tuple(k.shape)}")
     if v.shape[:3] != k.shape[:3]:
         raise ValueError(f"v: expected [B, Hkv, Sk] = {tuple(k.shape[:3])} leading dims, got {tuple(v.shape)}")
     if quant not in _QUANT:
         raise ValueError(f"quant: expected None or 'fp8', got {quant!r}")
+    if quant is not None and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        raise NotImplementedError(f"attention: quant={quant!r} has no backward yet; inputs requiring grad would "
+                                  "silently lose their gradient (use quant=None, or detach)")
     if scale is None:
         scale = 1.0 / math.sqrt(d)
     out, lse = attention_reference(q, k, v, causal, float(scale), quant)

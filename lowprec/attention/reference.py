@@ -52,7 +52,7 @@ def _fp8_dequant_blocks(x: torch.Tensor, block: int) -> torch.Tensor:
 
 def _fp8(q, k, v, causal, scale, block):
     sq, sk = q.shape[-2], k.shape[-2]
-    k_mean = k.mean(dim=-2, keepdim=True)
+    k_mean = k.sum(dim=-2, keepdim=True) / max(sk, 1)  # Sk = 0: mean 0, not NaN
     q_hat = _fp8_dequant_blocks(q, block)
     k_hat = _fp8_dequant_blocks(k - k_mean, block)
     v_q = quantize(v.transpose(-1, -2), "fp8_rowwise", check_finite=False)  # one scale per channel
