@@ -1,0 +1,33 @@
+"""What the sm_90a FP8 attention forward kernel supports, stated once (no cutlass import: the host
+wiring and the tests read this without compiling anything)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+HEAD_DIMS = (64, 128, 256)  # head dims with a shipped kernel
+TILE_M = 128  # query rows per CTA (two consumer warpgroups of 64); one q_scale per tile
+TILE_N = 128  # keys per KV block; one k_scale per block; the online softmax steps by this
+P_SCALE = 448.0  # static scale of P (row max -> 448) before it is cast to E4M3
+OUT_DTYPES = ("bfloat16", "float16")
+V_PAD = 16  # v_t's key dimension is padded to a multiple of this (16-byte TMA strides)
+
+
+@dataclass(frozen=True)
+class AttnConfig:
+    """One compiled kernel (everything that changes the generated code)."""
+
+    head_dim: int = 128
+    causal: bool = False
+    out_dtype: str = "bfloat16"
+
+    def stages(self) -> int:
+        """K/V shared-memory ring depth (each stage holds one K tile and one Vᵀ tile)."""
+        return {64: 4, 128: 3, 256: 2}[self.head_dim]
+
+    def __str__(self) -> str:
+        return f"d{self.head_dim}{'_causal' if self.causal else ''}_{self.out_dtype}"
+
+
+def shipped_configs() -> tuple[AttnConfig, ...]:
+    return tuple(AttnConfig(d, c, o) for d in HEAD_DIMS for c in (False, True) for o in OUT_DTYPES)

@@ -1,0 +1,147 @@
+"""Host wiring of the sm_90a FP8 attention forward: validation, compile cache, launch.
+
+Public:
+    fp8_attention_forward(q, q_scale, k, k_scale, v_t, v_scale, *, causal, softmax_scale,
+                          out_dtype, out=None) -> (out [B, H, Sq, D], lse [B, H, Sq] fp32)
+    compile_only(config, arch="sm_90a") -> compiled kernel (no GPU needed)
+The contract (shapes, scales, math) is CONTRACT.md; what is supported is config.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib.util
+import math
+
+import torch
+
+from .config import HEAD_DIMS, TILE_M, TILE_N, V_PAD, AttnConfig
+
+_ARCH_DEFAULT = "sm_90a"
+_OUT = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+__all__ = ["fp8_attention_forward", "compile_only", "build_kernel"]
+
+
+def _use_tvm_ffi() -> bool:
+    return importlib.util.find_spec("tvm_ffi") is not None
+
+
+def build_kernel(config: AttnConfig, arch: str = _ARCH_DEFAULT, tvm_ffi: bool | None = None):
+    """Compile one configuration on fake tensors (no GPU needed), uncached; keeps PTX and cubin."""
+    import cutlass
+    import cutlass.cute as cute
+
+    from ...runtime import compile_for_arch
+    from .fwd_fp8 import FP8AttentionFwdSm90
+
+    if tvm_ffi is None:
+        tvm_ffi = _use_tvm_ffi()
+    kernel = FP8AttentionFwdSm90(config)
+    d = config.head_dim
+    out_c = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}[config.out_dtype]
+    fake = cute.runtime.make_fake_tensor
+    sq, sk, skp = cute.sym_int(), cute.sym_int(), cute.sym_int(divisibility=V_PAD)
+    bh, bhkv = cute.sym_int(), cute.sym_int()
+    i64 = cute.sym_int64
+    q = fake(cutlass.Uint8, (sq, d, bh), stride=(d, 1, i64(divisibility=16)), assumed_align=16)
+    k = fake(cutlass.Uint8, (sk, d, bhkv), stride=(d, 1, i64(divisibility=16)), assumed_align=16)
+    vt = fake(cutlass.Uint8, (d, skp, bhkv), stride=(i64(divisibility=16), 1, i64(divisibility=16)),
+              assumed_align=16)
+    qs = fake(cutlass.Float32, (bh, cute.sym_int()), stride=(i64(), 1), assumed_align=4)
+    ks = fake(cutlass.Float32, (bhkv, cute.sym_int()), stride=(i64(), 1), assumed_align=4)
+    vs = fake(cutlass.Float32, (bhkv, d), stride=(d, 1), assumed_align=4)
+    o = fake(out_c, (sq, d, bh), stride=(d, 1, i64(divisibility=8)), assumed_align=16)
+    lse = fake(cutlass.Float32, (sq, bh), stride=(1, i64()), assumed_align=4)
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=tvm_ffi)
+    return compile_for_arch(kernel, q, k, vt, qs, ks, vs, o, lse, cutlass.Float32(1.0), cutlass.Int32(1),
+                            cutlass.Int32(1), stream, arch=arch, tvm_ffi=tvm_ffi)
+
+
+@functools.cache
+def _get_compiled(config: AttnConfig, arch: str = _ARCH_DEFAULT):
+    from ...runtime import kernel_cache
+    from . import config as config_mod
+    from . import fwd_fp8
+
+    key = dict(dataclasses.asdict(config), tvm_ffi=_use_tvm_ffi())
+    return kernel_cache.get("attention_fp8_sm90", key, arch, [fwd_fp8, config_mod],
+                            lambda: build_kernel(config, arch))
+
+
+def compile_only(config: AttnConfig | None = None, arch: str = _ARCH_DEFAULT):
+    """Compile one configuration on fake tensors (cached; keeps ``__ptx__`` / ``__cubin__``)."""
+    return _get_compiled(config or AttnConfig(), arch)
+
+
+def _check(cond: bool, msg: str):
+    if not cond:
+        raise ValueError(f"fp8_attention_forward: {msg}")
+
+
+def _validate(q, q_scale, k, k_scale, v_t, v_scale, out_dtype, out):
+    f8 = torch.float8_e4m3fn
+    _check(q.dim() == 4 and k.dim() == 4 and v_t.dim() == 4, "q, k, v_t must be 4-D")
+    _check(q.dtype == f8 and k.dtype == f8 and v_t.dtype == f8, "q, k, v_t must be float8_e4m3fn")
+    B, H, Sq, D = q.shape
+    Bk, Hkv, Sk, Dk = k.shape
+    _check(D in HEAD_DIMS, f"head dim {D} is not supported (supported: {HEAD_DIMS})")
+    _check(Bk == B and Dk == D, f"k {tuple(k.shape)} does not match q {tuple(q.shape)}")
+    _check(Hkv >= 1 and H % Hkv == 0, f"H={H} must be a multiple of Hkv={Hkv}")
+    sk_pad = -(-Sk // V_PAD) * V_PAD
+    _check(tuple(v_t.shape) == (B, Hkv, D, sk_pad), f"v_t must be [B, Hkv, D, round_up(Sk, {V_PAD})]="
+           f"{(B, Hkv, D, sk_pad)}, got {tuple(v_t.shape)}")
+    for name, t in (("q", q), ("k", k), ("v_t", v_t)):
+        _check(t.is_contiguous(), f"{name} must be contiguous")
+    _check(tuple(q_scale.shape) == (B, H, -(-Sq // TILE_M)), "q_scale must be [B, H, ceil(Sq/128)]")
+    _check(tuple(k_scale.shape) == (B, Hkv, -(-Sk // TILE_N)), "k_scale must be [B, Hkv, ceil(Sk/128)]")
+    _check(tuple(v_scale.shape) == (B, Hkv, D), "v_scale must be [B, Hkv, D]")
+    for name, t in (("q_scale", q_scale), ("k_scale", k_scale), ("v_scale", v_scale)):
+        _check(t.dtype == torch.float32 and t.is_contiguous(), f"{name} must be contiguous float32")
+    _check(out_dtype in _OUT, f"out_dtype must be one of {tuple(_OUT)}")
+    for t in (q_scale, k, k_scale, v_t, v_scale):
+        _check(t.device == q.device, "all tensors must be on q's device")
+    if out is not None:
+        _check(tuple(out.shape) == (B, H, Sq, D) and out.dtype == out_dtype and out.is_contiguous()
+               and out.device == q.device, "out must be a contiguous [B, H, Sq, D] tensor of out_dtype")
+
+
+def fp8_attention_forward(q, q_scale, k, k_scale, v_t, v_scale, *, causal: bool, softmax_scale: float,
+                          out_dtype: torch.dtype, out: torch.Tensor | None = None):
+    """FP8 attention forward on sm_90a; see CONTRACT.md. Returns ``(out, lse)``."""
+    _validate(q, q_scale, k, k_scale, v_t, v_scale, out_dtype, out)
+    B, H, Sq, D = q.shape
+    Hkv, Sk = k.shape[1], k.shape[2]
+    if out is None:
+        out = torch.empty(B, H, Sq, D, dtype=out_dtype, device=q.device)
+    lse = torch.empty(B, H, Sq, dtype=torch.float32, device=q.device)
+    if B * H * Sq == 0:
+        return out, lse
+    if Sk == 0:
+        out.zero_()
+        lse.fill_(-math.inf)
+        return out, lse
+    fn = _get_compiled(AttnConfig(D, bool(causal), _OUT[out_dtype]))
+    u8 = torch.uint8
+    args = (
+        q.view(u8).view(B * H, Sq, D).permute(1, 2, 0),
+        k.view(u8).view(B * Hkv, Sk, D).permute(1, 2, 0),
+        v_t.view(u8).view(B * Hkv, D, v_t.shape[-1]).permute(1, 2, 0),
+        q_scale.view(B * H, -1),
+        k_scale.view(B * Hkv, -1),
+        v_scale.view(B * Hkv, D),
+        out.view(B * H, Sq, D).permute(1, 2, 0),
+        lse.view(B * H, Sq).t(),
+    )
+    scale_log2 = float(softmax_scale) * math.log2(math.e)
+    with torch.cuda.device(q.device):
+        if _use_tvm_ffi():
+            fn(*args, scale_log2, H, H // Hkv)
+        else:  # pragma: no cover - slow path
+            import cuda.bindings.driver as cuda
+            from cutlass.cute.runtime import from_dlpack
+
+            targs = [from_dlpack(t, assumed_align=16 if i < 3 or i == 6 else 4) for i, t in enumerate(args)]
+            fn(*targs, scale_log2, H, H // Hkv, cuda.CUstream(torch.cuda.current_stream().cuda_stream))
+    return out, lse
