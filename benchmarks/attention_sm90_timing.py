@@ -46,7 +46,13 @@ def main():
         kr, vr = k.repeat_interleave(H // Hkv, 1), v.repeat_interleave(H // Hkv, 1)
         ref = F.scaled_dot_product_attention(q, kr, vr, is_causal=causal)
         cos = F.cosine_similarity(out.float().flatten(), ref.float().flatten(), dim=0).item()
+        from lowprec.attention.sm90 import interface
         res = {"fp8": do_bench(fn, warmup=100, rep=500, return_mode="median")}
+        if D <= 128 and "--serial" in sys.argv:
+            interface.OVERLAP = False
+            fn()
+            res["fp8_serial"] = do_bench(fn, warmup=100, rep=500, return_mode="median")
+            interface.OVERLAP = True
         from torch.nn.attention import SDPBackend, sdpa_kernel
         for name, be in (("sdpa_flash", SDPBackend.FLASH_ATTENTION), ("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION)):
             try:
@@ -57,7 +63,7 @@ def main():
                     res[name] = do_bench(g, warmup=100, rep=500, return_mode="median")
             except Exception as e:  # noqa: BLE001
                 print(name, "failed:", type(e).__name__, str(e)[:100])
-        best_bf16 = max(tflops(B, H, S, D, causal, t) for n, t in res.items() if n != "fp8") if len(res) > 1 else float("nan")
+        best_bf16 = max(tflops(B, H, S, D, causal, t) for n, t in res.items() if not n.startswith("fp8")) if len(res) > 1 else float("nan")
         tag = f"B{B} H{H}/{Hkv} S{S} d{D} {'causal' if causal else 'full'}"
         for n, t in res.items():
             rows.append(f"{tag:32s} {n:11s} {t:8.3f} ms {tflops(B, H, S, D, causal, t):7.1f} TFLOPS")

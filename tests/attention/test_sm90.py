@@ -52,7 +52,9 @@ def test_compiles_sm90a(config):
     sass = sass_of(compiled)
     qk_steps = config.head_dim // 32
     pv_steps = 4 * (config.head_dim // min(config.head_dim, 128))
-    assert len(re.findall(r"\bQGMMA\.", sass)) == qk_steps + pv_steps
+    n = len(re.findall(r"\bQGMMA\.", sass))
+    # the overlapped loop has a peeled first block and last P.V: each product appears twice
+    assert n in (qk_steps + pv_steps, 2 * (qk_steps + pv_steps)), n
     assert local_memory_ops(sass) == 0
 
 

@@ -20,13 +20,14 @@ class AttnConfig:
     head_dim: int = 128
     causal: bool = False
     out_dtype: str = "bfloat16"
+    overlap: bool = True  # intra-warpgroup overlap of softmax with the next S / this P.V wgmma (D <= 128)
 
     def stages(self) -> int:
         """K/V shared-memory ring depth (each stage holds one K tile and one Vᵀ tile)."""
         return {64: 4, 128: 3, 256: 2}[self.head_dim]
 
     def __str__(self) -> str:
-        return f"d{self.head_dim}{'_causal' if self.causal else ''}_{self.out_dtype}"
+        return f"d{self.head_dim}{'_causal' if self.causal else ''}_{self.out_dtype}{'' if self.overlap else '_serial'}"
 
 
 def shipped_configs() -> tuple[AttnConfig, ...]:

@@ -113,6 +113,8 @@ class FP8AttentionFwdSm90:
         # P.V in N chunks of at most 128 columns: one fresh 64-register block accumulator
         self.pv_n = min(self.head_dim, 128)
         self.pv_chunks = self.head_dim // self.pv_n
+        # intra-warpgroup overlap needs a second live accumulator set: one P.V chunk only
+        self.overlap = config.overlap and self.pv_chunks == 1
 
     # ------------------------------------------------------------------ host side
     def _mma_qk(self):
@@ -357,78 +359,79 @@ class FP8AttentionFwdSm90:
         row_max.fill(cutlass.Float32(-math.inf))
         row_sum.fill(0.0)
         q_scale = mQS[(bh, m_block)] * softmax_scale_log2
-        causal_off = seqlen_k - seqlen_q
 
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         pipe_q.consumer_wait(q_state)
-        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
-        n_ksteps_qk = cute.size(tSrQ, mode=[2])
-        n_ksteps_pv = cute.size(tOrP, mode=[2])
-        for n in cutlass.range(n_max, unroll=1):
-            c = cutlass.max(q_scale * mKS[(bh_kv, n)], cutlass.Float32(_C_MIN))
-            # ---- S
-            pipe_k.consumer_wait(state)
-            warpgroup.fence()
-            for kb in cutlass.range_constexpr(n_ksteps_qk):
-                cute.gemm(qk_zero if kb == 0 else qk_acc, acc_s, tSrQ[(None, None, kb)],
-                          tSrK[(None, None, kb, state.index)], acc_s)
-            warpgroup.commit_group()
-            warpgroup.wait_group(0)
-            pipe_k.consumer_release(state)
-            # ---- mask (tail / causal blocks only)
-            if n >= n_full:
-                col0 = n * self.tile_n + col_l
-                for r in cutlass.range_constexpr(2):
-                    limit = seqlen_k
-                    if cutlass.const_expr(self.causal):
-                        limit = cutlass.min(seqlen_k, m0 + row_l[r] + causal_off + 1)
-                    for j in cutlass.range_constexpr(cute.size(acc_s) // 4):
-                        for e in cutlass.range_constexpr(2):
-                            v = e + 2 * r + 4 * j
-                            acc_s[v] = cutlass.select_(
-                                col0 + 8 * j + e >= limit, cutlass.Float32(-math.inf), acc_s[v])
-            # ---- online softmax (log2 domain; 448 folded into the exponent)
-            alpha = cute.make_rmem_tensor((2,), cutlass.Float32)
-            neg = cute.make_rmem_tensor((2,), cutlass.Float32)
-            for r in cutlass.range_constexpr(2):
-                mx = acc_s[2 * r]
-                for j in cutlass.range_constexpr(cute.size(acc_s) // 4):
-                    for e in cutlass.range_constexpr(2):
-                        mx = cute.arch.fmax(mx, acc_s[e + 2 * r + 4 * j])
-                mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, offset=1))
-                mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, offset=2))
-                m_new = cute.arch.fmax(row_max[r], mx * c)
-                m_safe = cutlass.select_(m_new == cutlass.Float32(-math.inf), cutlass.Float32(0.0), m_new)
-                alpha[r] = _ex2(row_max[r] - m_safe)
-                neg[r] = cutlass.Float32(_LOG2_PSCALE) - m_safe
-                row_max[r] = m_new
-            for r in cutlass.range_constexpr(2):
-                s = cutlass.Float32(0.0)
-                for j in cutlass.range_constexpr(cute.size(acc_s) // 4):
-                    for e in cutlass.range_constexpr(2):
-                        v = e + 2 * r + 4 * j
-                        p = _ex2(acc_s[v] * c + neg[r])
-                        acc_s[v] = p
-                        s = s + p
-                row_sum[r] = row_sum[r] * alpha[r] + s
-            # ---- P (E4M3) into the A fragment
-            self._p_to_frag_a(acc_s, p_words, src_a, src_b, sender_odd, sel0, sel1)
-            # ---- blk = P V, O = O * alpha + blk
-            pipe_v.consumer_wait(state)
-            for ch in cutlass.range_constexpr(self.pv_chunks):
-                warpgroup.fence()
-                for kb in cutlass.range_constexpr(n_ksteps_pv):
-                    cute.gemm(pv_zero if kb == 0 else pv_acc, blk, tOrP_w[(None, None, kb)],
-                              tOrV[ch][(None, None, kb, state.index)], blk)
-                warpgroup.commit_group()
+        k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        qk = (qk_zero, qk_acc, acc_s, tSrQ, tSrK)
+        pv = (pv_zero, pv_acc, blk, tOrP_w, tOrV)
+        mask_args = (col_l, row_l, m0, seqlen_k, seqlen_k - seqlen_q)
+        alpha = cute.make_rmem_tensor((2,), cutlass.Float32)
+        if cutlass.const_expr(not self.overlap):
+            for n in cutlass.range(n_max, unroll=1):
+                c = cutlass.max(q_scale * mKS[(bh_kv, n)], cutlass.Float32(_C_MIN))
+                pipe_k.consumer_wait(k_state)
+                self._issue_qk(qk, k_state.index)
                 warpgroup.wait_group(0)
-                for j in cutlass.range_constexpr(n_blk // 4):
-                    for r in cutlass.range_constexpr(2):
-                        for e in cutlass.range_constexpr(2):
-                            v = e + 2 * r + 4 * j
-                            acc_o[ch * n_blk + v] = acc_o[ch * n_blk + v] * alpha[r] + blk[v]
-            pipe_v.consumer_release(state)
-            state.advance()
+                _fence_operand(acc_s)
+                pipe_k.consumer_release(k_state)
+                if n >= n_full:
+                    self._mask(acc_s, n, mask_args)
+                self._softmax(acc_s, c, row_max, row_sum, alpha)
+                self._p_to_frag_a(acc_s, p_words, src_a, src_b, sender_odd, sel0, sel1)
+                pipe_v.consumer_wait(v_state)
+                for ch in cutlass.range_constexpr(self.pv_chunks):
+                    self._issue_pv(pv, ch, v_state.index)
+                    warpgroup.wait_group(0)
+                    _fence_operand(blk)
+                    self._accumulate(acc_o, blk, alpha, ch)
+                pipe_v.consumer_release(v_state)
+                k_state.advance()
+                v_state.advance()
+        else:
+            # intra-warpgroup overlap: the S wgmma of block n and the P.V wgmma of block n-1 run
+            # while this warpgroup does block n's softmax
+            alpha_prev = cute.make_rmem_tensor((2,), cutlass.Float32)
+            if n_max > 0:
+                c = cutlass.max(q_scale * mKS[(bh_kv, 0)], cutlass.Float32(_C_MIN))
+                pipe_k.consumer_wait(k_state)
+                self._issue_qk(qk, k_state.index)
+                warpgroup.wait_group(0)
+                _fence_operand(acc_s)
+                pipe_k.consumer_release(k_state)
+                if n_full == 0:
+                    self._mask(acc_s, 0, mask_args)
+                self._softmax(acc_s, c, row_max, row_sum, alpha_prev)
+                self._p_to_frag_a(acc_s, p_words, src_a, src_b, sender_odd, sel0, sel1)
+                k_state.advance()
+                for n in cutlass.range(1, n_max, unroll=1):
+                    c = cutlass.max(q_scale * mKS[(bh_kv, n)], cutlass.Float32(_C_MIN))
+                    pipe_k.consumer_wait(k_state)
+                    self._issue_qk(qk, k_state.index)
+                    pipe_v.consumer_wait(v_state)
+                    self._issue_pv(pv, 0, v_state.index)
+                    warpgroup.wait_group(1)
+                    _fence_operand(acc_s)
+                    pipe_k.consumer_release(k_state)
+                    if n >= n_full:
+                        self._mask(acc_s, n, mask_args)
+                    self._softmax(acc_s, c, row_max, row_sum, alpha)
+                    warpgroup.wait_group(0)
+                    _fence_operand(blk)
+                    pipe_v.consumer_release(v_state)
+                    self._accumulate(acc_o, blk, alpha_prev, 0)
+                    alpha_prev[0] = alpha[0]
+                    alpha_prev[1] = alpha[1]
+                    self._p_to_frag_a(acc_s, p_words, src_a, src_b, sender_odd, sel0, sel1)
+                    k_state.advance()
+                    v_state.advance()
+                pipe_v.consumer_wait(v_state)
+                self._issue_pv(pv, 0, v_state.index)
+                warpgroup.wait_group(0)
+                _fence_operand(blk)
+                pipe_v.consumer_release(v_state)
+                self._accumulate(acc_o, blk, alpha_prev, 0)
 
         # ---- epilogue: O = O_acc * v_scale / rowsum, LSE
         inv = cute.make_rmem_tensor((2,), cutlass.Float32)
@@ -457,6 +460,78 @@ class FP8AttentionFwdSm90:
                         if row < seqlen_q:
                             v = e + 2 * r + 4 * j
                             mO[(row, col, bh)] = (acc_o[ch * n_blk + v] * (vs * inv[r])).to(self.out_dtype)
+
+    @cute.jit
+    def _issue_qk(self, qk, stage):
+        qk_zero, qk_acc, acc_s, tSrQ, tSrK = qk
+        warpgroup.fence()
+        for kb in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
+            cute.gemm(qk_zero if kb == 0 else qk_acc, acc_s, tSrQ[(None, None, kb)],
+                      tSrK[(None, None, kb, stage)], acc_s)
+        warpgroup.commit_group()
+
+    @cute.jit
+    def _issue_pv(self, pv, ch: cutlass.Constexpr, stage):
+        pv_zero, pv_acc, blk, tOrP_w, tOrV = pv
+        warpgroup.fence()
+        for kb in cutlass.range_constexpr(cute.size(tOrP_w, mode=[2])):
+            cute.gemm(pv_zero if kb == 0 else pv_acc, blk, tOrP_w[(None, None, kb)],
+                      tOrV[ch][(None, None, kb, stage)], blk)
+        warpgroup.commit_group()
+
+    @cute.jit
+    def _accumulate(self, acc_o, blk, alpha, ch: cutlass.Constexpr):
+        """Two-level accumulation: O = O * alpha[row] + blk (chunk ch of the output columns)."""
+        n_blk = cute.size(blk)
+        for j in cutlass.range_constexpr(n_blk // 4):
+            for r in cutlass.range_constexpr(2):
+                for e in cutlass.range_constexpr(2):
+                    v = e + 2 * r + 4 * j
+                    acc_o[ch * n_blk + v] = acc_o[ch * n_blk + v] * alpha[r] + blk[v]
+
+    @cute.jit
+    def _mask(self, acc_s, n, mask_args):
+        """-inf where key >= Sk or (causal) key > row + Sk - Sq."""
+        col_l, row_l, m0, seqlen_k, causal_off = mask_args
+        col0 = n * self.tile_n + col_l
+        for r in cutlass.range_constexpr(2):
+            limit = seqlen_k
+            if cutlass.const_expr(self.causal):
+                limit = cutlass.min(seqlen_k, m0 + row_l[r] + causal_off + 1)
+            for j in cutlass.range_constexpr(cute.size(acc_s) // 4):
+                for e in cutlass.range_constexpr(2):
+                    v = e + 2 * r + 4 * j
+                    acc_s[v] = cutlass.select_(
+                        col0 + 8 * j + e >= limit, cutlass.Float32(-math.inf), acc_s[v])
+
+    @cute.jit
+    def _softmax(self, acc_s, c, row_max, row_sum, alpha):
+        """Online softmax step in the log2 domain: acc_s (raw scores) becomes 448 * p with
+        p = exp2(acc_s * c - m_new) (one FFMA and one MUFU.EX2 per score); alpha = exp2(m_old -
+        m_new); row_sum (this lane's partial) = row_sum * alpha + sum(448 p)."""
+        n_groups = cute.size(acc_s) // 4
+        neg = cute.make_rmem_tensor((2,), cutlass.Float32)
+        for r in cutlass.range_constexpr(2):
+            mx = acc_s[2 * r]
+            for j in cutlass.range_constexpr(n_groups):
+                for e in cutlass.range_constexpr(2):
+                    mx = cute.arch.fmax(mx, acc_s[e + 2 * r + 4 * j])
+            mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, offset=1))
+            mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, offset=2))
+            m_new = cute.arch.fmax(row_max[r], mx * c)
+            m_safe = cutlass.select_(m_new == cutlass.Float32(-math.inf), cutlass.Float32(0.0), m_new)
+            alpha[r] = _ex2(row_max[r] - m_safe)
+            neg[r] = cutlass.Float32(_LOG2_PSCALE) - m_safe
+            row_max[r] = m_new
+        for r in cutlass.range_constexpr(2):
+            s = cutlass.Float32(0.0)
+            for j in cutlass.range_constexpr(n_groups):
+                for e in cutlass.range_constexpr(2):
+                    v = e + 2 * r + 4 * j
+                    p = _ex2(acc_s[v] * c + neg[r])
+                    acc_s[v] = p
+                    s = s + p
+            row_sum[r] = row_sum[r] * alpha[r] + s
 
     @cute.jit
     def _p_to_frag_a(self, acc_s, p_words, src_a, src_b, sender_odd, sel0, sel1):
