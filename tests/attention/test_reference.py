@@ -100,9 +100,3 @@ def test_zero_kv_heads_is_a_clear_error():
     with pytest.raises(ValueError, match="k: expected Hkv"):
         lowprec.attention(q, k[:, :0], v[:, :0])
 
-
-def test_fp8_with_grad_is_not_silently_dropped():
-    q, k, v = _qkv(sq=8, sk=8)
-    q.requires_grad_(True)
-    with pytest.raises(NotImplementedError, match="backward"):
-        lowprec.attention(q, k, v, quant="fp8")
