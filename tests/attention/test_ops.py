@@ -27,7 +27,7 @@ def _exact_grads(q, k, v, dout, causal):
     s = q @ k.repeat_interleave(group, 1).transpose(-1, -2) / math.sqrt(q.shape[-1])
     if causal:
         sq, sk = s.shape[-2:]
-        s = s.masked_fill(~torch.ones(sq, sk, dtype=torch.bool).tril(sk - sq), -math.inf)
+        s = s.masked_fill(~torch.ones(sq, sk, dtype=torch.bool, device=s.device).tril(sk - sq), -math.inf)
     p = torch.softmax(s, -1).nan_to_num()
     out = p @ v.repeat_interleave(group, 1)
     out.backward(dout.double())
