@@ -79,7 +79,8 @@ def _rotate(x: torch.Tensor, incoherent: bool) -> torch.Tensor:
 def _blocks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """E4M3 codes of ``x`` ``[B, H, S, D]`` FP32 and its scales ``[B, H, ceil(S/128)]``."""
     qt = quantize_reference(x, ATTN_QK_RECIPE)
-    return qt.data, qt.scale.squeeze(-1)
+    # contiguous as the kernel reads them (a strided input, e.g. a varlen slice, keeps its strides)
+    return qt.data.contiguous(), qt.scale.squeeze(-1).contiguous()
 
 
 def quantize_q(q: torch.Tensor, incoherent: bool = False) -> tuple[torch.Tensor, torch.Tensor]:

@@ -63,6 +63,7 @@ def parse_args(argv=None):
     p.add_argument("--only", type=str, default=None, help="comma-separated shape names")
     p.add_argument("--no-accuracy", action="store_true", help="skip the FP64 accuracy columns")
     p.add_argument("--rep", type=int, default=30, help="timed runs per row")
+    p.add_argument("--no-fp8", action="store_true", help="leave the FP8 rows out (the bf16 peers only)")
     p.add_argument("--out", type=str, default=None, help="JSON path (default benchmarks/results/<gpu>.json)")
     return p.parse_args(argv)
 
@@ -79,9 +80,11 @@ def select_shapes(args) -> list[Shape]:
 
 def fp8_kernel_status() -> str | None:
     """Why the FP8 rows cannot run here (None: the sm_90a kernel is importable on this GPU)."""
-    from ..runtime import dsl_available
+    from ..runtime import backend_mode, dsl_available
     from ..runtime.arch import device_arch
 
+    if backend_mode() == "reference":
+        return "LOWPREC_BACKEND=reference (the emulation is not timed)"
     arch = device_arch(torch.device("cuda"))
     if arch != "sm_90a":
         return f"no FP8 attention kernel for {arch}"
@@ -185,6 +188,7 @@ def run_shape(s: Shape, args, fp8_reason: str | None) -> list[dict]:
             got = out[0, : ref.shape[0]]
             row.update(cos=metrics.cos_sim(got, ref), rel_l1=metrics.rel_l1(got, ref), rmse=metrics.rmse(got, ref))
         rows.append(row)
+        print(f"  {s.name} {name}: {ms:.3f} ms, {row['tflops']:.0f} TFLOPS", flush=True)  # progress
         del out
     best = max((r["tflops"] for r in rows if r["impl"] in BF16_PEERS and "tflops" in r), default=None)
     for r in rows:
@@ -198,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         raise SystemExit("bench attention needs a CUDA GPU")
     shapes = select_shapes(args)
-    fp8_reason = fp8_kernel_status()
+    fp8_reason = "left out (--no-fp8)" if args.no_fp8 else fp8_kernel_status()
     print(f"{torch.cuda.get_device_name()} ({gpu_slug()}); FP8 rows: "
           f"{'sm_90a kernel' if fp8_reason is None else 'missing (' + fp8_reason + ')'}")
     rows = []

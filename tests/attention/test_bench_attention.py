@@ -39,3 +39,9 @@ def test_shape_selection():
 def test_exits_1_without_a_gpu():
     res = subprocess.run([sys.executable, "-m", "lowprec", "bench", "attention"], capture_output=True, text=True)
     assert res.returncode == 1 and "needs a CUDA GPU" in res.stderr
+
+
+def test_fp8_rows_are_never_the_emulation(monkeypatch):
+    monkeypatch.setenv("LOWPREC_BACKEND", "reference")
+    assert "reference" in bench.fp8_kernel_status()
+    assert bench.parse_args(["--no-fp8"]).no_fp8

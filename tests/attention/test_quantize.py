@@ -140,3 +140,12 @@ def test_quantized_inputs_errors():
         lowprec.attention(q.requires_grad_(), k_q, v_q, quant="fp8")
     with pytest.raises(ValueError, match="incoherent"):
         lowprec.attention(q.detach(), k_q, v_q, quant="fp8", incoherent=True)
+
+
+def test_strided_inputs_give_contiguous_operands():
+    q, k, v = _qkv()
+    qs, ks, vs = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))  # [B, S, H, D] memory
+    x, y = quantize_qkv(qs, ks, vs), quantize_qkv(q, k, v)
+    for a, b in zip(x, y):
+        assert a.is_contiguous() and torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
+                                                 b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b)
