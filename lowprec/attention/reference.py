@@ -25,7 +25,7 @@ import torch
 from .quantize import ATTN_BLOCK, _rotate, quantize_qkv
 
 __all__ = ["attention_reference", "fp8_forward_reference", "attention_backward_reference", "lse_correction",
-           "ATTENTION_BLOCK"]
+           "combine_kv_splits", "ATTENTION_BLOCK"]
 
 ATTENTION_BLOCK = ATTN_BLOCK
 _P_SCALE = 448.0
@@ -116,6 +116,20 @@ def attention_reference(q, k, v, causal: bool, scale: float, quant: str | None,
     # undo the smoothing shift (-inf stays -inf: the mean of no keys is 0)
     lse = lse + lse_correction(q, x.k_mean, scale, incoherent)
     return out.to(q.dtype), lse
+
+
+def combine_kv_splits(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split-KV combine (decode): partial attentions over disjoint key ranges into the whole one.
+
+    ``outs`` ``[splits, ..., Sq, Dv]`` (each normalized over its own keys), ``lses`` ``[splits, ..., Sq]``
+    natural log (−inf where a split saw no key). Returns ``(Σ_i exp(lse_i − lse) · out_i, lse)`` with
+    ``lse = logsumexp_i lse_i``; rows no split saw give 0 and −inf. FP32.
+    """
+    lse = torch.logsumexp(lses.float(), dim=0)
+    lse_safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+    weights = torch.exp(lses.float() - lse_safe)  # exp(-inf) = 0 for empty splits
+    out = (weights[..., None] * outs.float()).sum(dim=0)
+    return out, lse
 
 
 def attention_backward_reference(dout, q, k, v, out, lse, causal: bool, scale: float

@@ -88,3 +88,32 @@ def test_decode_rows_are_the_prefill_rows(sq):
     torch.testing.assert_close(dec_lse, lse[..., -sq:], rtol=1e-5, atol=1e-5)
     fp8 = lowprec.attention(q[..., -sq:, :], k, v, causal=True, quant="fp8")
     assert metrics.cos_sim(fp8, dec) > 0.998
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_split_kv_combine_is_the_whole_attention(causal):
+    """Decode by split-KV: partial attentions over key ranges, combined by their LSEs, give the whole
+    call (causal bottom-right: a split of keys [a, b) is the last rows' view of those keys)."""
+    from lowprec.attention.reference import combine_kv_splits
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 8, 4, 64, generator=g)
+    k = torch.randn(2, 2, 1000, 64, generator=g)
+    v = torch.randn(2, 2, 1000, 64, generator=g)
+    whole, lse = lowprec.attention(q, k, v, causal=causal, return_lse=True)
+    bounds = [0, 256, 512, 900, 997, 1000]
+    outs, lses = [], []
+    for a, b in zip(bounds, bounds[1:]):
+        if causal:  # query i (of 4) sees keys j <= 996 + i; the last split is empty for query 0
+            s = q @ k[..., a:b, :].repeat_interleave(4, 1).transpose(-1, -2) / 8
+            j = torch.arange(a, b)[None, :]
+            s = s.masked_fill(j > torch.arange(4)[:, None] + 996, float("-inf"))
+            l_ = torch.logsumexp(s, -1)
+            o = torch.softmax(s, -1).nan_to_num() @ v[..., a:b, :].repeat_interleave(4, 1)
+        else:
+            o, l_ = lowprec.attention(q, k[..., a:b, :], v[..., a:b, :], return_lse=True)
+        outs.append(o)
+        lses.append(l_)
+    out, lse_c = combine_kv_splits(torch.stack(outs), torch.stack(lses))
+    torch.testing.assert_close(out, whole, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse_c, lse, rtol=1e-5, atol=1e-5)
