@@ -290,7 +290,8 @@ class FP8AttentionFwdSm90:
                     cute.copy(tma_v, tVgV[(None, n)], tVsV[(None, state.index)],
                               tma_bar_ptr=pipe_v.producer_get_barrier(state))
                     state.advance()
-                pipe_k.producer_tail(state)
+                # producer_tail advances the state it is given: one copy per pipeline
+                pipe_k.producer_tail(state.clone())
                 pipe_v.producer_tail(state)
         else:
             cute.arch.setmaxregister_increase(self.mma_regs)
