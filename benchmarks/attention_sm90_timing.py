@@ -1,6 +1,6 @@
 """Scratch timing of the sm_90a FP8 attention kernel (kernel only, inputs pre-quantized) against
 SDPA bf16 (flash and cuDNN backends) in the same process. Usage:
-    python benchmarks/attention_sm90_timing.py [--quick]
+    python benchmarks/attention_sm90_timing.py [--quick] [--serial] [--pingpong]
 Prints one line per shape and backend: ms (median of do_bench), TFLOPS (causal counts half)."""
 
 from __future__ import annotations
@@ -53,6 +53,14 @@ def main():
             fn()
             res["fp8_serial"] = do_bench(fn, warmup=100, rep=500, return_mode="median")
             interface.OVERLAP = True
+        if D <= 128 and "--pingpong" in sys.argv:
+            interface.PINGPONG = True
+            fn()
+            res["fp8_pingpong"] = do_bench(fn, warmup=100, rep=500, return_mode="median")
+            torch.cuda.synchronize()
+            pp_err = (out.float() - ref.float()).abs().max().item()
+            print(f"pingpong max|out - sdpa| {pp_err:.4f}")
+            interface.PINGPONG = False
         from torch.nn.attention import SDPBackend, sdpa_kernel
         for name, be in (("sdpa_flash", SDPBackend.FLASH_ATTENTION), ("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION)):
             try:

@@ -49,6 +49,7 @@ from .config import P_SCALE, TILE_M, TILE_N, AttnConfig
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
 _LOG2_PSCALE = math.log2(P_SCALE)
+_SCHED_BAR = 2  # named barriers 2, 3: ping-pong turns of consumer warpgroups 0, 1
 _C_MIN = 1e-30  # floor of the score scale: a zero scale (all-zero block) must not make -inf * 0
 
 
@@ -115,6 +116,9 @@ class FP8AttentionFwdSm90:
         self.pv_chunks = self.head_dim // self.pv_n
         # intra-warpgroup overlap needs a second live accumulator set: one P.V chunk only
         self.overlap = config.overlap and self.pv_chunks == 1
+        # ping-pong between the consumer warpgroups (FA3): wgmma batches issued in turns, so one
+        # warpgroup's softmax runs under the other's products (overlapped loop only)
+        self.pingpong = config.pingpong and self.overlap
 
     # ------------------------------------------------------------------ host side
     def _mma_qk(self):
@@ -394,6 +398,9 @@ class FP8AttentionFwdSm90:
             # intra-warpgroup overlap: the S wgmma of block n and the P.V wgmma of block n-1 run
             # while this warpgroup does block n's softmax
             alpha_prev = cute.make_rmem_tensor((2,), cutlass.Float32)
+            if cutlass.const_expr(self.pingpong):
+                if wg == 0:  # the first warpgroup issues first
+                    cute.arch.barrier_arrive(barrier_id=_SCHED_BAR, number_of_threads=2 * self.threads_per_wg)
             if n_max > 0:
                 c = cutlass.max(q_scale * mKS[(bh_kv, 0)], cutlass.Float32(_C_MIN))
                 pipe_k.consumer_wait(k_state)
@@ -409,9 +416,11 @@ class FP8AttentionFwdSm90:
                 for n in cutlass.range(1, n_max, unroll=1):
                     c = cutlass.max(q_scale * mKS[(bh_kv, n)], cutlass.Float32(_C_MIN))
                     pipe_k.consumer_wait(k_state)
-                    self._issue_qk(qk, k_state.index)
                     pipe_v.consumer_wait(v_state)
+                    self._sched_sync(wg)
+                    self._issue_qk(qk, k_state.index)
                     self._issue_pv(pv, 0, v_state.index)
+                    self._sched_arrive(wg)
                     warpgroup.wait_group(1)
                     _fence_operand(acc_s)
                     pipe_k.consumer_release(k_state)
@@ -461,6 +470,18 @@ class FP8AttentionFwdSm90:
                         if row < seqlen_q:
                             v = e + 2 * r + 4 * j
                             mO[(row, col, bh)] = (acc_o[ch * n_blk + v] * (vs * inv[r])).to(self.out_dtype)
+
+    @cute.jit
+    def _sched_sync(self, wg):
+        """Ping-pong: wait for this warpgroup's turn to issue its wgmma batch."""
+        if cutlass.const_expr(self.pingpong):
+            cute.arch.barrier(barrier_id=_SCHED_BAR + wg, number_of_threads=2 * self.threads_per_wg)
+
+    @cute.jit
+    def _sched_arrive(self, wg):
+        """Ping-pong: hand the turn to the other warpgroup."""
+        if cutlass.const_expr(self.pingpong):
+            cute.arch.barrier_arrive(barrier_id=_SCHED_BAR + 1 - wg, number_of_threads=2 * self.threads_per_wg)
 
     @cute.jit
     def _issue_qk(self, qk, stage):
