@@ -63,6 +63,10 @@ def attention(q, k, v, causal: bool = False, scale: float | None = None, quant: 
     backward; elsewhere the FP32 reference. ``quant="fp8"`` is differentiable: the backward is
     exact attention's gradient from the FP8 forward's output and LSE (PyTorch's flash attention
     backward on CUDA for fp16/bf16, plain torch elsewhere).
+
+    Decode (``Sq`` of 1..16 new queries over a long ``Sk``) is this same call: with ``causal`` the
+    queries are the last rows of the prefill (bottom-right). Packed variable-length batches:
+    :func:`attention_varlen`.
     """
     _check_input("q", q, None)
     for name, t in (("k", k), ("v", v)):
