@@ -191,6 +191,42 @@ def test_matches_emulation(case):
     assert (lse[live].double() - emu_lse[live]).abs().max() <= 2e-3
 
 
+# Variants behind interface flags (default off until measured): each runs a few cases.
+VARIANT_CASES = [
+    (2, 8, 2, 1, 1000, 128, False),
+    (2, 8, 2, 16, 1000, 128, True),
+    (1, 8, 1, 5, 300, 64, True),
+    (1, 4, 2, 100, 700, 128, True),  # packed rows span 2 heads per tile, tail
+    (1, 4, 4, 384, 384, 128, True),
+]
+
+
+@gpu
+@needs_gpu
+@pytest.mark.parametrize("flag", ["PINGPONG", "PACK_GQA"])
+@pytest.mark.parametrize("case", VARIANT_CASES, ids=lambda c: "B{}H{}kv{}q{}k{}d{}{}".format(*c[:6], "c" if c[6] else ""))
+def test_variants_match_emulation(flag, case, monkeypatch):
+    from lowprec.attention.sm90 import interface
+
+    monkeypatch.setattr(interface, flag, True)
+    o, lse, emu, emu_lse, ref, _ = _run(*case)
+    err, err_emu = (o.double() - ref).abs(), (emu - ref).abs()
+    assert err.max() <= 2 * err_emu.max() + 2e-3, (err.max().item(), err_emu.max().item())
+    dead = torch.isinf(emu_lse)
+    assert torch.equal(torch.isinf(lse), dead) and (o[dead] == 0).all()
+    assert (lse[~dead].double() - emu_lse[~dead]).abs().max() <= 2e-3
+
+
+def test_kernel_unsupported_reasons():
+    from lowprec.attention.sm90.interface import kernel_unsupported
+
+    q = torch.zeros(1, 1, 8, 96, dtype=F8)
+    assert "supports D = Dv in (64, 128, 256)" in kernel_unsupported(q, q, torch.zeros(1, 1, 96, 16, dtype=F8),
+                                                                      torch.bfloat16)
+    q = torch.zeros(1, 1, 8, 128, dtype=F8)
+    assert "output dtype" in kernel_unsupported(q, q, torch.zeros(1, 1, 128, 16, dtype=F8), torch.float32)
+
+
 @gpu
 @needs_gpu
 def test_fp16_out_and_determinism():

@@ -22,13 +22,14 @@ class AttnConfig:
     out_dtype: str = "bfloat16"
     overlap: bool = True  # intra-warpgroup overlap of softmax with the next S / this P.V wgmma (D <= 128)
     pingpong: bool = False  # consumer warpgroups issue their wgmma in turns (needs overlap); unmeasured
+    pack_gqa: bool = False  # rows = (query head in its KV group, query) for Sq <= 128 (decode); unmeasured
 
     def stages(self) -> int:
         """K/V shared-memory ring depth (each stage holds one K tile and one Vᵀ tile)."""
         return {64: 4, 128: 3, 256: 2}[self.head_dim]
 
     def __str__(self) -> str:
-        return f"d{self.head_dim}{'_causal' if self.causal else ''}_{self.out_dtype}{'' if self.overlap else '_serial'}{'_pp' if self.pingpong else ''}"
+        return f"d{self.head_dim}{'_causal' if self.causal else ''}_{self.out_dtype}{'' if self.overlap else '_serial'}{'_pp' if self.pingpong else ''}{'_pack' if self.pack_gqa else ''}"
 
 
 def shipped_configs() -> tuple[AttnConfig, ...]:

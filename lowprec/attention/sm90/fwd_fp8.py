@@ -119,6 +119,9 @@ class FP8AttentionFwdSm90:
         # ping-pong between the consumer warpgroups (FA3): wgmma batches issued in turns, so one
         # warpgroup's softmax runs under the other's products (overlapped loop only)
         self.pingpong = config.pingpong and self.overlap
+        # GQA with short Sq (decode): the r query heads of a KV head share the CTA's rows
+        # (row = head_in_group * Sq + query); per-row q scales, causal index = row mod Sq
+        self.pack_gqa = config.pack_gqa
 
     # ------------------------------------------------------------------ host side
     def _mma_qk(self):
@@ -157,6 +160,8 @@ class FP8AttentionFwdSm90:
         softmax_scale_log2: cutlass.Float32,
         heads: cutlass.Int32,
         heads_per_kv: cutlass.Int32,
+        pack_r: cutlass.Int32,  # pack_gqa: query heads per KV head packed into the rows; else 1
+        pack_sq: cutlass.Int32,  # pack_gqa: the query rows of one head (Sq); else Sq too
         stream,
     ):
         f8 = self.ab_dtype
@@ -189,7 +194,7 @@ class FP8AttentionFwdSm90:
         m_blocks = (seqlen_q + self.tile_m - 1) // self.tile_m
         self.kernel(
             tma_q, tma_tensor_q, tma_k, tma_tensor_k, tma_v, tma_tensor_v,
-            mQS, mKS, mVS, mO, mLSE, softmax_scale_log2, heads, heads_per_kv,
+            mQS, mKS, mVS, mO, mLSE, softmax_scale_log2, heads, heads_per_kv, pack_r, pack_sq,
             sQ_layout, sK_layout, sV_layout, self._mma_qk(), self._mma_pv(),
         ).launch(
             grid=(m_blocks, heads, batch_heads // heads),
@@ -210,6 +215,8 @@ class FP8AttentionFwdSm90:
         softmax_scale_log2: cutlass.Float32,
         heads: cutlass.Int32,
         heads_per_kv: cutlass.Int32,
+        pack_r: cutlass.Int32,
+        pack_sq: cutlass.Int32,
         sQ_layout: cute.ComposedLayout,
         sK_layout: cute.ComposedLayout,
         sV_layout: cute.ComposedLayout,
@@ -259,7 +266,11 @@ class FP8AttentionFwdSm90:
         m0 = m_block * self.tile_m
         n_max = n_blocks_k
         n_full = seqlen_k // self.tile_n
-        if cutlass.const_expr(self.causal):
+        if cutlass.const_expr(self.causal and self.pack_gqa):
+            # packed rows: the tile may hold query 0 of a head (sees the fewest keys) and query
+            # Sq - 1 (sees all Sk)
+            n_full = cutlass.min(n_full, cutlass.max(seqlen_k - pack_sq + 1, 0) // self.tile_n)
+        if cutlass.const_expr(self.causal and not self.pack_gqa):
             # last key any row of the tile sees: m0 + 127 + Sk - Sq
             reach = m0 + self.tile_m + seqlen_k - seqlen_q  # exclusive
             n_max = cutlass.min(n_blocks_k, cutlass.max((reach + self.tile_n - 1) // self.tile_n, 0))
@@ -302,14 +313,14 @@ class FP8AttentionFwdSm90:
             self._consumer(
                 tidx - self.threads_per_wg, mma_qk, mma_pv, sQ, sK, sV, pipe_q, pipe_k, pipe_v,
                 mQS, mKS, mVS, mO, mLSE, softmax_scale_log2, bh, bh_kv, m_block, m0,
-                n_max, n_full, seqlen_q, seqlen_k,
+                n_max, n_full, seqlen_q, seqlen_k, pack_r, pack_sq,
             )
 
     @cute.jit
     def _consumer(
         self, mtidx, mma_qk: cute.TiledMma, mma_pv: cute.TiledMma, sQ, sK, sV,
         pipe_q, pipe_k, pipe_v, mQS, mKS, mVS, mO, mLSE, softmax_scale_log2,
-        bh, bh_kv, m_block, m0, n_max, n_full, seqlen_q, seqlen_k,
+        bh, bh_kv, m_block, m0, n_max, n_full, seqlen_q, seqlen_k, pack_r, pack_sq,
     ):
         d = self.head_dim
         wg = mtidx // self.threads_per_wg
@@ -363,7 +374,24 @@ class FP8AttentionFwdSm90:
         row_sum = cute.make_rmem_tensor((2,), cutlass.Float32)
         row_max.fill(cutlass.Float32(-math.inf))
         row_sum.fill(0.0)
-        q_scale = mQS[(bh, m_block)] * softmax_scale_log2
+        # per-row score scale q_scale * softmax_scale * log2e (k_scale joins per block) and the
+        # row's query index within its head (causal mask)
+        qsc = cute.make_rmem_tensor((2,), cutlass.Float32)
+        c = cute.make_rmem_tensor((2,), cutlass.Float32)
+        if cutlass.const_expr(self.pack_gqa):
+            row_pos = []
+            for r in cutlass.range_constexpr(2):
+                rr = m0 + row_l[r]
+                hh = cutlass.min(rr // pack_sq, pack_r - 1)
+                qsc[r] = mQS[(bh * pack_r + hh, 0)] * softmax_scale_log2
+                row_pos.append(rr - hh * pack_sq)
+            causal_off = seqlen_k - pack_sq
+        else:
+            qs = mQS[(bh, m_block)] * softmax_scale_log2
+            qsc[0] = qs
+            qsc[1] = qs
+            row_pos = [m0 + row_l[0], m0 + row_l[1]]
+            causal_off = seqlen_k - seqlen_q
 
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         pipe_q.consumer_wait(q_state)
@@ -371,11 +399,11 @@ class FP8AttentionFwdSm90:
         v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         qk = (qk_zero, qk_acc, acc_s, tSrQ, tSrK)
         pv = (pv_zero, pv_acc, blk, tOrP_w, tOrV)
-        mask_args = (col_l, row_l, m0, seqlen_k, seqlen_k - seqlen_q)
+        mask_args = (col_l, row_pos, seqlen_k, causal_off)
         alpha = cute.make_rmem_tensor((2,), cutlass.Float32)
         if cutlass.const_expr(not self.overlap):
             for n in cutlass.range(n_max, unroll=1):
-                c = cutlass.max(q_scale * mKS[(bh_kv, n)], cutlass.Float32(_C_MIN))
+                self._block_scale(c, qsc, mKS[(bh_kv, n)])
                 pipe_k.consumer_wait(k_state)
                 self._issue_qk(qk, k_state.index)
                 warpgroup.wait_group(0)
@@ -402,7 +430,7 @@ class FP8AttentionFwdSm90:
                 if wg == 0:  # the first warpgroup issues first
                     cute.arch.barrier_arrive(barrier_id=_SCHED_BAR, number_of_threads=2 * self.threads_per_wg)
             if n_max > 0:
-                c = cutlass.max(q_scale * mKS[(bh_kv, 0)], cutlass.Float32(_C_MIN))
+                self._block_scale(c, qsc, mKS[(bh_kv, 0)])
                 pipe_k.consumer_wait(k_state)
                 self._issue_qk(qk, k_state.index)
                 warpgroup.wait_group(0)
@@ -414,7 +442,7 @@ class FP8AttentionFwdSm90:
                 self._p_to_frag_a(acc_s, p_words, src_a, src_b, sender_odd, sel0, sel1)
                 k_state.advance()
                 for n in cutlass.range(1, n_max, unroll=1):
-                    c = cutlass.max(q_scale * mKS[(bh_kv, n)], cutlass.Float32(_C_MIN))
+                    self._block_scale(c, qsc, mKS[(bh_kv, n)])
                     pipe_k.consumer_wait(k_state)
                     pipe_v.consumer_wait(v_state)
                     self._sched_sync(wg)
@@ -512,14 +540,20 @@ class FP8AttentionFwdSm90:
                     acc_o[ch * n_blk + v] = acc_o[ch * n_blk + v] * alpha[r] + blk[v]
 
     @cute.jit
+    def _block_scale(self, c, qsc, k_scale):
+        """c[r] = q_scale[row r] * k_scale * softmax_scale * log2e, floored at _C_MIN (> 0)."""
+        for r in cutlass.range_constexpr(2):
+            c[r] = cutlass.max(qsc[r] * k_scale, cutlass.Float32(_C_MIN))
+
+    @cute.jit
     def _mask(self, acc_s, n, mask_args):
         """-inf where key >= Sk or (causal) key > row + Sk - Sq."""
-        col_l, row_l, m0, seqlen_k, causal_off = mask_args
+        col_l, row_pos, seqlen_k, causal_off = mask_args
         col0 = n * self.tile_n + col_l
         for r in cutlass.range_constexpr(2):
             limit = seqlen_k
             if cutlass.const_expr(self.causal):
-                limit = cutlass.min(seqlen_k, m0 + row_l[r] + causal_off + 1)
+                limit = cutlass.min(seqlen_k, row_pos[r] + causal_off + 1)
             for j in cutlass.range_constexpr(cute.size(acc_s) // 4):
                 for e in cutlass.range_constexpr(2):
                     v = e + 2 * r + 4 * j
@@ -540,7 +574,7 @@ class FP8AttentionFwdSm90:
                     mx = cute.arch.fmax(mx, acc_s[e + 2 * r + 4 * j])
             mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, offset=1))
             mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, offset=2))
-            m_new = cute.arch.fmax(row_max[r], mx * c)
+            m_new = cute.arch.fmax(row_max[r], mx * c[r])
             m_safe = cutlass.select_(m_new == cutlass.Float32(-math.inf), cutlass.Float32(0.0), m_new)
             alpha[r] = _ex2(row_max[r] - m_safe)
             neg[r] = cutlass.Float32(_LOG2_PSCALE) - m_safe
@@ -550,7 +584,7 @@ class FP8AttentionFwdSm90:
             for j in cutlass.range_constexpr(n_groups):
                 for e in cutlass.range_constexpr(2):
                     v = e + 2 * r + 4 * j
-                    p = _ex2(acc_s[v] * c + neg[r])
+                    p = _ex2(acc_s[v] * c[r] + neg[r])
                     acc_s[v] = p
                     s = s + p
             row_sum[r] = row_sum[r] * alpha[r] + s

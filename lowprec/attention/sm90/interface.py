@@ -22,8 +22,9 @@ _ARCH_DEFAULT = "sm_90a"
 _OUT = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 OVERLAP = True  # AttnConfig.overlap of launched kernels (benchmarks flip it to time the serial kernel)
 PINGPONG = False  # AttnConfig.pingpong of launched kernels (unmeasured: benchmarks flip it)
+PACK_GQA = False  # pack the query heads of a KV head into the rows when H > Hkv and Sq <= 128 (unmeasured)
 
-__all__ = ["fp8_attention_forward", "compile_only", "build_kernel"]
+__all__ = ["fp8_attention_forward", "kernel_unsupported", "compile_only", "build_kernel"]
 
 
 def _use_tvm_ffi() -> bool:
@@ -57,8 +58,9 @@ def build_kernel(config: AttnConfig, arch: str = _ARCH_DEFAULT, tvm_ffi: bool | 
     o = fake(out_c, (sq, d, bh), stride=(d, 1, i64(divisibility=8)), assumed_align=16)
     lse = fake(cutlass.Float32, (sq, bh), stride=(1, i64()), assumed_align=4)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=tvm_ffi)
-    return compile_for_arch(kernel, q, k, vt, qs, ks, vs, o, lse, cutlass.Float32(1.0), cutlass.Int32(1),
-                            cutlass.Int32(1), stream, arch=arch, tvm_ffi=tvm_ffi)
+    one = cutlass.Int32(1)
+    return compile_for_arch(kernel, q, k, vt, qs, ks, vs, o, lse, cutlass.Float32(1.0), one, one, one, one,
+                            stream, arch=arch, tvm_ffi=tvm_ffi)
 
 
 @functools.cache
@@ -75,6 +77,19 @@ def _get_compiled(config: AttnConfig, arch: str = _ARCH_DEFAULT):
 def compile_only(config: AttnConfig | None = None, arch: str = _ARCH_DEFAULT):
     """Compile one configuration on fake tensors (cached; keeps ``__ptx__`` / ``__cubin__``)."""
     return _get_compiled(config or AttnConfig(), arch)
+
+
+def kernel_unsupported(q, k, v_t, out_dtype) -> str | None:
+    """Why this kernel cannot take these operands (None: it can). Shapes beyond this are checked
+    by :func:`fp8_attention_forward` (ValueError)."""
+    d, dv = q.shape[-1], v_t.shape[-2]
+    if d not in HEAD_DIMS or dv != d:
+        return f"head dims D={d}, Dv={dv}; the kernel supports D = Dv in {HEAD_DIMS}"
+    if out_dtype not in _OUT:
+        return f"output dtype {out_dtype} (the kernel writes {', '.join(map(str, _OUT))})"
+    if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device) != (9, 0):
+        return "not an sm_90 (Hopper) CUDA device"
+    return None
 
 
 def _check(cond: bool, msg: str):
@@ -124,26 +139,31 @@ def fp8_attention_forward(q, q_scale, k, k_scale, v_t, v_scale, *, causal: bool,
         out.zero_()
         lse.fill_(-math.inf)
         return out, lse
-    fn = _get_compiled(AttnConfig(D, bool(causal), _OUT[out_dtype], OVERLAP, PINGPONG))
+    r = H // Hkv
+    pack = PACK_GQA and r > 1 and Sq <= TILE_M
+    fn = _get_compiled(AttnConfig(D, bool(causal), _OUT[out_dtype], OVERLAP, PINGPONG, pack))
     u8 = torch.uint8
+    # packed: q, out, lse of the r query heads of a KV head are one contiguous run of r * Sq rows
+    qh, rows = (Hkv, r * Sq) if pack else (H, Sq)
     args = (
-        q.view(u8).view(B * H, Sq, D).permute(1, 2, 0),
+        q.view(u8).view(B * qh, rows, D).permute(1, 2, 0),
         k.view(u8).view(B * Hkv, Sk, D).permute(1, 2, 0),
         v_t.view(u8).view(B * Hkv, D, v_t.shape[-1]).permute(1, 2, 0),
         q_scale.view(B * H, -1),
         k_scale.view(B * Hkv, -1),
         v_scale.view(B * Hkv, D),
-        out.view(B * H, Sq, D).permute(1, 2, 0),
-        lse.view(B * H, Sq).t(),
+        out.view(B * qh, rows, D).permute(1, 2, 0),
+        lse.view(B * qh, rows).t(),
     )
     scale_log2 = float(softmax_scale) * math.log2(math.e)
+    ints = (Hkv, 1, r, Sq) if pack else (H, r, 1, Sq)
     with torch.cuda.device(q.device):
         if _use_tvm_ffi():
-            fn(*args, scale_log2, H, H // Hkv)
+            fn(*args, scale_log2, *ints)
         else:  # pragma: no cover - slow path
             import cuda.bindings.driver as cuda
             from cutlass.cute.runtime import from_dlpack
 
             targs = [from_dlpack(t, assumed_align=16 if i < 3 or i == 6 else 4) for i, t in enumerate(args)]
-            fn(*targs, scale_log2, H, H // Hkv, cuda.CUstream(torch.cuda.current_stream().cuda_stream))
+            fn(*targs, scale_log2, *ints, cuda.CUstream(torch.cuda.current_stream().cuda_stream))
     return out, lse
