@@ -34,9 +34,9 @@ BLOCK = 128
 
 
 def _cfgs():
-    from lowprec.attention.sm90.config import shipped_configs
+    from lowprec.attention.sm90.config import shipped_configs, variant_configs
 
-    return shipped_configs()
+    return shipped_configs() + variant_configs()
 
 
 # ----------------------------------------------------------------------------- compile (CPU)
@@ -198,23 +198,35 @@ VARIANT_CASES = [
     (1, 8, 1, 5, 300, 64, True),
     (1, 4, 2, 100, 700, 128, True),  # packed rows span 2 heads per tile, tail
     (1, 4, 4, 384, 384, 128, True),
+    (1, 4, 2, 16, 4000, 128, True),  # split-KV: 8 splits of 4 blocks
+    (1, 2, 2, 3, 2500, 256, False),
 ]
 
 
 @gpu
 @needs_gpu
-@pytest.mark.parametrize("flag", ["PINGPONG", "PACK_GQA"])
+@pytest.mark.parametrize("flags", [("PINGPONG",), ("PACK_GQA",), ("SPLIT_KV",), ("PACK_GQA", "SPLIT_KV")], ids="+".join)
 @pytest.mark.parametrize("case", VARIANT_CASES, ids=lambda c: "B{}H{}kv{}q{}k{}d{}{}".format(*c[:6], "c" if c[6] else ""))
-def test_variants_match_emulation(flag, case, monkeypatch):
+def test_variants_match_emulation(flags, case, monkeypatch):
     from lowprec.attention.sm90 import interface
 
-    monkeypatch.setattr(interface, flag, True)
+    for flag in flags:
+        monkeypatch.setattr(interface, flag, True)
     o, lse, emu, emu_lse, ref, _ = _run(*case)
     err, err_emu = (o.double() - ref).abs(), (emu - ref).abs()
     assert err.max() <= 2 * err_emu.max() + 2e-3, (err.max().item(), err_emu.max().item())
     dead = torch.isinf(emu_lse)
     assert torch.equal(torch.isinf(lse), dead) and (o[dead] == 0).all()
     assert (lse[~dead].double() - emu_lse[~dead]).abs().max() <= 2e-3
+
+
+def test_num_splits():
+    from lowprec.attention.sm90.interface import num_splits
+
+    assert num_splits(512, 64) == 1  # decode B64 H32/8 packed: 512 CTAs, no split
+    assert num_splits(4, 32) == 8  # at least 4 KV blocks per split
+    assert num_splits(16, 1000) == 17  # about two waves of 132 SMs
+    assert num_splits(1, 7) == 1
 
 
 def test_kernel_unsupported_reasons():

@@ -23,14 +23,30 @@ class AttnConfig:
     overlap: bool = True  # intra-warpgroup overlap of softmax with the next S / this P.V wgmma (D <= 128)
     pingpong: bool = False  # consumer warpgroups issue their wgmma in turns (needs overlap); unmeasured
     pack_gqa: bool = False  # rows = (query head in its KV group, query) for Sq <= 128 (decode); unmeasured
+    split_kv: bool = False  # KV blocks split over grid z; FP32 partials combined on the host; unmeasured
 
     def stages(self) -> int:
         """K/V shared-memory ring depth (each stage holds one K tile and one Vᵀ tile)."""
         return {64: 4, 128: 3, 256: 2}[self.head_dim]
 
     def __str__(self) -> str:
-        return f"d{self.head_dim}{'_causal' if self.causal else ''}_{self.out_dtype}{'' if self.overlap else '_serial'}{'_pp' if self.pingpong else ''}{'_pack' if self.pack_gqa else ''}"
+        return f"d{self.head_dim}{'_causal' if self.causal else ''}_{self.out_dtype}{'' if self.overlap else '_serial'}{'_pp' if self.pingpong else ''}{'_pack' if self.pack_gqa else ''}{'_split' if self.split_kv else ''}"
 
 
 def shipped_configs() -> tuple[AttnConfig, ...]:
     return tuple(AttnConfig(d, c, o) for d in HEAD_DIMS for c in (False, True) for o in OUT_DTYPES)
+
+
+def variant_configs() -> tuple[AttnConfig, ...]:
+    """Configs behind interface flags (PINGPONG, PACK_GQA, SPLIT_KV; off until measured on a GPU)
+    and the serial kernel: compiled and SASS-checked like the shipped ones."""
+    out = []
+    for d in HEAD_DIMS:
+        for c in (False, True):
+            out.append(AttnConfig(d, c, split_kv=True))
+            out.append(AttnConfig(d, c, pack_gqa=True))
+            out.append(AttnConfig(d, c, pack_gqa=True, split_kv=True))
+            if d <= 128:
+                out.append(AttnConfig(d, c, pingpong=True))
+                out.append(AttnConfig(d, c, overlap=False))
+    return tuple(out)

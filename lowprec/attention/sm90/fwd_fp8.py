@@ -122,6 +122,11 @@ class FP8AttentionFwdSm90:
         # GQA with short Sq (decode): the r query heads of a KV head share the CTA's rows
         # (row = head_in_group * Sq + query); per-row q scales, causal index = row mod Sq
         self.pack_gqa = config.pack_gqa
+        # split-KV (decode): grid z = splits x batch; split i takes KV blocks [i*per, (i+1)*per)
+        # and writes FP32 partials (O normalized over its keys, its LSE); the host combines them
+        self.split_kv = config.split_kv
+        if self.split_kv:
+            self.out_dtype = cutlass.Float32
 
     # ------------------------------------------------------------------ host side
     def _mma_qk(self):
@@ -190,7 +195,7 @@ class FP8AttentionFwdSm90:
 
         self.shared_storage = SharedStorage
         seqlen_q = cute.size(mQ, mode=[0])
-        batch_heads = cute.size(mQ, mode=[2])
+        batch_heads = cute.size(mO, mode=[2])  # x splits for split-KV partials
         m_blocks = (seqlen_q + self.tile_m - 1) // self.tile_m
         self.kernel(
             tma_q, tma_tensor_q, tma_k, tma_tensor_k, tma_v, tma_tensor_v,
@@ -225,10 +230,19 @@ class FP8AttentionFwdSm90:
     ):
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        bidx, head, batch = cute.arch.block_idx()
+        bidx, head, zz = cute.arch.block_idx()
+        batch = zz
+        if cutlass.const_expr(self.split_kv):
+            nb = cute.size(mQ, mode=[2]) // heads
+            batch = zz % nb
+            split = zz // nb
+            splits = cute.arch.grid_dim()[2] // nb
         m_blocks = cute.arch.grid_dim()[0]
         m_block = m_blocks - 1 - bidx  # longest (causal) rows first
         bh = batch * heads + head
+        bh_out = bh  # index of O / LSE (split-KV: split-major partials)
+        if cutlass.const_expr(self.split_kv):
+            bh_out = split * (nb * heads) + bh
         bh_kv = batch * (heads // heads_per_kv) + head // heads_per_kv
         seqlen_q = cute.size(mQ, mode=[0])
         seqlen_k = cute.size(mK, mode=[0])
@@ -277,6 +291,11 @@ class FP8AttentionFwdSm90:
             # all keys of block n visible to the tile's first row: (n+1)*128 - 1 <= m0 + Sk - Sq
             first = m0 + 1 + seqlen_k - seqlen_q
             n_full = cutlass.min(n_full, cutlass.max(first, 0) // self.tile_n)
+        n_lo = 0
+        if cutlass.const_expr(self.split_kv):
+            per = (n_blocks_k + splits - 1) // splits
+            n_lo = split * per
+            n_max = cutlass.min(n_max, n_lo + per)
 
         warp_group_idx = cute.arch.make_warp_uniform(tidx // self.threads_per_wg)
         pipeline_init_wait(cluster_shape_mn=(1, 1))
@@ -297,7 +316,7 @@ class FP8AttentionFwdSm90:
                 pipe_q.producer_acquire(q_state)
                 cute.copy(tma_q, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
                 state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
-                for n in cutlass.range(n_max, unroll=1):
+                for n in cutlass.range(n_lo, n_max, unroll=1):
                     pipe_k.producer_acquire(state)
                     cute.copy(tma_k, tKgK[(None, n)], tKsK[(None, state.index)],
                               tma_bar_ptr=pipe_k.producer_get_barrier(state))
@@ -313,14 +332,14 @@ class FP8AttentionFwdSm90:
             self._consumer(
                 tidx - self.threads_per_wg, mma_qk, mma_pv, sQ, sK, sV, pipe_q, pipe_k, pipe_v,
                 mQS, mKS, mVS, mO, mLSE, softmax_scale_log2, bh, bh_kv, m_block, m0,
-                n_max, n_full, seqlen_q, seqlen_k, pack_r, pack_sq,
+                n_lo, n_max, n_full, seqlen_q, seqlen_k, pack_r, pack_sq, bh_out,
             )
 
     @cute.jit
     def _consumer(
         self, mtidx, mma_qk: cute.TiledMma, mma_pv: cute.TiledMma, sQ, sK, sV,
         pipe_q, pipe_k, pipe_v, mQS, mKS, mVS, mO, mLSE, softmax_scale_log2,
-        bh, bh_kv, m_block, m0, n_max, n_full, seqlen_q, seqlen_k, pack_r, pack_sq,
+        bh, bh_kv, m_block, m0, n_lo, n_max, n_full, seqlen_q, seqlen_k, pack_r, pack_sq, bh_out,
     ):
         d = self.head_dim
         wg = mtidx // self.threads_per_wg
@@ -402,7 +421,7 @@ class FP8AttentionFwdSm90:
         mask_args = (col_l, row_pos, seqlen_k, causal_off)
         alpha = cute.make_rmem_tensor((2,), cutlass.Float32)
         if cutlass.const_expr(not self.overlap):
-            for n in cutlass.range(n_max, unroll=1):
+            for n in cutlass.range(n_lo, n_max, unroll=1):
                 self._block_scale(c, qsc, mKS[(bh_kv, n)])
                 pipe_k.consumer_wait(k_state)
                 self._issue_qk(qk, k_state.index)
@@ -429,19 +448,19 @@ class FP8AttentionFwdSm90:
             if cutlass.const_expr(self.pingpong):
                 if wg == 0:  # the first warpgroup issues first
                     cute.arch.barrier_arrive(barrier_id=_SCHED_BAR, number_of_threads=2 * self.threads_per_wg)
-            if n_max > 0:
-                self._block_scale(c, qsc, mKS[(bh_kv, 0)])
+            if n_max > n_lo:
+                self._block_scale(c, qsc, mKS[(bh_kv, n_lo)])
                 pipe_k.consumer_wait(k_state)
                 self._issue_qk(qk, k_state.index)
                 warpgroup.wait_group(0)
                 _fence_operand(acc_s)
                 pipe_k.consumer_release(k_state)
-                if n_full == 0:
-                    self._mask(acc_s, 0, mask_args)
+                if n_full <= n_lo:
+                    self._mask(acc_s, n_lo, mask_args)
                 self._softmax(acc_s, c, row_max, row_sum, alpha_prev)
                 self._p_to_frag_a(acc_s, p_words, src_a, src_b, sender_odd, sel0, sel1)
                 k_state.advance()
-                for n in cutlass.range(1, n_max, unroll=1):
+                for n in cutlass.range(n_lo + 1, n_max, unroll=1):
                     self._block_scale(c, qsc, mKS[(bh_kv, n)])
                     pipe_k.consumer_wait(k_state)
                     pipe_v.consumer_wait(v_state)
@@ -486,7 +505,7 @@ class FP8AttentionFwdSm90:
             lse = cutlass.select_(empty, cutlass.Float32(-math.inf), lse)
             if quad == 0:
                 if row < seqlen_q:
-                    mLSE[(row, bh)] = lse
+                    mLSE[(row, bh_out)] = lse
         ocol_l = tOcO[0][1]
         for ch in cutlass.range_constexpr(self.pv_chunks):
             for j in cutlass.range_constexpr(n_blk // 4):
@@ -497,7 +516,7 @@ class FP8AttentionFwdSm90:
                         row = m0 + row_l[r]
                         if row < seqlen_q:
                             v = e + 2 * r + 4 * j
-                            mO[(row, col, bh)] = (acc_o[ch * n_blk + v] * (vs * inv[r])).to(self.out_dtype)
+                            mO[(row, col, bh_out)] = (acc_o[ch * n_blk + v] * (vs * inv[r])).to(self.out_dtype)
 
     @cute.jit
     def _sched_sync(self, wg):

@@ -23,6 +23,16 @@ _OUT = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 OVERLAP = True  # AttnConfig.overlap of launched kernels (benchmarks flip it to time the serial kernel)
 PINGPONG = False  # AttnConfig.pingpong of launched kernels (unmeasured: benchmarks flip it)
 PACK_GQA = False  # pack the query heads of a KV head into the rows when H > Hkv and Sq <= 128 (unmeasured)
+SPLIT_KV = False  # split the KV blocks over more CTAs when the grid is under a wave (unmeasured)
+_NUM_SMS = 132
+
+
+def num_splits(ctas: int, n_blocks: int, num_sms: int = _NUM_SMS) -> int:
+    """KV splits for a grid of ``ctas`` CTAs over ``n_blocks`` KV blocks: enough CTAs for about two
+    waves, at least 4 KV blocks per split, at most 32 splits (1: no split)."""
+    if ctas >= num_sms or n_blocks < 8:
+        return 1
+    return max(1, min(-(-2 * num_sms // ctas), n_blocks // 4, 32))
 
 __all__ = ["fp8_attention_forward", "kernel_unsupported", "compile_only", "build_kernel"]
 
@@ -44,6 +54,8 @@ def build_kernel(config: AttnConfig, arch: str = _ARCH_DEFAULT, tvm_ffi: bool | 
     kernel = FP8AttentionFwdSm90(config)
     d = config.head_dim
     out_c = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}[config.out_dtype]
+    if config.split_kv:  # FP32 partials
+        out_c = cutlass.Float32
     fake = cute.runtime.make_fake_tensor
     sq, sk, skp = cute.sym_int(), cute.sym_int(), cute.sym_int(divisibility=V_PAD)
     bh, bhkv = cute.sym_int(), cute.sym_int()
@@ -55,8 +67,9 @@ def build_kernel(config: AttnConfig, arch: str = _ARCH_DEFAULT, tvm_ffi: bool | 
     qs = fake(cutlass.Float32, (bh, cute.sym_int()), stride=(i64(), 1), assumed_align=4)
     ks = fake(cutlass.Float32, (bhkv, cute.sym_int()), stride=(i64(), 1), assumed_align=4)
     vs = fake(cutlass.Float32, (bhkv, d), stride=(d, 1), assumed_align=4)
-    o = fake(out_c, (sq, d, bh), stride=(d, 1, i64(divisibility=8)), assumed_align=16)
-    lse = fake(cutlass.Float32, (sq, bh), stride=(1, i64()), assumed_align=4)
+    obh = cute.sym_int() if config.split_kv else bh  # split-KV: splits x B*H partials
+    o = fake(out_c, (sq, d, obh), stride=(d, 1, i64(divisibility=8)), assumed_align=16)
+    lse = fake(cutlass.Float32, (sq, obh), stride=(1, i64()), assumed_align=4)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=tvm_ffi)
     one = cutlass.Int32(1)
     return compile_for_arch(kernel, q, k, vt, qs, ks, vs, o, lse, cutlass.Float32(1.0), one, one, one, one,
@@ -141,10 +154,15 @@ def fp8_attention_forward(q, q_scale, k, k_scale, v_t, v_scale, *, causal: bool,
         return out, lse
     r = H // Hkv
     pack = PACK_GQA and r > 1 and Sq <= TILE_M
-    fn = _get_compiled(AttnConfig(D, bool(causal), _OUT[out_dtype], OVERLAP, PINGPONG, pack))
-    u8 = torch.uint8
     # packed: q, out, lse of the r query heads of a KV head are one contiguous run of r * Sq rows
     qh, rows = (Hkv, r * Sq) if pack else (H, Sq)
+    splits = num_splits(-(-rows // TILE_M) * qh * B, -(-Sk // TILE_N)) if SPLIT_KV else 1
+    fn = _get_compiled(AttnConfig(D, bool(causal), _OUT[out_dtype], OVERLAP, PINGPONG, pack, splits > 1))
+    u8 = torch.uint8
+    o_dst, l_dst = out.view(B * qh, rows, D), lse.view(B * qh, rows)
+    if splits > 1:
+        o_dst = torch.empty(splits * B * qh, rows, D, dtype=torch.float32, device=q.device)
+        l_dst = torch.empty(splits * B * qh, rows, dtype=torch.float32, device=q.device)
     args = (
         q.view(u8).view(B * qh, rows, D).permute(1, 2, 0),
         k.view(u8).view(B * Hkv, Sk, D).permute(1, 2, 0),
@@ -152,8 +170,8 @@ def fp8_attention_forward(q, q_scale, k, k_scale, v_t, v_scale, *, causal: bool,
         q_scale.view(B * H, -1),
         k_scale.view(B * Hkv, -1),
         v_scale.view(B * Hkv, D),
-        out.view(B * qh, rows, D).permute(1, 2, 0),
-        lse.view(B * qh, rows).t(),
+        o_dst.permute(1, 2, 0),
+        l_dst.t(),
     )
     scale_log2 = float(softmax_scale) * math.log2(math.e)
     ints = (Hkv, 1, r, Sq) if pack else (H, r, 1, Sq)
@@ -166,4 +184,11 @@ def fp8_attention_forward(q, q_scale, k, k_scale, v_t, v_scale, *, causal: bool,
 
             targs = [from_dlpack(t, assumed_align=16 if i < 3 or i == 6 else 4) for i, t in enumerate(args)]
             fn(*targs, scale_log2, *ints, cuda.CUstream(torch.cuda.current_stream().cuda_stream))
+    if splits > 1:  # combine: lse = logsumexp_i lse_i, O = sum_i exp(lse_i - lse) O_i
+        l_part = l_dst.view(splits, B * qh, rows)
+        l_all = torch.logsumexp(l_part, dim=0)
+        w = torch.exp(l_part - torch.where(torch.isinf(l_all), 0.0, l_all))
+        o_all = torch.einsum("sbr,sbrd->brd", w, o_dst.view(splits, B * qh, rows, D))
+        out.view(B * qh, rows, D).copy_(o_all)
+        lse.view(B * qh, rows).copy_(l_all)
     return out, lse
