@@ -50,7 +50,8 @@ _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
 _LOG2_PSCALE = math.log2(P_SCALE)
 _SCHED_BAR = 2  # named barriers 2, 3: ping-pong turns of consumer warpgroups 0, 1
-_C_MIN = 1e-30  # floor of the score scale: a zero scale (all-zero block) must not make -inf * 0
+_C_MIN = 1e-30
+_NACC = 4  # independent accumulation chains of the row max / row sum  # floor of the score scale: a zero scale (all-zero block) must not make -inf * 0
 
 
 # ----------------------------------------------------------------------------- PTX helpers
@@ -586,11 +587,15 @@ class FP8AttentionFwdSm90:
         m_new); row_sum (this lane's partial) = row_sum * alpha + sum(448 p)."""
         n_groups = cute.size(acc_s) // 4
         neg = cute.make_rmem_tensor((2,), cutlass.Float32)
+        # reductions over a row's 2 * n_groups values in _NACC independent chains (latency: the
+        # row max gates every exponential); the max is exact in any order, the sum's order only
+        # changes FP32 rounding
+        idx = [[e + 2 * r + 4 * j for j in range(n_groups) for e in range(2)] for r in range(2)]
         for r in cutlass.range_constexpr(2):
-            mx = acc_s[2 * r]
-            for j in cutlass.range_constexpr(n_groups):
-                for e in cutlass.range_constexpr(2):
-                    mx = cute.arch.fmax(mx, acc_s[e + 2 * r + 4 * j])
+            part = [acc_s[v] for v in idx[r][:_NACC]]
+            for i in cutlass.range_constexpr(_NACC, len(idx[r])):
+                part[i % _NACC] = cute.arch.fmax(part[i % _NACC], acc_s[idx[r][i]])
+            mx = cute.arch.fmax(cute.arch.fmax(part[0], part[1]), cute.arch.fmax(part[2], part[3]))
             mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, offset=1))
             mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, offset=2))
             m_new = cute.arch.fmax(row_max[r], mx * c[r])
@@ -599,13 +604,13 @@ class FP8AttentionFwdSm90:
             neg[r] = cutlass.Float32(_LOG2_PSCALE) - m_safe
             row_max[r] = m_new
         for r in cutlass.range_constexpr(2):
-            s = cutlass.Float32(0.0)
-            for j in cutlass.range_constexpr(n_groups):
-                for e in cutlass.range_constexpr(2):
-                    v = e + 2 * r + 4 * j
-                    p = _ex2(acc_s[v] * c[r] + neg[r])
-                    acc_s[v] = p
-                    s = s + p
+            part = [None] * _NACC
+            for i in cutlass.range_constexpr(len(idx[r])):
+                v = idx[r][i]
+                p = _ex2(acc_s[v] * c[r] + neg[r])
+                acc_s[v] = p
+                part[i % _NACC] = p if i < _NACC else part[i % _NACC] + p
+            s = (part[0] + part[1]) + (part[2] + part[3])
             row_sum[r] = row_sum[r] * alpha[r] + s
 
     @cute.jit
