@@ -1,6 +1,6 @@
 """Scratch timing of the sm_90a FP8 attention kernel (kernel only, inputs pre-quantized) against
 SDPA bf16 (flash and cuDNN backends) in the same process. Usage:
-    python benchmarks/attention_sm90_timing.py [--quick] [--serial] [--pingpong] [--decode] [--pack]
+    python benchmarks/attention_sm90_timing.py [--quick] [--serial] [--pingpong] [--decode] [--pack] [--persistent]
 Prints one line per shape and backend: ms (median of do_bench), TFLOPS (causal counts half)."""
 
 from __future__ import annotations
@@ -64,6 +64,14 @@ def main():
             pp_err = (out.float() - ref.float()).abs().max().item()
             print(f"pingpong max|out - sdpa| {pp_err:.4f}")
             interface.PINGPONG = False
+        if "--persistent" in sys.argv:
+            for pp in ((False, True) if D <= 128 and "--pingpong" in sys.argv else (False,)):
+                interface.PERSISTENT, interface.PINGPONG = True, pp
+                fn()
+                res["fp8_persist" + ("_pp" if pp else "")] = do_bench(fn, warmup=100, rep=500, return_mode="median")
+                torch.cuda.synchronize()
+                print(f"persistent pingpong={pp} max|out - sdpa| {(out.float() - ref.float()).abs().max().item():.4f}")
+            interface.PERSISTENT, interface.PINGPONG = False, False
         if H > Hkv and Sq <= 128 and "--pack" in sys.argv:
             interface.PACK_GQA = True
             fn()
@@ -84,7 +92,7 @@ def main():
         best_bf16 = max(tflops(B, H, Sq, Sk, D, causal, t) for n, t in res.items() if not n.startswith("fp8")) if len(res) > 1 else float("nan")
         tag = f"B{B} H{H}/{Hkv} Sq{Sq} Sk{Sk} d{D} {'causal' if causal else 'full'}"
         for n, t in res.items():
-            rows.append(f"{tag:32s} {n:11s} {t:8.3f} ms {tflops(B, H, Sq, Sk, D, causal, t):7.1f} TFLOPS")
+            rows.append(f"{tag:32s} {n:16s} {t:8.3f} ms {tflops(B, H, Sq, Sk, D, causal, t):7.1f} TFLOPS")
         rows.append(f"{tag:32s} fp8/best-bf16 {tflops(B, H, Sq, Sk, D, causal, res['fp8']) / best_bf16:.3f}x  cos {cos:.5f}")
     print("\n".join(rows))
 

@@ -205,13 +205,14 @@ VARIANT_CASES = [
 
 @gpu
 @needs_gpu
-@pytest.mark.parametrize("flags", [("PINGPONG",), ("PACK_GQA",), ("SPLIT_KV",), ("PACK_GQA", "SPLIT_KV")], ids="+".join)
+@pytest.mark.parametrize("flags", [("PINGPONG",), ("PACK_GQA",), ("SPLIT_KV",), ("PACK_GQA", "SPLIT_KV"),
+                                   ("PERSISTENT",), ("PINGPONG", "PERSISTENT"), ("OVERLAP",)], ids="+".join)
 @pytest.mark.parametrize("case", VARIANT_CASES, ids=lambda c: "B{}H{}kv{}q{}k{}d{}{}".format(*c[:6], "c" if c[6] else ""))
 def test_variants_match_emulation(flags, case, monkeypatch):
     from lowprec.attention.sm90 import interface
 
-    for flag in flags:
-        monkeypatch.setattr(interface, flag, True)
+    for flag in flags:  # OVERLAP: the serial kernel (the flag's default is on)
+        monkeypatch.setattr(interface, flag, flag != "OVERLAP")
     o, lse, emu, emu_lse, ref, _ = _run(*case)
     err, err_emu = (o.double() - ref).abs(), (emu - ref).abs()
     assert err.max() <= 2 * err_emu.max() + 2e-3, (err.max().item(), err_emu.max().item())

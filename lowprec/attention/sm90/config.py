@@ -24,13 +24,15 @@ class AttnConfig:
     pingpong: bool = False  # consumer warpgroups issue their wgmma in turns (needs overlap); unmeasured
     pack_gqa: bool = False  # rows = (query head in its KV group, query) for Sq <= 128 (decode); unmeasured
     split_kv: bool = False  # KV blocks split over grid z; FP32 partials combined on the host; unmeasured
+    persistent: bool = False  # grid = min(tiles, num_sms), tiles walked longest-first; unmeasured
+    num_sms: int = 132  # persistent grid size (H100 SXM)
 
     def stages(self) -> int:
         """K/V shared-memory ring depth (each stage holds one K tile and one Vᵀ tile)."""
         return {64: 4, 128: 3, 256: 2}[self.head_dim]
 
     def __str__(self) -> str:
-        return f"d{self.head_dim}{'_causal' if self.causal else ''}_{self.out_dtype}{'' if self.overlap else '_serial'}{'_pp' if self.pingpong else ''}{'_pack' if self.pack_gqa else ''}{'_split' if self.split_kv else ''}"
+        return f"d{self.head_dim}{'_causal' if self.causal else ''}_{self.out_dtype}{'' if self.overlap else '_serial'}{'_pp' if self.pingpong else ''}{'_pack' if self.pack_gqa else ''}{'_split' if self.split_kv else ''}{'_persist' if self.persistent else ''}"
 
 
 def shipped_configs() -> tuple[AttnConfig, ...]:
@@ -46,7 +48,9 @@ def variant_configs() -> tuple[AttnConfig, ...]:
             out.append(AttnConfig(d, c, split_kv=True))
             out.append(AttnConfig(d, c, pack_gqa=True))
             out.append(AttnConfig(d, c, pack_gqa=True, split_kv=True))
+            out.append(AttnConfig(d, c, persistent=True))
             if d <= 128:
                 out.append(AttnConfig(d, c, pingpong=True))
+                out.append(AttnConfig(d, c, pingpong=True, persistent=True))
                 out.append(AttnConfig(d, c, overlap=False))
     return tuple(out)

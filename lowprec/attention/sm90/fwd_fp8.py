@@ -126,6 +126,11 @@ class FP8AttentionFwdSm90:
         # split-KV (decode): grid z = splits x batch; split i takes KV blocks [i*per, (i+1)*per)
         # and writes FP32 partials (O normalized over its keys, its LSE); the host combines them
         self.split_kv = config.split_kv
+        # persistent: grid = min(tiles, SMs), each CTA walks tiles t, t + grid, ... (longest
+        # causal rows first); the next tile's Q/K/V loads run under this tile's last P.V and
+        # epilogue
+        self.persistent = config.persistent
+        self.num_sms = config.num_sms
         if self.split_kv:
             self.out_dtype = cutlass.Float32
 
@@ -203,11 +208,16 @@ class FP8AttentionFwdSm90:
             mQS, mKS, mVS, mO, mLSE, softmax_scale_log2, heads, heads_per_kv, pack_r, pack_sq,
             sQ_layout, sK_layout, sV_layout, self._mma_qk(), self._mma_pv(),
         ).launch(
-            grid=(m_blocks, heads, batch_heads // heads),
+            grid=self._grid(m_blocks, heads, batch_heads),
             block=[self.threads_per_cta, 1, 1],
             min_blocks_per_mp=1,
             stream=stream,
         )
+
+    def _grid(self, m_blocks, heads, batch_heads):
+        if cutlass.const_expr(self.persistent):
+            return (cutlass.min(m_blocks * batch_heads, self.num_sms), 1, 1)
+        return (m_blocks, heads, batch_heads // heads)
 
     # ------------------------------------------------------------------ device side
     @cute.kernel
@@ -231,23 +241,14 @@ class FP8AttentionFwdSm90:
     ):
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        bidx, head, zz = cute.arch.block_idx()
-        batch = zz
-        if cutlass.const_expr(self.split_kv):
-            nb = cute.size(mQ, mode=[2]) // heads
-            batch = zz % nb
-            split = zz // nb
-            splits = cute.arch.grid_dim()[2] // nb
-        m_blocks = cute.arch.grid_dim()[0]
-        m_block = m_blocks - 1 - bidx  # longest (causal) rows first
-        bh = batch * heads + head
-        bh_out = bh  # index of O / LSE (split-KV: split-major partials)
-        if cutlass.const_expr(self.split_kv):
-            bh_out = split * (nb * heads) + bh
-        bh_kv = batch * (heads // heads_per_kv) + head // heads_per_kv
         seqlen_q = cute.size(mQ, mode=[0])
         seqlen_k = cute.size(mK, mode=[0])
         d = self.head_dim
+        # the tile space: (m-block, head, zz) with zz = batch, or split * B + batch (split-KV)
+        m_blocks = (seqlen_q + self.tile_m - 1) // self.tile_m
+        zdim = cute.size(mO, mode=[2]) // heads
+        dims = (m_blocks, heads, zdim, heads_per_kv, pack_sq, seqlen_q, seqlen_k,
+                cute.size(mQ, mode=[2]) // heads)
 
         if warp_idx == 0:
             cpasync.prefetch_descriptor(tma_q)
@@ -275,8 +276,66 @@ class FP8AttentionFwdSm90:
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
 
-        # KV blocks this tile visits: [0, n_max); those from n_full on need a mask
-        # (the tail of Sk, or keys right of the bottom-right causal diagonal of some row)
+        warp_group_idx = cute.arch.make_warp_uniform(tidx // self.threads_per_wg)
+        pipeline_init_wait(cluster_shape_mn=(1, 1))
+
+        if warp_group_idx == 0:
+            cute.arch.setmaxregister_decrease(self.load_regs)
+            if warp_idx == 0:
+                q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+                state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+                loads = (tma_q, tma_k, tma_v, mQ, mK, mVt, sQ, sK, sV, pipe_q, pipe_k, pipe_v)
+                if cutlass.const_expr(self.persistent):
+                    total = m_blocks * heads * zdim
+                    tile = cute.arch.block_idx()[0]
+                    while tile < total:
+                        self._produce_tile(loads, self._tile_info(self._linear_tile(tile, dims), dims),
+                                           q_state, state)
+                        tile += cute.arch.grid_dim()[0]
+                else:
+                    self._produce_tile(loads, self._tile_info(self._grid_tile(dims), dims), q_state, state)
+                # producer_tail advances the state it is given: one copy per pipeline
+                pipe_k.producer_tail(state.clone())
+                pipe_v.producer_tail(state)
+        else:
+            cute.arch.setmaxregister_increase(self.mma_regs)
+            self._consumer(
+                tidx - self.threads_per_wg, mma_qk, mma_pv, sQ, sK, sV, pipe_q, pipe_k, pipe_v,
+                mQS, mKS, mVS, mO, mLSE, softmax_scale_log2, pack_r, dims,
+            )
+
+    # ------------------------------------------------------------------ tiles
+    @cute.jit
+    def _grid_tile(self, dims):
+        """(m_block, head, zz) of this CTA (one tile per CTA): longest causal rows first."""
+        m_blocks = dims[0]
+        bidx, head, zz = cute.arch.block_idx()
+        return (m_blocks - 1 - bidx, head, zz)
+
+    @cute.jit
+    def _linear_tile(self, t, dims):
+        """(m_block, head, zz) of linear tile t (persistent): all heads' last m-blocks first
+        (longest causal rows first across the whole grid), then the next m-block, ..."""
+        m_blocks, heads, zdim = dims[0], dims[1], dims[2]
+        per_m = heads * zdim
+        hz = t % per_m
+        return (m_blocks - 1 - t // per_m, hz % heads, hz // heads)
+
+    @cute.jit
+    def _tile_info(self, tile, dims):
+        """Everything both roles need about one tile: indices and the KV blocks [n_lo, n_max)
+        it visits, of which those from n_full on need a mask (the tail of Sk, or keys right of
+        the bottom-right causal diagonal of some row)."""
+        m_block, head, zz = tile
+        _, heads, zdim, heads_per_kv, pack_sq, seqlen_q, seqlen_k, nb = dims
+        batch = zz
+        if cutlass.const_expr(self.split_kv):
+            batch = zz % nb
+        bh = batch * heads + head
+        bh_out = bh  # index of O / LSE (split-KV: split-major partials)
+        if cutlass.const_expr(self.split_kv):
+            bh_out = (zz // nb) * (nb * heads) + bh
+        bh_kv = batch * (heads // heads_per_kv) + head // heads_per_kv
         n_blocks_k = (seqlen_k + self.tile_n - 1) // self.tile_n
         m0 = m_block * self.tile_m
         n_max = n_blocks_k
@@ -294,55 +353,45 @@ class FP8AttentionFwdSm90:
             n_full = cutlass.min(n_full, cutlass.max(first, 0) // self.tile_n)
         n_lo = 0
         if cutlass.const_expr(self.split_kv):
+            splits = zdim // nb
             per = (n_blocks_k + splits - 1) // splits
-            n_lo = split * per
+            n_lo = (zz // nb) * per
             n_max = cutlass.min(n_max, n_lo + per)
+        return (m_block, bh, bh_kv, bh_out, m0, n_lo, n_max, n_full)
 
-        warp_group_idx = cute.arch.make_warp_uniform(tidx // self.threads_per_wg)
-        pipeline_init_wait(cluster_shape_mn=(1, 1))
+    @cute.jit
+    def _produce_tile(self, loads, info, q_state, state):
+        """TMA producer (one warp) of one tile: Q, then K and Vᵀ of its KV blocks."""
+        tma_q, tma_k, tma_v, mQ, mK, mVt, sQ, sK, sV, pipe_q, pipe_k, pipe_v = loads
+        m_block, bh, bh_kv, bh_out, m0, n_lo, n_max, n_full = info
+        d = self.head_dim
+        gQ = cute.local_tile(mQ[None, None, bh], (self.tile_m, d), (m_block, 0))
+        gK = cute.local_tile(mK[None, None, bh_kv], (self.tile_n, d), (None, 0))
+        gV = cute.local_tile(mVt[None, None, bh_kv], (d, self.tile_n), (0, None))
+        tQsQ, tQgQ = cpasync.tma_partition(
+            tma_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
+        tKsK, tKgK = cpasync.tma_partition(
+            tma_k, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
+        tVsV, tVgV = cpasync.tma_partition(
+            tma_v, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
+        pipe_q.producer_acquire(q_state)
+        cute.copy(tma_q, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
+        q_state.advance()
+        for n in cutlass.range(n_lo, n_max, unroll=1):
+            pipe_k.producer_acquire(state)
+            cute.copy(tma_k, tKgK[(None, n)], tKsK[(None, state.index)],
+                      tma_bar_ptr=pipe_k.producer_get_barrier(state))
+            pipe_v.producer_acquire(state)
+            cute.copy(tma_v, tVgV[(None, n)], tVsV[(None, state.index)],
+                      tma_bar_ptr=pipe_v.producer_get_barrier(state))
+            state.advance()
 
-        if warp_group_idx == 0:
-            cute.arch.setmaxregister_decrease(self.load_regs)
-            if warp_idx == 0:
-                gQ = cute.local_tile(mQ[None, None, bh], (self.tile_m, d), (m_block, 0))
-                gK = cute.local_tile(mK[None, None, bh_kv], (self.tile_n, d), (None, 0))
-                gV = cute.local_tile(mVt[None, None, bh_kv], (d, self.tile_n), (0, None))
-                tQsQ, tQgQ = cpasync.tma_partition(
-                    tma_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
-                tKsK, tKgK = cpasync.tma_partition(
-                    tma_k, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
-                tVsV, tVgV = cpasync.tma_partition(
-                    tma_v, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
-                q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
-                pipe_q.producer_acquire(q_state)
-                cute.copy(tma_q, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
-                state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
-                for n in cutlass.range(n_lo, n_max, unroll=1):
-                    pipe_k.producer_acquire(state)
-                    cute.copy(tma_k, tKgK[(None, n)], tKsK[(None, state.index)],
-                              tma_bar_ptr=pipe_k.producer_get_barrier(state))
-                    pipe_v.producer_acquire(state)
-                    cute.copy(tma_v, tVgV[(None, n)], tVsV[(None, state.index)],
-                              tma_bar_ptr=pipe_v.producer_get_barrier(state))
-                    state.advance()
-                # producer_tail advances the state it is given: one copy per pipeline
-                pipe_k.producer_tail(state.clone())
-                pipe_v.producer_tail(state)
-        else:
-            cute.arch.setmaxregister_increase(self.mma_regs)
-            self._consumer(
-                tidx - self.threads_per_wg, mma_qk, mma_pv, sQ, sK, sV, pipe_q, pipe_k, pipe_v,
-                mQS, mKS, mVS, mO, mLSE, softmax_scale_log2, bh, bh_kv, m_block, m0,
-                n_lo, n_max, n_full, seqlen_q, seqlen_k, pack_r, pack_sq, bh_out,
-            )
-
+    # ------------------------------------------------------------------ consumers
     @cute.jit
     def _consumer(
         self, mtidx, mma_qk: cute.TiledMma, mma_pv: cute.TiledMma, sQ, sK, sV,
-        pipe_q, pipe_k, pipe_v, mQS, mKS, mVS, mO, mLSE, softmax_scale_log2,
-        bh, bh_kv, m_block, m0, n_lo, n_max, n_full, seqlen_q, seqlen_k, pack_r, pack_sq, bh_out,
+        pipe_q, pipe_k, pipe_v, mQS, mKS, mVS, mO, mLSE, softmax_scale_log2, pack_r, dims,
     ):
-        d = self.head_dim
         wg = mtidx // self.threads_per_wg
         # --- S = Q Kᵀ: operands from shared memory
         thr_qk_wg = mma_qk.get_slice(wg * self.threads_per_wg)
@@ -373,9 +422,7 @@ class FP8AttentionFwdSm90:
         pv_acc.set(warpgroup.Field.ACCUMULATE, True)
         tOcO = thr_pv.partition_C(cute.make_identity_tensor((self.tile_m, self.pv_n)))
         blk = cute.make_rmem_tensor(tOcO.shape, self.acc_dtype)
-        n_blk = cute.size(blk)
-        acc_o = cute.make_rmem_tensor((n_blk * self.pv_chunks,), self.acc_dtype)
-        acc_o.fill(0.0)
+        acc_o = cute.make_rmem_tensor((cute.size(blk) * self.pv_chunks,), self.acc_dtype)
 
         # accumulator value v = c + 2 r + 4 j sits at (row_l[r], col_l + 8 j + c)
         row_l = [tScS[0][0], tScS[2][0]]
@@ -389,7 +436,41 @@ class FP8AttentionFwdSm90:
         hi_recv = quad >= 2
         sel0 = cutlass.select_(hi_recv, cutlass.Int32(0x1054), cutlass.Int32(0x5410))
         sel1 = cutlass.select_(hi_recv, cutlass.Int32(0x3276), cutlass.Int32(0x7632))
+        shuf = (src_a, src_b, sender_odd, sel0, sel1)
 
+        regs = (acc_s, blk, acc_o, p_words, row_l, col_l, quad, tOcO[0][1], shuf)
+        qk = (qk_zero, qk_acc, acc_s, tSrQ, tSrK)
+        pv = (pv_zero, pv_acc, blk, tOrP_w, tOrV)
+        gm = (mQS, mKS, mVS, mO, mLSE, softmax_scale_log2, pack_r)
+        pipes = (pipe_q, pipe_k, pipe_v)
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        if cutlass.const_expr(self.pingpong):
+            if wg == 0:  # the first warpgroup issues first
+                cute.arch.barrier_arrive(barrier_id=_SCHED_BAR, number_of_threads=2 * self.threads_per_wg)
+        if cutlass.const_expr(self.persistent):
+            total = dims[0] * dims[1] * dims[2]
+            tile = cute.arch.block_idx()[0]
+            while tile < total:
+                self._consume_tile(self._tile_info(self._linear_tile(tile, dims), dims), dims, wg, regs,
+                                   qk, pv, gm, pipes, q_state, k_state, v_state)
+                tile += cute.arch.grid_dim()[0]
+        else:
+            self._consume_tile(self._tile_info(self._grid_tile(dims), dims), dims, wg, regs,
+                               qk, pv, gm, pipes, q_state, k_state, v_state)
+
+    @cute.jit
+    def _consume_tile(self, info, dims, wg, regs, qk, pv, gm, pipes, q_state, k_state, v_state):
+        """One tile of one consumer warpgroup: the KV-block loop and the epilogue."""
+        m_block, bh, bh_kv, bh_out, m0, n_lo, n_max, n_full = info
+        pack_sq, seqlen_q, seqlen_k = dims[4], dims[5], dims[6]
+        acc_s, blk, acc_o, p_words, row_l, col_l, quad, ocol_l, shuf = regs
+        src_a, src_b, sender_odd, sel0, sel1 = shuf
+        mQS, mKS, mVS, mO, mLSE, softmax_scale_log2, pack_r = gm
+        pipe_q, pipe_k, pipe_v = pipes
+        n_blk = cute.size(blk)
+        acc_o.fill(0.0)
         row_max = cute.make_rmem_tensor((2,), cutlass.Float32)
         row_sum = cute.make_rmem_tensor((2,), cutlass.Float32)
         row_max.fill(cutlass.Float32(-math.inf))
@@ -413,12 +494,7 @@ class FP8AttentionFwdSm90:
             row_pos = [m0 + row_l[0], m0 + row_l[1]]
             causal_off = seqlen_k - seqlen_q
 
-        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         pipe_q.consumer_wait(q_state)
-        k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
-        v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
-        qk = (qk_zero, qk_acc, acc_s, tSrQ, tSrK)
-        pv = (pv_zero, pv_acc, blk, tOrP_w, tOrV)
         mask_args = (col_l, row_pos, seqlen_k, causal_off)
         alpha = cute.make_rmem_tensor((2,), cutlass.Float32)
         if cutlass.const_expr(not self.overlap):
@@ -446,9 +522,6 @@ class FP8AttentionFwdSm90:
             # intra-warpgroup overlap: the S wgmma of block n and the P.V wgmma of block n-1 run
             # while this warpgroup does block n's softmax
             alpha_prev = cute.make_rmem_tensor((2,), cutlass.Float32)
-            if cutlass.const_expr(self.pingpong):
-                if wg == 0:  # the first warpgroup issues first
-                    cute.arch.barrier_arrive(barrier_id=_SCHED_BAR, number_of_threads=2 * self.threads_per_wg)
             if n_max > n_lo:
                 self._block_scale(c, qsc, mKS[(bh_kv, n_lo)])
                 pipe_k.consumer_wait(k_state)
@@ -484,12 +557,19 @@ class FP8AttentionFwdSm90:
                     self._p_to_frag_a(acc_s, p_words, src_a, src_b, sender_odd, sel0, sel1)
                     k_state.advance()
                     v_state.advance()
+                pipe_q.consumer_release(q_state)  # every S of the tile is done: Q may be reloaded
                 pipe_v.consumer_wait(v_state)
                 self._issue_pv(pv, 0, v_state.index)
                 warpgroup.wait_group(0)
                 _fence_operand(blk)
                 pipe_v.consumer_release(v_state)
                 self._accumulate(acc_o, blk, alpha_prev, 0)
+                v_state.advance()
+            else:
+                pipe_q.consumer_release(q_state)
+        if cutlass.const_expr(not self.overlap):
+            pipe_q.consumer_release(q_state)
+        q_state.advance()
 
         # ---- epilogue: O = O_acc * v_scale / rowsum, LSE
         inv = cute.make_rmem_tensor((2,), cutlass.Float32)
@@ -507,7 +587,6 @@ class FP8AttentionFwdSm90:
             if quad == 0:
                 if row < seqlen_q:
                     mLSE[(row, bh_out)] = lse
-        ocol_l = tOcO[0][1]
         for ch in cutlass.range_constexpr(self.pv_chunks):
             for j in cutlass.range_constexpr(n_blk // 4):
                 for e in cutlass.range_constexpr(2):

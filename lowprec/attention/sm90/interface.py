@@ -24,7 +24,13 @@ OVERLAP = True  # AttnConfig.overlap of launched kernels (benchmarks flip it to 
 PINGPONG = False  # AttnConfig.pingpong of launched kernels (unmeasured: benchmarks flip it)
 PACK_GQA = False  # pack the query heads of a KV head into the rows when H > Hkv and Sq <= 128 (unmeasured)
 SPLIT_KV = False  # split the KV blocks over more CTAs when the grid is under a wave (unmeasured)
+PERSISTENT = False  # persistent CTAs walking the tiles longest-first (unmeasured)
 _NUM_SMS = 132
+
+
+@functools.cache
+def _num_sms(device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else _NUM_SMS
 
 
 def num_splits(ctas: int, n_blocks: int, num_sms: int = _NUM_SMS) -> int:
@@ -157,7 +163,9 @@ def fp8_attention_forward(q, q_scale, k, k_scale, v_t, v_scale, *, causal: bool,
     # packed: q, out, lse of the r query heads of a KV head are one contiguous run of r * Sq rows
     qh, rows = (Hkv, r * Sq) if pack else (H, Sq)
     splits = num_splits(-(-rows // TILE_M) * qh * B, -(-Sk // TILE_N)) if SPLIT_KV else 1
-    fn = _get_compiled(AttnConfig(D, bool(causal), _OUT[out_dtype], OVERLAP, PINGPONG, pack, splits > 1))
+    fn = _get_compiled(AttnConfig(D, bool(causal), _OUT[out_dtype], OVERLAP, PINGPONG, pack, splits > 1,
+                                  persistent=PERSISTENT,
+                                  num_sms=_num_sms(q.device) if PERSISTENT else _NUM_SMS))
     u8 = torch.uint8
     o_dst, l_dst = out.view(B * qh, rows, D), lse.view(B * qh, rows)
     if splits > 1:
