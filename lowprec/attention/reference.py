@@ -8,6 +8,12 @@ FP8 scheme (FA3 / SageAttention style), per (batch, head):
 - Online softmax over KV blocks of ``block`` tokens; P (in [0, 1]) is quantized to E4M3 with the
   static scale 448 (row max maps to 448) before P·V; each block's P·V is accumulated in fresh
   FP32 and added into the FP32 output accumulator.
+- Optional incoherent processing (FA3): Q and K rotated by the same random ±1 · Hadamard matrix
+  before quantization (:mod:`lowprec.attention.quantize`).
+
+The scheme is split as the kernel is: the pre-pass (:func:`lowprec.attention.quantize.quantize_qkv`)
+makes the kernel's operands, :func:`fp8_forward_reference` is the kernel's math on them (its LSE is
+that of the smoothed scores), and the host adds the smoothing correction ``scale · q·k_mean``.
 """
 
 from __future__ import annotations
@@ -16,12 +22,12 @@ import math
 
 import torch
 
-from ..quant import quantize
-from ..recipes import WHOLE, ScaleRecipe
+from .quantize import ATTN_BLOCK, _rotate, quantize_qkv
 
-__all__ = ["attention_reference", "ATTENTION_BLOCK"]
+__all__ = ["attention_reference", "fp8_forward_reference", "attention_backward_reference", "lse_correction",
+           "combine_kv_splits", "ATTENTION_BLOCK"]
 
-ATTENTION_BLOCK = 128
+ATTENTION_BLOCK = ATTN_BLOCK
 _P_SCALE = 448.0
 
 
@@ -33,7 +39,7 @@ def _causal_mask(sq: int, sk: int, rows: slice, cols: slice, device: torch.devic
 
 
 def _expand_kv(t: torch.Tensor, heads: int) -> torch.Tensor:
-    return t.repeat_interleave(heads // t.shape[1], dim=1)
+    return t.repeat_interleave(heads // t.shape[1], dim=1) if t.shape[1] != heads else t
 
 
 def _exact(q, k, v, causal, scale):
@@ -45,23 +51,29 @@ def _exact(q, k, v, causal, scale):
     return p @ v, lse
 
 
-def _fp8_dequant_blocks(x: torch.Tensor, block: int) -> torch.Tensor:
-    recipe = ScaleRecipe("attn_block", (block, WHOLE))
-    return quantize(x, recipe, check_finite=False).dequantize(torch.float32)
+def _dequant_blocks(codes: torch.Tensor, scales: torch.Tensor, block: int) -> torch.Tensor:
+    """FP32 values of ``codes`` [B, H, S, D] with one scale per ``block`` tokens [B, H, ceil(S/block)]."""
+    s = codes.shape[-2]
+    return codes.float() * scales.repeat_interleave(block, dim=-1)[..., :s, None]
 
 
-def _fp8(q, k, v, causal, scale, block):
-    sq, sk = q.shape[-2], k.shape[-2]
-    k_mean = k.mean(dim=-2, keepdim=True)
-    q_hat = _fp8_dequant_blocks(q, block)
-    k_hat = _fp8_dequant_blocks(k - k_mean, block)
-    v_q = quantize(v.transpose(-1, -2), "fp8_rowwise", check_finite=False)  # one scale per channel
-    v_codes = v_q.data.float().transpose(-1, -2)
-    v_scale = v_q.scale.transpose(-1, -2)  # [B, H, 1, Dv]
+def fp8_forward_reference(q, q_scale, k, k_scale, v_t, v_scale, causal: bool, scale: float,
+                          block: int = ATTN_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """The FP8 forward kernel's math on its operands (the contract tensors of
+    :class:`~lowprec.attention.quantize.FP8AttentionInputs`).
 
-    m = q.new_full(q.shape[:-1], -math.inf)
-    row_sum = q.new_zeros(q.shape[:-1])
-    acc = q.new_zeros(*q.shape[:-1], v.shape[-1])
+    Returns ``(out [B, H, Sq, Dv] FP32, lse [B, H, Sq] FP32)``: the LSE of the scores as computed
+    (of the smoothed K; no correction). Rows that see no key: 0 and −inf.
+    """
+    heads, sq, sk = q.shape[1], q.shape[-2], k.shape[-2]
+    q_hat = _dequant_blocks(q, q_scale, block)
+    k_hat = _expand_kv(_dequant_blocks(k, k_scale, block), heads)
+    v_codes = _expand_kv(v_t[..., :sk].float().transpose(-1, -2), heads)  # [B, H, Sk, Dv]
+    v_scale = _expand_kv(v_scale[:, :, None, :], heads)  # [B, H, 1, Dv]
+
+    m = q_hat.new_full(q.shape[:-1], -math.inf)
+    row_sum = q_hat.new_zeros(q.shape[:-1])
+    acc = q_hat.new_zeros(*q.shape[:-1], v_codes.shape[-1])
     for start in range(0, sk, block):
         cols = slice(start, min(start + block, sk))
         s = (q_hat @ k_hat[..., cols, :].transpose(-1, -2)) * scale
@@ -79,14 +91,72 @@ def _fp8(q, k, v, causal, scale, block):
     empty = row_sum == 0
     out = torch.where(empty[..., None], torch.zeros_like(acc), acc / torch.where(empty, 1.0, row_sum)[..., None])
     lse = torch.where(empty, torch.full_like(m, -math.inf), m + torch.log(torch.where(empty, 1.0, row_sum)))
-    lse = lse + (q @ k_mean.transpose(-1, -2)).squeeze(-1) * scale  # undo the smoothing shift (exact q)
     return out, lse
 
 
+def lse_correction(q: torch.Tensor, k_mean: torch.Tensor, scale: float, incoherent: bool = False) -> torch.Tensor:
+    """``scale · q·k_mean`` per row ``[B, H, Sq]`` FP32 (exact Q; rotated as K was): the smoothing's
+    shift of each score row, added to the kernel's LSE to give the LSE of the unsmoothed scores."""
+    qf = _rotate(q, incoherent)
+    mean = _expand_kv(k_mean[:, :, :, None], q.shape[1])  # [B, H, D, 1]
+    return (qf @ mean).squeeze(-1) * scale
+
+
 def attention_reference(q, k, v, causal: bool, scale: float, quant: str | None,
-                        block: int = ATTENTION_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+                        block: int = ATTN_BLOCK, incoherent: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns ``(out [B, H, Sq, Dv] in q's dtype, lse [B, H, Sq] FP32, natural log)``."""
-    heads = q.shape[1]
-    qf, kf, vf = q.float(), _expand_kv(k.float(), heads), _expand_kv(v.float(), heads)
-    out, lse = _exact(qf, kf, vf, causal, scale) if quant is None else _fp8(qf, kf, vf, causal, scale, block)
+    if quant is None:
+        heads = q.shape[1]
+        out, lse = _exact(q.float(), _expand_kv(k.float(), heads), _expand_kv(v.float(), heads), causal, scale)
+        return out.to(q.dtype), lse
+    if block != ATTN_BLOCK:
+        raise ValueError(f"block: the FP8 scheme quantizes in blocks of {ATTN_BLOCK} tokens, got {block}")
+    x = quantize_qkv(q, k, v, incoherent=incoherent)
+    out, lse = fp8_forward_reference(x.q, x.q_scale, x.k, x.k_scale, x.v_t, x.v_scale, causal, scale, block)
+    # undo the smoothing shift (-inf stays -inf: the mean of no keys is 0)
+    lse = lse + lse_correction(q, x.k_mean, scale, incoherent)
     return out.to(q.dtype), lse
+
+
+def combine_kv_splits(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split-KV combine (decode): partial attentions over disjoint key ranges into the whole one.
+
+    ``outs`` ``[splits, ..., Sq, Dv]`` (each normalized over its own keys), ``lses`` ``[splits, ..., Sq]``
+    natural log (−inf where a split saw no key). Returns ``(Σ_i exp(lse_i − lse) · out_i, lse)`` with
+    ``lse = logsumexp_i lse_i``; rows no split saw give 0 and −inf. FP32.
+    """
+    lse = torch.logsumexp(lses.float(), dim=0)
+    lse_safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+    weights = torch.exp(lses.float() - lse_safe)  # exp(-inf) = 0 for empty splits
+    out = (weights[..., None] * outs.float()).sum(dim=0)
+    return out, lse
+
+
+def attention_backward_reference(dout, q, k, v, out, lse, causal: bool, scale: float
+                                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Exact-attention gradients ``(dq, dk, dv)`` from a forward's ``out`` and natural-log ``lse``
+    (as FlashAttention's backward: P recomputed as ``exp(q·kᵀ·scale − lse)``, ``Δ = rowsum(dO ∘ O)``).
+
+    FP32 math (FP64 for FP64 inputs); GQA: dK and dV summed over the query heads of each group.
+    Rows with LSE −inf (no key seen) contribute nothing.
+    """
+    work = torch.float64 if q.dtype == torch.float64 else torch.float32
+    heads, hkv, sq, sk = q.shape[1], k.shape[1], q.shape[-2], k.shape[-2]
+    qf, dof, of = q.to(work), dout.to(work), out.to(work)
+    kf, vf = _expand_kv(k.to(work), heads), _expand_kv(v.to(work), heads)
+    s = (qf @ kf.transpose(-1, -2)) * scale
+    if causal:
+        s = s.masked_fill(~_causal_mask(sq, sk, slice(None), slice(None), q.device), -math.inf)
+    lse_w = lse.to(work)
+    lse_safe = torch.where(torch.isinf(lse_w), torch.full_like(lse_w, math.inf), lse_w)  # empty rows: p = 0
+    p = torch.exp(s - lse_safe[..., None])
+    dv = p.transpose(-1, -2) @ dof
+    dp = dof @ vf.transpose(-1, -2)
+    delta = (dof * of).sum(dim=-1, keepdim=True)
+    ds = p * (dp - delta)
+    dq = (ds @ kf) * scale
+    dk = (ds.transpose(-1, -2) @ qf) * scale
+    if hkv != heads:
+        dk = dk.unflatten(1, (hkv, heads // hkv)).sum(dim=2)
+        dv = dv.unflatten(1, (hkv, heads // hkv)).sum(dim=2)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)

@@ -85,3 +85,18 @@ def test_errors():
         lowprec.attention(q[0], k, v)
     with pytest.raises(ValueError, match="v: expected"):
         lowprec.attention(q, k, v[:, :, :10])
+
+
+@pytest.mark.parametrize("quant", [None, "fp8"])
+def test_empty_keys_give_zero_and_minus_inf(quant):
+    q, k, v = _qkv(sq=5, sk=0)
+    out, lse = lowprec.attention(q, k, v, quant=quant, return_lse=True)
+    assert out.shape == (2, 4, 5, 64) and (out == 0).all()
+    assert torch.isinf(lse).all() and (lse < 0).all()
+
+
+def test_zero_kv_heads_is_a_clear_error():
+    q, k, v = _qkv(hkv=1)
+    with pytest.raises(ValueError, match="k: expected Hkv"):
+        lowprec.attention(q, k[:, :0], v[:, :0])
+

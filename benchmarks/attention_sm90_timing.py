@@ -1,0 +1,101 @@
+"""Scratch timing of the sm_90a FP8 attention kernel (kernel only, inputs pre-quantized) against
+SDPA bf16 (flash and cuDNN backends) in the same process. Usage:
+    python benchmarks/attention_sm90_timing.py [--quick] [--serial] [--pingpong] [--decode] [--pack] [--persistent]
+Prints one line per shape and backend: ms (median of do_bench), TFLOPS (causal counts half)."""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.nn.functional as F
+from triton.testing import do_bench
+
+sys.path.insert(0, "tests/attention")
+from test_sm90 import quantize_inputs  # noqa: E402
+
+from lowprec.attention.sm90.interface import fp8_attention_forward  # noqa: E402
+
+SHAPES = [  # B, H, Hkv, Sq, Sk, D, causal
+    (4, 32, 32, 4096, 4096, 128, False),
+    (4, 32, 32, 4096, 4096, 128, True),
+    (4, 32, 8, 4096, 4096, 128, True),
+    (4, 32, 32, 4096, 4096, 64, False),
+    (4, 16, 16, 4096, 4096, 256, False),
+]
+DECODE = [(64, 32, 8, 1, 8192, 128, False)]
+
+
+def tflops(B, H, Sq, Sk, D, causal, ms):
+    f = 4 * B * H * Sq * Sk * D * (0.5 if causal and Sq == Sk else 1.0)
+    return f / ms / 1e9
+
+
+def main():
+    shapes = SHAPES[:2] if "--quick" in sys.argv else SHAPES
+    if "--decode" in sys.argv:
+        shapes = shapes + DECODE
+    rows = []
+    for B, H, Hkv, Sq, Sk, D, causal in shapes:
+        q = torch.randn(B, H, Sq, D, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn(B, Hkv, Sk, D, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn(B, Hkv, Sk, D, device="cuda", dtype=torch.bfloat16)
+        qc, qs, kc, ks, vt, vs = quantize_inputs(q, k, v)
+        out = torch.empty(B, H, Sq, D, device="cuda", dtype=torch.bfloat16)
+        fn = lambda: fp8_attention_forward(qc, qs, kc, ks, vt, vs, causal=causal,  # noqa: E731
+                                           softmax_scale=D ** -0.5, out_dtype=torch.bfloat16, out=out)
+        fn()
+        torch.cuda.synchronize()
+        kr, vr = k.repeat_interleave(H // Hkv, 1), v.repeat_interleave(H // Hkv, 1)
+        ref = F.scaled_dot_product_attention(q, kr, vr, is_causal=causal)
+        cos = F.cosine_similarity(out.float().flatten(), ref.float().flatten(), dim=0).item()
+        from lowprec.attention.sm90 import interface
+        res = {"fp8": do_bench(fn, warmup=100, rep=500, return_mode="median")}
+        if D <= 128 and "--serial" in sys.argv:
+            interface.OVERLAP = False
+            fn()
+            res["fp8_serial"] = do_bench(fn, warmup=100, rep=500, return_mode="median")
+            interface.OVERLAP = True
+        if D <= 128 and "--pingpong" in sys.argv:
+            interface.PINGPONG = True
+            fn()
+            res["fp8_pingpong"] = do_bench(fn, warmup=100, rep=500, return_mode="median")
+            torch.cuda.synchronize()
+            pp_err = (out.float() - ref.float()).abs().max().item()
+            print(f"pingpong max|out - sdpa| {pp_err:.4f}")
+            interface.PINGPONG = False
+        if "--persistent" in sys.argv:
+            for pp in ((False, True) if D <= 128 and "--pingpong" in sys.argv else (False,)):
+                interface.PERSISTENT, interface.PINGPONG = True, pp
+                fn()
+                res["fp8_persist" + ("_pp" if pp else "")] = do_bench(fn, warmup=100, rep=500, return_mode="median")
+                torch.cuda.synchronize()
+                print(f"persistent pingpong={pp} max|out - sdpa| {(out.float() - ref.float()).abs().max().item():.4f}")
+            interface.PERSISTENT, interface.PINGPONG = False, False
+        if H > Hkv and Sq <= 128 and "--pack" in sys.argv:
+            interface.PACK_GQA = True
+            fn()
+            res["fp8_pack_gqa"] = do_bench(fn, warmup=100, rep=500, return_mode="median")
+            torch.cuda.synchronize()
+            print(f"pack_gqa max|out - sdpa| {(out.float() - ref.float()).abs().max().item():.4f}")
+            interface.PACK_GQA = False
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        for name, be in (("sdpa_flash", SDPBackend.FLASH_ATTENTION), ("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION)):
+            try:
+                with sdpa_kernel(be):
+                    g = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal,  # noqa: E731
+                                                               enable_gqa=H != Hkv)
+                    g()
+                    res[name] = do_bench(g, warmup=100, rep=500, return_mode="median")
+            except Exception as e:  # noqa: BLE001
+                print(name, "failed:", type(e).__name__, str(e)[:100])
+        best_bf16 = max(tflops(B, H, Sq, Sk, D, causal, t) for n, t in res.items() if not n.startswith("fp8")) if len(res) > 1 else float("nan")
+        tag = f"B{B} H{H}/{Hkv} Sq{Sq} Sk{Sk} d{D} {'causal' if causal else 'full'}"
+        for n, t in res.items():
+            rows.append(f"{tag:32s} {n:16s} {t:8.3f} ms {tflops(B, H, Sq, Sk, D, causal, t):7.1f} TFLOPS")
+        rows.append(f"{tag:32s} fp8/best-bf16 {tflops(B, H, Sq, Sk, D, causal, res['fp8']) / best_bf16:.3f}x  cos {cos:.5f}")
+    print("\n".join(rows))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,201 @@
+"""torch.library custom ops for attention, with fake implementations and autograd.
+
+- ``lowprec::attention_fp8_forward``: the FP8 forward on the kernel's operands (the contract of
+  ``sm90/CONTRACT.md``): the sm_90a kernel where it applies, else the reference emulation.
+- ``lowprec::attention_fp8``: Q, K, V in, ``(out, lse)`` out: the quantization pre-pass, the forward
+  and the smoothing correction of the LSE. Differentiable: its backward is exact attention's,
+  from the FP8 forward's ``out`` and (unsmoothed) ``lse``, as FlashAttention's backward computes it.
+  The LSE output is not differentiable (as with the aten flash attention op).
+- ``lowprec::attention_backward``: ``(dq, dk, dv)`` from ``(dout, q, k, v, out, lse)``: PyTorch's
+  flash attention backward (``aten._scaled_dot_product_flash_attention_backward``) on CUDA for
+  fp16/bf16, else plain torch (:func:`~lowprec.attention.reference.attention_backward_reference`).
+
+All shapes are static and nothing reads values back to the host: ``torch.compile(fullgraph=True)``
+traces the ops whole, CUDA graphs capture them.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..runtime import backend_mode, kernel_failed, use_kernel, warn_once
+from .quantize import quantize_qkv
+from .reference import attention_backward_reference, fp8_forward_reference, lse_correction
+
+__all__ = ["attention_fp8", "attention_fp8_forward", "attention_backward", "exact_cuda", "kernel_unsupported"]
+
+_HALF = (torch.float16, torch.bfloat16)
+KERNEL_HEAD_DIMS = (64, 128, 256)
+
+
+# --- the FP8 forward: kernel or emulation ---------------------------------------------------------
+
+def kernel_unsupported(q: torch.Tensor, k: torch.Tensor, v_t: torch.Tensor, out_dtype: torch.dtype) -> str | None:
+    """Why the sm_90a FP8 forward cannot take these operands (None: it can)."""
+    d, dv = q.shape[-1], v_t.shape[-2]
+    if d not in KERNEL_HEAD_DIMS or dv != d:
+        return f"head dims D={d}, Dv={dv}; the kernel supports D = Dv in {KERNEL_HEAD_DIMS}"
+    if out_dtype not in _HALF:
+        return f"output dtype {out_dtype} (the kernel writes float16 or bfloat16)"
+    if q.shape[-2] == 0 or k.shape[-2] == 0:
+        return "an empty sequence (nothing to compute)"
+    try:
+        from .sm90 import interface
+    except Exception as err:  # not built yet, or CuTe DSL missing
+        return f"the sm_90a attention kernel does not import ({type(err).__name__}: {err})"
+    check = getattr(interface, "kernel_unsupported", None)
+    return check(q, k, v_t, out_dtype) if callable(check) else None
+
+
+@torch.library.custom_op("lowprec::attention_fp8_forward", mutates_args=())
+def attention_fp8_forward(q: torch.Tensor, q_scale: torch.Tensor, k: torch.Tensor, k_scale: torch.Tensor,
+                          v_t: torch.Tensor, v_scale: torch.Tensor, causal: bool, scale: float,
+                          out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out [B, H, Sq, Dv] out_dtype, lse [B, H, Sq] FP32 of the smoothed scores)``."""
+    if use_kernel("attention", q.device, ("sm_90a",), lambda: kernel_unsupported(q, k, v_t, out_dtype)):
+        try:
+            from .sm90.interface import fp8_attention_forward
+
+            return fp8_attention_forward(q, q_scale, k, k_scale, v_t, v_scale, causal=causal, softmax_scale=scale,
+                                         out_dtype=out_dtype)
+        except Exception as err:
+            kernel_failed("attention", err)
+    out, lse = fp8_forward_reference(q, q_scale, k, k_scale, v_t, v_scale, causal, scale)
+    return out.to(out_dtype), lse
+
+
+@attention_fp8_forward.register_fake
+def _(q, q_scale, k, k_scale, v_t, v_scale, causal, scale, out_dtype):
+    b, h, sq, _ = q.shape
+    return q.new_empty((b, h, sq, v_t.shape[-2]), dtype=out_dtype), q.new_empty((b, h, sq), dtype=torch.float32)
+
+
+@torch.library.custom_op("lowprec::attention_fp8", mutates_args=())
+def attention_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
+                  incoherent: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP8 attention of float Q, K, V: ``(out in q's dtype, lse FP32 of the unsmoothed scores)``."""
+    x = quantize_qkv(q, k, v, incoherent=incoherent)  # TODO(kernel): the fused pre-pass kernel
+    out, lse = attention_fp8_forward(x.q, x.q_scale, x.k, x.k_scale, x.v_t, x.v_scale, causal, scale, q.dtype)
+    return out, lse + lse_correction(q, x.k_mean, scale, incoherent)
+
+
+@attention_fp8.register_fake
+def _(q, k, v, causal, scale, incoherent):
+    b, h, sq, _ = q.shape
+    return q.new_empty((b, h, sq, v.shape[-1])), q.new_empty((b, h, sq), dtype=torch.float32)
+
+
+def _fp8_setup_context(ctx, inputs, output):
+    q, k, v, causal, scale, _ = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.causal, ctx.scale = causal, scale
+    ctx.mark_non_differentiable(lse)
+
+
+def _fp8_backward(ctx, dout, _dlse):
+    """Exact attention's backward on smoothed K: ``dQ = dS · K`` picks up ``(Σ_j dS_ij) · mean(K)``,
+    and ``Σ_j dS_ij`` is 0 only for the exact ``out`` and LSE, not the FP8 forward's: with a K bias
+    of 5 that leak took dQ's cosine to FP64 from 0.9999 to 0.966. With ``K − mean(K)`` and the LSE of
+    the smoothed scores (the same P, dP, dK, dV in exact math) it is gone."""
+    q, k, v, out, lse = ctx.saved_tensors
+    k_mean = k.float().sum(dim=-2) / max(k.shape[-2], 1)  # [B, Hkv, D]
+    k_smooth = (k.float() - k_mean[:, :, None, :]).to(k.dtype)
+    lse_smooth = lse - lse_correction(q, k_mean, ctx.scale)
+    dq, dk, dv = attention_backward(dout, q, k_smooth, v, out, lse_smooth, ctx.causal, ctx.scale)
+    return dq, dk, dv, None, None, None
+
+
+attention_fp8.register_autograd(_fp8_backward, setup_context=_fp8_setup_context)
+
+
+# --- the backward: PyTorch's flash attention backward, or plain torch -----------------------------
+
+def _flash_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """The aten flash attention ops take these inputs (fp16/bf16 on CUDA, D = Dv ≤ 256, D % 8 == 0)."""
+    d = q.shape[-1]
+    return (q.is_cuda and q.dtype in _HALF and k.dtype == q.dtype and v.dtype == q.dtype
+            and v.shape[-1] == d and d % 8 == 0 and d <= 256 and backend_mode() != "reference")
+
+
+def _flash_backward(dout, q, k, v, out, lse, causal, scale):
+    heads, hkv = q.shape[1], k.shape[1]
+    group = heads // hkv
+    # GQA: the backward sees every query head's K and V, dK and dV are summed over each group
+    ke = k.repeat_interleave(group, dim=1) if group > 1 else k
+    ve = v.repeat_interleave(group, dim=1) if group > 1 else v
+    # FlashAttention marks rows that see no key with LSE +inf (p = exp(s - inf) = 0); ours say -inf
+    lse_fa = torch.where(lse == -math.inf, math.inf, lse).float().contiguous()
+    seed = torch.empty(2, dtype=torch.uint64, device=q.device)  # dropout 0: philox state unread
+    offset = torch.empty((), dtype=torch.uint64, device=q.device)
+    dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+        dout.to(q.dtype).contiguous(), q.contiguous(), ke.contiguous(), ve.contiguous(), out.to(q.dtype).contiguous(),
+        lse_fa, None, None, q.shape[-2], k.shape[-2], 0.0, causal, seed, offset, scale=scale)
+    if group > 1:
+        dk = dk.unflatten(1, (hkv, group)).sum(dim=2)
+        dv = dv.unflatten(1, (hkv, group)).sum(dim=2)
+    return dq, dk, dv
+
+
+@torch.library.custom_op("lowprec::attention_backward", mutates_args=())
+def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                       lse: torch.Tensor, causal: bool, scale: float
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Exact-attention gradients from a forward's ``out`` and natural-log ``lse`` [B, H, Sq]."""
+    if q.shape[-2] == 0 or k.shape[-2] == 0:
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    if _flash_ok(q, k, v):
+        try:
+            return tuple(t.contiguous() for t in _flash_backward(dout, q, k, v, out, lse, causal, scale))
+        except Exception as err:
+            kernel_failed("attention backward (aten flash)", err)
+    return attention_backward_reference(dout, q, k, v, out, lse, causal, scale)
+
+
+@attention_backward.register_fake
+def _(dout, q, k, v, out, lse, causal, scale):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+# --- exact attention on CUDA: PyTorch's fused kernels ---------------------------------------------
+
+def exact_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
+               return_lse: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(out, lse or None)`` by PyTorch's fused attention (differentiable through their backward).
+
+    Without LSE: ``F.scaled_dot_product_attention`` (cuDNN / flash / efficient, as it picks;
+    ``enable_gqa`` for GQA; bottom-right causal by ``causal_lower_right`` when ``Sq < Sk``). With
+    LSE: ``aten._scaled_dot_product_flash_attention`` (natural-log LSE [B, H, Sq]; for this op
+    ``is_causal`` is bottom-right aligned) for fp16/bf16, else the reference with one warning.
+    Needs ``Sq, Sk > 0`` (the caller sends empty sequences to the reference).
+    """
+    sq, sk = q.shape[-2], k.shape[-2]
+    if causal and sq > sk:  # the first sq - sk query rows see no key: 0 and LSE -inf
+        skip = sq - sk
+        out, lse = exact_cuda(q[..., skip:, :], k, v, causal, scale, return_lse)
+        out = torch.cat([out.new_zeros(*out.shape[:-2], skip, out.shape[-1]), out], dim=-2)
+        if lse is not None:
+            lse = torch.cat([lse.new_full((*lse.shape[:-1], skip), -math.inf), lse], dim=-1)
+        return out, lse
+    gqa = q.shape[1] != k.shape[1]
+    if return_lse:
+        if not _flash_ok(q, k, v):
+            from .reference import attention_reference
+
+            warn_once(f"lowprec: attention(return_lse=True) on CUDA with {q.dtype}, D={q.shape[-1]}, "
+                      f"Dv={v.shape[-1]}: no fused kernel returns the LSE; running the (slow) reference")
+            return attention_reference(q, k, v, causal, scale, None)
+        res = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
+        out, lse = res[0], res[1]
+        return out, torch.where(lse == math.inf, -math.inf, lse)  # FlashAttention: +inf for rows with no key
+    f = torch.nn.functional.scaled_dot_product_attention
+    if causal and sq < sk:
+        from torch.nn.attention.bias import causal_lower_right
+
+        if gqa and q.dtype not in _HALF:  # only the flash route of CausalBias knows GQA
+            k, v, gqa = k.repeat_interleave(q.shape[1] // k.shape[1], 1), v.repeat_interleave(
+                q.shape[1] // v.shape[1], 1), False
+        return f(q, k, v, attn_mask=causal_lower_right(sq, sk), scale=scale, enable_gqa=gqa), None
+    return f(q, k, v, is_causal=causal, scale=scale, enable_gqa=gqa), None

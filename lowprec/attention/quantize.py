@@ -1,0 +1,171 @@
+"""The FP8 attention quantization pre-pass: Q, K, V as the FP8 forward kernel reads them.
+
+The kernel contract (``lowprec/attention/sm90/CONTRACT.md``), per batch and head:
+
+- ``q`` ``[B, H, Sq, D]`` E4M3, ``q_scale`` ``[B, H, ceil(Sq/128)]`` FP32: one scale per 128 tokens;
+- ``k`` ``[B, Hkv, Sk, D]`` E4M3 of K smoothed (its per-head token mean ``k_mean`` subtracted: softmax
+  invariant, it only shifts each score row by ``q · k_mean``), ``k_scale`` ``[B, Hkv, ceil(Sk/128)]``;
+- ``v_t`` ``[B, Hkv, D, round_up(Sk, 16)]`` E4M3: V transposed (FP8 wgmma takes both operands
+  K-major), zero-padded; ``v_scale`` ``[B, Hkv, D]`` FP32: one scale per channel.
+
+Scales are dequantization multipliers computed as :func:`lowprec.quant.reference.quantize_reference`
+does (amax / 448, IEEE division, all-zero blocks scale 1): the same recipes as a ``QuantizedTensor``.
+
+Plain torch today (a handful of elementwise and reduction kernels per tensor, no loop over blocks).
+TODO(kernel): one fused memory-bound CuTe DSL pre-pass (Q; K with its mean; V with its transpose)
+behind :func:`quantize_qkv`, as issue 25 item 2 asks; its outputs must stay bit-identical to these.
+
+Incoherent processing (FlashAttention-3): Q and K multiplied by the same random orthogonal matrix
+``M = diag(±1) · Hadamard / sqrt(D)`` before quantization. ``(qM)(kM)ᵀ = qkᵀ`` in exact math; the
+rotation spreads outlier channels over all channels, so the per-block scales fit the bulk better.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple
+
+import torch
+
+from ..quant.reference import quantize_reference
+from ..recipes import WHOLE, ScaleRecipe, get_recipe
+from ..tensor import QuantizedTensor
+
+__all__ = ["ATTN_BLOCK", "ATTN_QK_RECIPE", "FP8AttentionInputs", "quantize_qkv", "quantize_q", "quantize_k",
+           "quantize_v", "quantize_kv_cache", "hadamard_rotation", "V_PAD"]
+
+ATTN_BLOCK = 128
+V_PAD = 16  # v_t's token dim is padded to a multiple of this (16-byte TMA rows)
+# Q and K: E4M3, one FP32 scale per block of 128 tokens × the head dim, per (batch, head)
+ATTN_QK_RECIPE = ScaleRecipe("fp8_attn_qk", (ATTN_BLOCK, WHOLE))
+_V_RECIPE = get_recipe("fp8_rowwise")  # on Vᵀ: one scale per channel over all tokens
+_HADAMARD_SEED = 0x1A77
+
+
+class FP8AttentionInputs(NamedTuple):
+    """The FP8 forward's operands (the kernel contract) and the smoothing mean."""
+
+    q: torch.Tensor        # [B, H, Sq, D] float8_e4m3fn
+    q_scale: torch.Tensor  # [B, H, ceil(Sq/128)] float32
+    k: torch.Tensor        # [B, Hkv, Sk, D] float8_e4m3fn, of (K - k_mean) (rotated if incoherent)
+    k_scale: torch.Tensor  # [B, Hkv, ceil(Sk/128)] float32
+    v_t: torch.Tensor      # [B, Hkv, Dv, round_up(Sk, 16)] float8_e4m3fn, zero-padded
+    v_scale: torch.Tensor  # [B, Hkv, Dv] float32
+    k_mean: torch.Tensor   # [B, Hkv, D] float32 subtracted from K (zeros: not smoothed)
+
+
+@functools.cache
+def hadamard_rotation(d: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """``diag(signs) · H_d / sqrt(d)`` in FP32 ``[d, d]``: orthogonal, fixed random signs (seeded).
+
+    Cached per device: built once outside any CUDA graph capture, reused inside."""
+    if d < 1 or d & (d - 1):
+        raise ValueError(f"incoherent: the Hadamard rotation needs a power-of-two head dim, got D={d}")
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < d:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    g = torch.Generator().manual_seed(_HADAMARD_SEED)
+    signs = torch.randint(0, 2, (d,), generator=g, dtype=torch.float64) * 2 - 1
+    return (signs[:, None] * h / math.sqrt(d)).to(torch.float32).to(device)
+
+
+def _rotate(x: torch.Tensor, incoherent: bool) -> torch.Tensor:
+    """``x`` in FP32, times the Hadamard rotation when ``incoherent``."""
+    xf = x.float()
+    return xf @ hadamard_rotation(x.shape[-1], x.device) if incoherent else xf
+
+
+def _blocks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """E4M3 codes of ``x`` ``[B, H, S, D]`` FP32 and its scales ``[B, H, ceil(S/128)]``."""
+    qt = quantize_reference(x, ATTN_QK_RECIPE)
+    # contiguous as the kernel reads them (a strided input, e.g. a varlen slice, keeps its strides)
+    return qt.data.contiguous(), qt.scale.squeeze(-1).contiguous()
+
+
+def quantize_q(q: torch.Tensor, incoherent: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(codes, scales)`` of Q (rotated first when ``incoherent``)."""
+    return _blocks(_rotate(q, incoherent))
+
+
+def quantize_k(k: torch.Tensor, smooth: bool = True, incoherent: bool = False
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(codes, scales, k_mean [B, Hkv, D])`` of K minus its token mean (``smooth``; else mean 0).
+
+    The mean of no tokens (Sk = 0) is 0. With ``incoherent`` K is rotated first and the mean is
+    that of the rotated K (the LSE correction then uses the rotated Q: the same product)."""
+    kf = _rotate(k, incoherent)
+    if smooth:
+        k_mean = kf.sum(dim=-2, keepdim=True) / max(kf.shape[-2], 1)
+        kf = kf - k_mean
+    else:
+        k_mean = kf.new_zeros(*kf.shape[:-2], 1, kf.shape[-1])
+    codes, scales = _blocks(kf)
+    return codes, scales, k_mean.squeeze(-2)
+
+
+def quantize_v(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(v_t codes [B, Hkv, Dv, round_up(Sk, 16)], v_scale [B, Hkv, Dv])``: per channel, transposed.
+
+    The zero padding leaves every channel's amax, so its scale, unchanged."""
+    sk = v.shape[-2]
+    padded = torch.nn.functional.pad(v.float(), (0, 0, 0, -sk % V_PAD))
+    qt = quantize_reference(padded.transpose(-1, -2), _V_RECIPE)
+    return qt.data.contiguous(), qt.scale.squeeze(-1)
+
+
+def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, smooth: bool = True,
+                 incoherent: bool = False) -> FP8AttentionInputs:
+    """The pre-pass of ``attention(..., quant="fp8")``: every operand of the FP8 forward kernel.
+
+    ``q`` ``[B, H, Sq, D]``, ``k`` ``[B, Hkv, Sk, D]``, ``v`` ``[B, Hkv, Sk, Dv]`` float tensors.
+    """
+    qc, qs = quantize_q(q, incoherent)
+    kc, ks, k_mean = quantize_k(k, smooth, incoherent)
+    vt, vs = quantize_v(v)
+    return FP8AttentionInputs(qc, qs, kc, ks, vt, vs, k_mean)
+
+
+# --- already-quantized inputs (an FP8 KV cache) -------------------------------------------------
+
+def quantize_kv_cache(k: torch.Tensor, v: torch.Tensor) -> tuple[QuantizedTensor, QuantizedTensor]:
+    """K and V quantized once, for :func:`lowprec.attention` to take as they are (an FP8 KV cache).
+
+    Returns ``(k_q, v_t_q)``: ``k_q`` is K ``[B, Hkv, Sk, D]`` in :data:`ATTN_QK_RECIPE` (not
+    smoothed: a cache grows, its mean moves; the softmax does not depend on it anyway);
+    ``v_t_q`` is Vᵀ ``[B, Hkv, Dv, Sk]`` in ``fp8_rowwise`` (one scale per channel).
+    A QuantizedTensor input means its dequantized value: the result is attention on those.
+    """
+    kc, ks = _blocks(k.float())
+    vt, vs = quantize_v(v)
+    sk = k.shape[-2]
+    k_q = QuantizedTensor(kc, ks.unsqueeze(-1), ATTN_QK_RECIPE, k.shape, k.dtype)
+    v_q = QuantizedTensor(vt[..., :sk], vs.unsqueeze(-1), _V_RECIPE, (*v.shape[:-2], v.shape[-1], sk), v.dtype)
+    return k_q, v_q
+
+
+def qk_from_quantized(x: QuantizedTensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes and ``[B, H, ceil(S/128)]`` scales of a Q or K QuantizedTensor in the attention recipe."""
+    r = x.recipe
+    if (r.block, r.elem_format, r.scale_format, r.global_scale) != ((ATTN_BLOCK, WHOLE), "e4m3", "fp32", False) \
+            or x.dim() != 4:
+        raise ValueError(f"{name}: a QuantizedTensor input must be [B, H, S, D] in 128-token blocks "
+                         f"(lowprec.attention.ATTN_QK_RECIPE), got {r.name} {r.block} shape {tuple(x.shape)}")
+    return x.data, x.scale.reshape(*x.shape[:2], -1)
+
+
+def v_from_quantized(x: QuantizedTensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(v_t, v_scale)`` of a Vᵀ QuantizedTensor in ``fp8_rowwise``: codes padded to a multiple of 16
+    tokens (a copy of the FP8 codes only when Sk is not), no requantization."""
+    r = x.recipe
+    if (r.block, r.elem_format, r.scale_format, r.global_scale) != ((1, WHOLE), "e4m3", "fp32", False) \
+            or x.dim() != 4:
+        raise ValueError(f"v: a QuantizedTensor input must be Vᵀ [B, Hkv, Dv, Sk] in fp8_rowwise (one scale per "
+                         f"channel; see lowprec.attention.quantize_kv_cache), got {r.name} {r.block} "
+                         f"shape {tuple(x.shape)}")
+    data = x.data
+    pad = -data.shape[-1] % V_PAD
+    if pad:
+        raw = data.view(torch.uint8)  # cat of FP8 codes as bytes (every device)
+        data = torch.cat([raw, raw.new_zeros(*raw.shape[:-1], pad)], dim=-1).view(torch.float8_e4m3fn)
+    return data.contiguous(), x.scale.reshape(*x.shape[:3])

@@ -1,0 +1,56 @@
+"""What the sm_90a FP8 attention forward kernel supports, stated once (no cutlass import: the host
+wiring and the tests read this without compiling anything)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+HEAD_DIMS = (64, 128, 256)  # head dims with a shipped kernel
+TILE_M = 128  # query rows per CTA (two consumer warpgroups of 64); one q_scale per tile
+TILE_N = 128  # keys per KV block; one k_scale per block; the online softmax steps by this
+P_SCALE = 448.0  # static scale of P (row max -> 448) before it is cast to E4M3
+OUT_DTYPES = ("bfloat16", "float16")
+V_PAD = 16  # v_t's key dimension is padded to a multiple of this (16-byte TMA strides)
+
+
+@dataclass(frozen=True)
+class AttnConfig:
+    """One compiled kernel (everything that changes the generated code)."""
+
+    head_dim: int = 128
+    causal: bool = False
+    out_dtype: str = "bfloat16"
+    overlap: bool = True  # intra-warpgroup overlap of softmax with the next S / this P.V wgmma (D <= 128)
+    pingpong: bool = False  # consumer warpgroups issue their wgmma in turns (needs overlap); unmeasured
+    pack_gqa: bool = False  # rows = (query head in its KV group, query) for Sq <= 128 (decode); unmeasured
+    split_kv: bool = False  # KV blocks split over grid z; FP32 partials combined on the host; unmeasured
+    persistent: bool = False  # grid = min(tiles, num_sms), tiles walked longest-first; unmeasured
+    num_sms: int = 132  # persistent grid size (H100 SXM)
+
+    def stages(self) -> int:
+        """K/V shared-memory ring depth (each stage holds one K tile and one Vᵀ tile)."""
+        return {64: 4, 128: 3, 256: 2}[self.head_dim]
+
+    def __str__(self) -> str:
+        return f"d{self.head_dim}{'_causal' if self.causal else ''}_{self.out_dtype}{'' if self.overlap else '_serial'}{'_pp' if self.pingpong else ''}{'_pack' if self.pack_gqa else ''}{'_split' if self.split_kv else ''}{'_persist' if self.persistent else ''}"
+
+
+def shipped_configs() -> tuple[AttnConfig, ...]:
+    return tuple(AttnConfig(d, c, o) for d in HEAD_DIMS for c in (False, True) for o in OUT_DTYPES)
+
+
+def variant_configs() -> tuple[AttnConfig, ...]:
+    """Configs behind interface flags (PINGPONG, PACK_GQA, SPLIT_KV; off until measured on a GPU)
+    and the serial kernel: compiled and SASS-checked like the shipped ones."""
+    out = []
+    for d in HEAD_DIMS:
+        for c in (False, True):
+            out.append(AttnConfig(d, c, split_kv=True))
+            out.append(AttnConfig(d, c, pack_gqa=True))
+            out.append(AttnConfig(d, c, pack_gqa=True, split_kv=True))
+            out.append(AttnConfig(d, c, persistent=True))
+            if d <= 128:
+                out.append(AttnConfig(d, c, pingpong=True))
+                out.append(AttnConfig(d, c, pingpong=True, persistent=True))
+                out.append(AttnConfig(d, c, overlap=False))
+    return tuple(out)

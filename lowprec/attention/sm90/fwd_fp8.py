@@ -1,0 +1,717 @@
+"""Hopper (sm_90a) FP8 FlashAttention forward in CuTe DSL.
+
+    S = (Q_codes . K_codesᵀ) * q_scale[m-block] * k_scale[n-block] * softmax_scale
+    online softmax over KV blocks of 128 (FP32, exp2 with the scale folded into one FFMA),
+    P8 = E4M3(448 * exp(S - m_running)),  blk = P8 . V_codes (fresh FP32 wgmma accumulator),
+    O_acc = O_acc * alpha + blk,  O = O_acc * v_scale[ch] / rowsum(448 * p),  LSE in FP32 (ln).
+
+Layouts (see CONTRACT.md): Q [Sq, D, B*H], K [Sk, D, B*Hkv] (K-major along D), Vᵀ [D, Sk_pad,
+B*Hkv] (K-major along keys) as uint8 views of E4M3; scales q [B*H, ceil(Sq/128)],
+k [B*Hkv, ceil(Sk/128)], v [B*Hkv, D]; O [Sq, D, B*H] bf16/fp16; LSE [Sq, B*H] fp32.
+
+Structure (one CTA per 128 query rows of one head; grid (m-blocks, H, B), longest causal rows
+first):
+* warpgroup 0, warp 0: TMA producer. Q once, then per KV block its K tile and Vᵀ tile into a
+  ``stages``-deep ring (two ``PipelineTmaAsync``: K and V have their own full/empty barriers,
+  so the S wgmma of a block can start before its V has landed).
+* warpgroups 1, 2: consumers, 64 query rows each. Per KV block: S wgmma (Q and K from shared
+  memory), mask (tail / causal blocks only), row max (quad shuffles), exp2 of one FFMA per score,
+  P to E4M3 *in registers* as the A operand of the P.V wgmma: the FP32 accumulator layout (pairs
+  of adjacent keys per thread) is permuted into the FP8 A-fragment layout (4 adjacent keys per
+  thread) with two shuffles and two byte permutes per 32 keys and row (``_p_to_frag_a``), then
+  P.V into a fresh accumulator per N chunk of <= 128 columns (ACCUMULATE off on its first
+  k-step) and ``O_acc = O_acc * alpha + blk`` (two-level accumulation).
+* epilogue: quad-reduced row sums, O scaled by v_scale / rowsum and cast, stored from registers;
+  LSE from the lanes that own a row.
+
+The GEMM core (``lowprec.gemm.sm90.blockscaled_gemm``) is the model for the TMA ring, the two
+MMA objects with ACCUMULATE fixed and the register budget split; once the shared building blocks
+(``lowprec/cute``) land, the producer loop and the promotion should come from there (NOTES.md).
+"""
+
+from __future__ import annotations
+
+import math
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
+from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.memory import SmemAllocator
+from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
+from cutlass.tensor_utils import LayoutEnum
+
+from .config import P_SCALE, TILE_M, TILE_N, AttnConfig
+
+_LOG2E = math.log2(math.e)
+_LN2 = math.log(2.0)
+_LOG2_PSCALE = math.log2(P_SCALE)
+_SCHED_BAR = 2  # named barriers 2, 3: ping-pong turns of consumer warpgroups 0, 1
+_C_MIN = 1e-30
+_NACC = 4  # independent accumulation chains of the row max / row sum  # floor of the score scale: a zero scale (all-zero block) must not make -inf * 0
+
+
+# ----------------------------------------------------------------------------- PTX helpers
+@dsl_user_op
+def _ex2(x, *, loc=None, ip=None):
+    """2^x (MUFU.EX2, flush-to-zero; -inf -> 0). No side effects: the compiler may schedule it."""
+    return cutlass.Float32(
+        llvm.inline_asm(T.f32(), [cutlass.Float32(x).ir_value(loc=loc, ip=ip)],
+                        "ex2.approx.ftz.f32 $0, $1;", "=f,f", loc=loc, ip=ip)
+    )
+
+
+@dsl_user_op
+def _cvt_e4m3x4(x0, x1, x2, x3, *, loc=None, ip=None):
+    """Four FP32 values to one 32-bit word of E4M3 (byte i = x_i; RN, saturating to +-448)."""
+    args = [cutlass.Float32(v).ir_value(loc=loc, ip=ip) for v in (x0, x1, x2, x3)]
+    return cutlass.Int32(
+        llvm.inline_asm(
+            T.i32(), args,
+            "{\n.reg .b16 lo, hi;\n"
+            "cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1;\n"
+            "cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3;\n"
+            "mov.b32 $0, {lo, hi};\n}",
+            "=r,f,f,f,f", loc=loc, ip=ip,
+        )
+    )
+
+
+@dsl_user_op
+def _pin_f32(x, *, loc=None, ip=None):
+    """Empty volatile asm on one fp32 value: reads of it may not move across (operand fence)."""
+    return cutlass.Float32(
+        llvm.inline_asm(cutlass.Float32.mlir_type, [cutlass.Float32(x).ir_value(loc=loc, ip=ip)],
+                        "", "=f,0", has_side_effects=True, loc=loc, ip=ip)
+    )
+
+
+@cute.jit
+def _fence_operand(t: cute.Tensor):
+    for i in cutlass.range_constexpr(cute.size(t)):
+        t[i] = _pin_f32(t[i])
+
+
+class FP8AttentionFwdSm90:
+    """FP8 attention forward for sm_90a: 128x128 tiles, 2 consumer warpgroups, TMA producer."""
+
+    def __init__(self, config: AttnConfig):
+        self.config = config
+        self.head_dim = config.head_dim
+        self.causal = config.causal
+        self.out_dtype = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}[config.out_dtype]
+        self.tile_m, self.tile_n = TILE_M, TILE_N
+        self.stages = config.stages()
+        self.ab_dtype = cutlass.Float8E4M3FN
+        self.acc_dtype = cutlass.Float32
+        self.num_mma_wg = 2
+        self.threads_per_wg = 128
+        self.threads_per_cta = (1 + self.num_mma_wg) * self.threads_per_wg
+        self.load_regs = 24
+        self.mma_regs = 240
+        # P.V in N chunks of at most 128 columns: one fresh 64-register block accumulator
+        self.pv_n = min(self.head_dim, 128)
+        self.pv_chunks = self.head_dim // self.pv_n
+        # intra-warpgroup overlap needs a second live accumulator set: one P.V chunk only
+        self.overlap = config.overlap and self.pv_chunks == 1
+        # ping-pong between the consumer warpgroups (FA3): wgmma batches issued in turns, so one
+        # warpgroup's softmax runs under the other's products (overlapped loop only)
+        self.pingpong = config.pingpong and self.overlap
+        # GQA with short Sq (decode): the r query heads of a KV head share the CTA's rows
+        # (row = head_in_group * Sq + query); per-row q scales, causal index = row mod Sq
+        self.pack_gqa = config.pack_gqa
+        # split-KV (decode): grid z = splits x batch; split i takes KV blocks [i*per, (i+1)*per)
+        # and writes FP32 partials (O normalized over its keys, its LSE); the host combines them
+        self.split_kv = config.split_kv
+        # persistent: grid = min(tiles, SMs), each CTA walks tiles t, t + grid, ... (longest
+        # causal rows first); the next tile's Q/K/V loads run under this tile's last P.V and
+        # epilogue
+        self.persistent = config.persistent
+        self.num_sms = config.num_sms
+        if self.split_kv:
+            self.out_dtype = cutlass.Float32
+
+    # ------------------------------------------------------------------ host side
+    def _mma_qk(self):
+        return sm90_utils.make_trivial_tiled_mma(
+            self.ab_dtype, self.ab_dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K,
+            self.acc_dtype, (self.num_mma_wg, 1, 1), tiler_mn=(64, self.tile_n),
+        )
+
+    def _mma_pv(self):
+        return sm90_utils.make_trivial_tiled_mma(
+            self.ab_dtype, self.ab_dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K,
+            self.acc_dtype, (self.num_mma_wg, 1, 1), tiler_mn=(64, self.pv_n),
+            a_source=warpgroup.OperandSource.RMEM,
+        )
+
+    def _smem_layout(self, rows: int, cols: int, stages: int | None):
+        """K-major (cols contiguous) FP8 tile, 128-byte swizzle, optionally staged."""
+        atom = warpgroup.make_smem_layout_atom(
+            sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, self.ab_dtype, cols), self.ab_dtype
+        )
+        if stages is None:
+            return cute.tile_to_shape(atom, (rows, cols), order=(0, 1))
+        return cute.tile_to_shape(atom, (rows, cols, stages), order=(0, 1, 2))
+
+    @cute.jit
+    def __call__(
+        self,
+        mQ_u8: cute.Tensor,  # (Sq, D, B*H) uint8 view of E4M3
+        mK_u8: cute.Tensor,  # (Sk, D, B*Hkv)
+        mVt_u8: cute.Tensor,  # (D, Sk_pad, B*Hkv)
+        mQS: cute.Tensor,  # (B*H, ceil(Sq/128)) fp32
+        mKS: cute.Tensor,  # (B*Hkv, ceil(Sk/128)) fp32
+        mVS: cute.Tensor,  # (B*Hkv, D) fp32
+        mO: cute.Tensor,  # (Sq, D, B*H) out dtype
+        mLSE: cute.Tensor,  # (Sq, B*H) fp32
+        softmax_scale_log2: cutlass.Float32,
+        heads: cutlass.Int32,
+        heads_per_kv: cutlass.Int32,
+        pack_r: cutlass.Int32,  # pack_gqa: query heads per KV head packed into the rows; else 1
+        pack_sq: cutlass.Int32,  # pack_gqa: the query rows of one head (Sq); else Sq too
+        stream,
+    ):
+        f8 = self.ab_dtype
+        mQ = cute.make_tensor(cute.recast_ptr(mQ_u8.iterator, dtype=f8), mQ_u8.layout)
+        mK = cute.make_tensor(cute.recast_ptr(mK_u8.iterator, dtype=f8), mK_u8.layout)
+        mVt = cute.make_tensor(cute.recast_ptr(mVt_u8.iterator, dtype=f8), mVt_u8.layout)
+        d = self.head_dim
+        sQ_layout = self._smem_layout(self.tile_m, d, None)
+        sK_layout = self._smem_layout(self.tile_n, d, self.stages)
+        sV_layout = self._smem_layout(d, self.tile_n, self.stages)
+        g2s = cpasync.CopyBulkTensorTileG2SOp()
+        tma_q, tma_tensor_q = cpasync.make_tiled_tma_atom(g2s, mQ, sQ_layout, (self.tile_m, d))
+        tma_k, tma_tensor_k = cpasync.make_tiled_tma_atom(
+            g2s, mK, cute.slice_(sK_layout, (None, None, 0)), (self.tile_n, d))
+        tma_v, tma_tensor_v = cpasync.make_tiled_tma_atom(
+            g2s, mVt, cute.slice_(sV_layout, (None, None, 0)), (d, self.tile_n))
+
+        @cute.struct
+        class SharedStorage:
+            mbar_q: cute.struct.MemRange[cutlass.Int64, 2]
+            mbar_k: cute.struct.MemRange[cutlass.Int64, self.stages * 2]
+            mbar_v: cute.struct.MemRange[cutlass.Int64, self.stages * 2]
+            sQ: cute.struct.Align[cute.struct.MemRange[f8, cute.cosize(sQ_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[f8, cute.cosize(sK_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[f8, cute.cosize(sV_layout)], 1024]
+
+        self.shared_storage = SharedStorage
+        seqlen_q = cute.size(mQ, mode=[0])
+        batch_heads = cute.size(mO, mode=[2])  # x splits for split-KV partials
+        m_blocks = (seqlen_q + self.tile_m - 1) // self.tile_m
+        self.kernel(
+            tma_q, tma_tensor_q, tma_k, tma_tensor_k, tma_v, tma_tensor_v,
+            mQS, mKS, mVS, mO, mLSE, softmax_scale_log2, heads, heads_per_kv, pack_r, pack_sq,
+            sQ_layout, sK_layout, sV_layout, self._mma_qk(), self._mma_pv(),
+        ).launch(
+            grid=self._grid(m_blocks, heads, batch_heads),
+            block=[self.threads_per_cta, 1, 1],
+            min_blocks_per_mp=1,
+            stream=stream,
+        )
+
+    def _grid(self, m_blocks, heads, batch_heads):
+        if cutlass.const_expr(self.persistent):
+            return (cutlass.min(m_blocks * batch_heads, self.num_sms), 1, 1)
+        return (m_blocks, heads, batch_heads // heads)
+
+    # ------------------------------------------------------------------ device side
+    @cute.kernel
+    def kernel(
+        self,
+        tma_q: cute.CopyAtom, mQ: cute.Tensor,
+        tma_k: cute.CopyAtom, mK: cute.Tensor,
+        tma_v: cute.CopyAtom, mVt: cute.Tensor,
+        mQS: cute.Tensor, mKS: cute.Tensor, mVS: cute.Tensor,
+        mO: cute.Tensor, mLSE: cute.Tensor,
+        softmax_scale_log2: cutlass.Float32,
+        heads: cutlass.Int32,
+        heads_per_kv: cutlass.Int32,
+        pack_r: cutlass.Int32,
+        pack_sq: cutlass.Int32,
+        sQ_layout: cute.ComposedLayout,
+        sK_layout: cute.ComposedLayout,
+        sV_layout: cute.ComposedLayout,
+        mma_qk: cute.TiledMma,
+        mma_pv: cute.TiledMma,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        seqlen_q = cute.size(mQ, mode=[0])
+        seqlen_k = cute.size(mK, mode=[0])
+        d = self.head_dim
+        # the tile space: (m-block, head, zz) with zz = batch, or split * B + batch (split-KV)
+        m_blocks = (seqlen_q + self.tile_m - 1) // self.tile_m
+        zdim = cute.size(mO, mode=[2]) // heads
+        dims = (m_blocks, heads, zdim, heads_per_kv, pack_sq, seqlen_q, seqlen_k,
+                cute.size(mQ, mode=[2]) // heads)
+
+        if warp_idx == 0:
+            cpasync.prefetch_descriptor(tma_q)
+            cpasync.prefetch_descriptor(tma_k)
+            cpasync.prefetch_descriptor(tma_v)
+
+        smem = SmemAllocator()
+        storage = smem.allocate(self.shared_storage)
+        producer = pipeline.CooperativeGroup(pipeline.Agent.Thread)
+        consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_wg * 4)
+        q_bytes = self.tile_m * d
+        kv_bytes = self.tile_n * d
+        pipe_q = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_q.data_ptr(), num_stages=1, producer_group=producer,
+            consumer_group=consumers, tx_count=q_bytes, defer_sync=True)
+        pipe_k = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_k.data_ptr(), num_stages=self.stages, producer_group=producer,
+            consumer_group=consumers, tx_count=kv_bytes, defer_sync=True)
+        pipe_v = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_v.data_ptr(), num_stages=self.stages, producer_group=producer,
+            consumer_group=consumers, tx_count=kv_bytes, defer_sync=True)
+        pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
+
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+
+        warp_group_idx = cute.arch.make_warp_uniform(tidx // self.threads_per_wg)
+        pipeline_init_wait(cluster_shape_mn=(1, 1))
+
+        if warp_group_idx == 0:
+            cute.arch.setmaxregister_decrease(self.load_regs)
+            if warp_idx == 0:
+                q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+                state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+                loads = (tma_q, tma_k, tma_v, mQ, mK, mVt, sQ, sK, sV, pipe_q, pipe_k, pipe_v)
+                if cutlass.const_expr(self.persistent):
+                    total = m_blocks * heads * zdim
+                    tile = cute.arch.block_idx()[0]
+                    while tile < total:
+                        self._produce_tile(loads, self._tile_info(self._linear_tile(tile, dims), dims),
+                                           q_state, state)
+                        tile += cute.arch.grid_dim()[0]
+                else:
+                    self._produce_tile(loads, self._tile_info(self._grid_tile(dims), dims), q_state, state)
+                # producer_tail advances the state it is given: one copy per pipeline
+                pipe_k.producer_tail(state.clone())
+                pipe_v.producer_tail(state)
+        else:
+            cute.arch.setmaxregister_increase(self.mma_regs)
+            self._consumer(
+                tidx - self.threads_per_wg, mma_qk, mma_pv, sQ, sK, sV, pipe_q, pipe_k, pipe_v,
+                mQS, mKS, mVS, mO, mLSE, softmax_scale_log2, pack_r, dims,
+            )
+
+    # ------------------------------------------------------------------ tiles
+    @cute.jit
+    def _grid_tile(self, dims):
+        """(m_block, head, zz) of this CTA (one tile per CTA): longest causal rows first."""
+        m_blocks = dims[0]
+        bidx, head, zz = cute.arch.block_idx()
+        return (m_blocks - 1 - bidx, head, zz)
+
+    @cute.jit
+    def _linear_tile(self, t, dims):
+        """(m_block, head, zz) of linear tile t (persistent): all heads' last m-blocks first
+        (longest causal rows first across the whole grid), then the next m-block, ..."""
+        m_blocks, heads, zdim = dims[0], dims[1], dims[2]
+        per_m = heads * zdim
+        hz = t % per_m
+        return (m_blocks - 1 - t // per_m, hz % heads, hz // heads)
+
+    @cute.jit
+    def _tile_info(self, tile, dims):
+        """Everything both roles need about one tile: indices and the KV blocks [n_lo, n_max)
+        it visits, of which those from n_full on need a mask (the tail of Sk, or keys right of
+        the bottom-right causal diagonal of some row)."""
+        m_block, head, zz = tile
+        _, heads, zdim, heads_per_kv, pack_sq, seqlen_q, seqlen_k, nb = dims
+        batch = zz
+        if cutlass.const_expr(self.split_kv):
+            batch = zz % nb
+        bh = batch * heads + head
+        bh_out = bh  # index of O / LSE (split-KV: split-major partials)
+        if cutlass.const_expr(self.split_kv):
+            bh_out = (zz // nb) * (nb * heads) + bh
+        bh_kv = batch * (heads // heads_per_kv) + head // heads_per_kv
+        n_blocks_k = (seqlen_k + self.tile_n - 1) // self.tile_n
+        m0 = m_block * self.tile_m
+        n_max = n_blocks_k
+        n_full = seqlen_k // self.tile_n
+        if cutlass.const_expr(self.causal and self.pack_gqa):
+            # packed rows: the tile may hold query 0 of a head (sees the fewest keys) and query
+            # Sq - 1 (sees all Sk)
+            n_full = cutlass.min(n_full, cutlass.max(seqlen_k - pack_sq + 1, 0) // self.tile_n)
+        if cutlass.const_expr(self.causal and not self.pack_gqa):
+            # last key any row of the tile sees: m0 + 127 + Sk - Sq
+            reach = m0 + self.tile_m + seqlen_k - seqlen_q  # exclusive
+            n_max = cutlass.min(n_blocks_k, cutlass.max((reach + self.tile_n - 1) // self.tile_n, 0))
+            # all keys of block n visible to the tile's first row: (n+1)*128 - 1 <= m0 + Sk - Sq
+            first = m0 + 1 + seqlen_k - seqlen_q
+            n_full = cutlass.min(n_full, cutlass.max(first, 0) // self.tile_n)
+        n_lo = 0
+        if cutlass.const_expr(self.split_kv):
+            splits = zdim // nb
+            per = (n_blocks_k + splits - 1) // splits
+            n_lo = (zz // nb) * per
+            n_max = cutlass.min(n_max, n_lo + per)
+        return (m_block, bh, bh_kv, bh_out, m0, n_lo, n_max, n_full)
+
+    @cute.jit
+    def _produce_tile(self, loads, info, q_state, state):
+        """TMA producer (one warp) of one tile: Q, then K and Vᵀ of its KV blocks."""
+        tma_q, tma_k, tma_v, mQ, mK, mVt, sQ, sK, sV, pipe_q, pipe_k, pipe_v = loads
+        m_block, bh, bh_kv, bh_out, m0, n_lo, n_max, n_full = info
+        d = self.head_dim
+        gQ = cute.local_tile(mQ[None, None, bh], (self.tile_m, d), (m_block, 0))
+        gK = cute.local_tile(mK[None, None, bh_kv], (self.tile_n, d), (None, 0))
+        gV = cute.local_tile(mVt[None, None, bh_kv], (d, self.tile_n), (0, None))
+        tQsQ, tQgQ = cpasync.tma_partition(
+            tma_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
+        tKsK, tKgK = cpasync.tma_partition(
+            tma_k, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
+        tVsV, tVgV = cpasync.tma_partition(
+            tma_v, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
+        pipe_q.producer_acquire(q_state)
+        cute.copy(tma_q, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
+        q_state.advance()
+        for n in cutlass.range(n_lo, n_max, unroll=1):
+            pipe_k.producer_acquire(state)
+            cute.copy(tma_k, tKgK[(None, n)], tKsK[(None, state.index)],
+                      tma_bar_ptr=pipe_k.producer_get_barrier(state))
+            pipe_v.producer_acquire(state)
+            cute.copy(tma_v, tVgV[(None, n)], tVsV[(None, state.index)],
+                      tma_bar_ptr=pipe_v.producer_get_barrier(state))
+            state.advance()
+
+    # ------------------------------------------------------------------ consumers
+    @cute.jit
+    def _consumer(
+        self, mtidx, mma_qk: cute.TiledMma, mma_pv: cute.TiledMma, sQ, sK, sV,
+        pipe_q, pipe_k, pipe_v, mQS, mKS, mVS, mO, mLSE, softmax_scale_log2, pack_r, dims,
+    ):
+        wg = mtidx // self.threads_per_wg
+        # --- S = Q Kᵀ: operands from shared memory
+        thr_qk_wg = mma_qk.get_slice(wg * self.threads_per_wg)
+        tSrQ = mma_qk.make_fragment_A(thr_qk_wg.partition_A(sQ))
+        tSrK = mma_qk.make_fragment_B(thr_qk_wg.partition_B(sK))
+        qk_zero = self._mma_qk()
+        qk_zero.set(warpgroup.Field.ACCUMULATE, False)
+        qk_acc = self._mma_qk()
+        qk_acc.set(warpgroup.Field.ACCUMULATE, True)
+        thr_qk = mma_qk.get_slice(mtidx)
+        tScS = thr_qk.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n)))
+        acc_s = cute.make_rmem_tensor(tScS.shape, self.acc_dtype)
+        # --- blk = P Vᵀᵀ: A (P) from registers, B (Vᵀ) from shared memory
+        thr_pv = mma_pv.get_slice(mtidx)
+        thr_pv_wg = mma_pv.get_slice(wg * self.threads_per_wg)
+        # per N chunk of <= 128 output columns: (atom, 1, k-steps, stages)
+        tOrV = [
+            mma_pv.make_fragment_B(thr_pv_wg.partition_B(
+                cute.local_tile(sV, (self.pv_n, self.tile_n, self.stages), (ch, 0, 0))))
+            for ch in range(self.pv_chunks)
+        ]
+        tOrP = thr_pv.make_fragment_A(thr_pv.partition_shape_A((self.tile_m, self.tile_n)))
+        p_words = cute.make_rmem_tensor((cute.size(tOrP) // 4,), cutlass.Int32)
+        tOrP_w = cute.make_tensor(cute.recast_ptr(p_words.iterator, dtype=self.ab_dtype), tOrP.layout)
+        pv_zero = self._mma_pv()
+        pv_zero.set(warpgroup.Field.ACCUMULATE, False)
+        pv_acc = self._mma_pv()
+        pv_acc.set(warpgroup.Field.ACCUMULATE, True)
+        tOcO = thr_pv.partition_C(cute.make_identity_tensor((self.tile_m, self.pv_n)))
+        blk = cute.make_rmem_tensor(tOcO.shape, self.acc_dtype)
+        acc_o = cute.make_rmem_tensor((cute.size(blk) * self.pv_chunks,), self.acc_dtype)
+
+        # accumulator value v = c + 2 r + 4 j sits at (row_l[r], col_l + 8 j + c)
+        row_l = [tScS[0][0], tScS[2][0]]
+        col_l = tScS[0][1]
+        lane = mtidx % 32
+        quad = lane % 4
+        # P -> A fragment: which lane of the quad to read, and how to order the two words
+        src_a = (lane - quad) + (((quad & 1) << 1) | (quad >> 1))
+        src_b = src_a ^ 1
+        sender_odd = (quad & 1) == 1
+        hi_recv = quad >= 2
+        sel0 = cutlass.select_(hi_recv, cutlass.Int32(0x1054), cutlass.Int32(0x5410))
+        sel1 = cutlass.select_(hi_recv, cutlass.Int32(0x3276), cutlass.Int32(0x7632))
+        shuf = (src_a, src_b, sender_odd, sel0, sel1)
+
+        regs = (acc_s, blk, acc_o, p_words, row_l, col_l, quad, tOcO[0][1], shuf)
+        qk = (qk_zero, qk_acc, acc_s, tSrQ, tSrK)
+        pv = (pv_zero, pv_acc, blk, tOrP_w, tOrV)
+        gm = (mQS, mKS, mVS, mO, mLSE, softmax_scale_log2, pack_r)
+        pipes = (pipe_q, pipe_k, pipe_v)
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        if cutlass.const_expr(self.pingpong):
+            if wg == 0:  # the first warpgroup issues first
+                cute.arch.barrier_arrive(barrier_id=_SCHED_BAR, number_of_threads=2 * self.threads_per_wg)
+        if cutlass.const_expr(self.persistent):
+            total = dims[0] * dims[1] * dims[2]
+            tile = cute.arch.block_idx()[0]
+            while tile < total:
+                self._consume_tile(self._tile_info(self._linear_tile(tile, dims), dims), dims, wg, regs,
+                                   qk, pv, gm, pipes, q_state, k_state, v_state)
+                tile += cute.arch.grid_dim()[0]
+        else:
+            self._consume_tile(self._tile_info(self._grid_tile(dims), dims), dims, wg, regs,
+                               qk, pv, gm, pipes, q_state, k_state, v_state)
+
+    @cute.jit
+    def _consume_tile(self, info, dims, wg, regs, qk, pv, gm, pipes, q_state, k_state, v_state):
+        """One tile of one consumer warpgroup: the KV-block loop and the epilogue."""
+        m_block, bh, bh_kv, bh_out, m0, n_lo, n_max, n_full = info
+        pack_sq, seqlen_q, seqlen_k = dims[4], dims[5], dims[6]
+        acc_s, blk, acc_o, p_words, row_l, col_l, quad, ocol_l, shuf = regs
+        src_a, src_b, sender_odd, sel0, sel1 = shuf
+        mQS, mKS, mVS, mO, mLSE, softmax_scale_log2, pack_r = gm
+        pipe_q, pipe_k, pipe_v = pipes
+        n_blk = cute.size(blk)
+        acc_o.fill(0.0)
+        row_max = cute.make_rmem_tensor((2,), cutlass.Float32)
+        row_sum = cute.make_rmem_tensor((2,), cutlass.Float32)
+        row_max.fill(cutlass.Float32(-math.inf))
+        row_sum.fill(0.0)
+        # per-row score scale q_scale * softmax_scale * log2e (k_scale joins per block) and the
+        # row's query index within its head (causal mask)
+        qsc = cute.make_rmem_tensor((2,), cutlass.Float32)
+        c = cute.make_rmem_tensor((2,), cutlass.Float32)
+        if cutlass.const_expr(self.pack_gqa):
+            row_pos = []
+            for r in cutlass.range_constexpr(2):
+                rr = m0 + row_l[r]
+                hh = cutlass.min(rr // pack_sq, pack_r - 1)
+                qsc[r] = mQS[(bh * pack_r + hh, 0)] * softmax_scale_log2
+                row_pos.append(rr - hh * pack_sq)
+            causal_off = seqlen_k - pack_sq
+        else:
+            qs = mQS[(bh, m_block)] * softmax_scale_log2
+            qsc[0] = qs
+            qsc[1] = qs
+            row_pos = [m0 + row_l[0], m0 + row_l[1]]
+            causal_off = seqlen_k - seqlen_q
+
+        pipe_q.consumer_wait(q_state)
+        mask_args = (col_l, row_pos, seqlen_k, causal_off)
+        alpha = cute.make_rmem_tensor((2,), cutlass.Float32)
+        if cutlass.const_expr(not self.overlap):
+            for n in cutlass.range(n_lo, n_max, unroll=1):
+                self._block_scale(c, qsc, mKS[(bh_kv, n)])
+                pipe_k.consumer_wait(k_state)
+                self._issue_qk(qk, k_state.index)
+                warpgroup.wait_group(0)
+                _fence_operand(acc_s)
+                pipe_k.consumer_release(k_state)
+                if n >= n_full:
+                    self._mask(acc_s, n, mask_args)
+                self._softmax(acc_s, c, row_max, row_sum, alpha)
+                self._p_to_frag_a(acc_s, p_words, src_a, src_b, sender_odd, sel0, sel1)
+                pipe_v.consumer_wait(v_state)
+                for ch in cutlass.range_constexpr(self.pv_chunks):
+                    self._issue_pv(pv, ch, v_state.index)
+                    warpgroup.wait_group(0)
+                    _fence_operand(blk)
+                    self._accumulate(acc_o, blk, alpha, ch)
+                pipe_v.consumer_release(v_state)
+                k_state.advance()
+                v_state.advance()
+        else:
+            # intra-warpgroup overlap: the S wgmma of block n and the P.V wgmma of block n-1 run
+            # while this warpgroup does block n's softmax
+            alpha_prev = cute.make_rmem_tensor((2,), cutlass.Float32)
+            if n_max > n_lo:
+                self._block_scale(c, qsc, mKS[(bh_kv, n_lo)])
+                pipe_k.consumer_wait(k_state)
+                self._issue_qk(qk, k_state.index)
+                warpgroup.wait_group(0)
+                _fence_operand(acc_s)
+                pipe_k.consumer_release(k_state)
+                if n_full <= n_lo:
+                    self._mask(acc_s, n_lo, mask_args)
+                self._softmax(acc_s, c, row_max, row_sum, alpha_prev)
+                self._p_to_frag_a(acc_s, p_words, src_a, src_b, sender_odd, sel0, sel1)
+                k_state.advance()
+                for n in cutlass.range(n_lo + 1, n_max, unroll=1):
+                    self._block_scale(c, qsc, mKS[(bh_kv, n)])
+                    pipe_k.consumer_wait(k_state)
+                    pipe_v.consumer_wait(v_state)
+                    self._sched_sync(wg)
+                    self._issue_qk(qk, k_state.index)
+                    self._issue_pv(pv, 0, v_state.index)
+                    self._sched_arrive(wg)
+                    warpgroup.wait_group(1)
+                    _fence_operand(acc_s)
+                    pipe_k.consumer_release(k_state)
+                    if n >= n_full:
+                        self._mask(acc_s, n, mask_args)
+                    self._softmax(acc_s, c, row_max, row_sum, alpha)
+                    warpgroup.wait_group(0)
+                    _fence_operand(blk)
+                    pipe_v.consumer_release(v_state)
+                    self._accumulate(acc_o, blk, alpha_prev, 0)
+                    alpha_prev[0] = alpha[0]
+                    alpha_prev[1] = alpha[1]
+                    self._p_to_frag_a(acc_s, p_words, src_a, src_b, sender_odd, sel0, sel1)
+                    k_state.advance()
+                    v_state.advance()
+                pipe_q.consumer_release(q_state)  # every S of the tile is done: Q may be reloaded
+                pipe_v.consumer_wait(v_state)
+                self._issue_pv(pv, 0, v_state.index)
+                warpgroup.wait_group(0)
+                _fence_operand(blk)
+                pipe_v.consumer_release(v_state)
+                self._accumulate(acc_o, blk, alpha_prev, 0)
+                v_state.advance()
+            else:
+                pipe_q.consumer_release(q_state)
+        if cutlass.const_expr(not self.overlap):
+            pipe_q.consumer_release(q_state)
+        q_state.advance()
+
+        # ---- epilogue: O = O_acc * v_scale / rowsum, LSE
+        inv = cute.make_rmem_tensor((2,), cutlass.Float32)
+        for r in cutlass.range_constexpr(2):
+            s = row_sum[r]
+            s = s + cute.arch.shuffle_sync_bfly(s, offset=1)
+            s = s + cute.arch.shuffle_sync_bfly(s, offset=2)
+            empty = s == cutlass.Float32(0.0)
+            s_safe = cutlass.select_(empty, cutlass.Float32(1.0), s)
+            inv[r] = cutlass.select_(empty, cutlass.Float32(0.0), cutlass.Float32(1.0) / s_safe)
+            row = m0 + row_l[r]
+            lse = (row_max[r] + cute.math.log2(s_safe, fastmath=False)
+                   - cutlass.Float32(_LOG2_PSCALE)) * cutlass.Float32(_LN2)
+            lse = cutlass.select_(empty, cutlass.Float32(-math.inf), lse)
+            if quad == 0:
+                if row < seqlen_q:
+                    mLSE[(row, bh_out)] = lse
+        for ch in cutlass.range_constexpr(self.pv_chunks):
+            for j in cutlass.range_constexpr(n_blk // 4):
+                for e in cutlass.range_constexpr(2):
+                    col = ch * self.pv_n + ocol_l + 8 * j + e
+                    vs = mVS[(bh_kv, col)]
+                    for r in cutlass.range_constexpr(2):
+                        row = m0 + row_l[r]
+                        if row < seqlen_q:
+                            v = e + 2 * r + 4 * j
+                            mO[(row, col, bh_out)] = (acc_o[ch * n_blk + v] * (vs * inv[r])).to(self.out_dtype)
+
+    @cute.jit
+    def _sched_sync(self, wg):
+        """Ping-pong: wait for this warpgroup's turn to issue its wgmma batch."""
+        if cutlass.const_expr(self.pingpong):
+            cute.arch.barrier(barrier_id=_SCHED_BAR + wg, number_of_threads=2 * self.threads_per_wg)
+
+    @cute.jit
+    def _sched_arrive(self, wg):
+        """Ping-pong: hand the turn to the other warpgroup."""
+        if cutlass.const_expr(self.pingpong):
+            cute.arch.barrier_arrive(barrier_id=_SCHED_BAR + 1 - wg, number_of_threads=2 * self.threads_per_wg)
+
+    @cute.jit
+    def _issue_qk(self, qk, stage):
+        qk_zero, qk_acc, acc_s, tSrQ, tSrK = qk
+        warpgroup.fence()
+        for kb in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
+            cute.gemm(qk_zero if kb == 0 else qk_acc, acc_s, tSrQ[(None, None, kb)],
+                      tSrK[(None, None, kb, stage)], acc_s)
+        warpgroup.commit_group()
+
+    @cute.jit
+    def _issue_pv(self, pv, ch: cutlass.Constexpr, stage):
+        pv_zero, pv_acc, blk, tOrP_w, tOrV = pv
+        warpgroup.fence()
+        for kb in cutlass.range_constexpr(cute.size(tOrP_w, mode=[2])):
+            cute.gemm(pv_zero if kb == 0 else pv_acc, blk, tOrP_w[(None, None, kb)],
+                      tOrV[ch][(None, None, kb, stage)], blk)
+        warpgroup.commit_group()
+
+    @cute.jit
+    def _accumulate(self, acc_o, blk, alpha, ch: cutlass.Constexpr):
+        """Two-level accumulation: O = O * alpha[row] + blk (chunk ch of the output columns)."""
+        n_blk = cute.size(blk)
+        for j in cutlass.range_constexpr(n_blk // 4):
+            for r in cutlass.range_constexpr(2):
+                for e in cutlass.range_constexpr(2):
+                    v = e + 2 * r + 4 * j
+                    acc_o[ch * n_blk + v] = acc_o[ch * n_blk + v] * alpha[r] + blk[v]
+
+    @cute.jit
+    def _block_scale(self, c, qsc, k_scale):
+        """c[r] = q_scale[row r] * k_scale * softmax_scale * log2e, floored at _C_MIN (> 0)."""
+        for r in cutlass.range_constexpr(2):
+            c[r] = cutlass.max(qsc[r] * k_scale, cutlass.Float32(_C_MIN))
+
+    @cute.jit
+    def _mask(self, acc_s, n, mask_args):
+        """-inf where key >= Sk or (causal) key > row + Sk - Sq."""
+        col_l, row_pos, seqlen_k, causal_off = mask_args
+        col0 = n * self.tile_n + col_l
+        for r in cutlass.range_constexpr(2):
+            limit = seqlen_k
+            if cutlass.const_expr(self.causal):
+                limit = cutlass.min(seqlen_k, row_pos[r] + causal_off + 1)
+            for j in cutlass.range_constexpr(cute.size(acc_s) // 4):
+                for e in cutlass.range_constexpr(2):
+                    v = e + 2 * r + 4 * j
+                    acc_s[v] = cutlass.select_(
+                        col0 + 8 * j + e >= limit, cutlass.Float32(-math.inf), acc_s[v])
+
+    @cute.jit
+    def _softmax(self, acc_s, c, row_max, row_sum, alpha):
+        """Online softmax step in the log2 domain: acc_s (raw scores) becomes 448 * p with
+        p = exp2(acc_s * c - m_new) (one FFMA and one MUFU.EX2 per score); alpha = exp2(m_old -
+        m_new); row_sum (this lane's partial) = row_sum * alpha + sum(448 p)."""
+        n_groups = cute.size(acc_s) // 4
+        neg = cute.make_rmem_tensor((2,), cutlass.Float32)
+        # reductions over a row's 2 * n_groups values in _NACC independent chains (latency: the
+        # row max gates every exponential); the max is exact in any order, the sum's order only
+        # changes FP32 rounding
+        idx = [[e + 2 * r + 4 * j for j in range(n_groups) for e in range(2)] for r in range(2)]
+        for r in cutlass.range_constexpr(2):
+            part = [acc_s[v] for v in idx[r][:_NACC]]
+            for i in cutlass.range_constexpr(_NACC, len(idx[r])):
+                part[i % _NACC] = cute.arch.fmax(part[i % _NACC], acc_s[idx[r][i]])
+            mx = cute.arch.fmax(cute.arch.fmax(part[0], part[1]), cute.arch.fmax(part[2], part[3]))
+            mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, offset=1))
+            mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, offset=2))
+            m_new = cute.arch.fmax(row_max[r], mx * c[r])
+            m_safe = cutlass.select_(m_new == cutlass.Float32(-math.inf), cutlass.Float32(0.0), m_new)
+            alpha[r] = _ex2(row_max[r] - m_safe)
+            neg[r] = cutlass.Float32(_LOG2_PSCALE) - m_safe
+            row_max[r] = m_new
+        for r in cutlass.range_constexpr(2):
+            part = [None] * _NACC
+            for i in cutlass.range_constexpr(len(idx[r])):
+                v = idx[r][i]
+                p = _ex2(acc_s[v] * c[r] + neg[r])
+                acc_s[v] = p
+                part[i % _NACC] = p if i < _NACC else part[i % _NACC] + p
+            s = (part[0] + part[1]) + (part[2] + part[3])
+            row_sum[r] = row_sum[r] * alpha[r] + s
+
+    @cute.jit
+    def _p_to_frag_a(self, acc_s, p_words, src_a, src_b, sender_odd, sel0, sel1):
+        """P (FP32, wgmma accumulator layout: this lane holds keys 8j + 2q + {0,1} of rows g, g+8)
+        to E4M3 words of the FP8 A fragment (this lane needs keys 16h + 4q + {0..3}).
+
+        Per 32 keys (k-step kb) and row r: the lane packs W_lo = keys of groups 4kb, 4kb+2 and
+        W_hi = groups 4kb+1, 4kb+3 (one byte pair each); lane q of the quad needs W_{q>>1} of
+        lanes 2(q&1) (bytes 0-1) and 2(q&1)+1 (bytes 2-3). Two shuffles serve all four lanes when
+        odd senders send W_hi first (W_lo second); two byte permutes assemble h = 0 and h = 1.
+        A-fragment word index = r + 2 h + 4 kb (value order (4 bytes, 2 rows, 2 halves), k-steps).
+        """
+        for kb in cutlass.range_constexpr(cute.size(acc_s) // 16):
+            for r in cutlass.range_constexpr(2):
+                g = [4 * kb + i for i in range(4)]
+                v = [[2 * r + 4 * gi, 1 + 2 * r + 4 * gi] for gi in g]
+                w_lo = _cvt_e4m3x4(acc_s[v[0][0]], acc_s[v[0][1]], acc_s[v[2][0]], acc_s[v[2][1]])
+                w_hi = _cvt_e4m3x4(acc_s[v[1][0]], acc_s[v[1][1]], acc_s[v[3][0]], acc_s[v[3][1]])
+                send_a = cutlass.select_(sender_odd, w_hi, w_lo)
+                send_b = cutlass.select_(sender_odd, w_lo, w_hi)
+                got_a = cute.arch.shuffle_sync(send_a, src_a)
+                got_b = cute.arch.shuffle_sync(send_b, src_b)
+                p_words[r + 4 * kb] = cutlass.Int32(cute.arch.prmt(got_a, got_b, sel0))
+                p_words[r + 2 + 4 * kb] = cutlass.Int32(cute.arch.prmt(got_a, got_b, sel1))

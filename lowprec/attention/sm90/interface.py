@@ -1,0 +1,202 @@
+"""Host wiring of the sm_90a FP8 attention forward: validation, compile cache, launch.
+
+Public:
+    fp8_attention_forward(q, q_scale, k, k_scale, v_t, v_scale, *, causal, softmax_scale,
+                          out_dtype, out=None) -> (out [B, H, Sq, D], lse [B, H, Sq] fp32)
+    compile_only(config, arch="sm_90a") -> compiled kernel (no GPU needed)
+The contract (shapes, scales, math) is CONTRACT.md; what is supported is config.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib.util
+import math
+
+import torch
+
+from .config import HEAD_DIMS, TILE_M, TILE_N, V_PAD, AttnConfig
+
+_ARCH_DEFAULT = "sm_90a"
+_OUT = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
+OVERLAP = True  # AttnConfig.overlap of launched kernels (benchmarks flip it to time the serial kernel)
+PINGPONG = False  # AttnConfig.pingpong of launched kernels (unmeasured: benchmarks flip it)
+PACK_GQA = False  # pack the query heads of a KV head into the rows when H > Hkv and Sq <= 128 (unmeasured)
+SPLIT_KV = False  # split the KV blocks over more CTAs when the grid is under a wave (unmeasured)
+PERSISTENT = False  # persistent CTAs walking the tiles longest-first (unmeasured)
+_NUM_SMS = 132
+
+
+@functools.cache
+def _num_sms(device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else _NUM_SMS
+
+
+def num_splits(ctas: int, n_blocks: int, num_sms: int = _NUM_SMS) -> int:
+    """KV splits for a grid of ``ctas`` CTAs over ``n_blocks`` KV blocks: enough CTAs for about two
+    waves, at least 4 KV blocks per split, at most 32 splits (1: no split)."""
+    if ctas >= num_sms or n_blocks < 8:
+        return 1
+    return max(1, min(-(-2 * num_sms // ctas), n_blocks // 4, 32))
+
+__all__ = ["fp8_attention_forward", "kernel_unsupported", "compile_only", "build_kernel"]
+
+
+def _use_tvm_ffi() -> bool:
+    return importlib.util.find_spec("tvm_ffi") is not None
+
+
+def build_kernel(config: AttnConfig, arch: str = _ARCH_DEFAULT, tvm_ffi: bool | None = None):
+    """Compile one configuration on fake tensors (no GPU needed), uncached; keeps PTX and cubin."""
+    import cutlass
+    import cutlass.cute as cute
+
+    from ...runtime import compile_for_arch
+    from .fwd_fp8 import FP8AttentionFwdSm90
+
+    if tvm_ffi is None:
+        tvm_ffi = _use_tvm_ffi()
+    kernel = FP8AttentionFwdSm90(config)
+    d = config.head_dim
+    out_c = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}[config.out_dtype]
+    if config.split_kv:  # FP32 partials
+        out_c = cutlass.Float32
+    fake = cute.runtime.make_fake_tensor
+    sq, sk, skp = cute.sym_int(), cute.sym_int(), cute.sym_int(divisibility=V_PAD)
+    bh, bhkv = cute.sym_int(), cute.sym_int()
+    i64 = cute.sym_int64
+    q = fake(cutlass.Uint8, (sq, d, bh), stride=(d, 1, i64(divisibility=16)), assumed_align=16)
+    k = fake(cutlass.Uint8, (sk, d, bhkv), stride=(d, 1, i64(divisibility=16)), assumed_align=16)
+    vt = fake(cutlass.Uint8, (d, skp, bhkv), stride=(i64(divisibility=16), 1, i64(divisibility=16)),
+              assumed_align=16)
+    qs = fake(cutlass.Float32, (bh, cute.sym_int()), stride=(i64(), 1), assumed_align=4)
+    ks = fake(cutlass.Float32, (bhkv, cute.sym_int()), stride=(i64(), 1), assumed_align=4)
+    vs = fake(cutlass.Float32, (bhkv, d), stride=(d, 1), assumed_align=4)
+    obh = cute.sym_int() if config.split_kv else bh  # split-KV: splits x B*H partials
+    o = fake(out_c, (sq, d, obh), stride=(d, 1, i64(divisibility=8)), assumed_align=16)
+    lse = fake(cutlass.Float32, (sq, obh), stride=(1, i64()), assumed_align=4)
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=tvm_ffi)
+    one = cutlass.Int32(1)
+    return compile_for_arch(kernel, q, k, vt, qs, ks, vs, o, lse, cutlass.Float32(1.0), one, one, one, one,
+                            stream, arch=arch, tvm_ffi=tvm_ffi)
+
+
+@functools.cache
+def _get_compiled(config: AttnConfig, arch: str = _ARCH_DEFAULT):
+    from ...runtime import kernel_cache
+    from . import config as config_mod
+    from . import fwd_fp8
+
+    key = dict(dataclasses.asdict(config), tvm_ffi=_use_tvm_ffi())
+    return kernel_cache.get("attention_fp8_sm90", key, arch, [fwd_fp8, config_mod],
+                            lambda: build_kernel(config, arch))
+
+
+def compile_only(config: AttnConfig | None = None, arch: str = _ARCH_DEFAULT):
+    """Compile one configuration on fake tensors (cached; keeps ``__ptx__`` / ``__cubin__``)."""
+    return _get_compiled(config or AttnConfig(), arch)
+
+
+def kernel_unsupported(q, k, v_t, out_dtype) -> str | None:
+    """Why this kernel cannot take these operands (None: it can). Shapes beyond this are checked
+    by :func:`fp8_attention_forward` (ValueError)."""
+    d, dv = q.shape[-1], v_t.shape[-2]
+    if d not in HEAD_DIMS or dv != d:
+        return f"head dims D={d}, Dv={dv}; the kernel supports D = Dv in {HEAD_DIMS}"
+    if out_dtype not in _OUT:
+        return f"output dtype {out_dtype} (the kernel writes {', '.join(map(str, _OUT))})"
+    if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device) != (9, 0):
+        return "not an sm_90 (Hopper) CUDA device"
+    return None
+
+
+def _check(cond: bool, msg: str):
+    if not cond:
+        raise ValueError(f"fp8_attention_forward: {msg}")
+
+
+def _validate(q, q_scale, k, k_scale, v_t, v_scale, out_dtype, out):
+    f8 = torch.float8_e4m3fn
+    _check(q.dim() == 4 and k.dim() == 4 and v_t.dim() == 4, "q, k, v_t must be 4-D")
+    _check(q.dtype == f8 and k.dtype == f8 and v_t.dtype == f8, "q, k, v_t must be float8_e4m3fn")
+    B, H, Sq, D = q.shape
+    Bk, Hkv, Sk, Dk = k.shape
+    _check(D in HEAD_DIMS, f"head dim {D} is not supported (supported: {HEAD_DIMS})")
+    _check(Bk == B and Dk == D, f"k {tuple(k.shape)} does not match q {tuple(q.shape)}")
+    _check(Hkv >= 1 and H % Hkv == 0, f"H={H} must be a multiple of Hkv={Hkv}")
+    sk_pad = -(-Sk // V_PAD) * V_PAD
+    _check(tuple(v_t.shape) == (B, Hkv, D, sk_pad), f"v_t must be [B, Hkv, D, round_up(Sk, {V_PAD})]="
+           f"{(B, Hkv, D, sk_pad)}, got {tuple(v_t.shape)}")
+    for name, t in (("q", q), ("k", k), ("v_t", v_t)):
+        _check(t.is_contiguous(), f"{name} must be contiguous")
+    _check(tuple(q_scale.shape) == (B, H, -(-Sq // TILE_M)), "q_scale must be [B, H, ceil(Sq/128)]")
+    _check(tuple(k_scale.shape) == (B, Hkv, -(-Sk // TILE_N)), "k_scale must be [B, Hkv, ceil(Sk/128)]")
+    _check(tuple(v_scale.shape) == (B, Hkv, D), "v_scale must be [B, Hkv, D]")
+    for name, t in (("q_scale", q_scale), ("k_scale", k_scale), ("v_scale", v_scale)):
+        _check(t.dtype == torch.float32 and t.is_contiguous(), f"{name} must be contiguous float32")
+    _check(out_dtype in _OUT, f"out_dtype must be one of {tuple(_OUT)}")
+    for t in (q_scale, k, k_scale, v_t, v_scale):
+        _check(t.device == q.device, "all tensors must be on q's device")
+    if out is not None:
+        _check(tuple(out.shape) == (B, H, Sq, D) and out.dtype == out_dtype and out.is_contiguous()
+               and out.device == q.device, "out must be a contiguous [B, H, Sq, D] tensor of out_dtype")
+
+
+def fp8_attention_forward(q, q_scale, k, k_scale, v_t, v_scale, *, causal: bool, softmax_scale: float,
+                          out_dtype: torch.dtype, out: torch.Tensor | None = None):
+    """FP8 attention forward on sm_90a; see CONTRACT.md. Returns ``(out, lse)``."""
+    _validate(q, q_scale, k, k_scale, v_t, v_scale, out_dtype, out)
+    B, H, Sq, D = q.shape
+    Hkv, Sk = k.shape[1], k.shape[2]
+    if out is None:
+        out = torch.empty(B, H, Sq, D, dtype=out_dtype, device=q.device)
+    lse = torch.empty(B, H, Sq, dtype=torch.float32, device=q.device)
+    if B * H * Sq == 0:
+        return out, lse
+    if Sk == 0:
+        out.zero_()
+        lse.fill_(-math.inf)
+        return out, lse
+    r = H // Hkv
+    pack = PACK_GQA and r > 1 and Sq <= TILE_M
+    # packed: q, out, lse of the r query heads of a KV head are one contiguous run of r * Sq rows
+    qh, rows = (Hkv, r * Sq) if pack else (H, Sq)
+    splits = num_splits(-(-rows // TILE_M) * qh * B, -(-Sk // TILE_N)) if SPLIT_KV else 1
+    fn = _get_compiled(AttnConfig(D, bool(causal), _OUT[out_dtype], OVERLAP, PINGPONG, pack, splits > 1,
+                                  persistent=PERSISTENT,
+                                  num_sms=_num_sms(q.device) if PERSISTENT else _NUM_SMS))
+    u8 = torch.uint8
+    o_dst, l_dst = out.view(B * qh, rows, D), lse.view(B * qh, rows)
+    if splits > 1:
+        o_dst = torch.empty(splits * B * qh, rows, D, dtype=torch.float32, device=q.device)
+        l_dst = torch.empty(splits * B * qh, rows, dtype=torch.float32, device=q.device)
+    args = (
+        q.view(u8).view(B * qh, rows, D).permute(1, 2, 0),
+        k.view(u8).view(B * Hkv, Sk, D).permute(1, 2, 0),
+        v_t.view(u8).view(B * Hkv, D, v_t.shape[-1]).permute(1, 2, 0),
+        q_scale.view(B * H, -1),
+        k_scale.view(B * Hkv, -1),
+        v_scale.view(B * Hkv, D),
+        o_dst.permute(1, 2, 0),
+        l_dst.t(),
+    )
+    scale_log2 = float(softmax_scale) * math.log2(math.e)
+    ints = (Hkv, 1, r, Sq) if pack else (H, r, 1, Sq)
+    with torch.cuda.device(q.device):
+        if _use_tvm_ffi():
+            fn(*args, scale_log2, *ints)
+        else:  # pragma: no cover - slow path
+            import cuda.bindings.driver as cuda
+            from cutlass.cute.runtime import from_dlpack
+
+            targs = [from_dlpack(t, assumed_align=16 if i < 3 or i == 6 else 4) for i, t in enumerate(args)]
+            fn(*targs, scale_log2, *ints, cuda.CUstream(torch.cuda.current_stream().cuda_stream))
+    if splits > 1:  # combine: lse = logsumexp_i lse_i, O = sum_i exp(lse_i - lse) O_i
+        l_part = l_dst.view(splits, B * qh, rows)
+        l_all = torch.logsumexp(l_part, dim=0)
+        w = torch.exp(l_part - torch.where(torch.isinf(l_all), 0.0, l_all))
+        o_all = torch.einsum("sbr,sbrd->brd", w, o_dst.view(splits, B * qh, rows, D))
+        out.view(B * qh, rows, D).copy_(o_all)
+        lse.view(B * qh, rows).copy_(l_all)
+    return out, lse

@@ -1,0 +1,94 @@
+"""Variable-length attention on packed sequences (FlashAttention's ``flash_attn_varlen_func`` layout).
+
+Semantics are those of :func:`lowprec.attention` applied to each sequence on its own (its causal
+mask bottom-right aligned within the sequence; in the FP8 scheme its own K mean and its own
+128-token blocks, starting at the sequence's first token). Today this runs one dense call per
+sequence after reading ``cu_seqlens`` to the host (a sync; not CUDA-graph capturable).
+TODO(kernel): packed sequences in the FP8 kernel's tile scheduler, and the exact path through
+``aten._flash_attention_forward`` (native varlen), with no host sync.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = ["attention_varlen", "check_cu_seqlens"]
+
+
+def check_cu_seqlens(name: str, cu: torch.Tensor, total: int, max_seqlen: int, device: torch.device) -> list[int]:
+    """Validate a ``cu_seqlens`` tensor (``[B + 1]`` int32, from 0 to ``total``, non-decreasing, no
+    sequence longer than ``max_seqlen``) and return it as a host list."""
+    if not isinstance(cu, torch.Tensor) or cu.dim() != 1 or cu.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"{name}: expected a 1-D int32 tensor [B + 1], got "
+                         f"{getattr(cu, 'dtype', type(cu))} {tuple(getattr(cu, 'shape', ()))}")
+    if cu.device != device:
+        raise ValueError(f"{name}: on {cu.device}, but q is on {device}")
+    if cu.numel() < 1:
+        raise ValueError(f"{name}: expected at least one entry (0), got an empty tensor")
+    values = cu.tolist()
+    if values[0] != 0 or values[-1] != total:
+        raise ValueError(f"{name}: must start at 0 and end at the packed length {total}, got "
+                         f"{values[0]} ... {values[-1]}")
+    lengths = [b - a for a, b in zip(values, values[1:])]
+    if any(n < 0 for n in lengths):
+        raise ValueError(f"{name}: must be non-decreasing, got {values}")
+    if not isinstance(max_seqlen, int) or max_seqlen < max(lengths, default=0):
+        raise ValueError(f"max_seqlen{name[-2:]}: expected an int ≥ the longest sequence "
+                         f"({max(lengths, default=0)}), got {max_seqlen!r}")
+    return values
+
+
+def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                     cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, causal: bool = False,
+                     scale: float | None = None, quant: str | None = None, return_lse: bool = False, *,
+                     incoherent: bool = False):
+    """Attention over a batch of sequences of different lengths, packed.
+
+    Args:
+        q: ``[total_q, H, D]``; k: ``[total_k, Hkv, D]``; v: ``[total_k, Hkv, Dv]`` (``H`` a multiple
+            of ``Hkv``): the sequences one after another.
+        cu_seqlens_q, cu_seqlens_k: ``[B + 1]`` int32 prefix sums of the sequence lengths
+            (sequence ``i`` is rows ``cu[i]:cu[i+1]``); empty sequences allowed.
+        max_seqlen_q, max_seqlen_k: upper bounds of the lengths (validated).
+        causal, scale, quant, incoherent: as :func:`lowprec.attention`, per sequence.
+        return_lse: also return the LSE ``[H, total_q]`` FP32 (FlashAttention's varlen layout).
+
+    Returns ``out [total_q, H, Dv]`` in q's dtype (and the LSE). Differentiable as the dense call.
+    """
+    from . import attention
+
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.dim() != 3:
+            raise ValueError(f"{name}: expected a 3-D float tensor [total, heads, D], got "
+                             f"{getattr(t, 'dtype', type(t))} {tuple(getattr(t, 'shape', ()))}")
+        if t.device != q.device:
+            raise ValueError(f"{name}: on {t.device}, but q is on {q.device}")
+    h, d = q.shape[1:]
+    if k.shape[1] == 0 or h % k.shape[1] or k.shape[2] != d:
+        raise ValueError(f"k: expected [total_k, Hkv ≥ 1 dividing H={h}, D={d}], got {tuple(k.shape)}")
+    if v.shape[:2] != k.shape[:2]:
+        raise ValueError(f"v: expected [total_k, Hkv] = {tuple(k.shape[:2])} leading dims, got {tuple(v.shape)}")
+    cq = check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q, q.device)
+    ck = check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k, q.device)
+    if len(cq) != len(ck):
+        raise ValueError(f"cu_seqlens_k: {len(ck) - 1} sequences, but cu_seqlens_q has {len(cq) - 1}")
+    if scale is None:
+        scale = 1.0 / math.sqrt(d)
+    outs, lses = [], []
+    for (q0, q1), (k0, k1) in zip(zip(cq, cq[1:]), zip(ck, ck[1:])):
+        if q1 == q0:
+            continue
+        qi = q[q0:q1].transpose(0, 1)[None]
+        ki, vi = k[k0:k1].transpose(0, 1)[None], v[k0:k1].transpose(0, 1)[None]
+        o, lse = attention(qi, ki, vi, causal=causal, scale=scale, quant=quant, return_lse=True,
+                           incoherent=incoherent)
+        outs.append(o[0].transpose(0, 1))
+        lses.append(lse[0])
+    if outs:
+        out, lse = torch.cat(outs, dim=0), torch.cat(lses, dim=1)
+    else:
+        out = q.new_zeros(0, h, v.shape[-1]) + 0 * q.sum()  # keeps the graph for autograd
+        lse = q.new_zeros(h, 0, dtype=torch.float32)
+    return (out, lse) if return_lse else out

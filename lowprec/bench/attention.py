@@ -1,0 +1,219 @@
+"""``python -m lowprec bench attention``: FP8 attention vs the bf16 attention a user would pick.
+
+Rows per shape, in one run: lowprec FP8 with its quantization pre-pass (``lowprec.attention(...,
+quant="fp8")``, bf16 in and out) and kernel only (pre-quantized operands), cuDNN SDPA bf16, SDPA
+flash bf16 and FlashAttention-4 bf16 (``flash_attn.cute``, when it imports). The FP8 rows need the
+sm_90a kernel: without it they are listed as missing with the reason (never timed on the
+reference emulation). TFLOPS = 4·B·H·Sq·Sk·D / time (causal counts half); ``x best bf16``: TFLOPS
+over the fastest bf16 peer's. Accuracy per row vs an FP64 reference on batch 0, the first heads:
+cosine, rel-L1, RMSE. Median time between CUDA events, L2 flushed before each run.
+
+    python -m lowprec bench attention [--quick] [--only NAME,...] [--no-accuracy] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .. import metrics
+from .common import bench_ms, gpu_slug, print_table, save_results
+
+
+@dataclass(frozen=True)
+class Shape:
+    name: str
+    b: int
+    h: int
+    hkv: int
+    sq: int
+    sk: int
+    d: int
+    causal: bool
+
+    @property
+    def flops(self) -> float:
+        """4·B·H·Sq·Sk·D (two GEMMs), halved for causal (the issue's convention)."""
+        return 4.0 * self.b * self.h * self.sq * self.sk * self.d * (0.5 if self.causal else 1.0)
+
+
+# issue 25's shapes
+SHAPES = [
+    Shape("d128", 4, 32, 32, 4096, 4096, 128, False),
+    Shape("d128-causal", 4, 32, 32, 4096, 4096, 128, True),
+    Shape("gqa-causal", 4, 32, 8, 4096, 4096, 128, True),
+    Shape("d64", 4, 32, 32, 4096, 4096, 64, False),
+    Shape("d256", 4, 16, 16, 4096, 4096, 256, False),
+    Shape("s16k-causal", 1, 32, 32, 16384, 16384, 128, True),
+    Shape("b16-s1k-causal", 16, 32, 32, 1024, 1024, 128, True),
+    Shape("decode", 64, 32, 8, 1, 8192, 128, False),
+]
+QUICK = ("d128", "d128-causal", "decode")
+BF16_PEERS = ("cudnn-sdpa-bf16", "sdpa-flash-bf16", "fa4-bf16")
+REF_HEADS = 4  # FP64 reference on batch 0, heads 0..REF_HEADS-1
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m lowprec bench attention", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help=f"only {', '.join(QUICK)}")
+    p.add_argument("--only", type=str, default=None, help="comma-separated shape names")
+    p.add_argument("--no-accuracy", action="store_true", help="skip the FP64 accuracy columns")
+    p.add_argument("--rep", type=int, default=30, help="timed runs per row")
+    p.add_argument("--no-fp8", action="store_true", help="leave the FP8 rows out (the bf16 peers only)")
+    p.add_argument("--out", type=str, default=None, help="JSON path (default benchmarks/results/<gpu>.json)")
+    return p.parse_args(argv)
+
+
+def select_shapes(args) -> list[Shape]:
+    names = QUICK if args.quick else None
+    if args.only:
+        names = tuple(n.strip() for n in args.only.split(","))
+        unknown = set(names) - {s.name for s in SHAPES}
+        if unknown:
+            raise SystemExit(f"--only: unknown shapes {sorted(unknown)}; known: {[s.name for s in SHAPES]}")
+    return [s for s in SHAPES if names is None or s.name in names]
+
+
+def fp8_kernel_status() -> str | None:
+    """Why the FP8 rows cannot run here (None: the sm_90a kernel is importable on this GPU)."""
+    from ..runtime import backend_mode, dsl_available
+    from ..runtime.arch import device_arch
+
+    if backend_mode() == "reference":
+        return "LOWPREC_BACKEND=reference (the emulation is not timed)"
+    arch = device_arch(torch.device("cuda"))
+    if arch != "sm_90a":
+        return f"no FP8 attention kernel for {arch}"
+    if not dsl_available():
+        return "CuTe DSL does not import"
+    try:
+        from ..attention.sm90 import interface  # noqa: F401
+    except Exception as err:
+        return f"the sm_90a attention kernel does not import ({type(err).__name__}: {err})"
+    return None
+
+
+def _inputs(s: Shape):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(s.b, s.h, s.sq, s.d, device="cuda", dtype=torch.bfloat16, generator=g)
+    k = torch.randn(s.b, s.hkv, s.sk, s.d, device="cuda", dtype=torch.bfloat16, generator=g)
+    v = torch.randn(s.b, s.hkv, s.sk, s.d, device="cuda", dtype=torch.bfloat16, generator=g)
+    return q, k, v
+
+
+def _reference(s: Shape, q, k, v) -> torch.Tensor:
+    """FP64 exact attention of batch 0, heads 0..REF_HEADS-1 ([heads, Sq, D]), one head at a time."""
+    group = s.h // s.hkv
+    outs = []
+    for head in range(min(REF_HEADS, s.h)):
+        qh, kh, vh = q[0, head].double(), k[0, head // group].double(), v[0, head // group].double()
+        sc = (qh @ kh.T) / math.sqrt(s.d)
+        if s.causal:
+            mask = torch.ones(s.sq, s.sk, dtype=torch.bool, device="cuda").tril(s.sk - s.sq)
+            sc = sc.masked_fill(~mask, -math.inf)
+        outs.append(torch.softmax(sc, -1).nan_to_num() @ vh)
+        del sc
+    return torch.stack(outs)
+
+
+def _peers(s: Shape, q, k, v, fp8_reason: str | None) -> dict:
+    """name -> (callable returning out [B, H, Sq, D], or the reason it cannot run)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    import lowprec
+
+    f = torch.nn.functional.scaled_dot_product_attention
+    gqa = s.h != s.hkv
+    causal = s.causal
+    peers: dict = {}
+    if fp8_reason is None:
+        from ..attention import quantize_qkv
+        from ..attention.sm90.interface import fp8_attention_forward
+
+        peers["lowprec-fp8+quant"] = lambda: lowprec.attention(q, k, v, causal=causal, quant="fp8")
+        x = quantize_qkv(q, k, v)
+        peers["lowprec-fp8-kernel"] = lambda: fp8_attention_forward(
+            x.q, x.q_scale, x.k, x.k_scale, x.v_t, x.v_scale, causal=causal, softmax_scale=s.d ** -0.5,
+            out_dtype=torch.bfloat16)[0]
+    else:
+        peers["lowprec-fp8+quant"] = peers["lowprec-fp8-kernel"] = f"missing: {fp8_reason}"
+
+    def sdpa(backend):
+        def run():
+            with sdpa_kernel([backend]):
+                return f(q, k, v, is_causal=causal, enable_gqa=gqa)
+        return run
+
+    peers["cudnn-sdpa-bf16"] = sdpa(SDPBackend.CUDNN_ATTENTION)
+    peers["sdpa-flash-bf16"] = sdpa(SDPBackend.FLASH_ATTENTION)
+    try:
+        from flash_attn.cute import flash_attn_func
+    except Exception as err:
+        peers["fa4-bf16"] = f"missing: flash_attn.cute does not import ({type(err).__name__})"
+    else:
+        qt, kt, vt = (t.transpose(1, 2).contiguous() for t in (q, k, v))  # FA4 takes [B, S, H, D]
+
+        def fa4():
+            res = flash_attn_func(qt, kt, vt, causal=causal)
+            return (res[0] if isinstance(res, tuple) else res).transpose(1, 2)
+        peers["fa4-bf16"] = fa4
+    return peers
+
+
+def run_shape(s: Shape, args, fp8_reason: str | None) -> list[dict]:
+    q, k, v = _inputs(s)
+    ref = None if args.no_accuracy else _reference(s, q, k, v)
+    rows = []
+    for name, fn in _peers(s, q, k, v, fp8_reason).items():
+        row = {"shape": s.name, "impl": name, "B": s.b, "H": s.h, "Hkv": s.hkv, "Sq": s.sq, "Sk": s.sk, "D": s.d,
+               "causal": s.causal}
+        if isinstance(fn, str):
+            row["note"] = fn
+            rows.append(row)
+            continue
+        try:
+            with torch.no_grad():
+                out = fn()
+                ms = bench_ms(fn, warmup=5, rep=args.rep)
+        except Exception as err:  # a peer that does not take this shape: say so, go on
+            row["note"] = f"error: {type(err).__name__}: {str(err).splitlines()[0][:120]}"
+            rows.append(row)
+            continue
+        row.update(ms=ms, tflops=s.flops / ms / 1e9)
+        if ref is not None:
+            got = out[0, : ref.shape[0]]
+            row.update(cos=metrics.cos_sim(got, ref), rel_l1=metrics.rel_l1(got, ref), rmse=metrics.rmse(got, ref))
+        rows.append(row)
+        print(f"  {s.name} {name}: {ms:.3f} ms, {row['tflops']:.0f} TFLOPS", flush=True)  # progress
+        del out
+    best = max((r["tflops"] for r in rows if r["impl"] in BF16_PEERS and "tflops" in r), default=None)
+    for r in rows:
+        if best and "tflops" in r:
+            r["x_best_bf16"] = r["tflops"] / best
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("bench attention needs a CUDA GPU")
+    shapes = select_shapes(args)
+    fp8_reason = "left out (--no-fp8)" if args.no_fp8 else fp8_kernel_status()
+    print(f"{torch.cuda.get_device_name()} ({gpu_slug()}); FP8 rows: "
+          f"{'sm_90a kernel' if fp8_reason is None else 'missing (' + fp8_reason + ')'}")
+    rows = []
+    for s in shapes:
+        rows += run_shape(s, args, fp8_reason)
+        torch.cuda.empty_cache()
+    header = ["shape", "impl", "ms", "TFLOPS", "x best bf16", "cos", "rel-L1", "RMSE", "note"]
+    print_table(header, [[r["shape"], r["impl"], r.get("ms", "-"), r.get("tflops", "-"), r.get("x_best_bf16", "-"),
+                          r.get("cos", "-"), r.get("rel_l1", "-"), r.get("rmse", "-"), r.get("note", "")]
+                         for r in rows])
+    path = save_results("attention", {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                                      "fp8_missing": fp8_reason, "rows": rows}, args.out)
+    print(f"results: {path}")
+    return 0

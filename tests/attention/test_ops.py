@@ -1,0 +1,200 @@
+"""Attention custom ops: autograd through quant="fp8", fake implementations, torch.compile."""
+
+import math
+
+import pytest
+import torch
+
+import lowprec
+from lowprec import metrics
+from lowprec.attention import ops
+from lowprec.attention.quantize import quantize_qkv
+from lowprec.attention.reference import attention_backward_reference
+
+
+def _qkv(b=2, h=4, hkv=2, sq=150, sk=200, d=64, seed=0, k_offset=0.0, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, h, sq, d, generator=g, dtype=torch.float64)
+    k = torch.randn(b, hkv, sk, d, generator=g, dtype=torch.float64) + k_offset
+    v = torch.randn(b, hkv, sk, d, generator=g, dtype=torch.float64)
+    return q.to(dtype), k.to(dtype), v.to(dtype)
+
+
+def _exact_grads(q, k, v, dout, causal):
+    """Autograd of exact attention in FP64 (GQA by repeating K and V)."""
+    q, k, v = (t.detach().double().requires_grad_() for t in (q, k, v))
+    group = q.shape[1] // k.shape[1]
+    s = q @ k.repeat_interleave(group, 1).transpose(-1, -2) / math.sqrt(q.shape[-1])
+    if causal:
+        sq, sk = s.shape[-2:]
+        s = s.masked_fill(~torch.ones(sq, sk, dtype=torch.bool, device=s.device).tril(sk - sq), -math.inf)
+    p = torch.softmax(s, -1).nan_to_num()
+    out = p @ v.repeat_interleave(group, 1)
+    out.backward(dout.double())
+    _exact_grads.lse = torch.logsumexp(s.detach(), -1)
+    return out.detach(), (q.grad, k.grad, v.grad)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("hkv,k_offset", [(2, 0.0), (4, 0.0), (1, 5.0)])
+def test_fp8_backward_close_to_exact_fp64(causal, hkv, k_offset):
+    q, k, v = _qkv(hkv=hkv, k_offset=k_offset, dtype=torch.float32)
+    dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(1))
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = lowprec.attention(*leaves, causal=causal, quant="fp8")
+    assert out.grad_fn is not None
+    out.backward(dout)
+    _, grads = _exact_grads(q, k, v, dout, causal)
+    for name, leaf, g in zip("qkv", leaves, grads):
+        assert metrics.cos_sim(leaf.grad, g) >= 0.999, name
+
+
+def test_fp8_backward_uses_smoothed_k():
+    """With a large K bias, dQ from unsmoothed K picks up (Σ_j dS_ij)·mean(K): cos fell to ~0.97."""
+    q, k, v = _qkv(hkv=2, k_offset=5.0, dtype=torch.float32)
+    dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(1))
+    out, lse = lowprec.attention(q, k, v, quant="fp8", return_lse=True)
+    _, grads = _exact_grads(q, k, v, dout, False)
+    unsmoothed = attention_backward_reference(dout, q, k, v, out, lse, False, 0.125)
+    assert metrics.cos_sim(unsmoothed[0], grads[0]) < 0.99  # the leak the op avoids
+    leaf = q.clone().requires_grad_()
+    lowprec.attention(leaf, k, v, quant="fp8").backward(dout)
+    assert metrics.cos_sim(leaf.grad, grads[0]) > 0.9995
+
+
+@pytest.mark.parametrize("causal,sq,sk,hkv", [(False, 37, 50, 2), (True, 50, 37, 1), (True, 20, 64, 4)])
+def test_backward_reference_is_exact_from_exact_forward(causal, sq, sk, hkv):
+    """From the exact out and LSE the plain-torch backward is autograd's (rows with no key included)."""
+    q, k, v = _qkv(sq=sq, sk=sk, hkv=hkv)
+    dout = torch.randn(q.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    out, lse = lowprec.attention(q, k, v, causal=causal, return_lse=True)  # FP32 math
+    exact_out, grads = _exact_grads(q, k, v, dout, causal)
+    torch.testing.assert_close(out, exact_out, rtol=1e-5, atol=1e-5)
+    out, lse = exact_out, _exact_grads.lse
+    mine = attention_backward_reference(dout, q, k, v, out, lse, causal, 1 / math.sqrt(64))
+    for a, b in zip(mine, grads):
+        torch.testing.assert_close(a, b)
+
+
+def test_lse_carries_no_gradient_and_empty_keys_backward():
+    q, k, v = (t.requires_grad_() for t in _qkv(sk=0, dtype=torch.float32))
+    out, lse = lowprec.attention(q, k, v, quant="fp8", return_lse=True)
+    assert not lse.requires_grad and torch.isinf(lse).all() and (lse < 0).all()
+    out.sum().backward()
+    assert (q.grad == 0).all() and k.grad.shape == k.shape
+
+
+def test_bf16_inputs_grads_in_input_dtype():
+    q, k, v = (t.requires_grad_() for t in _qkv(sq=64, sk=64, dtype=torch.bfloat16))
+    out = lowprec.attention(q, k, v, causal=True, quant="fp8")
+    assert out.dtype == torch.bfloat16
+    out.float().square().sum().backward()
+    assert q.grad.dtype == k.grad.dtype == v.grad.dtype == torch.bfloat16
+
+
+def test_opcheck_fake_and_autograd():
+    q, k, v = _qkv(sq=40, sk=70, dtype=torch.float32)
+    x = quantize_qkv(q, k, v)
+    torch.library.opcheck(torch.ops.lowprec.attention_fp8_forward.default,
+                          (x.q, x.q_scale, x.k, x.k_scale, x.v_t, x.v_scale, True, 0.125, torch.bfloat16),
+                          test_utils=("test_faketensor", "test_aot_dispatch_dynamic"))
+    torch.library.opcheck(torch.ops.lowprec.attention_fp8.default,
+                          (q.requires_grad_(), k, v, True, 0.125, False),
+                          test_utils=("test_faketensor", "test_aot_dispatch_dynamic"))
+    out, lse = lowprec.attention(q, k, v, quant="fp8", return_lse=True)
+    torch.library.opcheck(torch.ops.lowprec.attention_backward.default,
+                          (torch.randn_like(out), q.detach(), k, v, out.detach(), lse, False, 0.125),
+                          test_utils=("test_faketensor", "test_aot_dispatch_dynamic"))
+
+
+def test_compile_fullgraph_matches_eager_forward_and_backward():
+    def step(q, k, v):
+        out, lse = lowprec.attention(q, k, v, causal=True, quant="fp8", return_lse=True)
+        return out, lse
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    for sq, sk in ((40, 70), (130, 130)):
+        q, k, v = _qkv(sq=sq, sk=sk, dtype=torch.float32)
+        leaves_e = [t.clone().requires_grad_() for t in (q, k, v)]
+        leaves_c = [t.clone().requires_grad_() for t in (q, k, v)]
+        out_e, lse_e = step(*leaves_e)
+        out_c, lse_c = compiled(*leaves_c)
+        assert torch.equal(out_e, out_c) and torch.equal(lse_e, lse_c)
+        dout = torch.randn_like(out_e)
+        out_e.backward(dout)
+        out_c.backward(dout)
+        for a, b in zip(leaves_e, leaves_c):
+            assert torch.equal(a.grad, b.grad)
+
+
+def test_kernel_eligibility_reasons():
+    q, k, v = _qkv(sq=40, sk=70, d=64, dtype=torch.bfloat16)
+    x = quantize_qkv(q, k, v)
+    assert "head dims" in ops.kernel_unsupported(x.q[..., :48], x.k, x.v_t, torch.bfloat16)
+    assert "output dtype" in ops.kernel_unsupported(x.q, x.k, x.v_t, torch.float32)
+    assert "empty" in ops.kernel_unsupported(x.q, x.k[..., :0, :], x.v_t, torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal,sq,sk,hkv", [(False, 300, 300, 8), (True, 300, 300, 2), (True, 77, 300, 8),
+                                              (True, 300, 77, 2)])
+@pytest.mark.parametrize("return_lse", [False, True])
+def test_exact_cuda_is_sdpa_with_our_semantics(causal, sq, sk, hkv, return_lse):
+    q, k, v = (t.to("cuda", torch.bfloat16) for t in _qkv(b=2, h=8, hkv=hkv, sq=sq, sk=sk, d=128))
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    res = lowprec.attention(*leaves, causal=causal, return_lse=return_lse)
+    out = res[0] if return_lse else res
+    ref_out, grads = _exact_grads(q, k, v, torch.ones_like(q), causal)
+    assert metrics.cos_sim(out, ref_out) > 0.9999 and metrics.rel_l2(out, ref_out) < 1e-2
+    assert (out[..., : max(sq - sk, 0), :] == 0).all() if causal else True
+    out.sum().backward()
+    for leaf, g in zip(leaves, grads):
+        assert metrics.cos_sim(leaf.grad, g) > 0.999
+    if return_lse:
+        _, lse_ref = lowprec.attention(q.float().cpu(), k.float().cpu(), v.float().cpu(), causal=causal,
+                                       return_lse=True)
+        lse = res[1].cpu()
+        finite = torch.isfinite(lse_ref)
+        assert torch.equal(torch.isfinite(lse), finite) and (lse[~finite] < 0).all()
+        assert (lse[finite] - lse_ref[finite]).abs().max() < 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal,sq,sk,hkv", [(False, 256, 256, 8), (True, 300, 300, 2), (True, 300, 200, 8)])
+def test_fp8_backward_on_cuda_uses_flash_and_is_close(causal, sq, sk, hkv):
+    q, k, v = (t.to("cuda", torch.bfloat16) for t in _qkv(b=2, h=8, hkv=hkv, sq=sq, sk=sk, d=128, k_offset=2.0))
+    dout = torch.randn(q.shape, device="cuda", dtype=torch.bfloat16)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out, lse = lowprec.attention(*leaves, causal=causal, quant="fp8", return_lse=True)
+    out.backward(dout)
+    _, grads = _exact_grads(q, k, v, dout, causal)
+    for name, leaf, g in zip("qkv", leaves, grads):
+        assert metrics.cos_sim(leaf.grad, g) >= 0.999, name
+    # the aten flash backward agrees with the plain-torch one on the same saved tensors
+    mean = k.float().mean(-2)
+    ks = (k.float() - mean[:, :, None]).to(k.dtype)
+    from lowprec.attention.reference import lse_correction
+    lse_s = lse - lse_correction(q, mean, 128 ** -0.5)
+    flash = ops._flash_backward(dout, q, ks, v, out.detach(), lse_s, causal, 128 ** -0.5)
+    plain = attention_backward_reference(dout, q, ks, v, out.detach(), lse_s, causal, 128 ** -0.5)
+    for a, b in zip(flash, plain):
+        assert metrics.cos_sim(a, b) > 0.9999
+
+
+@pytest.mark.gpu
+def test_fp8_cuda_graph_capture_and_compile():
+    q, k, v = (t.to("cuda", torch.bfloat16) for t in _qkv(b=1, h=4, hkv=2, sq=256, sk=256, d=128))
+    eager = lowprec.attention(q, k, v, causal=True, quant="fp8")
+    compiled = torch.compile(lambda a, b, c: lowprec.attention(a, b, c, causal=True, quant="fp8"), fullgraph=True)
+    assert torch.equal(compiled(q, k, v), eager)
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        lowprec.attention(q, k, v, causal=True, quant="fp8")
+    torch.cuda.current_stream().wait_stream(side)
+    with torch.cuda.graph(graph):
+        captured = lowprec.attention(q, k, v, causal=True, quant="fp8")
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, eager)

@@ -1,0 +1,151 @@
+"""The FP8 attention pre-pass: the kernel's operands, in the recipes' exact arithmetic."""
+
+import math
+
+import pytest
+import torch
+
+import lowprec
+from lowprec import metrics
+from lowprec.attention import ATTN_QK_RECIPE, quantize_kv_cache, quantize_qkv
+from lowprec.attention.quantize import hadamard_rotation
+from lowprec.attention.reference import attention_reference, fp8_forward_reference, lse_correction
+
+
+def _qkv(b=2, h=4, hkv=2, sq=200, sk=300, d=64, dv=None, seed=0, k_offset=0.0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, h, sq, d, generator=g)
+    k = torch.randn(b, hkv, sk, d, generator=g) + k_offset
+    v = torch.randn(b, hkv, sk, dv or d, generator=g)
+    return q.to(dtype), k.to(dtype), v.to(dtype)
+
+
+def test_contract_shapes_dtypes_and_layouts():
+    q, k, v = _qkv(sq=200, sk=300, dv=32)
+    x = quantize_qkv(q, k, v)
+    assert x.q.shape == (2, 4, 200, 64) and x.q.dtype == torch.float8_e4m3fn and x.q.is_contiguous()
+    assert x.q_scale.shape == (2, 4, 2) and x.q_scale.dtype == torch.float32
+    assert x.k.shape == (2, 2, 300, 64) and x.k_scale.shape == (2, 2, 3)
+    assert x.v_t.shape == (2, 2, 32, 304) and x.v_t.is_contiguous() and x.v_scale.shape == (2, 2, 32)
+    assert x.k_mean.shape == (2, 2, 64) and x.k_mean.dtype == torch.float32
+    assert (x.v_t[..., 300:].float() == 0).all()  # zero padding to a multiple of 16 tokens
+
+
+def test_scales_are_the_recipes_and_k_is_smoothed():
+    q, k, v = _qkv(k_offset=3.0)
+    x = quantize_qkv(q, k, v)
+    ref_q = lowprec.quantize(q, ATTN_QK_RECIPE)
+    assert torch.equal(x.q.view(torch.uint8), ref_q.data.view(torch.uint8))
+    assert torch.equal(x.q_scale, ref_q.scale.squeeze(-1))
+    mean = k.mean(dim=-2)
+    torch.testing.assert_close(x.k_mean, mean)
+    ref_k = lowprec.quantize(k - mean[:, :, None], ATTN_QK_RECIPE)
+    assert torch.equal(x.k.view(torch.uint8), ref_k.data.view(torch.uint8))
+    ref_v = lowprec.quantize(v.transpose(-1, -2), "fp8_rowwise")
+    assert torch.equal(x.v_t[..., :300].view(torch.uint8), ref_v.data.view(torch.uint8))
+    assert torch.equal(x.v_scale, ref_v.scale.squeeze(-1))
+    # per-block scales: amax / 448 of each 128-token block of each head
+    blk = q[0, 1, 128:200].abs().amax() / 448
+    assert x.q_scale[0, 1, 1] == blk
+
+
+def test_smoothing_off_and_empty_keys():
+    q, k, v = _qkv(sk=0)
+    x = quantize_qkv(q, k, v)
+    assert x.k.shape[-2] == 0 and x.k_scale.shape[-1] == 0 and x.v_t.shape[-1] == 0
+    assert (x.k_mean == 0).all()  # the mean of no keys is 0, not NaN
+    q, k, v = _qkv(k_offset=2.0)
+    x = quantize_qkv(q, k, v, smooth=False)
+    assert (x.k_mean == 0).all()
+    assert torch.equal(x.k.view(torch.uint8), lowprec.quantize(k, ATTN_QK_RECIPE).data.view(torch.uint8))
+
+
+def test_reference_is_prepass_then_kernel_math_then_correction():
+    q, k, v = _qkv(k_offset=1.0, dtype=torch.bfloat16)
+    out, lse = attention_reference(q, k, v, True, 0.125, "fp8")
+    x = quantize_qkv(q, k, v)
+    o2, l2 = fp8_forward_reference(x.q, x.q_scale, x.k, x.k_scale, x.v_t, x.v_scale, True, 0.125)
+    assert torch.equal(out, o2.to(torch.bfloat16))
+    assert torch.equal(lse, l2 + lse_correction(q, x.k_mean, 0.125))
+    # the kernel's LSE is that of the smoothed scores
+    s = (q.float() @ (k.float() - x.k_mean[:, :, None]).repeat_interleave(2, 1).transpose(-1, -2)) * 0.125
+    mask = torch.ones(200, 300, dtype=torch.bool).tril(100)
+    exact_smoothed = torch.logsumexp(s.masked_fill(~mask, -math.inf), -1)
+    assert (l2 - exact_smoothed).abs().mean() < 0.02
+
+
+def test_hadamard_rotation_is_orthogonal_and_seeded():
+    for d in (64, 128, 256):
+        m = hadamard_rotation(d).double()
+        torch.testing.assert_close(m @ m.T, torch.eye(d, dtype=torch.float64), atol=1e-6, rtol=0)
+        torch.testing.assert_close(m.abs(), torch.full_like(m, 1 / math.sqrt(d)))
+    assert torch.equal(hadamard_rotation(64), hadamard_rotation(64))
+    with pytest.raises(ValueError, match="power-of-two"):
+        hadamard_rotation(96)
+
+
+def test_incoherent_processing_reduces_error_on_outliers():
+    """FA3's outlier inputs: N(0,1) + N(0,100)·Bernoulli(0.001) for Q, K, V."""
+    g = torch.Generator().manual_seed(0)
+
+    def outliers(*shape):
+        x = torch.randn(*shape, generator=g)
+        return x + torch.randn(*shape, generator=g) * 10 * (torch.rand(*shape, generator=g) < 1e-3)
+
+    q, k, v = (outliers(1, 4, 512, 128) for _ in range(3))
+    exact = attention_reference(q.double(), k.double(), v.double(), False, 128 ** -0.5, None)[0]
+    plain = lowprec.attention(q, k, v, quant="fp8")
+    rotated = lowprec.attention(q, k, v, quant="fp8", incoherent=True)
+    e_plain, e_rot = metrics.rmse(plain, exact), metrics.rmse(rotated, exact)
+    assert e_rot < 0.85 * e_plain, (e_rot, e_plain)
+    # the LSE stays that of the unrotated, unsmoothed scores
+    _, lse = lowprec.attention(q, k, v, quant="fp8", incoherent=True, return_lse=True)
+    _, lse_exact = lowprec.attention(q, k, v, return_lse=True)
+    assert (lse - lse_exact).abs().mean() < 0.02
+
+
+def test_incoherent_needs_power_of_two_and_fp8():
+    q, k, v = _qkv(d=48)
+    with pytest.raises(ValueError, match="power-of-two"):
+        lowprec.attention(q, k, v, quant="fp8", incoherent=True)
+    with pytest.raises(ValueError, match="incoherent"):
+        lowprec.attention(*_qkv(), incoherent=True)
+
+
+def test_kv_cache_inputs_are_taken_as_quantized():
+    q, k, v = _qkv(sq=3, sk=300)  # Sk not a multiple of 16: Vᵀ codes padded, not requantized
+    k_q, v_q = quantize_kv_cache(k, v)
+    assert k_q.recipe == ATTN_QK_RECIPE and v_q.shape == (2, 2, 64, 300) and v_q.recipe.name == "fp8_rowwise"
+    out, lse = lowprec.attention(q, k_q, v_q, quant="fp8", return_lse=True)
+    x = quantize_qkv(q, k, v, smooth=False)
+    assert torch.equal(k_q.data.view(torch.uint8), x.k.view(torch.uint8))
+    o2, l2 = fp8_forward_reference(x.q, x.q_scale, x.k, x.k_scale, x.v_t, x.v_scale, False, 0.125)
+    assert torch.equal(out, o2) and torch.equal(lse, l2)
+    # a quantized input stands for its dequantized value
+    kd, vd = k_q.dequantize(torch.float32), v_q.dequantize(torch.float32).transpose(-1, -2)
+    exact, lse_exact = lowprec.attention(q, kd, vd, return_lse=True)
+    assert metrics.cos_sim(out, exact) > 0.999 and (lse - lse_exact).abs().mean() < 0.01
+
+
+def test_quantized_inputs_errors():
+    q, k, v = _qkv(sq=3)
+    k_q, v_q = quantize_kv_cache(k, v)
+    with pytest.raises(ValueError, match="k: a QuantizedTensor"):
+        lowprec.attention(q, lowprec.quantize(k, "fp8_rowwise"), v_q, quant="fp8")
+    with pytest.raises(ValueError, match="v: a QuantizedTensor"):
+        lowprec.attention(q, k_q, lowprec.quantize(v.transpose(-1, -2), "fp8_block1x128"), quant="fp8")
+    with pytest.raises(ValueError, match="needs quant='fp8'"):
+        lowprec.attention(q, k_q, v_q)
+    with pytest.raises(ValueError, match="q: requires grad"):
+        lowprec.attention(q.requires_grad_(), k_q, v_q, quant="fp8")
+    with pytest.raises(ValueError, match="incoherent"):
+        lowprec.attention(q.detach(), k_q, v_q, quant="fp8", incoherent=True)
+
+
+def test_strided_inputs_give_contiguous_operands():
+    q, k, v = _qkv()
+    qs, ks, vs = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))  # [B, S, H, D] memory
+    x, y = quantize_qkv(qs, ks, vs), quantize_qkv(q, k, v)
+    for a, b in zip(x, y):
+        assert a.is_contiguous() and torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
+                                                 b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b)

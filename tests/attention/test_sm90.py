@@ -1,0 +1,277 @@
+"""Tests of the sm_90a FP8 attention forward kernel (lowprec.attention.sm90).
+
+(a) compile tests (CPU, CI): every shipped config compiles for sm_90a; its SASS has QGMMA for
+    both products (S and P.V) and no local memory (LDL/STL).
+(b) GPU tests (``-m gpu``): the kernel vs an emulation of the FP8 scheme built from the same codes
+    and scales (the math of ``lowprec.attention.reference._fp8``), both measured against FP64 exact
+    attention of the unquantized inputs: kernel error <= 2 x the emulation's + atol (as
+    FlashAttention's tests do); the LSE vs the logsumexp of the dequantized scores in FP64;
+    fresh random data, poisoned outputs, tails, causal bottom-right with Sq != Sk, GQA, head dims
+    64/128/256, decode shapes, Sk = 0, determinism.
+
+The inputs are quantized here (plain torch) so the test depends on nothing but the kernel's
+contract (CONTRACT.md).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import re
+
+import pytest
+import torch
+
+HAS_CUTLASS = importlib.util.find_spec("cutlass") is not None
+HAS_GPU = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+needs_cutlass = pytest.mark.skipif(not HAS_CUTLASS, reason="nvidia-cutlass-dsl not installed")
+gpu = pytest.mark.gpu
+needs_gpu = pytest.mark.skipif(not (HAS_GPU and HAS_CUTLASS), reason="needs an sm_90 GPU")
+
+F8 = torch.float8_e4m3fn
+F8_MAX = 448.0
+BLOCK = 128
+
+
+def _cfgs():
+    from lowprec.attention.sm90.config import shipped_configs, variant_configs
+
+    return shipped_configs() + variant_configs()
+
+
+# ----------------------------------------------------------------------------- compile (CPU)
+@needs_cutlass
+@pytest.mark.parametrize("config", _cfgs(), ids=str)
+def test_compiles_sm90a(config):
+    from lowprec.attention.sm90.interface import build_kernel
+    from lowprec.runtime.compile import local_memory_ops, nvdisasm_path, sass_of
+
+    compiled = build_kernel(config, "sm_90a", tvm_ffi=False)
+    if nvdisasm_path() is None:
+        pytest.skip("nvdisasm not found")
+    sass = sass_of(compiled)
+    qk_steps = config.head_dim // 32
+    pv_steps = 4 * (config.head_dim // min(config.head_dim, 128))
+    n = len(re.findall(r"\bQGMMA\.", sass))
+    # the overlapped loop has a peeled first block and last P.V: each product appears twice
+    assert n in (qk_steps + pv_steps, 2 * (qk_steps + pv_steps)), n
+    assert local_memory_ops(sass) == 0
+
+
+# ----------------------------------------------------------------------------- helpers
+def quantize_inputs(q, k, v):
+    """The kernel's operands from float q [B,H,Sq,D], k/v [B,Hkv,Sk,D] (contract of CONTRACT.md)."""
+    def blocks(x):
+        b, h, s, d = x.shape
+        nb = -(-s // BLOCK)
+        xp = torch.zeros(b, h, nb * BLOCK, d, dtype=torch.float32, device=x.device)
+        xp[:, :, :s] = x
+        amax = xp.view(b, h, nb, BLOCK * d).abs().amax(-1)
+        sc = torch.where(amax > 0, amax / F8_MAX, torch.ones_like(amax))
+        codes = (xp.view(b, h, nb, BLOCK, d) / sc[..., None, None]).clamp(-F8_MAX, F8_MAX).to(F8)
+        return codes.view(b, h, nb * BLOCK, d)[:, :, :s].contiguous(), sc.contiguous()
+
+    qc, qs = blocks(q.float())
+    km = k.float().mean(dim=-2, keepdim=True) if k.shape[-2] else k.float()[..., :1, :] * 0
+    kc, ks = blocks(k.float() - km)
+    b, hkv, sk, d = v.shape
+    amax = v.float().abs().amax(dim=-2) if sk else torch.zeros(b, hkv, d, device=v.device)
+    vs = torch.where(amax > 0, amax / F8_MAX, torch.ones_like(amax)).contiguous()
+    skp = -(-sk // 16) * 16
+    vt = torch.zeros(b, hkv, d, skp, dtype=F8, device=v.device)
+    vt[..., :sk] = (v.float() / vs[:, :, None, :]).clamp(-F8_MAX, F8_MAX).to(F8).transpose(-1, -2)
+    return qc, qs, kc, ks, vt, vs
+
+
+def emulate(qc, qs, kc, ks, vt, vs, causal, scale):
+    """The FP8 scheme from the codes (FP64 except the E4M3 cast of P), as reference._fp8."""
+    B, H, Sq, D = qc.shape
+    Hkv, Sk = kc.shape[1], kc.shape[2]
+    rep = H // Hkv
+    qh = qc.double() * qs.double().repeat_interleave(BLOCK, -1)[..., :Sq, None]
+    kh = kc.double() * ks.double().repeat_interleave(BLOCK, -1)[..., :Sk, None]
+    kh = kh.repeat_interleave(rep, 1)
+    vcodes = vt[..., :Sk].double().transpose(-1, -2).repeat_interleave(rep, 1)
+    vsc = vs.double().repeat_interleave(rep, 1)[:, :, None, :]
+    s_all = (qh @ kh.transpose(-1, -2)) * scale
+    if causal:
+        i = torch.arange(Sq, device=qc.device)[:, None]
+        j = torch.arange(Sk, device=qc.device)[None, :]
+        s_all = s_all.masked_fill(j > i + Sk - Sq, -math.inf)
+    m = torch.full((B, H, Sq), -math.inf, dtype=torch.float64, device=qc.device)
+    rs = torch.zeros_like(m)
+    acc = torch.zeros(B, H, Sq, D, dtype=torch.float64, device=qc.device)
+    for st in range(0, Sk, BLOCK):
+        s = s_all[..., st:st + BLOCK]
+        m_new = torch.maximum(m, s.amax(-1))
+        m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
+        p = torch.exp(s - m_safe[..., None])
+        alpha = torch.exp(m - m_safe)
+        rs = rs * alpha + p.sum(-1)
+        pq = (p * F8_MAX).float().to(F8).double()
+        acc = acc * alpha[..., None] + (pq @ vcodes[..., st:st + BLOCK, :]) * (vsc / F8_MAX)
+        m = m_new
+    empty = rs == 0
+    out = torch.where(empty[..., None], 0.0, acc / torch.where(empty, 1.0, rs)[..., None])
+    lse = torch.logsumexp(s_all, dim=-1)
+    return out, lse
+
+
+def exact(q, k, v, causal, scale):
+    H, Hkv = q.shape[1], k.shape[1]
+    qd, kd, vd = q.double(), k.double().repeat_interleave(H // Hkv, 1), v.double().repeat_interleave(H // Hkv, 1)
+    s = (qd @ kd.transpose(-1, -2)) * scale
+    Sq, Sk = q.shape[2], k.shape[2]
+    if causal:
+        i = torch.arange(Sq, device=q.device)[:, None]
+        j = torch.arange(Sk, device=q.device)[None, :]
+        s = s.masked_fill(j > i + Sk - Sq, -math.inf)
+    lse = torch.logsumexp(s, -1)
+    p = torch.exp(s - torch.where(torch.isinf(lse), 0.0, lse)[..., None])
+    return p @ vd
+
+
+def _run(B, H, Hkv, Sq, Sk, D, causal, out_dtype=torch.bfloat16, seed=0):
+    from lowprec.attention.sm90.interface import fp8_attention_forward
+
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(B, H, Sq, D, device="cuda", generator=g)
+    k = torch.randn(B, Hkv, Sk, D, device="cuda", generator=g) + 0.5  # a bias the smoothing removes
+    v = torch.randn(B, Hkv, Sk, D, device="cuda", generator=g)
+    scale = D ** -0.5
+    qc, qs, kc, ks, vt, vs = quantize_inputs(q, k, v)
+    out = torch.full((B, H, Sq, D), float("nan"), dtype=out_dtype, device="cuda")  # poisoned
+    o, lse = fp8_attention_forward(qc, qs, kc, ks, vt, vs, causal=causal, softmax_scale=scale,
+                                   out_dtype=out_dtype, out=out)
+    torch.cuda.synchronize()
+    assert o.data_ptr() == out.data_ptr()
+    emu, emu_lse = emulate(qc, qs, kc, ks, vt, vs, causal, scale)
+    ref = exact(q, k, v, causal, scale)
+    return o, lse, emu, emu_lse, ref, (qc, qs, kc, ks, vt, vs, scale)
+
+
+CASES = [
+    # B, H, Hkv, Sq, Sk, D, causal
+    (1, 2, 2, 256, 256, 128, False),
+    (1, 2, 2, 256, 256, 128, True),
+    (2, 4, 4, 512, 512, 128, True),
+    (1, 2, 1, 200, 333, 128, False),  # tails, MQA
+    (1, 2, 1, 200, 333, 128, True),
+    (1, 2, 2, 100, 300, 64, True),  # causal bottom-right, Sq < Sk
+    (1, 2, 2, 300, 100, 128, True),  # Sq > Sk: the first 200 rows see nothing
+    (2, 8, 2, 384, 384, 128, True),  # GQA
+    (1, 2, 2, 256, 384, 64, False),
+    (1, 2, 2, 257, 255, 256, False),
+    (1, 2, 1, 384, 384, 256, True),
+    (2, 4, 2, 1, 1000, 128, False),  # decode
+    (2, 4, 2, 16, 1000, 128, True),
+    (1, 2, 2, 5, 3, 64, True),
+]
+
+
+@gpu
+@needs_gpu
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "B{}H{}kv{}q{}k{}d{}{}".format(*c[:6], "c" if c[6] else ""))
+def test_matches_emulation(case):
+    B, H, Hkv, Sq, Sk, D, causal = case
+    o, lse, emu, emu_lse, ref, _ = _run(*case)
+    assert torch.isfinite(o).all()
+    err = (o.double() - ref).abs()
+    err_emu = (emu - ref).abs()
+    assert err.max() <= 2 * err_emu.max() + 2e-3, (err.max().item(), err_emu.max().item())
+    assert err.mean() <= 1.1 * err_emu.mean() + 1e-4, (err.mean().item(), err_emu.mean().item())
+    # the kernel against its own spec: only FP32 rounding and bf16 output separate them
+    assert (o.double() - emu).abs().max() <= 2e-2 * emu.abs().max() + 1e-3
+    dead = torch.isinf(emu_lse)
+    assert torch.equal(torch.isinf(lse), dead) and (lse[dead] < 0).all()
+    assert (o[dead] == 0).all()
+    live = ~dead
+    # not FP32-exact: the FP8 wgmma sums a score's D products at reduced precision (H100, first
+    # run: max |lse - emu| 1.7e-4 (d64/d128) .. 6.4e-4 (d256))
+    assert (lse[live].double() - emu_lse[live]).abs().max() <= 2e-3
+
+
+# Variants behind interface flags (default off until measured): each runs a few cases.
+VARIANT_CASES = [
+    (2, 8, 2, 1, 1000, 128, False),
+    (2, 8, 2, 16, 1000, 128, True),
+    (1, 8, 1, 5, 300, 64, True),
+    (1, 4, 2, 100, 700, 128, True),  # packed rows span 2 heads per tile, tail
+    (1, 4, 4, 384, 384, 128, True),
+    (1, 4, 2, 16, 4000, 128, True),  # split-KV: 8 splits of 4 blocks
+    (1, 2, 2, 3, 2500, 256, False),
+]
+
+
+@gpu
+@needs_gpu
+@pytest.mark.parametrize("flags", [("PINGPONG",), ("PACK_GQA",), ("SPLIT_KV",), ("PACK_GQA", "SPLIT_KV"),
+                                   ("PERSISTENT",), ("PINGPONG", "PERSISTENT"), ("OVERLAP",)], ids="+".join)
+@pytest.mark.parametrize("case", VARIANT_CASES, ids=lambda c: "B{}H{}kv{}q{}k{}d{}{}".format(*c[:6], "c" if c[6] else ""))
+def test_variants_match_emulation(flags, case, monkeypatch):
+    from lowprec.attention.sm90 import interface
+
+    for flag in flags:  # OVERLAP: the serial kernel (the flag's default is on)
+        monkeypatch.setattr(interface, flag, flag != "OVERLAP")
+    o, lse, emu, emu_lse, ref, _ = _run(*case)
+    err, err_emu = (o.double() - ref).abs(), (emu - ref).abs()
+    assert err.max() <= 2 * err_emu.max() + 2e-3, (err.max().item(), err_emu.max().item())
+    dead = torch.isinf(emu_lse)
+    assert torch.equal(torch.isinf(lse), dead) and (o[dead] == 0).all()
+    assert (lse[~dead].double() - emu_lse[~dead]).abs().max() <= 2e-3
+
+
+def test_num_splits():
+    from lowprec.attention.sm90.interface import num_splits
+
+    assert num_splits(512, 64) == 1  # decode B64 H32/8 packed: 512 CTAs, no split
+    assert num_splits(4, 32) == 8  # at least 4 KV blocks per split
+    assert num_splits(16, 1000) == 17  # about two waves of 132 SMs
+    assert num_splits(1, 7) == 1
+
+
+def test_kernel_unsupported_reasons():
+    from lowprec.attention.sm90.interface import kernel_unsupported
+
+    q = torch.zeros(1, 1, 8, 96, dtype=F8)
+    assert "supports D = Dv in (64, 128, 256)" in kernel_unsupported(q, q, torch.zeros(1, 1, 96, 16, dtype=F8),
+                                                                      torch.bfloat16)
+    q = torch.zeros(1, 1, 8, 128, dtype=F8)
+    assert "output dtype" in kernel_unsupported(q, q, torch.zeros(1, 1, 128, 16, dtype=F8), torch.float32)
+
+
+@gpu
+@needs_gpu
+def test_fp16_out_and_determinism():
+    o1, l1, emu, _, ref, ops = _run(1, 4, 2, 300, 700, 128, True, out_dtype=torch.float16, seed=3)
+    from lowprec.attention.sm90.interface import fp8_attention_forward
+
+    qc, qs, kc, ks, vt, vs, scale = ops
+    o2, l2 = fp8_attention_forward(qc, qs, kc, ks, vt, vs, causal=True, softmax_scale=scale,
+                                   out_dtype=torch.float16)
+    assert torch.equal(o1, o2) and torch.equal(l1, l2)
+    assert (o1.double() - ref).abs().max() <= 2 * (emu - ref).abs().max() + 2e-3
+
+
+@gpu
+@needs_gpu
+def test_empty_keys():
+    from lowprec.attention.sm90.interface import fp8_attention_forward
+
+    o, lse, *_ = _run(1, 2, 2, 10, 0, 128, False)
+    assert (o == 0).all() and torch.isinf(lse).all() and (lse < 0).all()
+    q = torch.zeros(1, 2, 0, 128, dtype=F8, device="cuda")
+    o, lse = fp8_attention_forward(q, torch.ones(1, 2, 0, device="cuda"), *quantize_inputs(
+        torch.zeros(1, 2, 1, 128, device="cuda"), torch.randn(1, 2, 7, 128, device="cuda"),
+        torch.randn(1, 2, 7, 128, device="cuda"))[2:], causal=False, softmax_scale=0.1,
+        out_dtype=torch.bfloat16)
+    assert o.shape == (1, 2, 0, 128) and lse.shape == (1, 2, 0)
+
+
+def test_bad_head_dim():
+    from lowprec.attention.sm90.interface import fp8_attention_forward
+
+    q = torch.zeros(1, 1, 8, 96, dtype=F8)
+    with pytest.raises(ValueError, match=r"supported: \(64, 128, 256\)"):
+        fp8_attention_forward(q, torch.ones(1, 1, 1), q, torch.ones(1, 1, 1), torch.zeros(1, 1, 96, 16, dtype=F8),
+                              torch.ones(1, 1, 96), causal=False, softmax_scale=1.0, out_dtype=torch.bfloat16)
