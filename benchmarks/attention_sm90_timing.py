@@ -5,6 +5,7 @@ Prints one line per shape and backend: ms (median of do_bench), TFLOPS (causal c
 
 from __future__ import annotations
 
+import functools
 import sys
 
 import torch
@@ -42,8 +43,8 @@ def main():
         v = torch.randn(B, Hkv, Sk, D, device="cuda", dtype=torch.bfloat16)
         qc, qs, kc, ks, vt, vs = quantize_inputs(q, k, v)
         out = torch.empty(B, H, Sq, D, device="cuda", dtype=torch.bfloat16)
-        fn = lambda: fp8_attention_forward(qc, qs, kc, ks, vt, vs, causal=causal,  # noqa: E731
-                                           softmax_scale=D ** -0.5, out_dtype=torch.bfloat16, out=out)
+        fn = functools.partial(fp8_attention_forward, qc, qs, kc, ks, vt, vs, causal=causal,
+                               softmax_scale=D ** -0.5, out_dtype=torch.bfloat16, out=out)
         fn()
         torch.cuda.synchronize()
         kr, vr = k.repeat_interleave(H // Hkv, 1), v.repeat_interleave(H // Hkv, 1)
@@ -83,17 +84,19 @@ def main():
         for name, be in (("sdpa_flash", SDPBackend.FLASH_ATTENTION), ("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION)):
             try:
                 with sdpa_kernel(be):
-                    g = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal,  # noqa: E731
-                                                               enable_gqa=H != Hkv)
+                    g = functools.partial(F.scaled_dot_product_attention, q, k, v, is_causal=causal,
+                                          enable_gqa=H != Hkv)
                     g()
                     res[name] = do_bench(g, warmup=100, rep=500, return_mode="median")
             except Exception as e:  # noqa: BLE001
                 print(name, "failed:", type(e).__name__, str(e)[:100])
-        best_bf16 = max(tflops(B, H, Sq, Sk, D, causal, t) for n, t in res.items() if not n.startswith("fp8")) if len(res) > 1 else float("nan")
+        bf16 = [tflops(B, H, Sq, Sk, D, causal, t) for n, t in res.items() if not n.startswith("fp8")]
+        best_bf16 = max(bf16) if bf16 else float("nan")
         tag = f"B{B} H{H}/{Hkv} Sq{Sq} Sk{Sk} d{D} {'causal' if causal else 'full'}"
         for n, t in res.items():
             rows.append(f"{tag:32s} {n:16s} {t:8.3f} ms {tflops(B, H, Sq, Sk, D, causal, t):7.1f} TFLOPS")
-        rows.append(f"{tag:32s} fp8/best-bf16 {tflops(B, H, Sq, Sk, D, causal, res['fp8']) / best_bf16:.3f}x  cos {cos:.5f}")
+        ratio = tflops(B, H, Sq, Sk, D, causal, res["fp8"]) / best_bf16
+        rows.append(f"{tag:32s} fp8/best-bf16 {ratio:.3f}x  cos {cos:.5f}")
     print("\n".join(rows))
 
 

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from ..runtime import backend_mode
+from ..runtime import backend_mode, registry
 from ..tensor import QuantizedTensor
 from . import ops
 from .quantize import (
@@ -24,6 +24,8 @@ __all__ = ["attention", "attention_varlen", "quantize_qkv", "quantize_kv_cache",
            "ATTN_QK_RECIPE"]
 
 _QUANT = (None, "fp8")
+
+registry.load_arch_packages(__name__, __path__)
 
 
 def _check_input(name: str, t, device: torch.device | None) -> None:

@@ -20,50 +20,28 @@ import math
 
 import torch
 
-from ..runtime import backend_mode, kernel_failed, use_kernel, warn_once
+from ..runtime import backend_mode, kernel_failed, registry, warn_once
 from .quantize import quantize_qkv
 from .reference import attention_backward_reference, fp8_forward_reference, lse_correction
 
-__all__ = ["attention_fp8", "attention_fp8_forward", "attention_backward", "exact_cuda", "kernel_unsupported"]
+__all__ = ["attention_fp8", "attention_fp8_forward", "attention_backward", "exact_cuda"]
 
 _HALF = (torch.float16, torch.bfloat16)
-KERNEL_HEAD_DIMS = (64, 128, 256)
 
 
 # --- the FP8 forward: kernel or emulation ---------------------------------------------------------
-
-def kernel_unsupported(q: torch.Tensor, k: torch.Tensor, v_t: torch.Tensor, out_dtype: torch.dtype) -> str | None:
-    """Why the sm_90a FP8 forward cannot take these operands (None: it can)."""
-    d, dv = q.shape[-1], v_t.shape[-2]
-    if d not in KERNEL_HEAD_DIMS or dv != d:
-        return f"head dims D={d}, Dv={dv}; the kernel supports D = Dv in {KERNEL_HEAD_DIMS}"
-    if out_dtype not in _HALF:
-        return f"output dtype {out_dtype} (the kernel writes float16 or bfloat16)"
-    if q.shape[-2] == 0 or k.shape[-2] == 0:
-        return "an empty sequence (nothing to compute)"
-    try:
-        from .sm90 import interface
-    except Exception as err:  # not built yet, or CuTe DSL missing
-        return f"the sm_90a attention kernel does not import ({type(err).__name__}: {err})"
-    check = getattr(interface, "kernel_unsupported", None)
-    return check(q, k, v_t, out_dtype) if callable(check) else None
-
 
 @torch.library.custom_op("lowprec::attention_fp8_forward", mutates_args=())
 def attention_fp8_forward(q: torch.Tensor, q_scale: torch.Tensor, k: torch.Tensor, k_scale: torch.Tensor,
                           v_t: torch.Tensor, v_scale: torch.Tensor, causal: bool, scale: float,
                           out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out [B, H, Sq, Dv] out_dtype, lse [B, H, Sq] FP32 of the smoothed scores)``."""
-    if use_kernel("attention", q.device, ("sm_90a",), lambda: kernel_unsupported(q, k, v_t, out_dtype)):
-        try:
-            from .sm90.interface import fp8_attention_forward
+    def reference():
+        out, lse = fp8_forward_reference(q, q_scale, k, k_scale, v_t, v_scale, causal, scale)
+        return out.to(out_dtype), lse
 
-            return fp8_attention_forward(q, q_scale, k, k_scale, v_t, v_scale, causal=causal, softmax_scale=scale,
-                                         out_dtype=out_dtype)
-        except Exception as err:
-            kernel_failed("attention", err)
-    out, lse = fp8_forward_reference(q, q_scale, k, k_scale, v_t, v_scale, causal, scale)
-    return out.to(out_dtype), lse
+    args = (q, q_scale, k, k_scale, v_t, v_scale, causal, scale, out_dtype)
+    return registry.run("attention_fp8", q.device, args, reference)
 
 
 @attention_fp8_forward.register_fake

@@ -10,6 +10,7 @@ from lowprec import metrics
 from lowprec.attention import ops
 from lowprec.attention.quantize import quantize_qkv
 from lowprec.attention.reference import attention_backward_reference
+from lowprec.attention.sm90.config import attention_unsupported
 
 
 def _qkv(b=2, h=4, hkv=2, sq=150, sk=200, d=64, seed=0, k_offset=0.0, dtype=torch.float64):
@@ -130,9 +131,13 @@ def test_compile_fullgraph_matches_eager_forward_and_backward():
 def test_kernel_eligibility_reasons():
     q, k, v = _qkv(sq=40, sk=70, d=64, dtype=torch.bfloat16)
     x = quantize_qkv(q, k, v)
-    assert "head dims" in ops.kernel_unsupported(x.q[..., :48], x.k, x.v_t, torch.bfloat16)
-    assert "output dtype" in ops.kernel_unsupported(x.q, x.k, x.v_t, torch.float32)
-    assert "empty" in ops.kernel_unsupported(x.q, x.k[..., :0, :], x.v_t, torch.bfloat16)
+    def why(q, k, v_t, out_dtype):
+        return attention_unsupported(q, x.q_scale, k, x.k_scale, v_t, x.v_scale, False, 1.0, out_dtype)
+
+    assert why(x.q, x.k, x.v_t, torch.bfloat16) is None
+    assert "head dims" in why(x.q[..., :48], x.k, x.v_t, torch.bfloat16)
+    assert "output dtype" in why(x.q, x.k, x.v_t, torch.float32)
+    assert "empty" in why(x.q, x.k[..., :0, :], x.v_t, torch.bfloat16)
 
 
 @pytest.mark.gpu

@@ -207,7 +207,8 @@ VARIANT_CASES = [
 @needs_gpu
 @pytest.mark.parametrize("flags", [("PINGPONG",), ("PACK_GQA",), ("SPLIT_KV",), ("PACK_GQA", "SPLIT_KV"),
                                    ("PERSISTENT",), ("PINGPONG", "PERSISTENT"), ("OVERLAP",)], ids="+".join)
-@pytest.mark.parametrize("case", VARIANT_CASES, ids=lambda c: "B{}H{}kv{}q{}k{}d{}{}".format(*c[:6], "c" if c[6] else ""))
+@pytest.mark.parametrize("case", VARIANT_CASES,
+                         ids=lambda c: "B{}H{}kv{}q{}k{}d{}{}".format(*c[:6], "c" if c[6] else ""))
 def test_variants_match_emulation(flags, case, monkeypatch):
     from lowprec.attention.sm90 import interface
 
@@ -230,14 +231,14 @@ def test_num_splits():
     assert num_splits(1, 7) == 1
 
 
-def test_kernel_unsupported_reasons():
-    from lowprec.attention.sm90.interface import kernel_unsupported
+def test_the_registry_serves_fp8_attention_on_hopper_only():
+    from lowprec.runtime import registry
 
+    kernel = registry.registered("attention_fp8")["sm_90a"]
+    assert kernel.load().__name__ == "attention_fp8_forward_op"
     q = torch.zeros(1, 1, 8, 96, dtype=F8)
-    assert "supports D = Dv in (64, 128, 256)" in kernel_unsupported(q, q, torch.zeros(1, 1, 96, 16, dtype=F8),
-                                                                      torch.bfloat16)
-    q = torch.zeros(1, 1, 8, 128, dtype=F8)
-    assert "output dtype" in kernel_unsupported(q, q, torch.zeros(1, 1, 128, 16, dtype=F8), torch.float32)
+    assert "supports D = Dv in (64, 128, 256)" in kernel.why_not(q, None, q, None, torch.zeros(1, 1, 96, 16, dtype=F8),
+                                                                 None, False, 1.0, torch.bfloat16)
 
 
 @gpu

@@ -1,0 +1,7 @@
+"""Hopper (sm_90a) FP8 attention forward kernel, registered with the kernel registry. Importing
+this package does not import cutlass."""
+
+from ...runtime.registry import register
+from . import config
+
+register("attention_fp8", "sm_90a", f"{__name__}.interface:attention_fp8_forward_op", config.attention_unsupported)

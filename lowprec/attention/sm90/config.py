@@ -32,7 +32,10 @@ class AttnConfig:
         return {64: 4, 128: 3, 256: 2}[self.head_dim]
 
     def __str__(self) -> str:
-        return f"d{self.head_dim}{'_causal' if self.causal else ''}_{self.out_dtype}{'' if self.overlap else '_serial'}{'_pp' if self.pingpong else ''}{'_pack' if self.pack_gqa else ''}{'_split' if self.split_kv else ''}{'_persist' if self.persistent else ''}"
+        flags = (("_serial", not self.overlap), ("_pp", self.pingpong), ("_pack", self.pack_gqa),
+                 ("_split", self.split_kv), ("_persist", self.persistent))
+        return f"d{self.head_dim}{'_causal' if self.causal else ''}_{self.out_dtype}" + "".join(
+            tag for tag, on in flags if on)
 
 
 def shipped_configs() -> tuple[AttnConfig, ...]:
@@ -54,3 +57,16 @@ def variant_configs() -> tuple[AttnConfig, ...]:
                 out.append(AttnConfig(d, c, pingpong=True, persistent=True))
                 out.append(AttnConfig(d, c, overlap=False))
     return tuple(out)
+
+
+def attention_unsupported(q, q_scale, k, k_scale, v_t, v_scale, causal: bool, scale: float, out_dtype) -> str | None:
+    """Why the kernel cannot take the FP8 forward's operands (None: it can); the registry asks
+    this with the arguments of ``interface.attention_fp8_forward_op``."""
+    d, dv = q.shape[-1], v_t.shape[-2]
+    if d not in HEAD_DIMS or dv != d:
+        return f"head dims D={d}, Dv={dv}; the kernel supports D = Dv in {HEAD_DIMS}"
+    if str(out_dtype).removeprefix("torch.") not in OUT_DTYPES:
+        return f"output dtype {out_dtype} (the kernel writes {' or '.join(OUT_DTYPES)})"
+    if q.shape[-2] == 0 or k.shape[-2] == 0:
+        return "an empty sequence (nothing to compute)"
+    return None

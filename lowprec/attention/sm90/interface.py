@@ -40,7 +40,7 @@ def num_splits(ctas: int, n_blocks: int, num_sms: int = _NUM_SMS) -> int:
         return 1
     return max(1, min(-(-2 * num_sms // ctas), n_blocks // 4, 32))
 
-__all__ = ["fp8_attention_forward", "kernel_unsupported", "compile_only", "build_kernel"]
+__all__ = ["fp8_attention_forward", "attention_fp8_forward_op", "compile_only", "build_kernel"]
 
 
 def _use_tvm_ffi() -> bool:
@@ -85,11 +85,9 @@ def build_kernel(config: AttnConfig, arch: str = _ARCH_DEFAULT, tvm_ffi: bool | 
 @functools.cache
 def _get_compiled(config: AttnConfig, arch: str = _ARCH_DEFAULT):
     from ...runtime import kernel_cache
-    from . import config as config_mod
-    from . import fwd_fp8
 
     key = dict(dataclasses.asdict(config), tvm_ffi=_use_tvm_ffi())
-    return kernel_cache.get("attention_fp8_sm90", key, arch, [fwd_fp8, config_mod],
+    return kernel_cache.get("attention_fp8_sm90", key, arch,
                             lambda: build_kernel(config, arch))
 
 
@@ -98,17 +96,12 @@ def compile_only(config: AttnConfig | None = None, arch: str = _ARCH_DEFAULT):
     return _get_compiled(config or AttnConfig(), arch)
 
 
-def kernel_unsupported(q, k, v_t, out_dtype) -> str | None:
-    """Why this kernel cannot take these operands (None: it can). Shapes beyond this are checked
-    by :func:`fp8_attention_forward` (ValueError)."""
-    d, dv = q.shape[-1], v_t.shape[-2]
-    if d not in HEAD_DIMS or dv != d:
-        return f"head dims D={d}, Dv={dv}; the kernel supports D = Dv in {HEAD_DIMS}"
-    if out_dtype not in _OUT:
-        return f"output dtype {out_dtype} (the kernel writes {', '.join(map(str, _OUT))})"
-    if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device) != (9, 0):
-        return "not an sm_90 (Hopper) CUDA device"
-    return None
+def attention_fp8_forward_op(q, q_scale, k, k_scale, v_t, v_scale, causal: bool, scale: float,
+                            out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The registry's implementation (``lowprec.attention.sm90``): :func:`fp8_attention_forward`
+    with the arguments of ``lowprec::attention_fp8_forward``."""
+    return fp8_attention_forward(q, q_scale, k, k_scale, v_t, v_scale, causal=causal, softmax_scale=scale,
+                                 out_dtype=out_dtype)
 
 
 def _check(cond: bool, msg: str):
