@@ -1,8 +1,12 @@
+# ruff: noqa: B023, E501  (scratch script: lambdas timed inside their own iteration)
 """One small launch per kernel variant, errors printed; run first (under `timeout`) on the GPU."""
 import sys
+
 import torch
+
 sys.path.insert(0, "tests/attention")
 from test_sm90 import _run  # noqa: E402
+
 from lowprec.attention.sm90 import interface  # noqa: E402
 
 for overlap in (False, True):

@@ -1,3 +1,4 @@
+# ruff: noqa: B023, E501  (scratch script: lambdas timed inside their own iteration)
 """Scratch timing of the sm_90a FP8 attention kernel (kernel only, inputs pre-quantized) against
 SDPA bf16 (flash and cuDNN backends) in the same process. Usage:
     python benchmarks/attention_sm90_timing.py [--quick] [--serial] [--pingpong] [--decode] [--pack] [--persistent] [--vperm]

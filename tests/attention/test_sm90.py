@@ -208,7 +208,8 @@ VARIANT_CASES = [
 @pytest.mark.parametrize("flags", [("PINGPONG",), ("PACK_GQA",), ("SPLIT_KV",), ("PACK_GQA", "SPLIT_KV"),
                                    ("PERSISTENT",), ("PINGPONG", "PERSISTENT"), ("OVERLAP",), ("V_KEY_PERM",)],
                          ids="+".join)
-@pytest.mark.parametrize("case", VARIANT_CASES, ids=lambda c: "B{}H{}kv{}q{}k{}d{}{}".format(*c[:6], "c" if c[6] else ""))
+@pytest.mark.parametrize("case", VARIANT_CASES,
+                         ids=lambda c: "B{}H{}kv{}q{}k{}d{}{}".format(*c[:6], "c" if c[6] else ""))
 def test_variants_match_emulation(flags, case, monkeypatch):
     from lowprec.attention.sm90 import interface
 

@@ -35,7 +35,10 @@ class AttnConfig:
         return {64: 4, 128: 3, 256: 2}[self.head_dim]
 
     def __str__(self) -> str:
-        return f"d{self.head_dim}{'_causal' if self.causal else ''}_{self.out_dtype}{'' if self.overlap else '_serial'}{'_pp' if self.pingpong else ''}{'_pack' if self.pack_gqa else ''}{'_split' if self.split_kv else ''}{'_persist' if self.persistent else ''}{'_vperm' if self.v_keys_permuted else ''}"
+        tags = [("serial", not self.overlap), ("pp", self.pingpong), ("pack", self.pack_gqa),
+                ("split", self.split_kv), ("persist", self.persistent), ("vperm", self.v_keys_permuted)]
+        return f"d{self.head_dim}{'_causal' if self.causal else ''}_{self.out_dtype}" + "".join(
+            f"_{t}" for t, on in tags if on)
 
 
 def shipped_configs() -> tuple[AttnConfig, ...]:

@@ -38,8 +38,8 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass._mlir.dialects import llvm
-from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass.memory import SmemAllocator
 from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 from cutlass.tensor_utils import LayoutEnum
@@ -50,8 +50,8 @@ _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
 _LOG2_PSCALE = math.log2(P_SCALE)
 _SCHED_BAR = 2  # named barriers 2, 3: ping-pong turns of consumer warpgroups 0, 1
-_C_MIN = 1e-30
-_NACC = 4  # independent accumulation chains of the row max / row sum  # floor of the score scale: a zero scale (all-zero block) must not make -inf * 0
+_C_MIN = 1e-30  # floor of the score scale: a zero scale (all-zero block) must not make -inf * 0
+_NACC = 4  # independent accumulation chains of the row max / row sum
 
 
 # ----------------------------------------------------------------------------- PTX helpers
