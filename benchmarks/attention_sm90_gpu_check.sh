@@ -7,4 +7,4 @@ set -u
 LOG=${OUT:-/tmp}
 export PYTHONUNBUFFERED=1
 timeout 300 python -m pytest -q -m gpu tests/attention/test_sm90.py 2>&1 | tee "$LOG/attn_sm90_tests.log" | grep -v -i warn | tail -15
-timeout 240 python benchmarks/attention_sm90_timing.py --serial --pingpong --decode --pack --persistent 2>&1 | tee "$LOG/attn_sm90_bench.log" | tail -40
+timeout 240 python benchmarks/attention_sm90_timing.py --serial --pingpong --decode --pack --persistent --vperm 2>&1 | tee "$LOG/attn_sm90_bench.log" | tail -40

@@ -1,6 +1,7 @@
+# ruff: noqa: B023, E501  (scratch script: lambdas timed inside their own iteration)
 """Scratch timing of the sm_90a FP8 attention kernel (kernel only, inputs pre-quantized) against
 SDPA bf16 (flash and cuDNN backends) in the same process. Usage:
-    python benchmarks/attention_sm90_timing.py [--quick] [--serial] [--pingpong] [--decode] [--pack] [--persistent]
+    python benchmarks/attention_sm90_timing.py [--quick] [--serial] [--pingpong] [--decode] [--pack] [--persistent] [--vperm]
 Prints one line per shape and backend: ms (median of do_bench), TFLOPS (causal counts half)."""
 
 from __future__ import annotations
@@ -73,6 +74,16 @@ def main():
                 torch.cuda.synchronize()
                 print(f"persistent pingpong={pp} max|out - sdpa| {(out.float() - ref.float()).abs().max().item():.4f}")
             interface.PERSISTENT, interface.PINGPONG = False, False
+        if "--vperm" in sys.argv:
+            from lowprec.attention.sm90.interface import permute_v_keys
+            vtp = permute_v_keys(vt)
+            fp = lambda: fp8_attention_forward(qc, qs, kc, ks, vtp, vs, causal=causal,  # noqa: E731
+                                               softmax_scale=D ** -0.5, out_dtype=torch.bfloat16, out=out,
+                                               v_keys_permuted=True)
+            fp()
+            res["fp8_vperm"] = do_bench(fp, warmup=100, rep=500, return_mode="median")
+            torch.cuda.synchronize()
+            print(f"vperm max|out - sdpa| {(out.float() - ref.float()).abs().max().item():.4f}")
         if H > Hkv and Sq <= 128 and "--pack" in sys.argv:
             interface.PACK_GQA = True
             fn()

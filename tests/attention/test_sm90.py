@@ -131,8 +131,8 @@ def exact(q, k, v, causal, scale):
     return p @ vd
 
 
-def _run(B, H, Hkv, Sq, Sk, D, causal, out_dtype=torch.bfloat16, seed=0):
-    from lowprec.attention.sm90.interface import fp8_attention_forward
+def _run(B, H, Hkv, Sq, Sk, D, causal, out_dtype=torch.bfloat16, seed=0, v_perm=False):
+    from lowprec.attention.sm90.interface import fp8_attention_forward, permute_v_keys
 
     g = torch.Generator(device="cuda").manual_seed(seed)
     q = torch.randn(B, H, Sq, D, device="cuda", generator=g)
@@ -141,8 +141,8 @@ def _run(B, H, Hkv, Sq, Sk, D, causal, out_dtype=torch.bfloat16, seed=0):
     scale = D ** -0.5
     qc, qs, kc, ks, vt, vs = quantize_inputs(q, k, v)
     out = torch.full((B, H, Sq, D), float("nan"), dtype=out_dtype, device="cuda")  # poisoned
-    o, lse = fp8_attention_forward(qc, qs, kc, ks, vt, vs, causal=causal, softmax_scale=scale,
-                                   out_dtype=out_dtype, out=out)
+    o, lse = fp8_attention_forward(qc, qs, kc, ks, permute_v_keys(vt) if v_perm else vt, vs, causal=causal,
+                                   softmax_scale=scale, out_dtype=out_dtype, out=out, v_keys_permuted=v_perm)
     torch.cuda.synchronize()
     assert o.data_ptr() == out.data_ptr()
     emu, emu_lse = emulate(qc, qs, kc, ks, vt, vs, causal, scale)
@@ -206,20 +206,32 @@ VARIANT_CASES = [
 @gpu
 @needs_gpu
 @pytest.mark.parametrize("flags", [("PINGPONG",), ("PACK_GQA",), ("SPLIT_KV",), ("PACK_GQA", "SPLIT_KV"),
-                                   ("PERSISTENT",), ("PINGPONG", "PERSISTENT"), ("OVERLAP",)], ids="+".join)
+                                   ("PERSISTENT",), ("PINGPONG", "PERSISTENT"), ("OVERLAP",), ("V_KEY_PERM",)],
+                         ids="+".join)
 @pytest.mark.parametrize("case", VARIANT_CASES,
                          ids=lambda c: "B{}H{}kv{}q{}k{}d{}{}".format(*c[:6], "c" if c[6] else ""))
 def test_variants_match_emulation(flags, case, monkeypatch):
     from lowprec.attention.sm90 import interface
 
-    for flag in flags:  # OVERLAP: the serial kernel (the flag's default is on)
-        monkeypatch.setattr(interface, flag, flag != "OVERLAP")
-    o, lse, emu, emu_lse, ref, _ = _run(*case)
+    for flag in flags:  # OVERLAP: the serial kernel (the flag's default is on); V_KEY_PERM: an argument
+        if flag != "V_KEY_PERM":
+            monkeypatch.setattr(interface, flag, flag != "OVERLAP")
+    o, lse, emu, emu_lse, ref, _ = _run(*case, v_perm="V_KEY_PERM" in flags)
     err, err_emu = (o.double() - ref).abs(), (emu - ref).abs()
     assert err.max() <= 2 * err_emu.max() + 2e-3, (err.max().item(), err_emu.max().item())
     dead = torch.isinf(emu_lse)
     assert torch.equal(torch.isinf(lse), dead) and (o[dead] == 0).all()
     assert (lse[~dead].double() - emu_lse[~dead]).abs().max() <= 2e-3
+
+
+def test_permute_v_keys():
+    from lowprec.attention.sm90.config import V_KEY_PERM
+    from lowprec.attention.sm90.interface import permute_v_keys
+
+    v = torch.arange(2 * 3 * 48, dtype=torch.float32).view(2, 3, 48)
+    p = permute_v_keys(v)
+    for g in range(3):
+        assert torch.equal(p[..., 16 * g:16 * g + 16], v[..., [16 * g + i for i in V_KEY_PERM]])
 
 
 def test_num_splits():

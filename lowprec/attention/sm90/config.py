@@ -11,6 +11,8 @@ TILE_N = 128  # keys per KV block; one k_scale per block; the online softmax ste
 P_SCALE = 448.0  # static scale of P (row max -> 448) before it is cast to E4M3
 OUT_DTYPES = ("bfloat16", "float16")
 V_PAD = 16  # v_t's key dimension is padded to a multiple of this (16-byte TMA strides)
+# optional v_t layout: stored key position p of each aligned 16 holds key V_KEY_PERM[p]
+V_KEY_PERM = (0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15)
 
 
 @dataclass(frozen=True)
@@ -26,16 +28,17 @@ class AttnConfig:
     split_kv: bool = False  # KV blocks split over grid z; FP32 partials combined on the host; unmeasured
     persistent: bool = False  # grid = min(tiles, num_sms), tiles walked longest-first; unmeasured
     num_sms: int = 132  # persistent grid size (H100 SXM)
+    v_keys_permuted: bool = False  # v_t keys permuted within each 16 (V_KEY_PERM): no P shuffles; unmeasured
 
     def stages(self) -> int:
         """K/V shared-memory ring depth (each stage holds one K tile and one Vᵀ tile)."""
         return {64: 4, 128: 3, 256: 2}[self.head_dim]
 
     def __str__(self) -> str:
-        flags = (("_serial", not self.overlap), ("_pp", self.pingpong), ("_pack", self.pack_gqa),
-                 ("_split", self.split_kv), ("_persist", self.persistent))
+        tags = [("serial", not self.overlap), ("pp", self.pingpong), ("pack", self.pack_gqa),
+                ("split", self.split_kv), ("persist", self.persistent), ("vperm", self.v_keys_permuted)]
         return f"d{self.head_dim}{'_causal' if self.causal else ''}_{self.out_dtype}" + "".join(
-            tag for tag, on in flags if on)
+            f"_{t}" for t, on in tags if on)
 
 
 def shipped_configs() -> tuple[AttnConfig, ...]:
@@ -52,6 +55,7 @@ def variant_configs() -> tuple[AttnConfig, ...]:
             out.append(AttnConfig(d, c, pack_gqa=True))
             out.append(AttnConfig(d, c, pack_gqa=True, split_kv=True))
             out.append(AttnConfig(d, c, persistent=True))
+            out.append(AttnConfig(d, c, v_keys_permuted=True))
             if d <= 128:
                 out.append(AttnConfig(d, c, pingpong=True))
                 out.append(AttnConfig(d, c, pingpong=True, persistent=True))

@@ -130,6 +130,9 @@ class FP8AttentionFwdSm90:
         # causal rows first); the next tile's Q/K/V loads run under this tile's last P.V and
         # epilogue
         self.persistent = config.persistent
+        # v_t stored with its keys permuted within each 16 (interface.permute_v_keys): P goes to
+        # the A fragment without shuffles
+        self.v_perm = config.v_keys_permuted
         self.num_sms = config.num_sms
         if self.split_kv:
             self.out_dtype = cutlass.Float32
@@ -703,6 +706,17 @@ class FP8AttentionFwdSm90:
         odd senders send W_hi first (W_lo second); two byte permutes assemble h = 0 and h = 1.
         A-fragment word index = r + 2 h + 4 kb (value order (4 bytes, 2 rows, 2 halves), k-steps).
         """
+        if cutlass.const_expr(self.v_perm):
+            # Vᵀ's keys permuted within each 16 (0,1,8,9,2,3,10,11,...): the A fragment's bytes
+            # 4q..4q+3 of half h are this lane's own pairs of groups 4kb+2h and 4kb+2h+1
+            for kb in cutlass.range_constexpr(cute.size(acc_s) // 16):
+                for r in cutlass.range_constexpr(2):
+                    for h in cutlass.range_constexpr(2):
+                        j0 = 4 * kb + 2 * h
+                        p_words[r + 2 * h + 4 * kb] = _cvt_e4m3x4(
+                            acc_s[2 * r + 4 * j0], acc_s[1 + 2 * r + 4 * j0],
+                            acc_s[2 * r + 4 * (j0 + 1)], acc_s[1 + 2 * r + 4 * (j0 + 1)])
+            return
         for kb in cutlass.range_constexpr(cute.size(acc_s) // 16):
             for r in cutlass.range_constexpr(2):
                 g = [4 * kb + i for i in range(4)]

@@ -16,7 +16,7 @@ import math
 
 import torch
 
-from .config import HEAD_DIMS, TILE_M, TILE_N, V_PAD, AttnConfig
+from .config import HEAD_DIMS, TILE_M, TILE_N, V_KEY_PERM, V_PAD, AttnConfig
 
 _ARCH_DEFAULT = "sm_90a"
 _OUT = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -40,7 +40,7 @@ def num_splits(ctas: int, n_blocks: int, num_sms: int = _NUM_SMS) -> int:
         return 1
     return max(1, min(-(-2 * num_sms // ctas), n_blocks // 4, 32))
 
-__all__ = ["fp8_attention_forward", "attention_fp8_forward_op", "compile_only", "build_kernel"]
+__all__ = ["fp8_attention_forward", "attention_fp8_forward_op", "permute_v_keys", "compile_only", "build_kernel"]
 
 
 def _use_tvm_ffi() -> bool:
@@ -136,9 +136,19 @@ def _validate(q, q_scale, k, k_scale, v_t, v_scale, out_dtype, out):
                and out.device == q.device, "out must be a contiguous [B, H, Sq, D] tensor of out_dtype")
 
 
+def permute_v_keys(v_t: torch.Tensor) -> torch.Tensor:
+    """v_t [..., Sk_pad] with its keys permuted within each aligned 16 as V_KEY_PERM (the layout
+    ``fp8_attention_forward(..., v_keys_permuted=True)`` reads). Contiguous copy."""
+    idx = torch.tensor(V_KEY_PERM, device=v_t.device)
+    n = v_t.shape[-1] // V_PAD
+    return v_t.view(*v_t.shape[:-1], n, V_PAD).index_select(-1, idx).reshape(v_t.shape).contiguous()
+
+
 def fp8_attention_forward(q, q_scale, k, k_scale, v_t, v_scale, *, causal: bool, softmax_scale: float,
-                          out_dtype: torch.dtype, out: torch.Tensor | None = None):
-    """FP8 attention forward on sm_90a; see CONTRACT.md. Returns ``(out, lse)``."""
+                          out_dtype: torch.dtype, out: torch.Tensor | None = None,
+                          v_keys_permuted: bool = False):
+    """FP8 attention forward on sm_90a; see CONTRACT.md. Returns ``(out, lse)``.
+    ``v_keys_permuted``: v_t is stored as :func:`permute_v_keys` makes it (no P shuffles)."""
     _validate(q, q_scale, k, k_scale, v_t, v_scale, out_dtype, out)
     B, H, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
@@ -158,7 +168,8 @@ def fp8_attention_forward(q, q_scale, k, k_scale, v_t, v_scale, *, causal: bool,
     splits = num_splits(-(-rows // TILE_M) * qh * B, -(-Sk // TILE_N)) if SPLIT_KV else 1
     fn = _get_compiled(AttnConfig(D, bool(causal), _OUT[out_dtype], OVERLAP, PINGPONG, pack, splits > 1,
                                   persistent=PERSISTENT,
-                                  num_sms=_num_sms(q.device) if PERSISTENT else _NUM_SMS))
+                                  num_sms=_num_sms(q.device) if PERSISTENT else _NUM_SMS,
+                                  v_keys_permuted=bool(v_keys_permuted)))
     u8 = torch.uint8
     o_dst, l_dst = out.view(B * qh, rows, D), lse.view(B * qh, rows)
     if splits > 1:
