@@ -14,6 +14,8 @@ import math
 
 import torch
 
+from .dense import attention
+
 __all__ = ["attention_varlen", "check_cu_seqlens"]
 
 
@@ -57,7 +59,6 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
 
     Returns ``out [total_q, H, Dv]`` in q's dtype (and the LSE). Differentiable as the dense call.
     """
-    from . import attention
 
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.dim() != 3:

@@ -1,0 +1,124 @@
+"""Dense attention ``[B, H, S, D]``: exact, or FP8-quantized (FlashAttention-3 / SageAttention scheme)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..runtime import backend_mode
+from ..tensor import QuantizedTensor
+from . import ops
+from .quantize import (
+    qk_from_quantized,
+    quantize_v,
+    v_from_quantized,
+)
+from .reference import attention_reference, lse_correction
+
+__all__ = ["attention"]
+
+_QUANT = (None, "fp8")
+
+
+def _check_input(name: str, t, device: torch.device | None) -> None:
+    if isinstance(t, QuantizedTensor):
+        if t.dim() != 4:
+            raise ValueError(f"{name}: expected a 4-D QuantizedTensor, got shape {tuple(t.shape)}")
+    elif not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.dim() != 4:
+        raise ValueError(f"{name}: expected a 4-D float tensor [B, H, S, D], got "
+                         f"{getattr(t, 'dtype', type(t))} {tuple(getattr(t, 'shape', ()))}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name}: on {t.device}, but q is on {device}")
+
+
+def attention(q, k, v, causal: bool = False, scale: float | None = None, quant: str | None = None,
+              return_lse: bool = False, *, incoherent: bool = False):
+    """Scaled dot-product attention, ``softmax(q · kᵀ · scale) · v``.
+
+    Args:
+        q: ``[B, H, Sq, D]``; k: ``[B, Hkv, Sk, D]``; v: ``[B, Hkv, Sk, Dv]`` (torch SDPA layout;
+            ``H`` a multiple of ``Hkv`` for grouped-query attention). Float dtypes.
+            With ``quant="fp8"`` they may also be already quantized (an FP8 KV cache):
+            ``QuantizedTensor``\\ s of Q or K in :data:`ATTN_QK_RECIPE` and of Vᵀ ``[B, Hkv, Dv, Sk]`` in
+            ``fp8_rowwise`` (see :func:`quantize_kv_cache`), taken as they are: a quantized input
+            stands for its dequantized value (a quantized K is not smoothed again). No gradients then.
+        causal: mask keys after the query, bottom-right aligned when ``Sq != Sk`` (query ``i``
+            sees keys ``j ≤ i + Sk − Sq``). Rows that see no key give 0 and LSE −inf.
+        scale: softmax scale, default ``1/sqrt(D)``.
+        quant: None (exact) or ``"fp8"`` (the FP8 scheme in :mod:`lowprec.attention.reference`:
+            the sm_90a kernel where it applies, else its plain-torch emulation).
+        return_lse: also return the log-sum-exp ``[B, H, Sq]`` (FP32, natural log). With
+            ``quant="fp8"`` (and from PyTorch's fused kernels on CUDA) it carries no gradient.
+        incoherent: ``quant="fp8"`` only: rotate Q and K by one random ±1 · Hadamard matrix before
+            quantizing (FlashAttention-3's incoherent processing; D a power of two). Off by default.
+
+    Exact attention (``quant=None``) on CUDA runs PyTorch's fused kernels
+    (``F.scaled_dot_product_attention``; with ``return_lse`` the flash attention op), forward and
+    backward; elsewhere the FP32 reference. ``quant="fp8"`` is differentiable: the backward is
+    exact attention's gradient from the FP8 forward's output and LSE (PyTorch's flash attention
+    backward on CUDA for fp16/bf16, plain torch elsewhere).
+
+    Decode (``Sq`` of 1..16 new queries over a long ``Sk``) is this same call: with ``causal`` the
+    queries are the last rows of the prefill (bottom-right). Packed variable-length batches:
+    :func:`attention_varlen`.
+    """
+    _check_input("q", q, None)
+    for name, t in (("k", k), ("v", v)):
+        _check_input(name, t, q.device)
+    v_transposed = isinstance(v, QuantizedTensor)
+    b, h, sq, d = q.shape
+    if k.shape[1] == 0:
+        raise ValueError(f"k: expected Hkv ≥ 1 key/value heads (dividing H={h}), got shape {tuple(k.shape)}")
+    if k.shape[0] != b or k.shape[-1] != d or h % k.shape[1]:
+        raise ValueError(f"k: expected [B={b}, Hkv dividing H={h}, Sk, D={d}], got {tuple(k.shape)}")
+    v_lead = (v.shape[0], v.shape[1], v.shape[3]) if v_transposed else tuple(v.shape[:3])
+    if v_lead != tuple(k.shape[:3]):
+        what = "Vᵀ [B, Hkv, Dv, Sk]" if v_transposed else "[B, Hkv, Sk]"
+        raise ValueError(f"v: expected {what} matching k's {tuple(k.shape[:3])}, got {tuple(v.shape)}")
+    if quant not in _QUANT:
+        raise ValueError(f"quant: expected None or 'fp8', got {quant!r}")
+    if incoherent and quant is None:
+        raise ValueError("incoherent: applies to quant='fp8' only")
+    if scale is None:
+        scale = 1.0 / math.sqrt(d)
+    scale = float(scale)
+    quantized = [n for n, t in (("q", q), ("k", k), ("v", v)) if isinstance(t, QuantizedTensor)]
+
+    if quant is None:
+        if quantized:
+            raise ValueError(f"{quantized[0]}: a QuantizedTensor input needs quant='fp8'")
+        if q.is_cuda and backend_mode() != "reference" and sq and k.shape[2]:
+            out, lse = ops.exact_cuda(q, k, v, bool(causal), scale, return_lse)
+        else:
+            out, lse = attention_reference(q, k, v, bool(causal), scale, None)
+    elif quantized:
+        out, lse = _fp8_quantized_inputs(q, k, v, bool(causal), scale, incoherent)
+    else:
+        out, lse = ops.attention_fp8(q, k, v, bool(causal), scale, bool(incoherent))
+    return (out, lse) if return_lse else out
+
+
+def _fp8_quantized_inputs(q, k, v, causal: bool, scale: float, incoherent: bool):
+    """FP8 attention where some inputs are QuantizedTensors: the others go through the pre-pass."""
+    if incoherent:
+        raise ValueError("incoherent: cannot rotate already-quantized inputs (quantize Q and K from tensors)")
+    plain = [n for n, t in (("q", q), ("k", k), ("v", v)) if isinstance(t, torch.Tensor) and t.requires_grad
+             and torch.is_grad_enabled()]
+    if plain:
+        raise ValueError(f"{plain[0]}: requires grad, but other inputs are QuantizedTensors; gradients through "
+                         "FP8 attention need q, k, v as tensors")
+    from .quantize import quantize_k, quantize_q
+
+    qc, qs = qk_from_quantized(q, "q") if isinstance(q, QuantizedTensor) else quantize_q(q)
+    if isinstance(k, QuantizedTensor):
+        (kc, ks), k_mean = qk_from_quantized(k, "k"), None
+    else:
+        kc, ks, k_mean = quantize_k(k)
+    vt, vs = v_from_quantized(v) if isinstance(v, QuantizedTensor) else quantize_v(v)
+    out_dtype = q.dtype if q.dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64) else torch.float32
+    out, lse = ops.attention_fp8_forward(qc, qs, kc, ks, vt, vs, causal, scale, out_dtype)
+    if k_mean is not None:
+        q_exact = q.dequantize(torch.float32) if isinstance(q, QuantizedTensor) else q
+        lse = lse + lse_correction(q_exact, k_mean, scale)
+    return out, lse
