@@ -27,7 +27,9 @@ _FP32_MIN_SUBNORMAL = 2.0**-149
 
 def _div(a: torch.Tensor, b: float | torch.Tensor) -> torch.Tensor:
     """IEEE division on every device (CUDA turns division by a Python scalar into a reciprocal multiply)."""
-    return a / torch.as_tensor(b, dtype=a.dtype, device=a.device)
+    if isinstance(b, torch.Tensor):
+        return a / b.to(dtype=a.dtype, device=a.device)
+    return a / torch.full((), b, dtype=a.dtype, device=a.device)  # a fill, not a host copy: CUDA-graph capturable
 
 
 def _pow2_ceil(s: torch.Tensor) -> torch.Tensor:
