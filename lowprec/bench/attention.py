@@ -133,9 +133,13 @@ def _peers(s: Shape, q, k, v, fp8_reason: str | None) -> dict:
     if fp8_reason is None:
         from ..attention import quantize_qkv
         from ..attention.sm90.interface import fp8_attention_forward
+        from ..runtime import registry
 
-        peers["lowprec-fp8+quant"] = lambda: lowprec.attention(q, k, v, causal=causal, quant="fp8")
         x = quantize_qkv(q, k, v)
+        served = registry.why_no_kernel("attention_fp8", q.device, x.q, x.q_scale, x.k, x.k_scale, x.v_t,
+                                        x.v_scale, causal, s.d ** -0.5, torch.bfloat16)
+        peers["lowprec-fp8+quant"] = (lambda: lowprec.attention(q, k, v, causal=causal, quant="fp8")) \
+            if served is None else f"missing: {served}"
         peers["lowprec-fp8-kernel"] = lambda: fp8_attention_forward(
             x.q, x.q_scale, x.k, x.k_scale, x.v_t, x.v_scale, causal=causal, softmax_scale=s.d ** -0.5,
             out_dtype=torch.bfloat16)[0]

@@ -129,13 +129,15 @@ def test_compile_fullgraph_matches_eager_forward_and_backward():
 
 
 def test_kernel_eligibility_reasons():
-    q, k, v = _qkv(sq=40, sk=70, d=64, dtype=torch.bfloat16)
+    q, k, v = _qkv(sq=40, sk=70, d=128, dtype=torch.bfloat16)
     x = quantize_qkv(q, k, v)
+
     def why(q, k, v_t, out_dtype):
         return attention_unsupported(q, x.q_scale, k, x.k_scale, v_t, x.v_scale, False, 1.0, out_dtype)
 
     assert why(x.q, x.k, x.v_t, torch.bfloat16) is None
     assert "head dims" in why(x.q[..., :48], x.k, x.v_t, torch.bfloat16)
+    assert "not run on a GPU" in why(x.q[..., :64], x.k[..., :64], x.v_t[..., :64, :], torch.bfloat16)
     assert "output dtype" in why(x.q, x.k, x.v_t, torch.float32)
     assert "empty" in why(x.q, x.k[..., :0, :], x.v_t, torch.bfloat16)
 

@@ -249,7 +249,7 @@ def test_the_registry_serves_fp8_attention_on_hopper_only():
     kernel = registry.registered("attention_fp8")["sm_90a"]
     assert kernel.load().__name__ == "attention_fp8_forward_op"
     q = torch.zeros(1, 1, 8, 96, dtype=F8)
-    assert "supports D = Dv in (64, 128, 256)" in kernel.why_not(q, None, q, None, torch.zeros(1, 1, 96, 16, dtype=F8),
+    assert "serves D = Dv in (128,)" in kernel.why_not(q, None, q, None, torch.zeros(1, 1, 96, 16, dtype=F8),
                                                                  None, False, 1.0, torch.bfloat16)
 
 
