@@ -15,18 +15,13 @@ contract (CONTRACT.md).
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import re
 
 import pytest
 import torch
 
-HAS_CUTLASS = importlib.util.find_spec("cutlass") is not None
-HAS_GPU = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
-needs_cutlass = pytest.mark.skipif(not HAS_CUTLASS, reason="nvidia-cutlass-dsl not installed")
-gpu = pytest.mark.gpu
-needs_gpu = pytest.mark.skipif(not (HAS_GPU and HAS_CUTLASS), reason="needs an sm_90 GPU")
+from ..hopper import gpu, needs_cutlass, needs_gpu
 
 F8 = torch.float8_e4m3fn
 F8_MAX = 448.0
