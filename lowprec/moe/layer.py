@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..nn.buffers import QuantizedBuffersModule
+from ..nn.functional import follow_autocast
 from ..quant import quantize
 from ..recipes import get_recipe
 from ..tensor import QuantizedTensor
@@ -60,7 +61,8 @@ def experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
             come from a top-k over E experts (as in :class:`MoE`, which never checks).
 
     Returns:
-        ``[T, H]`` in ``x``'s dtype; tokens whose slots were all dropped give 0.
+        ``[T, H]`` in ``x``'s dtype (the autocast dtype inside ``torch.autocast``, as ``nn.Linear``;
+        gradients come back in each input's dtype); tokens whose slots were all dropped give 0.
 
     Under ``torch.compile`` (no graph break, :mod:`lowprec.moe.ops`) a call that needs no gradient
     is one custom op (``lowprec::moe_experts``, CUDA-graph capturable with ``check_ids=False``);
@@ -68,11 +70,13 @@ def experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
     weights quantized in the traced graph. Both give the eager result bit for bit.
     """
     _check_experts_args(x, topk_weights, topk_ids, w1, w2, recipe, activation)
-    if torch.compiler.is_compiling():
-        return traced_experts(x, topk_weights, topk_ids, w1, w2, recipe, capacity_factor, drop_policy, activation,
-                              check_ids)
-    return _dispatch_and_apply(x, topk_weights, topk_ids, w1, w2, recipe, capacity_factor, drop_policy, activation,
-                               check_ids)
+    x, autocast_off = follow_autocast(x)
+    with autocast_off:
+        if torch.compiler.is_compiling():
+            return traced_experts(x, topk_weights, topk_ids, w1, w2, recipe, capacity_factor, drop_policy,
+                                  activation, check_ids)
+        return _dispatch_and_apply(x, topk_weights, topk_ids, w1, w2, recipe, capacity_factor, drop_policy,
+                                   activation, check_ids)
 
 
 class MoE(nn.Module):
@@ -162,16 +166,17 @@ def _route_and_apply(module: MoE | FP8InferenceMoE, x: torch.Tensor, w1, w2, rec
                          f"{getattr(x, 'dtype', type(x))} {tuple(getattr(x, 'shape', ()))}")
     config = (module.top_k, module.score_func, module.renormalize, module.capacity_factor, module.drop_policy,
               module.activation)
-    tokens = x.reshape(-1, module.hidden_size)
-    if torch.compiler.is_compiling() and not return_routing:
-        if not _needs_grad(x, module.router.weight, w1, w2):
-            return moe_layer(tokens, module.router.weight, *split_weight(w1), *split_weight(w2), recipe,
-                             *config).reshape(x.shape)
-        weights, ids = select_experts(F.linear(tokens.float(), module.router.weight.float()), module.top_k,
-                                      score_func=module.score_func, renormalize=module.renormalize)
-        return traced_experts(tokens, weights, ids, w1, w2, recipe, module.capacity_factor, module.drop_policy,
-                              module.activation, False).reshape(x.shape)
-    y, routing = _route_and_apply_eager(tokens, module.router.weight, w1, w2, recipe, *config)
+    tokens, autocast_off = follow_autocast(x.reshape(-1, module.hidden_size))
+    with autocast_off:  # the router stays FP32
+        if torch.compiler.is_compiling() and not return_routing:
+            if not _needs_grad(x, module.router.weight, w1, w2):
+                return moe_layer(tokens, module.router.weight, *split_weight(w1), *split_weight(w2), recipe,
+                                 *config).reshape(x.shape)
+            weights, ids = select_experts(F.linear(tokens.float(), module.router.weight.float()), module.top_k,
+                                          score_func=module.score_func, renormalize=module.renormalize)
+            return traced_experts(tokens, weights, ids, w1, w2, recipe, module.capacity_factor, module.drop_policy,
+                                  module.activation, False).reshape(x.shape)
+        y, routing = _route_and_apply_eager(tokens, module.router.weight, w1, w2, recipe, *config)
     return (y.reshape(x.shape), routing) if return_routing else y.reshape(x.shape)
 
 

@@ -13,6 +13,8 @@ Master weights keep their dtype; gradients come back in it.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from ..gemm import gemm
@@ -21,10 +23,21 @@ from ..recipes import LINEAR_RECIPES, LinearRecipe, get_linear_recipe
 from ..tensor import flatten_all, unflatten_all
 from .weight_cache import quantize_weight
 
-__all__ = ["LinearRecipe", "LINEAR_RECIPES", "get_linear_recipe", "fp8_linear"]
+__all__ = ["LinearRecipe", "LINEAR_RECIPES", "get_linear_recipe", "fp8_linear", "follow_autocast"]
 
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def follow_autocast(x: torch.Tensor) -> tuple[torch.Tensor, contextlib.AbstractContextManager]:
+    """``x`` as ``nn.Linear`` sees it under ``torch.autocast`` for ``x``'s device (cast to the
+    autocast dtype, differentiably: its gradient comes back in ``x``'s dtype), else ``x``; and a
+    context that turns autocast off for lowprec's own ops, which choose their dtypes themselves
+    (master weights are quantized from their own dtype, not from a half-precision copy)."""
+    device_type = x.device.type
+    if not torch.is_autocast_enabled(device_type):
+        return x, contextlib.nullcontext()
+    return x.to(torch.get_autocast_dtype(device_type)), torch.autocast(device_type, enabled=False)
 
 
 class _FP8Linear(torch.autograd.Function):
@@ -69,7 +82,9 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     """``x · weightᵀ + bias`` with FP8 GEMMs forward and backward (see module doc).
 
     Args:
-        x: ``[..., in_features]`` float32 / bfloat16 / float16; the output has its dtype.
+        x: ``[..., in_features]`` float32 / bfloat16 / float16; the output has its dtype, or
+            the autocast dtype inside ``torch.autocast`` (as ``nn.Linear``'s; gradients come back
+            in each input's dtype).
         weight: ``[out_features, in_features]`` master weight (any float dtype; it is quantized
             on every call, so optimizer updates are seen, or once per
             :func:`~lowprec.nn.reuse_quantized_weights` block).
@@ -85,12 +100,13 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
                          f"({tuple(weight.shape)} is [out_features, in_features])")
     if bias is not None and bias.shape != (weight.shape[0],):
         raise ValueError(f"bias: expected shape ({weight.shape[0]},), got {tuple(bias.shape)}")
-    x2 = x.reshape(-1, x.shape[-1])
+    x2, autocast_off = follow_autocast(x.reshape(-1, x.shape[-1]))
     bias32 = None if bias is None else bias.to(torch.float32)
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias)):
-        y = _FP8Linear.apply(x2, weight, bias32, r)
-    else:  # evaluation: no transposed copies to make or save
-        x_q = quantize(x2, r.activation, check_finite=False)
-        w_q, _ = quantize_weight(weight, r.weight, with_transpose=False)
-        y = gemm(x_q, w_q, out_dtype=x2.dtype, bias=bias32)
+    with autocast_off:
+        if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias)):
+            y = _FP8Linear.apply(x2, weight, bias32, r)
+        else:  # evaluation: no transposed copies to make or save
+            x_q = quantize(x2, r.activation, check_finite=False)
+            w_q, _ = quantize_weight(weight, r.weight, with_transpose=False)
+            y = gemm(x_q, w_q, out_dtype=x2.dtype, bias=bias32)
     return y.reshape(*x.shape[:-1], weight.shape[0])

@@ -13,7 +13,7 @@ from ..quant import quantize
 from ..recipes import get_recipe
 from ..tensor import QuantizedTensor
 from .buffers import QuantizedBuffersModule
-from .functional import LinearRecipe, fp8_linear, get_linear_recipe
+from .functional import LinearRecipe, follow_autocast, fp8_linear, get_linear_recipe
 
 __all__ = ["FP8Linear", "FP8InferenceLinear", "convert"]
 
@@ -136,13 +136,14 @@ class FP8InferenceLinear(QuantizedBuffersModule):
             raise TypeError(f"x: expected a float32/bfloat16/float16 tensor, got {getattr(x, 'dtype', type(x))}")
         if x.shape[-1] != self.in_features:
             raise ValueError(f"x: last dim must be in_features={self.in_features}, got shape {tuple(x.shape)}")
-        x2 = x.reshape(-1, self.in_features)
+        x2, autocast_off = follow_autocast(x.reshape(-1, self.in_features))
         bias = None if self.bias is None else self.bias.float()
-        if torch.is_grad_enabled() and x.requires_grad:
-            y = _FrozenFP8Linear.apply(x2, self.quantized_weight(), bias, self.recipe)
-        else:
-            x_q = quantize(x2, self.recipe.activation, check_finite=False)
-            y = gemm(x_q, self.quantized_weight(), out_dtype=x.dtype, bias=bias)
+        with autocast_off:
+            if torch.is_grad_enabled() and x.requires_grad:
+                y = _FrozenFP8Linear.apply(x2, self.quantized_weight(), bias, self.recipe)
+            else:
+                x_q = quantize(x2, self.recipe.activation, check_finite=False)
+                y = gemm(x_q, self.quantized_weight(), out_dtype=x2.dtype, bias=bias)
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
