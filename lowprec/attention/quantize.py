@@ -11,7 +11,10 @@ The kernel contract (``lowprec/attention/sm90/CONTRACT.md``), per batch and head
 Scales are dequantization multipliers computed as :func:`lowprec.quant.reference.quantize_reference`
 does (amax / 448, IEEE division, all-zero blocks scale 1): the same recipes as a ``QuantizedTensor``.
 
-Plain torch today (a handful of elementwise and reduction kernels per tensor, no loop over blocks).
+Where the shapes allow (S a multiple of 128 and D <= 128 for Q and K; V always) the blocks are
+quantized by :func:`lowprec.quantize` with the recipes that compute the same thing (128x128 on the
+[B·H·S, D] view, rowwise on Vᵀ), so on Hopper by the quantize kernels, bit-identical to the
+reference; K's mean and subtraction, V's transpose and padding are torch ops.
 TODO(kernel): one fused memory-bound CuTe DSL pre-pass (Q; K with its mean; V with its transpose)
 behind :func:`quantize_qkv`, as issue 25 item 2 asks; its outputs must stay bit-identical to these.
 
@@ -28,6 +31,7 @@ from typing import NamedTuple
 
 import torch
 
+from ..quant import quantize
 from ..quant.reference import quantize_reference
 from ..recipes import WHOLE, ScaleRecipe, get_recipe
 from ..tensor import QuantizedTensor
@@ -71,13 +75,19 @@ def hadamard_rotation(d: int, device: torch.device | str = "cpu") -> torch.Tenso
 
 
 def _rotate(x: torch.Tensor, incoherent: bool) -> torch.Tensor:
-    """``x`` in FP32, times the Hadamard rotation when ``incoherent``."""
-    xf = x.float()
-    return xf @ hadamard_rotation(x.shape[-1], x.device) if incoherent else xf
+    """``x`` times the Hadamard rotation in FP32 when ``incoherent``, else ``x`` as it is (the
+    quantizers compute in FP32 whatever the input dtype)."""
+    return x.float() @ hadamard_rotation(x.shape[-1], x.device) if incoherent else x
 
 
 def _blocks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """E4M3 codes of ``x`` ``[B, H, S, D]`` FP32 and its scales ``[B, H, ceil(S/128)]``."""
+    """E4M3 codes of ``x`` ``[B, H, S, D]`` and its scales ``[B, H, ceil(S/128)]``."""
+    b, h, s, d = x.shape
+    if s % ATTN_BLOCK == 0 and d <= ATTN_BLOCK and x.dtype != torch.float64 and x.numel():
+        # no 128-token block straddles two heads of the [B·H·S, D] view, and with D <= 128 a 128x128
+        # block of it is one whole 128 x D block: the 128x128 quantizer (a Hopper kernel) is this recipe
+        qt = quantize(x.reshape(-1, d), "fp8_block128x128", check_finite=False)
+        return qt.data.view(b, h, s, d), qt.scale.view(b, h, s // ATTN_BLOCK)
     qt = quantize_reference(x, ATTN_QK_RECIPE)
     # contiguous as the kernel reads them (a strided input, e.g. a varlen slice, keeps its strides)
     return qt.data.contiguous(), qt.scale.squeeze(-1).contiguous()
@@ -94,7 +104,7 @@ def quantize_k(k: torch.Tensor, smooth: bool = True, incoherent: bool = False
 
     The mean of no tokens (Sk = 0) is 0. With ``incoherent`` K is rotated first and the mean is
     that of the rotated K (the LSE correction then uses the rotated Q: the same product)."""
-    kf = _rotate(k, incoherent)
+    kf = _rotate(k, incoherent).float()
     if smooth:
         k_mean = kf.sum(dim=-2, keepdim=True) / max(kf.shape[-2], 1)
         kf = kf - k_mean
@@ -109,9 +119,13 @@ def quantize_v(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
     The zero padding leaves every channel's amax, so its scale, unchanged."""
     sk = v.shape[-2]
-    padded = torch.nn.functional.pad(v.float(), (0, 0, 0, -sk % V_PAD))
-    qt = quantize_reference(padded.transpose(-1, -2), _V_RECIPE)
-    return qt.data.contiguous(), qt.scale.squeeze(-1)
+    v_t = torch.nn.functional.pad(v, (0, 0, 0, -sk % V_PAD)).transpose(-1, -2)
+    if v.dtype == torch.float64 or not v_t.numel():
+        qt = quantize_reference(v_t, _V_RECIPE)
+        return qt.data.contiguous(), qt.scale.squeeze(-1)
+    # rows of Vᵀ contiguous: the rowwise quantizer (a Hopper kernel) over [B·Hkv·Dv, Sk_pad]
+    qt = quantize(v_t.contiguous().view(-1, v_t.shape[-1]), _V_RECIPE, check_finite=False)
+    return qt.data.view(v_t.shape), qt.scale.view(v_t.shape[:-1])
 
 
 def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, smooth: bool = True,

@@ -97,7 +97,7 @@ def fp8_forward_reference(q, q_scale, k, k_scale, v_t, v_scale, causal: bool, sc
 def lse_correction(q: torch.Tensor, k_mean: torch.Tensor, scale: float, incoherent: bool = False) -> torch.Tensor:
     """``scale · q·k_mean`` per row ``[B, H, Sq]`` FP32 (exact Q; rotated as K was): the smoothing's
     shift of each score row, added to the kernel's LSE to give the LSE of the unsmoothed scores."""
-    qf = _rotate(q, incoherent)
+    qf = _rotate(q, incoherent).float()
     mean = _expand_kv(k_mean[:, :, :, None], q.shape[1])  # [B, H, D, 1]
     return (qf @ mean).squeeze(-1) * scale
 
