@@ -77,18 +77,23 @@ def load_arch_packages(package: str, path) -> None:
             importlib.import_module(f"{package}.{info.name}")
 
 
-def why_no_kernel(op: str, device: torch.device, *args, **kwargs) -> str | None:
-    """Why no kernel of ``op`` serves these arguments on ``device`` (None: one does), ignoring
-    the backend policy."""
+def _serving(op: str, device: torch.device, args, kwargs) -> tuple[Kernel | None, str | None]:
+    """The kernel of ``op`` on ``device``'s arch and why it cannot take the arguments (None: it can)."""
     kernels = _registry.get(op, {})
     arch = device_arch(device)
     kernel = kernels.get(arch)
     if kernel is None:
-        return f"no {op} kernel for device {device} (arch {arch}; kernels for {sorted(kernels)})"
+        return None, f"no {op} kernel for device {device} (arch {arch}; kernels for {sorted(kernels)})"
     reason = kernel.why_not(*args, **kwargs)
     if reason is None and not dsl_available():
         reason = "CuTe DSL (nvidia-cutlass-dsl) does not import"
-    return reason
+    return kernel, reason
+
+
+def why_no_kernel(op: str, device: torch.device, *args, **kwargs) -> str | None:
+    """Why no kernel of ``op`` serves these arguments on ``device`` (None: one does), ignoring
+    the backend policy."""
+    return _serving(op, device, args, kwargs)[1]
 
 
 def kernel_for(op: str, device: torch.device, *args, **kwargs) -> Callable | None:
@@ -101,12 +106,12 @@ def kernel_for(op: str, device: torch.device, *args, **kwargs) -> Callable | Non
     mode = backend_mode()
     if mode == "reference" or torch.compiler.is_compiling():
         return None
-    reason = why_no_kernel(op, device, *args, **kwargs)
+    kernel, reason = _serving(op, device, args, kwargs)
     if reason is not None:
         if mode == "kernel":
             raise RuntimeError(f"LOWPREC_BACKEND=kernel but {op} cannot run a kernel: {reason}")
         return None
-    return _registry[op][device_arch(device)].load()
+    return kernel.load()
 
 
 def run(op: str, device: torch.device, args: tuple, reference: Callable[[], T],
