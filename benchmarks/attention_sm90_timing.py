@@ -1,7 +1,7 @@
 # ruff: noqa: B023, E501  (scratch script: lambdas timed inside their own iteration)
 """Scratch timing of the sm_90a FP8 attention kernel (kernel only, inputs pre-quantized) against
 SDPA bf16 (flash and cuDNN backends) in the same process. Usage:
-    python benchmarks/attention_sm90_timing.py [--quick] [--serial] [--pingpong] [--decode] [--pack] [--persistent] [--vperm]
+    python benchmarks/attention_sm90_timing.py [--quick] [--serial] [--pingpong] [--decode] [--pack] [--persistent] [--vperm] [--prepass]
 Prints one line per shape and backend: ms (median of do_bench), TFLOPS (causal counts half)."""
 
 from __future__ import annotations
@@ -13,10 +13,9 @@ import torch
 import torch.nn.functional as F
 from triton.testing import do_bench
 
-sys.path.insert(0, "tests/attention")
-from test_sm90 import quantize_inputs  # noqa: E402
-
+sys.path.insert(0, ".")
 from lowprec.attention.sm90.interface import fp8_attention_forward  # noqa: E402
+from tests.attention.test_sm90 import quantize_inputs  # noqa: E402
 
 SHAPES = [  # B, H, Hkv, Sq, Sk, D, causal
     (4, 32, 32, 4096, 4096, 128, False),
@@ -53,6 +52,13 @@ def main():
         cos = F.cosine_similarity(out.float().flatten(), ref.float().flatten(), dim=0).item()
         from lowprec.attention.sm90 import interface
         res = {"fp8": do_bench(fn, warmup=100, rep=500, return_mode="median")}
+        if "--prepass" in sys.argv:
+            import lowprec
+            from lowprec.attention.quantize import quantize_qkv
+            res["fp8_prepass_only"] = do_bench(lambda: quantize_qkv(q, k, v), warmup=20, rep=200, return_mode="median")
+            full = lambda: lowprec.attention(q, k, v, causal=causal, quant="fp8")  # noqa: E731
+            full()
+            res["fp8_with_quant"] = do_bench(full, warmup=20, rep=200, return_mode="median")
         if D <= 128 and "--serial" in sys.argv:
             interface.OVERLAP = False
             fn()

@@ -137,7 +137,8 @@ def test_kernel_eligibility_reasons():
 
     assert why(x.q, x.k, x.v_t, torch.bfloat16) is None
     assert "head dims" in why(x.q[..., :48], x.k, x.v_t, torch.bfloat16)
-    assert "not run on a GPU" in why(x.q[..., :64], x.k[..., :64], x.v_t[..., :64, :], torch.bfloat16)
+    assert why(x.q[..., :64], x.k[..., :64], x.v_t[..., :64, :], torch.bfloat16) is None
+    assert "Dv=64" in why(x.q, x.k, x.v_t[..., :64, :], torch.bfloat16)
     assert "output dtype" in why(x.q, x.k, x.v_t, torch.float32)
     assert "empty" in why(x.q, x.k[..., :0, :], x.v_t, torch.bfloat16)
 

@@ -175,8 +175,12 @@ def test_matches_emulation(case):
     err_emu = (emu - ref).abs()
     assert err.max() <= 2 * err_emu.max() + 2e-3, (err.max().item(), err_emu.max().item())
     assert err.mean() <= 1.1 * err_emu.mean() + 1e-4, (err.mean().item(), err_emu.mean().item())
-    # the kernel against its own spec: only FP32 rounding and bf16 output separate them
-    assert (o.double() - emu).abs().max() <= 2e-2 * emu.abs().max() + 1e-3
+    # the kernel against its own spec: FP32 rounding (ex2.approx) may move 448·p across an E4M3
+    # rounding boundary; one code step is at most 32/448 = 7% of a P entry, so the max allows that
+    # in a row of few keys (H100: 2e-2 failed once at GQA B2 S384 causal) and the mean stays tight
+    diff = (o.double() - emu).abs()
+    assert diff.max() <= 0.08 * emu.abs().max() + 1e-3, (diff.max().item(), emu.abs().max().item())
+    assert diff.mean() <= 1e-2 * emu.abs().mean() + 1e-4, (diff.mean().item(), emu.abs().mean().item())
     dead = torch.isinf(emu_lse)
     assert torch.equal(torch.isinf(lse), dead) and (lse[dead] < 0).all()
     assert (o[dead] == 0).all()
@@ -186,7 +190,7 @@ def test_matches_emulation(case):
     assert (lse[live].double() - emu_lse[live]).abs().max() <= 2e-3
 
 
-# Variants behind interface flags (default off until measured): each runs a few cases.
+# Variants behind interface flags (each flipped from its default): each runs a few cases.
 VARIANT_CASES = [
     (2, 8, 2, 1, 1000, 128, False),
     (2, 8, 2, 16, 1000, 128, True),
@@ -208,9 +212,9 @@ VARIANT_CASES = [
 def test_variants_match_emulation(flags, case, monkeypatch):
     from lowprec.attention.sm90 import interface
 
-    for flag in flags:  # OVERLAP: the serial kernel (the flag's default is on); V_KEY_PERM: an argument
-        if flag != "V_KEY_PERM":
-            monkeypatch.setattr(interface, flag, flag != "OVERLAP")
+    for flag in flags:  # each flag flipped from its default (OVERLAP: the serial kernel, PACK_GQA: unpacked
+        if flag != "V_KEY_PERM":  # GQA decode); V_KEY_PERM: an argument
+            monkeypatch.setattr(interface, flag, not getattr(interface, flag))
     o, lse, emu, emu_lse, ref, _ = _run(*case, v_perm="V_KEY_PERM" in flags)
     err, err_emu = (o.double() - ref).abs(), (emu - ref).abs()
     assert err.max() <= 2 * err_emu.max() + 2e-3, (err.max().item(), err_emu.max().item())
@@ -244,7 +248,7 @@ def test_the_registry_serves_fp8_attention_on_hopper_only():
     kernel = registry.registered("attention_fp8")["sm_90a"]
     assert kernel.load().__name__ == "attention_fp8_forward_op"
     q = torch.zeros(1, 1, 8, 96, dtype=F8)
-    assert "serves D = Dv in (128,)" in kernel.why_not(q, None, q, None, torch.zeros(1, 1, 96, 16, dtype=F8),
+    assert "serves D = Dv in (64, 128, 256)" in kernel.why_not(q, None, q, None, torch.zeros(1, 1, 96, 16, dtype=F8),
                                                                  None, False, 1.0, torch.bfloat16)
 
 

@@ -292,11 +292,12 @@ class FP8AttentionFwdSm90:
                     total = m_blocks * heads * zdim
                     tile = cute.arch.block_idx()[0]
                     while tile < total:
-                        self._produce_tile(loads, self._tile_info(self._linear_tile(tile, dims), dims),
-                                           q_state, state)
+                        q_state, state = self._produce_tile(
+                            loads, self._tile_info(self._linear_tile(tile, dims), dims), q_state, state)
                         tile += cute.arch.grid_dim()[0]
                 else:
-                    self._produce_tile(loads, self._tile_info(self._grid_tile(dims), dims), q_state, state)
+                    q_state, state = self._produce_tile(
+                        loads, self._tile_info(self._grid_tile(dims), dims), q_state, state)
                 # producer_tail advances the state it is given: one copy per pipeline
                 pipe_k.producer_tail(state.clone())
                 pipe_v.producer_tail(state)
@@ -364,7 +365,9 @@ class FP8AttentionFwdSm90:
 
     @cute.jit
     def _produce_tile(self, loads, info, q_state, state):
-        """TMA producer (one warp) of one tile: Q, then K and Vᵀ of its KV blocks."""
+        """TMA producer (one warp) of one tile: Q, then K and Vᵀ of its KV blocks. Returns the
+        advanced states: the DSL rebinds a state advanced in a dynamic loop to a new object, so
+        the caller's must be replaced (else the producer tail and the next tile start over)."""
         tma_q, tma_k, tma_v, mQ, mK, mVt, sQ, sK, sV, pipe_q, pipe_k, pipe_v = loads
         m_block, bh, bh_kv, bh_out, m0, n_lo, n_max, n_full = info
         d = self.head_dim
@@ -388,6 +391,7 @@ class FP8AttentionFwdSm90:
             cute.copy(tma_v, tVgV[(None, n)], tVsV[(None, state.index)],
                       tma_bar_ptr=pipe_v.producer_get_barrier(state))
             state.advance()
+        return q_state, state
 
     # ------------------------------------------------------------------ consumers
     @cute.jit
@@ -456,8 +460,9 @@ class FP8AttentionFwdSm90:
             total = dims[0] * dims[1] * dims[2]
             tile = cute.arch.block_idx()[0]
             while tile < total:
-                self._consume_tile(self._tile_info(self._linear_tile(tile, dims), dims), dims, wg, regs,
-                                   qk, pv, gm, pipes, q_state, k_state, v_state)
+                q_state, k_state, v_state = self._consume_tile(
+                    self._tile_info(self._linear_tile(tile, dims), dims), dims, wg, regs, qk, pv, gm, pipes,
+                    q_state, k_state, v_state)
                 tile += cute.arch.grid_dim()[0]
         else:
             self._consume_tile(self._tile_info(self._grid_tile(dims), dims), dims, wg, regs,
@@ -465,7 +470,8 @@ class FP8AttentionFwdSm90:
 
     @cute.jit
     def _consume_tile(self, info, dims, wg, regs, qk, pv, gm, pipes, q_state, k_state, v_state):
-        """One tile of one consumer warpgroup: the KV-block loop and the epilogue."""
+        """One tile of one consumer warpgroup: the KV-block loop and the epilogue. Returns the
+        advanced pipeline states (see _produce_tile)."""
         m_block, bh, bh_kv, bh_out, m0, n_lo, n_max, n_full = info
         pack_sq, seqlen_q, seqlen_k = dims[4], dims[5], dims[6]
         acc_s, blk, acc_o, p_words, row_l, col_l, quad, ocol_l, shuf = regs
@@ -600,6 +606,7 @@ class FP8AttentionFwdSm90:
                         if row < seqlen_q:
                             v = e + 2 * r + 4 * j
                             mO[(row, col, bh_out)] = (acc_o[ch * n_blk + v] * (vs * inv[r])).to(self.out_dtype)
+        return q_state, k_state, v_state
 
     @cute.jit
     def _sched_sync(self, wg):
