@@ -54,8 +54,12 @@ def main():
         res = {"fp8": do_bench(fn, warmup=100, rep=500, return_mode="median")}
         if "--prepass" in sys.argv:
             import lowprec
-            from lowprec.attention.quantize import quantize_qkv
+            from lowprec.attention.quantize import quantize_k, quantize_q, quantize_qkv, quantize_v
             res["fp8_prepass_only"] = do_bench(lambda: quantize_qkv(q, k, v), warmup=20, rep=200, return_mode="median")
+            for part, f in (("q", lambda: quantize_q(q)), ("k", lambda: quantize_k(k)), ("v", lambda: quantize_v(v)),
+                            ("q_128x128", lambda: lowprec.quantize(q.reshape(-1, D), "fp8_block128x128",
+                                                                    check_finite=False))):
+                res[f"fp8_prepass_{part}"] = do_bench(f, warmup=20, rep=200, return_mode="median")
             full = lambda: lowprec.attention(q, k, v, causal=causal, quant="fp8")  # noqa: E731
             full()
             res["fp8_with_quant"] = do_bench(full, warmup=20, rep=200, return_mode="median")

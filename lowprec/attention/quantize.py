@@ -11,10 +11,10 @@ The kernel contract (``lowprec/attention/sm90/CONTRACT.md``), per batch and head
 Scales are dequantization multipliers computed as :func:`lowprec.quant.reference.quantize_reference`
 does (amax / 448, IEEE division, all-zero blocks scale 1): the same recipes as a ``QuantizedTensor``.
 
-Where the shapes allow (S a multiple of 128 and D <= 128 for Q and K; V always) the blocks are
-quantized by :func:`lowprec.quantize` with the recipes that compute the same thing (128x128 on the
-[B·H·S, D] view, rowwise on Vᵀ), so on Hopper by the quantize kernels, bit-identical to the
-reference; K's mean and subtraction, V's transpose and padding are torch ops.
+Where the shapes allow (S a multiple of 128 for Q and K; V always) the blocks are quantized by
+:func:`lowprec.quantize` with the recipe that computes the same thing (rowwise on the
+[B·H·S/128, 128·D] view of Q and K, and on Vᵀ), so on Hopper by the quantize kernels, bit-identical
+to the reference; K's mean and subtraction, V's transpose and padding are torch ops.
 TODO(kernel): one fused memory-bound CuTe DSL pre-pass (Q; K with its mean; V with its transpose)
 behind :func:`quantize_qkv`, as issue 25 item 2 asks; its outputs must stay bit-identical to these.
 
@@ -43,7 +43,7 @@ ATTN_BLOCK = 128
 V_PAD = 16  # v_t's token dim is padded to a multiple of this (16-byte TMA rows)
 # Q and K: E4M3, one FP32 scale per block of 128 tokens × the head dim, per (batch, head)
 ATTN_QK_RECIPE = ScaleRecipe("fp8_attn_qk", (ATTN_BLOCK, WHOLE))
-_V_RECIPE = get_recipe("fp8_rowwise")  # on Vᵀ: one scale per channel over all tokens
+_ROWWISE = get_recipe("fp8_rowwise")  # Vᵀ: one scale per channel; Q, K: one per 128-token row of a view
 _HADAMARD_SEED = 0x1A77
 
 
@@ -83,10 +83,10 @@ def _rotate(x: torch.Tensor, incoherent: bool) -> torch.Tensor:
 def _blocks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """E4M3 codes of ``x`` ``[B, H, S, D]`` and its scales ``[B, H, ceil(S/128)]``."""
     b, h, s, d = x.shape
-    if s % ATTN_BLOCK == 0 and d <= ATTN_BLOCK and x.dtype != torch.float64 and x.numel():
-        # no 128-token block straddles two heads of the [B·H·S, D] view, and with D <= 128 a 128x128
-        # block of it is one whole 128 x D block: the 128x128 quantizer (a Hopper kernel) is this recipe
-        qt = quantize(x.reshape(-1, d), "fp8_block128x128", check_finite=False)
+    if s % ATTN_BLOCK == 0 and x.dtype != torch.float64 and x.numel():
+        # one 128-token block of one head is one row of the [B·H·S/128, 128·D] view: the rowwise
+        # quantizer (a Hopper kernel) computes this recipe
+        qt = quantize(x.reshape(-1, ATTN_BLOCK * d), _ROWWISE, check_finite=False)
         return qt.data.view(b, h, s, d), qt.scale.view(b, h, s // ATTN_BLOCK)
     qt = quantize_reference(x, ATTN_QK_RECIPE)
     # contiguous as the kernel reads them (a strided input, e.g. a varlen slice, keeps its strides)
@@ -104,13 +104,14 @@ def quantize_k(k: torch.Tensor, smooth: bool = True, incoherent: bool = False
 
     The mean of no tokens (Sk = 0) is 0. With ``incoherent`` K is rotated first and the mean is
     that of the rotated K (the LSE correction then uses the rotated Q: the same product)."""
-    kf = _rotate(k, incoherent).float()
+    kr = _rotate(k, incoherent)
     if smooth:
-        k_mean = kf.sum(dim=-2, keepdim=True) / max(kf.shape[-2], 1)
-        kf = kf - k_mean
+        # FP32 sum read straight from the input dtype, the difference in FP32 (no FP32 copy of K)
+        k_mean = kr.sum(dim=-2, keepdim=True, dtype=torch.float32) / max(kr.shape[-2], 1)
+        codes, scales = _blocks(torch.sub(kr, k_mean))
     else:
-        k_mean = kf.new_zeros(*kf.shape[:-2], 1, kf.shape[-1])
-    codes, scales = _blocks(kf)
+        k_mean = torch.zeros(*kr.shape[:-2], 1, kr.shape[-1], dtype=torch.float32, device=kr.device)
+        codes, scales = _blocks(kr)
     return codes, scales, k_mean.squeeze(-2)
 
 
@@ -118,13 +119,13 @@ def quantize_v(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(v_t codes [B, Hkv, Dv, round_up(Sk, 16)], v_scale [B, Hkv, Dv])``: per channel, transposed.
 
     The zero padding leaves every channel's amax, so its scale, unchanged."""
-    sk = v.shape[-2]
-    v_t = torch.nn.functional.pad(v, (0, 0, 0, -sk % V_PAD)).transpose(-1, -2)
+    pad = -v.shape[-2] % V_PAD
+    v_t = (torch.nn.functional.pad(v, (0, 0, 0, pad)) if pad else v).transpose(-1, -2)
     if v.dtype == torch.float64 or not v_t.numel():
-        qt = quantize_reference(v_t, _V_RECIPE)
+        qt = quantize_reference(v_t, _ROWWISE)
         return qt.data.contiguous(), qt.scale.squeeze(-1)
     # rows of Vᵀ contiguous: the rowwise quantizer (a Hopper kernel) over [B·Hkv·Dv, Sk_pad]
-    qt = quantize(v_t.contiguous().view(-1, v_t.shape[-1]), _V_RECIPE, check_finite=False)
+    qt = quantize(v_t.contiguous().view(-1, v_t.shape[-1]), _ROWWISE, check_finite=False)
     return qt.data.view(v_t.shape), qt.scale.view(v_t.shape[:-1])
 
 
@@ -154,7 +155,7 @@ def quantize_kv_cache(k: torch.Tensor, v: torch.Tensor) -> tuple[QuantizedTensor
     vt, vs = quantize_v(v)
     sk = k.shape[-2]
     k_q = QuantizedTensor(kc, ks.unsqueeze(-1), ATTN_QK_RECIPE, k.shape, k.dtype)
-    v_q = QuantizedTensor(vt[..., :sk], vs.unsqueeze(-1), _V_RECIPE, (*v.shape[:-2], v.shape[-1], sk), v.dtype)
+    v_q = QuantizedTensor(vt[..., :sk], vs.unsqueeze(-1), _ROWWISE, (*v.shape[:-2], v.shape[-1], sk), v.dtype)
     return k_q, v_q
 
 

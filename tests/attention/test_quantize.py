@@ -49,18 +49,21 @@ def test_scales_are_the_recipes_and_k_is_smoothed():
     assert x.q_scale[0, 1, 1] == blk
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("sq,d", [(256, 64), (256, 128), (384, 128), (256, 256), (200, 128)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_prepass_on_the_quantize_kernels_recipes_is_the_attention_recipe(sq, d, dtype):
-    """Where the pre-pass quantizes Q and K as 128x128 blocks of the [B·H·S, D] view and Vᵀ
-    rowwise (the Hopper quantize kernels' recipes), the bits are the attention recipe's."""
-    q, k, v = _qkv(sq=sq, sk=sq, d=d, k_offset=1.0, dtype=dtype)
+def test_prepass_on_the_quantize_kernels_recipes_is_the_attention_recipe(sq, d, dtype, device):
+    """Where the pre-pass quantizes Q and K rowwise on the [B·H·S/128, 128·D] view and Vᵀ rowwise
+    (on Hopper the quantize kernels), the bits are the attention recipe's (reference arithmetic)."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    q, k, v = (t.to(device) for t in _qkv(sq=sq, sk=sq, d=d, k_offset=1.0, dtype=dtype))
     x = quantize_qkv(q, k, v)
     ref_q = lowprec.quantize(q.float(), ATTN_QK_RECIPE)
     assert torch.equal(x.q.view(torch.uint8), ref_q.data.view(torch.uint8))
     assert torch.equal(x.q_scale, ref_q.scale.squeeze(-1))
-    kf = k.float()
-    ref_k = lowprec.quantize(kf - kf.sum(-2, keepdim=True) / sq, ATTN_QK_RECIPE)
+    # smoothing: K minus its FP32 token mean, the difference in FP32
+    ref_k = lowprec.quantize(k.float() - k.sum(-2, keepdim=True, dtype=torch.float32) / sq, ATTN_QK_RECIPE)
     assert torch.equal(x.k.view(torch.uint8), ref_k.data.view(torch.uint8))
     assert torch.equal(x.k_scale, ref_k.scale.squeeze(-1))
     ref_v = lowprec.quantize(v.float().transpose(-1, -2), "fp8_rowwise")
