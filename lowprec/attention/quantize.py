@@ -11,7 +11,7 @@ The kernel contract (``lowprec/attention/sm90/CONTRACT.md``), per batch and head
 Scales are dequantization multipliers computed as :func:`lowprec.quant.reference.quantize_reference`
 does (amax / 448, IEEE division, all-zero blocks scale 1): the same recipes as a ``QuantizedTensor``.
 
-Where the shapes allow (S a multiple of 128 for Q and K; V always) the blocks are quantized by
+Where the shapes allow (S a multiple of 128 or below 128 for Q and K; V always) the blocks are quantized by
 :func:`lowprec.quantize` with the recipe that computes the same thing (rowwise on the
 [B·H·S/128, 128·D] view of Q and K, and on Vᵀ), so on Hopper by the quantize kernels, bit-identical
 to the reference; K's mean and subtraction, V's transpose and padding are torch ops.
@@ -83,11 +83,12 @@ def _rotate(x: torch.Tensor, incoherent: bool) -> torch.Tensor:
 def _blocks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """E4M3 codes of ``x`` ``[B, H, S, D]`` and its scales ``[B, H, ceil(S/128)]``."""
     b, h, s, d = x.shape
-    if s % ATTN_BLOCK == 0 and x.dtype != torch.float64 and x.numel():
-        # one 128-token block of one head is one row of the [B·H·S/128, 128·D] view: the rowwise
-        # quantizer (a Hopper kernel) computes this recipe
-        qt = quantize(x.reshape(-1, ATTN_BLOCK * d), _ROWWISE, check_finite=False)
-        return qt.data.view(b, h, s, d), qt.scale.view(b, h, s // ATTN_BLOCK)
+    # one 128-token block of one head (or a whole head of S < 128 tokens) is one row of the
+    # [B·H·S/block, block·D] view: the rowwise quantizer (a Hopper kernel) computes this recipe
+    block = ATTN_BLOCK if s % ATTN_BLOCK == 0 else s if s < ATTN_BLOCK else 0
+    if block and block * d % 16 == 0 and x.dtype != torch.float64 and x.numel():
+        qt = quantize(x.reshape(-1, block * d), _ROWWISE, check_finite=False)
+        return qt.data.view(b, h, s, d), qt.scale.view(b, h, s // block)
     qt = quantize_reference(x, ATTN_QK_RECIPE)
     # contiguous as the kernel reads them (a strided input, e.g. a varlen slice, keeps its strides)
     return qt.data.contiguous(), qt.scale.squeeze(-1).contiguous()

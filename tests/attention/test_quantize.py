@@ -50,7 +50,7 @@ def test_scales_are_the_recipes_and_k_is_smoothed():
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-@pytest.mark.parametrize("sq,d", [(256, 64), (256, 128), (384, 128), (256, 256), (200, 128)])
+@pytest.mark.parametrize("sq,d", [(256, 64), (256, 128), (384, 128), (256, 256), (200, 128), (1, 128), (100, 64)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_prepass_on_the_quantize_kernels_recipes_is_the_attention_recipe(sq, d, dtype, device):
     """Where the pre-pass quantizes Q and K rowwise on the [B·H·S/128, 128·D] view and Vᵀ rowwise
