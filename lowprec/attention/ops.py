@@ -54,7 +54,7 @@ def _(q, q_scale, k, k_scale, v_t, v_scale, causal, scale, out_dtype):
 def attention_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
                   incoherent: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """FP8 attention of float Q, K, V: ``(out in q's dtype, lse FP32 of the unsmoothed scores)``."""
-    x = quantize_qkv(q, k, v, incoherent=incoherent)  # TODO(kernel): the fused pre-pass kernel
+    x = quantize_qkv(q, k, v, incoherent=incoherent)
     out, lse = attention_fp8_forward(x.q, x.q_scale, x.k, x.k_scale, x.v_t, x.v_scale, causal, scale, q.dtype)
     return out, lse + lse_correction(q, x.k_mean, scale, incoherent)
 

@@ -14,9 +14,8 @@ does (amax / 448, IEEE division, all-zero blocks scale 1): the same recipes as a
 Where the shapes allow (S a multiple of 128 or below 128 for Q and K; V always) the blocks are quantized by
 :func:`lowprec.quantize` with the recipe that computes the same thing (rowwise on the
 [B·H·S/128, 128·D] view of Q and K, and on Vᵀ), so on Hopper by the quantize kernels, bit-identical
-to the reference; K's mean and subtraction, V's transpose and padding are torch ops.
-TODO(kernel): one fused memory-bound CuTe DSL pre-pass (Q; K with its mean; V with its transpose)
-behind :func:`quantize_qkv`, as issue 25 item 2 asks; its outputs must stay bit-identical to these.
+to the reference. On Hopper K (smoothed) and V (transposed) each take one kernel pass after a torch
+reduction (K's mean, V's channel amax): ``lowprec.attention.sm90.prepass``, the same bits.
 
 Incoherent processing (FlashAttention-3): Q and K multiplied by the same random orthogonal matrix
 ``M = diag(±1) · Hadamard / sqrt(D)`` before quantization. ``(qM)(kM)ᵀ = qkᵀ`` in exact math; the
@@ -34,6 +33,7 @@ import torch
 from ..quant import quantize
 from ..quant.reference import quantize_reference
 from ..recipes import WHOLE, ScaleRecipe, get_recipe
+from ..runtime import registry
 from ..tensor import QuantizedTensor
 
 __all__ = ["ATTN_BLOCK", "ATTN_QK_RECIPE", "FP8AttentionInputs", "quantize_qkv", "quantize_q", "quantize_k",
@@ -107,9 +107,11 @@ def quantize_k(k: torch.Tensor, smooth: bool = True, incoherent: bool = False
     that of the rotated K (the LSE correction then uses the rotated Q: the same product)."""
     kr = _rotate(k, incoherent)
     if smooth:
-        # FP32 sum read straight from the input dtype, the difference in FP32 (no FP32 copy of K)
+        # FP32 sum read straight from the input dtype, the difference in FP32: on Hopper one kernel
+        # pass (subtract, block amax, quantize), else torch ops and the quantizer
         k_mean = kr.sum(dim=-2, keepdim=True, dtype=torch.float32) / max(kr.shape[-2], 1)
-        codes, scales = _blocks(torch.sub(kr, k_mean))
+        codes, scales = registry.run("attention_prepass_k", kr.device, (kr, k_mean),
+                                     lambda: _blocks(torch.sub(kr, k_mean)))
     else:
         k_mean = torch.zeros(*kr.shape[:-2], 1, kr.shape[-1], dtype=torch.float32, device=kr.device)
         codes, scales = _blocks(kr)
@@ -119,7 +121,12 @@ def quantize_k(k: torch.Tensor, smooth: bool = True, incoherent: bool = False
 def quantize_v(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(v_t codes [B, Hkv, Dv, round_up(Sk, 16)], v_scale [B, Hkv, Dv])``: per channel, transposed.
 
-    The zero padding leaves every channel's amax, so its scale, unchanged."""
+    The zero padding leaves every channel's amax, so its scale, unchanged. On Hopper one kernel
+    pass quantizes and transposes (after an amax reduction)."""
+    return registry.run("attention_prepass_v", v.device, (v,), lambda: _quantize_v_torch(v))
+
+
+def _quantize_v_torch(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     pad = -v.shape[-2] % V_PAD
     v_t = (torch.nn.functional.pad(v, (0, 0, 0, pad)) if pad else v).transpose(-1, -2)
     if v.dtype == torch.float64 or not v_t.numel():

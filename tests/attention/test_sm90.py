@@ -53,6 +53,23 @@ def test_compiles_sm90a(config):
     assert local_memory_ops(sass) == 0
 
 
+@needs_cutlass
+@pytest.mark.parametrize("kind", ["k", "v"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_prepass_compiles_sm90a(kind, head_dim, dtype):
+    """The pre-pass kernels (K smoothed + quantized; V quantized + transposed) compile for sm_90a,
+    convert with F2FP (E4M3 codes) and use no local memory."""
+    from lowprec.attention.sm90.interface import build_prepass_kernel
+    from lowprec.runtime.compile import local_memory_ops, nvdisasm_path, sass_of
+
+    compiled = build_prepass_kernel(kind, dtype, head_dim, "sm_90a")
+    if nvdisasm_path() is None:
+        pytest.skip("nvdisasm not found")
+    sass = sass_of(compiled)
+    assert "F2FP" in sass and local_memory_ops(sass) == 0
+
+
 # ----------------------------------------------------------------------------- helpers
 def quantize_inputs(q, k, v):
     """The kernel's operands from float q [B,H,Sq,D], k/v [B,Hkv,Sk,D] (contract of CONTRACT.md)."""

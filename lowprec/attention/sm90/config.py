@@ -75,3 +75,30 @@ def attention_unsupported(q, q_scale, k, k_scale, v_t, v_scale, causal: bool, sc
     if q.shape[-2] == 0 or k.shape[-2] == 0:
         return "an empty sequence (nothing to compute)"
     return None
+
+
+PREPASS_DTYPES = ("bfloat16", "float16", "float32")
+PREPASS_MAX_D = 256  # K: a block's D columns in at most two 128-column register tiles
+
+
+def _prepass_unsupported(x) -> str | None:
+    if str(x.dtype).removeprefix("torch.") not in PREPASS_DTYPES:
+        return f"dtype {x.dtype} (the pre-pass kernels read {', '.join(PREPASS_DTYPES)})"
+    if x.dim() != 4 or not x.is_contiguous() or x.data_ptr() % 16:
+        return "a contiguous, 16-byte aligned [B, H, S, D] tensor"
+    if x.shape[-1] % 16 or not 0 < x.shape[-1] <= PREPASS_MAX_D:
+        return f"head dim {x.shape[-1]} (a multiple of 16 up to {PREPASS_MAX_D})"
+    if not x.numel():
+        return "an empty tensor"
+    return None
+
+
+def prepass_k_unsupported(k, k_mean) -> str | None:
+    """Why ``interface.attention_prepass_k_op`` cannot smooth and quantize ``k`` (None: it can)."""
+    return _prepass_unsupported(k) or (f"Sk={k.shape[-2]} (the kernel takes whole 128-token blocks)"
+                                       if k.shape[-2] % TILE_N else None)
+
+
+def prepass_v_unsupported(v) -> str | None:
+    """Why ``interface.attention_prepass_v_op`` cannot quantize and transpose ``v`` (None: it can)."""
+    return _prepass_unsupported(v)

@@ -40,7 +40,8 @@ def num_splits(ctas: int, n_blocks: int, num_sms: int = _NUM_SMS) -> int:
         return 1
     return max(1, min(-(-2 * num_sms // ctas), n_blocks // 4, 32))
 
-__all__ = ["fp8_attention_forward", "attention_fp8_forward_op", "permute_v_keys", "compile_only", "build_kernel"]
+__all__ = ["fp8_attention_forward", "attention_fp8_forward_op", "permute_v_keys", "compile_only", "build_kernel",
+           "attention_prepass_k_op", "attention_prepass_v_op", "build_prepass_kernel"]
 
 
 def _use_tvm_ffi() -> bool:
@@ -206,3 +207,68 @@ def fp8_attention_forward(q, q_scale, k, k_scale, v_t, v_scale, *, causal: bool,
         out.view(B * qh, rows, D).copy_(o_all)
         lse.view(B * qh, rows).copy_(l_all)
     return out, lse
+
+
+# ----------------------------------------------------------------------------- pre-pass kernels
+PREPASS_KINDS = ("k", "v")
+_E4M3_MAX = 448.0
+_FP32_TINY = 1.1754943508222875e-38  # as lowprec.cute.fp8_block: amax / 448 never flushes to zero
+
+
+def build_prepass_kernel(kind: str, dtype: torch.dtype, head_dim: int, arch: str = _ARCH_DEFAULT):
+    """Compile one pre-pass kernel (``"k"``: smooth + quantize, ``"v"``: quantize + transpose) for
+    ``dtype`` inputs of ``head_dim`` columns on fake tensors (no GPU needed), uncached."""
+    if kind not in PREPASS_KINDS:
+        raise ValueError(f"kind: expected one of {PREPASS_KINDS}, got {kind!r}")
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
+
+    from ...quant.sm90.interface import cutlass_dtype, fake_rows, fake_scales
+    from ...runtime import compile_for_arch
+    from . import prepass
+
+    vec = make_fake_tensor(cutlass.Float32, (cute.sym_int(), head_dim), stride=(head_dim, 1), assumed_align=16)
+    x = make_fake_tensor(cutlass_dtype(dtype), (cute.sym_int(), head_dim), stride=(head_dim, 1), assumed_align=16)
+    stream = make_fake_stream(use_tvm_ffi_env_stream=True)
+    one = cutlass.Int32(1)
+    if kind == "k":
+        args = (x, vec, fake_rows(cutlass.Uint8), fake_scales(), one, -(-head_dim // 128), stream)
+        return compile_for_arch(prepass.k_smooth_quant, *args, arch=arch, tvm_ffi=True)
+    return compile_for_arch(prepass.v_quant_t, x, vec, fake_rows(cutlass.Uint8), one, one, stream, arch=arch,
+                            tvm_ffi=True)
+
+
+@functools.cache
+def _prepass_kernel(kind: str, dtype: torch.dtype, head_dim: int, arch: str = _ARCH_DEFAULT):
+    from ...runtime import kernel_cache
+
+    return kernel_cache.get(f"attention_prepass_{kind}", {"dtype": dtype, "head_dim": head_dim}, arch,
+                            lambda: build_prepass_kernel(kind, dtype, head_dim, arch))
+
+
+def attention_prepass_k_op(k: torch.Tensor, k_mean: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``k`` [B, H, S, D] (S % 128 == 0), ``k_mean`` [B, H, 1, D] FP32 -> E4M3 codes of ``k - k_mean``
+    [B, H, S, D] and their scales [B, H, S/128]: one pass over K."""
+    b, h, s, d = k.shape
+    codes = torch.empty(b, h, s, d, dtype=torch.float8_e4m3fn, device=k.device)
+    scales = torch.empty(b * h * s // TILE_N, 1, dtype=torch.float32, device=k.device)
+    with torch.cuda.device(k.device):
+        _prepass_kernel("k", k.dtype, d)(k.view(-1, d), k_mean.reshape(b * h, d).contiguous(),
+                                         codes.view(torch.uint8).view(-1, d), scales, s)
+    return codes, scales.view(b, h, s // TILE_N)
+
+
+def attention_prepass_v_op(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``v`` [B, H, S, Dv] -> ``(v_t [B, H, Dv, round_up(S, 16)] E4M3, v_scale [B, H, Dv])``: one scale
+    per channel (amax over the sequence, a torch reduction), then one pass that quantizes and
+    transposes."""
+    b, h, s, d = v.shape
+    amax = torch.linalg.vector_norm(v, ord=math.inf, dim=-2).float()
+    scale = torch.where(amax > 0, (amax / _E4M3_MAX).clamp_min(_FP32_TINY), 1.0)
+    s_pad = -(-s // V_PAD) * V_PAD
+    v_t = torch.empty(b, h, d, s_pad, dtype=torch.float8_e4m3fn, device=v.device)
+    with torch.cuda.device(v.device):
+        _prepass_kernel("v", v.dtype, d)(v.view(-1, d), (1.0 / scale).view(b * h, d),
+                                         v_t.view(torch.uint8).view(-1, s_pad), s, b * h)
+    return v_t, scale

@@ -40,6 +40,17 @@ from ...cute.fp8_block import (
     scale_and_inverse,
     store_row_chunk,
 )
+from ...cute.fp8_tile import (
+    PASSES,
+    ROW_GROUPS,
+    TILE,
+    alloc_transposed_tile,
+    column_codes,
+    cta_max,
+    load_tile,
+    stage_column,
+    store_transposed,
+)
 from ...cute.pdl import after_previous_grid
 
 # ...) and each thread copies its own 16-byte chunks of the tiles PREFETCH ahead global -> shared
@@ -152,19 +163,6 @@ def quant_1x128(mX: cute.Tensor, mQ_u8: cute.Tensor, mS: cute.Tensor, max_ctas: 
 CHUNK = THREADS * VEC
 
 
-@cute.jit
-def _cta_max(amax, warp_max: cute.Tensor, tidx):
-    """The maximum of every thread's ``amax`` in the CTA (``warp_max``: one smem slot per warp)."""
-    amax = cute.arch.warp_reduction_max(amax)
-    if tidx % 32 == 0:
-        warp_max[tidx // 32] = amax
-    cute.arch.sync_threads()
-    amax = warp_max[0]
-    for w in cutlass.range_constexpr(1, WARPS_PER_CTA):
-        amax = cute.arch.fmax(amax, warp_max[w])
-    return amax
-
-
 # Rows longer than ROWWISE_SHORT_COLS are staged in shared memory: the thread's first
 # ROWWISE_STAGED chunks (up to 16384 columns) are copied with cp.async, all in flight at once, and
 # both sweeps read them from there; chunks past those are read from global memory by both sweeps
@@ -205,7 +203,7 @@ def _quant_rowwise_kernel(mX: cute.Tensor, mQ_u8: cute.Tensor, mS: cute.Tensor, 
         if col < cols:
             cute.autovec_copy(cute.local_tile(mX, (1, VEC), (row, col // VEC)), frag)
         amax = cute.arch.fmax(amax, abs(frag.load().to(Float32)).reduce(cute.ReductionOp.MAX, Float32(0.0), 0))
-    amax = _cta_max(amax, warp_max, tidx)
+    amax = cta_max(amax, warp_max, tidx)
     scale, inv = scale_and_inverse(amax)
     if cutlass.const_expr(staged > 0):
         for c in cutlass.range_constexpr(staged):
@@ -235,68 +233,6 @@ def quant_rowwise_staged(mX: cute.Tensor, mQ_u8: cute.Tensor, mS: cute.Tensor, s
         grid=(mX.shape[0], 1, 1), block=(THREADS, 1, 1), stream=stream, use_pdl=True)
 
 
-# ---------------------------------------------------------------------------------------------
-# 128x128 tiles: one CTA per tile. Thread t holds columns (t % 16) * 8 .. + 8 of rows
-# t // 16 + 16 * p, p = 0..7, in registers, so the tile is read from memory once.
-TILE = 128
-ROW_GROUPS = THREADS // LANES  # 16 rows per pass
-PASSES = TILE // ROW_GROUPS  # 8
-
-
-@cute.jit
-def _load_tile(mX: cute.Tensor, first_row, row_step: int, col):
-    """The thread's PASSES x VEC values (rows ``first_row + row_step * p``) as FP32, zeros outside."""
-    values = []
-    for p in cutlass.range_constexpr(PASSES):
-        r = first_row + row_step * p
-        frag = cute.make_rmem_tensor((1, VEC), mX.element_type)
-        frag.fill(0)
-        if r < mX.shape[0] and col < mX.shape[1]:
-            cute.autovec_copy(cute.local_tile(mX, (1, VEC), (r, col // VEC)), frag)
-        values.append(frag.load().to(Float32))
-    return values
-
-
-# Transposed FP8 tiles (dual, 128x128 with transpose): a [column][token] smem tile of 128-byte
-# rows whose 16-byte chunks are XOR-swizzled by (row / 8) % 8, so that the 8-byte column stores
-# (rows 8 apart across a half-warp) and the 16-byte row reads (8 lanes per row) both spread over
-# all banks.
-def _alloc_transposed_tile(smem):
-    return smem.allocate_tensor(cutlass.Float8E4M3FN, cute.make_layout((TILE, TILE), stride=(TILE, 1)),
-                                byte_alignment=128)
-
-
-@cute.jit
-def _column_codes(values, j, inv):
-    """FP8 codes of column ``j`` of the thread's 8x8 micro-tile ``values``, scaled by ``inv``."""
-    column = cute.make_rmem_tensor((1, PASSES), Float32)
-    for p in cutlass.range_constexpr(PASSES):
-        column[0, p] = values[p][j] * inv
-    codes = cute.make_rmem_tensor((1, PASSES), cutlass.Float8E4M3FN)
-    codes.store(column.load().to(cutlass.Float8E4M3FN))
-    return codes
-
-
-@cute.jit
-def _stage_column(tile_t: cute.Tensor, codes: cute.Tensor, lane, rgrp, j):
-    """The 8 codes of tile column ``lane * VEC + j``, tokens ``rgrp * 8 ..``: 8-byte chunk ``rgrp``
-    of that row of ``tile_t``, its 16-byte chunk swizzled by (column / 8) % 8 = lane % 8."""
-    chunk8 = ((rgrp // 2) ^ (lane % 8)) * 2 + rgrp % 2
-    cute.autovec_copy(codes, cute.local_tile(tile_t, (1, PASSES), (lane * VEC + j, chunk8)))
-
-
-@cute.jit
-def _store_transposed(tile_t: cute.Tensor, mQT: cute.Tensor, out_row0, out_row_end, out_col0, out_col_end, tidx):
-    """Row c of ``tile_t`` -> ``mQT[out_row0 + c, out_col0 ..]`` by 16-byte chunks (8 lanes per row,
-    32 rows per pass), rows below ``out_row_end`` and chunks starting below ``out_col_end``."""
-    q16 = tidx % 8
-    for i in cutlass.range_constexpr(TILE * TILE // 16 // THREADS):
-        c = i * (THREADS // 8) + tidx // 8
-        if out_row0 + c < out_row_end and out_col0 + q16 * 16 < out_col_end:
-            cute.autovec_copy(cute.local_tile(tile_t, (1, 16), (c, q16 ^ (c // 8 % 8))),
-                              cute.local_tile(mQT, (1, 16), (out_row0 + c, (out_col0 + q16 * 16) // 16)))
-
-
 @cute.kernel
 def _quant_128x128_kernel(mX: cute.Tensor, mQ_u8: cute.Tensor, mS: cute.Tensor, mQT_u8: cute.Tensor,
                           with_t: cutlass.Constexpr):
@@ -314,11 +250,11 @@ def _quant_128x128_kernel(mX: cute.Tensor, mQ_u8: cute.Tensor, mS: cute.Tensor, 
         # 8 consecutive rows per thread: each of its columns' 8 codes is one 8-byte chunk of the
         # transposed tile (as in the dual kernel)
         first_row, row_step = row0 + rgrp * PASSES, 1
-    values = _load_tile(mX, first_row, row_step, col)
+    values = load_tile(mX, first_row, row_step, col)
     amax = Float32(0.0)
     for p in cutlass.range_constexpr(PASSES):
         amax = cute.arch.fmax(amax, abs(values[p]).reduce(cute.ReductionOp.MAX, Float32(0.0), 0))
-    amax = _cta_max(amax, warp_max, tidx)
+    amax = cta_max(amax, warp_max, tidx)
     scale, inv = scale_and_inverse(amax)
     for p in cutlass.range_constexpr(PASSES):
         r = first_row + row_step * p
@@ -330,15 +266,15 @@ def _quant_128x128_kernel(mX: cute.Tensor, mQ_u8: cute.Tensor, mS: cute.Tensor, 
         # mX stacks E matrices of N = mQT.shape[1] rows (N % 128 == 0 when E > 1); mQT stacks their
         # transposes, [E * K, N]. The codes are the same: a 128x128 block's scale does not depend on
         # the orientation.
-        tile_t = _alloc_transposed_tile(smem)
+        tile_t = alloc_transposed_tile(smem)
         mQT = as_fp8(mQT_u8)
         for j in cutlass.range_constexpr(VEC):
-            _stage_column(tile_t, _column_codes(values, j, inv), lane, rgrp, j)
+            stage_column(tile_t, column_codes(values, j, inv), lane, rgrp, j)
         cute.arch.sync_threads()
         n = mQT.shape[1]
         k = mX.shape[1]
         e = row0 // n
-        _store_transposed(tile_t, mQT, e * k + tile_c * TILE, e * k + k, row0 - e * n, n, tidx)
+        store_transposed(tile_t, mQT, e * k + tile_c * TILE, e * k + k, row0 - e * n, n, tidx)
 
 
 @cute.jit
@@ -376,12 +312,12 @@ def _quantize_columns(values, col_max: cute.Tensor, tile_t: cute.Tensor, mQT: cu
         for w in cutlass.range_constexpr(1, WARPS_PER_CTA):
             cmax = cute.arch.fmax(cmax, col_max[w, j, lane])
         scale, inv = scale_and_inverse(cmax)
-        _stage_column(tile_t, _column_codes(values, j, inv), lane, rgrp, j)
+        stage_column(tile_t, column_codes(values, j, inv), lane, rgrp, j)
         if rgrp == 0 and tile_c * TILE + c < cols:
             mST[tile_c * TILE + c, tile_r] = scale
     cute.arch.sync_threads()
 
-    _store_transposed(tile_t, mQT, tile_c * TILE, cols, row0, mQT.shape[1], tidx)
+    store_transposed(tile_t, mQT, tile_c * TILE, cols, row0, mQT.shape[1], tidx)
 
 
 def _alloc_col_max(smem):
@@ -527,9 +463,9 @@ def _dual_tile(slots: cute.Tensor, stage, mQ: cute.Tensor, mS: cute.Tensor, mQT:
         for jj in cutlass.range_constexpr(VEC // 2):
             j = h * (VEC // 2) + jj
             inv_j = cute.arch.shuffle_sync(quad_inv[jj], offset=2 * lane + h)
-            _stage_column(tile_t, _column_codes(half, jj, inv_j), lane, rgrp, j)
+            stage_column(tile_t, column_codes(half, jj, inv_j), lane, rgrp, j)
     cute.arch.sync_threads()
-    _store_transposed(tile_t, mQT, tile_c * TILE, cols, tile_r * TILE, t_pad, tidx)
+    store_transposed(tile_t, mQT, tile_c * TILE, cols, tile_r * TILE, t_pad, tidx)
 
 
 @cute.jit
@@ -550,7 +486,7 @@ def _quant_dual_kernel(mX: cute.Tensor, mQ_u8: cute.Tensor, mS: cute.Tensor, mQT
     mQT = as_fp8(mQT_u8)
     smem = cutlass.memory.SmemAllocator()
     col_part = _alloc_col_partials(smem)
-    tile_t = _alloc_transposed_tile(smem)
+    tile_t = alloc_transposed_tile(smem)
     slots = _alloc_slots(smem, mX.element_type, PASSES, 2)
 
     tiles_r, tiles_c = mST.shape[1], mS.shape[1]
@@ -596,7 +532,7 @@ def _quant_t_gathered_kernel(mX: cute.Tensor, mSrc: cute.Tensor, mQT_u8: cute.Te
     mQT = as_fp8(mQT_u8)
     smem = cutlass.memory.SmemAllocator()
     col_max = _alloc_col_max(smem)
-    tile_t = _alloc_transposed_tile(smem)
+    tile_t = alloc_transposed_tile(smem)
 
     cols = mX.shape[1]
     lane, rgrp = tidx % LANES, tidx // LANES
