@@ -18,14 +18,14 @@ from ..formats import E4M3, encode, encode_e8m0, pack_fp4
 from ..recipes import ScaleRecipe
 from ..tensor import QuantizedTensor
 
-__all__ = ["quantize_reference", "dequantize_reference", "scale_from_amax", "block_dims"]
+__all__ = ["quantize_reference", "dequantize_reference", "scale_from_amax", "block_dims", "ieee_div"]
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _FP32_TINY = torch.finfo(torch.float32).tiny
 _FP32_MIN_SUBNORMAL = 2.0**-149
 
 
-def _div(a: torch.Tensor, b: float | torch.Tensor) -> torch.Tensor:
+def ieee_div(a: torch.Tensor, b: float | torch.Tensor) -> torch.Tensor:
     """IEEE division on every device (CUDA turns division by a Python scalar into a reciprocal multiply)."""
     if isinstance(b, torch.Tensor):
         return a / b.to(dtype=a.dtype, device=a.device)
@@ -44,14 +44,14 @@ def scale_from_amax(amax: torch.Tensor, recipe: ScaleRecipe, global_scale: torch
     """
     elem_max = recipe.element.max
     if recipe.scale_format == "fp32":
-        s = _div(amax, elem_max)
+        s = ieee_div(amax, elem_max)
         if recipe.scale_rounding == "pow2":
             s = _pow2_ceil(torch.where(s > 0, s, torch.ones_like(s)))
         s = torch.where(amax > 0, s.clamp(min=_FP32_TINY), torch.ones_like(s))
         return s
     if recipe.scale_format == "e8m0":
         if recipe.scale_rounding == "rceil":
-            codes = encode_e8m0(_div(amax, elem_max), "ceil")
+            codes = encode_e8m0(ieee_div(amax, elem_max), "ceil")
         else:
             codes = encode_e8m0(amax, "floor").to(torch.int32) - recipe.element.emax
             codes = torch.where(amax > 0, codes, torch.zeros_like(codes)).clamp(0, 254).to(torch.uint8)
@@ -59,8 +59,8 @@ def scale_from_amax(amax: torch.Tensor, recipe: ScaleRecipe, global_scale: torch
     # e4m3 block scale under an FP32 global scale (NVFP4); at least the scale whose product with
     # the global scale is not flushed to 0 in FP32 (2^-149 / global_scale: above 2^-9 only for
     # tensors of FP32 subnormals)
-    s = _div(_div(amax, elem_max), global_scale)
-    s = torch.maximum(s.clamp(max=E4M3.max), _div(torch.full_like(global_scale, _FP32_MIN_SUBNORMAL), global_scale)
+    s = ieee_div(ieee_div(amax, elem_max), global_scale)
+    s = torch.maximum(s.clamp(max=E4M3.max), ieee_div(torch.full_like(global_scale, _FP32_MIN_SUBNORMAL), global_scale)
                       .clamp(min=E4M3.min_subnormal, max=E4M3.max))
     return s.to(torch.float8_e4m3fn).float()
 
@@ -94,16 +94,16 @@ def quantize_reference(x: torch.Tensor, recipe: ScaleRecipe) -> QuantizedTensor:
     if recipe.global_scale:
         amax_t = amax.amax() if amax.numel() else amax.new_zeros(())
         # at least the smallest FP32 subnormal: a tensor of subnormals would get 0
-        global_scale = torch.where(amax_t > 0, _div(amax_t, E4M3.max * recipe.element.max).clamp(
+        global_scale = torch.where(amax_t > 0, ieee_div(amax_t, E4M3.max * recipe.element.max).clamp(
             min=_FP32_MIN_SUBNORMAL), torch.ones_like(amax_t))
     scale = scale_from_amax(amax, recipe, global_scale)
     divisor = scale if global_scale is None else scale * global_scale
-    inv = expand_scale(_div(torch.ones_like(divisor), divisor), br, bc, rows, cols)
+    inv = expand_scale(ieee_div(torch.ones_like(divisor), divisor), br, bc, rows, cols)
     q = xf * inv
     if global_scale is not None:
         # below 2^-128 (a global scale of tiny inputs) 1 / divisor overflows FP32: divide there.
         # FP32 and E8M0 scales are ≥ 2^-127, so their reciprocals are finite.
-        q = torch.where(inv.isinf(), _div(xf, expand_scale(divisor, br, bc, rows, cols)), q)
+        q = torch.where(inv.isinf(), ieee_div(xf, expand_scale(divisor, br, bc, rows, cols)), q)
     q = q.clamp(-recipe.element.max, recipe.element.max)
 
     if recipe.is_fp4:

@@ -211,8 +211,6 @@ def fp8_attention_forward(q, q_scale, k, k_scale, v_t, v_scale, *, causal: bool,
 
 # ----------------------------------------------------------------------------- pre-pass kernels
 PREPASS_KINDS = ("k", "v")
-_E4M3_MAX = 448.0
-_FP32_TINY = 1.1754943508222875e-38  # as lowprec.cute.fp8_block: amax / 448 never flushes to zero
 
 
 def build_prepass_kernel(kind: str, dtype: torch.dtype, head_dim: int, arch: str = _ARCH_DEFAULT):
@@ -263,12 +261,18 @@ def attention_prepass_v_op(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     """``v`` [B, H, S, Dv] -> ``(v_t [B, H, Dv, round_up(S, 16)] E4M3, v_scale [B, H, Dv])``: one scale
     per channel (amax over the sequence, a torch reduction), then one pass that quantizes and
     transposes."""
+    from ...quant.reference import ieee_div, scale_from_amax
+    from ...recipes import get_recipe
+
     b, h, s, d = v.shape
     amax = torch.linalg.vector_norm(v, ord=math.inf, dim=-2).float()
-    scale = torch.where(amax > 0, (amax / _E4M3_MAX).clamp_min(_FP32_TINY), 1.0)
+    # the quantizer's scale arithmetic (IEEE divisions: CUDA turns torch's division by a Python
+    # scalar into a reciprocal multiply, which differs in the last bit)
+    scale = scale_from_amax(amax, get_recipe("fp8_rowwise"))
+    inv = ieee_div(torch.ones_like(scale), scale)
     s_pad = -(-s // V_PAD) * V_PAD
     v_t = torch.empty(b, h, d, s_pad, dtype=torch.float8_e4m3fn, device=v.device)
     with torch.cuda.device(v.device):
-        _prepass_kernel("v", v.dtype, d)(v.view(-1, d), (1.0 / scale).view(b * h, d),
+        _prepass_kernel("v", v.dtype, d)(v.view(-1, d), inv.view(b * h, d),
                                          v_t.view(torch.uint8).view(-1, s_pad), s, b * h)
     return v_t, scale
