@@ -52,37 +52,43 @@ def _(q, q_scale, k, k_scale, v_t, v_scale, causal, scale, out_dtype):
 
 @torch.library.custom_op("lowprec::attention_fp8", mutates_args=())
 def attention_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
-                  incoherent: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """FP8 attention of float Q, K, V: ``(out in q's dtype, lse FP32 of the unsmoothed scores)``."""
+                  incoherent: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """FP8 attention of float Q, K, V: ``(out in q's dtype, lse FP32 of the smoothed scores, k_mean
+    [B, Hkv, D] FP32)``. The LSE of the unsmoothed scores is ``lse + lse_correction(q, k_mean,
+    scale, incoherent)``: a pass over Q that only ``return_lse`` pays; the backward takes the
+    smoothed LSE as it is."""
     x = quantize_qkv(q, k, v, incoherent=incoherent)
     out, lse = attention_fp8_forward(x.q, x.q_scale, x.k, x.k_scale, x.v_t, x.v_scale, causal, scale, q.dtype)
-    return out, lse + lse_correction(q, x.k_mean, scale, incoherent)
+    return out, lse, x.k_mean
 
 
 @attention_fp8.register_fake
 def _(q, k, v, causal, scale, incoherent):
-    b, h, sq, _ = q.shape
-    return q.new_empty((b, h, sq, v.shape[-1])), q.new_empty((b, h, sq), dtype=torch.float32)
+    b, h, sq, d = q.shape
+    return (q.new_empty((b, h, sq, v.shape[-1])), q.new_empty((b, h, sq), dtype=torch.float32),
+            q.new_empty((b, k.shape[1], d), dtype=torch.float32))
 
 
 def _fp8_setup_context(ctx, inputs, output):
-    q, k, v, causal, scale, _ = inputs
-    out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse)
-    ctx.causal, ctx.scale = causal, scale
-    ctx.mark_non_differentiable(lse)
+    q, k, v, causal, scale, incoherent = inputs
+    out, lse, k_mean = output
+    ctx.save_for_backward(q, k, v, out, lse, k_mean)
+    ctx.causal, ctx.scale, ctx.incoherent = causal, scale, incoherent
+    ctx.mark_non_differentiable(lse, k_mean)
 
 
-def _fp8_backward(ctx, dout, _dlse):
+def _fp8_backward(ctx, dout, _dlse, _dk_mean):
     """Exact attention's backward on smoothed K: ``dQ = dS · K`` picks up ``(Σ_j dS_ij) · mean(K)``,
     and ``Σ_j dS_ij`` is 0 only for the exact ``out`` and LSE, not the FP8 forward's: with a K bias
     of 5 that leak took dQ's cosine to FP64 from 0.9999 to 0.966. With ``K − mean(K)`` and the LSE of
     the smoothed scores (the same P, dP, dK, dV in exact math) it is gone."""
-    q, k, v, out, lse = ctx.saved_tensors
-    k_mean = k.float().sum(dim=-2) / max(k.shape[-2], 1)  # [B, Hkv, D]
+    q, k, v, out, lse, k_mean = ctx.saved_tensors
+    if ctx.incoherent:  # the forward's mean is of the rotated K: smooth the unrotated K by its own
+        own_mean = k.sum(dim=-2, dtype=torch.float32) / max(k.shape[-2], 1)
+        lse = lse + lse_correction(q, k_mean, ctx.scale, True) - lse_correction(q, own_mean, ctx.scale)
+        k_mean = own_mean
     k_smooth = (k.float() - k_mean[:, :, None, :]).to(k.dtype)
-    lse_smooth = lse - lse_correction(q, k_mean, ctx.scale)
-    dq, dk, dv = attention_backward(dout, q, k_smooth, v, out, lse_smooth, ctx.causal, ctx.scale)
+    dq, dk, dv = attention_backward(dout, q, k_smooth, v, out, lse, ctx.causal, ctx.scale)
     return dq, dk, dv, None, None, None
 
 

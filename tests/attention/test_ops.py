@@ -37,12 +37,13 @@ def _exact_grads(q, k, v, dout, causal):
 
 
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("hkv,k_offset", [(2, 0.0), (4, 0.0), (1, 5.0)])
-def test_fp8_backward_close_to_exact_fp64(causal, hkv, k_offset):
+@pytest.mark.parametrize("hkv,k_offset,incoherent", [(2, 0.0, False), (4, 0.0, False), (1, 5.0, False),
+                                                      (2, 5.0, True)])
+def test_fp8_backward_close_to_exact_fp64(causal, hkv, k_offset, incoherent):
     q, k, v = _qkv(hkv=hkv, k_offset=k_offset, dtype=torch.float32)
     dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(1))
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    out = lowprec.attention(*leaves, causal=causal, quant="fp8")
+    out = lowprec.attention(*leaves, causal=causal, quant="fp8", incoherent=incoherent)
     assert out.grad_fn is not None
     out.backward(dout)
     _, grads = _exact_grads(q, k, v, dout, causal)
