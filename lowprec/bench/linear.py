@@ -70,24 +70,30 @@ def step_parts_ms(x: torch.Tensor, weight: torch.Tensor, dy: torch.Tensor, recip
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m lowprec bench linear", description=__doc__)
     parser.add_argument("--recipe", default="fp8_block")
+    parser.add_argument("--tokens", type=int, default=TOKENS, help=f"rows of x (default {TOKENS})")
+    parser.add_argument("--shapes", default=None,
+                        help="layers as in_features x out_features, comma-separated (e.g. 1024x2816,2048x2048); "
+                             "results then go under 'linear_sizes' (where convert's size threshold comes from)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
+    shapes = SHAPES if args.shapes is None else [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+    tokens = args.tokens
     if not torch.cuda.is_available():
         raise SystemExit("bench linear needs a CUDA GPU")
     rows, records, part_rows = [], [], []
-    for k, n in SHAPES:
+    for k, n in shapes:
         ref = nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
         fp8 = FP8Linear.from_linear(copy.deepcopy(ref), args.recipe)
-        x = torch.randn(TOKENS, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        dy = torch.randn(TOKENS, n, device="cuda", dtype=torch.bfloat16)
-        flops = 2 * TOKENS * k * n
+        x = torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        dy = torch.randn(tokens, n, device="cuda", dtype=torch.bfloat16)
+        flops = 2 * tokens * k * n
         t = {name: (bench_ms(_fwd(layer, x)), bench_ms(_fwd_bwd(layer, x, dy)),
                     bench_ms(_fwd_bwd(layer, x, dy), queued=True))
              for name, layer in (("bf16", ref), ("fp8", fp8))}
         with reuse_quantized_weights():
             fp8_reused = bench_ms(_fwd_bwd(fp8, x, dy), queued=True)
         parts = step_parts_ms(x, fp8.weight, dy, args.recipe)
-        row = {"shape": [TOKENS, k, n], "bf16_fwd_ms": t["bf16"][0], "fp8_fwd_ms": t["fp8"][0],
+        row = {"shape": [tokens, k, n], "bf16_fwd_ms": t["bf16"][0], "fp8_fwd_ms": t["fp8"][0],
                "bf16_fwd_bwd_ms": t["bf16"][1], "fp8_fwd_bwd_ms": t["fp8"][1],
                "bf16_fwd_bwd_queued_ms": t["bf16"][2], "fp8_fwd_bwd_queued_ms": t["fp8"][2],
                "fp8_fwd_bwd_queued_reused_weight_ms": fp8_reused,
@@ -98,9 +104,9 @@ def main(argv: list[str] | None = None) -> int:
                "fp8_step_parts_ms": parts,
                "fp8_gemm_tflops": {g: flops / parts[g] / 1e9 for g in GEMM_PARTS}}
         records.append(row)
-        part_rows.append([f"{TOKENS}x{k}->{n}", *(parts[p] for p in STEP_PARTS),
+        part_rows.append([f"{tokens}x{k}->{n}", *(parts[p] for p in STEP_PARTS),
                           *(row["fp8_gemm_tflops"][g] for g in GEMM_PARTS), sum(parts.values()), t["fp8"][2]])
-        rows.append([f"{TOKENS}x{k}->{n}", t["bf16"][0], t["fp8"][0], row["speedup_fwd"], t["bf16"][1], t["fp8"][1],
+        rows.append([f"{tokens}x{k}->{n}", t["bf16"][0], t["fp8"][0], row["speedup_fwd"], t["bf16"][1], t["fp8"][1],
                      row["speedup_fwd_bwd"], row["speedup_fwd_bwd_queued"],
                      row["speedup_fwd_bwd_queued_reused_weight"]])
     print_table(["shape", "bf16 fwd ms", "fp8 fwd ms", "x fwd", "bf16 f+b ms", "fp8 f+b ms", "x f+b",
@@ -108,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     print("\nFP8 forward+backward by kernel (each alone, GPU ms; GEMMs also in TFLOPS):")
     print_table(["shape", *(f"{p} ms" for p in STEP_PARTS), *(f"{g} TFLOPS" for g in GEMM_PARTS),
                  "sum ms", "f+b queued ms"], part_rows)
-    path = save_results("linear", {"device": torch.cuda.get_device_name(), "recipe": args.recipe, "rows": records},
-                        args.out)
+    payload = {"device": torch.cuda.get_device_name(), "recipe": args.recipe, "rows": records}
+    path = save_results("linear" if args.shapes is None else "linear_sizes", payload, args.out)
     print(f"saved {path}")
     return 0
