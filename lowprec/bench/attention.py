@@ -1,7 +1,8 @@
 """``python -m lowprec bench attention``: FP8 attention vs the bf16 attention a user would pick.
 
 Rows per shape, in one run: lowprec FP8 with its quantization pre-pass (``lowprec.attention(...,
-quant="fp8")``, bf16 in and out) and kernel only (pre-quantized operands), cuDNN SDPA bf16, SDPA
+quant="fp8")``, bf16 in and out), with K and V from an FP8 cache (``quantize_kv_cache`` once, Q
+quantized per call: how a decoder runs it) and kernel only (pre-quantized operands), cuDNN SDPA bf16, SDPA
 flash bf16 and FlashAttention-4 bf16 (``flash_attn.cute``, when it imports). The FP8 rows need the
 sm_90a kernel: without it they are listed as missing with the reason (never timed on the
 reference emulation). TFLOPS = 4·B·H·Sq·Sk·D / time (causal counts half); ``x best bf16``: TFLOPS
@@ -131,7 +132,7 @@ def _peers(s: Shape, q, k, v, fp8_reason: str | None) -> dict:
     causal = s.causal
     peers: dict = {}
     if fp8_reason is None:
-        from ..attention import quantize_qkv
+        from ..attention import quantize_kv_cache, quantize_qkv
         from ..attention.sm90.interface import fp8_attention_forward
         from ..runtime import registry
 
@@ -140,11 +141,16 @@ def _peers(s: Shape, q, k, v, fp8_reason: str | None) -> dict:
                                         x.v_scale, causal, s.d ** -0.5, torch.bfloat16)
         peers["lowprec-fp8+quant"] = (lambda: lowprec.attention(q, k, v, causal=causal, quant="fp8")) \
             if served is None else f"missing: {served}"
+        # as a decoder runs it: K and V quantized once into an FP8 cache, Q per call
+        k_cache, v_cache = quantize_kv_cache(k, v)
+        peers["lowprec-fp8-kv-cache"] = (lambda: lowprec.attention(q, k_cache, v_cache, causal=causal, quant="fp8")) \
+            if served is None else f"missing: {served}"
         peers["lowprec-fp8-kernel"] = lambda: fp8_attention_forward(
             x.q, x.q_scale, x.k, x.k_scale, x.v_t, x.v_scale, causal=causal, softmax_scale=s.d ** -0.5,
             out_dtype=torch.bfloat16)[0]
     else:
-        peers["lowprec-fp8+quant"] = peers["lowprec-fp8-kernel"] = f"missing: {fp8_reason}"
+        peers["lowprec-fp8+quant"] = peers["lowprec-fp8-kv-cache"] = peers["lowprec-fp8-kernel"] = \
+            f"missing: {fp8_reason}"
 
     def sdpa(backend):
         def run():
