@@ -14,7 +14,6 @@ First the issue's synthetic inputs (normal, outliers, K bias) at B1 H8 S2048 d12
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import math
 import os
@@ -28,6 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import lowprec  # noqa: E402
 from lowprec import metrics  # noqa: E402
+from lowprec.bench.corpus import random_windows, stdlib_bytes  # noqa: E402
 
 CONTEXT, D_MODEL, HEADS, LAYERS, FFN = 512, 512, 4, 4, 2048
 
@@ -65,21 +65,6 @@ class GPT(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.lm_head(self.norm(x))
-
-
-def stdlib_bytes(device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The standard library's top-level ``.py`` files as one byte stream: (train, held-out) split 95/5."""
-    root = os.path.dirname(os.__file__)
-    data = b"".join(open(p, "rb").read() for p in sorted(glob.glob(os.path.join(root, "*.py"))))
-    t = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device=device, dtype=torch.long)
-    cut = int(len(t) * 0.95)
-    return t[:cut], t[cut:]
-
-
-def batch(data, batch_size, g):
-    starts = torch.randint(0, len(data) - CONTEXT - 1, (batch_size,), generator=g, device="cpu").tolist()
-    x = torch.stack([data[s:s + CONTEXT + 1] for s in starts])
-    return x[:, :-1], x[:, 1:]
 
 
 def exact_attention(q, k, v):
@@ -145,7 +130,7 @@ def main(argv=None):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
     g = torch.Generator().manual_seed(0)
     for step in range(args.steps):
-        x, y = batch(train_data, args.batch, g)
+        x, y = random_windows(train_data, args.batch, CONTEXT, g)
         with torch.autocast("cuda", torch.bfloat16):
             loss = F.cross_entropy(model(x).float().view(-1, 256), y.reshape(-1))
         opt.zero_grad(set_to_none=True)
@@ -155,7 +140,7 @@ def main(argv=None):
             print(f"step {step}: loss {loss.item():.3f} (bits/byte {loss.item() / math.log(2):.2f})", flush=True)
     for block in model.blocks:
         block.captured = []
-    x, _ = batch(held_out, 4, torch.Generator().manual_seed(1))
+    x, _ = random_windows(held_out, 4, CONTEXT, torch.Generator().manual_seed(1))
     with torch.no_grad(), torch.autocast("cuda", torch.bfloat16):
         model(x)
     rows = []

@@ -1,0 +1,345 @@
+"""``python -m lowprec bench train``: whole training steps of a Llama-style model, bf16 vs FP8.
+
+The model is written here (no ``transformers``): token embedding, per layer RMSNorm -> Q, K, V
+projections -> rotary embedding -> causal SDPA (grouped KV heads) -> output projection, RMSNorm ->
+SwiGLU MLP (gate, up, down), final RMSNorm, LM head. Every projection is an ``nn.Linear``, so
+``lowprec.convert`` swaps them; the LM head stays in its dtype for every implementation (as
+torchao's recipes leave it too).
+
+Sizes (B·S = 8192 tokens per step): ``h1024`` (hidden 1024, 8 layers, 16 heads, FFN 2816, B8 S1024)
+and ``llama3-8b-2l`` (Llama-3-8B-shaped layers: hidden 4096, 32 heads / 8 KV heads, FFN 14336,
+2 layers, B4 S2048); vocabulary 32000.
+
+For each size, weights (``bf16``: bf16 parameters; ``fp32-autocast``: FP32 master weights under
+``torch.autocast(bfloat16)``), implementation (``bf16``: ``nn.Linear``; ``lowprec``:
+``lowprec.convert(model, "fp8_block")``; ``torchao-tensorwise`` / ``torchao-rowwise``: torchao's
+float8 training, when it imports) and mode (``eager``; ``compiled``: ``torch.compile(model)``), one
+row: the median step time (forward, loss, backward, AdamW step; the host syncs after each step, so
+host time that is not hidden behind the GPU counts), peak memory, and the ratio to the bf16
+implementation with the same weights and mode.
+
+``--train-steps N`` then trains the smallest size N steps on real text (the Python standard
+library's sources as bytes, :mod:`lowprec.bench.corpus`) with bf16 and with lowprec, same seed,
+initial weights and batches; the losses go to the results JSON (and, with matplotlib, a PNG).
+
+    python -m lowprec bench train [--sizes h1024,llama3-8b-2l] [--impls bf16,lowprec,...]
+        [--weights bf16,fp32-autocast] [--modes eager,compiled] [--steps 20] [--train-steps 300]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import math
+import statistics
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["LlamaConfig", "Llama", "SIZES", "IMPLS", "make_model", "main"]
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    ffn: int
+    vocab: int = 32000
+    batch: int = 8
+    seq: int = 1024
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+
+SIZES = {
+    "h1024": LlamaConfig(hidden=1024, layers=8, heads=16, kv_heads=16, ffn=2816, batch=8, seq=1024),
+    "llama3-8b-2l": LlamaConfig(hidden=4096, layers=2, heads=32, kv_heads=8, ffn=14336, batch=4, seq=2048),
+}
+IMPLS = ("bf16", "lowprec", "torchao-tensorwise", "torchao-rowwise")
+WEIGHTS = ("bf16", "fp32-autocast")
+MODES = ("eager", "compiled")
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+def rotary_tables(seq: int, head_dim: int, base: float = 500000.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin ``[seq, head_dim / 2]`` (FP32) of the rotary embedding."""
+    inv = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    angles = torch.outer(torch.arange(seq, dtype=torch.float32), inv)
+    return angles.cos(), angles.sin()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (first half, second half) of ``x`` ``[B, H, S, D]`` by the position's angles."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    cos, sin = cos[: x.shape[-2]], sin[: x.shape[-2]]
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).to(x.dtype)
+
+
+class Block(nn.Module):
+    def __init__(self, c: LlamaConfig):
+        super().__init__()
+        self.c = c
+        self.attn_norm, self.mlp_norm = RMSNorm(c.hidden), RMSNorm(c.hidden)
+        self.q = nn.Linear(c.hidden, c.heads * c.head_dim, bias=False)
+        self.k = nn.Linear(c.hidden, c.kv_heads * c.head_dim, bias=False)
+        self.v = nn.Linear(c.hidden, c.kv_heads * c.head_dim, bias=False)
+        self.o = nn.Linear(c.heads * c.head_dim, c.hidden, bias=False)
+        self.gate = nn.Linear(c.hidden, c.ffn, bias=False)
+        self.up = nn.Linear(c.hidden, c.ffn, bias=False)
+        self.down = nn.Linear(c.ffn, c.hidden, bias=False)
+
+    def forward(self, x, cos, sin):
+        c = self.c
+        b, s, _ = x.shape
+        h = self.attn_norm(x)
+        q = self.q(h).view(b, s, c.heads, c.head_dim).transpose(1, 2)
+        k = self.k(h).view(b, s, c.kv_heads, c.head_dim).transpose(1, 2)
+        v = self.v(h).view(b, s, c.kv_heads, c.head_dim).transpose(1, 2)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=c.kv_heads != c.heads)
+        x = x + self.o(a.transpose(1, 2).reshape(b, s, -1))
+        h = self.mlp_norm(x)
+        return x + self.down(F.silu(self.gate(h)) * self.up(h))
+
+
+class Llama(nn.Module):
+    def __init__(self, c: LlamaConfig):
+        super().__init__()
+        self.c = c
+        self.embed = nn.Embedding(c.vocab, c.hidden)
+        self.blocks = nn.ModuleList(Block(c) for _ in range(c.layers))
+        self.norm = RMSNorm(c.hidden)
+        self.lm_head = nn.Linear(c.hidden, c.vocab, bias=False)
+        cos, sin = rotary_tables(c.seq, c.head_dim)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+        for m in self.modules():  # small init, as Llama's: the losses start near log(vocab)
+            if isinstance(m, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(m.weight, std=0.02)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x, self.cos, self.sin)
+        return self.lm_head(self.norm(x))
+
+
+def _not_lm_head(name: str, module: nn.Module) -> bool:
+    return not name.endswith("lm_head")
+
+
+def make_model(c: LlamaConfig, impl: str, weights: str, device="cuda", base: Llama | None = None) -> nn.Module:
+    """A model of ``impl`` with ``weights`` (a copy of ``base`` when given: same initial weights)."""
+    if impl not in IMPLS:
+        raise ValueError(f"impl: expected one of {IMPLS}, got {impl!r}")
+    if weights not in WEIGHTS:
+        raise ValueError(f"weights: expected one of {WEIGHTS}, got {weights!r}")
+    model = copy.deepcopy(base) if base is not None else Llama(c)
+    model = model.to(device=device, dtype=torch.bfloat16 if weights == "bf16" else torch.float32)
+    model.cos, model.sin = model.cos.float(), model.sin.float()
+    if impl == "lowprec":
+        import lowprec
+
+        lowprec.convert(model, "fp8_block", filter_fn=_not_lm_head)
+    elif impl.startswith("torchao"):
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+        config = Float8LinearConfig.from_recipe_name(impl.removeprefix("torchao-"))
+        convert_to_float8_training(model, config=config, module_filter_fn=lambda m, fqn: _not_lm_head(fqn, m))
+    return model
+
+
+def _autocast(weights: str, device: str):
+    return torch.autocast(device, torch.bfloat16) if weights == "fp32-autocast" else contextlib.nullcontext()
+
+
+def make_step(model: nn.Module, weights: str, compiled: bool, lr: float = 3e-4):
+    """A training step ``step(tokens, targets) -> loss`` (forward, loss, backward, AdamW)."""
+    device = next(model.parameters()).device.type
+    forward = torch.compile(model) if compiled else model
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
+
+    def step(tokens, targets):
+        with _autocast(weights, device):
+            logits = forward(tokens)
+        loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        return loss
+
+    return step
+
+
+def time_step(step, tokens, targets, warmup: int, steps: int) -> float:
+    """Median ms of a synced training step (events around each)."""
+    for _ in range(warmup):
+        step(tokens, targets)
+    times = []
+    for _ in range(steps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        step(tokens, targets)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def available_impls(requested: list[str]) -> dict[str, str | None]:
+    """impl -> None (runs here) or why not."""
+    out = {}
+    for impl in requested:
+        reason = None
+        if impl.startswith("torchao"):
+            try:
+                import torchao.float8  # noqa: F401
+            except Exception as err:  # not a dependency: rows say why they are missing
+                reason = f"torchao.float8 does not import ({type(err).__name__})"
+        out[impl] = reason
+    return out
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m lowprec bench train", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sizes", default=",".join(SIZES))
+    p.add_argument("--impls", default=",".join(IMPLS))
+    p.add_argument("--weights", default=",".join(WEIGHTS))
+    p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--steps", type=int, default=20, help="timed steps per row (median)")
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--train-steps", type=int, default=0, help="then train the first size this many steps on "
+                                                              "real text, bf16 vs lowprec (0: skip)")
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    for name, known in (("sizes", SIZES), ("impls", IMPLS), ("weights", WEIGHTS), ("modes", MODES)):
+        values = [v for v in getattr(args, name).split(",") if v]
+        unknown = sorted(set(values) - set(known))
+        if unknown:
+            p.error(f"--{name}: unknown {unknown}; known: {list(known)}")
+        setattr(args, name, values)
+    return args
+
+
+def train_on_text(c: LlamaConfig, steps: int, device="cuda") -> dict:
+    """``steps`` steps of bf16 and of lowprec on the standard library's sources (bf16 weights,
+    eager, same seed / weights / batches): the loss of every step and the last-20 means."""
+    from .corpus import random_windows, stdlib_bytes
+
+    data, _ = stdlib_bytes(device)
+    text = LlamaConfig(c.hidden, c.layers, c.heads, c.kv_heads, c.ffn, vocab=256, batch=c.batch, seq=c.seq)
+    torch.manual_seed(0)
+    base = Llama(text)
+    runs = {}
+    for impl in ("bf16", "lowprec"):
+        model = make_model(text, impl, "bf16", device, base=base)
+        step = make_step(model, "bf16", compiled=False)
+        g = torch.Generator().manual_seed(0)
+        losses = []
+        for i in range(steps):
+            x, y = random_windows(data, text.batch, text.seq, g)
+            losses.append(step(x, y).item())
+            if i % 50 == 0:
+                print(f"  train {impl} step {i}: loss {losses[-1]:.4f}", flush=True)
+        runs[impl] = losses
+    tail = {impl: sum(v[-20:]) / len(v[-20:]) for impl, v in runs.items()}
+    return {"steps": steps, "losses": runs, "last20_mean": tail,
+            "relative_gap": tail["lowprec"] / tail["bf16"] - 1}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("bench train needs a CUDA GPU")
+    from .common import gpu_slug, print_table, save_results
+
+    reasons = available_impls(args.impls)
+    rows = []
+    for size in args.sizes:
+        c = SIZES[size]
+        torch.manual_seed(0)
+        base = Llama(c)
+        tokens = torch.randint(0, c.vocab, (c.batch, c.seq), device="cuda")
+        targets = torch.randint(0, c.vocab, (c.batch, c.seq), device="cuda")
+        for weights in args.weights:
+            for mode in args.modes:
+                for impl in args.impls:
+                    row = {"size": size, "weights": weights, "mode": mode, "impl": impl}
+                    model = step = None
+                    if reasons[impl]:
+                        rows.append({**row, "note": f"missing: {reasons[impl]}"})
+                        continue
+                    try:
+                        model = make_model(c, impl, weights, base=base)
+                        step = make_step(model, weights, compiled=mode == "compiled")
+                        torch.cuda.reset_peak_memory_stats()
+                        ms = time_step(step, tokens, targets, args.warmup, args.steps)
+                        row.update(step_ms=ms, peak_gib=torch.cuda.max_memory_allocated() / 2**30)
+                        print(f"  {size} {weights} {mode} {impl}: {ms:.2f} ms", flush=True)
+                    except Exception as err:  # a peer that cannot run this row: say so, go on
+                        row["note"] = f"error: {type(err).__name__}: {str(err).splitlines()[0][:120]}"
+                    rows.append(row)
+                    del model, step
+                    torch.cuda.empty_cache()
+                    torch._dynamo.reset()
+    by_key = {(r["size"], r["weights"], r["mode"]): r["step_ms"] for r in rows
+              if r["impl"] == "bf16" and "step_ms" in r}
+    for r in rows:
+        bf16 = by_key.get((r["size"], r["weights"], r["mode"]))
+        if bf16 and "step_ms" in r:
+            r["x_bf16"] = bf16 / r["step_ms"]
+    print_table(["size", "weights", "mode", "impl", "step ms", "x bf16", "peak GiB", "note"],
+                [[r["size"], r["weights"], r["mode"], r["impl"], r.get("step_ms", "-"), r.get("x_bf16", "-"),
+                  r.get("peak_gib", "-"), r.get("note", "")] for r in rows])
+    payload = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows,
+               "sizes": {s: vars(SIZES[s]) for s in args.sizes}}
+    if args.train_steps:
+        payload["text"] = train_on_text(SIZES[args.sizes[0]], args.train_steps)
+        print(f"last-20 mean loss: {payload['text']['last20_mean']}, lowprec vs bf16 "
+              f"{payload['text']['relative_gap']:+.2%}")
+        _plot(payload["text"], gpu_slug())
+    path = save_results("train", payload, args.out)
+    print(f"results: {path}")
+    return 0
+
+
+def _plot(text: dict, slug: str) -> None:
+    """The two loss curves as a PNG beside the results (needs matplotlib; skipped without it)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no loss plot")
+        return
+    import os
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for impl, losses in text["losses"].items():
+        ax.plot(losses, label=impl, linewidth=1)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats / byte)")
+    ax.set_ylim(top=min(max(max(v) for v in text["losses"].values()), math.log(256) + 0.5))
+    ax.legend()
+    path = os.path.join("benchmarks", "results", f"train_text_{slug}.png")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fig.savefig(path, dpi=120)
+    print(f"loss plot: {path}")

@@ -1,0 +1,70 @@
+"""``python -m lowprec bench train``: the Llama-style model, the step and the arguments, on the CPU
+(timings need CUDA)."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from lowprec.__main__ import BENCHES
+from lowprec.bench import train
+from lowprec.nn import FP8Linear
+
+TINY = train.LlamaConfig(hidden=128, layers=2, heads=4, kv_heads=2, ffn=256, vocab=64, batch=2, seq=32)
+
+
+def test_registered_with_the_issue_sizes():
+    assert "train" in BENCHES
+    big, small = train.SIZES["llama3-8b-2l"], train.SIZES["h1024"]
+    assert (big.hidden, big.heads, big.kv_heads, big.ffn, big.layers, big.vocab) == (4096, 32, 8, 14336, 2, 32000)
+    assert (small.hidden, small.layers, small.ffn) == (1024, 8, 2816)
+    assert big.batch * big.seq == small.batch * small.seq == 8192
+
+
+def test_rotary_is_a_rotation_of_pairs():
+    cos, sin = train.rotary_tables(16, 8)
+    x = torch.randn(1, 2, 16, 8)
+    y = train.apply_rotary(x, cos, sin)
+    pairs = lambda t: t[..., :4] ** 2 + t[..., 4:] ** 2  # noqa: E731
+    torch.testing.assert_close(pairs(y), pairs(x))
+    torch.testing.assert_close(y[:, :, 0], x[:, :, 0])  # position 0: angle 0
+
+
+@pytest.mark.parametrize("weights", train.WEIGHTS)
+def test_lowprec_model_converts_every_projection_but_the_lm_head_and_trains(weights):
+    base = train.Llama(TINY)
+    ref = train.make_model(TINY, "bf16", weights, device="cpu", base=base)
+    fp8 = train.make_model(TINY, "lowprec", weights, device="cpu", base=base)
+    kinds = {name: type(m) for name, m in fp8.named_modules() if isinstance(m, (torch.nn.Linear, FP8Linear))}
+    assert kinds.pop("lm_head") is torch.nn.Linear
+    assert len(kinds) == 7 * TINY.layers and set(kinds.values()) == {FP8Linear}
+    want = torch.bfloat16 if weights == "bf16" else torch.float32
+    assert all(p.dtype == want for p in fp8.parameters())
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, TINY.vocab, (TINY.batch, TINY.seq), generator=g)
+    targets = torch.randint(0, TINY.vocab, (TINY.batch, TINY.seq), generator=g)
+    losses = {}
+    for name, model in (("bf16", ref), ("lowprec", fp8)):
+        step = train.make_step(model, weights, compiled=False)
+        losses[name] = [step(tokens, targets).item() for _ in range(3)]
+    for name, v in losses.items():
+        assert all(map(torch.isfinite, torch.tensor(v))), name
+        assert v[-1] < v[0], name  # the same batch three times: it is learned
+    assert abs(losses["lowprec"][0] - losses["bf16"][0]) < 0.05 * losses["bf16"][0]
+
+
+def test_arguments():
+    args = train.parse_args(["--sizes", "h1024", "--impls", "bf16,lowprec", "--modes", "eager"])
+    assert (args.sizes, args.impls, args.modes, args.weights) == (["h1024"], ["bf16", "lowprec"], ["eager"],
+                                                                  list(train.WEIGHTS))
+    with pytest.raises(SystemExit):
+        train.parse_args(["--impls", "fp4"])
+    with pytest.raises(ValueError, match="impl"):
+        train.make_model(TINY, "fp4", "bf16", device="cpu")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the exit without a GPU")
+def test_exits_1_without_a_gpu():
+    res = subprocess.run([sys.executable, "-m", "lowprec", "bench", "train"], capture_output=True, text=True)
+    assert res.returncode == 1 and "needs a CUDA GPU" in res.stderr
