@@ -21,7 +21,7 @@ import math
 import torch
 
 from ..runtime import backend_mode, kernel_failed, registry, warn_once
-from .quantize import quantize_qkv
+from .quantize import quantize_qkv, token_mean
 from .reference import attention_backward_reference, fp8_forward_reference, lse_correction
 
 __all__ = ["attention_fp8", "attention_fp8_forward", "attention_backward", "exact_cuda"]
@@ -84,7 +84,7 @@ def _fp8_backward(ctx, dout, _dlse, _dk_mean):
     the smoothed scores (the same P, dP, dK, dV in exact math) it is gone."""
     q, k, v, out, lse, k_mean = ctx.saved_tensors
     if ctx.incoherent:  # the forward's mean is of the rotated K: smooth the unrotated K by its own
-        own_mean = k.sum(dim=-2, dtype=torch.float32) / max(k.shape[-2], 1)
+        own_mean = token_mean(k)
         lse = lse + lse_correction(q, k_mean, ctx.scale, True) - lse_correction(q, own_mean, ctx.scale)
         k_mean = own_mean
     k_smooth = (k.float() - k_mean[:, :, None, :]).to(k.dtype)

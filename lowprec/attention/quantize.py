@@ -99,6 +99,12 @@ def quantize_q(q: torch.Tensor, incoherent: bool = False) -> tuple[torch.Tensor,
     return _blocks(_rotate(q, incoherent))
 
 
+def token_mean(k: torch.Tensor) -> torch.Tensor:
+    """K's mean over its tokens ``[B, Hkv, D]``: an FP32 sum read straight from K's dtype (0 for
+    no tokens). The smoothing subtracts it; the backward smooths K by the same mean."""
+    return k.sum(dim=-2, dtype=torch.float32) / max(k.shape[-2], 1)
+
+
 def quantize_k(k: torch.Tensor, smooth: bool = True, incoherent: bool = False
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(codes, scales, k_mean [B, Hkv, D])`` of K minus its token mean (``smooth``; else mean 0).
@@ -107,9 +113,9 @@ def quantize_k(k: torch.Tensor, smooth: bool = True, incoherent: bool = False
     that of the rotated K (the LSE correction then uses the rotated Q: the same product)."""
     kr = _rotate(k, incoherent)
     if smooth:
-        # FP32 sum read straight from the input dtype, the difference in FP32: on Hopper one kernel
-        # pass (subtract, block amax, quantize), else torch ops and the quantizer
-        k_mean = kr.sum(dim=-2, keepdim=True, dtype=torch.float32) / max(kr.shape[-2], 1)
+        # the difference in FP32: on Hopper one kernel pass (subtract, block amax, quantize), else
+        # torch ops and the quantizer
+        k_mean = token_mean(kr).unsqueeze(-2)
         codes, scales = registry.run("attention_prepass_k", kr.device, (kr, k_mean),
                                      lambda: _blocks(torch.sub(kr, k_mean)))
     else:
@@ -159,7 +165,7 @@ def quantize_kv_cache(k: torch.Tensor, v: torch.Tensor) -> tuple[QuantizedTensor
     ``v_t_q`` is Vᵀ ``[B, Hkv, Dv, Sk]`` in ``fp8_rowwise`` (one scale per channel).
     A QuantizedTensor input means its dequantized value: the result is attention on those.
     """
-    kc, ks = _blocks(k.float())
+    kc, ks = _blocks(k)
     vt, vs = quantize_v(v)
     sk = k.shape[-2]
     k_q = QuantizedTensor(kc, ks.unsqueeze(-1), ATTN_QK_RECIPE, k.shape, k.dtype)

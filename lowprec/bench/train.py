@@ -14,8 +14,8 @@ For each size, weights (``bf16``: bf16 parameters; ``fp32-autocast``: FP32 maste
 ``torch.autocast(bfloat16)``), implementation (``bf16``: ``nn.Linear``; ``lowprec``:
 ``lowprec.convert(model, "fp8_block")``; ``torchao-tensorwise`` / ``torchao-rowwise``: torchao's
 float8 training, when it imports) and mode (``eager``; ``compiled``: ``torch.compile(model)``), one
-row: the median step time (forward, loss, backward, AdamW step; the host syncs after each step, so
-host time that is not hidden behind the GPU counts), peak memory, and the ratio to the bf16
+row: the median step time (forward, loss, backward, AdamW step; ``bench_ms``: the host syncs before
+each step, so host time that is not hidden behind the GPU counts), peak memory, and the ratio to the bf16
 implementation with the same weights and mode.
 
 ``--train-steps N`` then trains the smallest size N steps on real text (the Python standard
@@ -31,8 +31,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import functools
 import math
-import statistics
 from dataclasses import dataclass
 
 import torch
@@ -187,21 +187,6 @@ def make_step(model: nn.Module, weights: str, compiled: bool, lr: float = 3e-4):
     return step
 
 
-def time_step(step, tokens, targets, warmup: int, steps: int) -> float:
-    """Median ms of a synced training step (events around each)."""
-    for _ in range(warmup):
-        step(tokens, targets)
-    times = []
-    for _ in range(steps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        step(tokens, targets)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
 def available_impls(requested: list[str]) -> dict[str, str | None]:
     """impl -> None (runs here) or why not."""
     out = {}
@@ -268,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench train needs a CUDA GPU")
-    from .common import gpu_slug, print_table, save_results
+    from .common import bench_ms, gpu_slug, print_table, save_results
 
     reasons = available_impls(args.impls)
     rows = []
@@ -290,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
                         model = make_model(c, impl, weights, base=base)
                         step = make_step(model, weights, compiled=mode == "compiled")
                         torch.cuda.reset_peak_memory_stats()
-                        ms = time_step(step, tokens, targets, args.warmup, args.steps)
+                        ms = bench_ms(functools.partial(step, tokens, targets), warmup=args.warmup, rep=args.steps)
                         row.update(step_ms=ms, peak_gib=torch.cuda.max_memory_allocated() / 2**30)
                         print(f"  {size} {weights} {mode} {impl}: {ms:.2f} ms", flush=True)
                     except Exception as err:  # a peer that cannot run this row: say so, go on

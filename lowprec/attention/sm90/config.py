@@ -77,20 +77,21 @@ def attention_unsupported(q, q_scale, k, k_scale, v_t, v_scale, causal: bool, sc
     return None
 
 
-PREPASS_DTYPES = ("bfloat16", "float16", "float32")
 PREPASS_MAX_D = 256  # K: a block's D columns in at most two 128-column register tiles
 
 
 def _prepass_unsupported(x) -> str | None:
-    if str(x.dtype).removeprefix("torch.") not in PREPASS_DTYPES:
-        return f"dtype {x.dtype} (the pre-pass kernels read {', '.join(PREPASS_DTYPES)})"
-    if x.dim() != 4 or not x.is_contiguous() or x.data_ptr() % 16:
-        return "a contiguous, 16-byte aligned [B, H, S, D] tensor"
-    if x.shape[-1] % 16 or not 0 < x.shape[-1] <= PREPASS_MAX_D:
-        return f"head dim {x.shape[-1]} (a multiple of 16 up to {PREPASS_MAX_D})"
+    """The pre-pass kernels read ``x`` [B, H, S, D] as the quantize kernels read rows: the same
+    dtypes, 16-column multiples and alignment (``quant.sm90.config.rows_unsupported``)."""
+    from ...quant.sm90.config import rows_unsupported
+
+    if x.dim() != 4 or not x.is_contiguous():
+        return "a contiguous [B, H, S, D] tensor"
     if not x.numel():
         return "an empty tensor"
-    return None
+    if x.shape[-1] > PREPASS_MAX_D:
+        return f"head dim {x.shape[-1]} (at most {PREPASS_MAX_D})"
+    return rows_unsupported(x.view(-1, x.shape[-1]))
 
 
 def prepass_k_unsupported(k, k_mean) -> str | None:
