@@ -13,6 +13,9 @@ OUT_DTYPES = ("bfloat16", "float16")
 V_PAD = 16  # v_t's key dimension is padded to a multiple of this (16-byte TMA strides)
 # optional v_t layout: stored key position p of each aligned 16 holds key V_KEY_PERM[p]
 V_KEY_PERM = (0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15)
+# intra-warpgroup overlap keeps S, the block accumulator, O and the in-flight P live at once: that
+# fits the 240 registers of a consumer thread at D = 64 only (D = 128 spills; NOTES.md)
+OVERLAP_MAX_D = 64
 
 
 @dataclass(frozen=True)
@@ -22,7 +25,7 @@ class AttnConfig:
     head_dim: int = 128
     causal: bool = False
     out_dtype: str = "bfloat16"
-    overlap: bool = True  # intra-warpgroup overlap of softmax with the next S / this P.V wgmma (D <= 128)
+    overlap: bool = True  # intra-warpgroup overlap of softmax with the next S / the last P.V (D <= OVERLAP_MAX_D)
     # the measured effect of each flag is in NOTES.md (H100, B4 H32 S4096)
     pingpong: bool = False  # consumer warpgroups issue their wgmma in turns (needs overlap); no gain
     pack_gqa: bool = False  # rows = (query head in its KV group, query) for Sq <= 128; decode 3.4x
@@ -30,6 +33,12 @@ class AttnConfig:
     persistent: bool = False  # grid = min(tiles, num_sms), tiles walked longest-first; 0.83-1.04x
     num_sms: int = 132  # persistent grid size (H100 SXM)
     v_keys_permuted: bool = False  # v_t keys permuted within each 16 (V_KEY_PERM): no P shuffles; +1-4%
+
+    def __post_init__(self):
+        # one key per generated kernel: overlap (and ping-pong, which needs it) only where it fits
+        overlap = self.overlap and self.head_dim <= OVERLAP_MAX_D
+        object.__setattr__(self, "overlap", overlap)
+        object.__setattr__(self, "pingpong", self.pingpong and overlap)
 
     def stages(self) -> int:
         """K/V shared-memory ring depth (each stage holds one K tile and one Vᵀ tile)."""
@@ -57,7 +66,7 @@ def variant_configs() -> tuple[AttnConfig, ...]:
             out.append(AttnConfig(d, c, pack_gqa=True, split_kv=True))
             out.append(AttnConfig(d, c, persistent=True))
             out.append(AttnConfig(d, c, v_keys_permuted=True))
-            if d <= 128:
+            if d <= OVERLAP_MAX_D:
                 out.append(AttnConfig(d, c, pingpong=True))
                 out.append(AttnConfig(d, c, pingpong=True, persistent=True))
                 out.append(AttnConfig(d, c, overlap=False))

@@ -115,11 +115,11 @@ class FP8AttentionFwdSm90:
         # P.V in N chunks of at most 128 columns: one fresh 64-register block accumulator
         self.pv_n = min(self.head_dim, 128)
         self.pv_chunks = self.head_dim // self.pv_n
-        # intra-warpgroup overlap needs a second live accumulator set: one P.V chunk only
-        self.overlap = config.overlap and self.pv_chunks == 1
-        # ping-pong between the consumer warpgroups (FA3): wgmma batches issued in turns, so one
+        # intra-warpgroup overlap (D <= OVERLAP_MAX_D, AttnConfig normalizes the flag); ping-pong
+        # between the consumer warpgroups (FA3): wgmma batches issued in turns, so one
         # warpgroup's softmax runs under the other's products (overlapped loop only)
-        self.pingpong = config.pingpong and self.overlap
+        self.overlap = config.overlap
+        self.pingpong = config.pingpong
         # GQA with short Sq (decode): the r query heads of a KV head share the CTA's rows
         # (row = head_in_group * Sq + query); per-row q scales, causal index = row mod Sq
         self.pack_gqa = config.pack_gqa
@@ -557,7 +557,7 @@ class FP8AttentionFwdSm90:
                     if n >= n_full:
                         self._mask(acc_s, n, mask_args)
                     self._softmax(acc_s, c, row_max, row_sum, alpha)
-                    warpgroup.wait_group(0)
+                    self._wait_pv_after(row_sum)
                     _fence_operand(blk)
                     pipe_v.consumer_release(v_state)
                     self._accumulate(acc_o, blk, alpha_prev, 0)
@@ -596,17 +596,46 @@ class FP8AttentionFwdSm90:
             if quad == 0:
                 if row < seqlen_q:
                     mLSE[(row, bh_out)] = lse
+        # every V scale this lane needs (its columns 8j + {0,1}) is loaded before the first store:
+        # loads after stores to a maybe-aliasing pointer would each wait a full global latency
+        # (measured: 16% of the kernel's warp time); O goes out as pairs of adjacent columns
+        v_scales = cute.make_rmem_tensor((self.pv_chunks * n_blk // 2,), cutlass.Float32)
+        vs_row = mVS[(bh_kv, None)]
         for ch in cutlass.range_constexpr(self.pv_chunks):
             for j in cutlass.range_constexpr(n_blk // 4):
+                col = ch * self.pv_n + ocol_l + 8 * j
+                pair = cute.make_rmem_tensor((2,), cutlass.Float32)
+                cute.autovec_copy(cute.local_tile(vs_row, (2,), (col // 2,)), pair)
                 for e in cutlass.range_constexpr(2):
-                    col = ch * self.pv_n + ocol_l + 8 * j + e
-                    vs = mVS[(bh_kv, col)]
-                    for r in cutlass.range_constexpr(2):
-                        row = m0 + row_l[r]
-                        if row < seqlen_q:
-                            v = e + 2 * r + 4 * j
-                            mO[(row, col, bh_out)] = (acc_o[ch * n_blk + v] * (vs * inv[r])).to(self.out_dtype)
+                    v_scales[ch * n_blk // 2 + 2 * j + e] = pair[e]
+        o_head = mO[(None, None, bh_out)]
+        for ch in cutlass.range_constexpr(self.pv_chunks):
+            for j in cutlass.range_constexpr(n_blk // 4):
+                col = ch * self.pv_n + ocol_l + 8 * j
+                for r in cutlass.range_constexpr(2):
+                    pair = cute.make_rmem_tensor((1, 2), self.out_dtype)
+                    for e in cutlass.range_constexpr(2):
+                        o_val = acc_o[ch * n_blk + e + 2 * r + 4 * j]
+                        pair[e] = (o_val * (v_scales[ch * n_blk // 2 + 2 * j + e] * inv[r])).to(self.out_dtype)
+                    row = m0 + row_l[r]
+                    if row < seqlen_q:
+                        cute.autovec_copy(pair, cute.local_tile(o_head, (1, 2), (row, col // 2)))
         return q_state, k_state, v_state
+
+    @cute.jit
+    def _wait_pv_after(self, row_sum):
+        """Wait for the P.V wgmma in flight, placed after the softmax that computed ``row_sum``.
+
+        ptxas treats a wgmma's A registers (P) as free once it is issued: left alone it lifts the
+        wait to the top of the softmax's basic block and reuses P's registers there, so the
+        softmax never overlaps the P.V (measured: the whole intra-warpgroup overlap lost). The
+        wait sits in its own basic blocks behind a branch on the row sum (both sides wait, so
+        the condition does not matter); ptxas does not move it across them and allocates the
+        softmax around P's registers."""
+        if row_sum[0] >= cutlass.Float32(0.0):
+            warpgroup.wait_group(0)
+        else:
+            warpgroup.wait_group(0)
 
     @cute.jit
     def _sched_sync(self, wg):
