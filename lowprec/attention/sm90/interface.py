@@ -226,15 +226,17 @@ def build_prepass_kernel(kind: str, dtype: torch.dtype, head_dim: int, arch: str
     from ...runtime import compile_for_arch
     from . import prepass
 
-    vec = make_fake_tensor(cutlass.Float32, (cute.sym_int(), head_dim), stride=(head_dim, 1), assumed_align=16)
+    def vec(elem):
+        return make_fake_tensor(elem, (cute.sym_int(), head_dim), stride=(head_dim, 1), assumed_align=16)
+
     x = make_fake_tensor(cutlass_dtype(dtype), (cute.sym_int(), head_dim), stride=(head_dim, 1), assumed_align=16)
     stream = make_fake_stream(use_tvm_ffi_env_stream=True)
     one = cutlass.Int32(1)
     if kind == "k":
-        args = (x, vec, fake_rows(cutlass.Uint8), fake_scales(), one, -(-head_dim // 128), stream)
+        args = (x, vec(cutlass.Float32), fake_rows(cutlass.Uint8), fake_scales(), one, -(-head_dim // 128), stream)
         return compile_for_arch(prepass.k_smooth_quant, *args, arch=arch, tvm_ffi=True)
-    return compile_for_arch(prepass.v_quant_t, x, vec, fake_rows(cutlass.Uint8), one, one, stream, arch=arch,
-                            tvm_ffi=True)
+    return compile_for_arch(prepass.v_quant_t, x, vec(cutlass_dtype(dtype)), fake_rows(cutlass.Uint8),
+                            vec(cutlass.Float32), one, one, stream, arch=arch, tvm_ffi=True)
 
 
 @functools.cache
@@ -259,20 +261,14 @@ def attention_prepass_k_op(k: torch.Tensor, k_mean: torch.Tensor) -> tuple[torch
 
 def attention_prepass_v_op(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``v`` [B, H, S, Dv] -> ``(v_t [B, H, Dv, round_up(S, 16)] E4M3, v_scale [B, H, Dv])``: one scale
-    per channel (amax over the sequence, a torch reduction), then one pass that quantizes and
-    transposes."""
-    from ...quant.reference import ieee_div, scale_from_amax
-    from ...recipes import get_recipe
-
+    per channel (amax over the sequence: a torch reduction, exact in V's dtype), then one pass that
+    computes the scales (the quantizer's arithmetic), quantizes and transposes."""
     b, h, s, d = v.shape
-    amax = torch.linalg.vector_norm(v, ord=math.inf, dim=-2).float()
-    # the quantizer's scale arithmetic (IEEE divisions: CUDA turns torch's division by a Python
-    # scalar into a reciprocal multiply, which differs in the last bit)
-    scale = scale_from_amax(amax, get_recipe("fp8_rowwise"))
-    inv = ieee_div(torch.ones_like(scale), scale)
+    amax = torch.linalg.vector_norm(v, ord=math.inf, dim=-2)
     s_pad = -(-s // V_PAD) * V_PAD
     v_t = torch.empty(b, h, d, s_pad, dtype=torch.float8_e4m3fn, device=v.device)
+    scale = torch.empty(b, h, d, dtype=torch.float32, device=v.device)
     with torch.cuda.device(v.device):
-        _prepass_kernel("v", v.dtype, d)(v.view(-1, d), inv.view(b * h, d),
-                                         v_t.view(torch.uint8).view(-1, s_pad), s, b * h)
+        _prepass_kernel("v", v.dtype, d)(v.view(-1, d), amax.view(b * h, d),
+                                         v_t.view(torch.uint8).view(-1, s_pad), scale.view(b * h, d), s, b * h)
     return v_t, scale

@@ -7,8 +7,8 @@ and transposed, each in one pass over its input. Memory-bound; bit-identical to 
   The mean (an FP32 column sum over the sequence) is a torch reduction before it.
 - ``v_quant_t``: one CTA per 128 tokens x 128 channels of one head: codes ``v · inv_scale[channel]``
   staged transposed in shared memory and stored as rows of ``v_t`` (16-byte stores), tokens past
-  Sk as zeros up to ``round_up(Sk, 16)``. The per-channel scales (an amax over the sequence) are
-  computed in torch before it.
+  Sk as zeros up to ``round_up(Sk, 16)``; each channel's scale from its amax over the sequence
+  (a torch reduction before it), written by the first token tile.
 """
 
 from __future__ import annotations
@@ -33,12 +33,12 @@ from ...cute.fp8_tile import (
 
 @cute.jit
 def _column_vector(mVec: cute.Tensor, row, col, cols):
-    """``mVec[row, col .. col + VEC]`` as FP32 (zeros past ``cols``)."""
-    frag = cute.make_rmem_tensor((1, VEC), Float32)
-    frag.fill(0.0)
+    """``mVec[row, col .. col + VEC]`` converted to FP32 (zeros past ``cols``)."""
+    frag = cute.make_rmem_tensor((1, VEC), mVec.element_type)
+    frag.fill(0)
     if col < cols:
         cute.autovec_copy(cute.local_tile(mVec, (1, VEC), (row, col // VEC)), frag)
-    return frag.load()
+    return frag.load().to(Float32)
 
 
 @cute.kernel
@@ -84,7 +84,8 @@ def k_smooth_quant(mK: cute.Tensor, mMean: cute.Tensor, mQ_u8: cute.Tensor, mS: 
 
 
 @cute.kernel
-def _v_quant_t_kernel(mV: cute.Tensor, mInv: cute.Tensor, mVt_u8: cute.Tensor, seqlen: cutlass.Int32):
+def _v_quant_t_kernel(mV: cute.Tensor, mAmax: cute.Tensor, mVt_u8: cute.Tensor, mScale: cute.Tensor,
+                      seqlen: cutlass.Int32):
     tidx, _, _ = cute.arch.thread_idx()
     token_tile, col_tile, head = cute.arch.block_idx()
     smem = cutlass.memory.SmemAllocator()
@@ -103,18 +104,22 @@ def _v_quant_t_kernel(mV: cute.Tensor, mInv: cute.Tensor, mVt_u8: cute.Tensor, s
         if token0 + p < seqlen and col < d:
             cute.autovec_copy(cute.local_tile(mV, (1, VEC), (head * seqlen + token0 + p, col // VEC)), frag)
         values.append(frag.load().to(Float32))
-    inv = _column_vector(mInv, head, col, d)
+    amax = _column_vector(mAmax, head, col, d)
     for j in cutlass.range_constexpr(VEC):
-        stage_column(tile_t, column_codes(values, j, inv[j]), lane, rgrp, j)
+        scale, inv = scale_and_inverse(amax[j])
+        stage_column(tile_t, column_codes(values, j, inv), lane, rgrp, j)
+        if token_tile == 0 and rgrp == 0 and col < d:  # one writer per channel
+            mScale[head, col + j] = scale
     cute.arch.sync_threads()
     store_transposed(tile_t, mVt, head * d + col_tile * TILE, head * d + d, token_tile * TILE, mVt.shape[1], tidx)
 
 
 @cute.jit
-def v_quant_t(mV: cute.Tensor, mInv: cute.Tensor, mVt_u8: cute.Tensor, seqlen: cutlass.Int32, heads: cutlass.Int32,
-              stream):
-    """``mV`` [B·H·S, D], ``mInv`` [B·H, D] FP32 (1 / the channel's scale) -> ``v_t`` codes
-    [B·H·D, S_pad] (S_pad = round_up(S, 16); the padding tokens as zeros)."""
-    _v_quant_t_kernel(mV, mInv, mVt_u8, seqlen).launch(
+def v_quant_t(mV: cute.Tensor, mAmax: cute.Tensor, mVt_u8: cute.Tensor, mScale: cute.Tensor, seqlen: cutlass.Int32,
+              heads: cutlass.Int32, stream):
+    """``mV`` [B·H·S, D], ``mAmax`` [B·H, D] in V's dtype (each channel's amax over the sequence)
+    -> ``v_t`` codes [B·H·D, S_pad] (S_pad = round_up(S, 16); the padding tokens as zeros) and
+    ``mScale`` [B·H, D] FP32 (the quantizer's scale of each amax)."""
+    _v_quant_t_kernel(mV, mAmax, mVt_u8, mScale, seqlen).launch(
         grid=((mVt_u8.shape[1] + TILE - 1) // TILE, (mV.shape[1] + TILE - 1) // TILE, heads),
         block=(THREADS, 1, 1), stream=stream)
