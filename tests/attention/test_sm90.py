@@ -21,6 +21,8 @@ import re
 import pytest
 import torch
 
+from lowprec.attention.sm90.config import TILE_M, TILE_N
+
 from ..hopper import gpu, needs_cutlass, needs_gpu
 
 F8 = torch.float8_e4m3fn
@@ -51,6 +53,18 @@ def test_compiles_sm90a(config):
     # the overlapped loop has a peeled first block and last P.V: each product appears twice
     assert n in (qk_steps + pv_steps, 2 * (qk_steps + pv_steps)), n
     assert local_memory_ops(sass) == 0
+    if config.overlap:
+        assert_softmax_under_pv(sass)
+
+
+def assert_softmax_under_pv(sass: str):
+    """The overlapped loop's softmax runs while its P.V is in flight: after the wait for S (at most
+    one wgmma group left) come the block's exponentials, then the wait for the P.V. ptxas may
+    lift that wait above the softmax (fwd_fp8._wait_pv_after)."""
+    ops = re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x1|WARPGROUP\.DEPBAR\.LE gsb0, 0x0|MUFU\.EX2", sass)
+    i = ops.index("WARPGROUP.DEPBAR.LE gsb0, 0x1")
+    j = ops.index("WARPGROUP.DEPBAR.LE gsb0, 0x0", i)
+    assert j - i - 1 >= TILE_M * TILE_N // 256, f"{j - i - 1} exponentials between the S and the P.V waits"
 
 
 @needs_cutlass
