@@ -506,7 +506,8 @@ class FP8AttentionFwdSm90:
         pipe_q.consumer_wait(q_state)
         mask_args = (col_l, row_pos, seqlen_k, causal_off)
         alpha = cute.make_rmem_tensor((2,), cutlass.Float32)
-        if cutlass.const_expr(not self.overlap):
+        if cutlass.const_expr(not self.overlap and self.pv_chunks > 1):
+            # D = 256 (O is 128 registers): S, softmax, P.V one after the other
             for n in cutlass.range(n_lo, n_max, unroll=1):
                 self._block_scale(c, qsc, mKS[(bh_kv, n)])
                 pipe_k.consumer_wait(k_state)
@@ -525,6 +526,44 @@ class FP8AttentionFwdSm90:
                     _fence_operand(blk)
                     self._accumulate(acc_o, blk, alpha, ch)
                 pipe_v.consumer_release(v_state)
+                k_state.advance()
+                v_state.advance()
+        elif cutlass.const_expr(not self.overlap):
+            # S of block n+1 goes out right behind block n's P.V, so the two-level accumulation
+            # of block n runs while it is in flight (acc_s is free once P is in its FP8
+            # fragment; the registers are those of the P.V step of the plain serial loop)
+            if n_max > n_lo:
+                self._block_scale(c, qsc, mKS[(bh_kv, n_lo)])
+                pipe_k.consumer_wait(k_state)
+                self._issue_qk(qk, k_state.index)
+                warpgroup.wait_group(0)
+                _fence_operand(acc_s)
+                pipe_k.consumer_release(k_state)
+            for n in cutlass.range(n_lo, n_max, unroll=1):
+                if n >= n_full:
+                    self._mask(acc_s, n, mask_args)
+                self._softmax(acc_s, c, row_max, row_sum, alpha)
+                self._p_to_frag_a(acc_s, p_words, src_a, src_b, sender_odd, sel0, sel1)
+                k_next = k_state.clone()
+                k_next.advance()
+                pipe_v.consumer_wait(v_state)
+                self._issue_pv(pv, 0, v_state.index)
+                if n + 1 < n_max:
+                    self._block_scale(c, qsc, mKS[(bh_kv, n + 1)])
+                    pipe_k.consumer_wait(k_next)
+                    self._issue_qk(qk, k_next.index)
+                    warpgroup.wait_group(1)
+                else:
+                    warpgroup.wait_group(0)
+                _fence_operand(blk)
+                self._accumulate(acc_o, blk, alpha, 0)
+                pipe_v.consumer_release(v_state)
+                # unconditional: ptxas serializes every wgmma if any path could read acc_s with
+                # its S still in flight
+                warpgroup.wait_group(0)
+                _fence_operand(acc_s)
+                if n + 1 < n_max:
+                    pipe_k.consumer_release(k_next)
                 k_state.advance()
                 v_state.advance()
         else:
