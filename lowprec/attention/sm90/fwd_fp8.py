@@ -509,12 +509,7 @@ class FP8AttentionFwdSm90:
         if cutlass.const_expr(not self.overlap and self.pv_chunks > 1):
             # D = 256 (O is 128 registers): S, softmax, P.V one after the other
             for n in cutlass.range(n_lo, n_max, unroll=1):
-                self._block_scale(c, qsc, mKS[(bh_kv, n)])
-                pipe_k.consumer_wait(k_state)
-                self._issue_qk(qk, k_state.index)
-                warpgroup.wait_group(0)
-                _fence_operand(acc_s)
-                pipe_k.consumer_release(k_state)
+                self._s_block(qk, c, qsc, mKS[(bh_kv, n)], pipe_k, k_state)
                 if n >= n_full:
                     self._mask(acc_s, n, mask_args)
                 self._softmax(acc_s, c, row_max, row_sum, alpha)
@@ -533,12 +528,7 @@ class FP8AttentionFwdSm90:
             # of block n runs while it is in flight (acc_s is free once P is in its FP8
             # fragment; the registers are those of the P.V step of the plain serial loop)
             if n_max > n_lo:
-                self._block_scale(c, qsc, mKS[(bh_kv, n_lo)])
-                pipe_k.consumer_wait(k_state)
-                self._issue_qk(qk, k_state.index)
-                warpgroup.wait_group(0)
-                _fence_operand(acc_s)
-                pipe_k.consumer_release(k_state)
+                self._s_block(qk, c, qsc, mKS[(bh_kv, n_lo)], pipe_k, k_state)
             for n in cutlass.range(n_lo, n_max, unroll=1):
                 if n >= n_full:
                     self._mask(acc_s, n, mask_args)
@@ -571,12 +561,7 @@ class FP8AttentionFwdSm90:
             # while this warpgroup does block n's softmax
             alpha_prev = cute.make_rmem_tensor((2,), cutlass.Float32)
             if n_max > n_lo:
-                self._block_scale(c, qsc, mKS[(bh_kv, n_lo)])
-                pipe_k.consumer_wait(k_state)
-                self._issue_qk(qk, k_state.index)
-                warpgroup.wait_group(0)
-                _fence_operand(acc_s)
-                pipe_k.consumer_release(k_state)
+                self._s_block(qk, c, qsc, mKS[(bh_kv, n_lo)], pipe_k, k_state)
                 if n_full <= n_lo:
                     self._mask(acc_s, n_lo, mask_args)
                 self._softmax(acc_s, c, row_max, row_sum, alpha_prev)
@@ -687,6 +672,17 @@ class FP8AttentionFwdSm90:
         """Ping-pong: hand the turn to the other warpgroup."""
         if cutlass.const_expr(self.pingpong):
             cute.arch.barrier_arrive(barrier_id=_SCHED_BAR + 1 - wg, number_of_threads=2 * self.threads_per_wg)
+
+    @cute.jit
+    def _s_block(self, qk, c, qsc, k_scale, pipe_k, k_state):
+        """S of one KV block, complete: the block's score scale, the K stage, the wgmma and its
+        wait; the stage is released (the state is not advanced: the caller does)."""
+        self._block_scale(c, qsc, k_scale)
+        pipe_k.consumer_wait(k_state)
+        self._issue_qk(qk, k_state.index)
+        warpgroup.wait_group(0)
+        _fence_operand(qk[2])
+        pipe_k.consumer_release(k_state)
 
     @cute.jit
     def _issue_qk(self, qk, stage):
