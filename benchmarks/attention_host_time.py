@@ -62,6 +62,7 @@ def main():
     torch.cuda.synchronize()
     prof.disable()
     st = pstats.Stats(prof)
+    st.sort_stats("tottime").print_stats(30)
     st.sort_stats("cumulative").print_stats(45)
     st.print_callees("backend_impl")
 

@@ -106,6 +106,16 @@ class QuantizedTensor:
         self.shape = shape
         self.dtype = dtype
 
+    @classmethod
+    def _of_kernel(cls, data: torch.Tensor, scale: torch.Tensor, recipe: ScaleRecipe, shape: torch.Size,
+                   dtype: torch.dtype, global_scale: torch.Tensor | None = None) -> QuantizedTensor:
+        """A QuantizedTensor of a quantize kernel's own outputs, built to the recipe's shapes:
+        no validation (it costs several µs of host time per eager call)."""
+        self = cls.__new__(cls)
+        self.data, self.scale, self.global_scale = data, scale, global_scale
+        self.recipe, self.shape, self.dtype = recipe, torch.Size(shape), dtype
+        return self
+
     @property
     def device(self) -> torch.device:
         return self.data.device

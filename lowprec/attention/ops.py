@@ -11,7 +11,8 @@
   fp16/bf16, else plain torch (:func:`~lowprec.attention.reference.attention_backward_reference`).
 
 All shapes are static and nothing reads values back to the host: ``torch.compile(fullgraph=True)``
-traces the ops whole, CUDA graphs capture them.
+traces the ops whole, CUDA graphs capture them. Eager calls (:func:`attention_fp8_call`) run the
+same functions without the custom op's dispatch, which costs tens of µs of host time per call.
 """
 
 from __future__ import annotations
@@ -24,18 +25,17 @@ from ..runtime import backend_mode, kernel_failed, registry, warn_once
 from .quantize import quantize_qkv, token_mean
 from .reference import attention_backward_reference, fp8_forward_reference, lse_correction
 
-__all__ = ["attention_fp8", "attention_fp8_forward", "attention_backward", "exact_cuda"]
+__all__ = ["attention_fp8", "attention_fp8_call", "attention_fp8_forward", "forward_dispatch", "attention_backward",
+           "exact_cuda"]
 
 _HALF = (torch.float16, torch.bfloat16)
 
 
 # --- the FP8 forward: kernel or emulation ---------------------------------------------------------
 
-@torch.library.custom_op("lowprec::attention_fp8_forward", mutates_args=())
-def attention_fp8_forward(q: torch.Tensor, q_scale: torch.Tensor, k: torch.Tensor, k_scale: torch.Tensor,
-                          v_t: torch.Tensor, v_scale: torch.Tensor, causal: bool, scale: float,
-                          out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out [B, H, Sq, Dv] out_dtype, lse [B, H, Sq] FP32 of the smoothed scores)``."""
+def forward_dispatch(q, q_scale, k, k_scale, v_t, v_scale, causal: bool, scale: float,
+                     out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The FP8 forward on the kernel's operands: the kernel where it applies, else the emulation."""
     def reference():
         out, lse = fp8_forward_reference(q, q_scale, k, k_scale, v_t, v_scale, causal, scale)
         return out.to(out_dtype), lse
@@ -44,10 +44,32 @@ def attention_fp8_forward(q: torch.Tensor, q_scale: torch.Tensor, k: torch.Tenso
     return registry.run("attention_fp8", q.device, args, reference)
 
 
+@torch.library.custom_op("lowprec::attention_fp8_forward", mutates_args=())
+def attention_fp8_forward(q: torch.Tensor, q_scale: torch.Tensor, k: torch.Tensor, k_scale: torch.Tensor,
+                          v_t: torch.Tensor, v_scale: torch.Tensor, causal: bool, scale: float,
+                          out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out [B, H, Sq, Dv] out_dtype, lse [B, H, Sq] FP32 of the smoothed scores)``."""
+    return forward_dispatch(q, q_scale, k, k_scale, v_t, v_scale, causal, scale, out_dtype)
+
+
 @attention_fp8_forward.register_fake
 def _(q, q_scale, k, k_scale, v_t, v_scale, causal, scale, out_dtype):
     b, h, sq, _ = q.shape
     return q.new_empty((b, h, sq, v_t.shape[-2]), dtype=out_dtype), q.new_empty((b, h, sq), dtype=torch.float32)
+
+
+def _attention_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
+                   incoherent: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The pre-pass and forward: on Hopper one host pass over all kernels
+    (``attention_fp8_qkv``), else (or incoherent) step by step, each on its kernel or reference."""
+    def composed():
+        x = quantize_qkv(q, k, v, incoherent=incoherent)
+        out, lse = forward_dispatch(x.q, x.q_scale, x.k, x.k_scale, x.v_t, x.v_scale, causal, scale, q.dtype)
+        return out, lse, x.k_mean
+
+    if incoherent:
+        return composed()
+    return registry.run("attention_fp8_qkv", q.device, (q, k, v, causal, scale), composed)
 
 
 @torch.library.custom_op("lowprec::attention_fp8", mutates_args=())
@@ -57,9 +79,7 @@ def attention_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
     [B, Hkv, D] FP32)``. The LSE of the unsmoothed scores is ``lse + lse_correction(q, k_mean,
     scale, incoherent)``: a pass over Q that only ``return_lse`` pays; the backward takes the
     smoothed LSE as it is."""
-    x = quantize_qkv(q, k, v, incoherent=incoherent)
-    out, lse = attention_fp8_forward(x.q, x.q_scale, x.k, x.k_scale, x.v_t, x.v_scale, causal, scale, q.dtype)
-    return out, lse, x.k_mean
+    return _attention_fp8(q, k, v, causal, scale, incoherent)
 
 
 @attention_fp8.register_fake
@@ -93,6 +113,29 @@ def _fp8_backward(ctx, dout, _dlse, _dk_mean):
 
 
 attention_fp8.register_autograd(_fp8_backward, setup_context=_fp8_setup_context)
+
+
+class _AttentionFP8Function(torch.autograd.Function):
+    """The custom op's autograd, as a plain autograd.Function for eager calls."""
+
+    @staticmethod
+    def forward(q, k, v, causal, scale, incoherent):
+        return _attention_fp8(q, k, v, causal, scale, incoherent)
+
+    setup_context = staticmethod(_fp8_setup_context)
+    backward = staticmethod(_fp8_backward)
+
+
+def attention_fp8_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
+                       incoherent: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``attention_fp8``, the same results and gradients: traced by ``torch.compile`` as the custom
+    op; eager without the op's dispatch (tens of µs of host time per call), through an
+    autograd.Function only where a gradient is wanted."""
+    if torch.compiler.is_compiling():
+        return attention_fp8(q, k, v, causal, scale, incoherent)
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return _AttentionFP8Function.apply(q, k, v, causal, scale, incoherent)
+    return _attention_fp8(q, k, v, causal, scale, incoherent)
 
 
 # --- the backward: PyTorch's flash attention backward, or plain torch -----------------------------

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
 
-__all__ = ["device_arch", "sm_count", "SUPPORTED_ARCHS"]
+__all__ = ["device_arch", "sm_count", "on_device", "SUPPORTED_ARCHS"]
 
 SUPPORTED_ARCHS = ("sm_90a", "sm_100a")
 _BY_CAPABILITY = {(9, 0): "sm_90a", (10, 0): "sm_100a"}
@@ -47,3 +48,15 @@ def _sm_count(index: int) -> int:
 def sm_count(device: torch.device) -> int:
     """Streaming multiprocessors of the CUDA ``device`` (cached: launch paths ask on every call)."""
     return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+_SAME_DEVICE = contextlib.nullcontext()
+
+
+def on_device(device: torch.device):
+    """``torch.cuda.device(device)`` where ``device`` is not the current CUDA device, else a no-op
+    context: kernels launch on the current device's stream, and the guard costs several µs of
+    host time per launch where it changes nothing."""
+    if device.index is None or device.index == torch.cuda.current_device():
+        return _SAME_DEVICE
+    return torch.cuda.device(device)

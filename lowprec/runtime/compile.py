@@ -15,7 +15,7 @@ import shutil
 import subprocess
 import tempfile
 
-__all__ = ["compile_for_arch", "sass_of", "cubin_arch", "nvdisasm_path", "local_memory_ops"]
+__all__ = ["compile_for_arch", "ffi_entry", "sass_of", "cubin_arch", "nvdisasm_path", "local_memory_ops"]
 
 
 def compile_for_arch(jit_fn, *args, arch: str, tvm_ffi: bool = False, **kwargs):
@@ -31,6 +31,16 @@ def compile_for_arch(jit_fn, *args, arch: str, tvm_ffi: bool = False, **kwargs):
     if tvm_ffi:
         options.append(cute.EnableTVMFFI())
     return cute.compile[tuple(options)](jit_fn, *args, **kwargs)
+
+
+def ffi_entry(compiled):
+    """What to call to launch ``compiled`` (a TVM-FFI build): its positional ``tvm_ffi.Function``
+    where it has one, else ``compiled`` itself. The DSL's wrapper around that function maps
+    keyword arguments, which lowprec never passes, and costs several µs per eager launch."""
+    get = getattr(compiled, "__tvm_ffi_object__", None)
+    raw = get() if get is not None else None
+    pointer_args = getattr(getattr(compiled, "execution_args", None), "has_pointer_address_arg_specs", False)
+    return compiled if raw is None or pointer_args else raw
 
 
 _DUMP_DIR: str | None = None

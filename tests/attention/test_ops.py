@@ -207,3 +207,23 @@ def test_fp8_cuda_graph_capture_and_compile():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(captured, eager)
+
+
+def test_eager_call_is_the_custom_op():
+    """lowprec.attention's eager path (no op dispatch) gives the op's results and gradients."""
+    from lowprec.attention.ops import attention_fp8, attention_fp8_call
+
+    q, k, v = _qkv(sq=40, sk=70, dtype=torch.float32)
+    with torch.no_grad():
+        direct = attention_fp8_call(q, k, v, True, 0.125, False)
+    assert all(torch.equal(a, b) for a, b in zip(direct, attention_fp8(q, k, v, True, 0.125, False)))
+    leaves_op = [t.clone().requires_grad_() for t in (q, k, v)]
+    leaves_call = [t.clone().requires_grad_() for t in (q, k, v)]
+    out_op, lse_op, _ = attention_fp8(*leaves_op, True, 0.125, False)
+    out_call, lse_call, k_mean = attention_fp8_call(*leaves_call, True, 0.125, False)
+    assert torch.equal(out_op, out_call) and not lse_call.requires_grad and not k_mean.requires_grad
+    dout = torch.randn_like(out_op)
+    out_op.backward(dout)
+    out_call.backward(dout)
+    for a, b in zip(leaves_op, leaves_call):
+        assert torch.equal(a.grad, b.grad)

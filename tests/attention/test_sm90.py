@@ -321,3 +321,48 @@ def test_bad_head_dim():
     with pytest.raises(ValueError, match=r"supported: \(64, 128, 256\)"):
         fp8_attention_forward(q, torch.ones(1, 1, 1), q, torch.ones(1, 1, 1), torch.zeros(1, 1, 96, 16, dtype=F8),
                               torch.ones(1, 1, 96), causal=False, softmax_scale=1.0, out_dtype=torch.bfloat16)
+
+
+def test_fused_call_constraints():
+    from lowprec.attention.sm90.config import qkv_unsupported
+
+    def qkv(sq=256, sk=256, d=128, dtype=torch.bfloat16, hkv=2):
+        return (torch.zeros(1, 4, sq, d, dtype=dtype), torch.zeros(1, hkv, sk, d, dtype=dtype),
+                torch.zeros(1, hkv, sk, d, dtype=dtype))
+
+    assert qkv_unsupported(*qkv(), True, 0.1) is None
+    assert qkv_unsupported(*qkv(sq=77), False, 0.1) is None  # one short Q block
+    assert "Sq=200" in qkv_unsupported(*qkv(sq=200), False, 0.1)
+    assert "Sk=200" in qkv_unsupported(*qkv(sk=200), False, 0.1)
+    assert "head dims D=96" in qkv_unsupported(*qkv(d=96), False, 0.1)
+    assert "dtypes" in qkv_unsupported(*qkv(dtype=torch.float32), False, 0.1)
+    q, k, v = qkv()
+    assert "contiguous" in qkv_unsupported(q.transpose(1, 2), k, v, False, 0.1)
+
+
+@gpu
+@needs_gpu
+@pytest.mark.parametrize("case", [(2, 4, 4, 256, 384, 128, False, torch.bfloat16),
+                                  (1, 8, 2, 100, 256, 64, True, torch.float16),
+                                  (2, 4, 1, 128, 128, 256, True, torch.bfloat16),
+                                  (3, 8, 8, 1, 512, 128, True, torch.bfloat16)],
+                         ids=lambda c: "B{}H{}kv{}q{}k{}d{}{}-{}".format(*c[:6], "c" if c[6] else "", str(c[7])[6:]))
+def test_fused_call_is_the_composed_steps(case):
+    """The one-pass host path of lowprec.attention (pre-pass + forward) gives the same bits as
+    quantize_qkv followed by the forward kernel, and is what lowprec.attention runs."""
+    import lowprec
+    from lowprec.attention.ops import forward_dispatch
+    from lowprec.attention.quantize import quantize_qkv
+    from lowprec.attention.sm90.interface import attention_fp8_qkv_op
+    from lowprec.runtime import registry
+
+    b, h, hkv, sq, sk, d, causal, dtype = case
+    g = torch.Generator(device="cuda").manual_seed(7)
+    q, k, v = (torch.randn(b, n, s, d, device="cuda", generator=g).to(dtype) + 0.5
+               for n, s in ((h, sq), (hkv, sk), (hkv, sk)))
+    assert registry.why_no_kernel("attention_fp8_qkv", q.device, q, k, v, causal, 0.1) is None
+    out, lse, k_mean = attention_fp8_qkv_op(q, k, v, causal, 0.1)
+    x = quantize_qkv(q, k, v)
+    out_c, lse_c = forward_dispatch(x.q, x.q_scale, x.k, x.k_scale, x.v_t, x.v_scale, causal, 0.1, dtype)
+    assert torch.equal(out, out_c) and torch.equal(lse, lse_c) and torch.equal(k_mean, x.k_mean)
+    assert torch.equal(lowprec.attention(q, k, v, causal=causal, scale=0.1, quant="fp8"), out)

@@ -112,3 +112,20 @@ def prepass_k_unsupported(k, k_mean) -> str | None:
 def prepass_v_unsupported(v) -> str | None:
     """Why ``interface.attention_prepass_v_op`` cannot quantize and transpose ``v`` (None: it can)."""
     return _prepass_unsupported(v)
+
+
+def qkv_unsupported(q, k, v, causal: bool, scale: float) -> str | None:
+    """Why ``interface.attention_fp8_qkv_op`` (the pre-pass and forward of float Q, K, V in one
+    host pass) cannot take these inputs (None: it can); the caller then composes the steps, each
+    on its kernel or reference."""
+    d = q.shape[-1]
+    if q.dtype != k.dtype or q.dtype != v.dtype or str(q.dtype).removeprefix("torch.") not in OUT_DTYPES:
+        return f"dtypes {q.dtype}, {k.dtype}, {v.dtype} (the fused path takes one of {' or '.join(OUT_DTYPES)})"
+    if d not in HEAD_DIMS or v.shape[-1] != d:
+        return f"head dims D={d}, Dv={v.shape[-1]}; the kernel serves D = Dv in {HEAD_DIMS}"
+    sq = q.shape[-2]
+    if sq == 0 or (sq > TILE_M and sq % TILE_M):
+        return f"Sq={sq} (the Q pre-pass takes whole {TILE_M}-token blocks or one shorter block)"
+    if not q.is_contiguous() or q.data_ptr() % 16:
+        return "q must be contiguous and 16-byte aligned"
+    return prepass_k_unsupported(k, None) or prepass_v_unsupported(v)

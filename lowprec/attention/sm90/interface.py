@@ -16,6 +16,7 @@ import math
 
 import torch
 
+from ...runtime import ffi_entry, on_device
 from .config import HEAD_DIMS, TILE_M, TILE_N, V_KEY_PERM, V_PAD, AttnConfig
 
 _ARCH_DEFAULT = "sm_90a"
@@ -40,8 +41,9 @@ def num_splits(ctas: int, n_blocks: int, num_sms: int = _NUM_SMS) -> int:
         return 1
     return max(1, min(-(-2 * num_sms // ctas), n_blocks // 4, 32))
 
-__all__ = ["fp8_attention_forward", "attention_fp8_forward_op", "permute_v_keys", "compile_only", "build_kernel",
-           "attention_prepass_k_op", "attention_prepass_v_op", "build_prepass_kernel"]
+__all__ = ["fp8_attention_forward", "attention_fp8_forward_op", "attention_fp8_qkv_op", "permute_v_keys",
+           "compile_only", "build_kernel", "attention_prepass_k_op", "attention_prepass_v_op",
+           "build_prepass_kernel"]
 
 
 def _use_tvm_ffi() -> bool:
@@ -92,6 +94,16 @@ def _get_compiled(config: AttnConfig, arch: str = _ARCH_DEFAULT):
     key = dict(dataclasses.asdict(config), tvm_ffi=_use_tvm_ffi())
     return kernel_cache.get("attention_fp8_sm90", key, arch,
                             lambda: build_kernel(config, arch))
+
+
+@functools.cache
+def _kernel(d: int, causal: bool, out_dtype: torch.dtype, pack: bool, split: bool, v_keys_permuted: bool,
+            overlap: bool, pingpong: bool, persistent_sms: int):
+    """The launched kernel of one call's parameters (and the interface flags; ``persistent_sms``
+    0: not persistent): a lookup on plain values, no config object built per call."""
+    return ffi_entry(_get_compiled(AttnConfig(d, causal, _OUT[out_dtype], overlap, pingpong, pack, split,
+                                              persistent=persistent_sms > 0, num_sms=persistent_sms or _NUM_SMS,
+                                              v_keys_permuted=v_keys_permuted)))
 
 
 def compile_only(config: AttnConfig | None = None, arch: str = _ARCH_DEFAULT):
@@ -153,6 +165,16 @@ def fp8_attention_forward(q, q_scale, k, k_scale, v_t, v_scale, *, causal: bool,
     """FP8 attention forward on sm_90a; see CONTRACT.md. Returns ``(out, lse)``.
     ``v_keys_permuted``: v_t is stored as :func:`permute_v_keys` makes it (no P shuffles)."""
     _validate(q, q_scale, k, k_scale, v_t, v_scale, out_dtype, out)
+    u8 = torch.uint8
+    with on_device(q.device):
+        return _forward(q.view(u8), q_scale, k.view(u8), k_scale, v_t.view(u8), v_scale, bool(causal),
+                        float(softmax_scale), out_dtype, out, bool(v_keys_permuted))
+
+
+def _forward(q, q_scale, k, k_scale, v_t, v_scale, causal: bool, softmax_scale: float, out_dtype: torch.dtype,
+             out: torch.Tensor | None = None, v_keys_permuted: bool = False):
+    """The launch of :func:`fp8_attention_forward` on valid operands, FP8 codes as uint8, on the
+    current device."""
     B, H, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
     if out is None:
@@ -169,36 +191,34 @@ def fp8_attention_forward(q, q_scale, k, k_scale, v_t, v_scale, *, causal: bool,
     # packed: q, out, lse of the r query heads of a KV head are one contiguous run of r * Sq rows
     qh, rows = (Hkv, r * Sq) if pack else (H, Sq)
     splits = num_splits(-(-rows // TILE_M) * qh * B, -(-Sk // TILE_N)) if SPLIT_KV else 1
-    fn = _get_compiled(AttnConfig(D, bool(causal), _OUT[out_dtype], OVERLAP, PINGPONG, pack, splits > 1,
-                                  persistent=PERSISTENT,
-                                  num_sms=_num_sms(q.device) if PERSISTENT else _NUM_SMS,
-                                  v_keys_permuted=bool(v_keys_permuted)))
-    u8 = torch.uint8
-    o_dst, l_dst = out.view(B * qh, rows, D), lse.view(B * qh, rows)
+    fn = _kernel(D, causal, out_dtype, pack, splits > 1, v_keys_permuted, OVERLAP, PINGPONG,
+                 _num_sms(q.device) if PERSISTENT else 0)
+    o_dst, l_dst = out, lse
     if splits > 1:
         o_dst = torch.empty(splits * B * qh, rows, D, dtype=torch.float32, device=q.device)
         l_dst = torch.empty(splits * B * qh, rows, dtype=torch.float32, device=q.device)
+    skp = v_t.shape[-1]
+    # the kernel's views: [rows, D, heads] of contiguous [heads, rows, D] buffers, one op each
     args = (
-        q.view(u8).view(B * qh, rows, D).permute(1, 2, 0),
-        k.view(u8).view(B * Hkv, Sk, D).permute(1, 2, 0),
-        v_t.view(u8).view(B * Hkv, D, v_t.shape[-1]).permute(1, 2, 0),
+        q.as_strided((rows, D, B * qh), (D, 1, rows * D)),
+        k.as_strided((Sk, D, B * Hkv), (D, 1, Sk * D)),
+        v_t.as_strided((D, skp, B * Hkv), (skp, 1, D * skp)),
         q_scale.view(B * H, -1),
         k_scale.view(B * Hkv, -1),
         v_scale.view(B * Hkv, D),
-        o_dst.permute(1, 2, 0),
-        l_dst.t(),
+        o_dst.as_strided((rows, D, o_dst.numel() // (rows * D)), (D, 1, rows * D)),
+        l_dst.as_strided((rows, l_dst.numel() // rows), (1, rows)),
     )
-    scale_log2 = float(softmax_scale) * math.log2(math.e)
+    scale_log2 = softmax_scale * math.log2(math.e)
     ints = (Hkv, 1, r, Sq) if pack else (H, r, 1, Sq)
-    with torch.cuda.device(q.device):
-        if _use_tvm_ffi():
-            fn(*args, scale_log2, *ints)
-        else:  # pragma: no cover - slow path
-            import cuda.bindings.driver as cuda
-            from cutlass.cute.runtime import from_dlpack
+    if _use_tvm_ffi():
+        fn(*args, scale_log2, *ints)
+    else:  # pragma: no cover - slow path
+        import cuda.bindings.driver as cuda
+        from cutlass.cute.runtime import from_dlpack
 
-            targs = [from_dlpack(t, assumed_align=16 if i < 3 or i == 6 else 4) for i, t in enumerate(args)]
-            fn(*targs, scale_log2, *ints, cuda.CUstream(torch.cuda.current_stream().cuda_stream))
+        targs = [from_dlpack(t, assumed_align=16 if i < 3 or i == 6 else 4) for i, t in enumerate(args)]
+        fn(*targs, scale_log2, *ints, cuda.CUstream(torch.cuda.current_stream().cuda_stream))
     if splits > 1:  # combine: lse = logsumexp_i lse_i, O = sum_i exp(lse_i - lse) O_i
         l_part = l_dst.view(splits, B * qh, rows)
         l_all = torch.logsumexp(l_part, dim=0)
@@ -207,6 +227,55 @@ def fp8_attention_forward(q, q_scale, k, k_scale, v_t, v_scale, *, causal: bool,
         out.view(B * qh, rows, D).copy_(o_all)
         lse.view(B * qh, rows).copy_(l_all)
     return out, lse
+
+
+# ----------------------------------------------------------------------------- the whole FP8 call
+def attention_fp8_qkv_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``lowprec.attention(q, k, v, quant="fp8")`` on sm_90a in one lean host pass: the pre-pass
+    (Q quantized per 128-token block, K smoothed and quantized, V quantized and transposed) and
+    the forward, the same kernels and bits as :func:`~lowprec.attention.quantize.quantize_qkv`
+    followed by :func:`fp8_attention_forward`, without their per-step dispatch, validation and
+    float8 views (the registry's constraints, ``config.qkv_unsupported``, hold). Returns
+    ``(out in q's dtype, lse FP32 of the smoothed scores, k_mean [B, Hkv, D] FP32)``."""
+    b, h, sq, d = q.shape
+    hkv, sk = k.shape[1], k.shape[2]
+    dev = q.device
+    u8, f32 = torch.uint8, torch.float32
+    q_block = TILE_M if sq % TILE_M == 0 else sq
+    sk_pad = -(-sk // V_PAD) * V_PAD
+    q_kernel, k_kernel, v_kernel = _prepass_kernels(q.dtype, d, q_block * d)
+    # the codes of Q, K and Vᵀ in one buffer, their scales in another (fewer host ops per call)
+    nq, nk, nv = b * h * sq * d, b * hkv * sk * d, b * hkv * d * sk_pad
+    codes = torch.empty(nq + nk + nv, dtype=u8, device=dev)
+    q_codes = codes.as_strided((b, h, sq, d), (h * sq * d, sq * d, d, 1))
+    k_codes = codes.as_strided((b, hkv, sk, d), (hkv * sk * d, sk * d, d, 1), nq)
+    v_t = codes.as_strided((b, hkv, d, sk_pad), (hkv * d * sk_pad, d * sk_pad, sk_pad, 1), nq + nk)
+    # Vᵀ's scales first: the V kernel stores them 16-byte aligned
+    nvs, nqs, nks = b * hkv * d, b * h * (sq // q_block), b * hkv * (sk // TILE_N)
+    scales = torch.empty(nvs + nqs + nks, dtype=f32, device=dev)
+    v_scale = scales.as_strided((b, hkv, d), (hkv * d, d, 1))
+    q_scale = scales.as_strided((b, h, sq // q_block), (h * (sq // q_block), sq // q_block, 1), nvs)
+    k_scale = scales.as_strided((b, hkv, sk // TILE_N), (hkv * (sk // TILE_N), sk // TILE_N, 1), nvs + nqs)
+    with on_device(dev):
+        k_mean = k.sum(dim=-2, dtype=f32).div_(sk)  # token_mean's arithmetic
+        v_amax = torch.linalg.vector_norm(v, ord=math.inf, dim=-2)
+        q_kernel(q.view(-1, q_block * d), q_codes.view(-1, q_block * d), q_scale.view(-1, 1))
+        k_kernel(k.view(-1, d), k_mean.view(b * hkv, d), k_codes.view(-1, d), k_scale.view(-1, 1), sk)
+        v_kernel(v.view(-1, d), v_amax.view(b * hkv, d), v_t.view(-1, sk_pad), v_scale.view(b * hkv, d), sk, b * hkv)
+        out, lse = _forward(q_codes, q_scale, k_codes, k_scale, v_t, v_scale, causal, scale, q.dtype)
+    return out, lse, k_mean
+
+
+@functools.cache
+def _prepass_kernels(dtype: torch.dtype, head_dim: int, q_row: int):
+    """The Q (rowwise over [B·H·S/128, 128·D] rows of ``q_row`` values), K and V pre-pass kernels."""
+    from ...quant.sm90.fp8_quant import ROWWISE_SHORT_COLS
+    from ...quant.sm90.interface import compile_kernel
+
+    q_kind = "rowwise" if q_row <= ROWWISE_SHORT_COLS else "rowwise_staged"
+    return (compile_kernel(q_kind, dtype), ffi_entry(_prepass_kernel("k", dtype, head_dim)),
+            ffi_entry(_prepass_kernel("v", dtype, head_dim)))
 
 
 # ----------------------------------------------------------------------------- pre-pass kernels
@@ -253,7 +322,7 @@ def attention_prepass_k_op(k: torch.Tensor, k_mean: torch.Tensor) -> tuple[torch
     b, h, s, d = k.shape
     codes = torch.empty(b, h, s, d, dtype=torch.float8_e4m3fn, device=k.device)
     scales = torch.empty(b * h * s // TILE_N, 1, dtype=torch.float32, device=k.device)
-    with torch.cuda.device(k.device):
+    with on_device(k.device):
         _prepass_kernel("k", k.dtype, d)(k.view(-1, d), k_mean.reshape(b * h, d).contiguous(),
                                          codes.view(torch.uint8).view(-1, d), scales, s)
     return codes, scales.view(b, h, s // TILE_N)
@@ -268,7 +337,7 @@ def attention_prepass_v_op(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     s_pad = -(-s // V_PAD) * V_PAD
     v_t = torch.empty(b, h, d, s_pad, dtype=torch.float8_e4m3fn, device=v.device)
     scale = torch.empty(b, h, d, dtype=torch.float32, device=v.device)
-    with torch.cuda.device(v.device):
+    with on_device(v.device):
         _prepass_kernel("v", v.dtype, d)(v.view(-1, d), amax.view(b * h, d),
                                          v_t.view(torch.uint8).view(-1, s_pad), scale.view(b * h, d), s, b * h)
     return v_t, scale

@@ -6,6 +6,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import torch
+
 SCALE_BLOCK = 128  # K (and N for 128x128 weight scales) granularity of the scales
 
 
@@ -59,6 +61,7 @@ WGRAD_N_MULTIPLE = 64  # K-grouped GEMM: a tile never straddles two groups' outp
 OUT_DTYPES = ("bfloat16", "float16", "float32")
 BIAS_DTYPES = ("float32", "bfloat16")
 # FP8 recipes with FP32 scales: rowwise and tensorwise scales repeat per 128-wide K block
+_OUT_TORCH_DTYPES = tuple(getattr(torch, name) for name in OUT_DTYPES)
 A_RECIPES = ("fp8_block1x128", "fp8_rowwise", "fp8_tensorwise")
 B_RECIPES = ("fp8_block1x128", "fp8_block128x128", "fp8_rowwise", "fp8_tensorwise")
 
@@ -81,11 +84,12 @@ def gemm_unsupported(a, b, out_dtype, bias) -> str | None:
         return f"b's recipe is {b.recipe.name}; the kernel takes {B_RECIPES} weights"
     if a.shape[0] == 0:
         return "M=0: nothing to compute"
-    if _dtype_name(out_dtype) not in OUT_DTYPES:
+    if out_dtype not in _OUT_TORCH_DTYPES:
         return f"out_dtype {out_dtype}"
     if bias is not None and _dtype_name(bias.dtype) not in BIAS_DTYPES:
         return f"bias dtype {bias.dtype} (the kernel takes {BIAS_DTYPES})"
-    return _mn_unsupported(N=b.shape[0], K=b.shape[1])
+    n, k = b.shape
+    return _mn_unsupported(N=n, K=k) if n % MN_MULTIPLE or k % MN_MULTIPLE else None
 
 
 def grouped_unsupported(a, b, out_dtype, group_ends, masked_counts) -> str | None:

@@ -16,7 +16,7 @@ import importlib.util
 
 import torch
 
-from ...runtime import sm_count
+from ...runtime import ffi_entry, on_device, sm_count
 from .config import MN_MULTIPLE, SCALE_BLOCK, WGRAD_N_MULTIPLE
 
 _ARCH_DEFAULT = "sm_90a"
@@ -364,8 +364,22 @@ def gemm_blockwise_fp8(
     (128x128) or [N, ceil(K/128)] (1x128); bias: fp32/bf16 [N] or None; out: optional
     preallocated contiguous [M, N] tensor of ``out_dtype`` (written and returned).
     """
-    m, n, k, per_col = _validate(a, a_scale, b, b_scale, out_dtype, bias)
-    num_sms = sm_count(a.device)
+    _, _, _, per_col = _validate(a, a_scale, b, b_scale, out_dtype, bias)
+    if out is not None:
+        m, n = a.shape[0], b.shape[0]
+        _check(out.shape == (m, n) and out.dtype == out_dtype and out.is_contiguous()
+               and out.device == a.device,
+               lambda: f"out: expected a contiguous [{m}, {n}] {out_dtype} tensor on {a.device}")
+    return _run_dense(a, a_scale, b, b_scale, out_dtype, bias, per_col, config, out)
+
+
+def _run_dense(a, a_scale, b, b_scale, out_dtype, bias, per_col: bool, config=None, out=None) -> torch.Tensor:
+    """The launch of :func:`gemm_blockwise_fp8` on valid operands (host work kept to what each
+    call needs: eager small-M GEMMs are bound by it)."""
+    m, k = a.shape
+    n = b.shape[0]
+    dev = a.device
+    num_sms = sm_count(dev)
     if config is None:
         config = choose_config(m, n, k, per_col, num_sms)
     split = config.split_k
@@ -373,37 +387,28 @@ def gemm_blockwise_fp8(
         kt = -(-k // SCALE_BLOCK)
         _check(_split_ok(kt, split), lambda: f"config: split_k={split} leaves an empty split for K={k}")
     fn = _get_compiled(config, out_dtype, per_col, bias.dtype if bias is not None else None, num_sms)
-    if out is None:
-        d = torch.empty((m, n), dtype=out_dtype, device=a.device)
-    else:
-        _check(out.shape == (m, n) and out.dtype == out_dtype and out.is_contiguous()
-               and out.device == a.device,
-               lambda: f"out: expected a contiguous [{m}, {n}] {out_dtype} tensor on {a.device}")
-        d = out
+    d = torch.empty((m, n), dtype=out_dtype, device=dev) if out is None else out
     a_scale = _tma_a_scale(a_scale)
     b_scale = _prep_b_scale_per_col(b_scale) if per_col else _tma_b_scale_blocks(b_scale)
+    no_bias, no_group = _unused_args(dev)
     if split > 1:
-        ws = torch.empty((split, m, n), dtype=torch.float32, device=a.device).permute(1, 2, 0)
-        _launch(fn, a, b, ws, a_scale, b_scale, _dummy(a.device))
+        ws = torch.empty((split, m, n), dtype=torch.float32, device=dev).permute(1, 2, 0)
+        _launch(fn, a, b, ws, a_scale, b_scale, no_bias, no_group)
         r = ws.sum(dim=2)  # fixed-order reduction: deterministic
         if bias is not None:
             r += bias.float()
         d.copy_(r)
         return d
-    bias_arg = _dummy(a.device) if bias is None else bias.contiguous()
-    _launch(fn, a, b, d, a_scale, b_scale, bias_arg)
+    _launch(fn, a, b, d, a_scale, b_scale, no_bias if bias is None else bias.contiguous(), no_group)
     return d
 
 
-# Placeholders for the kernel arguments a config does not read (the group ends of a dense GEMM,
-# the bias of one without). Allocated per call, not cached: a cached device tensor first made
-# while torch.compile's CUDA graphs warm up would live untracked in their memory pool.
-def _dummy_group(device) -> torch.Tensor:
-    return torch.empty(1, dtype=torch.int32, device=device)
-
-
-def _dummy(device) -> torch.Tensor:
-    return torch.empty(16, dtype=torch.float32, device=device)
+@functools.cache
+def _unused_args(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Placeholders for the kernel arguments a config does not read (the bias of a GEMM without,
+    the group ends of a dense one): empty tensors, so no memory is allocated (caching one in a
+    CUDA graph pool would pin it there) and nothing is allocated per call."""
+    return torch.empty(0, dtype=torch.float32, device=device), torch.empty(0, dtype=torch.int32, device=device)
 
 
 def _split_ok(k_tiles: int, split: int) -> bool:
@@ -411,15 +416,13 @@ def _split_ok(k_tiles: int, split: int) -> bool:
     return split == 1 or (split - 1) * per < k_tiles
 
 
-def _launch(fn, a, b, d, a_scale, b_scale, bias_arg, group=None, m_max=0):
-    if group is None:
-        group = _dummy_group(a.device)
+_entry = functools.cache(ffi_entry)  # per compiled kernel (compile_only keeps returning the compiled object)
+
+
+def _launch(fn, a, b, d, a_scale, b_scale, bias_arg, group, m_max=0):
     if _use_tvm_ffi():  # launches on torch's current stream of a's device
-        if a.device.index == torch.cuda.current_device():
-            fn(a.view(torch.uint8), b.view(torch.uint8), d, a_scale, b_scale, bias_arg, group, m_max)
-        else:
-            with torch.cuda.device(a.device):
-                fn(a.view(torch.uint8), b.view(torch.uint8), d, a_scale, b_scale, bias_arg, group, m_max)
+        with on_device(a.device):
+            _entry(fn)(a.view(torch.uint8), b.view(torch.uint8), d, a_scale, b_scale, bias_arg, group, m_max)
     else:  # pragma: no cover - slow path (~50 us per launch)
         with torch.cuda.device(a.device):
             import cuda.bindings.driver as cuda
@@ -541,7 +544,7 @@ def grouped_gemm_blockwise_fp8(
     _check(a2.stride(1) == 1 and (a2.stride(0) % 16 == 0 or rows == 1) and a2.data_ptr() % 16 == 0,
            "a: must be contiguous along K with 16-byte aligned rows")
     group = group if group.dtype == torch.int32 and group.is_contiguous() else group.to(torch.int32).contiguous()
-    _launch(fn, a2, b2, d.view(rows, n), sa2, sb2, _dummy(a.device), group, m_max)
+    _launch(fn, a2, b2, d.view(rows, n), sa2, sb2, _unused_args(a.device)[0], group, m_max)
     return d
 
 
@@ -601,7 +604,7 @@ def grouped_gemm_wgrad_fp8(
     fn = _get_compiled(config, out_dtype, True, None, num_sms, _ARCH_DEFAULT, "kgrouped")
     ends = group_ends if group_ends.dtype == torch.int32 and group_ends.is_contiguous() \
         else group_ends.to(torch.int32).contiguous()
-    _launch(fn, a, b, d.view(e * n, p), _tma_a_scale(a_scale), _prep_b_scale_per_col(b_scale), _dummy(dev),
+    _launch(fn, a, b, d.view(e * n, p), _tma_a_scale(a_scale), _prep_b_scale_per_col(b_scale), _unused_args(dev)[0],
             ends, n)
     return d
 
@@ -629,15 +632,20 @@ def _blockwise_scales(a, b) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _k_major(data: torch.Tensor) -> torch.Tensor:
-    """FP8 codes as the kernel reads them, K contiguous. Under torch.compile the op gets the
-    layouts inductor chose for the traced reference quantization (e.g. strides (1, M))."""
-    return data if data.stride(-1) == 1 else data.contiguous()
+    """FP8 codes as the kernel reads them: K contiguous, rows 16-byte aligned (a copy otherwise).
+    Under torch.compile the op gets the layouts inductor chose for the traced reference
+    quantization (e.g. strides (1, M)); slices of wider tensors may be misaligned."""
+    if data.stride(1) == 1 and (data.stride(0) % 16 == 0 or data.shape[0] == 1) and data.data_ptr() % 16 == 0:
+        return data
+    return data.contiguous()
 
 
 def gemm_quantized(a, b, out_dtype: torch.dtype, bias: torch.Tensor | None) -> torch.Tensor:
-    """``lowprec.gemm`` on this kernel."""
+    """``lowprec.gemm`` on this kernel: QuantizedTensors (their shapes, dtypes and devices checked
+    when built) that ``config.gemm_unsupported`` accepted, so no second validation."""
     sa, sb = _blockwise_scales(a, b)
-    return gemm_blockwise_fp8(_k_major(a.data), sa, _k_major(b.data), sb, out_dtype=out_dtype, bias=bias)
+    per_col = b.recipe.name in ("fp8_block1x128", "fp8_rowwise")  # sb [N, KB]: one scale per column
+    return _run_dense(_k_major(a.data), sa, _k_major(b.data), sb, out_dtype, bias, per_col)
 
 
 def grouped_gemm_quantized(a, b, out_dtype: torch.dtype, group_ends: torch.Tensor | None,

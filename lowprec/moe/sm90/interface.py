@@ -4,11 +4,13 @@ call, so these functions assume valid arguments."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ...quant.layouts import empty_mn_major_tma_aligned
 from ...quant.sm90.interface import cutlass_dtype, fake_rows, fake_scales
-from ...runtime import kernel_cache
+from ...runtime import ffi_entry, kernel_cache, on_device
 from .config import THREADS
 
 __all__ = ["ARCH", "KERNELS", "build_dispatch_kernel", "build_kernel", "build_unpack_kernel", "dispatch_plan",
@@ -60,7 +62,7 @@ def dispatch_plan(ids: torch.Tensor, num_experts: int, capacity: int | None
     hist = torch.empty(-(-n // THREADS), num_experts, dtype=torch.int32, device=dev)
     kernel = kernel_cache.get("moe_dispatch_plan", {"num_experts": num_experts}, ARCH,
                               lambda: build_dispatch_kernel(num_experts))
-    with torch.cuda.device(dev):
+    with on_device(dev):
         kernel(ids, hist, counts, ends, row_slots, slot_rows, kept.view(torch.uint8), min(capacity or n, n))
     return kept, slot_rows, row_slots, counts, ends
 
@@ -99,10 +101,11 @@ def build_kernel(kind: str, dtype: torch.dtype, arch: str = ARCH):
     return compile_for_arch(fn, *args, make_fake_stream(use_tvm_ffi_env_stream=True), arch=arch, tvm_ffi=True)
 
 
+@functools.cache  # in front of the kernel cache: one hash of plain values per launch
 def compile_kernel(kind: str, dtype: torch.dtype, arch: str = ARCH):
     """The launchable kernel, compiled once per (kind, dtype, arch) through the kernel cache."""
-    return kernel_cache.get(f"moe_{kind}", {"dtype": dtype}, arch,
-                            lambda: build_kernel(kind, dtype, arch))
+    return ffi_entry(kernel_cache.get(f"moe_{kind}", {"dtype": dtype}, arch,
+                                      lambda: build_kernel(kind, dtype, arch)))
 
 
 def pack_1x128(x: torch.Tensor, routing, r, with_tokens: bool
@@ -121,7 +124,7 @@ def pack_1x128(x: torch.Tensor, routing, r, with_tokens: bool
         xq = torch.empty(t, h, dtype=torch.float8_e4m3fn, device=x.device)
         xs = empty_mn_major_tma_aligned(t, -(-h // 128), x.device)
     if t and h:
-        with torch.cuda.device(x.device):
+        with on_device(x.device):
             if with_tokens:
                 compile_kernel("pack_tokens_1x128", x.dtype)(x, slot_rows, row_slots, q.view(torch.uint8), s,
                                                               xq.view(torch.uint8), xs)
@@ -146,7 +149,7 @@ def swiglu_1x128(h: torch.Tensor, row_weights: torch.Tensor
         hq = torch.empty(r, two_f, dtype=torch.float8_e4m3fn, device=h.device)
         hs = empty_mn_major_tma_aligned(r, two_f // 128, h.device)
     if r and f:
-        with torch.cuda.device(h.device):
+        with on_device(h.device):
             if with_h:
                 compile_kernel("swiglu_h_1x128", h.dtype)(h, row_weights, q.view(torch.uint8), s, hq.view(torch.uint8),
                                                            hs)
@@ -177,7 +180,7 @@ def swiglu_backward_1x128(h, da: torch.Tensor, row_weights: torch.Tensor
         dhq = torch.empty(r, 2 * f, dtype=torch.float8_e4m3fn, device=dev)
         dhs = empty_mn_major_tma_aligned(r, 2 * f // 128, dev)
     if r and f:
-        with torch.cuda.device(dev):
+        with on_device(dev):
             if with_q:
                 compile_kernel("swiglu_backward_1x128", da.dtype)(hq.view(torch.uint8), hs, da, row_weights,
                                                                    dhq.view(torch.uint8), dhs, dh, a, dw_parts)
@@ -218,6 +221,6 @@ def unpack_rows(rows: torch.Tensor, routing, weights: torch.Tensor | None, out_d
     if tokens and rows.shape[1]:
         kernel = kernel_cache.get("moe_unpack", {"dtype": rows.dtype, "out_dtype": out_dtype, "top_k": top_k}, ARCH,
                                   lambda: build_unpack_kernel(rows.dtype, out_dtype, top_k))
-        with torch.cuda.device(rows.device):
+        with on_device(rows.device):
             kernel(rows.detach(), slot_rows, weights, out)
     return out

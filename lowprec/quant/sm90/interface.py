@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
-from ...runtime import kernel_cache, sm_count
+from ...runtime import ffi_entry, kernel_cache, on_device, sm_count
 from ..layouts import empty_mn_major_tma_aligned
 
 __all__ = ["quantize_1x128", "quantize_rowwise", "quantize_128x128", "quantize_128x128_t", "quantize_dual",
@@ -72,10 +74,11 @@ def build_kernel(kind: str, dtype: torch.dtype, arch: str = ARCH):
     return compile_for_arch(fn, *args, stream, arch=arch, tvm_ffi=True)
 
 
+@functools.cache  # in front of the kernel cache: one hash of plain values per launch
 def compile_kernel(kind: str, dtype: torch.dtype, arch: str = ARCH):
     """The launchable kernel, compiled once per (kind, dtype, arch) through the kernel cache."""
-    return kernel_cache.get(f"quant_fp8_{kind}", {"dtype": dtype}, arch,
-                            lambda: build_kernel(kind, dtype, arch))
+    return ffi_entry(kernel_cache.get(f"quant_fp8_{kind}", {"dtype": dtype}, arch,
+                                      lambda: build_kernel(kind, dtype, arch)))
 
 
 def _resident_ctas(device: torch.device, per_sm: int) -> int:
@@ -102,7 +105,7 @@ def quantize_1x128(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
     s = empty_mn_major_tma_aligned(m, -(-k // 128), x.device)
     if m:
-        with torch.cuda.device(x.device):
+        with on_device(x.device):
             compile_kernel("1x128", x.dtype)(x, q.view(torch.uint8), s,
                                              _resident_ctas(x.device, _ctas_per_sm("1x128", x.dtype)))
     return q, s
@@ -114,7 +117,7 @@ def quantize_rowwise(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
     s = torch.empty(m, 1, dtype=torch.float32, device=x.device)
     if m:
-        with torch.cuda.device(x.device):
+        with on_device(x.device):
             from .fp8_quant import ROWWISE_SHORT_COLS  # longer rows are staged in shared memory
 
             kind = "rowwise" if k <= ROWWISE_SHORT_COLS else "rowwise_staged"
@@ -128,7 +131,7 @@ def quantize_128x128(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     q = torch.empty(n, k, dtype=torch.float8_e4m3fn, device=x.device)
     s = torch.empty(-(-n // 128), -(-k // 128), dtype=torch.float32, device=x.device)
     if n:
-        with torch.cuda.device(x.device):
+        with on_device(x.device):
             compile_kernel("128x128", x.dtype)(x, q.view(torch.uint8), s)
     return q, s
 
@@ -151,7 +154,7 @@ def quantize_128x128_t(x: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Ten
     s = torch.empty(-(-r // 128), -(-k // 128), dtype=torch.float32, device=x.device)
     qt = torch.empty(r // n * k, n, dtype=torch.float8_e4m3fn, device=x.device)
     if r:
-        with torch.cuda.device(x.device):
+        with on_device(x.device):
             compile_kernel("128x128_t", x.dtype)(x, q.view(torch.uint8), s, qt.view(torch.uint8))
     return q, s, qt
 
@@ -167,7 +170,7 @@ def quantize_dual(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     qt = torch.empty(k, t_pad, dtype=torch.float8_e4m3fn, device=x.device)
     st = empty_mn_major_tma_aligned(k, -(-t_pad // 128), x.device)
     if t:  # rows past T load as zeros, so the kernel writes the padding columns too
-        with torch.cuda.device(x.device):
+        with on_device(x.device):
             compile_kernel("dual", x.dtype)(x, q.view(torch.uint8), s, qt.view(torch.uint8), st,
                                             _resident_ctas(x.device, _ctas_per_sm("dual", x.dtype)))
     return q, s, qt, st
@@ -183,7 +186,7 @@ def quantize_t_gathered(x: torch.Tensor, src_rows: torch.Tensor) -> tuple[torch.
     qt = torch.empty(c, w, dtype=torch.float8_e4m3fn, device=x.device)
     st = empty_mn_major_tma_aligned(c, -(-w // 128), x.device)
     if w and c:
-        with torch.cuda.device(x.device):
+        with on_device(x.device):
             compile_kernel("t_gathered", x.dtype)(x, src_rows, qt.view(torch.uint8), st)
     return qt, st
 
