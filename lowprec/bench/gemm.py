@@ -186,6 +186,22 @@ def _cublas_rowwise_fn(a, b):
     return lambda: torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)
 
 
+def _host_us(fns, calls: int = 100, reps: int = 7) -> list[float]:
+    """Host time of one eager call (µs) of each of ``fns``: ``calls`` back-to-back calls timed on
+    the host without waiting for the GPU (too few to fill the launch queue), the functions
+    interleaved rep by rep (the host's speed drifts), median of ``reps``."""
+    times = [[] for _ in fns]
+    for _ in range(reps):
+        for fn, ts in zip(fns, times):
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            ts.append((time.perf_counter() - t) / calls * 1e6)
+    torch.cuda.synchronize()
+    return [statistics.median(ts) for ts in times]
+
+
 def _geomean(xs):
     xs = [x for x in xs if x and x > 0 and math.isfinite(x)]
     return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else float("nan")
@@ -198,6 +214,7 @@ def run(args=None):
         args = parse_args(args)
     if not torch.cuda.is_available():
         raise SystemExit("bench gemm needs a CUDA GPU")
+    import lowprec
     from lowprec.gemm.sm90.interface import choose_config, gemm_blockwise_fp8
 
     dev_name = torch.cuda.get_device_name()
@@ -217,10 +234,11 @@ def run(args=None):
     rows = []
     print("# TFLOPS; 'rot' = CUDA graph of back-to-back calls cycling over input sets larger than L2"
           " (pure GPU time, cold inputs, sustained load); 'eager' = one Python call per do_bench"
-          " iteration (L2 flushed: a 256 MB memset between calls)")
+          " iteration (L2 flushed: a 256 MB memset between calls); host_us = host time of one eager"
+          " call (lowprec.gemm on QuantizedTensors; cuBLAS: torch scaled_mm), back-to-back calls")
     hdr = (f"{'M':>5} {'N':>6} {'K':>6} {'config':>16} {'lp_rot':>7} {'lp_eager':>8} {'cb8blk':>7}"
            f" {'cb8blk_e':>8} {'cb8row':>7} {'bf16':>7} {'vs_blk':>6} {'vs_blk_e':>8} {'vs_row':>6}"
-           f" {'err':>8} {'err_cb':>8}")
+           f" {'err':>8} {'err_cb':>8} {'lp_host_us':>10} {'cb_host_us':>10}")
     print(hdr)
     for (m, n, k) in shapes:
         kb, nb = -(-k // 128), -(-n // 128)
@@ -241,13 +259,18 @@ def run(args=None):
         compile_s = time.time() - t0
         t_lp_eager = _bench(lambda a=a, sa=sa, b=b, sb=sb: gemm_blockwise_fp8(a, sa, b, sb), rep)
         lp_calls = [(lambda s=s_: gemm_blockwise_fp8(*s)) for s_ in sets]
-        t_cb = t_cb_eager = float("nan")
+        qa = lowprec.QuantizedTensor(a, sa, lowprec.get_recipe("fp8_block1x128"), a.shape, torch.bfloat16)
+        qb = lowprec.QuantizedTensor(b, sb, lowprec.get_recipe("fp8_block128x128"), b.shape, torch.bfloat16)
+        host_fns = [lambda qa=qa, qb=qb: lowprec.gemm(qa, qb)]
+        t_cb = t_cb_eager = host_cb = float("nan")
         d_cb = None
         timers = {"lp": _rot_timer(lp_calls)}
         if cublas_ok:
             d_cb = _cublas_blockwise_fn(a, sa, b, sb)()
             timers["cb"] = _rot_timer([_cublas_blockwise_fn(*s_) for s_ in sets])
             t_cb_eager = _bench(_cublas_blockwise_fn(a, sa, b, sb), rep)
+            host_fns.append(_cublas_blockwise_fn(a, sa, b, sb))
+        host_lp, host_cb = (_host_us(host_fns) + [float("nan")])[:2]
         rounds = _interleaved_rounds(timers, rep)
         lp_rounds, cb_rounds = rounds["lp"], rounds.get("cb", [])
         t_lp = statistics.median(lp_rounds)
@@ -276,12 +299,13 @@ def run(args=None):
             cublas_fp8_blockwise_eager_tflops=tf(t_cb_eager), ratio_vs_cublas_fp8_eager=t_cb_eager / t_lp_eager,
             ratio_vs_cublas_fp8_rowwise=t_row / t_lp, rel_err=err, rel_err_cublas=err_cb,
             lowprec_ms_rounds=lp_rounds, cublas_fp8_blockwise_ms_rounds=cb_rounds,
-            first_call_s=compile_s,
+            first_call_s=compile_s, lowprec_host_us=host_lp, cublas_fp8_blockwise_host_us=host_cb,
         )
         rows.append(row)
         print(f"{m:>5} {n:>6} {k:>6} {str(cfg):>16} {tf(t_lp):7.1f} {tf(t_lp_eager):8.1f} {tf(t_cb):7.1f}"
               f" {tf(t_cb_eager):8.1f} {tf(t_row):7.1f} {tf(t_bf):7.1f} {t_cb / t_lp:6.2f}"
-              f" {t_cb_eager / t_lp_eager:8.2f} {t_row / t_lp:6.2f} {err:8.1e} {err_cb:8.1e}", flush=True)
+              f" {t_cb_eager / t_lp_eager:8.2f} {t_row / t_lp:6.2f} {err:8.1e} {err_cb:8.1e}"
+              f" {host_lp:10.1f} {host_cb:10.1f}", flush=True)
         del d, d_cb, sets
 
     big = [r["ratio_vs_cublas_fp8"] for r in rows if r["m"] >= 4096 and r["n"] != 8192]
@@ -290,7 +314,9 @@ def run(args=None):
     small_r = [r["ratio_vs_cublas_fp8_rowwise"] for r in rows if r["m"] <= 128]
     big_e = [r["ratio_vs_cublas_fp8_eager"] for r in rows if r["m"] >= 4096 and r["n"] != 8192]
     small_e = [r["ratio_vs_cublas_fp8_eager"] for r in rows if r["m"] <= 128]
+    host = [r["cublas_fp8_blockwise_host_us"] / r["lowprec_host_us"] for r in rows]
     summary = dict(geomean_ratio_m4096=_geomean(big), geomean_ratio_m_le_128=_geomean(small),
+                   geomean_host_time_ratio=_geomean(host),
                    geomean_ratio_eager_m4096=_geomean(big_e), geomean_ratio_eager_m_le_128=_geomean(small_e),
                    geomean_ratio_rowwise_m4096=_geomean(big_r), geomean_ratio_rowwise_m_le_128=_geomean(small_r))
     print(f"geomean speedup vs cuBLAS FP8 blockwise, rot: M=4096 {summary['geomean_ratio_m4096']:.3f}x, "
@@ -298,14 +324,17 @@ def run(args=None):
           f"M=4096 {summary['geomean_ratio_eager_m4096']:.3f}x, "
           f"M<=128 {summary['geomean_ratio_eager_m_le_128']:.3f}x | vs cuBLAS FP8 rowwise (coarser scaling), rot: "
           f"M=4096 {summary['geomean_ratio_rowwise_m4096']:.3f}x, "
-          f"M<=128 {summary['geomean_ratio_rowwise_m_le_128']:.3f}x")
+          f"M<=128 {summary['geomean_ratio_rowwise_m_le_128']:.3f}x | host time per eager call, cuBLAS / lowprec: "
+          f"{summary['geomean_host_time_ratio']:.3f}x")
     payload = dict(
         device=dev_name, num_sms=num_sms, torch=torch.__version__,
         cublas_blockwise_probe=dict(ok=cublas_ok, rel_err=cublas_probe_err, note=cublas_note),
         timing=("*_ms: CUDA graph of back-to-back calls cycling over input sets totalling >= 160 MB "
                 f"(> L2), do_bench median / calls (lowprec and cuBLAS blockwise: median of {ROUNDS} "
                 "rounds each, interleaved, which one goes first alternating: *_ms_rounds); "
-                "*_eager_ms: do_bench median of single Python calls (L2 flushed); random data"),
+                "*_eager_ms: do_bench median of single Python calls (L2 flushed); *_host_us: host time of "
+                "one eager call (lowprec.gemm on QuantizedTensors, cuBLAS scaled_mm), 100 back-to-back calls "
+                "timed on the host, the two interleaved, median of 7; random data"),
         rows=rows, summary=summary,
         date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     )
