@@ -17,7 +17,7 @@ for name, layer in (("nn.Linear", nn.Linear(i, o, bias=False, device="cuda", dty
     x = torch.randn(t, i, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn(t, o, device="cuda", dtype=torch.bfloat16)
 
-    def step():
+    def step(layer=layer, x=x, dy=dy):
         layer(x).backward(dy)
 
     for _ in range(5):
