@@ -107,10 +107,11 @@ class QuantizedTensor:
         self.dtype = dtype
 
     @classmethod
-    def _of_kernel(cls, data: torch.Tensor, scale: torch.Tensor, recipe: ScaleRecipe, shape: torch.Size,
+    def _unchecked(cls, data: torch.Tensor, scale: torch.Tensor, recipe: ScaleRecipe, shape: torch.Size,
                    dtype: torch.dtype, global_scale: torch.Tensor | None = None) -> QuantizedTensor:
-        """A QuantizedTensor of a quantize kernel's own outputs, built to the recipe's shapes:
-        no validation (it costs several µs of host time per eager call)."""
+        """A QuantizedTensor of parts known to be valid (a quantize kernel's own outputs, built to
+        the recipe's shapes; a flattened QuantizedTensor): no validation, which costs several µs
+        of host time per eager call."""
         self = cls.__new__(cls)
         self.data, self.scale, self.global_scale = data, scale, global_scale
         self.recipe, self.shape, self.dtype = recipe, torch.Size(shape), dtype
@@ -181,7 +182,7 @@ class QuantizedTensor:
     def unflatten(cls, tensors, meta: tuple) -> QuantizedTensor:
         """Inverse of :meth:`flatten`."""
         recipe, shape, dtype = meta
-        return cls(tensors[0], tensors[1], recipe, shape, dtype, tensors[2] if len(tensors) > 2 else None)
+        return cls._unchecked(tensors[0], tensors[1], recipe, shape, dtype, tensors[2] if len(tensors) > 2 else None)
 
     def metadata(self) -> dict:
         """Everything but the tensors, JSON-serializable: recipe, logical shape, original dtype."""

@@ -88,7 +88,7 @@ def _wrap_kernel_output(x: torch.Tensor, r: ScaleRecipe, q: torch.Tensor, s: tor
     # 128x128: a batch of matrices (experts) is one tall matrix, as no block spans two of them
     s = (s.view(*x.shape[:-2], -(-x.shape[-2] // r.block[0]), s.shape[-1]) if r.is_2d
          else s.view(*x.shape[:-1], s.shape[-1]))
-    return QuantizedTensor._of_kernel(q.view(x.shape), s, r, x.shape, x.dtype)
+    return QuantizedTensor._unchecked(q.view(x.shape), s, r, x.shape, x.dtype)
 
 
 def quantize_dual(x: torch.Tensor, recipe: str | ScaleRecipe = "fp8_block1x128") -> tuple[QuantizedTensor,
@@ -107,8 +107,8 @@ def quantize_dual(x: torch.Tensor, recipe: str | ScaleRecipe = "fp8_block1x128")
     t = x2.shape[0]
     t_pad = -(-t // 16) * 16
     def wrap(q, s, qt, st):
-        return (QuantizedTensor._of_kernel(q, s, r, x2.shape, x.dtype),
-                QuantizedTensor._of_kernel(qt, st, r, (x2.shape[1], t_pad), x.dtype))
+        return (QuantizedTensor._unchecked(q, s, r, x2.shape, x.dtype),
+                QuantizedTensor._unchecked(qt, st, r, (x2.shape[1], t_pad), x.dtype))
 
     def reference():
         padded = torch.nn.functional.pad(x2, (0, 0, 0, t_pad - t))
@@ -141,8 +141,8 @@ def quantize_with_transpose(x: torch.Tensor, recipe: str | ScaleRecipe = "fp8_bl
         batch = x.shape[:-2]
         s = s.view(*batch, -(-rows // 128), s.shape[-1])
         t_shape = (*batch, cols, rows)
-        return (QuantizedTensor(q.view(x.shape), s, r, x.shape, x.dtype),
-                QuantizedTensor(qt.view(t_shape), s.transpose(-1, -2).contiguous(), r, t_shape, x.dtype))
+        return (QuantizedTensor._unchecked(q.view(x.shape), s, r, x.shape, x.dtype),
+                QuantizedTensor._unchecked(qt.view(t_shape), s.transpose(-1, -2).contiguous(), r, t_shape, x.dtype))
 
     def reference():
         q = quantize(x, r, check_finite=False)
