@@ -12,7 +12,8 @@ and ``llama3-8b-2l`` (Llama-3-8B-shaped layers: hidden 4096, 32 heads / 8 KV hea
 
 For each size, weights (``bf16``: bf16 parameters; ``fp32-autocast``: FP32 master weights under
 ``torch.autocast(bfloat16)``), implementation (``bf16``: ``nn.Linear``; ``lowprec``:
-``lowprec.convert(model, "fp8_block")``; ``torchao-tensorwise`` / ``torchao-rowwise``: torchao's
+``lowprec.convert(model, "fp8_block")``, which keeps layers under 4096² weights in bf16 (the row's
+note says how many projections are FP8); ``torchao-tensorwise`` / ``torchao-rowwise``: torchao's
 float8 training, when it imports) and mode (``eager``; ``compiled``: ``torch.compile(model)``), one
 row: the median step time (forward, loss, backward, AdamW step; ``bench_ms``: the host syncs before
 each step, so host time that is not hidden behind the GPU counts), peak memory, and the ratio to the bf16
@@ -144,8 +145,10 @@ def _not_lm_head(name: str, module: nn.Module) -> bool:
     return not name.endswith("lm_head")
 
 
-def make_model(c: LlamaConfig, impl: str, weights: str, device="cuda", base: Llama | None = None) -> nn.Module:
-    """A model of ``impl`` with ``weights`` (a copy of ``base`` when given: same initial weights)."""
+def make_model(c: LlamaConfig, impl: str, weights: str, device="cuda", base: Llama | None = None,
+               min_weight_numel: int | None = None) -> nn.Module:
+    """A model of ``impl`` with ``weights`` (a copy of ``base`` when given: same initial weights);
+    ``min_weight_numel``: ``lowprec.convert``'s (None: its default)."""
     if impl not in IMPLS:
         raise ValueError(f"impl: expected one of {IMPLS}, got {impl!r}")
     if weights not in WEIGHTS:
@@ -156,7 +159,7 @@ def make_model(c: LlamaConfig, impl: str, weights: str, device="cuda", base: Lla
     if impl == "lowprec":
         import lowprec
 
-        lowprec.convert(model, "fp8_block", filter_fn=_not_lm_head)
+        lowprec.convert(model, "fp8_block", filter_fn=_not_lm_head, min_weight_numel=min_weight_numel)
     elif impl.startswith("torchao"):
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
@@ -234,7 +237,8 @@ def train_on_text(c: LlamaConfig, steps: int, device="cuda") -> dict:
     base = Llama(text)
     runs = {}
     for impl in ("bf16", "lowprec"):
-        model = make_model(text, impl, "bf16", device, base=base)
+        # every projection in FP8, however small: this run is about FP8's numerics
+        model = make_model(text, impl, "bf16", device, base=base, min_weight_numel=0)
         step = make_step(model, "bf16", compiled=False)
         g = torch.Generator().manual_seed(0)
         losses = []
@@ -277,6 +281,10 @@ def main(argv: list[str] | None = None) -> int:
                         torch.cuda.reset_peak_memory_stats()
                         ms = bench_ms(functools.partial(step, tokens, targets), warmup=args.warmup, rep=args.steps)
                         row.update(step_ms=ms, peak_gib=torch.cuda.max_memory_allocated() / 2**30)
+                        if impl == "lowprec":  # convert keeps layers too small to gain in bf16
+                            fp8 = sum(type(m).__name__ == "FP8Linear" for m in model.modules())
+                            linears = fp8 + sum(type(m) is nn.Linear for m in model.modules()) - 1  # - LM head
+                            row["note"] = f"{fp8}/{linears} projections in FP8"
                         print(f"  {size} {weights} {mode} {impl}: {ms:.2f} ms", flush=True)
                     except Exception as err:  # a peer that cannot run this row: say so, go on
                         row["note"] = f"error: {type(err).__name__}: {str(err).splitlines()[0][:120]}"

@@ -1,8 +1,9 @@
 """FP8 layers for training and inference, and ``convert`` to swap them into a model."""
 
 from .functional import LINEAR_RECIPES, LinearRecipe, fp8_linear
-from .linear import FP8InferenceLinear, FP8Linear, convert
+from .linear import MIN_TRAIN_WEIGHT_NUMEL, FP8InferenceLinear, FP8Linear, convert
 from .weight_cache import reuse_quantized_weights
 
 __all__ = ["LINEAR_RECIPES", "LinearRecipe", "fp8_linear", "FP8InferenceLinear", "FP8Linear", "convert",
+           "MIN_TRAIN_WEIGHT_NUMEL",
            "reuse_quantized_weights"]

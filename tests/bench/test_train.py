@@ -35,7 +35,7 @@ def test_rotary_is_a_rotation_of_pairs():
 def test_lowprec_model_converts_every_projection_but_the_lm_head_and_trains(weights):
     base = train.Llama(TINY)
     ref = train.make_model(TINY, "bf16", weights, device="cpu", base=base)
-    fp8 = train.make_model(TINY, "lowprec", weights, device="cpu", base=base)
+    fp8 = train.make_model(TINY, "lowprec", weights, device="cpu", base=base, min_weight_numel=0)
     kinds = {name: type(m) for name, m in fp8.named_modules() if isinstance(m, (torch.nn.Linear, FP8Linear))}
     assert kinds.pop("lm_head") is torch.nn.Linear
     assert len(kinds) == 7 * TINY.layers and set(kinds.values()) == {FP8Linear}
@@ -52,6 +52,11 @@ def test_lowprec_model_converts_every_projection_but_the_lm_head_and_trains(weig
         assert all(map(torch.isfinite, torch.tensor(v))), name
         assert v[-1] < v[0], name  # the same batch three times: it is learned
     assert abs(losses["lowprec"][0] - losses["bf16"][0]) < 0.05 * losses["bf16"][0]
+
+
+def test_lowprec_model_keeps_layers_too_small_to_gain():
+    model = train.make_model(TINY, "lowprec", "bf16", device="cpu")
+    assert not any(isinstance(m, FP8Linear) for m in model.modules())
 
 
 def test_arguments():

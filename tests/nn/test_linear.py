@@ -37,13 +37,13 @@ class TinyBlock(nn.Module):
 def _pair(dtype=torch.float32, recipe="fp8_block", seed=0):
     torch.manual_seed(seed)
     ref = TinyBlock().to(dtype)
-    return ref, convert(copy.deepcopy(ref), recipe)
+    return ref, convert(copy.deepcopy(ref), recipe, min_weight_numel=0)
 
 
 def test_convert_swaps_eligible_linears_and_logs_the_rest(caplog):
     ref, model = _pair()
     with caplog.at_level(logging.WARNING, logger="lowprec"):
-        convert(copy.deepcopy(ref))
+        convert(copy.deepcopy(ref), min_weight_numel=0)
     assert isinstance(model.qkv, FP8Linear) and isinstance(model.proj, FP8Linear)
     assert isinstance(model.mlp[0], FP8Linear) and isinstance(model.mlp[2], FP8Linear)
     assert type(model.head) is nn.Linear
@@ -54,7 +54,7 @@ def test_convert_swaps_eligible_linears_and_logs_the_rest(caplog):
 def test_convert_keeps_the_same_parameters_and_filter_fn():
     model = TinyBlock()
     weight = model.qkv.weight
-    convert(model, filter_fn=lambda name, m: not name.startswith("mlp"))
+    convert(model, min_weight_numel=0, filter_fn=lambda name, m: not name.startswith("mlp"))
     assert model.qkv.weight is weight
     assert type(model.mlp[0]) is nn.Linear and isinstance(model.proj, FP8Linear)
     bare = convert(nn.Linear(32, 64))
@@ -63,7 +63,7 @@ def test_convert_keeps_the_same_parameters_and_filter_fn():
 
 def test_mha_out_proj_is_left_alone():
     mha = nn.MultiheadAttention(64, 4, batch_first=True)
-    convert(mha)
+    convert(mha, min_weight_numel=0)
     x = torch.randn(2, 8, 64)
     assert mha(x, x, x)[0].shape == (2, 8, 64)
 
@@ -112,7 +112,7 @@ def test_no_grad_forward_matches_and_saves_nothing():
 
 def test_training_steps_reduce_the_loss():
     torch.manual_seed(2)
-    model = convert(TinyBlock())
+    model = convert(TinyBlock(), min_weight_numel=0)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     x, labels = torch.randn(4, 32, 128), torch.randint(0, 10, (4, 32))
     losses = []
@@ -128,7 +128,7 @@ def test_training_steps_reduce_the_loss():
 def test_inference_mode_halves_memory_and_roundtrips(tmp_path):
     torch.manual_seed(3)
     ref = TinyBlock().to(torch.bfloat16)
-    train = convert(copy.deepcopy(ref))
+    train = convert(copy.deepcopy(ref), min_weight_numel=0)
     infer = convert(copy.deepcopy(ref), inference=True)
     assert isinstance(infer.qkv, FP8InferenceLinear) and not list(infer.qkv.parameters())
     bytes_bf16 = sum(t.nbytes for t in ref.qkv.state_dict().values())
@@ -149,7 +149,7 @@ def test_inference_mode_halves_memory_and_roundtrips(tmp_path):
 
 def test_trained_fp8_model_converts_to_inference():
     torch.manual_seed(5)
-    model = convert(TinyBlock(), "fp8_rowwise")
+    model = convert(TinyBlock(), "fp8_rowwise", min_weight_numel=0)
     x = torch.randn(2, 16, 128)
     with torch.no_grad():
         y_train = model(x)
@@ -286,7 +286,7 @@ def test_shared_modules_stay_shared():
             return self.seq(self.b(self.a(x)))
 
     for inference in (False, True):
-        model = convert(Shared(), inference=inference)
+        model = convert(Shared(), inference=inference, min_weight_numel=0)
         assert model.a is model.b is model.seq[0]
         assert type(model.a) is (FP8InferenceLinear if inference else FP8Linear)
         sd = model.state_dict()
@@ -339,7 +339,7 @@ def test_inference_linear_names_x_for_a_bad_dtype():
 
 
 def test_convert_again_with_another_recipe(caplog):
-    model = convert(TinyBlock(), "fp8_block")
+    model = convert(TinyBlock(), "fp8_block", min_weight_numel=0)
     convert(model, "fp8_tensorwise")
     assert model.qkv.recipe.name == "fp8_tensorwise"  # the same master weights, now tensorwise
     infer = convert(TinyBlock(), "fp8_block", inference=True)
@@ -361,3 +361,23 @@ def test_load_state_dict_refuses_float_weights_for_fp8_codes():
     with pytest.raises(RuntimeError, match="weight_scale: expected torch.float32"):
         layer.load_state_dict({**layer.state_dict(), "weight_scale": layer.weight_scale.half()})
     layer.load_state_dict(FP8InferenceLinear.from_linear(linear).state_dict())  # its own format loads
+
+
+def test_convert_keeps_small_layers_for_training_by_default(caplog):
+    """Training conversion leaves layers under MIN_TRAIN_WEIGHT_NUMEL weights in their dtype and
+    says so; inference conversion, a bare layer and min_weight_numel=0 convert them."""
+    import logging
+
+    from lowprec.nn import MIN_TRAIN_WEIGHT_NUMEL
+
+    assert MIN_TRAIN_WEIGHT_NUMEL == 4096 * 4096
+    model = nn.Sequential(nn.Linear(64, 128), nn.Linear(128, 64))
+    with caplog.at_level(logging.INFO, logger="lowprec"):
+        convert(model)
+    assert all(type(m) is nn.Linear for m in model)
+    assert "0 FP8 linear layers; 2 kept" in caplog.text and "0 (64x128)" in caplog.text
+    convert(model, min_weight_numel=64 * 128)
+    assert type(model[0]) is FP8Linear and type(model[1]) is FP8Linear
+    assert all(isinstance(m, FP8InferenceLinear)
+               for m in convert(nn.Sequential(nn.Linear(64, 128)), inference=True))
+    assert isinstance(convert(nn.Linear(64, 128)), FP8Linear)
