@@ -2,8 +2,9 @@
 
 from .functional import LINEAR_RECIPES, LinearRecipe, fp8_linear
 from .linear import MIN_TRAIN_WEIGHT_NUMEL, FP8InferenceLinear, FP8Linear, convert
+from .nvfp4 import NVFP4InferenceLinear
 from .weight_cache import reuse_quantized_weights
 
 __all__ = ["LINEAR_RECIPES", "LinearRecipe", "fp8_linear", "FP8InferenceLinear", "FP8Linear", "convert",
-           "MIN_TRAIN_WEIGHT_NUMEL",
+           "MIN_TRAIN_WEIGHT_NUMEL", "NVFP4InferenceLinear",
            "reuse_quantized_weights"]

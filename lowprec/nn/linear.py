@@ -14,6 +14,7 @@ from ..recipes import get_recipe
 from ..tensor import QuantizedTensor
 from .buffers import QuantizedBuffersModule
 from .functional import LinearRecipe, follow_autocast, fp8_linear, get_linear_recipe
+from .nvfp4 import NVFP4InferenceLinear
 
 __all__ = ["FP8Linear", "FP8InferenceLinear", "convert", "MIN_TRAIN_WEIGHT_NUMEL"]
 
@@ -25,6 +26,7 @@ _ALIGN = 16  # the GEMM kernels take N and K in multiples of 16
 # --shapes, queued steps: the small layers are bound by host time, not by the GPU)
 MIN_TRAIN_WEIGHT_NUMEL = 4096 * 4096
 _X_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_NVFP4 = "nvfp4"  # convert's weight-only inference recipe (NVFP4InferenceLinear)
 
 
 def _check_features(in_features: int, out_features: int) -> None:
@@ -164,6 +166,8 @@ def _swap(linear: nn.Linear, name: str, recipe: str, inference: bool, min_numel:
     if linear.in_features * linear.out_features < min_numel:
         kept.append(f"{name} ({linear.in_features}x{linear.out_features})")
         return linear
+    if recipe == _NVFP4:
+        return NVFP4InferenceLinear.from_linear(linear)
     cls = FP8InferenceLinear if inference else FP8Linear
     return cls.from_linear(linear, recipe)
 
@@ -175,7 +179,9 @@ def convert(model: nn.Module, recipe: str = "fp8_block", filter_fn: Callable[[st
     Args:
         model: any module; a bare ``nn.Linear`` (or :class:`~lowprec.moe.MoE`) is converted and
             returned.
-        recipe: ``"fp8_block"``, ``"fp8_rowwise"`` or ``"fp8_tensorwise"``.
+        recipe: ``"fp8_block"``, ``"fp8_rowwise"`` or ``"fp8_tensorwise"``; with ``inference=True``
+            also ``"nvfp4"``: :class:`~lowprec.nn.NVFP4InferenceLinear` layers (NVFP4 weights,
+            activations in their dtype; their state dicts are ModelOpt's NVFP4 checkpoint layout).
         filter_fn: ``filter_fn(qualified_name, module) -> bool``; only layers it accepts are
             swapped (default: all).
         inference: keep only FP8 weights and scales (:class:`FP8InferenceLinear`, no training);
@@ -206,7 +212,12 @@ def convert(model: nn.Module, recipe: str = "fp8_block", filter_fn: Callable[[st
     """
     from ..moe import FP8InferenceMoE, MoE  # lowprec.moe imports lowprec.nn
 
-    get_linear_recipe(recipe)
+    if recipe == _NVFP4:
+        if not inference:
+            raise ValueError("recipe: 'nvfp4' is a weight-only inference format: convert(model, 'nvfp4', "
+                             "inference=True)")
+    else:
+        get_linear_recipe(recipe)
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected an nn.Module, got {type(model).__name__}")
     if min_weight_numel is None:
@@ -228,8 +239,8 @@ def convert(model: nn.Module, recipe: str = "fp8_block", filter_fn: Callable[[st
                 done[id(child)] = child if keep else _converted(child, name, recipe, inference, min_weight_numel,
                                                                  kept)
             setattr(parent, child_name, done[id(child)])
-    converted = sum(isinstance(m, (FP8Linear, FP8InferenceLinear)) for m in done.values())
-    log.info("lowprec.convert: %d FP8 linear layers; %d kept in their dtype (fewer than %d weights)%s",
+    converted = sum(isinstance(m, (FP8Linear, FP8InferenceLinear, NVFP4InferenceLinear)) for m in done.values())
+    log.info("lowprec.convert: %d low-precision linear layers; %d kept in their dtype (fewer than %d weights)%s",
              converted, len(kept), min_weight_numel, (": " + ", ".join(kept)) if kept else "")
     return model
 
@@ -250,6 +261,8 @@ def _converted(module: nn.Module, name: str, recipe: str, inference: bool, min_n
         return FP8InferenceMoE.from_moe(module) if inference else module
     if isinstance(module, FP8Linear):
         if inference:
+            if recipe == _NVFP4:  # from the master weights
+                return NVFP4InferenceLinear.from_linear(module)
             return FP8InferenceLinear.from_linear(module, module.recipe.name)
         module.recipe = get_linear_recipe(recipe)
         return module

@@ -213,6 +213,8 @@ def test_bad_input():
     with pytest.raises(TypeError, match="model"):
         convert("not a model")
     with pytest.raises(ValueError, match="unknown linear recipe"):
+        convert(TinyBlock(), recipe="mxfp4")
+    with pytest.raises(ValueError, match="weight-only inference format"):
         convert(TinyBlock(), recipe="nvfp4")
     with pytest.raises(ValueError, match="in_features"):
         FP8InferenceLinear(64, 32)(torch.randn(2, 16))
@@ -375,7 +377,7 @@ def test_convert_keeps_small_layers_for_training_by_default(caplog):
     with caplog.at_level(logging.INFO, logger="lowprec"):
         convert(model)
     assert all(type(m) is nn.Linear for m in model)
-    assert "0 FP8 linear layers; 2 kept" in caplog.text and "0 (64x128)" in caplog.text
+    assert "0 low-precision linear layers; 2 kept" in caplog.text and "0 (64x128)" in caplog.text
     convert(model, min_weight_numel=64 * 128)
     assert type(model[0]) is FP8Linear and type(model[1]) is FP8Linear
     assert all(isinstance(m, FP8InferenceLinear)

@@ -1,0 +1,132 @@
+"""NVFP4 weights for inference: 4.5 bits per weight, activations kept in their dtype (weight-only).
+
+The buffers are named and laid out as NVIDIA ModelOpt exports NVFP4 checkpoints, so a converted
+model's ``load_state_dict`` takes those tensors as they are published, with no requantization:
+
+- ``weight``: uint8 ``[out, in / 2]``, two E2M1 codes per byte, element ``2i`` in the low nibble
+  (sign in bit 3, magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6);
+- ``weight_scale``: float8_e4m3fn ``[out, in / 16]``, one scale per 16 weights of a row
+  (``[out / 16, in / 16]`` with ``weight_2d=True``: 16x16 blocks);
+- ``weight_scale_2``: FP32 scalar, the global scale: ``W = e2m1 · weight_scale · weight_scale_2``;
+- ``input_scale``: FP32 scalar of the activations for W4A4 engines; kept so that checkpoints
+  load strictly, unused by this weight-only layer.
+
+The product is computed as ``x · dequant(W)ᵀ`` in ``x``'s dtype (NVFP4 -> bf16 is exact: an
+E2M1 value times an E4M3 scale fits bf16's mantissa; the FP32 global scale rounds once).
+Hopper has no FP4 tensor cores: a weight-only decode kernel that reads the 4.5-bit weights
+directly is issue 27's next step; today the weight is dequantized per call (the memory saving
+holds, the speed is bf16 GEMM plus a dequantization).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..quant import dequantize, quantize
+from ..recipes import get_recipe
+from ..tensor import QuantizedTensor
+from .buffers import QuantizedBuffersModule
+from .functional import follow_autocast
+
+__all__ = ["NVFP4InferenceLinear"]
+
+_BLOCK = 16
+_X_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_SCALARS = ("weight_scale_2", "input_scale")
+
+
+class NVFP4InferenceLinear(QuantizedBuffersModule):
+    """Inference linear with NVFP4 weights (about 0.28x the bytes of bf16) and ``x`` in its dtype;
+    differentiable in ``x`` (the weight is a constant).
+
+    Build it with :meth:`from_linear` (quantizes a float weight), :meth:`from_modelopt` (tensors
+    of a ModelOpt NVFP4 checkpoint, taken as they are) or ``lowprec.convert(model, "nvfp4",
+    inference=True)`` followed by ``model.load_state_dict(...)`` of such a checkpoint. Module
+    casts move the NVFP4 buffers between devices but keep their dtypes (see
+    :class:`QuantizedBuffersModule`); ``out_dtype`` is the dtype of a dequantized weight
+    outside ``forward`` and of the bias.
+    """
+
+    _quantized = ("weight", "weight_scale", *_SCALARS)
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None,
+                 out_dtype: torch.dtype = torch.bfloat16, weight_2d: bool = False) -> None:
+        super().__init__()
+        for name, value, multiple in (("in_features", in_features, _BLOCK),
+                                      ("out_features", out_features, _BLOCK if weight_2d else 1)):
+            if not isinstance(value, int) or value <= 0 or value % multiple:
+                raise ValueError(f"{name}: must be a positive multiple of {multiple} for NVFP4 blocks of "
+                                 f"{_BLOCK}{'x16' if weight_2d else ''}, got {value!r}")
+        self.in_features, self.out_features = in_features, out_features
+        self.out_dtype, self.weight_2d = out_dtype, weight_2d
+        w = quantize(torch.zeros(out_features, in_features, device=device), self.recipe)
+        self.register_buffer("weight", w.data)
+        self.register_buffer("weight_scale", w.scale)
+        self.register_buffer("weight_scale_2", w.global_scale)
+        self.register_buffer("input_scale", torch.ones((), dtype=torch.float32, device=device))
+        self.register_buffer("bias", torch.zeros(out_features, dtype=out_dtype, device=device) if bias else None)
+
+    @property
+    def recipe(self):
+        return get_recipe("nvfp4", weight_2d=self.weight_2d)
+
+    @classmethod
+    def from_linear(cls, linear: torch.nn.Module, weight_2d: bool = False) -> NVFP4InferenceLinear:
+        """Quantize ``linear``'s weight (an ``nn.Linear`` or a trained ``FP8Linear``) once."""
+        dtype = linear.weight.dtype if linear.weight.dtype in (torch.bfloat16, torch.float16) else torch.float32
+        layer = cls(linear.in_features, linear.out_features, linear.bias is not None, linear.weight.device, dtype,
+                    weight_2d)
+        w = quantize(linear.weight.detach(), layer.recipe)
+        layer.weight, layer.weight_scale, layer.weight_scale_2 = w.data, w.scale, w.global_scale
+        if linear.bias is not None:
+            layer.bias = linear.bias.detach().to(dtype).clone()
+        return layer
+
+    @classmethod
+    def from_modelopt(cls, weight: torch.Tensor, weight_scale: torch.Tensor, weight_scale_2: torch.Tensor,
+                      bias: torch.Tensor | None = None, input_scale: torch.Tensor | None = None,
+                      out_dtype: torch.dtype = torch.bfloat16) -> NVFP4InferenceLinear:
+        """A layer of one linear's tensors from a ModelOpt NVFP4 checkpoint, taken as they are
+        (``weight`` uint8 ``[out, in / 2]``, ``weight_scale`` float8_e4m3fn ``[out, in / 16]``,
+        ``weight_scale_2`` and ``input_scale`` FP32 scalars or ``[1]``)."""
+        if not isinstance(weight, torch.Tensor) or weight.dtype != torch.uint8 or weight.dim() != 2:
+            raise ValueError(f"weight: expected a uint8 [out, in / 2] tensor of packed E2M1 codes, got "
+                             f"{getattr(weight, 'dtype', type(weight))} {tuple(getattr(weight, 'shape', ()))}")
+        out_features, in_features = weight.shape[0], 2 * weight.shape[1]
+        layer = cls(in_features, out_features, bias is not None, weight.device, out_dtype)
+        state = {"weight": weight, "weight_scale": weight_scale, "weight_scale_2": weight_scale_2,
+                 "input_scale": layer.input_scale if input_scale is None else input_scale}
+        if bias is not None:
+            state["bias"] = bias
+        layer.load_state_dict(state)
+        return layer
+
+    def quantized_weight(self) -> QuantizedTensor:
+        """The weight as a QuantizedTensor (validated: the buffers may come from a checkpoint)."""
+        return QuantizedTensor(self.weight, self.weight_scale, self.recipe, (self.out_features, self.in_features),
+                               self.out_dtype, self.weight_scale_2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x · Wᵀ + b`` in ``x``'s dtype (the autocast dtype inside ``torch.autocast``)."""
+        if not isinstance(x, torch.Tensor) or x.dtype not in _X_DTYPES:
+            raise TypeError(f"x: expected a float32/bfloat16/float16 tensor, got {getattr(x, 'dtype', type(x))}")
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"x: last dim must be in_features={self.in_features}, got shape {tuple(x.shape)}")
+        x, autocast_off = follow_autocast(x)
+        with autocast_off:
+            w = dequantize(self.quantized_weight(), x.dtype)
+            return F.linear(x, w, None if self.bias is None else self.bias.to(x.dtype))
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        for name in _SCALARS:  # ModelOpt writes the scalars as [] or [1]
+            t = state_dict.get(prefix + name)
+            if isinstance(t, torch.Tensor) and t.dim() == 1 and t.numel() == 1:
+                state_dict[prefix + name] = t.reshape(())
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"nvfp4{' 16x16' if self.weight_2d else ''}")

@@ -1,0 +1,109 @@
+"""NVFP4InferenceLinear: weight-only NVFP4 layers, convert(..., "nvfp4", inference=True), and
+ModelOpt NVFP4 checkpoints loaded as they are published (CPU: the layer has no kernel yet)."""
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+import lowprec
+from lowprec.nn import FP8Linear, NVFP4InferenceLinear, convert
+
+E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+
+
+def _modelopt_tensors(out_features, in_features, seed=0):
+    """One linear's tensors in ModelOpt's NVFP4 export layout, built from codes and scales chosen
+    here (so the expected weight is known exactly): packed codes (element 2i in the low nibble),
+    E4M3 scales per 16, FP32 global scale as a [1] tensor, input_scale."""
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 16, (out_features, in_features), generator=g, dtype=torch.uint8)
+    scale = (2.0 ** torch.randint(-6, 4, (out_features, in_features // 16), generator=g)).to(torch.float8_e4m3fn)
+    global_scale = torch.tensor([0.0375])
+    packed = (codes[:, 1::2] << 4) | codes[:, 0::2]
+    weight = E2M1[codes.long()] * scale.float().repeat_interleave(16, 1) * global_scale
+    tensors = {"weight": packed, "weight_scale": scale, "weight_scale_2": global_scale,
+               "input_scale": torch.tensor([0.5])}
+    return tensors, weight
+
+
+class Mlp(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(64, 96)
+        self.down = nn.Linear(96, 32, bias=False)
+
+    def forward(self, x):
+        return self.down(torch.relu(self.up(x)))
+
+
+def test_from_linear_is_the_nvfp4_weight_times_x():
+    torch.manual_seed(0)
+    ref = nn.Linear(64, 48)
+    layer = NVFP4InferenceLinear.from_linear(ref)
+    x = torch.randn(5, 7, 64)
+    w_q = lowprec.quantize(ref.weight.detach(), "nvfp4")
+    torch.testing.assert_close(layer(x), x @ w_q.dequantize(torch.float32).t() + ref.bias.detach(), rtol=0, atol=0)
+    err = (layer(x) - ref(x)).norm() / ref(x).norm()
+    assert 0 < err < 0.15  # NVFP4's own error, no more
+    stored = sum(b.numel() * b.element_size() for b in (layer.weight, layer.weight_scale))
+    assert stored == 48 * 64 // 2 + 48 * 64 // 16  # 4.5 bits per weight
+
+
+def test_modelopt_checkpoint_loads_as_published(tmp_path):
+    """A converted model takes a ModelOpt NVFP4 safetensors file with load_state_dict(strict)."""
+    up, w_up = _modelopt_tensors(96, 64, seed=1)
+    down, w_down = _modelopt_tensors(32, 96, seed=2)
+    bias = torch.randn(96)
+    state = {**{f"up.{k}": v for k, v in up.items()}, "up.bias": bias, **{f"down.{k}": v for k, v in down.items()}}
+    path = tmp_path / "model.safetensors"
+    save_file(state, str(path))
+    model = convert(Mlp().float(), "nvfp4", inference=True)
+    assert isinstance(model.up, NVFP4InferenceLinear) and isinstance(model.down, NVFP4InferenceLinear)
+    model.load_state_dict(load_file(str(path)))
+    x = torch.randn(3, 64)
+    want = torch.relu(x @ w_up.t() + bias) @ w_down.t()
+    torch.testing.assert_close(model(x), want, rtol=1e-6, atol=1e-6)
+    assert torch.equal(model.up.weight, up["weight"]) and model.up.weight_scale_2.dim() == 0
+    assert model.up.input_scale.item() == 0.5  # kept for W4A4 engines, unused here
+    one = NVFP4InferenceLinear.from_modelopt(**down, out_dtype=torch.float32)
+    torch.testing.assert_close(one(x[:, :32].repeat(1, 3)), x[:, :32].repeat(1, 3) @ w_down.t(), rtol=1e-6,
+                               atol=1e-6)
+
+
+def test_save_load_roundtrip_and_casts(tmp_path):
+    torch.manual_seed(1)
+    model = convert(Mlp().to(torch.bfloat16), "nvfp4", inference=True)
+    path = tmp_path / "m.safetensors"
+    lowprec.save(model.state_dict(), str(path))
+    fresh = convert(Mlp().to(torch.bfloat16), "nvfp4", inference=True)
+    fresh.load_state_dict(lowprec.load(str(path)))
+    x = torch.randn(4, 64, dtype=torch.bfloat16)
+    assert torch.equal(fresh(x), model(x)) and model(x).dtype == torch.bfloat16
+    fresh.half()  # module casts keep the NVFP4 buffers
+    assert fresh.up.weight.dtype == torch.uint8 and fresh.up.weight_scale.dtype == torch.float8_e4m3fn
+    assert fresh.up.bias.dtype == torch.float16
+    with torch.autocast("cpu", torch.bfloat16):
+        assert convert(Mlp(), "nvfp4", inference=True)(torch.randn(2, 64)).dtype == torch.bfloat16
+
+
+def test_convert_from_a_trained_fp8_model_and_errors():
+    torch.manual_seed(2)
+    trained = convert(Mlp(), min_weight_numel=0)
+    assert isinstance(trained.up, FP8Linear)
+    master = trained.up.weight.detach().clone()
+    infer = convert(trained, "nvfp4", inference=True)  # from the master weights (in place)
+    assert isinstance(infer.up, NVFP4InferenceLinear)
+    w_q = lowprec.quantize(master, "nvfp4")
+    assert torch.equal(infer.up.weight, w_q.data)
+    with pytest.raises(ValueError, match="weight-only inference format"):
+        convert(Mlp(), "nvfp4")
+    with pytest.raises(ValueError, match="in_features: must be a positive multiple of 16"):
+        NVFP4InferenceLinear(40, 16)
+    with pytest.raises(ValueError, match="weight: expected a uint8"):
+        NVFP4InferenceLinear.from_modelopt(torch.zeros(16, 8), torch.zeros(16, 1), torch.ones(()))
+    layer = NVFP4InferenceLinear(64, 16)
+    with pytest.raises(RuntimeError, match="weight: expected torch.uint8"):
+        layer.load_state_dict({**layer.state_dict(), "weight": torch.zeros(16, 32)})
+    with pytest.raises(ValueError, match="in_features=64"):
+        layer(torch.randn(2, 32))
