@@ -20,9 +20,10 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["backend_mode", "warn_once", "kernel_failed", "dsl_available", "eager_under_compile"]
+__all__ = ["backend_mode", "self_check_mode", "warn_once", "kernel_failed", "dsl_available", "eager_under_compile"]
 
 _MODES = ("auto", "reference", "kernel")
+_SELF_CHECK_MODES = ("auto", "0", "always")
 log = logging.getLogger("lowprec")
 
 
@@ -30,6 +31,17 @@ def backend_mode() -> str:
     mode = os.environ.get("LOWPREC_BACKEND", "auto").strip().lower() or "auto"
     if mode not in _MODES:
         raise ValueError(f"LOWPREC_BACKEND: expected one of {_MODES}, got {mode!r}")
+    return mode
+
+
+def self_check_mode() -> str:
+    """``LOWPREC_SELF_CHECK``: ``auto`` (default; also ``1``): each configuration of a kernel
+    registered with a self-check is proven on a small problem before its first run in the
+    process; ``0``: never; ``always``: every configuration of such a kernel, at its op's first run."""
+    mode = os.environ.get("LOWPREC_SELF_CHECK", "auto").strip().lower() or "auto"
+    mode = "auto" if mode == "1" else mode
+    if mode not in _SELF_CHECK_MODES:
+        raise ValueError(f"LOWPREC_SELF_CHECK: expected one of {_SELF_CHECK_MODES} (or 1), got {mode!r}")
     return mode
 
 

@@ -86,3 +86,103 @@ def test_arch_packages_are_found_by_name(tmp_path, monkeypatch):
 
     registry.load_arch_packages("fakeop", fakeop.__path__)
     assert set(registry.registered("fake")) == {"sm_77"}
+
+
+# --- first-use self-check --------------------------------------------------------------------------
+def _double(x):
+    return x * 2
+
+
+def _double_wrong_for_wide(x):
+    """A deliberately wrong kernel: right for rows of at most 8 values, off by one beyond."""
+    return x * 2 + (1 if x.shape[-1] > 8 else 0)
+
+
+@pytest.fixture
+def checked_op(monkeypatch):
+    """An op ``checked`` on sm_90a (pretended on the CPU) whose kernel is wrong for one of its two
+    configurations (the row width class), registered with a self-check; the probe calls counted."""
+    import sys
+    import types
+
+    module = types.ModuleType("lowprec_selfcheck_probe")
+    module.kernel = _double_wrong_for_wide
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    monkeypatch.setitem(registry._registry, "checked", {})
+    for attr in ("_passed_checks", "_failed_checks", "_checked_all"):
+        monkeypatch.setattr(registry, attr, set())
+    monkeypatch.setattr(registry, "device_arch", lambda device: "sm_90a")
+    monkeypatch.setattr(registry, "dsl_available", lambda: True)
+    monkeypatch.setattr(registry, "warn_once", lambda message: warned.append(message))
+    monkeypatch.setattr(registry, "_loaded", {})
+    warned, probes = [], []
+
+    def probe(config, device):
+        probes.append(config)
+        return (torch.randn(3, 4 if config == "narrow" else 16, device=device),)
+
+    check = registry.SelfCheck(config=lambda x: "narrow" if x.shape[-1] <= 8 else "wide", probe=probe,
+                               reference=_double, close=lambda out, ref: torch.equal(out, ref),
+                               configs=lambda: ("narrow", "wide"))
+    registry.register("checked", "sm_90a", f"{module.__name__}:kernel", self_check=check)
+    monkeypatch.setenv("LOWPREC_BACKEND", "auto")
+    return types.SimpleNamespace(op="checked", warned=warned, probes=probes)
+
+
+def test_self_check_catches_a_wrong_configuration_and_falls_back(checked_op):
+    narrow, wide = torch.ones(2, 4), torch.ones(2, 32)
+
+    def call(x):
+        return registry.run(checked_op.op, CPU, (x,), lambda: _double(x))
+
+    assert torch.equal(call(narrow), narrow * 2) and checked_op.probes == ["narrow"]  # proven, then run
+    assert torch.equal(call(wide), wide * 2)  # the wrong configuration is caught: the fallback answers
+    assert checked_op.probes == ["narrow", "wide"] and len(checked_op.warned) == 1
+    assert "configuration 'wide' failed its first-use self-check" in checked_op.warned[0]
+    for _ in range(3):  # once per configuration and process: no more probes, the fallback stays
+        assert torch.equal(call(wide), wide * 2) and torch.equal(call(narrow), narrow * 2)
+    assert checked_op.probes == ["narrow", "wide"]
+    assert "failed its first-use self-check" in registry.why_no_kernel(checked_op.op, CPU, wide)
+    assert registry.why_no_kernel(checked_op.op, CPU, narrow) is None
+
+
+def test_self_check_off_lets_the_wrong_kernel_run(checked_op, monkeypatch):
+    """LOWPREC_SELF_CHECK=0: what the check prevents is visible."""
+    monkeypatch.setenv("LOWPREC_SELF_CHECK", "0")
+    wide = torch.ones(2, 32)
+    assert torch.equal(registry.run(checked_op.op, CPU, (wide,), lambda: _double(wide)), wide * 2 + 1)
+    assert checked_op.probes == []
+
+
+def test_self_check_always_checks_every_configuration_up_front(checked_op, monkeypatch):
+    monkeypatch.setenv("LOWPREC_SELF_CHECK", "always")
+    narrow = torch.ones(2, 4)
+    assert torch.equal(registry.run(checked_op.op, CPU, (narrow,), lambda: _double(narrow)), narrow * 2)
+    assert sorted(checked_op.probes) == ["narrow", "wide"] and len(checked_op.warned) == 1
+
+
+def test_self_check_in_kernel_mode_and_a_kernel_that_raises(checked_op, monkeypatch):
+    monkeypatch.setenv("LOWPREC_BACKEND", "kernel")
+    wide = torch.ones(2, 32)
+    with pytest.raises(RuntimeError, match="configuration 'wide' failed its first-use self-check"):
+        registry.run(checked_op.op, CPU, (wide,), lambda: _double(wide))
+    monkeypatch.setenv("LOWPREC_BACKEND", "auto")
+
+    def broken(x):
+        raise RuntimeError("no such instruction")
+
+    monkeypatch.setattr(registry, "_loaded", {"lowprec_selfcheck_probe:kernel": broken})
+    narrow = torch.ones(2, 4)
+    assert torch.equal(registry.run(checked_op.op, CPU, (narrow,), lambda: _double(narrow)), narrow * 2)
+    assert "RuntimeError: no such instruction" in checked_op.warned[-1]
+
+
+def test_self_check_mode_values(monkeypatch):
+    from lowprec.runtime import self_check_mode
+
+    for value, mode in (("", "auto"), ("1", "auto"), ("0", "0"), ("ALWAYS", "always")):
+        monkeypatch.setenv("LOWPREC_SELF_CHECK", value)
+        assert self_check_mode() == mode
+    monkeypatch.setenv("LOWPREC_SELF_CHECK", "sometimes")
+    with pytest.raises(ValueError, match="LOWPREC_SELF_CHECK"):
+        self_check_mode()
