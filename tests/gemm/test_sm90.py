@@ -411,3 +411,21 @@ def test_validation_rejects_cpu_tensors():
     a = torch.zeros(4, 128, dtype=F8)
     with pytest.raises(ValueError, match="CUDA"):
         gemm_blockwise_fp8(a, torch.ones(4, 1), torch.zeros(32, 128, dtype=F8), torch.ones(1, 1))
+
+
+def test_k_major_copies_only_what_the_kernel_cannot_read():
+    """The QuantizedTensor path trusts shapes but not memory: K-major rows 16-byte aligned pass
+    as they are, anything else (transposed, misaligned slices) becomes a contiguous copy."""
+    from lowprec.gemm.sm90.interface import _k_major
+
+    codes = torch.zeros(64, 160, dtype=torch.uint8)
+    assert _k_major(codes) is codes
+    assert _k_major(codes[:, :128]).data_ptr() == codes.data_ptr()  # row stride 160: aligned
+    every_other = codes[::2]
+    assert _k_major(every_other) is every_other  # row stride 320: the kernel reads it as it is
+    shifted = codes.view(-1)[8:8 + 32 * 128].view(32, 128)  # contiguous but 8 bytes off
+    for strided in (codes.t(), codes[:, 8:136], shifted):
+        out = _k_major(strided)
+        assert out.is_contiguous() and out.data_ptr() % 16 == 0 and torch.equal(out, strided)
+    one_row = codes[3:4, 16:]
+    assert _k_major(one_row).data_ptr() == one_row.data_ptr()  # M = 1: no row stride to align

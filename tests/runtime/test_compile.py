@@ -32,3 +32,23 @@ def test_cubin_arch_parsing():
     assert local_memory_ops("  STL [R1], R2 ;\n  LDL.64 R4, [R1] ;\n  LDG.E R3, [R2] ;") == 2
     with pytest.raises(ValueError):
         cubin_arch("nothing")
+
+
+def test_ffi_entry_falls_back_to_the_compiled_object():
+    """Without a TVM-FFI function (a build without it, or no GPU to load it on) the compiled
+    object itself is what gets called; with one, the positional function."""
+    from types import SimpleNamespace
+
+    from lowprec.runtime import ffi_entry
+
+    plain = SimpleNamespace()
+    assert ffi_entry(plain) is plain
+    unloaded = SimpleNamespace(__tvm_ffi_object__=lambda: None)
+    assert ffi_entry(unloaded) is unloaded
+    raw = object()
+    loaded = SimpleNamespace(__tvm_ffi_object__=lambda: raw,
+                             execution_args=SimpleNamespace(has_pointer_address_arg_specs=False))
+    assert ffi_entry(loaded) is raw
+    pointers = SimpleNamespace(__tvm_ffi_object__=lambda: raw,
+                               execution_args=SimpleNamespace(has_pointer_address_arg_specs=True))
+    assert ffi_entry(pointers) is pointers  # pointer arguments need the wrapper's conversion

@@ -637,7 +637,7 @@ def _k_major(data: torch.Tensor) -> torch.Tensor:
     quantization (e.g. strides (1, M)); slices of wider tensors may be misaligned."""
     if data.stride(1) == 1 and (data.stride(0) % 16 == 0 or data.shape[0] == 1) and data.data_ptr() % 16 == 0:
         return data
-    return data.contiguous()
+    return data.clone(memory_format=torch.contiguous_format)  # a fresh buffer: aligned even where contiguous
 
 
 def gemm_quantized(a, b, out_dtype: torch.dtype, bias: torch.Tensor | None) -> torch.Tensor:
