@@ -119,7 +119,7 @@ def _fp8_quantized_inputs(q, k, v, causal: bool, scale: float, incoherent: bool,
         kc, ks, k_mean = quantize_k(k)
     vt, vs = v_from_quantized(v) if isinstance(v, QuantizedTensor) else quantize_v(v)
     out_dtype = q.dtype if q.dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64) else torch.float32
-    out, lse = ops.forward_dispatch(qc, qs, kc, ks, vt, vs, causal, scale, out_dtype)
+    out, lse = ops.attention_fp8_forward_call(qc, qs, kc, ks, vt, vs, causal, scale, out_dtype)
     if k_mean is not None and return_lse:
         q_exact = q.dequantize(torch.float32) if isinstance(q, QuantizedTensor) else q
         lse = lse + lse_correction(q_exact, k_mean, scale)

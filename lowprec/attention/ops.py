@@ -25,8 +25,8 @@ from ..runtime import backend_mode, kernel_failed, registry, warn_once
 from .quantize import quantize_qkv, token_mean
 from .reference import attention_backward_reference, fp8_forward_reference, lse_correction
 
-__all__ = ["attention_fp8", "attention_fp8_call", "attention_fp8_forward", "forward_dispatch", "attention_backward",
-           "exact_cuda"]
+__all__ = ["attention_fp8", "attention_fp8_call", "attention_fp8_forward", "attention_fp8_forward_call",
+           "forward_dispatch", "attention_backward", "exact_cuda"]
 
 _HALF = (torch.float16, torch.bfloat16)
 
@@ -50,6 +50,14 @@ def attention_fp8_forward(q: torch.Tensor, q_scale: torch.Tensor, k: torch.Tenso
                           out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out [B, H, Sq, Dv] out_dtype, lse [B, H, Sq] FP32 of the smoothed scores)``."""
     return forward_dispatch(q, q_scale, k, k_scale, v_t, v_scale, causal, scale, out_dtype)
+
+
+def attention_fp8_forward_call(q, q_scale, k, k_scale, v_t, v_scale, causal: bool, scale: float,
+                               out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``attention_fp8_forward``: the custom op where ``torch.compile`` traces (it keeps the kernel
+    in the graph), the dispatch itself in eager calls (no op dispatch on the host path)."""
+    fn = attention_fp8_forward if torch.compiler.is_compiling() else forward_dispatch
+    return fn(q, q_scale, k, k_scale, v_t, v_scale, causal, scale, out_dtype)
 
 
 @attention_fp8_forward.register_fake

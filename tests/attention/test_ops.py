@@ -227,3 +227,21 @@ def test_eager_call_is_the_custom_op():
     out_call.backward(dout)
     for a, b in zip(leaves_op, leaves_call):
         assert torch.equal(a.grad, b.grad)
+
+
+def test_compiled_kv_cache_call_keeps_the_forward_op():
+    """Traced by torch.compile, an FP8-KV-cache call keeps the forward custom op in the graph (the
+    kernel runs there on Hopper); eager calls skip the op's dispatch. Same results either way."""
+    from lowprec.attention.quantize import quantize_kv_cache
+
+    q, k, v = _qkv(b=1, h=2, hkv=2, sq=16, sk=40, dtype=torch.float32)
+    k_q, v_q = quantize_kv_cache(k, v)
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm.code)
+        return gm.forward
+
+    compiled = torch.compile(lambda q: lowprec.attention(q, k_q, v_q, causal=True, quant="fp8"), backend=backend)
+    assert torch.equal(compiled(q), lowprec.attention(q, k_q, v_q, causal=True, quant="fp8"))
+    assert any("lowprec.attention_fp8_forward" in code for code in graphs)
