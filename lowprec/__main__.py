@@ -6,7 +6,7 @@ import argparse
 import importlib
 import sys
 
-BENCHES = ("attention", "gemm", "linear", "moe", "quant", "train")
+BENCHES = ("attention", "decode", "gemm", "linear", "moe", "quant", "train")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,144 @@
+"""``python -m lowprec bench decode``: ``y = x · Wᵀ`` at decode sizes, where the weight bytes set the time.
+
+Shapes: the Llama-3-8B projections (N x K: QKV 6144x4096, O 4096x4096, gate+up 28672x4096, down
+4096x14336) at M in {1, 4, 16, 64, 256} tokens, ``x`` bf16. Implementations:
+
+- ``bf16``: cuBLAS, ``x @ W.t()``;
+- ``fp8-cublas``: ``torch._scaled_mm`` with FP8 rowwise weights and ``x`` quantized per row in
+  the call (as a user of cuBLAS FP8 would), where cuBLAS takes the shape;
+- ``lowprec-fp8``: :class:`~lowprec.nn.FP8InferenceLinear` (128x128 weight blocks);
+- ``lowprec-nvfp4``: :class:`~lowprec.nn.NVFP4InferenceLinear` (today it dequantizes the weight
+  per call: there is no weight-only decode kernel yet).
+
+Each is timed two ways: ``graph_us``, the GPU time of a CUDA graph of back-to-back calls (the
+kernel's own speed), and ``eager_us``, back-to-back Python calls (what an eager decode loop pays,
+host time included). ``GB/s`` counts the bytes of the weight as stored (the floor of a
+memory-bound GEMM), ``% copy`` against the measured device copy bandwidth.
+
+    python -m lowprec bench decode [--ms 1,4,16,64,256] [--shapes 6144x4096,...] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from torch import nn
+
+__all__ = ["SHAPES", "MS", "IMPLS", "weight_bytes", "main"]
+
+SHAPES = ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336))  # N x K
+MS = (1, 4, 16, 64, 256)
+IMPLS = ("bf16", "fp8-cublas", "lowprec-fp8", "lowprec-nvfp4")
+_BYTES_PER_WEIGHT = {"bf16": 2.0, "fp8-cublas": 1.0, "lowprec-fp8": 1.0, "lowprec-nvfp4": 0.5 + 1 / 16}
+
+
+def weight_bytes(impl: str, n: int, k: int) -> float:
+    """Bytes of an ``n x k`` weight as ``impl`` stores it (codes and per-block scales; the
+    per-tensor or per-row FP32 scales are negligible)."""
+    extra = 4 * n * -(-k // 128) / 128 if impl == "lowprec-fp8" else 0.0  # 128x128 FP32 block scales
+    return n * k * _BYTES_PER_WEIGHT[impl] + extra
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m lowprec bench decode", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ms", default=",".join(map(str, MS)), help="tokens per call, comma-separated")
+    p.add_argument("--shapes", default=",".join(f"{n}x{k}" for n, k in SHAPES), help="N x K, comma-separated")
+    p.add_argument("--impls", default=",".join(IMPLS))
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    args.ms = [int(m) for m in args.ms.split(",")]
+    args.shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+    args.impls = args.impls.split(",")
+    unknown = [i for i in args.impls if i not in IMPLS]
+    if unknown:
+        p.error(f"--impls: unknown {unknown}; choose from {IMPLS}")
+    return args
+
+
+def _fp8_cublas(weight: torch.Tensor):
+    """``x -> x · Wᵀ`` through cuBLAS FP8 with rowwise scales (x quantized per row in the call)."""
+    amax_w = weight.float().abs().amax(dim=1, keepdim=True).clamp(min=1e-12)
+    w8 = (weight.float() * (448.0 / amax_w)).to(torch.float8_e4m3fn)
+    w_scale = (amax_w / 448.0).t().contiguous()  # [1, N]
+
+    def call(x):
+        amax_x = x.float().abs().amax(dim=1, keepdim=True).clamp(min=1e-12)
+        x8 = (x.float() * (448.0 / amax_x)).to(torch.float8_e4m3fn)
+        return torch._scaled_mm(x8, w8.t(), scale_a=amax_x / 448.0, scale_b=w_scale, out_dtype=torch.bfloat16)
+
+    return call
+
+
+def _make(impl: str, weight: torch.Tensor):
+    from ..nn import FP8InferenceLinear, NVFP4InferenceLinear
+
+    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device, dtype=weight.dtype)
+    with torch.no_grad():
+        linear.weight.copy_(weight)
+    if impl == "bf16":
+        return linear
+    if impl == "fp8-cublas":
+        return _fp8_cublas(weight)
+    if impl == "lowprec-fp8":
+        return FP8InferenceLinear.from_linear(linear)
+    return NVFP4InferenceLinear.from_linear(linear)
+
+
+def _eager_us(fn, calls: int = 50, reps: int = 5) -> float:
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t) / calls * 1e6)
+    return sorted(times)[len(times) // 2]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("bench decode needs a CUDA GPU")
+    from .common import bench_graph_ms, copy_bandwidth_gbs, print_table, save_results
+
+    copy_gbs = copy_bandwidth_gbs()
+    print(f"# {torch.cuda.get_device_name()}: device copy {copy_gbs:.0f} GB/s; graph_us = GPU time (CUDA graph of "
+          "back-to-back calls), eager_us = back-to-back Python calls (host time included)")
+    rows, table = [], []
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for n, k in args.shapes:
+        weight = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=g) * k ** -0.5
+        layers = {}
+        for impl in args.impls:
+            try:
+                layers[impl] = _make(impl, weight)
+            except Exception as err:  # a peer that cannot take this weight: its rows say why
+                layers[impl] = err
+        for m in args.ms:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=g)
+            for impl, layer in layers.items():
+                row = {"n": n, "k": k, "m": m, "impl": impl, "weight_bytes": weight_bytes(impl, n, k)}
+                try:
+                    if isinstance(layer, Exception):
+                        raise layer
+                    with torch.no_grad():
+                        fn = (lambda layer=layer, x=x: layer(x))
+                        fn()
+                        row["graph_us"] = bench_graph_ms(fn) * 1e3
+                        row["eager_us"] = _eager_us(fn)
+                    row["gbs"] = row["weight_bytes"] / row["graph_us"] / 1e3
+                    row["pct_copy"] = 100 * row["gbs"] / copy_gbs
+                except Exception as err:  # e.g. cuBLAS FP8 refusing a shape
+                    row["note"] = f"{type(err).__name__}: {str(err).splitlines()[0][:100]}"
+                rows.append(row)
+                table.append([f"{n}x{k}", m, impl, row.get("graph_us", "-"), row.get("eager_us", "-"),
+                              row.get("gbs", "-"), row.get("pct_copy", "-"), row.get("note", "")])
+    print_table(["N x K", "M", "impl", "graph_us", "eager_us", "GB/s", "% copy", "note"], table)
+    path = save_results("decode", {"device": torch.cuda.get_device_name(), "copy_gbs": copy_gbs, "rows": rows},
+                        args.out)
+    print(f"results: {path}")
+    return 0
