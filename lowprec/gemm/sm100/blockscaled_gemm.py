@@ -1,0 +1,301 @@
+"""Blackwell (sm_100a) block-scaled GEMM in CuTe DSL: minimal, one output tile per CTA.
+
+    D[m, n, l] = sum_k (A[m, k, l] * SFA[m, k // vec, l]) * (B[n, k, l] * SFB[n, k // vec, l])
+
+Formats (``GemmConfig.element_format``):
+    "mxf8": A, B E4M3; scales E8M0, one per 32 K elements (``tcgen05.mma kind::mxf8f6f4``).
+    "nvf4": A, B E2M1 (two per byte); scales E4M3, one per 16 K elements (``kind::mxf4nvf4``).
+
+Contract of ``__call__(a_ptr, b_ptr, sfa_ptr, sfb_ptr, d_ptr, m, n, k, batch, stream)``
+(global pointers, Int32 sizes; L = batch):
+    A [L, M, K] and B [L, N, K], K contiguous, K a positive multiple of the K tile (128 for mxf8, 256 for
+    nvf4) and pointers 16-byte aligned. D [L, M, N] bf16, N contiguous, N a multiple of 16, 32-byte
+    aligned. M and N need not be tile multiples: TMA zero-fills, the epilogue skips rows and
+    columns past the edge. SFA / SFB: the 128x4 blocked layout of cuBLAS
+    (``blockscaled_layout.tile_atom_to_shape_SF``): [L, ceil(M/128), K/vec/4, 32, 4, 4] bytes,
+    padding rows included.
+
+Structure (128 threads, 4 warps):
+* warp 0 issues the TMA loads of A, B, SFA, SFB into a ``PipelineTmaUmma`` ring and, on the same
+  thread, the MMAs: per stage the scale factors go smem -> TMEM (``tcgen05.cp``, UTCCP), then 4
+  block-scaled MMAs accumulate into TMEM; ``tcgen05.commit`` frees the stage (UTCBAR).
+* TMEM columns: accumulator [0, tile_n), then SFA, then SFB.
+* epilogue (all 4 warps, warp w reads TMEM lanes 32w..32w+31 = rows of the tile): after the
+  accumulator pipeline (``PipelineUmmaAsync``) signals the last MMA, 16-column slices are
+  loaded (``tcgen05.ld.32x32b``, LDTM), converted to bf16 and stored straight to global memory.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils.blackwell_helpers as sm100_utils
+import cutlass.utils.blockscaled_layout as blockscaled_utils
+from cutlass.cute.nvgpu import OperandMajorMode, cpasync, tcgen05
+from cutlass.memory import SmemAllocator, TmemAllocator
+
+from .config import TILE_M, GemmConfig
+
+_DTYPES = {  # element format -> (A/B dtype, scale-factor dtype)
+    "mxf8": (cutlass.Float8E4M3FN, cutlass.Float8E8M0FNU),
+    "nvf4": (cutlass.Float4E2M1FN, cutlass.Float8E4M3FN),
+}
+_THREADS = 128  # 4 warps: one per 32-lane quarter of TMEM
+_EPI_N = 16  # accumulator columns per epilogue slice: 16 fp32 registers, one 32-byte bf16 store
+_TMEM_ALLOC_BARRIER_ID = 1  # 0 is sync_threads
+
+
+def _tmem_columns(tile_n: int) -> int:
+    """Columns to allocate: fp32 accumulator plus the scale factors' worst case (nvf4: 16 per row
+    and K tile, 4 columns per 32 rows of SFA and of SFB, N rounded up to 128), rounded up to the
+    power of two ``tcgen05.alloc`` takes."""
+    used = tile_n + TILE_M // 32 * 4 + -(-tile_n // 128) * 128 // 32 * 4
+    cols = 32
+    while cols < used:
+        cols *= 2
+    return cols
+
+
+class BlockScaledGemmSm100:
+    def __init__(self, config: GemmConfig):
+        self.config = config
+        self.ab_dtype, self.sf_dtype = _DTYPES[config.element_format]
+        self.sf_vec_size = config.sf_vec_size
+        self.d_dtype = cutlass.BFloat16
+        self.mma_tiler = (TILE_M, config.tile_n, config.tile_k)
+        self.num_stages = config.stages
+        self.num_tmem_cols = _tmem_columns(config.tile_n)
+
+    @cute.jit
+    def __call__(
+        self,
+        a_ptr: cute.Pointer,
+        b_ptr: cute.Pointer,
+        sfa_ptr: cute.Pointer,
+        sfb_ptr: cute.Pointer,
+        d_ptr: cute.Pointer,
+        m: cutlass.Int32,
+        n: cutlass.Int32,
+        k: cutlass.Int32,
+        batch: cutlass.Int32,
+        stream,
+    ):
+        k_al = cute.assume(k, divby=self.config.tile_k)
+        n_al = cute.assume(n, divby=16)
+        mA = cute.make_tensor(a_ptr, cute.make_layout((m, k_al, batch), stride=(k_al, 1, m * k_al)))
+        mB = cute.make_tensor(b_ptr, cute.make_layout((n, k_al, batch), stride=(k_al, 1, n * k_al)))
+        mD = cute.make_tensor(d_ptr, cute.make_layout((m, n_al, batch), stride=(n_al, 1, m * n_al)))
+        mSFA = cute.make_tensor(sfa_ptr, blockscaled_utils.tile_atom_to_shape_SF(mA.shape, self.sf_vec_size))
+        mSFB = cute.make_tensor(sfb_ptr, blockscaled_utils.tile_atom_to_shape_SF(mB.shape, self.sf_vec_size))
+
+        tiled_mma = sm100_utils.make_blockscaled_trivial_tiled_mma(
+            self.ab_dtype, self.ab_dtype, OperandMajorMode.K, OperandMajorMode.K, self.sf_dtype, self.sf_vec_size,
+            tcgen05.CtaGroup.ONE, self.mma_tiler[:2],
+        )
+        cluster_vmnk = cute.tiled_divide(cute.make_layout((1, 1, 1)), (tiled_mma.thr_id.shape,))
+
+        stages = self.num_stages
+        sA_staged = sm100_utils.make_smem_layout_a(tiled_mma, self.mma_tiler, self.ab_dtype, stages)
+        sB_staged = sm100_utils.make_smem_layout_b(tiled_mma, self.mma_tiler, self.ab_dtype, stages)
+        sSFA_staged = blockscaled_utils.make_smem_layout_sfa(tiled_mma, self.mma_tiler, self.sf_vec_size, stages)
+        sSFB_staged = blockscaled_utils.make_smem_layout_sfb(tiled_mma, self.mma_tiler, self.sf_vec_size, stages)
+
+        def one_stage(staged):
+            return cute.slice_(staged, (None, None, None, 0))
+
+        load_op = cpasync.CopyBulkTensorTileG2SOp(tcgen05.CtaGroup.ONE)
+        tma_a = cute.nvgpu.make_tiled_tma_atom_A(
+            load_op, mA, one_stage(sA_staged), self.mma_tiler, tiled_mma, cluster_vmnk.shape)
+        tma_b = cute.nvgpu.make_tiled_tma_atom_B(
+            load_op, mB, one_stage(sB_staged), self.mma_tiler, tiled_mma, cluster_vmnk.shape)
+        # scale factors travel as 16-bit TMA elements (a box row of 1-byte SFs is too narrow)
+        tma_sfa = cute.nvgpu.make_tiled_tma_atom_A(
+            load_op, mSFA, one_stage(sSFA_staged), self.mma_tiler, tiled_mma, cluster_vmnk.shape,
+            internal_type=cutlass.Int16)
+        tma_sfb = cute.nvgpu.make_tiled_tma_atom_B(
+            load_op, mSFB, one_stage(sSFB_staged), self.mma_tiler, tiled_mma, cluster_vmnk.shape,
+            internal_type=cutlass.Int16)
+        tx_bytes = (
+            cute.size_in_bytes(self.ab_dtype, one_stage(sA_staged))
+            + cute.size_in_bytes(self.ab_dtype, one_stage(sB_staged))
+            + cute.size_in_bytes(self.sf_dtype, one_stage(sSFA_staged))
+            + cute.size_in_bytes(self.sf_dtype, one_stage(sSFB_staged))
+        )
+
+        grid = (cute.ceil_div(m, TILE_M), cute.ceil_div(n, self.config.tile_n), batch)
+        self.kernel(
+            tiled_mma, *tma_a, *tma_b, *tma_sfa, *tma_sfb, mD, sA_staged, sB_staged, sSFA_staged, sSFB_staged,
+            tx_bytes,
+        ).launch(grid=grid, block=[_THREADS, 1, 1], cluster=(1, 1, 1), stream=stream)
+
+    @cute.kernel
+    def kernel(
+        self,
+        tiled_mma: cute.TiledMma,
+        tma_atom_a: cute.CopyAtom,
+        mA: cute.Tensor,
+        tma_atom_b: cute.CopyAtom,
+        mB: cute.Tensor,
+        tma_atom_sfa: cute.CopyAtom,
+        mSFA: cute.Tensor,
+        tma_atom_sfb: cute.CopyAtom,
+        mSFB: cute.Tensor,
+        mD: cute.Tensor,
+        sA_staged: cute.ComposedLayout,
+        sB_staged: cute.ComposedLayout,
+        sSFA_staged: cute.Layout,
+        sSFB_staged: cute.Layout,
+        tx_bytes: cutlass.Constexpr,
+    ):
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        tidx, _, _ = cute.arch.thread_idx()
+        tile_m, tile_n, tile_l = cute.arch.block_idx()
+
+        @cute.struct
+        class SharedStorage:
+            ab_mbar: cute.struct.MemRange[cutlass.Int64, self.num_stages * 2]
+            acc_mbar: cute.struct.MemRange[cutlass.Int64, 2]
+            tmem_base: cutlass.Int32
+
+        smem = SmemAllocator()
+        storage = smem.allocate(SharedStorage)
+        sA = smem.allocate_tensor(self.ab_dtype, sA_staged.outer, byte_alignment=128, swizzle=sA_staged.inner)
+        sB = smem.allocate_tensor(self.ab_dtype, sB_staged.outer, byte_alignment=128, swizzle=sB_staged.inner)
+        sSFA = smem.allocate_tensor(self.sf_dtype, sSFA_staged, byte_alignment=128)
+        sSFB = smem.allocate_tensor(self.sf_dtype, sSFB_staged, byte_alignment=128)
+
+        # one thread (the elected lane of warp 0) produces and consumes the AB ring and produces
+        # the accumulator; all 128 threads consume the accumulator
+        mma_thread = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
+        ab_producer, ab_consumer = pipeline.PipelineTmaUmma.create(
+            num_stages=self.num_stages, producer_group=mma_thread, consumer_group=mma_thread, tx_count=tx_bytes,
+            barrier_storage=storage.ab_mbar.data_ptr(),
+        ).make_participants()
+        acc_producer, acc_consumer = pipeline.PipelineUmmaAsync.create(
+            num_stages=1, producer_group=mma_thread,
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, _THREADS),
+            barrier_storage=storage.acc_mbar.data_ptr(),
+        ).make_participants()
+
+        # this CTA's tiles: (bM|bN, bK, RestK)
+        tiler_mk = cute.slice_(self.mma_tiler, (None, 0, None))
+        tiler_nk = cute.slice_(self.mma_tiler, (0, None, None))
+        gA = cute.local_tile(mA, tiler_mk, (tile_m, None, tile_l))
+        gB = cute.local_tile(mB, tiler_nk, (tile_n, None, tile_l))
+        gSFA = cute.local_tile(mSFA, tiler_mk, (tile_m, None, tile_l))
+        gSFB = cute.local_tile(mSFB, tiler_nk, (tile_n, None, tile_l))
+        tiler_mn = cute.slice_(self.mma_tiler, (None, None, 0))
+        gD = cute.local_tile(mD, tiler_mn, (tile_m, tile_n, tile_l))
+        cD = cute.local_tile(cute.make_identity_tensor(mD.shape), tiler_mn, (tile_m, tile_n, tile_l))
+        k_tiles = cute.size(gA, mode=[2])
+
+        thr_mma = tiled_mma.get_slice(0)
+        # TMA views: ((atom_v, rest_v), STAGE) in smem, ((atom_v, rest_v), RestK) in global
+        tAsA, tAgA = self._tma_partition(tma_atom_a, sA, thr_mma.partition_A(gA))
+        tBsB, tBgB = self._tma_partition(tma_atom_b, sB, thr_mma.partition_B(gB))
+        # SF views repeat each byte over its vector: drop those zero strides for the copies
+        tAsSFA, tAgSFA = self._tma_partition(tma_atom_sfa, sSFA, thr_mma.partition_A(gSFA))
+        tBsSFB, tBgSFB = self._tma_partition(tma_atom_sfb, sSFB, thr_mma.partition_B(gSFB))
+        tAsSFA, tAgSFA = cute.filter_zeros(tAsSFA), cute.filter_zeros(tAgSFA)
+        tBsSFB, tBgSFB = cute.filter_zeros(tBsSFB), cute.filter_zeros(tBgSFB)
+
+        tCrA = tiled_mma.make_fragment_A(sA)  # smem descriptors (MMA, MMA_M, MMA_K, STAGE)
+        tCrB = tiled_mma.make_fragment_B(sB)
+        acc_layout = tiled_mma.make_fragment_C(tiled_mma.partition_shape_C(self.mma_tiler[:2])).layout
+
+        tmem = TmemAllocator(
+            storage.tmem_base.ptr,
+            barrier_for_retrieve=pipeline.NamedBarrier(barrier_id=_TMEM_ALLOC_BARRIER_ID, num_threads=_THREADS),
+        )
+        tmem.allocate(self.num_tmem_cols)
+        tmem.wait_for_alloc()
+        acc_ptr = tmem.retrieve_ptr(cutlass.Float32)
+        tCtAcc = cute.make_tensor(acc_ptr, acc_layout)
+        # scale factors live in the columns after the accumulator: SFA, then SFB
+        sfa_col = tcgen05.find_tmem_tensor_col_offset(tCtAcc)
+        tCtSFA = cute.make_tensor(
+            cute.recast_ptr(acc_ptr + sfa_col, dtype=self.sf_dtype),
+            blockscaled_utils.make_tmem_layout_sfa(tiled_mma, self.mma_tiler, self.sf_vec_size,
+                                                   cute.slice_(sSFA_staged, (None, None, None, 0))),
+        )
+        sfb_col = sfa_col + tcgen05.find_tmem_tensor_col_offset(tCtSFA)
+        tCtSFB = cute.make_tensor(
+            cute.recast_ptr(acc_ptr + sfb_col, dtype=self.sf_dtype),
+            blockscaled_utils.make_tmem_layout_sfb(tiled_mma, self.mma_tiler, self.sf_vec_size,
+                                                   cute.slice_(sSFB_staged, (None, None, None, 0))),
+        )
+        s2t_sfa, tCsSFA_s2t, tCtSFA_s2t = self._s2t_partition(sSFA, tCtSFA)
+        s2t_sfb, tCsSFB_s2t, tCtSFB_s2t = self._s2t_partition(sSFB, tCtSFB)
+
+        if warp_idx == 0:
+            acc_slot = acc_producer.acquire_and_advance()
+            tiled_mma.set(tcgen05.Field.ACCUMULATE, False)
+            # the pipeliner hoists the TMA of the next stages-2 K tiles ahead of this tile's MMAs
+            for _ in cutlass.range(k_tiles, prefetch_stages=self.num_stages - 2):
+                empty = ab_producer.acquire_and_advance()
+                for atom, src, dst in ((tma_atom_a, tAgA, tAsA), (tma_atom_b, tBgB, tBsB),
+                                       (tma_atom_sfa, tAgSFA, tAsSFA), (tma_atom_sfb, tBgSFB, tBsSFB)):
+                    cute.copy(atom, src[(None, empty.count)], dst[(None, empty.index)], tma_bar_ptr=empty.barrier)
+
+                full = ab_consumer.wait_and_advance()
+                cute.copy(s2t_sfa, tCsSFA_s2t[(None, None, None, None, full.index)], tCtSFA_s2t)
+                cute.copy(s2t_sfb, tCsSFB_s2t[(None, None, None, None, full.index)], tCtSFB_s2t)
+                for kb in cutlass.range(cute.size(tCrA, mode=[2]), unroll_full=True):
+                    tiled_mma.set(tcgen05.Field.SFA, tCtSFA[(None, None, kb)].iterator)
+                    tiled_mma.set(tcgen05.Field.SFB, tCtSFB[(None, None, kb)].iterator)
+                    cute.gemm(tiled_mma, tCtAcc, tCrA[(None, None, kb, full.index)],
+                              tCrB[(None, None, kb, full.index)], tCtAcc)
+                    tiled_mma.set(tcgen05.Field.ACCUMULATE, True)
+                full.release()  # tcgen05.commit: the stage is free once these MMAs have read it
+            acc_slot.commit()
+
+        self._epilogue(tidx, tCtAcc, gD, cD, mD.shape, acc_consumer, tmem)
+        cute.arch.barrier()  # every warp's TMEM loads are done before the free
+        tmem.free(acc_ptr)
+
+    @cute.jit
+    def _tma_partition(self, atom: cute.CopyAtom, sX: cute.Tensor, tCgX: cute.Tensor):
+        """(smem, gmem) views of one operand for its TMA atom, without multicast."""
+        return cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(sX, 0, 3),
+                                     cute.group_modes(tCgX, 0, 3))
+
+    @cute.jit
+    def _s2t_partition(self, sSF: cute.Tensor, tCtSF: cute.Tensor):
+        """``tcgen05.cp`` of one stage of scale factors: (tiled copy, smem descriptors with a
+        STAGE mode, TMEM destination)."""
+        atom = cute.make_copy_atom(tcgen05.Cp4x32x128bOp(tcgen05.CtaGroup.ONE), self.sf_dtype)
+        tCtSF_compact = cute.filter_zeros(tCtSF)
+        tiled = tcgen05.make_s2t_copy(atom, tCtSF_compact)
+        thr = tiled.get_slice(0)
+        src = tcgen05.get_s2t_smem_desc_tensor(tiled, thr.partition_S(cute.filter_zeros(sSF)))
+        return tiled, src, thr.partition_D(tCtSF_compact)
+
+    @cute.jit
+    def _epilogue(self, tidx, tCtAcc: cute.Tensor, gD: cute.Tensor, cD: cute.Tensor, d_shape, acc_consumer,
+                  tmem: TmemAllocator):
+        """TMEM -> registers -> bf16 -> global, ``_EPI_N`` columns at a time; ``cD`` holds the (m, n, l)
+        coordinates of ``gD``, stores past ``d_shape`` are skipped."""
+        epi_tile = (TILE_M, _EPI_N)
+        tAcc_epi = cute.flat_divide(tCtAcc[((None, None), 0, 0)], epi_tile)  # (128, _EPI_N, 1, tile_n / _EPI_N)
+        gD_epi = cute.flat_divide(gD, epi_tile)
+        cD_epi = cute.flat_divide(cD, epi_tile)
+        load = cute.make_copy_atom(tcgen05.Ld32x32bOp(tcgen05.Repetition.x16, tcgen05.Pack.NONE), cutlass.Float32)
+        t2r = tcgen05.make_tmem_copy(load, tAcc_epi[(None, None, 0, 0)])
+        thr = t2r.get_slice(tidx)
+        tTR_tAcc = thr.partition_S(tAcc_epi)
+        tTR_gD = thr.partition_D(gD_epi)
+        tTR_cD = thr.partition_D(cD_epi)
+        rAcc = cute.make_rmem_tensor(tTR_gD[(None, None, None, 0, 0)].shape, cutlass.Float32)
+        rD = cute.make_rmem_tensor(rAcc.shape, self.d_dtype)
+        store = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.d_dtype)
+
+        tmem.relinquish_alloc_permit()
+        acc_full = acc_consumer.wait_and_advance()
+        for i in cutlass.range(cute.size(tTR_tAcc, mode=[4]), unroll_full=True):
+            cute.copy(t2r, tTR_tAcc[(None, None, None, 0, i)], rAcc)
+            rD.store(rAcc.load().to(self.d_dtype))
+            # a thread's slice is one row and _EPI_N columns that N (a multiple of _EPI_N) holds whole
+            if cute.elem_less(tTR_cD[(None, None, None, 0, i)][0], d_shape):
+                cute.copy(store, rD, tTR_gD[(None, None, None, 0, i)])
+        acc_full.release()

@@ -1,0 +1,51 @@
+"""Configurations of the sm_100a block-scaled GEMM (no cutlass import: importing ``lowprec`` stays
+cutlass-free)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# element format -> (K elements per scale factor, K of one MMA instruction)
+_FORMATS = {
+    "mxf8": (32, 32),  # E4M3 x E4M3, E8M0 scales: kind::mxf8f6f4.block32
+    "nvf4": (16, 64),  # E2M1 x E2M1, E4M3 scales: kind::mxf4nvf4.block16
+}
+TILE_M = 128  # one CTA-group-1 MMA covers 128 rows (one per TMEM lane)
+MMAS_PER_K_TILE = 4  # K tile = 4 instructions: 128 bytes of A/B per row and stage (one 128B swizzle atom)
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """One kernel configuration (everything that changes the generated code)."""
+
+    element_format: str = "mxf8"  # "mxf8" or "nvf4"
+    tile_n: int = 128  # 128 or 256
+    stages: int = 4  # smem stages of A, B, SFA, SFB
+
+    def __post_init__(self):
+        if self.element_format not in _FORMATS:
+            raise ValueError(f"element_format: expected one of {sorted(_FORMATS)}, got {self.element_format!r}")
+        if self.tile_n not in (128, 256):
+            raise ValueError(f"tile_n: expected 128 or 256, got {self.tile_n}")
+        if self.stages < 2:
+            raise ValueError(f"stages: expected at least 2, got {self.stages}")
+
+    @property
+    def sf_vec_size(self) -> int:
+        return _FORMATS[self.element_format][0]
+
+    @property
+    def mma_k(self) -> int:
+        return _FORMATS[self.element_format][1]
+
+    @property
+    def tile_k(self) -> int:
+        return self.mma_k * MMAS_PER_K_TILE
+
+    def __str__(self) -> str:
+        return f"{self.element_format}_{TILE_M}x{self.tile_n}_s{self.stages}"
+
+
+def shipped_configs() -> tuple[GemmConfig, ...]:
+    """Every configuration the compile tests build."""
+    return tuple(GemmConfig(fmt, tile_n) for fmt in ("mxf8", "nvf4") for tile_n in (128, 256))
