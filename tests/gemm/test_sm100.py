@@ -44,3 +44,33 @@ def test_config_rejects_unsupported_values():
         GemmConfig(element_format="mxf4")
     with pytest.raises(ValueError, match="tile_n"):
         GemmConfig(tile_n=64)
+
+
+@needs_cutlass
+@pytest.mark.parametrize("rows, k, vec", [(160, 192, 32), (96, 224, 16), (256, 1024, 32)])
+def test_scale_layout_the_kernel_reads_is_to_blocked(rows, k, vec):
+    """The kernel addresses scale (row, k-block) through CuTe's blocked layout
+    (``tile_atom_to_shape_SF``); ``lowprec.quant.layouts.to_blocked`` must put it at that same
+    offset, tails (rows past 128-multiples, k-blocks past 4-multiples) included."""
+    import cutlass
+    import cutlass.cute as cute
+    import cutlass.utils.blockscaled_layout as blockscaled_utils
+    import torch
+
+    from lowprec.quant.layouts import to_blocked
+
+    blocks = k // vec
+    offsets = {}
+
+    @cute.jit
+    def trace():  # evaluated while tracing: static coordinates give Python ints
+        layout = blockscaled_utils.tile_atom_to_shape_SF((rows, k, 1), vec)
+        for row in cutlass.range_constexpr(rows):
+            for kb in cutlass.range_constexpr(blocks):
+                offsets[row, kb] = cute.crd2idx((row, kb * vec, 0), layout)
+
+    cute.compile[cute.GPUArch("sm_100a")](trace)
+    ids = torch.arange(1, 1 + rows * blocks, dtype=torch.float64).view(rows, blocks)  # 0 marks padding
+    where = {int(v): i for i, v in enumerate(to_blocked(ids).tolist()) if v}
+    assert len(offsets) == rows * blocks
+    assert all(where[1 + row * blocks + kb] == offset for (row, kb), offset in offsets.items())
