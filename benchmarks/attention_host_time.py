@@ -6,23 +6,12 @@ from __future__ import annotations
 
 import cProfile
 import pstats
-import time
 
 import torch
 import torch.nn.functional as F
 
 import lowprec
-
-
-def per_call_us(fn, n=300):
-    for _ in range(20):
-        fn()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(n):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t) / n * 1e6
+from lowprec.bench.common import back_to_back_us
 
 
 def main():
@@ -48,7 +37,7 @@ def main():
         "F.sdpa bf16": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True),
     }
     for name, fn in calls.items():
-        print(f"{name:28s} {per_call_us(fn):8.1f} us/call")
+        print(f"{name:28s} {back_to_back_us(fn, calls=300, reps=1):8.1f} us/call")
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CUDA]) as p:
         for _ in range(20):

@@ -8,23 +8,12 @@ from __future__ import annotations
 import cProfile
 import pstats
 import sys
-import time
 
 import torch
 
 import lowprec
+from lowprec.bench.common import back_to_back_us
 from lowprec.bench.gemm import _cublas_blockwise_fn, _probe_cublas
-
-
-def per_call_us(fn, n=500):
-    for _ in range(30):
-        fn()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(n):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t) / n * 1e6
 
 
 def main():
@@ -45,7 +34,7 @@ def main():
     }
     for _ in range(2):  # twice: the host's speed drifts; compare rows of one round
         for name, fn in calls.items():
-            print(f"{name:28s} {per_call_us(fn):8.1f} us/call")
+            print(f"{name:28s} {back_to_back_us(fn, calls=500, reps=1):8.1f} us/call")
     for name in ("lowprec.gemm", "quantize + gemm"):
         prof = cProfile.Profile()
         prof.enable()

@@ -51,6 +51,22 @@ def bench_ms(fn, warmup: int = 10, rep: int = 50, queued: bool = False, before=N
     return statistics.median(start.elapsed_time(end) for start, end in events)
 
 
+def back_to_back_us(fn, calls: int = 50, reps: int = 5, warmup: int = 20) -> float:
+    """Microseconds per call of ``calls`` back-to-back eager calls, waiting for the GPU at the end
+    of each batch (median of ``reps``): the host time where the GPU keeps up, else the GPU's."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t) / calls * 1e6)
+    return statistics.median(times)
+
+
 def bench_stream_ms(fn, reps: int = 20, batches: int = 5) -> float:
     """Milliseconds per call of a streaming kernel: ``reps`` back-to-back calls between two events
     (median over ``batches``), so host launch overhead overlaps the GPU work. For inputs larger

@@ -21,7 +21,6 @@ memory-bound GEMM), ``% copy`` against the measured device copy bandwidth.
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 from torch import nn
@@ -87,23 +86,11 @@ def _make(impl: str, weight: torch.Tensor):
     return NVFP4InferenceLinear.from_linear(linear)
 
 
-def _eager_us(fn, calls: int = 50, reps: int = 5) -> float:
-    times = []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - t) / calls * 1e6)
-    return sorted(times)[len(times) // 2]
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench decode needs a CUDA GPU")
-    from .common import bench_graph_ms, copy_bandwidth_gbs, print_table, save_results
+    from .common import back_to_back_us, bench_graph_ms, copy_bandwidth_gbs, print_table, save_results
 
     copy_gbs = copy_bandwidth_gbs()
     print(f"# {torch.cuda.get_device_name()}: device copy {copy_gbs:.0f} GB/s; graph_us = GPU time (CUDA graph of "
@@ -129,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
                         fn = (lambda layer=layer, x=x: layer(x))
                         fn()
                         row["graph_us"] = bench_graph_ms(fn) * 1e3
-                        row["eager_us"] = _eager_us(fn)
+                        row["eager_us"] = back_to_back_us(fn)
                     row["gbs"] = row["weight_bytes"] / row["graph_us"] / 1e3
                     row["pct_copy"] = 100 * row["gbs"] / copy_gbs
                 except Exception as err:  # e.g. cuBLAS FP8 refusing a shape

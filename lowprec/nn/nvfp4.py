@@ -27,12 +27,11 @@ from ..quant import dequantize, quantize
 from ..recipes import get_recipe
 from ..tensor import QuantizedTensor
 from .buffers import QuantizedBuffersModule
-from .functional import follow_autocast
+from .functional import _FLOAT_DTYPES, follow_autocast
 
 __all__ = ["NVFP4InferenceLinear"]
 
 _BLOCK = 16
-_X_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _SCALARS = ("weight_scale_2", "input_scale")
 
 
@@ -109,7 +108,7 @@ class NVFP4InferenceLinear(QuantizedBuffersModule):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x · Wᵀ + b`` in ``x``'s dtype (the autocast dtype inside ``torch.autocast``)."""
-        if not isinstance(x, torch.Tensor) or x.dtype not in _X_DTYPES:
+        if not isinstance(x, torch.Tensor) or x.dtype not in _FLOAT_DTYPES:
             raise TypeError(f"x: expected a float32/bfloat16/float16 tensor, got {getattr(x, 'dtype', type(x))}")
         if x.shape[-1] != self.in_features:
             raise ValueError(f"x: last dim must be in_features={self.in_features}, got shape {tuple(x.shape)}")
