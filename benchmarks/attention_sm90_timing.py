@@ -1,7 +1,7 @@
 # ruff: noqa: B023, E501  (scratch script: lambdas timed inside their own iteration)
 """Scratch timing of the sm_90a FP8 attention kernel (kernel only, inputs pre-quantized) against
 SDPA bf16 (flash and cuDNN backends) in the same process. Usage:
-    python benchmarks/attention_sm90_timing.py [--quick] [--serial] [--pingpong] [--decode] [--pack] [--persistent] [--vperm] [--prepass]
+    python benchmarks/attention_sm90_timing.py [--quick] [--serial] [--pingpong] [--decode] [--pack] [--persistent] [--vperm] [--inmma] [--wg3] [--prepass]
 Prints one line per shape and backend: ms (median of do_bench), TFLOPS (causal counts half)."""
 
 from __future__ import annotations
@@ -77,13 +77,33 @@ def main():
             print(f"pingpong max|out - sdpa| {pp_err:.4f}")
             interface.PINGPONG = False
         if "--persistent" in sys.argv:
-            for pp in ((False, True) if D <= 128 and "--pingpong" in sys.argv else (False,)):
-                interface.PERSISTENT, interface.PINGPONG = True, pp
+            combos = [(True, False)] + ([(False, False), (False, True)] if D <= 128 and "--inmma" in sys.argv else [])
+            for two_level, pp in combos:
+                interface.PERSISTENT, interface.TWO_LEVEL_PV, interface.PINGPONG = True, two_level, pp
                 fn()
-                res["fp8_persist" + ("_pp" if pp else "")] = do_bench(fn, warmup=100, rep=500, return_mode="median")
+                name = "fp8_persist" + ("" if two_level else "_inmma") + ("_pp" if pp else "")
+                res[name] = do_bench(fn, warmup=100, rep=500, return_mode="median")
                 torch.cuda.synchronize()
-                print(f"persistent pingpong={pp} max|out - sdpa| {(out.float() - ref.float()).abs().max().item():.4f}")
-            interface.PERSISTENT, interface.PINGPONG = False, False
+                print(f"{name} max|out - sdpa| {(out.float() - ref.float()).abs().max().item():.4f}")
+            interface.PERSISTENT, interface.TWO_LEVEL_PV, interface.PINGPONG = False, True, False
+        if "--wg3" in sys.argv and D <= 128:
+            interface.CONSUMER_WGS = 3
+            fn()
+            res["fp8_wg3"] = do_bench(fn, warmup=100, rep=500, return_mode="median")
+            torch.cuda.synchronize()
+            c = F.cosine_similarity(out.float().flatten(), ref.float().flatten(), dim=0).item()
+            print(f"wg3 max|out - sdpa| {(out.float() - ref.float()).abs().max().item():.4f} cos {c:.5f}")
+            interface.CONSUMER_WGS = 2
+        if "--inmma" in sys.argv:
+            interface.TWO_LEVEL_PV = False
+            for pp in (False, True):
+                interface.PINGPONG = pp
+                fn()
+                res["fp8_inmma" + ("_pp" if pp else "")] = do_bench(fn, warmup=100, rep=500, return_mode="median")
+                torch.cuda.synchronize()
+                c = F.cosine_similarity(out.float().flatten(), ref.float().flatten(), dim=0).item()
+                print(f"inmma pingpong={pp} max|out - sdpa| {(out.float() - ref.float()).abs().max().item():.4f} cos {c:.5f}")
+            interface.TWO_LEVEL_PV, interface.PINGPONG = True, False
         if "--vperm" in sys.argv:
             from lowprec.attention.sm90.interface import permute_v_keys
             vtp = permute_v_keys(vt)

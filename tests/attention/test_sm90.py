@@ -239,7 +239,9 @@ VARIANT_CASES = [
 @gpu
 @needs_gpu
 @pytest.mark.parametrize("flags", [("PINGPONG",), ("PACK_GQA",), ("SPLIT_KV",), ("PACK_GQA", "SPLIT_KV"),
-                                   ("PERSISTENT",), ("PINGPONG", "PERSISTENT"), ("OVERLAP",), ("V_KEY_PERM",)],
+                                   ("PERSISTENT",), ("PINGPONG", "PERSISTENT"), ("OVERLAP",), ("V_KEY_PERM",),
+                                   ("TWO_LEVEL_PV",), ("TWO_LEVEL_PV", "PINGPONG"), ("TWO_LEVEL_PV", "OVERLAP"),
+                                   ("CONSUMER_WGS",), ("CONSUMER_WGS", "PACK_GQA")],
                          ids="+".join)
 @pytest.mark.parametrize("case", VARIANT_CASES,
                          ids=lambda c: "B{}H{}kv{}q{}k{}d{}{}".format(*c[:6], "c" if c[6] else ""))
@@ -247,7 +249,9 @@ def test_variants_match_emulation(flags, case, monkeypatch):
     from lowprec.attention.sm90 import interface
 
     for flag in flags:  # each flag flipped from its default (OVERLAP: the serial kernel, PACK_GQA: unpacked
-        if flag != "V_KEY_PERM":  # GQA decode); V_KEY_PERM: an argument
+        if flag == "CONSUMER_WGS":  # GQA decode, CONSUMER_WGS: 3); V_KEY_PERM: an argument
+            monkeypatch.setattr(interface, flag, 3)
+        elif flag != "V_KEY_PERM":
             monkeypatch.setattr(interface, flag, not getattr(interface, flag))
     o, lse, emu, emu_lse, ref, _ = _run(*case, v_perm="V_KEY_PERM" in flags)
     err, err_emu = (o.double() - ref).abs(), (emu - ref).abs()

@@ -14,8 +14,10 @@ V_PAD = 16  # v_t's key dimension is padded to a multiple of this (16-byte TMA s
 # optional v_t layout: stored key position p of each aligned 16 holds key V_KEY_PERM[p]
 V_KEY_PERM = (0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15)
 # intra-warpgroup overlap keeps S, the block accumulator, O and the in-flight P live at once: that
-# fits the 240 registers of a consumer thread at D = 64 only (D = 128 spills; NOTES.md)
+# fits the 240 registers of a consumer thread at D = 64 only (D = 128 spills; NOTES.md); without
+# the block accumulator (P.V accumulated in the wgmma) at D <= 128
 OVERLAP_MAX_D = 64
+OVERLAP_MAX_D_IN_MMA = 128
 
 
 @dataclass(frozen=True)
@@ -33,12 +35,26 @@ class AttnConfig:
     persistent: bool = False  # grid = min(tiles, num_sms), tiles walked longest-first; 0.83-1.04x
     num_sms: int = 132  # persistent grid size (H100 SXM)
     v_keys_permuted: bool = False  # v_t keys permuted within each 16 (V_KEY_PERM): no P shuffles; +1-4%
+    two_level_pv: bool = True  # P.V into a fresh block accumulator added into O (else into O in the wgmma)
+    # consumer warpgroups of 64 query rows: 3 (a 192-row tile) hides more latency with 160 registers
+    # per thread, which only fits in-MMA accumulation and the plain serial loop at D <= 128
+    consumer_wgs: int = 2
 
     def __post_init__(self):
         # one key per generated kernel: overlap (and ping-pong, which needs it) only where it fits
-        overlap = self.overlap and self.head_dim <= OVERLAP_MAX_D
+        overlap = self.overlap and self.head_dim <= (OVERLAP_MAX_D if self.two_level_pv else OVERLAP_MAX_D_IN_MMA)
+        wgs = 3 if self.consumer_wgs == 3 and self.head_dim <= 128 else 2
+        if wgs == 3:
+            object.__setattr__(self, "two_level_pv", False)
+            overlap = False
+        object.__setattr__(self, "consumer_wgs", wgs)
         object.__setattr__(self, "overlap", overlap)
         object.__setattr__(self, "pingpong", self.pingpong and overlap)
+
+    @property
+    def tile_m(self) -> int:
+        """Query rows per CTA (64 per consumer warpgroup); q scales stay per TILE_M rows."""
+        return 64 * self.consumer_wgs
 
     def stages(self) -> int:
         """K/V shared-memory ring depth (each stage holds one K tile and one Vᵀ tile)."""
@@ -46,7 +62,8 @@ class AttnConfig:
 
     def __str__(self) -> str:
         tags = [("serial", not self.overlap), ("pp", self.pingpong), ("pack", self.pack_gqa),
-                ("split", self.split_kv), ("persist", self.persistent), ("vperm", self.v_keys_permuted)]
+                ("split", self.split_kv), ("persist", self.persistent), ("vperm", self.v_keys_permuted),
+                ("inmma", not self.two_level_pv), ("wg3", self.consumer_wgs == 3)]
         return f"d{self.head_dim}{'_causal' if self.causal else ''}_{self.out_dtype}" + "".join(
             f"_{t}" for t, on in tags if on)
 
@@ -66,6 +83,9 @@ def variant_configs() -> tuple[AttnConfig, ...]:
             out.append(AttnConfig(d, c, pack_gqa=True, split_kv=True))
             out.append(AttnConfig(d, c, persistent=True))
             out.append(AttnConfig(d, c, v_keys_permuted=True))
+            out.append(AttnConfig(d, c, two_level_pv=False))
+            if d <= 128:
+                out.append(AttnConfig(d, c, consumer_wgs=3))
             if d <= OVERLAP_MAX_D:
                 out.append(AttnConfig(d, c, pingpong=True))
                 out.append(AttnConfig(d, c, pingpong=True, persistent=True))

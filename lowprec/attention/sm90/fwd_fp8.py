@@ -103,15 +103,15 @@ class FP8AttentionFwdSm90:
         self.head_dim = config.head_dim
         self.causal = config.causal
         self.out_dtype = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}[config.out_dtype]
-        self.tile_m, self.tile_n = TILE_M, TILE_N
+        self.tile_m, self.tile_n = config.tile_m, TILE_N
         self.stages = config.stages()
         self.ab_dtype = cutlass.Float8E4M3FN
         self.acc_dtype = cutlass.Float32
-        self.num_mma_wg = 2
+        self.num_mma_wg = config.consumer_wgs
         self.threads_per_wg = 128
         self.threads_per_cta = (1 + self.num_mma_wg) * self.threads_per_wg
         self.load_regs = 24
-        self.mma_regs = 240
+        self.mma_regs = 240 if self.num_mma_wg == 2 else 160
         # P.V in N chunks of at most 128 columns: one fresh 64-register block accumulator
         self.pv_n = min(self.head_dim, 128)
         self.pv_chunks = self.head_dim // self.pv_n
@@ -133,6 +133,10 @@ class FP8AttentionFwdSm90:
         # v_t stored with its keys permuted within each 16 (interface.permute_v_keys): P goes to
         # the A fragment without shuffles
         self.v_perm = config.v_keys_permuted
+        # P.V accumulation: two-level (a fresh block accumulator added into O in FP32, as the
+        # GEMM core promotes) or in the wgmma accumulator (O rescaled, FlashAttention-3's way:
+        # 64 registers fewer, which lets D = 128 overlap; NOTES.md measures both)
+        self.two_level = config.two_level_pv
         self.num_sms = config.num_sms
         if self.split_kv:
             self.out_dtype = cutlass.Float32
@@ -318,12 +322,12 @@ class FP8AttentionFwdSm90:
 
     @cute.jit
     def _linear_tile(self, t, dims):
-        """(m_block, head, zz) of linear tile t (persistent): all heads' last m-blocks first
-        (longest causal rows first across the whole grid), then the next m-block, ..."""
-        m_blocks, heads, zdim = dims[0], dims[1], dims[2]
-        per_m = heads * zdim
-        hz = t % per_m
-        return (m_blocks - 1 - t // per_m, hz % heads, hz // heads)
+        """(m_block, head, zz) of linear tile t (persistent): head-major, each head's m-blocks
+        longest causal rows first, so the CTAs in flight share the K/V of a few heads in L2
+        (m-block-major, every CTA streamed its own head's K/V from HBM: 17% slower, NOTES.md)."""
+        m_blocks, heads = dims[0], dims[1]
+        hz = t // m_blocks
+        return (m_blocks - 1 - t % m_blocks, hz % heads, hz // heads)
 
     @cute.jit
     def _tile_info(self, tile, dims):
@@ -428,8 +432,11 @@ class FP8AttentionFwdSm90:
         pv_acc = self._mma_pv()
         pv_acc.set(warpgroup.Field.ACCUMULATE, True)
         tOcO = thr_pv.partition_C(cute.make_identity_tensor((self.tile_m, self.pv_n)))
-        blk = cute.make_rmem_tensor(tOcO.shape, self.acc_dtype)
-        acc_o = cute.make_rmem_tensor((cute.size(blk) * self.pv_chunks,), self.acc_dtype)
+        # O per N chunk; two-level: a fresh block accumulator the P.V wgmma writes, else the
+        # P.V wgmma accumulates into O itself (rescaled by alpha first)
+        acc_o = [cute.make_rmem_tensor(tOcO.shape, self.acc_dtype) for _ in range(self.pv_chunks)]
+        blk = cute.make_rmem_tensor(tOcO.shape, self.acc_dtype) if self.two_level else None
+        pv_dst = [blk] * self.pv_chunks if self.two_level else acc_o
 
         # accumulator value v = c + 2 r + 4 j sits at (row_l[r], col_l + 8 j + c)
         row_l = [tScS[0][0], tScS[2][0]]
@@ -447,7 +454,7 @@ class FP8AttentionFwdSm90:
 
         regs = (acc_s, blk, acc_o, p_words, row_l, col_l, quad, tOcO[0][1], shuf)
         qk = (qk_zero, qk_acc, acc_s, tSrQ, tSrK)
-        pv = (pv_zero, pv_acc, blk, tOrP_w, tOrV)
+        pv = (pv_zero if self.two_level else pv_acc, pv_acc, pv_dst, tOrP_w, tOrV)
         gm = (mQS, mKS, mVS, mO, mLSE, softmax_scale_log2, pack_r)
         pipes = (pipe_q, pipe_k, pipe_v)
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
@@ -478,8 +485,9 @@ class FP8AttentionFwdSm90:
         src_a, src_b, sender_odd, sel0, sel1 = shuf
         mQS, mKS, mVS, mO, mLSE, softmax_scale_log2, pack_r = gm
         pipe_q, pipe_k, pipe_v = pipes
-        n_blk = cute.size(blk)
-        acc_o.fill(0.0)
+        n_blk = cute.size(acc_o[0])
+        for ch in cutlass.range_constexpr(self.pv_chunks):
+            acc_o[ch].fill(0.0)
         row_max = cute.make_rmem_tensor((2,), cutlass.Float32)
         row_sum = cute.make_rmem_tensor((2,), cutlass.Float32)
         row_max.fill(cutlass.Float32(-math.inf))
@@ -497,7 +505,8 @@ class FP8AttentionFwdSm90:
                 row_pos.append(rr - hh * pack_sq)
             causal_off = seqlen_k - pack_sq
         else:
-            qs = mQS[(bh, m_block)] * softmax_scale_log2
+            # q scales per TILE_M rows: a warpgroup's 64 rows never straddle two
+            qs = mQS[(bh, (m0 + 64 * wg) // TILE_M)] * softmax_scale_log2
             qsc[0] = qs
             qsc[1] = qs
             row_pos = [m0 + row_l[0], m0 + row_l[1]]
@@ -506,8 +515,9 @@ class FP8AttentionFwdSm90:
         pipe_q.consumer_wait(q_state)
         mask_args = (col_l, row_pos, seqlen_k, causal_off)
         alpha = cute.make_rmem_tensor((2,), cutlass.Float32)
-        if cutlass.const_expr(not self.overlap and self.pv_chunks > 1):
-            # D = 256 (O is 128 registers): S, softmax, P.V one after the other
+        if cutlass.const_expr(not self.overlap and (self.pv_chunks > 1 or self.num_mma_wg == 3)):
+            # D = 256 (O is 128 registers) or 3 warpgroups (160 registers): S, softmax, P.V one
+            # after the other
             for n in cutlass.range(n_lo, n_max, unroll=1):
                 self._s_block(qk, c, qsc, mKS[(bh_kv, n)], pipe_k, k_state)
                 if n >= n_full:
@@ -516,10 +526,15 @@ class FP8AttentionFwdSm90:
                 self._p_to_frag_a(acc_s, p_words, src_a, src_b, sender_odd, sel0, sel1)
                 pipe_v.consumer_wait(v_state)
                 for ch in cutlass.range_constexpr(self.pv_chunks):
+                    self._rescale(acc_o, alpha, ch)
                     self._issue_pv(pv, ch, v_state.index)
+                    if cutlass.const_expr(self.two_level):  # one block accumulator: a chunk at a time
+                        warpgroup.wait_group(0)
+                        self._accumulate(acc_o, blk, alpha, ch)
+                if cutlass.const_expr(not self.two_level):
                     warpgroup.wait_group(0)
-                    _fence_operand(blk)
-                    self._accumulate(acc_o, blk, alpha, ch)
+                    for ch in cutlass.range_constexpr(self.pv_chunks):
+                        self._accumulate(acc_o, blk, alpha, ch)
                 pipe_v.consumer_release(v_state)
                 k_state.advance()
                 v_state.advance()
@@ -537,6 +552,7 @@ class FP8AttentionFwdSm90:
                 k_next = k_state.clone()
                 k_next.advance()
                 pipe_v.consumer_wait(v_state)
+                self._rescale(acc_o, alpha, 0)
                 self._issue_pv(pv, 0, v_state.index)
                 if n + 1 < n_max:
                     self._block_scale(c, qsc, mKS[(bh_kv, n + 1)])
@@ -545,7 +561,6 @@ class FP8AttentionFwdSm90:
                     warpgroup.wait_group(1)
                 else:
                     warpgroup.wait_group(0)
-                _fence_operand(blk)
                 self._accumulate(acc_o, blk, alpha, 0)
                 pipe_v.consumer_release(v_state)
                 # unconditional: ptxas serializes every wgmma if any path could read acc_s with
@@ -573,6 +588,7 @@ class FP8AttentionFwdSm90:
                     pipe_v.consumer_wait(v_state)
                     self._sched_sync(wg)
                     self._issue_qk(qk, k_state.index)
+                    self._rescale(acc_o, alpha_prev, 0)
                     self._issue_pv(pv, 0, v_state.index)
                     self._sched_arrive(wg)
                     warpgroup.wait_group(1)
@@ -582,7 +598,6 @@ class FP8AttentionFwdSm90:
                         self._mask(acc_s, n, mask_args)
                     self._softmax(acc_s, c, row_max, row_sum, alpha)
                     self._wait_pv_after(row_sum)
-                    _fence_operand(blk)
                     pipe_v.consumer_release(v_state)
                     self._accumulate(acc_o, blk, alpha_prev, 0)
                     alpha_prev[0] = alpha[0]
@@ -592,9 +607,9 @@ class FP8AttentionFwdSm90:
                     v_state.advance()
                 pipe_q.consumer_release(q_state)  # every S of the tile is done: Q may be reloaded
                 pipe_v.consumer_wait(v_state)
+                self._rescale(acc_o, alpha_prev, 0)
                 self._issue_pv(pv, 0, v_state.index)
                 warpgroup.wait_group(0)
-                _fence_operand(blk)
                 pipe_v.consumer_release(v_state)
                 self._accumulate(acc_o, blk, alpha_prev, 0)
                 v_state.advance()
@@ -639,7 +654,7 @@ class FP8AttentionFwdSm90:
                 for r in cutlass.range_constexpr(2):
                     pair = cute.make_rmem_tensor((1, 2), self.out_dtype)
                     for e in cutlass.range_constexpr(2):
-                        o_val = acc_o[ch * n_blk + e + 2 * r + 4 * j]
+                        o_val = acc_o[ch][e + 2 * r + 4 * j]
                         pair[e] = (o_val * (v_scales[ch * n_blk // 2 + 2 * j + e] * inv[r])).to(self.out_dtype)
                     row = m0 + row_l[r]
                     if row < seqlen_q:
@@ -695,22 +710,36 @@ class FP8AttentionFwdSm90:
 
     @cute.jit
     def _issue_pv(self, pv, ch: cutlass.Constexpr, stage):
-        pv_zero, pv_acc, blk, tOrP_w, tOrV = pv
+        pv_first, pv_acc, pv_dst, tOrP_w, tOrV = pv
         warpgroup.fence()
         for kb in cutlass.range_constexpr(cute.size(tOrP_w, mode=[2])):
-            cute.gemm(pv_zero if kb == 0 else pv_acc, blk, tOrP_w[(None, None, kb)],
-                      tOrV[ch][(None, None, kb, stage)], blk)
+            cute.gemm(pv_first if kb == 0 else pv_acc, pv_dst[ch], tOrP_w[(None, None, kb)],
+                      tOrV[ch][(None, None, kb, stage)], pv_dst[ch])
         warpgroup.commit_group()
 
     @cute.jit
     def _accumulate(self, acc_o, blk, alpha, ch: cutlass.Constexpr):
-        """Two-level accumulation: O = O * alpha[row] + blk (chunk ch of the output columns)."""
-        n_blk = cute.size(blk)
-        for j in cutlass.range_constexpr(n_blk // 4):
-            for r in cutlass.range_constexpr(2):
-                for e in cutlass.range_constexpr(2):
-                    v = e + 2 * r + 4 * j
-                    acc_o[ch * n_blk + v] = acc_o[ch * n_blk + v] * alpha[r] + blk[v]
+        """Chunk ch of O after a P.V: two-level, O = O * alpha[row] + blk (the block accumulator
+        the wgmma wrote); in-MMA, nothing (the wgmma accumulated into the rescaled O)."""
+        if cutlass.const_expr(self.two_level):
+            _fence_operand(blk)
+            for j in cutlass.range_constexpr(cute.size(blk) // 4):
+                for r in cutlass.range_constexpr(2):
+                    for e in cutlass.range_constexpr(2):
+                        v = e + 2 * r + 4 * j
+                        acc_o[ch][v] = acc_o[ch][v] * alpha[r] + blk[v]
+        else:
+            _fence_operand(acc_o[ch])
+
+    @cute.jit
+    def _rescale(self, acc_o, alpha, ch: cutlass.Constexpr):
+        """In-MMA: O *= alpha[row] before the P.V wgmma accumulates the block into it."""
+        if cutlass.const_expr(not self.two_level):
+            for j in cutlass.range_constexpr(cute.size(acc_o[ch]) // 4):
+                for r in cutlass.range_constexpr(2):
+                    for e in cutlass.range_constexpr(2):
+                        v = e + 2 * r + 4 * j
+                        acc_o[ch][v] = acc_o[ch][v] * alpha[r]
 
     @cute.jit
     def _block_scale(self, c, qsc, k_scale):

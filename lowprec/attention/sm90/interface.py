@@ -26,6 +26,8 @@ PINGPONG = False  # AttnConfig.pingpong of launched kernels (unmeasured: benchma
 PACK_GQA = True  # pack the query heads of a KV head into the rows when H > Hkv and Sq <= 128 (decode: 3.4x)
 SPLIT_KV = False  # split the KV blocks over more CTAs when the grid is under a wave (unmeasured)
 PERSISTENT = False  # persistent CTAs walking the tiles longest-first (unmeasured)
+TWO_LEVEL_PV = True  # AttnConfig.two_level_pv of launched kernels
+CONSUMER_WGS = 2  # AttnConfig.consumer_wgs of launched kernels
 _NUM_SMS = 132
 
 
@@ -98,12 +100,13 @@ def _get_compiled(config: AttnConfig, arch: str = _ARCH_DEFAULT):
 
 @functools.cache
 def _kernel(d: int, causal: bool, out_dtype: torch.dtype, pack: bool, split: bool, v_keys_permuted: bool,
-            overlap: bool, pingpong: bool, persistent_sms: int):
+            overlap: bool, pingpong: bool, persistent_sms: int, two_level_pv: bool, consumer_wgs: int):
     """The launched kernel of one call's parameters (and the interface flags; ``persistent_sms``
     0: not persistent): a lookup on plain values, no config object built per call."""
     return ffi_entry(_get_compiled(AttnConfig(d, causal, _OUT[out_dtype], overlap, pingpong, pack, split,
                                               persistent=persistent_sms > 0, num_sms=persistent_sms or _NUM_SMS,
-                                              v_keys_permuted=v_keys_permuted)))
+                                              v_keys_permuted=v_keys_permuted, two_level_pv=two_level_pv,
+                                              consumer_wgs=consumer_wgs)))
 
 
 def compile_only(config: AttnConfig | None = None, arch: str = _ARCH_DEFAULT):
@@ -192,7 +195,7 @@ def _forward(q, q_scale, k, k_scale, v_t, v_scale, causal: bool, softmax_scale: 
     qh, rows = (Hkv, r * Sq) if pack else (H, Sq)
     splits = num_splits(-(-rows // TILE_M) * qh * B, -(-Sk // TILE_N)) if SPLIT_KV else 1
     fn = _kernel(D, causal, out_dtype, pack, splits > 1, v_keys_permuted, OVERLAP, PINGPONG,
-                 _num_sms(q.device) if PERSISTENT else 0)
+                 _num_sms(q.device) if PERSISTENT else 0, TWO_LEVEL_PV, CONSUMER_WGS)
     o_dst, l_dst = out, lse
     if splits > 1:
         o_dst = torch.empty(splits * B * qh, rows, D, dtype=torch.float32, device=q.device)
