@@ -238,10 +238,12 @@ VARIANT_CASES = [
 
 @gpu
 @needs_gpu
-@pytest.mark.parametrize("flags", [("PINGPONG",), ("PACK_GQA",), ("SPLIT_KV",), ("PACK_GQA", "SPLIT_KV"),
-                                   ("PERSISTENT",), ("PINGPONG", "PERSISTENT"), ("OVERLAP",), ("V_KEY_PERM",),
-                                   ("TWO_LEVEL_PV",), ("TWO_LEVEL_PV", "PINGPONG"), ("TWO_LEVEL_PV", "OVERLAP"),
-                                   ("CONSUMER_WGS",), ("CONSUMER_WGS", "PACK_GQA")],
+@pytest.mark.parametrize("flags", [("CONSUMER_WGS",), ("CONSUMER_WGS", "PINGPONG"), ("PACK_GQA",), ("SPLIT_KV",),
+                                   ("PACK_GQA", "SPLIT_KV"), ("PERSISTENT",),
+                                   ("CONSUMER_WGS", "PINGPONG", "PERSISTENT"),
+                                   ("CONSUMER_WGS", "OVERLAP"), ("V_KEY_PERM",), ("TWO_LEVEL_PV",),
+                                   ("CONSUMER_WGS", "TWO_LEVEL_PV"), ("CONSUMER_WGS", "TWO_LEVEL_PV", "PINGPONG"),
+                                   ("CONSUMER_WGS", "PACK_GQA")],
                          ids="+".join)
 @pytest.mark.parametrize("case", VARIANT_CASES,
                          ids=lambda c: "B{}H{}kv{}q{}k{}d{}{}".format(*c[:6], "c" if c[6] else ""))
@@ -249,8 +251,8 @@ def test_variants_match_emulation(flags, case, monkeypatch):
     from lowprec.attention.sm90 import interface
 
     for flag in flags:  # each flag flipped from its default (OVERLAP: the serial kernel, PACK_GQA: unpacked
-        if flag == "CONSUMER_WGS":  # GQA decode, CONSUMER_WGS: 3); V_KEY_PERM: an argument
-            monkeypatch.setattr(interface, flag, 3)
+        if flag == "CONSUMER_WGS":  # GQA decode, CONSUMER_WGS: 3 <-> 2); V_KEY_PERM: an argument
+            monkeypatch.setattr(interface, flag, 5 - interface.CONSUMER_WGS)
         elif flag != "V_KEY_PERM":
             monkeypatch.setattr(interface, flag, not getattr(interface, flag))
     o, lse, emu, emu_lse, ref, _ = _run(*case, v_perm="V_KEY_PERM" in flags)

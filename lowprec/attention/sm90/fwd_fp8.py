@@ -515,9 +515,10 @@ class FP8AttentionFwdSm90:
         pipe_q.consumer_wait(q_state)
         mask_args = (col_l, row_pos, seqlen_k, causal_off)
         alpha = cute.make_rmem_tensor((2,), cutlass.Float32)
-        if cutlass.const_expr(not self.overlap and (self.pv_chunks > 1 or self.num_mma_wg == 3)):
-            # D = 256 (O is 128 registers) or 3 warpgroups (160 registers): S, softmax, P.V one
-            # after the other
+        plain_serial = self.pv_chunks > 1 or (self.num_mma_wg == 3 and self.head_dim > 64)
+        if cutlass.const_expr(not self.overlap and plain_serial):
+            # D = 256 (O is 128 registers) or 3 warpgroups at D = 128 (160 registers: the S-ahead
+            # loop spills): S, softmax, P.V one after the other
             for n in cutlass.range(n_lo, n_max, unroll=1):
                 self._s_block(qk, c, qsc, mKS[(bh_kv, n)], pipe_k, k_state)
                 if n >= n_full:

@@ -27,7 +27,7 @@ PACK_GQA = True  # pack the query heads of a KV head into the rows when H > Hkv 
 SPLIT_KV = False  # split the KV blocks over more CTAs when the grid is under a wave (unmeasured)
 PERSISTENT = False  # persistent CTAs walking the tiles longest-first (unmeasured)
 TWO_LEVEL_PV = True  # AttnConfig.two_level_pv of launched kernels
-CONSUMER_WGS = 2  # AttnConfig.consumer_wgs of launched kernels
+CONSUMER_WGS = 3  # AttnConfig.consumer_wgs of launched kernels (3 where it applies: D <= 128)
 _NUM_SMS = 132
 
 
