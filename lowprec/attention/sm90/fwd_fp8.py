@@ -9,18 +9,20 @@ Layouts (see CONTRACT.md): Q [Sq, D, B*H], K [Sk, D, B*Hkv] (K-major along D), V
 B*Hkv] (K-major along keys) as uint8 views of E4M3; scales q [B*H, ceil(Sq/128)],
 k [B*Hkv, ceil(Sk/128)], v [B*Hkv, D]; O [Sq, D, B*H] bf16/fp16; LSE [Sq, B*H] fp32.
 
-Structure (one CTA per 128 query rows of one head; grid (m-blocks, H, B), longest causal rows
-first):
+Structure (one CTA per 64 x consumer_wgs query rows of one head; grid (m-blocks, H, B), longest
+causal rows first):
 * warpgroup 0, warp 0: TMA producer. Q once, then per KV block its K tile and Vᵀ tile into a
   ``stages``-deep ring (two ``PipelineTmaAsync``: K and V have their own full/empty barriers,
   so the S wgmma of a block can start before its V has landed).
-* warpgroups 1, 2: consumers, 64 query rows each. Per KV block: S wgmma (Q and K from shared
-  memory), mask (tail / causal blocks only), row max (quad shuffles), exp2 of one FFMA per score,
+* warpgroups 1..consumer_wgs (2 or 3): consumers, 64 query rows each. Per KV block: S wgmma (Q
+  and K from shared memory), mask (tail / causal blocks only), row max (quad shuffles), exp2 of one FFMA per score,
   P to E4M3 *in registers* as the A operand of the P.V wgmma: the FP32 accumulator layout (pairs
   of adjacent keys per thread) is permuted into the FP8 A-fragment layout (4 adjacent keys per
   thread) with two shuffles and two byte permutes per 32 keys and row (``_p_to_frag_a``), then
-  P.V into a fresh accumulator per N chunk of <= 128 columns (ACCUMULATE off on its first
-  k-step) and ``O_acc = O_acc * alpha + blk`` (two-level accumulation).
+  P.V per N chunk of <= 128 columns, either into a fresh accumulator (ACCUMULATE off on its
+  first k-step) and ``O_acc = O_acc * alpha + blk`` (two-level accumulation), or into O itself
+  after ``O_acc *= alpha`` (in-MMA: the default with three warpgroups, whose 160 registers do
+  not hold a block accumulator).
 * epilogue: quad-reduced row sums, O scaled by v_scale / rowsum and cast, stored from registers;
   LSE from the lanes that own a row.
 
@@ -96,7 +98,7 @@ def _fence_operand(t: cute.Tensor):
 
 
 class FP8AttentionFwdSm90:
-    """FP8 attention forward for sm_90a: 128x128 tiles, 2 consumer warpgroups, TMA producer."""
+    """FP8 attention forward for sm_90a: (64 x 2 or 3) x 128 tiles, 2 or 3 consumer warpgroups, TMA producer."""
 
     def __init__(self, config: AttnConfig):
         self.config = config
