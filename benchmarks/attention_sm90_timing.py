@@ -1,7 +1,7 @@
 # ruff: noqa: B023, E501  (scratch script: lambdas timed inside their own iteration)
 """Scratch timing of the sm_90a FP8 attention kernel (kernel only, inputs pre-quantized) against
 SDPA bf16 (flash and cuDNN backends) in the same process. Usage:
-    python benchmarks/attention_sm90_timing.py [--quick] [--serial] [--pingpong] [--decode] [--pack] [--persistent] [--vperm] [--inmma] [--wg3] [--prepass]
+    python benchmarks/attention_sm90_timing.py [--quick] [--serial] [--pingpong] [--decode] [--pack] [--persistent] [--vperm] [--inmma] [--wg2] [--short] [--prepass]
 Prints one line per shape and backend: ms (median of do_bench), TFLOPS (causal counts half)."""
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ SHAPES = [  # B, H, Hkv, Sq, Sk, D, causal
     (4, 16, 16, 4096, 4096, 256, False),
 ]
 DECODE = [(64, 32, 8, 1, 8192, 128, False)]
+SHORT = [(16, 32, 32, 1024, 1024, 128, True)]
 
 
 def tflops(B, H, Sq, Sk, D, causal, ms):
@@ -36,6 +37,8 @@ def main():
     shapes = SHAPES[:2] if "--quick" in sys.argv else SHAPES
     if "--decode" in sys.argv:
         shapes = shapes + DECODE
+    if "--short" in sys.argv:
+        shapes = SHORT
     rows = []
     for B, H, Hkv, Sq, Sk, D, causal in shapes:
         q = torch.randn(B, H, Sq, D, device="cuda", dtype=torch.bfloat16)
@@ -86,14 +89,14 @@ def main():
                 torch.cuda.synchronize()
                 print(f"{name} max|out - sdpa| {(out.float() - ref.float()).abs().max().item():.4f}")
             interface.PERSISTENT, interface.TWO_LEVEL_PV, interface.PINGPONG = False, True, False
-        if "--wg3" in sys.argv and D <= 128:
-            interface.CONSUMER_WGS = 3
+        if "--wg2" in sys.argv and D <= 128:  # the two-warpgroup kernel (two-level, S-ahead loop)
+            interface.CONSUMER_WGS = 2
             fn()
-            res["fp8_wg3"] = do_bench(fn, warmup=100, rep=500, return_mode="median")
+            res["fp8_wg2"] = do_bench(fn, warmup=100, rep=500, return_mode="median")
             torch.cuda.synchronize()
             c = F.cosine_similarity(out.float().flatten(), ref.float().flatten(), dim=0).item()
-            print(f"wg3 max|out - sdpa| {(out.float() - ref.float()).abs().max().item():.4f} cos {c:.5f}")
-            interface.CONSUMER_WGS = 2
+            print(f"wg2 max|out - sdpa| {(out.float() - ref.float()).abs().max().item():.4f} cos {c:.5f}")
+            interface.CONSUMER_WGS = 3
         if "--inmma" in sys.argv:
             interface.TWO_LEVEL_PV = False
             for pp in (False, True):
