@@ -149,20 +149,24 @@ def _decode_table(f: ElementFormat) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.float32)
 
 
-_TABLES: dict[str, torch.Tensor] = {}
+_TABLES: dict[tuple[str, torch.device], torch.Tensor] = {}
 
 
-def decode(codes: torch.Tensor, fmt: str | ElementFormat) -> torch.Tensor:
-    """Decode ``uint8`` codes of ``fmt`` (one element per byte) to ``float32``."""
+def decode(codes: torch.Tensor, fmt: str | ElementFormat, *, check_range: bool = True) -> torch.Tensor:
+    """Decode ``uint8`` codes of ``fmt`` (one element per byte) to ``float32``.
+
+    ``check_range=False`` skips the check that sub-byte codes fit their bits (it reads the codes'
+    maximum back to the host: a sync, not allowed under CUDA-graph capture); callers whose codes
+    fit by construction (nibbles unpacked from bytes) pass it."""
     f = get_format(fmt)
     if codes.dtype != torch.uint8:
         raise TypeError(f"codes: expected uint8 codes, got {codes.dtype}")
-    if f.name not in _TABLES:
-        _TABLES[f.name] = _decode_table(f)
-    table = _TABLES[f.name].to(codes.device)
-    if f.bits < 8 and codes.numel() and int(codes.max()) >= 2**f.bits:
+    key = (f.name, codes.device)
+    if key not in _TABLES:  # one table per device: no host-to-device copy per call
+        _TABLES[key] = _decode_table(f).to(codes.device)
+    if check_range and f.bits < 8 and codes.numel() and int(codes.max()) >= 2**f.bits:
         raise ValueError(f"codes: {f.name} codes are {f.bits}-bit, got a value ≥ {2**f.bits}")
-    return table[codes.long()]
+    return _TABLES[key][codes.long()]
 
 
 def encode_e8m0(x: torch.Tensor, rounding: str = "ceil") -> torch.Tensor:

@@ -32,3 +32,12 @@ def test_each_implementation_computes_the_product(impl):
         y = decode._make(impl, weight)(x)
     ref = x.float() @ weight.float().t()
     assert y.shape == (4, 256) and ((y.float() - ref).norm() / ref.norm()) < 0.15
+
+
+def test_rotation_reads_more_than_l2_per_round():
+    for impl in decode.IMPLS:
+        for n, k in decode.SHAPES:
+            nbytes = decode.weight_bytes(impl, n, k)
+            copies = decode.rotation_copies(nbytes)
+            assert copies * nbytes >= decode.ROTATE_BYTES and (copies - 1) * nbytes < decode.ROTATE_BYTES
+    assert decode.rotation_copies(1e9) == 1

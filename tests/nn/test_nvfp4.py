@@ -107,3 +107,28 @@ def test_convert_from_a_trained_fp8_model_and_errors():
         layer.load_state_dict({**layer.state_dict(), "weight": torch.zeros(16, 32)})
     with pytest.raises(ValueError, match="in_features=64"):
         layer(torch.randn(2, 32))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_forward_is_cuda_graph_capturable():
+    """No host sync or host-to-device copy per call (the E2M1 table was copied and the codes'
+    range read back every call: capture failed)."""
+    lin = nn.Linear(512, 384, device="cuda", dtype=torch.bfloat16)
+    layer = NVFP4InferenceLinear.from_linear(lin)
+    x = torch.randn(8, 512, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        eager = layer(x)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            layer(x)  # warm-up on the capture stream
+            with torch.cuda.graph(graph, stream=stream):
+                out = layer(x)
+        torch.cuda.current_stream().wait_stream(stream)
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert not torch.equal(out, eager) and torch.equal(out, layer(x))
