@@ -21,6 +21,20 @@ def _qkv(b=2, h=4, hkv=2, sq=150, sk=200, d=64, seed=0, k_offset=0.0, dtype=torc
     return q.to(dtype), k.to(dtype), v.to(dtype)
 
 
+def _leaves(*tensors):
+    """Two independent sets of grad-requiring copies of ``tensors``."""
+    return [t.clone().requires_grad_() for t in tensors], [t.clone().requires_grad_() for t in tensors]
+
+
+def _assert_same_grads(out_a, out_b, leaves_a, leaves_b):
+    """Backward of both outputs with one random dout: the leaves' gradients are bit-identical."""
+    dout = torch.randn_like(out_a)
+    out_a.backward(dout)
+    out_b.backward(dout)
+    for a, b in zip(leaves_a, leaves_b):
+        assert torch.equal(a.grad, b.grad)
+
+
 def _exact_grads(q, k, v, dout, causal):
     """Autograd of exact attention in FP64 (GQA by repeating K and V)."""
     q, k, v = (t.detach().double().requires_grad_() for t in (q, k, v))
@@ -117,16 +131,11 @@ def test_compile_fullgraph_matches_eager_forward_and_backward():
     compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
     for sq, sk in ((40, 70), (130, 130)):
         q, k, v = _qkv(sq=sq, sk=sk, dtype=torch.float32)
-        leaves_e = [t.clone().requires_grad_() for t in (q, k, v)]
-        leaves_c = [t.clone().requires_grad_() for t in (q, k, v)]
+        leaves_e, leaves_c = _leaves(q, k, v)
         out_e, lse_e = step(*leaves_e)
         out_c, lse_c = compiled(*leaves_c)
         assert torch.equal(out_e, out_c) and torch.equal(lse_e, lse_c)
-        dout = torch.randn_like(out_e)
-        out_e.backward(dout)
-        out_c.backward(dout)
-        for a, b in zip(leaves_e, leaves_c):
-            assert torch.equal(a.grad, b.grad)
+        _assert_same_grads(out_e, out_c, leaves_e, leaves_c)
 
 
 def test_kernel_eligibility_reasons():
@@ -217,16 +226,11 @@ def test_eager_call_is_the_custom_op():
     with torch.no_grad():
         direct = attention_fp8_call(q, k, v, True, 0.125, False)
     assert all(torch.equal(a, b) for a, b in zip(direct, attention_fp8(q, k, v, True, 0.125, False)))
-    leaves_op = [t.clone().requires_grad_() for t in (q, k, v)]
-    leaves_call = [t.clone().requires_grad_() for t in (q, k, v)]
+    leaves_op, leaves_call = _leaves(q, k, v)
     out_op, lse_op, _ = attention_fp8(*leaves_op, True, 0.125, False)
     out_call, lse_call, k_mean = attention_fp8_call(*leaves_call, True, 0.125, False)
     assert torch.equal(out_op, out_call) and not lse_call.requires_grad and not k_mean.requires_grad
-    dout = torch.randn_like(out_op)
-    out_op.backward(dout)
-    out_call.backward(dout)
-    for a, b in zip(leaves_op, leaves_call):
-        assert torch.equal(a.grad, b.grad)
+    _assert_same_grads(out_op, out_call, leaves_op, leaves_call)
 
 
 def test_compiled_kv_cache_call_keeps_the_forward_op():
