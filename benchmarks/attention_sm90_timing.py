@@ -1,7 +1,7 @@
 # ruff: noqa: B023, E501  (scratch script: lambdas timed inside their own iteration)
 """Scratch timing of the sm_90a FP8 attention kernel (kernel only, inputs pre-quantized) against
 SDPA bf16 (flash and cuDNN backends) in the same process. Usage:
-    python benchmarks/attention_sm90_timing.py [--quick] [--serial] [--pingpong] [--decode] [--pack] [--persistent] [--vperm] [--inmma] [--wg2] [--short] [--prepass]
+    python benchmarks/attention_sm90_timing.py [--quick] [--serial] [--pingpong] [--decode] [--pack] [--persistent] [--vperm] [--inmma] [--wg2] [--short] [--prepass] [--no-skip1]
 Prints one line per shape and backend: ms (median of do_bench), TFLOPS (causal counts half)."""
 
 from __future__ import annotations
@@ -115,8 +115,22 @@ def main():
                                                v_keys_permuted=True)
             fp()
             res["fp8_vperm"] = do_bench(fp, warmup=100, rep=500, return_mode="median")
+            if "--no-skip1" in sys.argv:
+                interface.SKIP_UNIT_RESCALE = False
+                fp()
+                res["fp8_vperm_no-skip1"] = do_bench(fp, warmup=100, rep=500, return_mode="median")
+                interface.SKIP_UNIT_RESCALE = True
             torch.cuda.synchronize()
             print(f"vperm max|out - sdpa| {(out.float() - ref.float()).abs().max().item():.4f}")
+        for flag, attr, val in (("--no-skip1", "SKIP_UNIT_RESCALE", False),):
+            if flag in sys.argv:
+                old = getattr(interface, attr)
+                setattr(interface, attr, val)
+                fn()
+                res["fp8_" + flag[2:]] = do_bench(fn, warmup=100, rep=500, return_mode="median")
+                torch.cuda.synchronize()
+                print(f"{flag} max|out - sdpa| {(out.float() - ref.float()).abs().max().item():.4f}")
+                setattr(interface, attr, old)
         if H > Hkv and Sq <= 128 and "--pack" in sys.argv:
             interface.PACK_GQA = True
             fn()

@@ -2,7 +2,8 @@
 
 Rows per shape, in one run: lowprec FP8 with its quantization pre-pass (``lowprec.attention(...,
 quant="fp8")``, bf16 in and out), with K and V from an FP8 cache (``quantize_kv_cache`` once, Q
-quantized per call: how a decoder runs it) and kernel only (pre-quantized operands), cuDNN SDPA bf16, SDPA
+quantized per call: how a decoder runs it) and kernel only (pre-quantized operands, Vᵀ in the permuted
+key order the pre-pass writes), cuDNN SDPA bf16, SDPA
 flash bf16 and FlashAttention-4 bf16 (``flash_attn.cute``, when it imports). The FP8 rows need the
 sm_90a kernel: without it they are listed as missing with the reason (never timed on the
 reference emulation). TFLOPS = 4·B·H·Sq·Sk·D / time (causal counts half); ``x best bf16``: TFLOPS
@@ -133,7 +134,7 @@ def _peers(s: Shape, q, k, v, fp8_reason: str | None) -> dict:
     peers: dict = {}
     if fp8_reason is None:
         from ..attention import quantize_kv_cache, quantize_qkv
-        from ..attention.sm90.interface import fp8_attention_forward
+        from ..attention.sm90.interface import fp8_attention_forward, permute_v_keys
         from ..runtime import registry
 
         x = quantize_qkv(q, k, v)
@@ -145,9 +146,11 @@ def _peers(s: Shape, q, k, v, fp8_reason: str | None) -> dict:
         k_cache, v_cache = quantize_kv_cache(k, v)
         peers["lowprec-fp8-kv-cache"] = (lambda: lowprec.attention(q, k_cache, v_cache, causal=causal, quant="fp8")) \
             if served is None else f"missing: {served}"
+        # the kernel the pre-pass path runs: Vᵀ with its keys permuted (no P shuffles)
+        v_perm = permute_v_keys(x.v_t)
         peers["lowprec-fp8-kernel"] = lambda: fp8_attention_forward(
-            x.q, x.q_scale, x.k, x.k_scale, x.v_t, x.v_scale, causal=causal, softmax_scale=s.d ** -0.5,
-            out_dtype=torch.bfloat16)[0]
+            x.q, x.q_scale, x.k, x.k_scale, v_perm, x.v_scale, causal=causal, softmax_scale=s.d ** -0.5,
+            out_dtype=torch.bfloat16, v_keys_permuted=True)[0]
     else:
         peers["lowprec-fp8+quant"] = peers["lowprec-fp8-kv-cache"] = peers["lowprec-fp8-kernel"] = \
             f"missing: {fp8_reason}"

@@ -75,12 +75,27 @@ def stage_column(tile_t: cute.Tensor, codes: cute.Tensor, lane, rgrp, j):
 
 
 @cute.jit
-def store_transposed(tile_t: cute.Tensor, mQT: cute.Tensor, out_row0, out_row_end, out_col0, out_col_end, tidx):
+def store_transposed(tile_t: cute.Tensor, mQT: cute.Tensor, out_row0, out_row_end, out_col0, out_col_end, tidx,
+                     permute_keys: cutlass.Constexpr = False):
     """Row c of ``tile_t`` -> ``mQT[out_row0 + c, out_col0 ..]`` by 16-byte chunks (8 lanes per row,
-    32 rows per pass), rows below ``out_row_end`` and chunks starting below ``out_col_end``."""
+    32 rows per pass), rows below ``out_row_end`` and chunks starting below ``out_col_end``.
+    ``permute_keys``: each chunk's bytes reordered 0,1,8,9,2,3,10,11,4,5,12,13,6,7,14,15 (the
+    attention kernel's Vᵀ layout whose P needs no shuffles: ``attention.sm90.config.V_KEY_PERM``)."""
     q16 = tidx % 8
     for i in cutlass.range_constexpr(TILE * TILE // 16 // THREADS):
         c = i * (THREADS // 8) + tidx // 8
         if out_row0 + c < out_row_end and out_col0 + q16 * 16 < out_col_end:
-            cute.autovec_copy(cute.local_tile(tile_t, (1, 16), (c, q16 ^ (c // 8 % 8))),
-                              cute.local_tile(mQT, (1, 16), (out_row0 + c, (out_col0 + q16 * 16) // 16)))
+            src = cute.local_tile(tile_t, (1, 16), (c, q16 ^ (c // 8 % 8)))
+            dst = cute.local_tile(mQT, (1, 16), (out_row0 + c, (out_col0 + q16 * 16) // 16))
+            if cutlass.const_expr(permute_keys):
+                chunk = cute.make_rmem_tensor((1, 16), tile_t.element_type)
+                cute.autovec_copy(src, chunk)
+                words = cute.make_tensor(cute.recast_ptr(chunk.iterator, dtype=cutlass.Int32), cute.make_layout(4))
+                out = cute.make_rmem_tensor(4, cutlass.Int32)
+                for h in cutlass.range_constexpr(2):  # words h, h + 2 hold bytes 4h.. and 8 + 4h..
+                    out[2 * h] = cutlass.Int32(cute.arch.prmt(words[h], words[h + 2], cutlass.Int32(0x5410)))
+                    out[2 * h + 1] = cutlass.Int32(cute.arch.prmt(words[h], words[h + 2], cutlass.Int32(0x7632)))
+                cute.autovec_copy(cute.make_tensor(cute.recast_ptr(out.iterator, dtype=tile_t.element_type),
+                                                   cute.make_layout((1, 16), stride=(16, 1))), dst)
+            else:
+                cute.autovec_copy(src, dst)

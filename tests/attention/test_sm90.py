@@ -71,7 +71,7 @@ def assert_softmax_under_pv(sass: str):
 
 
 @needs_cutlass
-@pytest.mark.parametrize("kind", ["k", "v"])
+@pytest.mark.parametrize("kind", ["k", "v", "v_perm"])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_prepass_compiles_sm90a(kind, head_dim, dtype):
@@ -263,6 +263,24 @@ def test_variants_match_emulation(flags, case, monkeypatch):
     assert (lse[~dead].double() - emu_lse[~dead]).abs().max() <= 2e-3
 
 
+@gpu
+@needs_gpu
+@pytest.mark.parametrize("s,d", [(256, 128), (300, 64), (1, 256)])
+def test_prepass_v_permuted_is_the_plain_one_permuted(s, d):
+    """The V pre-pass kernel's permuted variant writes permute_v_keys of the plain one's v_t."""
+    from lowprec.attention.sm90.interface import _prepass_kernel, attention_prepass_v_op, permute_v_keys
+
+    v = torch.randn(2, 3, s, d, device="cuda", dtype=torch.bfloat16)
+    v_t, scale = attention_prepass_v_op(v)
+    perm = torch.empty_like(v_t)
+    amax = torch.linalg.vector_norm(v, ord=float("inf"), dim=-2)
+    scale_p = torch.empty_like(scale)
+    codes = perm.view(torch.uint8).view(-1, v_t.shape[-1])
+    _prepass_kernel("v_perm", v.dtype, d)(v.view(-1, d), amax.view(-1, d), codes, scale_p.view(-1, d), s, 6)
+    assert torch.equal(perm.view(torch.uint8), permute_v_keys(v_t).view(torch.uint8))
+    assert torch.equal(scale_p, scale)
+
+
 def test_permute_v_keys():
     from lowprec.attention.sm90.config import V_KEY_PERM
     from lowprec.attention.sm90.interface import permute_v_keys
@@ -355,11 +373,11 @@ def test_fused_call_constraints():
                          ids=lambda c: "B{}H{}kv{}q{}k{}d{}{}-{}".format(*c[:6], "c" if c[6] else "", str(c[7])[6:]))
 def test_fused_call_is_the_composed_steps(case):
     """The one-pass host path of lowprec.attention (pre-pass + forward) gives the same bits as
-    quantize_qkv followed by the forward kernel, and is what lowprec.attention runs."""
+    quantize_qkv followed by the forward kernel on Vᵀ with its keys permuted (which the fused
+    V pre-pass writes directly), and is what lowprec.attention runs."""
     import lowprec
-    from lowprec.attention.ops import forward_dispatch
     from lowprec.attention.quantize import quantize_qkv
-    from lowprec.attention.sm90.interface import attention_fp8_qkv_op
+    from lowprec.attention.sm90.interface import attention_fp8_qkv_op, fp8_attention_forward, permute_v_keys
     from lowprec.runtime import registry
 
     b, h, hkv, sq, sk, d, causal, dtype = case
@@ -369,6 +387,7 @@ def test_fused_call_is_the_composed_steps(case):
     assert registry.why_no_kernel("attention_fp8_qkv", q.device, q, k, v, causal, 0.1) is None
     out, lse, k_mean = attention_fp8_qkv_op(q, k, v, causal, 0.1)
     x = quantize_qkv(q, k, v)
-    out_c, lse_c = forward_dispatch(x.q, x.q_scale, x.k, x.k_scale, x.v_t, x.v_scale, causal, 0.1, dtype)
+    out_c, lse_c = fp8_attention_forward(x.q, x.q_scale, x.k, x.k_scale, permute_v_keys(x.v_t), x.v_scale,
+                                         causal=causal, softmax_scale=0.1, out_dtype=dtype, v_keys_permuted=True)
     assert torch.equal(out, out_c) and torch.equal(lse, lse_c) and torch.equal(k_mean, x.k_mean)
     assert torch.equal(lowprec.attention(q, k, v, causal=causal, scale=0.1, quant="fp8"), out)

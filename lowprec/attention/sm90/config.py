@@ -37,8 +37,9 @@ class AttnConfig:
     v_keys_permuted: bool = False  # v_t keys permuted within each 16 (V_KEY_PERM): no P shuffles; +1-4%
     two_level_pv: bool = True  # P.V into a fresh block accumulator added into O (else into O in the wgmma)
     # consumer warpgroups of 64 query rows: 3 (a 192-row tile) hides more latency with 160 registers
-    # per thread, which only fits in-MMA accumulation and the plain serial loop at D <= 128
-    consumer_wgs: int = 2
+    # per thread, which only fits in-MMA accumulation and the plain serial loop at D <= 128 (D = 256: 2)
+    consumer_wgs: int = 3
+    skip_unit_rescale: bool = True  # in-MMA: a warp skips O *= alpha when every alpha of its rows is 1
 
     def __post_init__(self):
         # one key per generated kernel: overlap (and ping-pong, which needs it) only where it fits
@@ -48,6 +49,7 @@ class AttnConfig:
             object.__setattr__(self, "two_level_pv", False)
             overlap = False
         object.__setattr__(self, "consumer_wgs", wgs)
+        object.__setattr__(self, "skip_unit_rescale", self.skip_unit_rescale and not self.two_level_pv)
         object.__setattr__(self, "overlap", overlap)
         object.__setattr__(self, "pingpong", self.pingpong and overlap)
 
@@ -63,7 +65,8 @@ class AttnConfig:
     def __str__(self) -> str:
         tags = [("serial", not self.overlap), ("pp", self.pingpong), ("pack", self.pack_gqa),
                 ("split", self.split_kv), ("persist", self.persistent), ("vperm", self.v_keys_permuted),
-                ("inmma", not self.two_level_pv), ("wg3", self.consumer_wgs == 3)]
+                ("inmma", not self.two_level_pv), ("wg3", self.consumer_wgs == 3),
+                ("skip1", self.skip_unit_rescale)]
         return f"d{self.head_dim}{'_causal' if self.causal else ''}_{self.out_dtype}" + "".join(
             f"_{t}" for t, on in tags if on)
 
@@ -73,24 +76,28 @@ def shipped_configs() -> tuple[AttnConfig, ...]:
 
 
 def variant_configs() -> tuple[AttnConfig, ...]:
-    """Configs behind interface flags (PINGPONG, PACK_GQA, SPLIT_KV, PERSISTENT, the serial kernel,
-    v_t keys permuted): compiled and SASS-checked like the shipped ones."""
+    """Configs behind interface flags and arguments (v_t keys permuted: the fused call's;
+    PACK_GQA, SPLIT_KV, PERSISTENT, SKIP_UNIT_RESCALE; the two-warpgroup kernels with PINGPONG,
+    TWO_LEVEL_PV, the serial loop): compiled and SASS-checked like the shipped ones."""
     out = []
     for d in HEAD_DIMS:
         for c in (False, True):
+            out.append(AttnConfig(d, c, v_keys_permuted=True))
             out.append(AttnConfig(d, c, split_kv=True))
             out.append(AttnConfig(d, c, pack_gqa=True))
             out.append(AttnConfig(d, c, pack_gqa=True, split_kv=True))
             out.append(AttnConfig(d, c, persistent=True))
-            out.append(AttnConfig(d, c, v_keys_permuted=True))
             out.append(AttnConfig(d, c, two_level_pv=False))
             if d <= 128:
-                out.append(AttnConfig(d, c, consumer_wgs=3))
+                out.append(AttnConfig(d, c, skip_unit_rescale=False))
+                out.append(AttnConfig(d, c, consumer_wgs=2))
+                out.append(AttnConfig(d, c, consumer_wgs=2, two_level_pv=False))
+                out.append(AttnConfig(d, c, consumer_wgs=2, pack_gqa=True))
             if d <= OVERLAP_MAX_D:
-                out.append(AttnConfig(d, c, pingpong=True))
-                out.append(AttnConfig(d, c, pingpong=True, persistent=True))
-                out.append(AttnConfig(d, c, overlap=False))
-    return tuple(out)
+                out.append(AttnConfig(d, c, consumer_wgs=2, pingpong=True))
+                out.append(AttnConfig(d, c, consumer_wgs=2, pingpong=True, persistent=True))
+                out.append(AttnConfig(d, c, consumer_wgs=2, overlap=False))
+    return tuple(dict.fromkeys(out))
 
 
 def attention_unsupported(q, q_scale, k, k_scale, v_t, v_scale, causal: bool, scale: float, out_dtype) -> str | None:

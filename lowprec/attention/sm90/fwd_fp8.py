@@ -53,7 +53,7 @@ _LN2 = math.log(2.0)
 _LOG2_PSCALE = math.log2(P_SCALE)
 _SCHED_BAR = 2  # named barriers 2, 3: ping-pong turns of consumer warpgroups 0, 1
 _C_MIN = 1e-30  # floor of the score scale: a zero scale (all-zero block) must not make -inf * 0
-_NACC = 4  # independent accumulation chains of the row max / row sum
+_NACC = 4  # independent accumulation chains of the row max / row sum (8: 2-4% slower, NOTES.md)
 
 
 # ----------------------------------------------------------------------------- PTX helpers
@@ -140,6 +140,11 @@ class FP8AttentionFwdSm90:
         # 64 registers fewer, which lets D = 128 overlap; NOTES.md measures both)
         self.two_level = config.two_level_pv
         self.num_sms = config.num_sms
+        self.skip_unit_rescale = config.skip_unit_rescale and not self.two_level
+        # in-MMA, plain serial loop: O *= alpha right after the softmax (its FMULs under the
+        # exponentials' latency) with v_t permuted, else just before the P.V (NOTES.md, session 23:
+        # 1.28 vs 1.32 ms and 1.34 vs 1.32 at d128)
+        self.rescale_early = self.v_perm
         if self.split_kv:
             self.out_dtype = cutlass.Float32
 
@@ -526,10 +531,14 @@ class FP8AttentionFwdSm90:
                 if n >= n_full:
                     self._mask(acc_s, n, mask_args)
                 self._softmax(acc_s, c, row_max, row_sum, alpha)
+                if cutlass.const_expr(self.rescale_early):
+                    for ch in cutlass.range_constexpr(self.pv_chunks):
+                        self._rescale(acc_o, alpha, ch)
                 self._p_to_frag_a(acc_s, p_words, src_a, src_b, sender_odd, sel0, sel1)
                 pipe_v.consumer_wait(v_state)
                 for ch in cutlass.range_constexpr(self.pv_chunks):
-                    self._rescale(acc_o, alpha, ch)
+                    if cutlass.const_expr(not self.rescale_early):
+                        self._rescale(acc_o, alpha, ch)
                     self._issue_pv(pv, ch, v_state.index)
                     if cutlass.const_expr(self.two_level):  # one block accumulator: a chunk at a time
                         warpgroup.wait_group(0)
@@ -737,12 +746,20 @@ class FP8AttentionFwdSm90:
     @cute.jit
     def _rescale(self, acc_o, alpha, ch: cutlass.Constexpr):
         """In-MMA: O *= alpha[row] before the P.V wgmma accumulates the block into it."""
-        if cutlass.const_expr(not self.two_level):
-            for j in cutlass.range_constexpr(cute.size(acc_o[ch]) // 4):
-                for r in cutlass.range_constexpr(2):
-                    for e in cutlass.range_constexpr(2):
-                        v = e + 2 * r + 4 * j
-                        acc_o[ch][v] = acc_o[ch][v] * alpha[r]
+        if cutlass.const_expr(self.skip_unit_rescale):
+            # once the row maxima settle most blocks leave every alpha of a warp at exactly 1
+            if cute.arch.vote_any_sync((alpha[0] != cutlass.Float32(1.0)) | (alpha[1] != cutlass.Float32(1.0))):
+                self._scale_rows(acc_o[ch], alpha)
+        elif cutlass.const_expr(not self.two_level):
+            self._scale_rows(acc_o[ch], alpha)
+
+    @cute.jit
+    def _scale_rows(self, acc, alpha):
+        for j in cutlass.range_constexpr(cute.size(acc) // 4):
+            for r in cutlass.range_constexpr(2):
+                for e in cutlass.range_constexpr(2):
+                    v = e + 2 * r + 4 * j
+                    acc[v] = acc[v] * alpha[r]
 
     @cute.jit
     def _block_scale(self, c, qsc, k_scale):

@@ -28,6 +28,7 @@ SPLIT_KV = False  # split the KV blocks over more CTAs when the grid is under a 
 PERSISTENT = False  # persistent CTAs walking the tiles longest-first (unmeasured)
 TWO_LEVEL_PV = True  # AttnConfig.two_level_pv of launched kernels
 CONSUMER_WGS = 3  # AttnConfig.consumer_wgs of launched kernels (3 where it applies: D <= 128)
+SKIP_UNIT_RESCALE = True  # AttnConfig.skip_unit_rescale of launched kernels
 _NUM_SMS = 132
 
 
@@ -100,13 +101,14 @@ def _get_compiled(config: AttnConfig, arch: str = _ARCH_DEFAULT):
 
 @functools.cache
 def _kernel(d: int, causal: bool, out_dtype: torch.dtype, pack: bool, split: bool, v_keys_permuted: bool,
-            overlap: bool, pingpong: bool, persistent_sms: int, two_level_pv: bool, consumer_wgs: int):
+            overlap: bool, pingpong: bool, persistent_sms: int, two_level_pv: bool, consumer_wgs: int,
+            skip_unit_rescale: bool):
     """The launched kernel of one call's parameters (and the interface flags; ``persistent_sms``
     0: not persistent): a lookup on plain values, no config object built per call."""
     return ffi_entry(_get_compiled(AttnConfig(d, causal, _OUT[out_dtype], overlap, pingpong, pack, split,
                                               persistent=persistent_sms > 0, num_sms=persistent_sms or _NUM_SMS,
                                               v_keys_permuted=v_keys_permuted, two_level_pv=two_level_pv,
-                                              consumer_wgs=consumer_wgs)))
+                                              consumer_wgs=consumer_wgs, skip_unit_rescale=skip_unit_rescale)))
 
 
 def compile_only(config: AttnConfig | None = None, arch: str = _ARCH_DEFAULT):
@@ -195,7 +197,7 @@ def _forward(q, q_scale, k, k_scale, v_t, v_scale, causal: bool, softmax_scale: 
     qh, rows = (Hkv, r * Sq) if pack else (H, Sq)
     splits = num_splits(-(-rows // TILE_M) * qh * B, -(-Sk // TILE_N)) if SPLIT_KV else 1
     fn = _kernel(D, causal, out_dtype, pack, splits > 1, v_keys_permuted, OVERLAP, PINGPONG,
-                 _num_sms(q.device) if PERSISTENT else 0, TWO_LEVEL_PV, CONSUMER_WGS)
+                 _num_sms(q.device) if PERSISTENT else 0, TWO_LEVEL_PV, CONSUMER_WGS, SKIP_UNIT_RESCALE)
     o_dst, l_dst = out, lse
     if splits > 1:
         o_dst = torch.empty(splits * B * qh, rows, D, dtype=torch.float32, device=q.device)
@@ -238,7 +240,8 @@ def attention_fp8_qkv_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, caus
     """``lowprec.attention(q, k, v, quant="fp8")`` on sm_90a in one lean host pass: the pre-pass
     (Q quantized per 128-token block, K smoothed and quantized, V quantized and transposed) and
     the forward, the same kernels and bits as :func:`~lowprec.attention.quantize.quantize_qkv`
-    followed by :func:`fp8_attention_forward`, without their per-step dispatch, validation and
+    followed by :func:`fp8_attention_forward` on :func:`permute_v_keys` of its ``v_t`` (Vᵀ is
+    written in that order: P needs no shuffles), without their per-step dispatch, validation and
     float8 views (the registry's constraints, ``config.qkv_unsupported``, hold). Returns
     ``(out in q's dtype, lse FP32 of the smoothed scores, k_mean [B, Hkv, D] FP32)``."""
     b, h, sq, d = q.shape
@@ -266,7 +269,8 @@ def attention_fp8_qkv_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, caus
         q_kernel(q.view(-1, q_block * d), q_codes.view(-1, q_block * d), q_scale.view(-1, 1))
         k_kernel(k.view(-1, d), k_mean.view(b * hkv, d), k_codes.view(-1, d), k_scale.view(-1, 1), sk)
         v_kernel(v.view(-1, d), v_amax.view(b * hkv, d), v_t.view(-1, sk_pad), v_scale.view(b * hkv, d), sk, b * hkv)
-        out, lse = _forward(q_codes, q_scale, k_codes, k_scale, v_t, v_scale, causal, scale, q.dtype)
+        out, lse = _forward(q_codes, q_scale, k_codes, k_scale, v_t, v_scale, causal, scale, q.dtype,
+                            v_keys_permuted=True)
     return out, lse, k_mean
 
 
@@ -278,15 +282,16 @@ def _prepass_kernels(dtype: torch.dtype, head_dim: int, q_row: int):
 
     q_kind = "rowwise" if q_row <= ROWWISE_SHORT_COLS else "rowwise_staged"
     return (compile_kernel(q_kind, dtype), ffi_entry(_prepass_kernel("k", dtype, head_dim)),
-            ffi_entry(_prepass_kernel("v", dtype, head_dim)))
+            ffi_entry(_prepass_kernel("v_perm", dtype, head_dim)))
 
 
 # ----------------------------------------------------------------------------- pre-pass kernels
-PREPASS_KINDS = ("k", "v")
+PREPASS_KINDS = ("k", "v", "v_perm")
 
 
 def build_prepass_kernel(kind: str, dtype: torch.dtype, head_dim: int, arch: str = _ARCH_DEFAULT):
-    """Compile one pre-pass kernel (``"k"``: smooth + quantize, ``"v"``: quantize + transpose) for
+    """Compile one pre-pass kernel (``"k"``: smooth + quantize, ``"v"``: quantize + transpose,
+    ``"v_perm"``: the same with the keys in :func:`permute_v_keys`'s order) for
     ``dtype`` inputs of ``head_dim`` columns on fake tensors (no GPU needed), uncached."""
     if kind not in PREPASS_KINDS:
         raise ValueError(f"kind: expected one of {PREPASS_KINDS}, got {kind!r}")
@@ -308,7 +313,7 @@ def build_prepass_kernel(kind: str, dtype: torch.dtype, head_dim: int, arch: str
         args = (x, vec(cutlass.Float32), fake_rows(cutlass.Uint8), fake_scales(), one, -(-head_dim // 128), stream)
         return compile_for_arch(prepass.k_smooth_quant, *args, arch=arch, tvm_ffi=True)
     return compile_for_arch(prepass.v_quant_t, x, vec(cutlass_dtype(dtype)), fake_rows(cutlass.Uint8),
-                            vec(cutlass.Float32), one, one, stream, arch=arch, tvm_ffi=True)
+                            vec(cutlass.Float32), one, one, kind == "v_perm", stream, arch=arch, tvm_ffi=True)
 
 
 @functools.cache

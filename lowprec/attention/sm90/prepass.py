@@ -8,7 +8,8 @@ and transposed, each in one pass over its input. Memory-bound; bit-identical to 
 - ``v_quant_t``: one CTA per 128 tokens x 128 channels of one head: codes ``v · inv_scale[channel]``
   staged transposed in shared memory and stored as rows of ``v_t`` (16-byte stores), tokens past
   Sk as zeros up to ``round_up(Sk, 16)``; each channel's scale from its amax over the sequence
-  (a torch reduction before it), written by the first token tile.
+  (a torch reduction before it), written by the first token tile. The fused attention call has it
+  store each 16 tokens in the order the forward kernel reads without shuffles (``V_KEY_PERM``).
 """
 
 from __future__ import annotations
@@ -85,7 +86,7 @@ def k_smooth_quant(mK: cute.Tensor, mMean: cute.Tensor, mQ_u8: cute.Tensor, mS: 
 
 @cute.kernel
 def _v_quant_t_kernel(mV: cute.Tensor, mAmax: cute.Tensor, mVt_u8: cute.Tensor, mScale: cute.Tensor,
-                      seqlen: cutlass.Int32):
+                      seqlen: cutlass.Int32, permute_keys: cutlass.Constexpr):
     tidx, _, _ = cute.arch.thread_idx()
     token_tile, col_tile, head = cute.arch.block_idx()
     smem = cutlass.memory.SmemAllocator()
@@ -111,15 +112,17 @@ def _v_quant_t_kernel(mV: cute.Tensor, mAmax: cute.Tensor, mVt_u8: cute.Tensor, 
         if token_tile == 0 and rgrp == 0 and col < d:  # one writer per channel
             mScale[head, col + j] = scale
     cute.arch.sync_threads()
-    store_transposed(tile_t, mVt, head * d + col_tile * TILE, head * d + d, token_tile * TILE, mVt.shape[1], tidx)
+    store_transposed(tile_t, mVt, head * d + col_tile * TILE, head * d + d, token_tile * TILE, mVt.shape[1], tidx,
+                     permute_keys)
 
 
 @cute.jit
 def v_quant_t(mV: cute.Tensor, mAmax: cute.Tensor, mVt_u8: cute.Tensor, mScale: cute.Tensor, seqlen: cutlass.Int32,
-              heads: cutlass.Int32, stream):
+              heads: cutlass.Int32, permute_keys: cutlass.Constexpr, stream):
     """``mV`` [B·H·S, D], ``mAmax`` [B·H, D] in V's dtype (each channel's amax over the sequence)
-    -> ``v_t`` codes [B·H·D, S_pad] (S_pad = round_up(S, 16); the padding tokens as zeros) and
+    -> ``v_t`` codes [B·H·D, S_pad] (S_pad = round_up(S, 16); the padding tokens as zeros; with
+    ``permute_keys`` the tokens of each aligned 16 stored in ``config.V_KEY_PERM`` order) and
     ``mScale`` [B·H, D] FP32 (the quantizer's scale of each amax)."""
-    _v_quant_t_kernel(mV, mAmax, mVt_u8, mScale, seqlen).launch(
+    _v_quant_t_kernel(mV, mAmax, mVt_u8, mScale, seqlen, permute_keys).launch(
         grid=((mVt_u8.shape[1] + TILE - 1) // TILE, (mV.shape[1] + TILE - 1) // TILE, heads),
         block=(THREADS, 1, 1), stream=stream)
