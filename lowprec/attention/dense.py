@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from ..runtime import backend_mode
+from ..runtime import backend_mode, registry
 from ..tensor import QuantizedTensor
 from . import ops
 from .quantize import (
@@ -112,14 +112,21 @@ def _fp8_quantized_inputs(q, k, v, causal: bool, scale: float, incoherent: bool,
                          "FP8 attention need q, k, v as tensors")
     from .quantize import quantize_k, quantize_q
 
-    qc, qs = qk_from_quantized(q, "q") if isinstance(q, QuantizedTensor) else quantize_q(q)
     if isinstance(k, QuantizedTensor):
         (kc, ks), k_mean = qk_from_quantized(k, "k"), None
     else:
         kc, ks, k_mean = quantize_k(k)
     vt, vs = v_from_quantized(v) if isinstance(v, QuantizedTensor) else quantize_v(v)
     out_dtype = q.dtype if q.dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64) else torch.float32
-    out, lse = ops.attention_fp8_forward_call(qc, qs, kc, ks, vt, vs, causal, scale, out_dtype)
+
+    def composed():
+        qc, qs = qk_from_quantized(q, "q") if isinstance(q, QuantizedTensor) else quantize_q(q)
+        return ops.attention_fp8_forward_call(qc, qs, kc, ks, vt, vs, causal, scale, out_dtype)
+
+    if isinstance(q, QuantizedTensor) or torch.compiler.is_compiling():
+        out, lse = composed()
+    else:  # an FP8 KV cache in eager: on Hopper one lean host pass (Q pre-pass + forward)
+        out, lse = registry.run("attention_fp8_q", q.device, (q, kc, ks, vt, vs, causal, scale), composed)
     if k_mean is not None and return_lse:
         q_exact = q.dequantize(torch.float32) if isinstance(q, QuantizedTensor) else q
         lse = lse + lse_correction(q_exact, k_mean, scale)

@@ -364,6 +364,59 @@ def test_fused_call_constraints():
     assert "contiguous" in qkv_unsupported(q.transpose(1, 2), k, v, False, 0.1)
 
 
+def test_kv_cache_call_constraints():
+    from lowprec.attention.sm90.config import q_unsupported
+
+    def args(sq=256, sk=300, d=128, dtype=torch.bfloat16, hkv=2):
+        skp = -(-sk // 16) * 16
+        return (torch.zeros(1, 4, sq, d, dtype=dtype), torch.zeros(1, hkv, sk, d, dtype=F8),
+                torch.ones(1, hkv, -(-sk // 128)), torch.zeros(1, hkv, d, skp, dtype=F8), torch.ones(1, hkv, d),
+                True, 0.1)
+
+    assert q_unsupported(*args()) is None
+    assert q_unsupported(*args(sq=1, hkv=1)) is None  # decode, MQA
+    assert "Sq=200" in q_unsupported(*args(sq=200))
+    assert "q dtype" in q_unsupported(*args(dtype=torch.float32))
+    assert "head dims D=96" in q_unsupported(*args(d=96))
+    a = list(args())
+    a[2] = torch.ones(1, 2, 2)
+    assert "k_scale" in q_unsupported(*a)
+    a = list(args())
+    a[3] = a[3][..., :300]
+    assert "do not match" in q_unsupported(*a)
+
+
+@gpu
+@needs_gpu
+@pytest.mark.parametrize("case", [(2, 4, 2, 256, 384, 128, True, torch.bfloat16),
+                                  (3, 8, 8, 1, 8192, 128, True, torch.bfloat16),
+                                  (1, 4, 1, 77, 300, 64, False, torch.float16),
+                                  (2, 4, 4, 200, 256, 128, True, torch.bfloat16)],
+                         ids=lambda c: "B{}H{}kv{}q{}k{}d{}{}-{}".format(*c[:6], "c" if c[6] else "", str(c[7])[6:]))
+def test_kv_cache_call_is_the_composed_steps(case):
+    """lowprec.attention on an FP8 KV cache in eager: the registry serves the one-pass host path
+    (Q pre-pass + forward) where it applies (Sq=200: the composed steps run), and the result is
+    bit for bit the composed steps'."""
+    import lowprec
+    from lowprec.attention import ops, quantize_kv_cache
+    from lowprec.attention.quantize import qk_from_quantized, quantize_q, v_from_quantized
+    from lowprec.runtime import registry
+
+    b, h, hkv, sq, sk, d, causal, dtype = case
+    g = torch.Generator(device="cuda").manual_seed(5)
+    q, k, v = (torch.randn(b, n, s, d, device="cuda", generator=g).to(dtype)
+               for n, s in ((h, sq), (hkv, sk), (hkv, sk)))
+    k_q, v_q = quantize_kv_cache(k, v)
+    kc, ks = qk_from_quantized(k_q, "k")
+    vt, vs = v_from_quantized(v_q)
+    served = registry.why_no_kernel("attention_fp8_q", q.device, q, kc, ks, vt, vs, causal, d ** -0.5)
+    assert (served is None) == (sq != 200), served
+    out = lowprec.attention(q, k_q, v_q, causal=causal, quant="fp8")
+    qc, qs = quantize_q(q)
+    out_c, _ = ops.forward_dispatch(qc, qs, kc, ks, vt, vs, causal, d ** -0.5, dtype)
+    assert torch.equal(out, out_c)
+
+
 @gpu
 @needs_gpu
 @pytest.mark.parametrize("case", [(2, 4, 4, 256, 384, 128, False, torch.bfloat16),

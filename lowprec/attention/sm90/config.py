@@ -141,6 +141,43 @@ def prepass_v_unsupported(v) -> str | None:
     return _prepass_unsupported(v)
 
 
+def _q_prepass_unsupported(q) -> str | None:
+    """Why the Q pre-pass kernel of the one-pass host functions cannot quantize ``q``."""
+    sq = q.shape[-2]
+    if str(q.dtype).removeprefix("torch.") not in OUT_DTYPES:
+        return f"q dtype {q.dtype} (the one-pass path takes {' or '.join(OUT_DTYPES)})"
+    if q.dim() != 4 or sq == 0 or (sq > TILE_M and sq % TILE_M):
+        return f"Sq={sq} (the Q pre-pass takes whole {TILE_M}-token blocks or one shorter block)"
+    if not q.is_contiguous() or q.data_ptr() % 16:
+        return "q must be contiguous and 16-byte aligned"
+    return None
+
+
+def q_unsupported(q, k, k_scale, v_t, v_scale, causal: bool, scale: float) -> str | None:
+    """Why ``interface.attention_fp8_q_op`` (float Q quantized per call over an FP8 K / Vᵀ cache, in
+    one host pass) cannot take these inputs (None: it can); the caller then composes the steps."""
+    import torch
+
+    why = _q_prepass_unsupported(q)
+    if why:
+        return why
+    b, h, sq, d = q.shape
+    f8 = torch.float8_e4m3fn
+    if k.dtype != f8 or v_t.dtype != f8 or k.dim() != 4 or v_t.dim() != 4:
+        return "k and v_t must be 4-D float8_e4m3fn"
+    hkv, sk = k.shape[1], k.shape[2]
+    if k.shape[0] != b or k.shape[-1] != d or h % hkv or tuple(v_t.shape) != (b, hkv, d, -(-sk // V_PAD) * V_PAD):
+        return f"k {tuple(k.shape)} / v_t {tuple(v_t.shape)} do not match q {tuple(q.shape)}"
+    if not (k.is_contiguous() and v_t.is_contiguous()):
+        return "k and v_t must be contiguous"
+    for name, t, shape in (("k_scale", k_scale, (b, hkv, -(-sk // TILE_N))), ("v_scale", v_scale, (b, hkv, d))):
+        if t.dtype != torch.float32 or not t.is_contiguous() or tuple(t.shape) != shape:
+            return f"{name} must be contiguous float32 {shape}"
+    if any(t.device != q.device for t in (k, k_scale, v_t, v_scale)):
+        return "all tensors must be on q's device"
+    return attention_unsupported(q, None, k, None, v_t, None, causal, scale, q.dtype)
+
+
 def qkv_unsupported(q, k, v, causal: bool, scale: float) -> str | None:
     """Why ``interface.attention_fp8_qkv_op`` (the pre-pass and forward of float Q, K, V in one
     host pass) cannot take these inputs (None: it can); the caller then composes the steps, each
@@ -150,9 +187,4 @@ def qkv_unsupported(q, k, v, causal: bool, scale: float) -> str | None:
         return f"dtypes {q.dtype}, {k.dtype}, {v.dtype} (the fused path takes one of {' or '.join(OUT_DTYPES)})"
     if d not in HEAD_DIMS or v.shape[-1] != d:
         return f"head dims D={d}, Dv={v.shape[-1]}; the kernel serves D = Dv in {HEAD_DIMS}"
-    sq = q.shape[-2]
-    if sq == 0 or (sq > TILE_M and sq % TILE_M):
-        return f"Sq={sq} (the Q pre-pass takes whole {TILE_M}-token blocks or one shorter block)"
-    if not q.is_contiguous() or q.data_ptr() % 16:
-        return "q must be contiguous and 16-byte aligned"
-    return prepass_k_unsupported(k, None) or prepass_v_unsupported(v)
+    return _q_prepass_unsupported(q) or prepass_k_unsupported(k, None) or prepass_v_unsupported(v)

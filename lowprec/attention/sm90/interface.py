@@ -44,7 +44,8 @@ def num_splits(ctas: int, n_blocks: int, num_sms: int = _NUM_SMS) -> int:
         return 1
     return max(1, min(-(-2 * num_sms // ctas), n_blocks // 4, 32))
 
-__all__ = ["fp8_attention_forward", "attention_fp8_forward_op", "attention_fp8_qkv_op", "permute_v_keys",
+__all__ = ["fp8_attention_forward", "attention_fp8_forward_op", "attention_fp8_qkv_op", "attention_fp8_q_op",
+           "permute_v_keys",
            "compile_only", "build_kernel", "attention_prepass_k_op", "attention_prepass_v_op",
            "build_prepass_kernel"]
 
@@ -272,6 +273,25 @@ def attention_fp8_qkv_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, caus
         out, lse = _forward(q_codes, q_scale, k_codes, k_scale, v_t, v_scale, causal, scale, q.dtype,
                             v_keys_permuted=True)
     return out, lse, k_mean
+
+
+def attention_fp8_q_op(q: torch.Tensor, k: torch.Tensor, k_scale: torch.Tensor, v_t: torch.Tensor,
+                       v_scale: torch.Tensor, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``lowprec.attention(q, k_cache, v_cache, quant="fp8")`` on sm_90a in one lean host pass: float
+    Q quantized per call (the Q pre-pass kernel, the bits of
+    :func:`~lowprec.attention.quantize.quantize_q`) and the forward on the FP8 cache's operands
+    (``k`` [B, Hkv, Sk, D] E4M3 with ``k_scale`` [B, Hkv, ceil(Sk/128)], ``v_t`` [B, Hkv, D,
+    round_up(Sk, 16)] E4M3 with ``v_scale`` [B, Hkv, D]: CONTRACT.md). The registry's constraints
+    (``config.q_unsupported``) hold. Returns ``(out in q's dtype, lse FP32)``."""
+    b, h, sq, d = q.shape
+    q_block = TILE_M if sq % TILE_M == 0 else sq
+    q_kernel = _prepass_kernels(q.dtype, d, q_block * d)[0]
+    u8 = torch.uint8
+    q_codes = torch.empty(b, h, sq, d, dtype=u8, device=q.device)
+    q_scale = torch.empty(b, h, sq // q_block, dtype=torch.float32, device=q.device)
+    with on_device(q.device):
+        q_kernel(q.view(-1, q_block * d), q_codes.view(-1, q_block * d), q_scale.view(-1, 1))
+        return _forward(q_codes, q_scale, k.view(u8), k_scale, v_t.view(u8), v_scale, causal, scale, q.dtype)
 
 
 @functools.cache
