@@ -11,6 +11,7 @@ from torch import nn
 from ..gemm import gemm
 from ..quant import quantize
 from ..recipes import get_recipe
+from ..runtime import registry
 from ..tensor import QuantizedTensor
 from .buffers import QuantizedBuffersModule
 from .functional import LinearRecipe, follow_autocast, fp8_linear, get_linear_recipe
@@ -149,8 +150,16 @@ class FP8InferenceLinear(QuantizedBuffersModule):
             if torch.is_grad_enabled() and x.requires_grad:
                 y = _FrozenFP8Linear.apply(x2, self.quantized_weight(), bias, self.recipe)
             else:
-                x_q = quantize(x2, self.recipe.activation, check_finite=False)
-                y = gemm(x_q, self.quantized_weight(), out_dtype=x2.dtype, bias=bias)
+                def composed():
+                    x_q = quantize(x2, self.recipe.activation, check_finite=False)
+                    return gemm(x_q, self.quantized_weight(), out_dtype=x2.dtype, bias=bias)
+
+                if torch.compiler.is_compiling():  # the traced ops
+                    y = composed()
+                else:  # eager (decode): one lean host pass on Hopper
+                    y = registry.run("linear_inference", x2.device, (
+                        x2, self.weight, self.weight_scale, self.recipe.weight, self.recipe.activation, bias,
+                        x2.dtype), composed)
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:

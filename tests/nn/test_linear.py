@@ -383,3 +383,41 @@ def test_convert_keeps_small_layers_for_training_by_default(caplog):
     assert all(isinstance(m, FP8InferenceLinear)
                for m in convert(nn.Sequential(nn.Linear(64, 128)), inference=True))
     assert isinstance(convert(nn.Linear(64, 128)), FP8Linear)
+
+
+def test_inference_linear_one_pass_constraints():
+    from lowprec.gemm.sm90.config import linear_inference_unsupported
+
+    x, ws = torch.zeros(3, 256, dtype=torch.bfloat16), torch.ones(1, 2)
+    w = torch.zeros(128, 256, dtype=torch.float8_e4m3fn)
+    args = ("fp8_block128x128", "fp8_block1x128", None, torch.bfloat16)
+    assert linear_inference_unsupported(x, w, ws, *args) is None
+    assert "recipes" in linear_inference_unsupported(x, w, ws, "fp8_rowwise", "fp8_rowwise", None, torch.bfloat16)
+    assert "M=0" in linear_inference_unsupported(x[:0], w, ws, *args)
+    assert "x: " in linear_inference_unsupported(torch.zeros(256, 3, dtype=torch.bfloat16).t(), w, ws, *args)
+    assert "bias dtype" in linear_inference_unsupported(x, w, ws, *args[:2], torch.zeros(128, dtype=torch.float16),
+                                                        torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,k,n,dtype,bias", [(1, 4096, 6144, torch.bfloat16, False),
+                                              (7, 1024, 384, torch.float16, True),
+                                              (300, 512, 256, torch.float32, True)])
+def test_inference_linear_one_pass_is_quantize_then_gemm(m, k, n, dtype, bias):
+    """FP8InferenceLinear's eager forward on Hopper (one lean host pass, registered as
+    linear_inference) gives the bits of lowprec.quantize followed by lowprec.gemm."""
+    from lowprec.runtime import registry
+
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("needs an sm_90 GPU")
+    linear = nn.Linear(k, n, bias=bias, device="cuda", dtype=dtype)
+    layer = FP8InferenceLinear.from_linear(linear)
+    x = torch.randn(m, k, device="cuda", dtype=dtype)
+    b = None if layer.bias is None else layer.bias.float()
+    args = (x, layer.weight, layer.weight_scale, layer.recipe.weight, layer.recipe.activation, b, dtype)
+    assert registry.why_no_kernel("linear_inference", x.device, *args) is None
+    with torch.no_grad():
+        y = layer(x)
+    ref = lowprec.gemm(lowprec.quantize(x, "fp8_block1x128", check_finite=False), layer.quantized_weight(),
+                       out_dtype=dtype, bias=b)
+    assert torch.equal(y, ref)

@@ -5,6 +5,7 @@ from ...runtime.registry import register
 from . import config
 
 register("gemm", "sm_90a", f"{__name__}.interface:gemm_quantized", config.gemm_unsupported)
+register("linear_inference", "sm_90a", f"{__name__}.interface:linear_inference", config.linear_inference_unsupported)
 register("grouped_gemm", "sm_90a", f"{__name__}.interface:grouped_gemm_quantized", config.grouped_unsupported)
 register("grouped_gemm_wgrad", "sm_90a", f"{__name__}.interface:grouped_gemm_wgrad_quantized",
          config.wgrad_unsupported)

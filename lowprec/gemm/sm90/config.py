@@ -92,6 +92,28 @@ def gemm_unsupported(a, b, out_dtype, bias) -> str | None:
     return _mn_unsupported(N=n, K=k) if n % MN_MULTIPLE or k % MN_MULTIPLE else None
 
 
+def linear_inference_unsupported(x, weight, weight_scale, weight_recipe: str, activation_recipe: str, bias,
+                                 out_dtype) -> str | None:
+    """Why ``interface.linear_inference`` (``FP8InferenceLinear``'s eager forward in one host pass: the
+    1x128 quantize kernel on ``x`` [M, K], then the dense kernel on the FP8 weight [N, K]) cannot
+    take these arguments (None: it can); the layer then runs ``quantize`` and ``gemm``."""
+    from ...quant.sm90.config import rows_unsupported
+
+    if activation_recipe != "fp8_block1x128" or weight_recipe != "fp8_block128x128":
+        return f"recipes {activation_recipe} x {weight_recipe} (the one-pass path takes fp8_block)"
+    if x.shape[0] == 0:
+        return "M=0: nothing to compute"
+    why = rows_unsupported(x)
+    if why:
+        return f"x: {why}"
+    if out_dtype not in _OUT_TORCH_DTYPES:
+        return f"out_dtype {out_dtype}"
+    if bias is not None and _dtype_name(bias.dtype) not in BIAS_DTYPES:
+        return f"bias dtype {bias.dtype} (the kernel takes {BIAS_DTYPES})"
+    n, k = weight.shape
+    return _mn_unsupported(N=n, K=k)
+
+
 def grouped_unsupported(a, b, out_dtype, group_ends, masked_counts) -> str | None:
     """Why the grouped kernel cannot take ``a`` (1x128) and ``b`` [E, N, K] (128x128) (None: it can)."""
     if a.recipe.name != "fp8_block1x128" or b.recipe.name != "fp8_block128x128":

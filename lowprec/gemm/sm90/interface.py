@@ -648,6 +648,19 @@ def gemm_quantized(a, b, out_dtype: torch.dtype, bias: torch.Tensor | None) -> t
     return _run_dense(_k_major(a.data), sa, _k_major(b.data), sb, out_dtype, bias, per_col)
 
 
+def linear_inference(x, weight, weight_scale, weight_recipe: str, activation_recipe: str, bias,
+                     out_dtype: torch.dtype) -> torch.Tensor:
+    """``FP8InferenceLinear``'s eager forward in one lean host pass: ``x`` [M, K] quantized in 1x128
+    blocks by the quantize kernel (scales written in the layout the GEMM's TMA reads), then the dense
+    kernel on the 128x128-block FP8 ``weight`` [N, K]: the kernels and bits of ``lowprec.gemm(
+    lowprec.quantize(x, "fp8_block1x128"), weight)`` without their dispatch, QuantizedTensors and
+    second validation (``config.linear_inference_unsupported`` holds)."""
+    from ...quant.sm90.interface import quantize_1x128
+
+    codes, scales = quantize_1x128(x)
+    return _run_dense(codes, scales, _k_major(weight), weight_scale, out_dtype, bias, False)
+
+
 def grouped_gemm_quantized(a, b, out_dtype: torch.dtype, group_ends: torch.Tensor | None,
                            masked_counts: torch.Tensor | None) -> torch.Tensor:
     """``lowprec.grouped_gemm`` on this kernel."""
