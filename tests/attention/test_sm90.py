@@ -386,13 +386,17 @@ def test_kv_cache_call_constraints():
     assert "do not match" in q_unsupported(*a)
 
 
+def _call_case_id(c) -> str:
+    return "B{}H{}kv{}q{}k{}d{}{}-{}".format(*c[:6], "c" if c[6] else "", str(c[7])[6:])
+
+
 @gpu
 @needs_gpu
 @pytest.mark.parametrize("case", [(2, 4, 2, 256, 384, 128, True, torch.bfloat16),
                                   (3, 8, 8, 1, 8192, 128, True, torch.bfloat16),
                                   (1, 4, 1, 77, 300, 64, False, torch.float16),
                                   (2, 4, 4, 200, 256, 128, True, torch.bfloat16)],
-                         ids=lambda c: "B{}H{}kv{}q{}k{}d{}{}-{}".format(*c[:6], "c" if c[6] else "", str(c[7])[6:]))
+                         ids=_call_case_id)
 def test_kv_cache_call_is_the_composed_steps(case):
     """lowprec.attention on an FP8 KV cache in eager: the registry serves the one-pass host path
     (Q pre-pass + forward) where it applies (Sq=200: the composed steps run), and the result is
@@ -423,7 +427,7 @@ def test_kv_cache_call_is_the_composed_steps(case):
                                   (1, 8, 2, 100, 256, 64, True, torch.float16),
                                   (2, 4, 1, 128, 128, 256, True, torch.bfloat16),
                                   (3, 8, 8, 1, 512, 128, True, torch.bfloat16)],
-                         ids=lambda c: "B{}H{}kv{}q{}k{}d{}{}-{}".format(*c[:6], "c" if c[6] else "", str(c[7])[6:]))
+                         ids=_call_case_id)
 def test_fused_call_is_the_composed_steps(case):
     """The one-pass host path of lowprec.attention (pre-pass + forward) gives the same bits as
     quantize_qkv followed by the forward kernel on Vᵀ with its keys permuted (which the fused
