@@ -100,6 +100,47 @@ def variant_configs() -> tuple[AttnConfig, ...]:
     return tuple(dict.fromkeys(out))
 
 
+def operands_unsupported(q, q_scale, k, k_scale, v_t, v_scale) -> str | None:
+    """What is wrong with the forward's operands (CONTRACT.md), None if nothing: the message
+    ``interface.fp8_attention_forward`` raises. ``q_scale=None``: Q is a float tensor the caller
+    quantizes (its dtype and scales are not checked here)."""
+    import torch
+
+    f8 = torch.float8_e4m3fn
+    if q.dim() != 4 or k.dim() != 4 or v_t.dim() != 4:
+        return "q, k, v_t must be 4-D"
+    if (q_scale is not None and q.dtype != f8) or k.dtype != f8 or v_t.dtype != f8:
+        return "q, k, v_t must be float8_e4m3fn"
+    b, h, sq, d = q.shape
+    bk, hkv, sk, dk = k.shape
+    if d not in HEAD_DIMS:
+        return f"head dim {d} is not supported (supported: {HEAD_DIMS})"
+    if bk != b or dk != d:
+        return f"k {tuple(k.shape)} does not match q {tuple(q.shape)}"
+    if hkv < 1 or h % hkv:
+        return f"H={h} must be a multiple of Hkv={hkv}"
+    sk_pad = -(-sk // V_PAD) * V_PAD
+    if tuple(v_t.shape) != (b, hkv, d, sk_pad):
+        return (f"v_t and k do not match: v_t must be [B, Hkv, D, round_up(Sk, {V_PAD})]={(b, hkv, d, sk_pad)}, "
+                f"got {tuple(v_t.shape)}")
+    for name, t in (("q", q), ("k", k), ("v_t", v_t)):
+        if not t.is_contiguous():
+            return f"{name} must be contiguous"
+    scales = [("k_scale", k_scale, (b, hkv, -(-sk // TILE_N)), "[B, Hkv, ceil(Sk/128)]"),
+              ("v_scale", v_scale, (b, hkv, d), "[B, Hkv, D]")]
+    if q_scale is not None:
+        scales.insert(0, ("q_scale", q_scale, (b, h, -(-sq // TILE_M)), "[B, H, ceil(Sq/128)]"))
+    for name, t, shape, what in scales:
+        if tuple(t.shape) != shape:
+            return f"{name} must be {what}"
+    for name, t, _, _ in scales:
+        if t.dtype != torch.float32 or not t.is_contiguous():
+            return f"{name} must be contiguous float32"
+    if any(t.device != q.device for t in (k, v_t, *(t for _, t, _, _ in scales))):
+        return "all tensors must be on q's device"
+    return None
+
+
 def attention_unsupported(q, q_scale, k, k_scale, v_t, v_scale, causal: bool, scale: float, out_dtype) -> str | None:
     """Why the kernel cannot take the FP8 forward's operands (None: it can); the registry asks
     this with the arguments of ``interface.attention_fp8_forward_op``."""
@@ -156,26 +197,8 @@ def _q_prepass_unsupported(q) -> str | None:
 def q_unsupported(q, k, k_scale, v_t, v_scale, causal: bool, scale: float) -> str | None:
     """Why ``interface.attention_fp8_q_op`` (float Q quantized per call over an FP8 K / Vᵀ cache, in
     one host pass) cannot take these inputs (None: it can); the caller then composes the steps."""
-    import torch
-
-    why = _q_prepass_unsupported(q)
-    if why:
-        return why
-    b, h, sq, d = q.shape
-    f8 = torch.float8_e4m3fn
-    if k.dtype != f8 or v_t.dtype != f8 or k.dim() != 4 or v_t.dim() != 4:
-        return "k and v_t must be 4-D float8_e4m3fn"
-    hkv, sk = k.shape[1], k.shape[2]
-    if k.shape[0] != b or k.shape[-1] != d or h % hkv or tuple(v_t.shape) != (b, hkv, d, -(-sk // V_PAD) * V_PAD):
-        return f"k {tuple(k.shape)} / v_t {tuple(v_t.shape)} do not match q {tuple(q.shape)}"
-    if not (k.is_contiguous() and v_t.is_contiguous()):
-        return "k and v_t must be contiguous"
-    for name, t, shape in (("k_scale", k_scale, (b, hkv, -(-sk // TILE_N))), ("v_scale", v_scale, (b, hkv, d))):
-        if t.dtype != torch.float32 or not t.is_contiguous() or tuple(t.shape) != shape:
-            return f"{name} must be contiguous float32 {shape}"
-    if any(t.device != q.device for t in (k, k_scale, v_t, v_scale)):
-        return "all tensors must be on q's device"
-    return attention_unsupported(q, None, k, None, v_t, None, causal, scale, q.dtype)
+    return (_q_prepass_unsupported(q) or attention_unsupported(q, None, k, None, v_t, None, causal, scale, q.dtype)
+            or operands_unsupported(q, None, k, k_scale, v_t, v_scale))
 
 
 def qkv_unsupported(q, k, v, causal: bool, scale: float) -> str | None:

@@ -140,7 +140,7 @@ class FP8AttentionFwdSm90:
         # 64 registers fewer, which lets D = 128 overlap; NOTES.md measures both)
         self.two_level = config.two_level_pv
         self.num_sms = config.num_sms
-        self.skip_unit_rescale = config.skip_unit_rescale and not self.two_level
+        self.skip_unit_rescale = config.skip_unit_rescale  # AttnConfig keeps it to in-MMA kernels
         # in-MMA, plain serial loop: O *= alpha right after the softmax (its FMULs under the
         # exponentials' latency) with v_t permuted, else just before the P.V (NOTES.md, session 23:
         # 1.28 vs 1.32 ms and 1.34 vs 1.32 at d128)

@@ -17,7 +17,7 @@ import math
 import torch
 
 from ...runtime import ffi_entry, on_device
-from .config import HEAD_DIMS, TILE_M, TILE_N, V_KEY_PERM, V_PAD, AttnConfig
+from .config import TILE_M, TILE_N, V_KEY_PERM, V_PAD, AttnConfig, operands_unsupported
 
 _ARCH_DEFAULT = "sm_90a"
 _OUT = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -131,28 +131,11 @@ def _check(cond: bool, msg: str):
 
 
 def _validate(q, q_scale, k, k_scale, v_t, v_scale, out_dtype, out):
-    f8 = torch.float8_e4m3fn
-    _check(q.dim() == 4 and k.dim() == 4 and v_t.dim() == 4, "q, k, v_t must be 4-D")
-    _check(q.dtype == f8 and k.dtype == f8 and v_t.dtype == f8, "q, k, v_t must be float8_e4m3fn")
-    B, H, Sq, D = q.shape
-    Bk, Hkv, Sk, Dk = k.shape
-    _check(D in HEAD_DIMS, f"head dim {D} is not supported (supported: {HEAD_DIMS})")
-    _check(Bk == B and Dk == D, f"k {tuple(k.shape)} does not match q {tuple(q.shape)}")
-    _check(Hkv >= 1 and H % Hkv == 0, f"H={H} must be a multiple of Hkv={Hkv}")
-    sk_pad = -(-Sk // V_PAD) * V_PAD
-    _check(tuple(v_t.shape) == (B, Hkv, D, sk_pad), f"v_t must be [B, Hkv, D, round_up(Sk, {V_PAD})]="
-           f"{(B, Hkv, D, sk_pad)}, got {tuple(v_t.shape)}")
-    for name, t in (("q", q), ("k", k), ("v_t", v_t)):
-        _check(t.is_contiguous(), f"{name} must be contiguous")
-    _check(tuple(q_scale.shape) == (B, H, -(-Sq // TILE_M)), "q_scale must be [B, H, ceil(Sq/128)]")
-    _check(tuple(k_scale.shape) == (B, Hkv, -(-Sk // TILE_N)), "k_scale must be [B, Hkv, ceil(Sk/128)]")
-    _check(tuple(v_scale.shape) == (B, Hkv, D), "v_scale must be [B, Hkv, D]")
-    for name, t in (("q_scale", q_scale), ("k_scale", k_scale), ("v_scale", v_scale)):
-        _check(t.dtype == torch.float32 and t.is_contiguous(), f"{name} must be contiguous float32")
+    why = operands_unsupported(q, q_scale, k, k_scale, v_t, v_scale)
+    _check(why is None, why)
     _check(out_dtype in _OUT, f"out_dtype must be one of {tuple(_OUT)}")
-    for t in (q_scale, k, k_scale, v_t, v_scale):
-        _check(t.device == q.device, "all tensors must be on q's device")
     if out is not None:
+        B, H, Sq, D = q.shape
         _check(tuple(out.shape) == (B, H, Sq, D) and out.dtype == out_dtype and out.is_contiguous()
                and out.device == q.device, "out must be a contiguous [B, H, Sq, D] tensor of out_dtype")
 

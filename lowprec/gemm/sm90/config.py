@@ -82,14 +82,18 @@ def gemm_unsupported(a, b, out_dtype, bias) -> str | None:
         return f"a's recipe is {a.recipe.name}; the kernel takes {A_RECIPES} activations"
     if b.recipe.name not in B_RECIPES:
         return f"b's recipe is {b.recipe.name}; the kernel takes {B_RECIPES} weights"
-    if a.shape[0] == 0:
+    return _dense_unsupported(a.shape[0], *b.shape, out_dtype, bias)
+
+
+def _dense_unsupported(m: int, n: int, k: int, out_dtype, bias) -> str | None:
+    """The dense kernel's limits on the problem itself (any operand recipes)."""
+    if m == 0:
         return "M=0: nothing to compute"
     if out_dtype not in _OUT_TORCH_DTYPES:
         return f"out_dtype {out_dtype}"
     if bias is not None and _dtype_name(bias.dtype) not in BIAS_DTYPES:
         return f"bias dtype {bias.dtype} (the kernel takes {BIAS_DTYPES})"
-    n, k = b.shape
-    return _mn_unsupported(N=n, K=k) if n % MN_MULTIPLE or k % MN_MULTIPLE else None
+    return _mn_unsupported(N=n, K=k)
 
 
 def linear_inference_unsupported(x, weight, weight_scale, weight_recipe: str, activation_recipe: str, bias,
@@ -104,14 +108,7 @@ def linear_inference_unsupported(x, weight, weight_scale, weight_recipe: str, ac
     if x.shape[0] == 0:
         return "M=0: nothing to compute"
     why = rows_unsupported(x)
-    if why:
-        return f"x: {why}"
-    if out_dtype not in _OUT_TORCH_DTYPES:
-        return f"out_dtype {out_dtype}"
-    if bias is not None and _dtype_name(bias.dtype) not in BIAS_DTYPES:
-        return f"bias dtype {bias.dtype} (the kernel takes {BIAS_DTYPES})"
-    n, k = weight.shape
-    return _mn_unsupported(N=n, K=k)
+    return f"x: {why}" if why else _dense_unsupported(x.shape[0], *weight.shape, out_dtype, bias)
 
 
 def grouped_unsupported(a, b, out_dtype, group_ends, masked_counts) -> str | None:
