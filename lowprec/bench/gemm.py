@@ -1,7 +1,9 @@
 """FP8 block-scaled GEMM benchmark: lowprec (sm_90a CuTe DSL kernel) vs cuBLAS.
 
 Peers: cuBLAS blockwise FP8 through ``torch._scaled_mm`` (1x128 activation scales, 128x128
-weight scales) and cuBLAS bf16 (``torch.matmul``). Shapes: DeepSeek-V3 GEMMs at
+weight scales), cuBLAS bf16 (``torch.matmul``) and, when ``deep_gemm`` is importable (not a
+dependency; how to build the version measured: ``benchmarks/grouped_vs_deepgemm.py``), DeepGEMM's
+``gemm_fp8_fp8_bf16_nt`` on the same operands (its output compared bit for bit). Shapes: DeepSeek-V3 GEMMs at
 M in {64, 128, 4096} plus 8192^3. Median of ``triton.testing.do_bench`` (L2 flushed between
 runs), random data. Writes ``benchmarks/results/<gpu>.json``.
 
@@ -133,6 +135,24 @@ def _probe_cublas():
     return False, float("nan"), "no working (API, scale_b layout) pair found"
 
 
+def _deepgemm():
+    try:
+        import deep_gemm
+    except ImportError:
+        return None
+    return deep_gemm
+
+
+def deepgemm_call(a, sa, b, sb):
+    """DeepGEMM's dense 1x128 x 128x128 GEMM (bf16 out) on lowprec's operands, as a call."""
+    import deep_gemm
+
+    sa_tma = deep_gemm.get_col_major_tma_aligned_tensor(sa.contiguous())
+    out = torch.empty(a.shape[0], b.shape[0], device=a.device, dtype=torch.bfloat16)
+    sb = sb.contiguous()
+    return lambda: deep_gemm.gemm_fp8_fp8_bf16_nt((a, sa_tma), (b, sb), out) or out
+
+
 def _bench(fn, rep):
     import triton.testing
 
@@ -227,7 +247,9 @@ def run(args=None):
     rep = getattr(args, "rep", 100)
     check_err = not getattr(args, "no_error", False)
     cublas_ok, cublas_probe_err, cublas_note = _probe_cublas()
-    print(f"# {dev_name}, {num_sms} SMs; cuBLAS blockwise probe: {cublas_note} (rel err {cublas_probe_err:.3g})")
+    have_dg = _deepgemm() is not None
+    print(f"# {dev_name}, {num_sms} SMs; cuBLAS blockwise probe: {cublas_note} (rel err {cublas_probe_err:.3g});"
+          f" DeepGEMM {'importable' if have_dg else 'not importable: no DeepGEMM columns'}")
 
     gen = torch.Generator(device="cuda")
     gen.manual_seed(0)
@@ -238,7 +260,8 @@ def run(args=None):
           " call (lowprec.gemm on QuantizedTensors; cuBLAS: torch scaled_mm), back-to-back calls")
     hdr = (f"{'M':>5} {'N':>6} {'K':>6} {'config':>16} {'lp_rot':>7} {'lp_eager':>8} {'cb8blk':>7}"
            f" {'cb8blk_e':>8} {'cb8row':>7} {'bf16':>7} {'vs_blk':>6} {'vs_blk_e':>8} {'vs_row':>6}"
-           f" {'err':>8} {'err_cb':>8} {'lp_host_us':>10} {'cb_host_us':>10}")
+           f" {'err':>8} {'err_cb':>8} {'lp_host_us':>10} {'cb_host_us':>10} {'dg':>7} {'dg_e':>7} {'vs_best':>7}"
+           f" {'vs_best_e':>9}")
     print(hdr)
     for (m, n, k) in shapes:
         kb, nb = -(-k // 128), -(-n // 128)
@@ -271,11 +294,21 @@ def run(args=None):
             t_cb_eager = _bench(_cublas_blockwise_fn(a, sa, b, sb), rep)
             host_fns.append(_cublas_blockwise_fn(a, sa, b, sb))
         host_lp, host_cb = (_host_us(host_fns) + [float("nan")])[:2]
+        t_dg_eager, dg_same = float("nan"), None
+        if have_dg:
+            dg_calls = [deepgemm_call(*s_) for s_ in sets]
+            dg_same = bool(torch.equal(dg_calls[0](), d))
+            timers["dg"] = _rot_timer(dg_calls)
+            t_dg_eager = _bench(dg_calls[0], rep)
         rounds = _interleaved_rounds(timers, rep)
         lp_rounds, cb_rounds = rounds["lp"], rounds.get("cb", [])
         t_lp = statistics.median(lp_rounds)
         if cb_rounds:
             t_cb = statistics.median(cb_rounds)
+        t_dg = statistics.median(rounds["dg"]) if have_dg else float("nan")
+        # the faster peer with the same scaling (cuBLAS blockwise, DeepGEMM), in each timing mode
+        t_best = min((t for t in (t_cb, t_dg) if math.isfinite(t)), default=float("nan"))
+        t_best_e = min((t for t in (t_cb_eager, t_dg_eager) if math.isfinite(t)), default=float("nan"))
         t_row = _time_rot([_cublas_rowwise_fn(s_[0], s_[2]) for s_ in sets], rep)
         b16s = [(s_[0].to(torch.bfloat16), s_[2].to(torch.bfloat16)) for s_ in sets]
         t_bf = _time_rot([(lambda x=x, y=y: x @ y.t()) for x, y in b16s], rep)
@@ -300,12 +333,17 @@ def run(args=None):
             ratio_vs_cublas_fp8_rowwise=t_row / t_lp, rel_err=err, rel_err_cublas=err_cb,
             lowprec_ms_rounds=lp_rounds, cublas_fp8_blockwise_ms_rounds=cb_rounds,
             first_call_s=compile_s, lowprec_host_us=host_lp, cublas_fp8_blockwise_host_us=host_cb,
+            deepgemm_ms=t_dg, deepgemm_eager_ms=t_dg_eager, deepgemm_ms_rounds=rounds.get("dg", []),
+            deepgemm_tflops=tf(t_dg), deepgemm_bits_equal=dg_same,
+            ratio_vs_best_peer=t_best / t_lp, ratio_vs_best_peer_eager=t_best_e / t_lp_eager,
         )
         rows.append(row)
         print(f"{m:>5} {n:>6} {k:>6} {str(cfg):>16} {tf(t_lp):7.1f} {tf(t_lp_eager):8.1f} {tf(t_cb):7.1f}"
               f" {tf(t_cb_eager):8.1f} {tf(t_row):7.1f} {tf(t_bf):7.1f} {t_cb / t_lp:6.2f}"
               f" {t_cb_eager / t_lp_eager:8.2f} {t_row / t_lp:6.2f} {err:8.1e} {err_cb:8.1e}"
-              f" {host_lp:10.1f} {host_cb:10.1f}", flush=True)
+              f" {host_lp:10.1f} {host_cb:10.1f} {tf(t_dg):7.1f} {tf(t_dg_eager):7.1f} {t_best / t_lp:7.2f}"
+              f" {t_best_e / t_lp_eager:9.2f}" + ("" if dg_same in (None, True) else "  DeepGEMM bits differ"),
+              flush=True)
         del d, d_cb, sets
 
     big = [r["ratio_vs_cublas_fp8"] for r in rows if r["m"] >= 4096 and r["n"] != 8192]
@@ -315,17 +353,23 @@ def run(args=None):
     big_e = [r["ratio_vs_cublas_fp8_eager"] for r in rows if r["m"] >= 4096 and r["n"] != 8192]
     small_e = [r["ratio_vs_cublas_fp8_eager"] for r in rows if r["m"] <= 128]
     host = [r["cublas_fp8_blockwise_host_us"] / r["lowprec_host_us"] for r in rows]
+    best = [r["ratio_vs_best_peer"] for r in rows if r["m"] >= 4096]
+    best_e = [r["ratio_vs_best_peer_eager"] for r in rows if r["m"] >= 4096]
     summary = dict(geomean_ratio_m4096=_geomean(big), geomean_ratio_m_le_128=_geomean(small),
                    geomean_host_time_ratio=_geomean(host),
                    geomean_ratio_eager_m4096=_geomean(big_e), geomean_ratio_eager_m_le_128=_geomean(small_e),
-                   geomean_ratio_rowwise_m4096=_geomean(big_r), geomean_ratio_rowwise_m_le_128=_geomean(small_r))
+                   geomean_ratio_rowwise_m4096=_geomean(big_r), geomean_ratio_rowwise_m_le_128=_geomean(small_r),
+                   min_ratio_vs_best_peer_m_ge_4096=min(best, default=float("nan")),
+                   min_ratio_vs_best_peer_eager_m_ge_4096=min(best_e, default=float("nan")))
     print(f"geomean speedup vs cuBLAS FP8 blockwise, rot: M=4096 {summary['geomean_ratio_m4096']:.3f}x, "
           f"M<=128 {summary['geomean_ratio_m_le_128']:.3f}x | eager: "
           f"M=4096 {summary['geomean_ratio_eager_m4096']:.3f}x, "
           f"M<=128 {summary['geomean_ratio_eager_m_le_128']:.3f}x | vs cuBLAS FP8 rowwise (coarser scaling), rot: "
           f"M=4096 {summary['geomean_ratio_rowwise_m4096']:.3f}x, "
           f"M<=128 {summary['geomean_ratio_rowwise_m_le_128']:.3f}x | host time per eager call, cuBLAS / lowprec: "
-          f"{summary['geomean_host_time_ratio']:.3f}x")
+          f"{summary['geomean_host_time_ratio']:.3f}x | M>=4096, worst vs the faster of cuBLAS blockwise and DeepGEMM:"
+          f" rot {summary['min_ratio_vs_best_peer_m_ge_4096']:.3f}x,"
+          f" eager {summary['min_ratio_vs_best_peer_eager_m_ge_4096']:.3f}x")
     payload = dict(
         device=dev_name, num_sms=num_sms, torch=torch.__version__,
         cublas_blockwise_probe=dict(ok=cublas_ok, rel_err=cublas_probe_err, note=cublas_note),
@@ -334,7 +378,8 @@ def run(args=None):
                 "rounds each, interleaved, which one goes first alternating: *_ms_rounds); "
                 "*_eager_ms: do_bench median of single Python calls (L2 flushed); *_host_us: host time of "
                 "one eager call (lowprec.gemm on QuantizedTensors, cuBLAS scaled_mm), 100 back-to-back calls "
-                "timed on the host, the two interleaved, median of 7; random data"),
+                "timed on the host, the two interleaved, median of 7; deepgemm_*: DeepGEMM when importable, "
+                "in the same rounds; random data"),
         rows=rows, summary=summary,
         date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     )

@@ -168,6 +168,34 @@ def test_compile_per_col_bias_at_large_m(bias_dtype):
     _check_sass(compile_only(cfg, out_dtype=torch.bfloat16, b_scale_per_col=True, bias_dtype=bias_dtype))
 
 
+@needs_cutlass
+@pytest.mark.parametrize(
+    "name,out_dtype,bias_dtype",
+    [
+        ("256x128_c2x1_m1", torch.float32, torch.float32),  # fp32 out: a barrier pair per slice
+        ("256x96_c1x1_m1", torch.bfloat16, torch.bfloat16),  # tiles straddling two scale blocks
+        ("256x64_c1x2_n4", torch.bfloat16, None),
+    ],
+)
+def test_compile_two_wave_tiles(name, out_dtype, bias_dtype):
+    """256-row tiles (two 128-row waves) beyond the shipped 256x128: every epilogue and scale
+    path compiles pipelined, without local memory."""
+    from lowprec.gemm.sm90.interface import compile_only
+    from lowprec.gemm.sm90.tune import parse_config
+
+    _check_sass(compile_only(parse_config(name), out_dtype=out_dtype, bias_dtype=bias_dtype))
+
+
+@needs_cutlass
+def test_two_wave_tiles_reject_what_they_do_not_support():
+    from lowprec.gemm.sm90.interface import compile_only
+    from lowprec.gemm.sm90.tune import parse_config
+
+    for name, per_col in (("256x128_c1x1_m1", True), ("256x192_c1x1_m1", False), ("256x128_c1x1_m1_s2", False)):
+        with pytest.raises(ValueError, match="tile_m=256"):
+            compile_only(parse_config(name), b_scale_per_col=per_col)
+
+
 def test_tune_parses_every_config_name():
     import dataclasses
 
@@ -305,8 +333,8 @@ def test_all_shipped_configs_correct():
     for b_kind in ("block", "col"):
         a, sa, b, sb, ref = make_problem(200, 912, 400, b_kind)
         for cfg in _shipped_configs():
-            if cfg.split_k > 1 or (b_kind == "col" and cfg.tile_n > 128):
-                continue  # split-K: test_split_k_configs; 1x128 B scales use tile_n <= 128
+            if cfg.split_k > 1 or (b_kind == "col" and (cfg.tile_n > 128 or cfg.tile_m == 256)):
+                continue  # split-K: test_split_k_configs; 1x128 B scales: 64/128-row tiles up to 128 wide
             d = _run(a, sa, b, sb, torch.float32, config=cfg)
             err = rel_err(d, ref)
             assert err <= FP32_TOL, f"{cfg} {b_kind}: rel err {err:.3e}"
@@ -326,6 +354,26 @@ def test_tall_m_heuristic_configs_with_tails(b_kind):
     a, sa, b, sb, ref = make_problem(m, n, k, b_kind)
     d = _run(a, sa, b, sb, torch.float32)
     assert rel_err(d, ref) <= FP32_TOL, cfg
+
+
+@gpu
+@needs_gpu
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+def test_wide_tiles_bit_identical_to_128x128(out_dtype):
+    """256-row (two-wave) and 192-wide tiles keep each output's K-block order and promotion:
+    the same bits as 128x128 tiles, with a bias, tails in M, N and K, and tile starts inside a
+    128-wide scale block (96-wide tiles)."""
+    from lowprec.gemm.sm90.blockscaled_gemm import TileConfig
+    from lowprec.gemm.sm90.tune import parse_config
+
+    m, n, k = 1000, 912, 4496
+    a, sa, b, sb, ref = make_problem(m, n, k, "block")
+    bias = torch.randn(n, device="cuda").to(torch.bfloat16)
+    base = _run(a, sa, b, sb, out_dtype, bias=bias, config=TileConfig(tile_m=128, tile_n=128))
+    (assert_close_fp32 if out_dtype == torch.float32 else assert_close_bf16)(base, ref + bias.double()[None, :])
+    for name in ("256x128_c1x2_m1", "256x128_c2x1_n4", "256x96_c1x1_m1", "256x64_c1x2_m1", "128x192_c1x2_m1"):
+        d = _run(a, sa, b, sb, out_dtype, bias=bias, config=parse_config(name))
+        assert torch.equal(d, base), f"{name}: bits differ from 128x128"
 
 
 @gpu

@@ -39,8 +39,10 @@ def store_direct(acc: cute.Tensor, coords: cute.Tensor, mD: cute.Tensor, row0, n
 
 
 class TmaStoreEpilogue(LoopInvariant):
-    """Accumulator -> out dtype -> smem (``stmatrix``) -> gmem (TMA store), ``epi_tile`` by
-    ``epi_tile``, through ``epi_stage`` staged smem buffers.
+    """Accumulators -> out dtype -> smem (``stmatrix``) -> gmem (TMA store), ``epi_tile`` by
+    ``epi_tile``, through ``epi_stage`` staged smem buffers. ``accs``: one accumulator per wave
+    (a wave: the rows one pass of the tiled MMA covers; a tile of several waves stores each into
+    its own gmem sub-tile).
 
     A tile that fits the buffers whole is staged whole: one barrier pair per tile (the previous
     tile's stores were issued a mainloop ago: waiting for their smem reads costs nothing).
@@ -52,9 +54,9 @@ class TmaStoreEpilogue(LoopInvariant):
         self.__dict__.update(kw)
 
     @staticmethod
-    def create(tiled_mma, acc, sD, tma_atom, tidx, warp_idx, out_dtype, d_layout, epi_tile, epi_stage: int,
+    def create(tiled_mma, accs: list, sD, tma_atom, tidx, warp_idx, out_dtype, d_layout, epi_tile, epi_stage: int,
                store_warp: int, barrier, num_threads: int):
-        acc_dtype = acc.element_type
+        acc_dtype = accs[0].element_type
         copy_atom_r2s = sm90_utils.get_smem_store_op(d_layout, elem_ty_d=out_dtype, elem_ty_acc=acc_dtype)
         copy_atom_c = cute.make_copy_atom(
             cute.nvgpu.warp.StMatrix8x8x16bOp(d_layout.is_m_major_c(), 4), out_dtype
@@ -63,7 +65,7 @@ class TmaStoreEpilogue(LoopInvariant):
         tiled_copy_r2s = cute.make_tiled_copy_S(copy_atom_r2s, tiled_copy_c_atom)
         thr_copy_r2s = tiled_copy_r2s.get_slice(tidx)
         tRS_sD = thr_copy_r2s.partition_D(sD)
-        tRS_rAcc = tiled_copy_r2s.retile(acc)
+        tRS_rAccs = [tiled_copy_r2s.retile(acc) for acc in accs]
         rD_shape = cute.shape(thr_copy_r2s.partition_S(sD))
         tRS_rD = cute.make_rmem_tensor(rD_shape[:3], acc_dtype)
         tRS_rD_out = cute.make_rmem_tensor(rD_shape[:3], out_dtype)
@@ -72,7 +74,7 @@ class TmaStoreEpilogue(LoopInvariant):
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, num_threads),
         )
         return TmaStoreEpilogue(
-            tiled_copy_r2s=tiled_copy_r2s, tRS_rAcc=tRS_rAcc, tRS_rD=tRS_rD, tRS_rD_out=tRS_rD_out, tRS_sD=tRS_sD,
+            tiled_copy_r2s=tiled_copy_r2s, tRS_rAccs=tRS_rAccs, tRS_rD=tRS_rD, tRS_rD_out=tRS_rD_out, tRS_sD=tRS_sD,
             sD=sD, tma_atom=tma_atom, store_pipeline=store_pipeline, warp_idx=warp_idx, out_dtype=out_dtype,
             epi_tile=epi_tile, epi_stage=epi_stage, store_warp=store_warp, barrier=barrier,
         )
@@ -87,43 +89,52 @@ class TmaStoreEpilogue(LoopInvariant):
         return bSG_sD, bSG_gD, cute.size(tDgD, mode=[1]), cute.make_layout(shape, stride=(shape[1], 1))
 
     @cute.jit
-    def _to_smem(self, epi_idx: cutlass.Constexpr, buffer):
-        """Slice ``epi_idx`` of the accumulator, converted, into smem buffer ``buffer``."""
+    def _to_smem(self, wave: cutlass.Constexpr, epi_idx: cutlass.Constexpr, buffer):
+        """Slice ``epi_idx`` of wave ``wave``'s accumulator, converted, into smem buffer ``buffer``."""
         n = cute.size(self.tRS_rD)
         for epi_v in cutlass.range_constexpr(n):
-            self.tRS_rD[epi_v] = self.tRS_rAcc[epi_idx * n + epi_v]
+            self.tRS_rD[epi_v] = self.tRS_rAccs[wave][epi_idx * n + epi_v]
         self.tRS_rD_out.store(self.tRS_rD.load().to(self.out_dtype))
         cute.copy(self.tiled_copy_r2s, self.tRS_rD_out, self.tRS_sD[(None, None, None, buffer)])
 
     @cute.jit
-    def store(self, gD_tile: cute.Tensor, tiles_done):
-        """Store the accumulator (``tRS_rAcc``) to ``gD_tile``; ``tiles_done``: tiles this epilogue
-        stored before (picks the buffers of a tile stored slice by slice)."""
-        bSG_sD, bSG_gD, num, coords = self._slices(gD_tile)
-        if cutlass.const_expr(num <= self.epi_stage):
+    def store(self, gD_tiles: list, tiles_done):
+        """Store the accumulators (one per wave) to ``gD_tiles`` (one gmem tile per wave);
+        ``tiles_done``: tiles this epilogue stored before (picks the buffers of a tile stored
+        slice by slice)."""
+        parts = [self._slices(g) for g in gD_tiles]
+        num = parts[0][2]
+        waves = len(parts)
+        if cutlass.const_expr(num * waves <= self.epi_stage):
             if self.warp_idx == self.store_warp:
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
             self.barrier.arrive_and_wait()
-            for epi_idx in cutlass.range_constexpr(num):
-                self._to_smem(epi_idx, epi_idx)
+            for w in cutlass.range_constexpr(waves):
+                for epi_idx in cutlass.range_constexpr(num):
+                    self._to_smem(w, epi_idx, w * num + epi_idx)
             cute.arch.fence_proxy("async.shared", space="cta")
             self.barrier.arrive_and_wait()
             if self.warp_idx == self.store_warp:
-                for epi_idx in cutlass.range_constexpr(num):
-                    cute.copy(self.tma_atom, bSG_sD[(None, epi_idx)], bSG_gD[(None, coords.get_hier_coord(epi_idx))])
+                for w in cutlass.range_constexpr(waves):
+                    bSG_sD, bSG_gD, _, coords = parts[w]
+                    for epi_idx in cutlass.range_constexpr(num):
+                        cute.copy(self.tma_atom, bSG_sD[(None, w * num + epi_idx)],
+                                  bSG_gD[(None, coords.get_hier_coord(epi_idx))])
                 self.store_pipeline.producer_commit()
         else:
-            for epi_idx in cutlass.range_constexpr(num):
-                buffer = (tiles_done * num + epi_idx) % self.epi_stage
-                self._to_smem(epi_idx, buffer)
-                cute.arch.fence_proxy("async.shared", space="cta")
-                self.barrier.arrive_and_wait()
-                gmem_coord = coords.get_hier_coord(epi_idx)
-                if self.warp_idx == self.store_warp:
-                    cute.copy(self.tma_atom, bSG_sD[(None, buffer)], bSG_gD[(None, gmem_coord)])
-                    self.store_pipeline.producer_commit()
-                    self.store_pipeline.producer_acquire()
-                self.barrier.arrive_and_wait()
+            for w in cutlass.range_constexpr(waves):
+                bSG_sD, bSG_gD, _, coords = parts[w]
+                for epi_idx in cutlass.range_constexpr(num):
+                    buffer = (tiles_done * num * waves + w * num + epi_idx) % self.epi_stage
+                    self._to_smem(w, epi_idx, buffer)
+                    cute.arch.fence_proxy("async.shared", space="cta")
+                    self.barrier.arrive_and_wait()
+                    gmem_coord = coords.get_hier_coord(epi_idx)
+                    if self.warp_idx == self.store_warp:
+                        cute.copy(self.tma_atom, bSG_sD[(None, buffer)], bSG_gD[(None, gmem_coord)])
+                        self.store_pipeline.producer_commit()
+                        self.store_pipeline.producer_acquire()
+                    self.barrier.arrive_and_wait()
 
     def tail(self):
         """Wait for the last TMA stores (before the CTA exits)."""

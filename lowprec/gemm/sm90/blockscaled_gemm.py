@@ -14,9 +14,10 @@ blocks of ``lowprec.cute``:
   across a cluster) and their scales (the tile's A row scales; its B column scales or 128x128
   block scales), as a list of ``TmaLoad`` issued by ``TmaRing.fill``.
 * warpgroups 1..2 (consumers, ``setmaxnreg`` 232; 240 with 1x128 B scales and a bias): each owns
-  64 rows of the CTA tile and runs the ``PromotedMainloop`` (``mainloop.py``): per K block a
-  ``BlockMma`` batch into a fresh accumulator, the block's scales (``FragmentScales``), FP32
-  promotion (``promote``).
+  64 rows of each wave of the CTA tile (a wave: 64 rows per consumer warpgroup; 256-row tiles
+  have two, each with its own A box and smem buffer) and runs the ``PromotedMainloop``
+  (``mainloop.py``): per K block a ``BlockMma`` batch into a fresh accumulator, the block's
+  scales (``FragmentScales``), FP32 promotion (``promote``).
 * epilogue: optional bias, conversion, ``stmatrix`` to shared memory, TMA store
   (``TmaStoreEpilogue``: 16-bit outputs staged whole, one barrier pair per tile; fp32 through two
   buffers, a pair per slice); grouped tiles that end inside the output store row by row from
@@ -54,7 +55,7 @@ from ...cute.sm90.tma_ring import TmaLoad, TmaRing, tma_partition_tiles
 from ...cute.tile_scheduler import DenseTileScheduler, GroupedTileScheduler
 from ...cute.utils import fence_operand, round_up  # noqa: F401  (fence_operand re-exported)
 from .config import SCALE_BLOCK, TileConfig, scale_blocks_spanned, valid_tile_n  # noqa: F401  (re-exported)
-from .mainloop import KSlot, PromotedMainloop
+from .mainloop import KSlot, PromotedMainloop, Wave
 
 SMEM_CAPACITY_SM90 = 232448  # bytes of dynamic smem per CTA on sm_90
 _SB_BOX_K = 4  # K blocks per TMA box of 128x128 B scales (16 bytes: the smallest TMA box row)
@@ -92,7 +93,7 @@ class BlockScaledGemmSm90:
         self.grouping = grouping
         self.split_k = config.split_k
         # a second block accumulator (tile_n/2 registers) must fit next to acc and blk
-        self.overlap = config.mma_overlap and config.tile_n <= 128
+        self.overlap = config.mma_overlap and config.tile_n <= 128 and config.tile_m <= 128
         # 1x128 B scales with two block accumulators: the tile_n/4 column scales are read from the
         # stage at promotion time (the stage is released after it) instead of being held in
         # registers from the issue on, which leaves no room for blk2 above 64 columns
@@ -105,7 +106,9 @@ class BlockScaledGemmSm90:
         # load from the row rounded down to a multiple of 4, with 4 extra rows
         self.sa_box_m = self.tile_m + (4 if grouping is not None else 0)
         self.cluster_shape_mn = (config.cluster_m, config.cluster_n)
-        self.num_mma_wg = self.tile_m // 64
+        self.num_mma_wg = min(self.tile_m // 64, 2)
+        self.wave_m = 64 * self.num_mma_wg
+        self.waves = self.tile_m // self.wave_m
         self.atom_layout_mnk = (self.num_mma_wg, 1, 1)
         self.threads_per_wg = 128
         self.threads_per_cta = (1 + self.num_mma_wg) * self.threads_per_wg
@@ -131,8 +134,11 @@ class BlockScaledGemmSm90:
 
     @staticmethod
     def _check_options(config, b_scale_per_col, bias_dtype, grouping):
-        if config.tile_m not in (64, 128):
-            raise ValueError(f"tile_m must be 64 or 128, got {config.tile_m}")
+        if config.tile_m not in (64, 128, 256):
+            raise ValueError(f"tile_m must be 64, 128 or 256, got {config.tile_m}")
+        if config.tile_m == 256 and (grouping is not None or b_scale_per_col or config.split_k > 1
+                                     or config.tile_n > 128):
+            raise ValueError("tile_m=256: dense GEMMs with 128x128 B scales, no split-K, tile_n <= 128")
         if not valid_tile_n(config.tile_n):
             raise ValueError(f"unsupported tile_n {config.tile_n}")
         if grouping not in (None, "contiguous", "masked", "kgrouped"):
@@ -166,7 +172,7 @@ class BlockScaledGemmSm90:
         self.cta_layout_mnk = cute.make_layout((*self.cluster_shape_mn, 1))
 
         epi_n = 32 if self.tile_n % 32 == 0 else 16
-        self.epi_tile = (self.tile_m, epi_n)
+        self.epi_tile = (self.wave_m, epi_n)
         # 16-bit out: 4 buffers hold a tile up to 128 wide, wider tiles get one per slice: one
         # barrier pair per tile (TmaStoreEpilogue; 2 buffers and a 6th A/B stage measured 3-15%
         # slower, NOTES v7; 128x160 +14% with 5, session 13). 80/112-wide tiles (16-column
@@ -176,7 +182,7 @@ class BlockScaledGemmSm90:
         elif self.tile_n > 128:
             self.epi_stage = self.tile_n // epi_n
         else:
-            self.epi_stage = 4
+            self.epi_stage = 4 * self.waves
         self.d_layout = LayoutEnum.ROW_MAJOR
 
         # scales ride in the same pipeline stage as their K block (TMA, 128-byte aligned slots):
@@ -190,11 +196,11 @@ class BlockScaledGemmSm90:
         ab_bytes_per_stage = (
             (self.tile_m + self.tile_n) * self.tile_k * self.ab_dtype.width // 8 + scale_bytes_per_stage
         )
-        epi_bytes = self.tile_m * epi_n * self.out_dtype.width // 8 * self.epi_stage
+        epi_bytes = self.wave_m * epi_n * self.out_dtype.width // 8 * self.epi_stage
         self.ab_stage = min(
             12, (SMEM_CAPACITY_SM90 - 2048 - epi_bytes) // ab_bytes_per_stage
         )
-        self.a_smem_layout_staged = self._ab_smem_layout(self.tile_m)
+        self.a_smem_layout_staged = self._ab_smem_layout(self.wave_m)  # one buffer per wave
         self.b_smem_layout_staged = self._ab_smem_layout(self.tile_n)
         self.epi_smem_layout_staged = sm90_utils.make_smem_layout_epi(
             self.out_dtype, self.d_layout, self.epi_tile, self.epi_stage
@@ -255,7 +261,7 @@ class BlockScaledGemmSm90:
         g2s, g2s_mcast = cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp, cute.nvgpu.cpasync.CopyBulkTensorTileG2SMulticastOp
         a = cute.nvgpu.cpasync.make_tiled_tma_atom(
             g2s_mcast() if self.is_a_mcast else g2s(), mA, cute.slice_(self.a_smem_layout_staged, (None, None, 0)),
-            (self.tile_m, self.tile_k), num_multicast=self.num_mcast_ctas_a,
+            (self.wave_m, self.tile_k), num_multicast=self.num_mcast_ctas_a,
         )
         b = cute.nvgpu.cpasync.make_tiled_tma_atom(
             g2s_mcast() if self.is_b_mcast else g2s(), mB, cute.slice_(self.b_smem_layout_staged, (None, None, 0)),
@@ -293,7 +299,8 @@ class BlockScaledGemmSm90:
 
         fields = {
             "mainloop_pipeline_array_ptr": cute.struct.MemRange[cutlass.Int64, self.ab_stage * 2],
-            "sA": aligned(self.ab_dtype, cute.cosize(self.a_smem_layout_staged), self.buffer_align_bytes),
+            **{f"sA{w}": aligned(self.ab_dtype, cute.cosize(self.a_smem_layout_staged), self.buffer_align_bytes)
+               for w in range(self.waves)},
             "sB": aligned(self.ab_dtype, cute.cosize(self.b_smem_layout_staged), self.buffer_align_bytes),
             "sD": aligned(self.out_dtype, cute.cosize(self.epi_smem_layout_staged), self.buffer_align_bytes),
             "sSA": aligned(cutlass.Float32, cute.cosize(self.sa_smem_layout_staged), 128),
@@ -336,7 +343,8 @@ class BlockScaledGemmSm90:
         storage = SmemAllocator().allocate(self.shared_storage)
         ring = self._make_ring(storage, a_smem_layout_staged, b_smem_layout_staged, cta_layout_mnk)
         pipeline_init_arrive(cluster_shape_mn=self.cluster_shape_mn, is_relaxed=True)
-        sA = storage.sA.get_tensor(a_smem_layout_staged.outer, swizzle=a_smem_layout_staged.inner)
+        sAs = [getattr(storage, f"sA{w}").get_tensor(a_smem_layout_staged.outer, swizzle=a_smem_layout_staged.inner)
+               for w in range(self.waves)]
         sB = storage.sB.get_tensor(b_smem_layout_staged.outer, swizzle=b_smem_layout_staged.inner)
         sD = storage.sD.get_tensor(epi_smem_layout_staged.outer, swizzle=epi_smem_layout_staged.inner)
         sa_layout, sb_layout = self._scale_smem_layouts()
@@ -359,18 +367,18 @@ class BlockScaledGemmSm90:
         if warp_group_idx == 0:
             cute.arch.setmaxregister_decrease(self.load_regs)
             if warp_idx == self.load_warp_id:
-                self._producer((tma_atom_a, tma_atom_b, tma_atom_sa, tma_atom_sb), mA, mB, mSA, gSB, sA, sB, sSA,
+                self._producer((tma_atom_a, tma_atom_b, tma_atom_sa, tma_atom_sb), mA, mB, mSA, gSB, sAs, sB, sSA,
                                sSB, ring, cta_layout_mnk, cluster_coord_mnk, sched_args)
         else:
             cute.arch.setmaxregister_increase(self.mma_regs)
-            self._consumer(tidx - self.threads_per_wg, warp_idx, tiled_mma, sA, sB, sD, mD, tma_atom_d, sSA, sSB,
+            self._consumer(tidx - self.threads_per_wg, warp_idx, tiled_mma, sAs, sB, sD, mD, tma_atom_d, sSA, sSB,
                            mBias, mD_raw, ring, sched_args)
 
     def _make_ring(self, storage, a_smem_layout_staged, b_smem_layout_staged, cta_layout_mnk):
         """The A/B/scales ring: a stage holds one K block's tiles and scale boxes; released by
         every consumer warp of each CTA the stage's tiles were multicast to."""
         stage_bytes = (
-            cute.size_in_bytes(self.ab_dtype, cute.slice_(a_smem_layout_staged, (None, None, 0)))
+            cute.size_in_bytes(self.ab_dtype, cute.slice_(a_smem_layout_staged, (None, None, 0))) * self.waves
             + cute.size_in_bytes(self.ab_dtype, cute.slice_(b_smem_layout_staged, (None, None, 0)))
             + 4 * (self.sa_box_m + self.sb_box[0] * self.sb_box[1] * self.num_sb_boxes)
         )
@@ -390,7 +398,7 @@ class BlockScaledGemmSm90:
 
     # --- producer: TMA loads of A/B K blocks and their scales into the ring ---------------
     @cute.jit
-    def _producer(self, atoms, mA, mB, mSA, gSB, sA, sB, sSA, sSB, ring, cta_layout_mnk, cluster_coord_mnk,
+    def _producer(self, atoms, mA, mB, mSA, gSB, sAs, sB, sSA, sSB, ring, cta_layout_mnk, cluster_coord_mnk,
                   sched_args):
         tma_atom_a, tma_atom_b, tma_atom_sa, tma_atom_sb = atoms
         a_mcast_mask = 0
@@ -405,8 +413,8 @@ class BlockScaledGemmSm90:
         dense_parts = None
         if cutlass.const_expr(self.grouping is None):
             dense_parts = (
-                tma_partition_tiles(tma_atom_a, sA, cute.local_tile(mA, (self.tile_m, self.tile_k), (None, None)),
-                                    *a_cta),
+                [tma_partition_tiles(tma_atom_a, sA, cute.local_tile(mA, (self.wave_m, self.tile_k), (None, None)),
+                                     *a_cta) for sA in sAs],
                 tma_partition_tiles(tma_atom_b, sB, cute.local_tile(mB, (self.tile_n, self.tile_k), (None, None)),
                                     *b_cta),
                 tma_partition_tiles(tma_atom_sa, sSA, cute.local_tile(mSA, (self.tile_m, 1), (None, None))),
@@ -420,7 +428,7 @@ class BlockScaledGemmSm90:
                     loads = self._dense_loads(atoms, dense_parts, sb_parts, tile, a_mcast_mask, b_mcast_mask,
                                               cute.size(gSB, mode=[2]))
                 else:
-                    loads = self._grouped_loads(atoms, mA, mB, mSA, sA, sB, sSA, sb_parts, tile, a_cta,
+                    loads = self._grouped_loads(atoms, mA, mB, mSA, sAs[0], sB, sSA, sb_parts, tile, a_cta,
                                                 a_mcast_mask, sched.n_size)
                 for kk in range(tile.k_cnt):
                     ring.fill(state, loads, tile.k_first + kk)
@@ -439,7 +447,7 @@ class BlockScaledGemmSm90:
 
     def _dense_loads(self, atoms, dense_parts, sb_parts, tile, a_mcast_mask, b_mcast_mask, nsb_rows):
         tma_atom_a, tma_atom_b, tma_atom_sa, tma_atom_sb = atoms
-        (tAsA, tAgA), (tBsB, tBgB), (tSAsSA, tSAgSA) = dense_parts
+        a_parts, (tBsB, tBgB), (tSAsSA, tSAgSA) = dense_parts
         if cutlass.const_expr(self.b_scale_per_col):
             sb_rows = [tile.n_tile]
         else:
@@ -448,7 +456,8 @@ class BlockScaledGemmSm90:
         return [
             TmaLoad(tma_atom_sa, tSAgSA[(None, tile.m_tile, None)], tSAsSA),
             *self._sb_loads(tma_atom_sb, sb_parts, sb_rows),
-            TmaLoad(tma_atom_a, tAgA[(None, tile.m_tile, None)], tAsA, mcast_mask=a_mcast_mask),
+            *[TmaLoad(tma_atom_a, tAgA[(None, tile.m_tile * self.waves + w, None)], tAsA, mcast_mask=a_mcast_mask)
+              for w, (tAsA, tAgA) in enumerate(a_parts)],
             TmaLoad(tma_atom_b, tBgB[(None, tile.n_tile, None)], tBsB, mcast_mask=b_mcast_mask),
         ]
 
@@ -482,20 +491,22 @@ class BlockScaledGemmSm90:
 
     # --- consumers: the promoted K loop, then the epilogue -------------------------------
     @cute.jit
-    def _consumer(self, mma_tidx, warp_idx, tiled_mma, sA, sB, sD, mD, tma_atom_d, sSA, sSB, mBias, mD_raw, ring,
+    def _consumer(self, mma_tidx, warp_idx, tiled_mma, sAs, sB, sD, mD, tma_atom_d, sSA, sSB, mBias, mD_raw, ring,
                   sched_args):
         wg_in_mma = mma_tidx // self.threads_per_wg
-        mma = BlockMma.create(self._make_tiled_mma, tiled_mma, sA, sB, wg_in_mma * self.threads_per_wg)
-        # per-thread coordinates of the accumulator values inside the CTA tile
-        tCcC = tiled_mma.get_slice(mma_tidx).partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n)))
-        acc = cute.make_rmem_tensor(tCcC.shape, self.acc_dtype)
+        mmas = [BlockMma.create(self._make_tiled_mma, tiled_mma, sA, sB, wg_in_mma * self.threads_per_wg)
+                for sA in sAs]
+        # per-thread coordinates of the accumulator values inside a wave of the CTA tile
+        tCcC = tiled_mma.get_slice(mma_tidx).partition_C(cute.make_identity_tensor((self.wave_m, self.tile_n)))
+        accs = [cute.make_rmem_tensor(tCcC.shape, self.acc_dtype) for _ in range(self.waves)]
+        acc = accs[0]
         blk = cute.make_rmem_tensor(tCcC.shape, self.acc_dtype)
         blk2 = cute.make_rmem_tensor(tCcC.shape, self.acc_dtype) if self.overlap else blk
         epi = TmaStoreEpilogue.create(
-            tiled_mma, acc, sD, tma_atom_d, mma_tidx, warp_idx, self.out_dtype, self.d_layout, self.epi_tile,
+            tiled_mma, accs, sD, tma_atom_d, mma_tidx, warp_idx, self.out_dtype, self.d_layout, self.epi_tile,
             self.epi_stage, self.epi_store_warp_id, self.epilog_sync_barrier, self.num_mma_threads,
         )
-        mainloop = self._make_mainloop(ring, mma, tCcC, acc, blk, blk2, sSA, sSB)
+        mainloop = self._make_mainloop(ring, mmas, tCcC, accs, blk, blk2, sSA, sSB)
         read_state = ring.consumer_state()
         release_state = ring.consumer_state()
         done = cutlass.Int32(0)  # grouped: tiles stored by TMA (dense: the scheduler counts)
@@ -504,10 +515,11 @@ class BlockScaledGemmSm90:
             if sched.has_tile():
                 tile = sched.work_tile()
                 n0 = tile.n0
-                acc.fill(0.0)
+                for a in accs:
+                    a.fill(0.0)
                 if cutlass.const_expr(self.grouping is None):
                     read_state, release_state = mainloop.run(n0, tile.k_first, tile.k_cnt, read_state, release_state)
-                    self._dense_epilogue(epi, acc, tile, n0, tCcC, mD, mBias, sched.num_tiles_executed)
+                    self._dense_epilogue(epi, accs, tile, n0, tCcC, mD, mBias, sched.num_tiles_executed)
                 else:
                     read_state, release_state = self._grouped_mainloop(mainloop, tile, n0, read_state, release_state)
                     done = self._grouped_epilogue(epi, acc, tile, n0, tCcC, mD, mD_raw, done)
@@ -516,29 +528,31 @@ class BlockScaledGemmSm90:
                 sched.next_group()
         epi.tail()
 
-    def _make_mainloop(self, ring, mma, tCcC, acc, blk, blk2, sSA, sSB):
-        n_cgroups = cute.size(acc) // 4  # accumulator value order: (2 cols, 2 rows (+8), tile_n/8 groups)
+    def _make_mainloop(self, ring, mmas, tCcC, accs, blk, blk2, sSA, sSB):
+        n_cgroups = cute.size(blk) // 4  # accumulator value order: (2 cols, 2 rows (+8), tile_n/8 groups)
         n_sb = 2 * n_cgroups if self.b_scale_per_col else self.num_sb_boxes
         if cutlass.const_expr(self.sb_from_smem):
             n_sb = 1  # unused: the column scales are read at promotion
         slots = (KSlot(blk, ScaleRegs(n_sb)), KSlot(blk2, ScaleRegs(n_sb)))
         # tile-relative rows (r = 0, 1: +8) and first column of this thread's accumulator values
         scales = FragmentScales(sSA, sSB, [tCcC[0][0], tCcC[2][0]], tCcC[0][1], self.b_scale_per_col, _SB_BOX_K)
-        return PromotedMainloop(ring, mma, scales, acc, slots if self.overlap else slots[:1],
+        waves = [Wave(mma, scales.shifted(w * self.wave_m), acc) for w, (mma, acc) in enumerate(zip(mmas, accs))]
+        return PromotedMainloop(ring, waves, slots if self.overlap else slots[:1],
                                 overlap=self.overlap, sb_from_smem=self.sb_from_smem, per_col=self.b_scale_per_col,
                                 n_straddle=self.n_straddle, tile_n=self.tile_n)
 
     @cute.jit
-    def _dense_epilogue(self, epi, acc, tile, n0, tCcC, mD, mBias, tiles_done):
+    def _dense_epilogue(self, epi, accs, tile, n0, tCcC, mD, mBias, tiles_done):
         if cutlass.const_expr(self.bias_dtype is not None):
-            add_col_vector(acc, mBias, n0 + tCcC[0][1], cute.size(mD, mode=[1]))
-        if cutlass.const_expr(self.split_k > 1):  # mD is (M, N, split_k) fp32 partials
+            for acc in accs:
+                add_col_vector(acc, mBias, n0 + tCcC[0][1], cute.size(mD, mode=[1]))
+        if cutlass.const_expr(self.split_k > 1):  # mD is (M, N, split_k) fp32 partials (one wave)
             gD = cute.local_tile(mD, (self.tile_m, self.tile_n), (None, None, None))
-            gD_tile = gD[(None, None, tile.coord[0], tile.coord[1], tile.coord[2])]
+            gD_tiles = [gD[(None, None, tile.coord[0], tile.coord[1], tile.coord[2])]]
         else:
-            gD = cute.local_tile(mD, (self.tile_m, self.tile_n), (None, None))
-            gD_tile = gD[(None, None, tile.coord[0], tile.coord[1])]
-        epi.store(gD_tile, tiles_done)
+            gD = cute.local_tile(mD, (self.wave_m, self.tile_n), (None, None))
+            gD_tiles = [gD[(None, None, tile.coord[0] * self.waves + w, tile.coord[1])] for w in range(self.waves)]
+        epi.store(gD_tiles, tiles_done)
 
     @cute.jit
     def _grouped_mainloop(self, mainloop, tile, n0, read_state, release_state):
@@ -571,6 +585,6 @@ class BlockScaledGemmSm90:
         else:
             gD_tile = cute.local_tile(cute.domain_offset((tile.row0, 0), mD), (self.tile_m, self.tile_n),
                                       (0, tile.n_tile))
-            epi.store(gD_tile, done)
+            epi.store([gD_tile], done)
             done = done + 1
         return done

@@ -15,7 +15,7 @@ SCALE_BLOCK = 128  # K (and N for 128x128 weight scales) granularity of the scal
 class TileConfig:
     """One kernel configuration (everything that changes the generated code)."""
 
-    tile_m: int = 128  # 64 (one consumer warpgroup) or 128 (two)
+    tile_m: int = 128  # 64 (one consumer warpgroup), 128 (two) or 256 (two, each 2 x 64 rows)
     tile_n: int = 128  # multiple of 16, see ``valid_tile_n``
     cluster_m: int = 1  # CTAs of a cluster along M (they share the B tile: multicast B)
     cluster_n: int = 1  # CTAs of a cluster along N (they share the A tile: multicast A)

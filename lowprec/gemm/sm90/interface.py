@@ -42,6 +42,7 @@ def _shipped_configs():
     cfgs.append(TileConfig(tile_m=128, tile_n=128, cluster_m=2, raster_along_m=False, swizzle=4))
     cfgs.append(TileConfig(tile_m=128, tile_n=128, cluster_n=2))
     cfgs.append(TileConfig(tile_m=128, tile_n=128, cluster_n=2, swizzle=8))
+    cfgs.extend(TileConfig(tile_m=bm, tile_n=bn, cluster_n=2) for bm, bn in _WIDE_TILES if (bm, bn) != (128, 128))
     # 64 < M <= 128: both M tiles of a 2-CTA cluster share the B tile
     cfgs.extend(TileConfig(tile_m=64, tile_n=bn, cluster_m=2) for bn in (16, 32, 64, 128))
     # split-K for small M (few tiles, long K): fp32 partials reduced on the host side
@@ -59,6 +60,13 @@ def __getattr__(name):  # lazy: importing this module must not import cutlass
 
 
 # ----------------------------------------------------------------------------- heuristic
+# Large-M tiles (in 1x2 clusters, A multicast) and their relative throughput per tile area at
+# K >= 4096, from same-run sweeps on the H100 (NOTES, session 24): 256x128 (two 128-row waves
+# per consumer pair, DeepGEMM's tile) +5-9% over 128x128; 128x192 wins where its wave count is
+# lower. At K <= 2048 both lose to 128x128 (fewer K blocks to spread a tile's prologue and
+# epilogue over; 256x128 has 3 stages).
+_WIDE_TILES = {(128, 128): 1.0, (128, 192): 1.03, (256, 128): 1.08}
+_WIDE_TILE_MIN_K = 4096
 # Per-SM ceilings used by the cost model (H100 SXM measured: FP8 dense ~1250 TFLOPS via cuBLAS,
 # ~3.0 TB/s copy). Only ratios matter for the choice.
 _SM_FLOPS = 1250e12 / 132
@@ -85,13 +93,27 @@ def _estimate_time(m: int, n: int, k: int, bm: int, bn: int, num_sms: int) -> fl
     return waves * per_wave
 
 
+def _wide_tile(m: int, n: int, k: int, num_sms: int) -> tuple[int, int]:
+    """The large-M tile with the least estimated time: waves (a persistent CTA runs its tiles one
+    after the other, so a partial last wave costs a whole one) x tile area / throughput."""
+    def cost(tile):
+        bm, bn = tile
+        tiles = -(-m // bm) * -(-n // bn)
+        return -(-tiles // num_sms) * bm * bn / _WIDE_TILES[tile]
+
+    if k < _WIDE_TILE_MIN_K:
+        return 128, 128
+    return min(_WIDE_TILES, key=lambda t: (cost(t), t))
+
+
 @functools.lru_cache(maxsize=4096)
 def choose_config(m: int, n: int, k: int, b_scale_per_col: bool = False, num_sms: int = 132):
     """Tile configuration for a problem (deterministic: the result depends only on the args).
 
-    Rules from sweeps on H100 (NOTES.md, v3, v7 and session 11): large M -> 128x128 tiles in
-    2-CTA clusters along N (A multicast; M >= 8192 and N >= 4096: rasterized in groups of 8 N
-    tiles; 1x128 B scales: clusters along M, rasterized along N); M <= 64 -> 64x64 tiles,
+    Rules from sweeps on H100 (NOTES.md, v3, v7 and sessions 11, 24): large M -> 2-CTA clusters
+    along N (A multicast) of 128x128, 128x192 or 256x128 tiles, whichever runs in the fewest
+    waves for its throughput (``_wide_tile``; 128x128 at M >= 8192 and N >= 4096: rasterized in
+    groups of 8 N tiles; 1x128 B scales: 128x128 in clusters along M, rasterized along N); M <= 64 -> 64x64 tiles,
     narrower when that leaves SMs idle; 64 < M <= 128 -> two 64-row tiles in a 2-CTA cluster
     sharing B (multicast), up to 128 wide; in between, the cost model.
     """
@@ -103,12 +125,13 @@ def choose_config(m: int, n: int, k: int, b_scale_per_col: bool = False, num_sms
             # weight-gradient GEMMs (1x128 B scales): rasterized along N in groups of 4 M tiles,
             # +4-5% at M = 4096 (NOTES v8), still the best at 14336x4096x16384 (session 11)
             return TileConfig(tile_m=128, tile_n=128, cluster_m=2, raster_along_m=False, swizzle=4)
-        if tiles_m128 >= 64 and tiles_n128 >= 32:
+        bm, bn = _wide_tile(m, n, k, num_sms)
+        if (bm, bn) == (128, 128) and tiles_m128 >= 64 and tiles_n128 >= 32:
             # a plain wave along M would stream all of a tall A from HBM once per N column pair:
             # groups of 8 N tiles keep A's rows in L2; +6-12% over the 2x1 N-rasterized config
             # on every M >= 8192 shape of NOTES session 11 (8192^3 included)
             return TileConfig(tile_m=128, tile_n=128, cluster_n=2, swizzle=8)
-        return TileConfig(tile_m=128, tile_n=128, cluster_n=2)
+        return TileConfig(tile_m=bm, tile_n=bn, cluster_n=2)
     if m <= 64:
         for bn in (64, 32, 16):
             if -(-n // bn) >= 0.75 * num_sms:

@@ -1,7 +1,11 @@
 """The consumer's K loop of the block-scaled GEMM: per K block a wgmma batch into a fresh block
 accumulator, the block's scales, FP32 promotion into ``acc`` (composed of ``lowprec.cute.sm90``).
 
-With ``overlap`` two block accumulators alternate, so the wgmma batch of block k+1 runs while
+A tile of several waves (a wave: the rows one pass of the tiled MMA covers; e.g. 256-row tiles of
+two 128-row waves) runs the waves of a K block one after the other into one block accumulator,
+each waited for and promoted into its own ``acc`` (DeepGEMM's 256-row tiles: the two consumer
+warpgroups' promotions interleave with each other's wgmmas). With one wave and ``overlap`` two
+block accumulators alternate, so the wgmma batch of block k+1 runs while
 block k is promoted (``wait_group(1)``, operands pinned by ``fence_operand``); otherwise each
 block is waited for (``wait_group(0)``). ``sb_from_smem``: 1x128 B scales on tiles over 64
 columns are read from the stage at promotion (the stage released after it) instead of being held
@@ -23,7 +27,14 @@ from ...cute.sm90.scales import FragmentScales, ScaleRegs
 from ...cute.utils import LoopInvariant, fence_operand
 from .config import SCALE_BLOCK
 
-__all__ = ["KSlot", "PromotedMainloop"]
+__all__ = ["KSlot", "Wave", "PromotedMainloop"]
+
+
+class Wave(LoopInvariant):
+    """One wave of a tile: its ``BlockMma``, the thread's ``FragmentScales`` and FP32 ``acc``."""
+
+    def __init__(self, mma, scales: FragmentScales, acc):
+        self.mma, self.scales, self.acc = mma, scales, acc
 
 
 class KSlot(LoopInvariant):
@@ -34,20 +45,22 @@ class KSlot(LoopInvariant):
 
 
 class PromotedMainloop(LoopInvariant):
-    """``ring``: the TMA ring; ``mma``: a ``BlockMma``; ``scales``: the thread's
-    ``FragmentScales``; ``acc``: the FP32 accumulator; ``slots``: one or two ``KSlot``."""
+    """``ring``: the TMA ring; ``waves``: the tile's ``Wave``s; ``slots``: one or two ``KSlot``
+    (one with several waves)."""
 
-    def __init__(self, ring, mma, scales: FragmentScales, acc, slots, *, overlap: bool, sb_from_smem: bool,
+    def __init__(self, ring, waves: list, slots, *, overlap: bool, sb_from_smem: bool,
                  per_col: bool, n_straddle: bool, tile_n: int):
-        self.ring, self.mma, self.scales, self.acc, self.slots = ring, mma, scales, acc, slots
+        assert len(waves) == 1 or not (overlap or sb_from_smem), "several waves: no overlap, scales in registers"
+        self.ring, self.waves, self.slots = ring, waves, slots
+        self.mma, self.scales, self.acc = waves[0].mma, waves[0].scales, waves[0].acc
         self.overlap, self.sb_from_smem, self.per_col = overlap, sb_from_smem, per_col
         self.n_straddle, self.tile_n = n_straddle, tile_n
 
     def shifted(self, dr):
         """The same loop, A's row scales read ``dr`` rows further into the stage's box."""
-        return PromotedMainloop(self.ring, self.mma, self.scales.shifted(dr), self.acc, self.slots,
-                                overlap=self.overlap, sb_from_smem=self.sb_from_smem, per_col=self.per_col,
-                                n_straddle=self.n_straddle, tile_n=self.tile_n)
+        return PromotedMainloop(self.ring, [Wave(w.mma, w.scales.shifted(dr), w.acc) for w in self.waves],
+                                self.slots, overlap=self.overlap, sb_from_smem=self.sb_from_smem,
+                                per_col=self.per_col, n_straddle=self.n_straddle, tile_n=self.tile_n)
 
     @cute.jit
     def run(self, n0, k_first, k_cnt, read_state, release_state):
@@ -71,7 +84,21 @@ class PromotedMainloop(LoopInvariant):
 
     @cute.jit
     def _run_at(self, split, k_first, k_cnt, read_state, release_state):
-        if cutlass.const_expr(self.overlap):
+        if cutlass.const_expr(len(self.waves) > 1):
+            s0 = self.slots[0]
+            for k_tile in range(k_cnt):
+                self.ring.wait(read_state)
+                for w in cutlass.range_constexpr(len(self.waves)):
+                    wave = self.waves[w]
+                    wave.mma.issue(s0.blk, read_state.index)
+                    wave.scales.load(read_state.index, k_first + k_tile, s0.regs)
+                    cute.nvgpu.warpgroup.wait_group(0)
+                    if cutlass.const_expr(w == len(self.waves) - 1):
+                        self.ring.release(read_state)
+                    self._promote(s0, split, wave.acc)
+                read_state.advance()
+                release_state.advance()
+        elif cutlass.const_expr(self.overlap):
             read_state, release_state = self._run_overlapped(split, k_first, k_cnt, read_state, release_state)
         else:
             s0 = self.slots[0]
@@ -150,10 +177,11 @@ class PromotedMainloop(LoopInvariant):
         return release_state
 
     @cute.jit
-    def _promote(self, slot: KSlot, split):
+    def _promote(self, slot: KSlot, split, acc=None):
+        acc = self.acc if acc is None else acc
         regs = slot.regs
         if cutlass.const_expr(self.per_col):
-            promote_per_col(self.acc, slot.blk, regs.row, lambda j, c: regs.col[2 * j + c])
+            promote_per_col(acc, slot.blk, regs.row, lambda j, c: regs.col[2 * j + c])
         else:
-            promote_col_blocks(self.acc, slot.blk, regs.row, regs.col, len(self.scales.s_col), split,
+            promote_col_blocks(acc, slot.blk, regs.row, regs.col, len(self.scales.s_col), split,
                                self.n_straddle, SCALE_BLOCK)
