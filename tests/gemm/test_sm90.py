@@ -371,7 +371,7 @@ def test_wide_tiles_bit_identical_to_128x128(out_dtype):
     bias = torch.randn(n, device="cuda").to(torch.bfloat16)
     base = _run(a, sa, b, sb, out_dtype, bias=bias, config=TileConfig(tile_m=128, tile_n=128))
     (assert_close_fp32 if out_dtype == torch.float32 else assert_close_bf16)(base, ref + bias.double()[None, :])
-    for name in ("256x128_c1x2_m1", "256x128_c2x1_n4", "256x96_c1x1_m1", "256x64_c1x2_m1", "128x192_c1x2_m1"):
+    for name in ("256x128_c1x2_n8", "256x128_c2x1_m4", "256x96_c1x1_m1", "256x64_c1x2_m1", "128x192_c1x2_m1"):
         d = _run(a, sa, b, sb, out_dtype, bias=bias, config=parse_config(name))
         assert torch.equal(d, base), f"{name}: bits differ from 128x128"
 

@@ -42,7 +42,7 @@ def _shipped_configs():
     cfgs.append(TileConfig(tile_m=128, tile_n=128, cluster_m=2, raster_along_m=False, swizzle=4))
     cfgs.append(TileConfig(tile_m=128, tile_n=128, cluster_n=2))
     cfgs.append(TileConfig(tile_m=128, tile_n=128, cluster_n=2, swizzle=8))
-    cfgs.extend(TileConfig(tile_m=bm, tile_n=bn, cluster_n=2) for bm, bn in _WIDE_TILES if (bm, bn) != (128, 128))
+    cfgs.extend(_wide_config(bm, bn) for bm, bn in _WIDE_TILES if (bm, bn) != (128, 128))
     # 64 < M <= 128: both M tiles of a 2-CTA cluster share the B tile
     cfgs.extend(TileConfig(tile_m=64, tile_n=bn, cluster_m=2) for bn in (16, 32, 64, 128))
     # split-K for small M (few tiles, long K): fp32 partials reduced on the host side
@@ -93,6 +93,14 @@ def _estimate_time(m: int, n: int, k: int, bm: int, bn: int, num_sms: int) -> fl
     return waves * per_wave
 
 
+def _wide_config(bm: int, bn: int):
+    """The large-M config of a tile: 1x2 clusters; 256x128 rasterized along N in groups of 8
+    (+2-6% over along M at 4096x7168x16384, 4096x4096x7168 and 8192^3, NOTES session 24)."""
+    if bm == 256:
+        return _tile_config_cls()(tile_m=bm, tile_n=bn, cluster_n=2, raster_along_m=False, swizzle=8)
+    return _tile_config_cls()(tile_m=bm, tile_n=bn, cluster_n=2)
+
+
 def _wide_tile(m: int, n: int, k: int, num_sms: int) -> tuple[int, int]:
     """The large-M tile with the least estimated time: waves (a persistent CTA runs its tiles one
     after the other, so a partial last wave costs a whole one) x tile area / throughput."""
@@ -131,7 +139,7 @@ def choose_config(m: int, n: int, k: int, b_scale_per_col: bool = False, num_sms
             # groups of 8 N tiles keep A's rows in L2; +6-12% over the 2x1 N-rasterized config
             # on every M >= 8192 shape of NOTES session 11 (8192^3 included)
             return TileConfig(tile_m=128, tile_n=128, cluster_n=2, swizzle=8)
-        return TileConfig(tile_m=bm, tile_n=bn, cluster_n=2)
+        return _wide_config(bm, bn)
     if m <= 64:
         for bn in (64, 32, 16):
             if -(-n // bn) >= 0.75 * num_sms:

@@ -90,8 +90,10 @@ class PromotedMainloop(LoopInvariant):
                 self.ring.wait(read_state)
                 for w in cutlass.range_constexpr(len(self.waves)):
                     wave = self.waves[w]
-                    wave.mma.issue(s0.blk, read_state.index)
+                    # scales read before the wgmma batch: issued after it, the loads queue behind
+                    # its shared-memory operand reads and the promotion waits for them
                     wave.scales.load(read_state.index, k_first + k_tile, s0.regs)
+                    wave.mma.issue(s0.blk, read_state.index)
                     cute.nvgpu.warpgroup.wait_group(0)
                     if cutlass.const_expr(w == len(self.waves) - 1):
                         self.ring.release(read_state)
