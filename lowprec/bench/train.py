@@ -307,14 +307,14 @@ def main(argv: list[str] | None = None) -> int:
         payload["text"] = train_on_text(SIZES[args.sizes[0]], args.train_steps)
         print(f"last-20 mean loss: {payload['text']['last20_mean']}, lowprec vs bf16 "
               f"{payload['text']['relative_gap']:+.2%}")
-        _plot(payload["text"], gpu_slug())
+        _plot(payload["text"], gpu_slug(), args.out)
     path = save_results("train", payload, args.out)
     print(f"results: {path}")
     return 0
 
 
-def _plot(text: dict, slug: str) -> None:
-    """The two loss curves as a PNG beside the results (needs matplotlib; skipped without it)."""
+def _plot(text: dict, slug: str, results_path: str | None = None) -> None:
+    """The two loss curves as a PNG beside the results JSON (needs matplotlib; skipped without it)."""
     try:
         import matplotlib
 
@@ -332,7 +332,8 @@ def _plot(text: dict, slug: str) -> None:
     ax.set_ylabel("loss (nats / byte)")
     ax.set_ylim(top=min(max(max(v) for v in text["losses"].values()), math.log(256) + 0.5))
     ax.legend()
-    path = os.path.join("benchmarks", "results", f"train_text_{slug}.png")
+    folder = os.path.dirname(results_path) if results_path else os.path.join("benchmarks", "results")
+    path = os.path.join(folder, f"train_text_{slug}.png")
     os.makedirs(os.path.dirname(path), exist_ok=True)
     fig.savefig(path, dpi=120)
     print(f"loss plot: {path}")
