@@ -61,12 +61,12 @@ def __getattr__(name):  # lazy: importing this module must not import cutlass
 
 # ----------------------------------------------------------------------------- heuristic
 # Large-M tiles (in 1x2 clusters, A multicast) and their relative throughput per tile area at
-# K >= 4096, from same-run sweeps on the H100 (NOTES, session 24): 256x128 (two 128-row waves
-# per consumer pair, DeepGEMM's tile) +5-9% over 128x128; 128x192 wins where its wave count is
-# lower. At K <= 2048 both lose to 128x128 (fewer K blocks to spread a tile's prologue and
-# epilogue over; 256x128 has 3 stages).
+# K >= 1024, from same-run sweeps on the H100 (NOTES, session 24): 256x128 (two 128-row waves
+# per consumer pair, DeepGEMM's tile) +4-10% over 128x128 at K = 1536..16384; 128x192 wins where
+# its wave count is lower. At K = 512 (4 K blocks to spread a tile's prologue and epilogue over)
+# 128x128 stays ahead.
 _WIDE_TILES = {(128, 128): 1.0, (128, 192): 1.03, (256, 128): 1.08}
-_WIDE_TILE_MIN_K = 4096
+_WIDE_TILE_MIN_K = 1024
 # Per-SM ceilings used by the cost model (H100 SXM measured: FP8 dense ~1250 TFLOPS via cuBLAS,
 # ~3.0 TB/s copy). Only ratios matter for the choice.
 _SM_FLOPS = 1250e12 / 132
