@@ -121,8 +121,8 @@ def choose_config(m: int, n: int, k: int, b_scale_per_col: bool = False, num_sms
     Rules from sweeps on H100 (NOTES.md, v3, v7 and sessions 11, 24): large M -> 2-CTA clusters
     along N (A multicast) of 128x128, 128x192 or 256x128 tiles, whichever runs in the fewest
     waves for its throughput (``_wide_tile``; 128x128 at M >= 8192 and N >= 4096: rasterized in
-    groups of 8 N tiles; 1x128 B scales: 128x128 in clusters along M, rasterized along N); M <= 64 -> 64x64 tiles,
-    narrower when that leaves SMs idle; 64 < M <= 128 -> two 64-row tiles in a 2-CTA cluster
+    groups of 8 N tiles; 1x128 B scales: 128x128 in clusters along M, rasterized along N);
+    M <= 64 -> 64x64 tiles, narrower when that leaves SMs idle; 64 < M <= 128 -> two 64-row tiles in a 2-CTA cluster
     sharing B (multicast), up to 128 wide; in between, the cost model.
     """
     TileConfig = _tile_config_cls()
