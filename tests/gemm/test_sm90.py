@@ -224,6 +224,19 @@ def test_heuristic_picks_shipped_configs():
                 assert cfg == choose_config(m, n, k, per_col)
 
 
+def test_heuristic_wide_tiles_follow_the_sweeps():
+    """The large-M picks of NOTES session 24: 128x192 where it needs fewer waves (N = 2112),
+    256x128 from K = 1536 up, 128x128 at K = 512; 1x128 B scales keep 128x128."""
+    from lowprec.gemm.sm90.interface import choose_config
+
+    picks = {(4096, 2112, 7168): (128, 192), (4096, 24576, 1536): (256, 128), (4096, 32768, 512): (128, 128),
+             (4096, 7168, 16384): (256, 128), (4096, 4096, 7168): (256, 128), (8192, 8192, 8192): (256, 128)}
+    for (m, n, k), tile in picks.items():
+        cfg = choose_config(m, n, k)
+        assert (cfg.tile_m, cfg.tile_n) == tile and cfg.cluster_n == 2, (m, n, k, cfg)
+    assert choose_config(4096, 7168, 16384, b_scale_per_col=True).tile_m == 128
+
+
 def test_validation_errors_name_the_argument():
     from lowprec.gemm.sm90.interface import _validate
 
