@@ -113,22 +113,25 @@ def quantize_k(k: torch.Tensor, smooth: bool = True, incoherent: bool = False
     that of the rotated K (the LSE correction then uses the rotated Q: the same product)."""
     kr = _rotate(k, incoherent)
     if smooth:
-        # the difference in FP32: on Hopper one kernel pass (subtract, block amax, quantize), else
-        # torch ops and the quantizer
-        k_mean = token_mean(kr).unsqueeze(-2)
-        codes, scales = registry.run("attention_prepass_k", kr.device, (kr, k_mean),
-                                     lambda: _blocks(torch.sub(kr, k_mean)))
+        # the difference in FP32: on Hopper one kernel (the mean, then subtract, block amax,
+        # quantize; its FP32 sum in its own order), else torch ops and the quantizer
+        codes, scales, k_mean = registry.run("attention_prepass_k", kr.device, (kr,), lambda: _smooth_torch(kr))
     else:
         k_mean = torch.zeros(*kr.shape[:-2], 1, kr.shape[-1], dtype=torch.float32, device=kr.device)
         codes, scales = _blocks(kr)
     return codes, scales, k_mean.squeeze(-2)
 
 
+def _smooth_torch(k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    k_mean = token_mean(k).unsqueeze(-2)
+    return (*_blocks(torch.sub(k, k_mean)), k_mean)
+
+
 def quantize_v(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(v_t codes [B, Hkv, Dv, round_up(Sk, 16)], v_scale [B, Hkv, Dv])``: per channel, transposed.
 
     The zero padding leaves every channel's amax, so its scale, unchanged. On Hopper one kernel
-    pass quantizes and transposes (after an amax reduction)."""
+    takes the amax, quantizes and transposes."""
     return registry.run("attention_prepass_v", v.device, (v,), lambda: _quantize_v_torch(v))
 
 

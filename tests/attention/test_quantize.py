@@ -62,8 +62,9 @@ def test_prepass_on_the_quantize_kernels_recipes_is_the_attention_recipe(sq, d, 
     ref_q = lowprec.quantize(q.float(), ATTN_QK_RECIPE)
     assert torch.equal(x.q.view(torch.uint8), ref_q.data.view(torch.uint8))
     assert torch.equal(x.q_scale, ref_q.scale.squeeze(-1))
-    # smoothing: K minus its FP32 token mean, the difference in FP32
-    ref_k = lowprec.quantize(k.float() - k.sum(-2, keepdim=True, dtype=torch.float32) / sq, ATTN_QK_RECIPE)
+    # smoothing: K minus its FP32 token mean (the kernel sums in its own order), the difference in FP32
+    torch.testing.assert_close(x.k_mean, k.sum(-2, dtype=torch.float32) / sq, rtol=1e-6, atol=1e-6)
+    ref_k = lowprec.quantize(k.float() - x.k_mean[:, :, None], ATTN_QK_RECIPE)
     assert torch.equal(x.k.view(torch.uint8), ref_k.data.view(torch.uint8))
     assert torch.equal(x.k_scale, ref_k.scale.squeeze(-1))
     ref_v = lowprec.quantize(v.float().transpose(-1, -2), "fp8_rowwise")

@@ -21,6 +21,7 @@ import re
 import pytest
 import torch
 
+import lowprec
 from lowprec.attention.sm90.config import TILE_M, TILE_N
 
 from ..hopper import gpu, needs_cutlass, needs_gpu
@@ -80,11 +81,43 @@ def test_prepass_compiles_sm90a(kind, head_dim, dtype):
     from lowprec.attention.sm90.interface import build_prepass_kernel
     from lowprec.runtime.compile import local_memory_ops, nvdisasm_path, sass_of
 
-    compiled = build_prepass_kernel(kind, dtype, head_dim, "sm_90a")
+    if dtype == torch.float32 and head_dim == 256:  # config.prepass rows of at most 512 bytes
+        with pytest.raises(ValueError, match="do not fit"):
+            build_prepass_kernel(kind, dtype, head_dim, arch="sm_90a")
+        return
+    compiled = build_prepass_kernel(kind, dtype, head_dim, arch="sm_90a")
     if nvdisasm_path() is None:
         pytest.skip("nvdisasm not found")
     sass = sass_of(compiled)
     assert "F2FP" in sass and local_memory_ops(sass) == 0
+
+
+@needs_cutlass
+@pytest.mark.parametrize("kind", ["k", "v_perm"])
+@pytest.mark.parametrize("cluster", [1, 2, 4])
+def test_prepass_smaller_clusters_compile_sm90a(kind, cluster):
+    """The pre-pass kernels for shorter sequences (fewer CTAs per head) compile too, with one
+    cluster barrier and no local memory."""
+    from lowprec.attention.sm90.interface import build_prepass_kernel
+    from lowprec.runtime.compile import local_memory_ops, nvdisasm_path, sass_of
+
+    compiled = build_prepass_kernel(kind, torch.bfloat16, 128, cluster, arch="sm_90a")
+    if nvdisasm_path() is None:
+        pytest.skip("nvdisasm not found")
+    sass = sass_of(compiled)
+    assert sass.count("UCGABAR_WAIT") == 1 and local_memory_ops(sass) == 0
+
+
+def test_prepass_cluster_sizes():
+    from lowprec.attention.sm90.config import prepass_cluster
+
+    assert prepass_cluster(512, 1024, 256) == 1  # B16 H32 S1k d128 bf16: a CTA per head
+    assert prepass_cluster(128, 4096, 256) == 2
+    assert prepass_cluster(64, 4096, 512) == 2  # d256: the target is 128 CTAs
+    assert prepass_cluster(32, 16384, 256) == 8
+    assert prepass_cluster(8, 4096, 128) == 8  # at most the portable cluster size
+    assert prepass_cluster(8, 300, 256) == 2  # at most the head's 128-token blocks (3)
+    assert prepass_cluster(1, 100, 256) == 1
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -268,17 +301,53 @@ def test_variants_match_emulation(flags, case, monkeypatch):
 @pytest.mark.parametrize("s,d", [(256, 128), (300, 64), (1, 256)])
 def test_prepass_v_permuted_is_the_plain_one_permuted(s, d):
     """The V pre-pass kernel's permuted variant writes permute_v_keys of the plain one's v_t."""
-    from lowprec.attention.sm90.interface import _prepass_kernel, attention_prepass_v_op, permute_v_keys
+    from lowprec.attention.sm90.interface import (
+        _launch_prepass_v,
+        attention_prepass_v_op,
+        permute_v_keys,
+        prepass_partials_numel,
+    )
 
     v = torch.randn(2, 3, s, d, device="cuda", dtype=torch.bfloat16)
     v_t, scale = attention_prepass_v_op(v)
     perm = torch.empty_like(v_t)
-    amax = torch.linalg.vector_norm(v, ord=float("inf"), dim=-2)
     scale_p = torch.empty_like(scale)
-    codes = perm.view(torch.uint8).view(-1, v_t.shape[-1])
-    _prepass_kernel("v_perm", v.dtype, d)(v.view(-1, d), amax.view(-1, d), codes, scale_p.view(-1, d), s, 6)
+    partials = torch.empty(prepass_partials_numel(6, d), device="cuda")
+    _launch_prepass_v("v_perm", v, perm.view(torch.uint8).view(-1, v_t.shape[-1]),
+                      scale_p.view(-1, d), partials)
     assert torch.equal(perm.view(torch.uint8), permute_v_keys(v_t).view(torch.uint8))
     assert torch.equal(scale_p, scale)
+
+
+@gpu
+@needs_gpu
+@pytest.mark.parametrize("s,d,dtype", [(4096, 128, torch.bfloat16), (1280, 256, torch.float16),
+                                       (384, 64, torch.float32), (128, 128, torch.bfloat16)])
+def test_prepass_kernels_are_deterministic_and_the_torch_arithmetic(s, d, dtype):
+    """The K and V pre-pass kernels (a cluster of CTAs per head, statistics exchanged at a cluster
+    barrier) give the same bits on every run, equal to the torch arithmetic on the kernel's own K
+    mean (its FP32 sum in its own order); V's tail tokens are zeros."""
+    from lowprec.attention.sm90.interface import attention_prepass_k_op, attention_prepass_v_op
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    k = (torch.randn(3, 5, s, d, device="cuda", generator=g) * 2 + torch.randn(d, device="cuda", generator=g)
+         ).to(dtype)
+    v = (torch.randn(3, 5, s + 37, d, device="cuda", generator=g) * torch.rand(d, device="cuda", generator=g)).to(dtype)
+    outs = [(*attention_prepass_k_op(k), *attention_prepass_v_op(v)) for _ in range(3)]
+    for other in outs[1:]:
+        for a, b in zip(outs[0], other):
+            assert torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
+                               b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b)
+    codes, scales, k_mean, v_t, v_scale = outs[0]
+    torch.testing.assert_close(k_mean.squeeze(-2), k.sum(-2, dtype=torch.float32) / s, rtol=1e-6, atol=1e-6)
+    ref_k = lowprec.quantize((k.float() - k_mean).reshape(-1, 128 * d), "fp8_rowwise")
+    assert torch.equal(codes.view(torch.uint8).view(-1, 128 * d), ref_k.data.view(torch.uint8))
+    assert torch.equal(scales.view(-1), ref_k.scale.view(-1))
+    sv = s + 37
+    ref_v = lowprec.quantize(v.float().transpose(-1, -2).reshape(-1, sv), "fp8_rowwise")
+    assert torch.equal(v_t[..., :sv].reshape(-1, sv).view(torch.uint8), ref_v.data.view(torch.uint8))
+    assert torch.equal(v_scale.view(-1), ref_v.scale.view(-1))
+    assert (v_t[..., sv:].view(torch.uint8) == 0).all()
 
 
 def test_permute_v_keys():

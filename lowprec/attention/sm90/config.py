@@ -155,6 +155,23 @@ def attention_unsupported(q, q_scale, k, k_scale, v_t, v_scale, causal: bool, sc
 
 
 PREPASS_MAX_D = 256  # K: a block's D columns in at most two 128-column register tiles
+PREPASS_MAX_CLUSTER = 8  # CTAs per head of the K / V pre-pass kernels (the portable cluster size)
+# CTAs a pre-pass launch aims for (about two per SM: measured on the H200, B16..B1 x H8..H32 x
+# S1k..16k): rows of up to 256 bytes (four-block ring) / longer rows (two-block ring)
+PREPASS_TARGET_CTAS = (256, 128)
+PREPASS_MAX_ROW_BYTES = 512  # two 128-token blocks in the kernels' shared-memory ring (prepass.RING_BYTES)
+
+
+def prepass_cluster(heads: int, seqlen: int, row_bytes: int) -> int:
+    """CTAs per head of the pre-pass kernels over ``heads`` heads of ``seqlen`` tokens of
+    ``row_bytes``: a power of two, the smallest that gives the launch PREPASS_TARGET_CTAS, at most
+    PREPASS_MAX_CLUSTER and the head's 128-token blocks. Fewer CTAs per head amortize a CTA's fixed
+    costs (its ring's first loads, the cluster barrier) over more blocks."""
+    target = PREPASS_TARGET_CTAS[row_bytes > 256]
+    cluster, blocks = 1, -(-seqlen // TILE_N)
+    while cluster < PREPASS_MAX_CLUSTER and 2 * cluster <= blocks and heads * cluster < target:
+        cluster *= 2
+    return cluster
 
 
 def _prepass_unsupported(x) -> str | None:
@@ -168,10 +185,13 @@ def _prepass_unsupported(x) -> str | None:
         return "an empty tensor"
     if x.shape[-1] > PREPASS_MAX_D:
         return f"head dim {x.shape[-1]} (at most {PREPASS_MAX_D})"
+    if x.element_size() * x.shape[-1] > PREPASS_MAX_ROW_BYTES:
+        return f"{x.dtype} rows of {x.shape[-1]} values (the ring of 128-token blocks holds rows of at most " \
+               f"{PREPASS_MAX_ROW_BYTES} bytes)"
     return rows_unsupported(x.view(-1, x.shape[-1]))
 
 
-def prepass_k_unsupported(k, k_mean) -> str | None:
+def prepass_k_unsupported(k) -> str | None:
     """Why ``interface.attention_prepass_k_op`` cannot smooth and quantize ``k`` (None: it can)."""
     return _prepass_unsupported(k) or (f"Sk={k.shape[-2]} (the kernel takes whole 128-token blocks)"
                                        if k.shape[-2] % TILE_N else None)
@@ -210,4 +230,4 @@ def qkv_unsupported(q, k, v, causal: bool, scale: float) -> str | None:
         return f"dtypes {q.dtype}, {k.dtype}, {v.dtype} (the fused path takes one of {' or '.join(OUT_DTYPES)})"
     if d not in HEAD_DIMS or v.shape[-1] != d:
         return f"head dims D={d}, Dv={v.shape[-1]}; the kernel serves D = Dv in {HEAD_DIMS}"
-    return _q_prepass_unsupported(q) or prepass_k_unsupported(k, None) or prepass_v_unsupported(v)
+    return _q_prepass_unsupported(q) or prepass_k_unsupported(k) or prepass_v_unsupported(v)

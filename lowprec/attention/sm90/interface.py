@@ -17,7 +17,16 @@ import math
 import torch
 
 from ...runtime import ffi_entry, on_device
-from .config import TILE_M, TILE_N, V_KEY_PERM, V_PAD, AttnConfig, operands_unsupported
+from .config import (
+    PREPASS_MAX_CLUSTER,
+    TILE_M,
+    TILE_N,
+    V_KEY_PERM,
+    V_PAD,
+    AttnConfig,
+    operands_unsupported,
+    prepass_cluster,
+)
 
 _ARCH_DEFAULT = "sm_90a"
 _OUT = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -234,25 +243,28 @@ def attention_fp8_qkv_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, caus
     u8, f32 = torch.uint8, torch.float32
     q_block = TILE_M if sq % TILE_M == 0 else sq
     sk_pad = -(-sk // V_PAD) * V_PAD
-    q_kernel, k_kernel, v_kernel = _prepass_kernels(q.dtype, d, q_block * d)
+    q_kernel = _q_prepass_kernel(q.dtype, q_block * d)
     # the codes of Q, K and Vᵀ in one buffer, their scales in another (fewer host ops per call)
     nq, nk, nv = b * h * sq * d, b * hkv * sk * d, b * hkv * d * sk_pad
     codes = torch.empty(nq + nk + nv, dtype=u8, device=dev)
     q_codes = codes.as_strided((b, h, sq, d), (h * sq * d, sq * d, d, 1))
     k_codes = codes.as_strided((b, hkv, sk, d), (hkv * sk * d, sk * d, d, 1), nq)
     v_t = codes.as_strided((b, hkv, d, sk_pad), (hkv * d * sk_pad, d * sk_pad, sk_pad, 1), nq + nk)
-    # Vᵀ's scales first: the V kernel stores them 16-byte aligned
+    # the FP32 outputs and workspaces in one buffer, those the kernels read or write by 16 bytes
+    # first: Vᵀ's scales, K's mean, the partials of K and of V, then the Q and K scales
     nvs, nqs, nks = b * hkv * d, b * h * (sq // q_block), b * hkv * (sk // TILE_N)
-    scales = torch.empty(nvs + nqs + nks, dtype=f32, device=dev)
+    npart = prepass_partials_numel(b * hkv, d)
+    scales = torch.empty(2 * nvs + 2 * npart + nqs + nks, dtype=f32, device=dev)
     v_scale = scales.as_strided((b, hkv, d), (hkv * d, d, 1))
-    q_scale = scales.as_strided((b, h, sq // q_block), (h * (sq // q_block), sq // q_block, 1), nvs)
-    k_scale = scales.as_strided((b, hkv, sk // TILE_N), (hkv * (sk // TILE_N), sk // TILE_N, 1), nvs + nqs)
+    k_mean = scales.as_strided((b, hkv, d), (hkv * d, d, 1), nvs)
+    k_part, v_part = scales[2 * nvs:2 * nvs + npart], scales[2 * nvs + npart:2 * nvs + 2 * npart]
+    q_off = 2 * nvs + 2 * npart
+    q_scale = scales.as_strided((b, h, sq // q_block), (h * (sq // q_block), sq // q_block, 1), q_off)
+    k_scale = scales.as_strided((b, hkv, sk // TILE_N), (hkv * (sk // TILE_N), sk // TILE_N, 1), q_off + nqs)
     with on_device(dev):
-        k_mean = k.sum(dim=-2, dtype=f32).div_(sk)  # token_mean's arithmetic
-        v_amax = torch.linalg.vector_norm(v, ord=math.inf, dim=-2)
         q_kernel(q.view(-1, q_block * d), q_codes.view(-1, q_block * d), q_scale.view(-1, 1))
-        k_kernel(k.view(-1, d), k_mean.view(b * hkv, d), k_codes.view(-1, d), k_scale.view(-1, 1), sk)
-        v_kernel(v.view(-1, d), v_amax.view(b * hkv, d), v_t.view(-1, sk_pad), v_scale.view(b * hkv, d), sk, b * hkv)
+        _launch_prepass_k(k, k_codes, k_scale.view(-1, 1), k_mean.view(-1, d), k_part)
+        _launch_prepass_v("v_perm", v, v_t.view(-1, sk_pad), v_scale.view(-1, d), v_part)
         out, lse = _forward(q_codes, q_scale, k_codes, k_scale, v_t, v_scale, causal, scale, q.dtype,
                             v_keys_permuted=True)
     return out, lse, k_mean
@@ -268,7 +280,7 @@ def attention_fp8_q_op(q: torch.Tensor, k: torch.Tensor, k_scale: torch.Tensor, 
     (``config.q_unsupported``) hold. Returns ``(out in q's dtype, lse FP32)``."""
     b, h, sq, d = q.shape
     q_block = TILE_M if sq % TILE_M == 0 else sq
-    q_kernel = _prepass_kernels(q.dtype, d, q_block * d)[0]
+    q_kernel = _q_prepass_kernel(q.dtype, q_block * d)
     u8 = torch.uint8
     q_codes = torch.empty(b, h, sq, d, dtype=u8, device=q.device)
     q_scale = torch.empty(b, h, sq // q_block, dtype=torch.float32, device=q.device)
@@ -278,24 +290,30 @@ def attention_fp8_q_op(q: torch.Tensor, k: torch.Tensor, k_scale: torch.Tensor, 
 
 
 @functools.cache
-def _prepass_kernels(dtype: torch.dtype, head_dim: int, q_row: int):
-    """The Q (rowwise over [B·H·S/128, 128·D] rows of ``q_row`` values), K and V pre-pass kernels."""
+def _q_prepass_kernel(dtype: torch.dtype, q_row: int):
+    """The Q pre-pass kernel: rowwise over [B·H·S/128, 128·D] rows of ``q_row`` values."""
     from ...quant.sm90.fp8_quant import ROWWISE_SHORT_COLS
     from ...quant.sm90.interface import compile_kernel
 
-    q_kind = "rowwise" if q_row <= ROWWISE_SHORT_COLS else "rowwise_staged"
-    return (compile_kernel(q_kind, dtype), ffi_entry(_prepass_kernel("k", dtype, head_dim)),
-            ffi_entry(_prepass_kernel("v_perm", dtype, head_dim)))
+    return compile_kernel("rowwise" if q_row <= ROWWISE_SHORT_COLS else "rowwise_staged", dtype)
+
+
+@functools.cache
+def _prepass_entry(kind: str, dtype: torch.dtype, head_dim: int, cluster: int):
+    """The launchable K / V pre-pass kernel (TVM-FFI entry)."""
+    return ffi_entry(_prepass_kernel(kind, dtype, head_dim, cluster))
 
 
 # ----------------------------------------------------------------------------- pre-pass kernels
 PREPASS_KINDS = ("k", "v", "v_perm")
 
 
-def build_prepass_kernel(kind: str, dtype: torch.dtype, head_dim: int, arch: str = _ARCH_DEFAULT):
+def build_prepass_kernel(kind: str, dtype: torch.dtype, head_dim: int, cluster: int = PREPASS_MAX_CLUSTER,
+                         arch: str = _ARCH_DEFAULT):
     """Compile one pre-pass kernel (``"k"``: smooth + quantize, ``"v"``: quantize + transpose,
     ``"v_perm"``: the same with the keys in :func:`permute_v_keys`'s order) for
-    ``dtype`` inputs of ``head_dim`` columns on fake tensors (no GPU needed), uncached."""
+    ``dtype`` inputs of ``head_dim`` columns, ``cluster`` CTAs per head, on fake tensors (no GPU
+    needed), uncached."""
     if kind not in PREPASS_KINDS:
         raise ValueError(f"kind: expected one of {PREPASS_KINDS}, got {kind!r}")
     import cutlass
@@ -312,43 +330,72 @@ def build_prepass_kernel(kind: str, dtype: torch.dtype, head_dim: int, arch: str
     x = make_fake_tensor(cutlass_dtype(dtype), (cute.sym_int(), head_dim), stride=(head_dim, 1), assumed_align=16)
     stream = make_fake_stream(use_tvm_ffi_env_stream=True)
     one = cutlass.Int32(1)
+    stages = prepass.ring_stages(head_dim, dtype.itemsize)
+    if not stages:
+        raise ValueError(f"{dtype} rows of {head_dim} values do not fit the pre-pass kernels' shared-memory ring")
     if kind == "k":
-        args = (x, vec(cutlass.Float32), fake_rows(cutlass.Uint8), fake_scales(), one, -(-head_dim // 128), stream)
+        args = (x, fake_rows(cutlass.Uint8), fake_scales(), vec(cutlass.Float32), vec(cutlass.Float32), one, one,
+                head_dim, stages, cluster, stream)
         return compile_for_arch(prepass.k_smooth_quant, *args, arch=arch, tvm_ffi=True)
-    return compile_for_arch(prepass.v_quant_t, x, vec(cutlass_dtype(dtype)), fake_rows(cutlass.Uint8),
-                            vec(cutlass.Float32), one, one, kind == "v_perm", stream, arch=arch, tvm_ffi=True)
+    return compile_for_arch(prepass.v_quant_t, x, fake_rows(cutlass.Uint8), vec(cutlass.Float32), vec(cutlass.Float32),
+                            one, one, head_dim, stages, cluster, kind == "v_perm", stream, arch=arch, tvm_ffi=True)
 
 
 @functools.cache
-def _prepass_kernel(kind: str, dtype: torch.dtype, head_dim: int, arch: str = _ARCH_DEFAULT):
+def _prepass_kernel(kind: str, dtype: torch.dtype, head_dim: int, cluster: int, arch: str = _ARCH_DEFAULT):
     from ...runtime import kernel_cache
+    from .prepass import ring_stages
 
-    return kernel_cache.get(f"attention_prepass_{kind}", {"dtype": dtype, "head_dim": head_dim}, arch,
-                            lambda: build_prepass_kernel(kind, dtype, head_dim, arch))
+    key = {"dtype": dtype, "head_dim": head_dim, "cluster": cluster, "stages": ring_stages(head_dim, dtype.itemsize)}
+    return kernel_cache.get(f"attention_prepass_{kind}", key, arch,
+                            lambda: build_prepass_kernel(kind, dtype, head_dim, cluster, arch))
 
 
-def attention_prepass_k_op(k: torch.Tensor, k_mean: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``k`` [B, H, S, D] (S % 128 == 0), ``k_mean`` [B, H, 1, D] FP32 -> E4M3 codes of ``k - k_mean``
-    [B, H, S, D] and their scales [B, H, S/128]: one pass over K."""
+def _launch_prepass_k(k, codes, scales, k_mean, partials):
+    """``k`` [B, H, S, D] -> codes, scales [B·H·S/128, 1], k_mean [B·H, D], on flat views;
+    ``partials``: FP32 workspace of ``prepass_partials_numel`` values."""
+    b, h, s, d = k.shape
+    kernel = _prepass_entry("k", k.dtype, d, prepass_cluster(b * h, s, d * k.element_size()))
+    kernel(k.view(-1, d), codes.view(-1, d), scales, k_mean, partials.view(-1, d), s, b * h)
+
+
+def _launch_prepass_v(kind, v, v_t, scale, partials):
+    """``v`` [B, H, S, D] -> ``v_t`` [B·H·D, S_pad] codes, ``scale`` [B·H, D], on flat views (``kind``
+    ``"v"`` or ``"v_perm"``)."""
+    b, h, s, d = v.shape
+    kernel = _prepass_entry(kind, v.dtype, d, prepass_cluster(b * h, s, d * v.element_size()))
+    kernel(v.view(-1, d), v_t, scale, partials.view(-1, d), s, b * h)
+
+
+def prepass_partials_numel(heads: int, head_dim: int) -> int:
+    """FP32 values of one pre-pass kernel's workspace (a partial per head per CTA of its cluster)."""
+    return heads * PREPASS_MAX_CLUSTER * head_dim
+
+
+def attention_prepass_k_op(k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``k`` [B, H, S, D] (S % 128 == 0) -> E4M3 codes of ``k - k_mean`` [B, H, S, D], their scales
+    [B, H, S/128] and ``k_mean`` [B, H, 1, D] FP32 (the FP32 token sum / S): one launch, K read
+    once from HBM."""
     b, h, s, d = k.shape
     codes = torch.empty(b, h, s, d, dtype=torch.float8_e4m3fn, device=k.device)
     scales = torch.empty(b * h * s // TILE_N, 1, dtype=torch.float32, device=k.device)
+    stats = torch.empty(b * h * d + prepass_partials_numel(b * h, d), dtype=torch.float32, device=k.device)
+    k_mean = stats[:b * h * d]
     with on_device(k.device):
-        _prepass_kernel("k", k.dtype, d)(k.view(-1, d), k_mean.reshape(b * h, d).contiguous(),
-                                         codes.view(torch.uint8).view(-1, d), scales, s)
-    return codes, scales.view(b, h, s // TILE_N)
+        _launch_prepass_k(k, codes.view(torch.uint8), scales, k_mean.view(-1, d),
+                          stats[b * h * d:])
+    return codes, scales.view(b, h, s // TILE_N), k_mean.view(b, h, 1, d)
 
 
 def attention_prepass_v_op(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``v`` [B, H, S, Dv] -> ``(v_t [B, H, Dv, round_up(S, 16)] E4M3, v_scale [B, H, Dv])``: one scale
-    per channel (amax over the sequence: a torch reduction, exact in V's dtype), then one pass that
-    computes the scales (the quantizer's arithmetic), quantizes and transposes."""
+    per channel (its amax over the sequence; the quantizer's arithmetic), quantized and transposed
+    in one launch that reads V once from HBM."""
     b, h, s, d = v.shape
-    amax = torch.linalg.vector_norm(v, ord=math.inf, dim=-2)
     s_pad = -(-s // V_PAD) * V_PAD
     v_t = torch.empty(b, h, d, s_pad, dtype=torch.float8_e4m3fn, device=v.device)
-    scale = torch.empty(b, h, d, dtype=torch.float32, device=v.device)
+    stats = torch.empty(b * h * d + prepass_partials_numel(b * h, d), dtype=torch.float32, device=v.device)
     with on_device(v.device):
-        _prepass_kernel("v", v.dtype, d)(v.view(-1, d), amax.view(b * h, d),
-                                         v_t.view(torch.uint8).view(-1, s_pad), scale.view(b * h, d), s, b * h)
-    return v_t, scale
+        _launch_prepass_v("v", v, v_t.view(torch.uint8).view(-1, s_pad),
+                          stats[:b * h * d].view(-1, d), stats[b * h * d:])
+    return v_t, stats[:b * h * d].view(b, h, d)

@@ -1,15 +1,28 @@
 """The FP8 attention pre-pass kernels (CuTe DSL, sm_90a): K smoothed and quantized, V quantized
-and transposed, each in one pass over its input. Memory-bound; bit-identical to the torch path of
-:mod:`lowprec.attention.quantize` (the same FP32 arithmetic and the quantize kernels' rounding).
+and transposed, each one launch that reads its input from HBM once.
 
-- ``k_smooth_quant``: one CTA per 128-token block of one head, all D columns (D <= 256: up to two
-  128-column tiles in registers): ``k - k_mean`` in FP32, the block's amax, codes and scale.
-  The mean (an FP32 column sum over the sequence) is a torch reduction before it.
-- ``v_quant_t``: one CTA per 128 tokens x 128 channels of one head: codes ``v · inv_scale[channel]``
-  staged transposed in shared memory and stored as rows of ``v_t`` (16-byte stores), tokens past
-  Sk as zeros up to ``round_up(Sk, 16)``; each channel's scale from its amax over the sequence
-  (a torch reduction before it), written by the first token tile. The fused attention call has it
-  store each 16 tokens in the order the forward kernel reads without shuffles (``V_KEY_PERM``).
+Both need a statistic over the whole sequence of a head before they can quantize (K's token mean,
+V's channel amax). A cluster of ``cluster`` CTAs (``config.prepass_cluster``: up to 8, chosen by
+the launch's size) takes one head: each CTA reduces its 128-token blocks (blocks ``rank``,
+``rank + cluster``, ...), writes the partial to a global workspace, and after a cluster barrier
+(release / acquire) every CTA combines the ``cluster`` partials in rank order: the same bits in
+every CTA and every run of a shape (K's FP32 sum order follows the cluster size, so a head's mean
+may differ in its last bit between batch sizes). The second pass re-reads the CTA's blocks,
+newest first, from L2 (Nsight Compute, B4 H32 S4096 d128: DRAM reads equal K's bytes).
+
+Every thread streams its own 16-byte chunks of the blocks through a ring of ``ring_stages``
+128-token blocks in shared memory (``cp.async``, ``stages - 1`` blocks ahead of the one it
+reads, across the two passes): loads stay in flight through the reductions and stores without
+holding registers, and a thread reads back only what it copied (no CTA barrier).
+
+- ``k_smooth_quant``: ``k - k_mean`` in FP32 per 128-token block of all D columns (D <= 256: up to
+  two 128-column tiles in registers), the block's amax, codes and scale; ``k_mean`` (the FP32
+  column sum over the sequence / S) is written too.
+- ``v_quant_t``: per 128 tokens x 128 channels, codes ``v · inv_scale[channel]`` staged transposed
+  in shared memory and stored as rows of ``v_t`` (16-byte stores), tokens past Sk as zeros up to
+  ``round_up(Sk, 16)``; each channel's scale from its amax over the sequence. The fused attention
+  call has it store each 16 tokens in the order the forward kernel reads without shuffles
+  (``V_KEY_PERM``).
 """
 
 from __future__ import annotations
@@ -26,103 +39,316 @@ from ...cute.fp8_tile import (
     alloc_transposed_tile,
     column_codes,
     cta_max,
-    load_tile,
     stage_column,
     store_transposed,
 )
+from ...cute.utils import LoopInvariant
+
+RING_BYTES = 128 * 1024  # shared memory of a CTA's ring of 128-token blocks (measured: 96-192 KB alike at d128)
+MAX_RING_STAGES = 4
+
+
+def ring_stages(head_dim: int, elem_bytes: int) -> int:
+    """Stages of a pre-pass kernel's ring for ``head_dim`` columns of ``elem_bytes`` (0: the ring
+    does not fit, no kernel)."""
+    stages = min(MAX_RING_STAGES, RING_BYTES // (TILE * head_dim * elem_bytes))
+    return stages if stages >= 2 else 0
+
+
+def _alloc_ring(smem, dtype, stages: int, head_dim: int):
+    return smem.allocate_tensor(dtype, cute.make_layout((stages * TILE, head_dim), stride=(head_dim, 1)),
+                                byte_alignment=128)
 
 
 @cute.jit
-def _column_vector(mVec: cute.Tensor, row, col, cols):
-    """``mVec[row, col .. col + VEC]`` converted to FP32 (zeros past ``cols``)."""
-    frag = cute.make_rmem_tensor((1, VEC), mVec.element_type)
-    frag.fill(0)
-    if col < cols:
-        cute.autovec_copy(cute.local_tile(mVec, (1, VEC), (row, col // VEC)), frag)
-    return frag.load().to(Float32)
+def _row_in_block(rgrp, p, consecutive: cutlass.Constexpr):
+    """The block row of a thread's pass ``p``: rows 16 apart (K: coalesced 1x128 chunks per row
+    group), or 8 consecutive rows (V: each channel's 8 codes are one 8-byte chunk of Vᵀ)."""
+    if cutlass.const_expr(consecutive):
+        return rgrp * PASSES + p
+    else:
+        return rgrp + ROW_GROUPS * p
 
 
-@cute.kernel
-def _k_smooth_quant_kernel(mK: cute.Tensor, mMean: cute.Tensor, mQ_u8: cute.Tensor, mS: cute.Tensor,
-                           seqlen: cutlass.Int32, d_tiles: cutlass.Constexpr):
-    tidx, _, _ = cute.arch.thread_idx()
-    block, _, _ = cute.arch.block_idx()
-    mQ = as_fp8(mQ_u8)
-    smem = cutlass.memory.SmemAllocator()
-    warp_max = smem.allocate_tensor(Float32, cute.make_layout(WARPS_PER_CTA), byte_alignment=16)
-    lane, rgrp = tidx % LANES, tidx // LANES
-    row0 = block * TILE  # seqlen % 128 == 0: a block never spans two heads
-    head = row0 // seqlen
-    d = mK.shape[1]
-    values = []
-    amax = Float32(0.0)
-    for ct in cutlass.range_constexpr(d_tiles):
-        col = ct * TILE + lane * VEC
-        mean = _column_vector(mMean, head, col, d)
-        tile = load_tile(mK, row0 + rgrp, ROW_GROUPS, col)
-        for p in cutlass.range_constexpr(PASSES):
-            tile[p] = tile[p] - mean  # columns past D: 0 - 0
-            amax = cute.arch.fmax(amax, abs(tile[p]).reduce(cute.ReductionOp.MAX, Float32(0.0), 0))
-        values.append(tile)
-    amax = cta_max(amax, warp_max, tidx)
-    scale, inv = scale_and_inverse(amax)
-    for ct in cutlass.range_constexpr(d_tiles):
+@cute.jit
+def _copy_chunk(atom, src: cute.Tensor, dst: cute.Tensor, src_row, dst_row, col):
+    """cp.async of ``src[src_row, col .. col + VEC]`` to ``dst[dst_row, ..]``: 16 bytes a copy."""
+    per_copy = 128 // src.element_type.width
+    for i in cutlass.range_constexpr(VEC // per_copy):
+        c = (col + i * per_copy) // per_copy
+        cute.copy(atom, cute.local_tile(src, (1, per_copy), (src_row, c))[0, None],
+                  cute.local_tile(dst, (1, per_copy), (dst_row, c))[0, None])
+
+
+@cute.jit
+def _issue_block(atom, mX: cute.Tensor, ring: cute.Tensor, stage, head_row0, block, seqlen, rgrp, lane,
+                 col_tiles: cutlass.Constexpr, d: cutlass.Constexpr, consecutive: cutlass.Constexpr):
+    """cp.async of the thread's chunks of 128-token ``block`` of the head at ``head_row0`` into ring
+    ``stage`` (tokens past ``seqlen`` are not copied: :func:`_read_block` reads them as 0)."""
+    for ct in cutlass.range_constexpr(col_tiles):
         col = ct * TILE + lane * VEC
         if col < d:
             for p in cutlass.range_constexpr(PASSES):
-                store_row_chunk(mQ, values[ct][p] * inv, row0 + rgrp + ROW_GROUPS * p, col)
-    if tidx == 0:
-        mS[block, 0] = scale
+                row = _row_in_block(rgrp, p, consecutive)
+                if block * TILE + row < seqlen:
+                    _copy_chunk(atom, mX, ring, head_row0 + block * TILE + row, stage * TILE + row, col)
 
 
 @cute.jit
-def k_smooth_quant(mK: cute.Tensor, mMean: cute.Tensor, mQ_u8: cute.Tensor, mS: cute.Tensor,
-                   seqlen: cutlass.Int32, d_tiles: cutlass.Constexpr, stream):
-    """``mK`` [B·H·S, D] (S % 128 == 0), ``mMean`` [B·H, D] FP32 -> codes [B·H·S, D], scales
-    [B·H·S/128, 1]."""
-    _k_smooth_quant_kernel(mK, mMean, mQ_u8, mS, seqlen, d_tiles).launch(
-        grid=(mK.shape[0] // TILE, 1, 1), block=(THREADS, 1, 1), stream=stream)
+def _read_block(ring: cute.Tensor, stage, block, seqlen, rgrp, lane, ct, d: cutlass.Constexpr,
+                consecutive: cutlass.Constexpr):
+    """The thread's PASSES x VEC values of column tile ``ct`` of the block in ring ``stage`` as FP32
+    (zeros past ``seqlen`` or D)."""
+    col = ct * TILE + lane * VEC
+    values = []
+    for p in cutlass.range_constexpr(PASSES):
+        row = _row_in_block(rgrp, p, consecutive)
+        frag = cute.make_rmem_tensor((1, VEC), ring.element_type)
+        frag.fill(0)
+        if col < d and block * TILE + row < seqlen:
+            cute.autovec_copy(cute.local_tile(ring, (1, VEC), (stage * TILE + row, col // VEC)), frag)
+        values.append(frag.load().to(Float32))
+    return values
+
+
+class _Walk(LoopInvariant):
+    """A CTA's steps over its head: ``2 * per_head`` steps walk the blocks ``rank, rank + cluster,
+    ...`` up (the statistics), then down (the quantization; the newest first, still in L2). Every
+    CTA of the cluster takes the same steps (blocks past ``blocks`` are skipped), so all meet at
+    the cluster barrier."""
+
+    def __init__(self, rank, cluster: int, head, seqlen, blocks):
+        self.rank, self.cluster, self.head_row0, self.blocks = rank, cluster, head * seqlen, blocks
+        self.per_head = (blocks + cluster - 1) // cluster
+        self.steps = 2 * self.per_head
+
+    def block(self, t):
+        return self.rank + self.cluster * cutlass.min(t, self.steps - 1 - t)
+
+
+@cute.jit
+def _issue_step(atom, mX, ring, walk: _Walk, t, seqlen, rgrp, lane, stages: cutlass.Constexpr,
+                col_tiles: cutlass.Constexpr, d: cutlass.Constexpr, consecutive: cutlass.Constexpr):
+    """cp.async of step ``t``'s block into its ring stage, if there is one; one commit group."""
+    if t < walk.steps:
+        block = walk.block(t)
+        if block < walk.blocks:
+            _issue_block(atom, mX, ring, t % stages, walk.head_row0, block, seqlen, rgrp, lane, col_tiles, d,
+                         consecutive)
+    cute.arch.cp_async_commit_group()
+
+
+@cute.jit
+def _fill_ring(atom, mX, ring, walk: _Walk, seqlen, rgrp, lane, stages: cutlass.Constexpr,
+               col_tiles: cutlass.Constexpr, d: cutlass.Constexpr, consecutive: cutlass.Constexpr):
+    """The ring's first ``stages - 1`` steps."""
+    for t in cutlass.range_constexpr(stages - 1):
+        _issue_step(atom, mX, ring, walk, t, seqlen, rgrp, lane, stages, col_tiles, d, consecutive)
+
+
+@cute.jit
+def _advance_ring(atom, mX, ring, walk: _Walk, t, seqlen, rgrp, lane, stages: cutlass.Constexpr,
+                  col_tiles: cutlass.Constexpr, d: cutlass.Constexpr, consecutive: cutlass.Constexpr):
+    """Wait for step ``t``'s block, then refill the stage read at step ``t - 1`` with the block of
+    step ``t + stages - 1``. Returns the stage of step ``t``."""
+    cute.arch.cp_async_wait_group(stages - 2)
+    _issue_step(atom, mX, ring, walk, t + stages - 1, seqlen, rgrp, lane, stages, col_tiles, d, consecutive)
+    return t % stages
+
+
+def _alloc_row_group_partials(smem, col_tiles: int):
+    """One FP32 row of ``col_tiles * 128`` columns per row group: the CTA's partials before the
+    row groups are combined."""
+    cols = col_tiles * TILE
+    return smem.allocate_tensor(Float32, cute.make_layout((ROW_GROUPS, cols), stride=(cols, 1)), byte_alignment=16)
+
+
+@cute.jit
+def _exchange(acc, part_smem: cute.Tensor, mPart: cute.Tensor, head, rank, lane, rgrp, d, col_tiles: cutlass.Constexpr,
+              cluster: cutlass.Constexpr, is_max: cutlass.Constexpr):
+    """The head's statistic from every thread's ``acc`` (one (1, VEC) FP32 fragment per column tile):
+    row groups combined in the CTA (in order), the CTA's partial stored to ``mPart[head * cluster +
+    rank]``, a cluster barrier, then the ``cluster`` partials combined in rank order. Returns one
+    (1, VEC) fragment per column tile: the thread's columns of the whole head's sum (or max)."""
+    for ct in cutlass.range_constexpr(col_tiles):
+        cute.autovec_copy(acc[ct], cute.local_tile(part_smem, (1, VEC), (rgrp, ct * LANES + lane)))
+    cute.arch.sync_threads()
+    if rgrp == 0:
+        for ct in cutlass.range_constexpr(col_tiles):
+            col = ct * TILE + lane * VEC
+            if col < d:
+                total = cute.make_rmem_tensor((1, VEC), Float32)
+                cute.autovec_copy(cute.local_tile(part_smem, (1, VEC), (0, ct * LANES + lane)), total)
+                for r in cutlass.range_constexpr(1, ROW_GROUPS):
+                    _combine(total, cute.local_tile(part_smem, (1, VEC), (r, ct * LANES + lane)), is_max)
+                cute.autovec_copy(total, cute.local_tile(mPart, (1, VEC), (head * cluster + rank, col // VEC)))
+    # barrier.cluster.arrive releases and .wait acquires at cluster scope: the partials every CTA
+    # stored are visible to every CTA after it (and the smem partials may be overwritten)
+    cute.arch.cluster_arrive()
+    cute.arch.cluster_wait()
+    whole = []
+    for ct in cutlass.range_constexpr(col_tiles):
+        col = ct * TILE + lane * VEC
+        total = cute.make_rmem_tensor((1, VEC), Float32)
+        total.fill(0)
+        if col < d:
+            cute.autovec_copy(cute.local_tile(mPart, (1, VEC), (head * cluster, col // VEC)), total)
+            for r in cutlass.range_constexpr(1, cluster):
+                _combine(total, cute.local_tile(mPart, (1, VEC), (head * cluster + r, col // VEC)), is_max)
+        whole.append(total)
+    return whole
+
+
+@cute.jit
+def _combine(total: cute.Tensor, part: cute.Tensor, is_max: cutlass.Constexpr):
+    other = cute.make_rmem_tensor((1, VEC), Float32)
+    cute.autovec_copy(part, other)
+    if cutlass.const_expr(is_max):
+        for j in cutlass.range_constexpr(VEC):
+            total[0, j] = cute.arch.fmax(total[0, j], other[0, j])
+    else:
+        total.store(total.load() + other.load())
 
 
 @cute.kernel
-def _v_quant_t_kernel(mV: cute.Tensor, mAmax: cute.Tensor, mVt_u8: cute.Tensor, mScale: cute.Tensor,
-                      seqlen: cutlass.Int32, permute_keys: cutlass.Constexpr):
+def _k_smooth_quant_kernel(mK: cute.Tensor, mQ_u8: cute.Tensor, mS: cute.Tensor, mMean: cute.Tensor,
+                           mPart: cute.Tensor, seqlen: cutlass.Int32, d: cutlass.Constexpr,
+                           stages: cutlass.Constexpr, cluster: cutlass.Constexpr):
     tidx, _, _ = cute.arch.thread_idx()
-    token_tile, col_tile, head = cute.arch.block_idx()
+    rank, head, _ = cute.arch.block_idx()
+    d_tiles = (d + TILE - 1) // TILE
+    mQ = as_fp8(mQ_u8)
     smem = cutlass.memory.SmemAllocator()
-    tile_t = alloc_transposed_tile(smem)
-    mVt = as_fp8(mVt_u8)
+    ring = _alloc_ring(smem, mK.element_type, stages, d)
+    warp_max = smem.allocate_tensor(Float32, cute.make_layout(WARPS_PER_CTA), byte_alignment=16)
+    part_smem = _alloc_row_group_partials(smem, d_tiles)
+    atom = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(), mK.element_type, num_bits_per_copy=128)
     lane, rgrp = tidx % LANES, tidx // LANES
-    d = mV.shape[1]
-    col = col_tile * TILE + lane * VEC
-    # 8 consecutive tokens per thread: each channel's 8 codes are one 8-byte chunk of the
-    # transposed tile
-    token0 = token_tile * TILE + rgrp * PASSES
-    values = []
-    for p in cutlass.range_constexpr(PASSES):
-        frag = cute.make_rmem_tensor((1, VEC), mV.element_type)
-        frag.fill(0)
-        if token0 + p < seqlen and col < d:
-            cute.autovec_copy(cute.local_tile(mV, (1, VEC), (head * seqlen + token0 + p, col // VEC)), frag)
-        values.append(frag.load().to(Float32))
-    amax = _column_vector(mAmax, head, col, d)
-    for j in cutlass.range_constexpr(VEC):
-        scale, inv = scale_and_inverse(amax[j])
-        stage_column(tile_t, column_codes(values, j, inv), lane, rgrp, j)
-        if token_tile == 0 and rgrp == 0 and col < d:  # one writer per channel
-            mScale[head, col + j] = scale
-    cute.arch.sync_threads()
-    store_transposed(tile_t, mVt, head * d + col_tile * TILE, head * d + d, token_tile * TILE, mVt.shape[1], tidx,
-                     permute_keys)
+    blocks = seqlen // TILE  # seqlen % 128 == 0
+    walk = _Walk(rank, cluster, head, seqlen, blocks)
+    sums = []
+    for _ in cutlass.range_constexpr(d_tiles):
+        acc = cute.make_rmem_tensor((1, VEC), Float32)
+        acc.fill(0)
+        sums.append(acc)
+    _fill_ring(atom, mK, ring, walk, seqlen, rgrp, lane, stages, d_tiles, d, False)
+    for t in cutlass.range(walk.per_head):  # the statistics
+        stage = _advance_ring(atom, mK, ring, walk, t, seqlen, rgrp, lane, stages, d_tiles, d, False)
+        block = walk.block(t)
+        if block < blocks:
+            for ct in cutlass.range_constexpr(d_tiles):
+                tile = _read_block(ring, stage, block, seqlen, rgrp, lane, ct, d, False)
+                for p in cutlass.range_constexpr(PASSES):
+                    sums[ct].store(sums[ct].load() + tile[p])
+    totals = _exchange(sums, part_smem, mPart, head, rank, lane, rgrp, d, d_tiles, cluster, False)
+    means = []
+    for ct in cutlass.range_constexpr(d_tiles):
+        col = ct * TILE + lane * VEC
+        mean = cute.make_rmem_tensor((1, VEC), Float32)
+        mean.store(totals[ct].load() / Float32(seqlen))
+        if rank == 0 and rgrp == 0 and col < d:
+            cute.autovec_copy(mean, cute.local_tile(mMean, (1, VEC), (head, col // VEC)))
+        means.append(mean)
+    for t in cutlass.range(walk.per_head, walk.steps):  # the quantization
+        stage = _advance_ring(atom, mK, ring, walk, t, seqlen, rgrp, lane, stages, d_tiles, d, False)
+        block = walk.block(t)
+        if block < blocks:  # the same branch for the whole CTA
+            values = []
+            amax = Float32(0.0)
+            for ct in cutlass.range_constexpr(d_tiles):
+                tile = _read_block(ring, stage, block, seqlen, rgrp, lane, ct, d, False)
+                for p in cutlass.range_constexpr(PASSES):
+                    tile[p] = tile[p] - means[ct].load()  # columns past D: 0 - 0
+                    amax = cute.arch.fmax(amax, abs(tile[p]).reduce(cute.ReductionOp.MAX, Float32(0.0), 0))
+                values.append(tile)
+            amax = cta_max(amax, warp_max, tidx)
+            scale, inv = scale_and_inverse(amax)
+            row0 = (head * blocks + block) * TILE
+            for ct in cutlass.range_constexpr(d_tiles):
+                col = ct * TILE + lane * VEC
+                if col < d:
+                    for p in cutlass.range_constexpr(PASSES):
+                        store_row_chunk(mQ, values[ct][p] * inv, row0 + rgrp + ROW_GROUPS * p, col)
+            if tidx == 0:
+                mS[head * blocks + block, 0] = scale
+            cute.arch.sync_threads()  # warp_max is rewritten by the next block
 
 
 @cute.jit
-def v_quant_t(mV: cute.Tensor, mAmax: cute.Tensor, mVt_u8: cute.Tensor, mScale: cute.Tensor, seqlen: cutlass.Int32,
-              heads: cutlass.Int32, permute_keys: cutlass.Constexpr, stream):
-    """``mV`` [B·H·S, D], ``mAmax`` [B·H, D] in V's dtype (each channel's amax over the sequence)
-    -> ``v_t`` codes [B·H·D, S_pad] (S_pad = round_up(S, 16); the padding tokens as zeros; with
-    ``permute_keys`` the tokens of each aligned 16 stored in ``config.V_KEY_PERM`` order) and
-    ``mScale`` [B·H, D] FP32 (the quantizer's scale of each amax)."""
-    _v_quant_t_kernel(mV, mAmax, mVt_u8, mScale, seqlen, permute_keys).launch(
-        grid=((mVt_u8.shape[1] + TILE - 1) // TILE, (mV.shape[1] + TILE - 1) // TILE, heads),
-        block=(THREADS, 1, 1), stream=stream)
+def k_smooth_quant(mK: cute.Tensor, mQ_u8: cute.Tensor, mS: cute.Tensor, mMean: cute.Tensor, mPart: cute.Tensor,
+                   seqlen: cutlass.Int32, heads: cutlass.Int32, d: cutlass.Constexpr, stages: cutlass.Constexpr,
+                   cluster: cutlass.Constexpr, stream):
+    """``mK`` [heads·S, D] (S % 128 == 0) -> codes [heads·S, D] of K minus its token mean, scales
+    [heads·S/128, 1], ``mMean`` [heads, D] FP32; ``mPart`` [heads·cluster, D] FP32 workspace;
+    ``stages``: :func:`ring_stages`; ``cluster`` CTAs per head."""
+    _k_smooth_quant_kernel(mK, mQ_u8, mS, mMean, mPart, seqlen, d, stages, cluster).launch(
+        grid=(cluster, heads, 1), block=(THREADS, 1, 1), cluster=(cluster, 1, 1), stream=stream)
+
+
+@cute.kernel
+def _v_quant_t_kernel(mV: cute.Tensor, mVt_u8: cute.Tensor, mScale: cute.Tensor, mPart: cute.Tensor,
+                      seqlen: cutlass.Int32, d: cutlass.Constexpr, stages: cutlass.Constexpr,
+                      cluster: cutlass.Constexpr, permute_keys: cutlass.Constexpr):
+    tidx, _, _ = cute.arch.thread_idx()
+    rank, head, _ = cute.arch.block_idx()
+    col_tiles = (d + TILE - 1) // TILE
+    smem = cutlass.memory.SmemAllocator()
+    ring = _alloc_ring(smem, mV.element_type, stages, d)
+    tile_t = alloc_transposed_tile(smem)
+    part_smem = _alloc_row_group_partials(smem, col_tiles)
+    atom = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(), mV.element_type, num_bits_per_copy=128)
+    mVt = as_fp8(mVt_u8)
+    lane, rgrp = tidx % LANES, tidx // LANES
+    s_pad = mVt.shape[1]
+    walk = _Walk(rank, cluster, head, seqlen, (s_pad + TILE - 1) // TILE)
+    amaxes = []
+    for _ in cutlass.range_constexpr(col_tiles):
+        acc = cute.make_rmem_tensor((1, VEC), Float32)
+        acc.fill(0)
+        amaxes.append(acc)
+    _fill_ring(atom, mV, ring, walk, seqlen, rgrp, lane, stages, col_tiles, d, True)
+    for t in cutlass.range(walk.per_head):  # the statistics
+        stage = _advance_ring(atom, mV, ring, walk, t, seqlen, rgrp, lane, stages, col_tiles, d, True)
+        block = walk.block(t)
+        if block < walk.blocks:
+            for ct in cutlass.range_constexpr(col_tiles):
+                values = _read_block(ring, stage, block, seqlen, rgrp, lane, ct, d, True)
+                for p in cutlass.range_constexpr(PASSES):
+                    for j in cutlass.range_constexpr(VEC):
+                        amaxes[ct][0, j] = cute.arch.fmax(amaxes[ct][0, j], abs(values[p][j]))
+    amax = _exchange(amaxes, part_smem, mPart, head, rank, lane, rgrp, d, col_tiles, cluster, True)
+    invs = []
+    for ct in cutlass.range_constexpr(col_tiles):
+        col = ct * TILE + lane * VEC
+        inv = cute.make_rmem_tensor((1, VEC), Float32)
+        for j in cutlass.range_constexpr(VEC):
+            scale, inv_j = scale_and_inverse(amax[ct][0, j])
+            inv[0, j] = inv_j
+            if rank == 0 and rgrp == 0 and col < d:  # one writer per channel
+                mScale[head, col + j] = scale
+        invs.append(inv)
+    for t in cutlass.range(walk.per_head, walk.steps):  # the quantization
+        stage = _advance_ring(atom, mV, ring, walk, t, seqlen, rgrp, lane, stages, col_tiles, d, True)
+        block = walk.block(t)
+        if block < walk.blocks:  # the same branch for the whole CTA
+            for ct in cutlass.range_constexpr(col_tiles):
+                values = _read_block(ring, stage, block, seqlen, rgrp, lane, ct, d, True)
+                for j in cutlass.range_constexpr(VEC):
+                    stage_column(tile_t, column_codes(values, j, invs[ct][0, j]), lane, rgrp, j)
+                cute.arch.sync_threads()
+                store_transposed(tile_t, mVt, head * d + ct * TILE, head * d + d, block * TILE, s_pad, tidx,
+                                 permute_keys)
+                cute.arch.sync_threads()  # tile_t is restaged next
+
+
+@cute.jit
+def v_quant_t(mV: cute.Tensor, mVt_u8: cute.Tensor, mScale: cute.Tensor, mPart: cute.Tensor, seqlen: cutlass.Int32,
+              heads: cutlass.Int32, d: cutlass.Constexpr, stages: cutlass.Constexpr, cluster: cutlass.Constexpr,
+              permute_keys: cutlass.Constexpr, stream):
+    """``mV`` [heads·S, D] -> ``v_t`` codes [heads·D, S_pad] (S_pad = round_up(S, 16); the padding
+    tokens as zeros; with ``permute_keys`` the tokens of each aligned 16 stored in
+    ``config.V_KEY_PERM`` order) and ``mScale`` [heads, D] FP32 (the quantizer's scale of each
+    channel's amax over the sequence); ``mPart`` [heads·cluster, D] FP32 workspace; ``stages``:
+    :func:`ring_stages`; ``cluster`` CTAs per head."""
+    _v_quant_t_kernel(mV, mVt_u8, mScale, mPart, seqlen, d, stages, cluster, permute_keys).launch(
+        grid=(cluster, heads, 1), block=(THREADS, 1, 1), cluster=(cluster, 1, 1), stream=stream)

@@ -1,0 +1,51 @@
+# ruff: noqa: B023, E501
+"""Timing of the FP8 attention pre-pass (K smoothed, V transposed, the whole qkv pre-pass) and the
+eager ``lowprec.attention(..., quant="fp8")`` call, do_bench median (L2 flushed), bf16 inputs.
+    python benchmarks/attention_prepass_timing.py [--pkg DIR] [--tag NAME]
+``--pkg DIR`` imports lowprec from DIR (an older tree, for an A/B in one run)."""
+
+from __future__ import annotations
+
+import sys
+
+if "--pkg" in sys.argv:
+    sys.path.insert(0, sys.argv[sys.argv.index("--pkg") + 1])
+
+import torch  # noqa: E402
+from triton.testing import do_bench  # noqa: E402
+
+import lowprec  # noqa: E402
+from lowprec.attention.quantize import quantize_k, quantize_qkv, quantize_v  # noqa: E402
+
+SHAPES = [  # B, H, Hkv, S, D, causal
+    (4, 32, 32, 4096, 128, False),
+    (4, 32, 8, 4096, 128, True),
+    (4, 32, 32, 4096, 64, False),
+    (4, 16, 16, 4096, 256, False),
+    (1, 32, 32, 16384, 128, True),
+    (16, 32, 32, 1024, 128, True),
+]
+
+
+def main():
+    tag = sys.argv[sys.argv.index("--tag") + 1] if "--tag" in sys.argv else "new"
+    print(f"[{tag}] lowprec from {lowprec.__file__}")
+    for B, H, Hkv, S, D, causal in SHAPES:
+        g = torch.Generator(device="cuda").manual_seed(0)
+        q = torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16, generator=g)
+        k = torch.randn(B, Hkv, S, D, device="cuda", dtype=torch.bfloat16, generator=g) + 0.5
+        v = torch.randn(B, Hkv, S, D, device="cuda", dtype=torch.bfloat16, generator=g)
+        res = {}
+        for name, f in (("k", lambda: quantize_k(k)), ("v", lambda: quantize_v(v)),
+                        ("qkv", lambda: quantize_qkv(q, k, v)),
+                        ("call", lambda: lowprec.attention(q, k, v, causal=causal, quant="fp8"))):
+            f()
+            res[name] = do_bench(f, warmup=20, rep=200, return_mode="median") * 1e3
+        kv_mb = 2 * B * Hkv * S * D * 2 / 1e6
+        line = " ".join(f"{n} {t:7.1f}" for n, t in res.items())
+        print(f"[{tag}] B{B} H{H}/{Hkv} S{S} d{D} {'causal' if causal else 'full':6s} us: {line}"
+              f"  (K+V read once: {kv_mb / 3.0e3 * 1e3:.0f} us at 3 TB/s + writes {kv_mb / 2 / 3.0e3 * 1e3:.0f})")
+
+
+if __name__ == "__main__":
+    main()
