@@ -14,8 +14,9 @@ does (amax / 448, IEEE division, all-zero blocks scale 1): the same recipes as a
 Where the shapes allow (S a multiple of 128 or below 128 for Q and K; V always) the blocks are quantized by
 :func:`lowprec.quantize` with the recipe that computes the same thing (rowwise on the
 [B·H·S/128, 128·D] view of Q and K, and on Vᵀ), so on Hopper by the quantize kernels, bit-identical
-to the reference. On Hopper K (smoothed) and V (transposed) each take one kernel pass after a torch
-reduction (K's mean, V's channel amax): ``lowprec.attention.sm90.prepass``, the same bits.
+to the reference. On Hopper K (smoothed) and V (transposed) each take one kernel launch that
+computes the statistic (K's mean, V's channel amax) and quantizes, reading the input from HBM once
+(``lowprec.attention.sm90.prepass``): the recipes' bits, K's mean summed in the kernel's order.
 
 Incoherent processing (FlashAttention-3): Q and K multiplied by the same random orthogonal matrix
 ``M = diag(±1) · Hadamard / sqrt(D)`` before quantization. ``(qM)(kM)ᵀ = qkᵀ`` in exact math; the
