@@ -156,6 +156,17 @@ def _advance_ring(atom, mX, ring, walk: _Walk, t, seqlen, rgrp, lane, stages: cu
     return t % stages
 
 
+@cute.jit
+def _zero_fragments(col_tiles: cutlass.Constexpr):
+    """One zeroed (1, VEC) FP32 fragment per column tile: a thread's running statistic."""
+    frags = []
+    for _ in cutlass.range_constexpr(col_tiles):
+        frag = cute.make_rmem_tensor((1, VEC), Float32)
+        frag.fill(0)
+        frags.append(frag)
+    return frags
+
+
 def _alloc_row_group_partials(smem, col_tiles: int):
     """One FP32 row of ``col_tiles * 128`` columns per row group: the CTA's partials before the
     row groups are combined."""
@@ -226,11 +237,7 @@ def _k_smooth_quant_kernel(mK: cute.Tensor, mQ_u8: cute.Tensor, mS: cute.Tensor,
     lane, rgrp = tidx % LANES, tidx // LANES
     blocks = seqlen // TILE  # seqlen % 128 == 0
     walk = _Walk(rank, cluster, head, seqlen, blocks)
-    sums = []
-    for _ in cutlass.range_constexpr(d_tiles):
-        acc = cute.make_rmem_tensor((1, VEC), Float32)
-        acc.fill(0)
-        sums.append(acc)
+    sums = _zero_fragments(d_tiles)
     _fill_ring(atom, mK, ring, walk, seqlen, rgrp, lane, stages, d_tiles, d, False)
     for t in cutlass.range(walk.per_head):  # the statistics
         stage = _advance_ring(atom, mK, ring, walk, t, seqlen, rgrp, lane, stages, d_tiles, d, False)
@@ -301,11 +308,7 @@ def _v_quant_t_kernel(mV: cute.Tensor, mVt_u8: cute.Tensor, mScale: cute.Tensor,
     lane, rgrp = tidx % LANES, tidx // LANES
     s_pad = mVt.shape[1]
     walk = _Walk(rank, cluster, head, seqlen, (s_pad + TILE - 1) // TILE)
-    amaxes = []
-    for _ in cutlass.range_constexpr(col_tiles):
-        acc = cute.make_rmem_tensor((1, VEC), Float32)
-        acc.fill(0)
-        amaxes.append(acc)
+    amaxes = _zero_fragments(col_tiles)
     _fill_ring(atom, mV, ring, walk, seqlen, rgrp, lane, stages, col_tiles, d, True)
     for t in cutlass.range(walk.per_head):  # the statistics
         stage = _advance_ring(atom, mV, ring, walk, t, seqlen, rgrp, lane, stages, col_tiles, d, True)
