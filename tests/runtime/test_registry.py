@@ -186,3 +186,71 @@ def test_self_check_mode_values(monkeypatch):
     monkeypatch.setenv("LOWPREC_SELF_CHECK", "sometimes")
     with pytest.raises(ValueError, match="LOWPREC_SELF_CHECK"):
         self_check_mode()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)),
+                    reason="needs an sm_90 GPU")
+def test_self_check_on_the_gpu_catches_a_wrong_kernel_and_falls_back(monkeypatch):
+    """On a Hopper GPU, with a real CuTe DSL kernel: the sm_90a dense GEMM registered again as an
+    op ``gemm_checked`` behind a wrapper that is deliberately wrong for FP32 output, with a
+    self-check. The first call of each output dtype proves it on a small random problem of that
+    configuration (the real kernel launched, compared with the reference); bf16 passes and then
+    serves the call; FP32 fails, warns once, and the reference answers every FP32 call."""
+    import sys
+    import types
+
+    from lowprec.gemm.reference import gemm_reference
+    from lowprec.gemm.sm90 import config
+    from lowprec.gemm.sm90.interface import gemm_quantized
+
+    calls = []
+
+    def kernel(a, b, out_dtype, bias):
+        calls.append(out_dtype)
+        out = gemm_quantized(a, b, out_dtype, bias)
+        return out + 1 if out_dtype == torch.float32 else out
+
+    module = types.ModuleType("lowprec_gpu_selfcheck_probe")
+    module.kernel = kernel
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    monkeypatch.setitem(registry._registry, "gemm_checked", {})
+    for attr in ("_passed_checks", "_failed_checks", "_checked_all"):
+        monkeypatch.setattr(registry, attr, set())
+    warned = []
+    monkeypatch.setattr(registry, "warn_once", warned.append)
+    monkeypatch.setenv("LOWPREC_BACKEND", "auto")
+    monkeypatch.delenv("LOWPREC_SELF_CHECK", raising=False)
+
+    def operands(m, n, k, device, seed):
+        g = torch.Generator(device=device).manual_seed(seed)
+        x = torch.randn(m, k, device=device, generator=g, dtype=torch.bfloat16)
+        w = torch.randn(n, k, device=device, generator=g, dtype=torch.bfloat16)
+        return lowprec.quantize(x, "fp8_block1x128"), lowprec.quantize(w, "fp8_block128x128")
+
+    def probe(out_dtype, device):
+        return (*operands(64, 256, 256, device, 0), out_dtype, None)
+
+    def close(out, ref):
+        return torch.allclose(out.float(), ref.float(), rtol=2e-2, atol=2e-2)
+
+    check = registry.SelfCheck(config=lambda a, b, out_dtype, bias: out_dtype, probe=probe, reference=gemm_reference,
+                               close=close, configs=lambda: (torch.bfloat16, torch.float32))
+    registry.register("gemm_checked", "sm_90a", f"{module.__name__}:kernel", config.gemm_unsupported, check)
+    dev = torch.device("cuda")
+    a, b = operands(300, 512, 1024, dev, 1)
+
+    def call(out_dtype):
+        return registry.run("gemm_checked", dev, (a, b, out_dtype, None), lambda: gemm_reference(a, b, out_dtype, None))
+
+    out = call(torch.bfloat16)
+    assert calls == [torch.bfloat16, torch.bfloat16] and not warned  # the probe, then the real call
+    assert torch.equal(out, gemm_quantized(a, b, torch.bfloat16, None))
+    out = call(torch.float32)
+    assert calls[2:] == [torch.float32] and len(warned) == 1  # the probe only: it failed
+    assert "configuration torch.float32 failed its first-use self-check" in warned[0]
+    assert torch.equal(out, gemm_reference(a, b, torch.float32, None))
+    for _ in range(2):  # remembered for the process: no more probes, each dtype keeps its path
+        call(torch.float32)
+        call(torch.bfloat16)
+    assert calls[3:] == [torch.bfloat16, torch.bfloat16] and len(warned) == 1
