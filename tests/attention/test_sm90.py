@@ -81,7 +81,7 @@ def test_prepass_compiles_sm90a(kind, head_dim, dtype):
     from lowprec.attention.sm90.interface import build_prepass_kernel
     from lowprec.runtime.compile import local_memory_ops, nvdisasm_path, sass_of
 
-    if dtype == torch.float32 and head_dim == 256:  # config.prepass rows of at most 512 bytes
+    if dtype == torch.float32 and head_dim == 256:  # config.prepass_ring_stages: two blocks do not fit
         with pytest.raises(ValueError, match="do not fit"):
             build_prepass_kernel(kind, dtype, head_dim, arch="sm_90a")
         return

@@ -98,24 +98,34 @@ def _double_wrong_for_wide(x):
     return x * 2 + (1 if x.shape[-1] > 8 else 0)
 
 
+def _isolated_op(monkeypatch, op: str, kernel) -> tuple[str, list]:
+    """A fresh registry entry for ``op``, ``kernel`` importable as ``<module>:kernel``, no self-check
+    remembered, warnings captured: ``(module name, the warnings list)``."""
+    import sys
+    import types
+
+    module = types.ModuleType(f"lowprec_selfcheck_{op}")
+    module.kernel = kernel
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    monkeypatch.setitem(registry._registry, op, {})
+    for attr in ("_passed_checks", "_failed_checks", "_checked_all"):
+        monkeypatch.setattr(registry, attr, set())
+    warned = []
+    monkeypatch.setattr(registry, "warn_once", warned.append)
+    return module.__name__, warned
+
+
 @pytest.fixture
 def checked_op(monkeypatch):
     """An op ``checked`` on sm_90a (pretended on the CPU) whose kernel is wrong for one of its two
     configurations (the row width class), registered with a self-check; the probe calls counted."""
-    import sys
     import types
 
-    module = types.ModuleType("lowprec_selfcheck_probe")
-    module.kernel = _double_wrong_for_wide
-    monkeypatch.setitem(sys.modules, module.__name__, module)
-    monkeypatch.setitem(registry._registry, "checked", {})
-    for attr in ("_passed_checks", "_failed_checks", "_checked_all"):
-        monkeypatch.setattr(registry, attr, set())
+    module_name, warned = _isolated_op(monkeypatch, "checked", _double_wrong_for_wide)
     monkeypatch.setattr(registry, "device_arch", lambda device: "sm_90a")
     monkeypatch.setattr(registry, "dsl_available", lambda: True)
-    monkeypatch.setattr(registry, "warn_once", lambda message: warned.append(message))
     monkeypatch.setattr(registry, "_loaded", {})
-    warned, probes = [], []
+    probes = []
 
     def probe(config, device):
         probes.append(config)
@@ -124,9 +134,9 @@ def checked_op(monkeypatch):
     check = registry.SelfCheck(config=lambda x: "narrow" if x.shape[-1] <= 8 else "wide", probe=probe,
                                reference=_double, close=lambda out, ref: torch.equal(out, ref),
                                configs=lambda: ("narrow", "wide"))
-    registry.register("checked", "sm_90a", f"{module.__name__}:kernel", self_check=check)
+    registry.register("checked", "sm_90a", f"{module_name}:kernel", self_check=check)
     monkeypatch.setenv("LOWPREC_BACKEND", "auto")
-    return types.SimpleNamespace(op="checked", warned=warned, probes=probes)
+    return types.SimpleNamespace(op="checked", target=f"{module_name}:kernel", warned=warned, probes=probes)
 
 
 def test_self_check_catches_a_wrong_configuration_and_falls_back(checked_op):
@@ -171,7 +181,7 @@ def test_self_check_in_kernel_mode_and_a_kernel_that_raises(checked_op, monkeypa
     def broken(x):
         raise RuntimeError("no such instruction")
 
-    monkeypatch.setattr(registry, "_loaded", {"lowprec_selfcheck_probe:kernel": broken})
+    monkeypatch.setattr(registry, "_loaded", {checked_op.target: broken})
     narrow = torch.ones(2, 4)
     assert torch.equal(registry.run(checked_op.op, CPU, (narrow,), lambda: _double(narrow)), narrow * 2)
     assert "RuntimeError: no such instruction" in checked_op.warned[-1]
@@ -197,9 +207,6 @@ def test_self_check_on_the_gpu_catches_a_wrong_kernel_and_falls_back(monkeypatch
     self-check. The first call of each output dtype proves it on a small random problem of that
     configuration (the real kernel launched, compared with the reference); bf16 passes and then
     serves the call; FP32 fails, warns once, and the reference answers every FP32 call."""
-    import sys
-    import types
-
     from lowprec.gemm.reference import gemm_reference
     from lowprec.gemm.sm90 import config
     from lowprec.gemm.sm90.interface import gemm_quantized
@@ -211,14 +218,7 @@ def test_self_check_on_the_gpu_catches_a_wrong_kernel_and_falls_back(monkeypatch
         out = gemm_quantized(a, b, out_dtype, bias)
         return out + 1 if out_dtype == torch.float32 else out
 
-    module = types.ModuleType("lowprec_gpu_selfcheck_probe")
-    module.kernel = kernel
-    monkeypatch.setitem(sys.modules, module.__name__, module)
-    monkeypatch.setitem(registry._registry, "gemm_checked", {})
-    for attr in ("_passed_checks", "_failed_checks", "_checked_all"):
-        monkeypatch.setattr(registry, attr, set())
-    warned = []
-    monkeypatch.setattr(registry, "warn_once", warned.append)
+    module_name, warned = _isolated_op(monkeypatch, "gemm_checked", kernel)
     monkeypatch.setenv("LOWPREC_BACKEND", "auto")
     monkeypatch.delenv("LOWPREC_SELF_CHECK", raising=False)
 
@@ -236,7 +236,7 @@ def test_self_check_on_the_gpu_catches_a_wrong_kernel_and_falls_back(monkeypatch
 
     check = registry.SelfCheck(config=lambda a, b, out_dtype, bias: out_dtype, probe=probe, reference=gemm_reference,
                                close=close, configs=lambda: (torch.bfloat16, torch.float32))
-    registry.register("gemm_checked", "sm_90a", f"{module.__name__}:kernel", config.gemm_unsupported, check)
+    registry.register("gemm_checked", "sm_90a", f"{module_name}:kernel", config.gemm_unsupported, check)
     dev = torch.device("cuda")
     a, b = operands(300, 512, 1024, dev, 1)
 

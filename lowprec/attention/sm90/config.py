@@ -159,7 +159,15 @@ PREPASS_MAX_CLUSTER = 8  # CTAs per head of the K / V pre-pass kernels (the port
 # CTAs a pre-pass launch aims for (about two per SM: measured on the H200, B16..B1 x H8..H32 x
 # S1k..16k): rows of up to 256 bytes (four-block ring) / longer rows (two-block ring)
 PREPASS_TARGET_CTAS = (256, 128)
-PREPASS_MAX_ROW_BYTES = 512  # two 128-token blocks in the kernels' shared-memory ring (prepass.RING_BYTES)
+PREPASS_RING_BYTES = 128 * 1024  # a CTA's shared-memory ring of 128-token blocks (measured: 96-192 KB alike)
+PREPASS_MAX_RING_STAGES = 4
+
+
+def prepass_ring_stages(head_dim: int, elem_bytes: int) -> int:
+    """Stages of a pre-pass kernel's ring for rows of ``head_dim`` values of ``elem_bytes`` (0: not
+    even two blocks fit, no kernel)."""
+    stages = min(PREPASS_MAX_RING_STAGES, PREPASS_RING_BYTES // (TILE_N * head_dim * elem_bytes))
+    return stages if stages >= 2 else 0
 
 
 def prepass_cluster(heads: int, seqlen: int, row_bytes: int) -> int:
@@ -185,9 +193,9 @@ def _prepass_unsupported(x) -> str | None:
         return "an empty tensor"
     if x.shape[-1] > PREPASS_MAX_D:
         return f"head dim {x.shape[-1]} (at most {PREPASS_MAX_D})"
-    if x.element_size() * x.shape[-1] > PREPASS_MAX_ROW_BYTES:
-        return f"{x.dtype} rows of {x.shape[-1]} values (the ring of 128-token blocks holds rows of at most " \
-               f"{PREPASS_MAX_ROW_BYTES} bytes)"
+    if not prepass_ring_stages(x.shape[-1], x.element_size()):
+        return f"{x.dtype} rows of {x.shape[-1]} values (two 128-token blocks must fit the kernels' " \
+               f"{PREPASS_RING_BYTES // 1024} KB ring)"
     return rows_unsupported(x.view(-1, x.shape[-1]))
 
 

@@ -26,6 +26,7 @@ from .config import (
     AttnConfig,
     operands_unsupported,
     prepass_cluster,
+    prepass_ring_stages,
 )
 
 _ARCH_DEFAULT = "sm_90a"
@@ -330,7 +331,7 @@ def build_prepass_kernel(kind: str, dtype: torch.dtype, head_dim: int, cluster: 
     x = make_fake_tensor(cutlass_dtype(dtype), (cute.sym_int(), head_dim), stride=(head_dim, 1), assumed_align=16)
     stream = make_fake_stream(use_tvm_ffi_env_stream=True)
     one = cutlass.Int32(1)
-    stages = prepass.ring_stages(head_dim, dtype.itemsize)
+    stages = prepass_ring_stages(head_dim, dtype.itemsize)
     if not stages:
         raise ValueError(f"{dtype} rows of {head_dim} values do not fit the pre-pass kernels' shared-memory ring")
     if kind == "k":
@@ -344,9 +345,9 @@ def build_prepass_kernel(kind: str, dtype: torch.dtype, head_dim: int, cluster: 
 @functools.cache
 def _prepass_kernel(kind: str, dtype: torch.dtype, head_dim: int, cluster: int, arch: str = _ARCH_DEFAULT):
     from ...runtime import kernel_cache
-    from .prepass import ring_stages
 
-    key = {"dtype": dtype, "head_dim": head_dim, "cluster": cluster, "stages": ring_stages(head_dim, dtype.itemsize)}
+    key = {"dtype": dtype, "head_dim": head_dim, "cluster": cluster,
+           "stages": prepass_ring_stages(head_dim, dtype.itemsize)}
     return kernel_cache.get(f"attention_prepass_{kind}", key, arch,
                             lambda: build_prepass_kernel(kind, dtype, head_dim, cluster, arch))
 

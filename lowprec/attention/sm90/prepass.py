@@ -10,9 +10,9 @@ every CTA and every run of a shape (K's FP32 sum order follows the cluster size,
 may differ in its last bit between batch sizes). The second pass re-reads the CTA's blocks,
 newest first, from L2 (Nsight Compute, B4 H32 S4096 d128: DRAM reads equal K's bytes).
 
-Every thread streams its own 16-byte chunks of the blocks through a ring of ``ring_stages``
-128-token blocks in shared memory (``cp.async``, ``stages - 1`` blocks ahead of the one it
-reads, across the two passes): loads stay in flight through the reductions and stores without
+Every thread streams its own 16-byte chunks of the blocks through a ring of
+``config.prepass_ring_stages`` 128-token blocks in shared memory (``cp.async``, ``stages - 1``
+blocks ahead of the one it reads, across the two passes): loads stay in flight through the reductions and stores without
 holding registers, and a thread reads back only what it copied (no CTA barrier).
 
 - ``k_smooth_quant``: ``k - k_mean`` in FP32 per 128-token block of all D columns (D <= 256: up to
@@ -43,16 +43,6 @@ from ...cute.fp8_tile import (
     store_transposed,
 )
 from ...cute.utils import LoopInvariant
-
-RING_BYTES = 128 * 1024  # shared memory of a CTA's ring of 128-token blocks (measured: 96-192 KB alike at d128)
-MAX_RING_STAGES = 4
-
-
-def ring_stages(head_dim: int, elem_bytes: int) -> int:
-    """Stages of a pre-pass kernel's ring for ``head_dim`` columns of ``elem_bytes`` (0: the ring
-    does not fit, no kernel)."""
-    stages = min(MAX_RING_STAGES, RING_BYTES // (TILE * head_dim * elem_bytes))
-    return stages if stages >= 2 else 0
 
 
 def _alloc_ring(smem, dtype, stages: int, head_dim: int):
@@ -287,7 +277,7 @@ def k_smooth_quant(mK: cute.Tensor, mQ_u8: cute.Tensor, mS: cute.Tensor, mMean: 
                    cluster: cutlass.Constexpr, stream):
     """``mK`` [heads·S, D] (S % 128 == 0) -> codes [heads·S, D] of K minus its token mean, scales
     [heads·S/128, 1], ``mMean`` [heads, D] FP32; ``mPart`` [heads·cluster, D] FP32 workspace;
-    ``stages``: :func:`ring_stages`; ``cluster`` CTAs per head."""
+    ``stages``: ``config.prepass_ring_stages``; ``cluster`` CTAs per head."""
     _k_smooth_quant_kernel(mK, mQ_u8, mS, mMean, mPart, seqlen, d, stages, cluster).launch(
         grid=(cluster, heads, 1), block=(THREADS, 1, 1), cluster=(cluster, 1, 1), stream=stream)
 
@@ -352,6 +342,6 @@ def v_quant_t(mV: cute.Tensor, mVt_u8: cute.Tensor, mScale: cute.Tensor, mPart: 
     tokens as zeros; with ``permute_keys`` the tokens of each aligned 16 stored in
     ``config.V_KEY_PERM`` order) and ``mScale`` [heads, D] FP32 (the quantizer's scale of each
     channel's amax over the sequence); ``mPart`` [heads·cluster, D] FP32 workspace; ``stages``:
-    :func:`ring_stages`; ``cluster`` CTAs per head."""
+    ``config.prepass_ring_stages``; ``cluster`` CTAs per head."""
     _v_quant_t_kernel(mV, mVt_u8, mScale, mPart, seqlen, d, stages, cluster, permute_keys).launch(
         grid=(cluster, heads, 1), block=(THREADS, 1, 1), cluster=(cluster, 1, 1), stream=stream)
