@@ -11,11 +11,14 @@ model's ``load_state_dict`` takes those tensors as they are published, with no r
 - ``input_scale``: FP32 scalar of the activations for W4A4 engines; kept so that checkpoints
   load strictly, unused by this weight-only layer.
 
-The product is computed as ``x · dequant(W)ᵀ`` in ``x``'s dtype (NVFP4 -> bf16 is exact: an
-E2M1 value times an E4M3 scale fits bf16's mantissa; the FP32 global scale rounds once).
-Hopper has no FP4 tensor cores: a weight-only decode kernel that reads the 4.5-bit weights
-directly is issue 27's next step; today the weight is dequantized per call (the memory saving
-holds, the speed is bf16 GEMM plus a dequantization).
+The product is ``x · dequant(W)ᵀ`` in ``x``'s dtype (NVFP4 -> bf16 is exact: an E2M1 value
+times an E4M3 scale fits bf16's mantissa). On Hopper, a bf16 ``x`` without gradient runs the
+weight-only kernel (``lowprec.gemm.sm90.weight_only``: the 4.5-bit weights read once, decoded in
+registers, bf16 tensor cores, FP32 accumulation, the global scale applied to the FP32 sums) on
+the weight re-arranged once into the kernel's layout (:meth:`NVFP4InferenceLinear.packed_weight`,
+kept beside the ModelOpt buffers, so the layer holds the weight twice). Otherwise (CPU, fp16 /
+fp32 ``x``, a gradient through ``x``, ``torch.compile``) the weight is dequantized to ``x``'s
+dtype and multiplied by ``F.linear``.
 """
 
 from __future__ import annotations
@@ -23,7 +26,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..gemm.weight_only import PackedNVFP4, pack_nvfp4
 from ..quant import dequantize, quantize
+from ..runtime import registry
 from ..recipes import get_recipe
 from ..tensor import QuantizedTensor
 from .buffers import QuantizedBuffersModule
@@ -65,6 +70,7 @@ class NVFP4InferenceLinear(QuantizedBuffersModule):
         self.register_buffer("weight_scale_2", w.global_scale)
         self.register_buffer("input_scale", torch.ones((), dtype=torch.float32, device=device))
         self.register_buffer("bias", torch.zeros(out_features, dtype=out_dtype, device=device) if bias else None)
+        self._packed: tuple[tuple, PackedNVFP4] | None = None
 
     @property
     def recipe(self):
@@ -106,6 +112,14 @@ class NVFP4InferenceLinear(QuantizedBuffersModule):
         return QuantizedTensor(self.weight, self.weight_scale, self.recipe, (self.out_features, self.in_features),
                                self.out_dtype, self.weight_scale_2)
 
+    def packed_weight(self) -> PackedNVFP4:
+        """The weight in the weight-only kernel's layout (``lowprec.gemm.weight_only``), packed on
+        first use and again whenever the NVFP4 buffers change (load, in-place update, device move)."""
+        key = tuple((t.data_ptr(), t._version, t.device) for t in (self.weight, self.weight_scale, self.weight_scale_2))
+        if self._packed is None or self._packed[0] != key:
+            self._packed = (key, pack_nvfp4(self.weight, self.weight_scale, self.weight_scale_2, self.weight_2d))
+        return self._packed[1]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x · Wᵀ + b`` in ``x``'s dtype (the autocast dtype inside ``torch.autocast``)."""
         if not isinstance(x, torch.Tensor) or x.dtype not in _FLOAT_DTYPES:
@@ -114,8 +128,17 @@ class NVFP4InferenceLinear(QuantizedBuffersModule):
             raise ValueError(f"x: last dim must be in_features={self.in_features}, got shape {tuple(x.shape)}")
         x, autocast_off = follow_autocast(x)
         with autocast_off:
-            w = dequantize(self.quantized_weight(), x.dtype)
-            return F.linear(x, w, None if self.bias is None else self.bias.to(x.dtype))
+            x2 = x.reshape(-1, self.in_features)
+            bias = None if self.bias is None else self.bias.to(x.dtype)
+
+            def dequantized():
+                return F.linear(x2, dequantize(self.quantized_weight(), x.dtype), bias)
+
+            if x2.is_cuda and not torch.compiler.is_compiling() and not (torch.is_grad_enabled() and x2.requires_grad):
+                y = registry.run("weight_only_nvfp4", x2.device, (x2, self.packed_weight(), bias), dequantized)
+            else:
+                y = dequantized()
+            return y.reshape(*x.shape[:-1], self.out_features)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):

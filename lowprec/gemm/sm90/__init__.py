@@ -9,3 +9,5 @@ register("linear_inference", "sm_90a", f"{__name__}.interface:linear_inference",
 register("grouped_gemm", "sm_90a", f"{__name__}.interface:grouped_gemm_quantized", config.grouped_unsupported)
 register("grouped_gemm_wgrad", "sm_90a", f"{__name__}.interface:grouped_gemm_wgrad_quantized",
          config.wgrad_unsupported)
+register("weight_only_nvfp4", "sm_90a", f"{__name__}.weight_only_interface:weight_only_nvfp4",
+         config.weight_only_nvfp4_unsupported)

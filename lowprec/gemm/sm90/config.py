@@ -130,3 +130,21 @@ def wgrad_unsupported(a, b, group_ends, out_dtype) -> str | None:
     if _dtype_name(out_dtype) not in OUT_DTYPES:
         return f"out_dtype {out_dtype}"
     return _mn_unsupported(P=b.shape[0], K=a.shape[1])
+
+
+def weight_only_nvfp4_unsupported(x, packed, bias) -> str | None:
+    """Why the weight-only NVFP4 kernel (``weight_only_interface.weight_only_nvfp4``) cannot take
+    ``x`` [M, K] and the packed weight (None: it can)."""
+    if x.dtype != torch.bfloat16:
+        return f"x dtype {x.dtype} (the kernel decodes NVFP4 to bf16: it takes bfloat16 activations)"
+    if x.dim() != 2 or x.shape[1] != packed.k:
+        return f"x shape {tuple(x.shape)} (expected [M, {packed.k}])"
+    if x.shape[0] == 0:
+        return "M=0: nothing to compute"
+    if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
+        return "x: the kernel's TMA needs unit stride along K and 16-byte aligned rows"
+    if packed.data.device != x.device:
+        return f"the packed weight is on {packed.data.device}, x on {x.device}"
+    if bias is not None and (bias.dtype != torch.bfloat16 or bias.shape != (packed.n,) or bias.stride(0) != 1):
+        return f"bias: expected bfloat16 [{packed.n}] contiguous, got {bias.dtype} {tuple(bias.shape)}"
+    return None

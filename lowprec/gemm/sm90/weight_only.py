@@ -1,0 +1,279 @@
+"""Hopper (sm_90a) weight-only GEMM for decode: ``y = x · dequant(W)ᵀ``, ``x`` bf16, ``W`` NVFP4.
+
+Swap-AB: the CTA computes ``yᵀ`` tiles, ``W`` rows as the wgmma M side (64 per consumer
+warpgroup, 128 per CTA) and the tokens as its N side (``tile_m`` = 8..128), so one token costs
+one 8-wide wgmma column, not a 64-row tile.
+
+* warp 0: TMA producer. Per 128-wide K chunk, one stage: the chunk's packed weight (9216 bytes,
+  codes and scales, one box; layout in ``lowprec.gemm.weight_only``) and the ``tile_m x 128``
+  slice of ``x`` (rows past M and columns past K read as zeros).
+* warpgroups 1, 2: consumers. Per chunk each thread reads its 8 code words and one 16-byte scale
+  record from shared memory, decodes each 16-wide k-step into the 4 bf16x2 registers of its A
+  fragment (a shift and a mask put two E2M1 codes in bf16 position as ``code * 2^-126``; one
+  ``mul.rn.bf16x2`` by ``scale * 2^116``, exact), and issues the chunk's 8 wgmma with A from
+  registers and ``x`` from shared memory into one FP32 accumulator.
+* epilogue: ``y = acc * global_scale * 2^10 (+ bias)``. With split-K (the K chunks of a tile
+  spread over ``splits`` CTAs so that small N fills the GPU), each CTA stores its FP32 partial;
+  the last CTA of a tile to finish (a counter per tile, reset by it) sums the partials in split
+  order (deterministic) and writes ``y``.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass._mlir.dialects import llvm
+from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.cutlass_dsl import T, dsl_user_op
+from cutlass.memory import SmemAllocator
+from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
+from cutlass.tensor_utils import LayoutEnum
+
+from ...cute.sm90.tma_ring import TmaRing, tma_partition_tiles
+from ...cute.utils import fence_operand
+from ..weight_only import CHUNK_BYTES, CHUNK_K, CODE_BYTES, DECODE_EXP, ROW_BYTES, TILE_MS, TILE_N
+
+_CHUNK_ROWS = CHUNK_BYTES // ROW_BYTES  # 36
+_KSTEPS = CHUNK_K // 16
+_PAIR_MASK = 0x81C081C0 - (1 << 32)  # as a signed 32-bit immediate
+_REDUCE_BAR = 1  # named barrier of the 256 consumer threads
+
+
+@dsl_user_op
+def _mul_bf16x2(a, b, *, loc=None, ip=None):
+    """Two bf16 products (round to nearest; subnormals kept, which the decoded 0.5 codes are)."""
+    return cutlass.Int32(llvm.inline_asm(
+        T.i32(), [cutlass.Int32(a).ir_value(loc=loc, ip=ip), cutlass.Int32(b).ir_value(loc=loc, ip=ip)],
+        "mul.rn.bf16x2 $0, $1, $2;", "=r,r,r", loc=loc, ip=ip))
+
+
+@dsl_user_op
+def _e4m3x2_to_f16x2(word, hi: bool, *, loc=None, ip=None):
+    """The two E4M3 bytes of half ``hi`` of ``word`` as f16x2 (exact; byte 0 -> low half)."""
+    half = "hi" if hi else "lo"
+    return cutlass.Int32(llvm.inline_asm(
+        T.i32(), [cutlass.Int32(word).ir_value(loc=loc, ip=ip)],
+        "{\n.reg .b16 lo, hi;\nmov.b32 {lo, hi}, $1;\n"
+        f"cvt.rn.f16x2.e4m3x2 $0, {half};\n}}",
+        "=r,r", loc=loc, ip=ip))
+
+
+class WeightOnlyNVFP4Sm90:
+    """The kernel for one token tile width ``tile_m`` (the wgmma N) and ring depth ``stages``."""
+
+    def __init__(self, tile_m: int, stages: int, has_bias: bool):
+        if tile_m not in TILE_MS:
+            raise ValueError(f"tile_m: expected one of {TILE_MS}, got {tile_m}")
+        self.tile_m, self.stages, self.has_bias = tile_m, stages, has_bias
+        self.threads_per_wg = 128
+        self.num_mma_wg = 2
+        self.load_regs, self.mma_regs = 40, 232
+
+    def _mma(self):
+        return sm90_utils.make_trivial_tiled_mma(
+            cutlass.BFloat16, cutlass.BFloat16, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K,
+            cutlass.Float32, (self.num_mma_wg, 1, 1), tiler_mn=(64, self.tile_m),
+            a_source=warpgroup.OperandSource.RMEM,
+        )
+
+    def _x_smem_layout(self):
+        atom = warpgroup.make_smem_layout_atom(
+            sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, cutlass.BFloat16, CHUNK_K), cutlass.BFloat16)
+        return cute.tile_to_shape(atom, (self.tile_m, CHUNK_K, self.stages), order=(0, 1, 2))
+
+    @cute.jit
+    def __call__(
+        self,
+        mX: cute.Tensor,  # (M, K) bf16, K contiguous
+        mW_raw: cute.Tensor,  # (n_tiles, k_chunks * 36, 256) uint8: the packed weight
+        mY: cute.Tensor,  # (M, N) bf16
+        mBias: cute.Tensor,  # (N,) bf16 (read only with has_bias)
+        mG: cute.Tensor,  # (1,) fp32: the global scale
+        mWork: cute.Tensor,  # (>= splits * M * N,) fp32: split-K partials
+        mCount: cute.Tensor,  # (>= n_tiles * m_tiles,) int32, zero: split-K arrivals per tile
+        chunks_per_split: cutlass.Int32,
+        stream,
+    ):
+        mW = cute.make_tensor(mW_raw.iterator, cute.select(mW_raw.layout, mode=[1, 2, 0]))
+        sX_layout = self._x_smem_layout()
+        sW_layout = cute.make_layout((_CHUNK_ROWS, ROW_BYTES, self.stages),
+                                     stride=(ROW_BYTES, 1, CHUNK_BYTES))
+        g2s = cpasync.CopyBulkTensorTileG2SOp()
+        tma_x, tma_tensor_x = cpasync.make_tiled_tma_atom(
+            g2s, mX, cute.slice_(sX_layout, (None, None, 0)), (self.tile_m, CHUNK_K))
+        tma_w, tma_tensor_w = cpasync.make_tiled_tma_atom(
+            g2s, mW, cute.slice_(sW_layout, (None, None, 0)), (_CHUNK_ROWS, ROW_BYTES))
+
+        @cute.struct
+        class SharedStorage:
+            mbar: cute.struct.MemRange[cutlass.Int64, self.stages * 2]
+            last: cute.struct.MemRange[cutlass.Int32, 1]
+            sX: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, cute.cosize(sX_layout)], 1024]
+            sW: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, cute.cosize(sW_layout)], 128]
+
+        self.shared_storage = SharedStorage
+        m, n = cute.size(mY, mode=[0]), cute.size(mY, mode=[1])
+        k_chunks = cute.size(mW, mode=[0]) // _CHUNK_ROWS
+        splits = (k_chunks + chunks_per_split - 1) // chunks_per_split
+        self.kernel(
+            tma_x, tma_tensor_x, tma_w, tma_tensor_w, mY, mBias, mG, mWork, mCount, chunks_per_split, k_chunks,
+            sX_layout, sW_layout, self._mma(),
+        ).launch(
+            grid=((n + TILE_N - 1) // TILE_N, splits, (m + self.tile_m - 1) // self.tile_m),
+            block=[(1 + self.num_mma_wg) * self.threads_per_wg, 1, 1],
+            min_blocks_per_mp=1,
+            stream=stream,
+        )
+
+    @cute.kernel
+    def kernel(
+        self,
+        tma_x: cute.CopyAtom, mX: cute.Tensor,
+        tma_w: cute.CopyAtom, mW: cute.Tensor,
+        mY: cute.Tensor, mBias: cute.Tensor, mG: cute.Tensor, mWork: cute.Tensor, mCount: cute.Tensor,
+        chunks_per_split: cutlass.Int32, k_chunks: cutlass.Int32,
+        sX_layout: cute.ComposedLayout, sW_layout: cute.Layout, mma: cute.TiledMma,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        n_tile, split, m_tile = cute.arch.block_idx()
+        kc_first = split * chunks_per_split
+        kc_count = cutlass.min(chunks_per_split, k_chunks - kc_first)
+        if warp_idx == 0:
+            cpasync.prefetch_descriptor(tma_x)
+            cpasync.prefetch_descriptor(tma_w)
+        storage = SmemAllocator().allocate(self.shared_storage)
+        stage_bytes = CHUNK_BYTES + self.tile_m * CHUNK_K * 2
+        ring = TmaRing.create(storage.mbar.data_ptr(), self.stages, stage_bytes, self.num_mma_wg * 4,
+                              cute.make_layout((1, 1, 1, 1)))
+        pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
+        sX = storage.sX.get_tensor(sX_layout.outer, swizzle=sX_layout.inner)
+        sW = storage.sW.get_tensor(sW_layout)
+        warp_group_idx = cute.arch.make_warp_uniform(tidx // self.threads_per_wg)
+        pipeline_init_wait(cluster_shape_mn=(1, 1))
+
+        if warp_group_idx == 0:
+            cute.arch.setmaxregister_decrease(self.load_regs)
+            if warp_idx == 0:
+                tXsX, tXgX = tma_partition_tiles(
+                    tma_x, sX, cute.local_tile(mX, (self.tile_m, CHUNK_K), (m_tile, None)))
+                tWsW, tWgW = tma_partition_tiles(
+                    tma_w, sW, cute.local_tile(mW[(None, None, n_tile)], (_CHUNK_ROWS, ROW_BYTES), (None, 0)))
+                state = ring.producer_state()
+                for i in cutlass.range(kc_count, unroll=1):
+                    ring.pipe.producer_acquire(state)
+                    bar = ring.pipe.producer_get_barrier(state)
+                    cute.copy(tma_w, tWgW[(None, kc_first + i)], tWsW[(None, state.index)], tma_bar_ptr=bar)
+                    cute.copy(tma_x, tXgX[(None, kc_first + i)], tXsX[(None, state.index)], tma_bar_ptr=bar)
+                    ring.pipe.producer_commit(state)
+                    state.advance()
+                ring.producer_tail(state)
+        else:
+            cute.arch.setmaxregister_increase(self.mma_regs)
+            mtidx = tidx - self.threads_per_wg
+            acc = self._mainloop(mtidx, mma, sX, sW, ring, kc_count)
+            self._epilogue(mtidx, mma, acc, mY, mBias, mG, mWork, mCount, storage, n_tile, split, m_tile,
+                           k_chunks, chunks_per_split)
+
+    @cute.jit
+    def _mainloop(self, mtidx, mma, sX, sW, ring, kc_count):
+        wg = mtidx // self.threads_per_wg
+        thr = mma.get_slice(mtidx)
+        thr_wg = mma.get_slice(wg * self.threads_per_wg)
+        tCrB = mma.make_fragment_B(thr_wg.partition_B(sX))  # (atom, n, k-steps, stages)
+        tCrA = thr.make_fragment_A(thr.partition_shape_A((TILE_N, CHUNK_K)))
+        a_words = cute.make_rmem_tensor((cute.size(tCrA) // 2,), cutlass.Int32)
+        tCrA_w = cute.make_tensor(cute.recast_ptr(a_words.iterator, dtype=cutlass.BFloat16), tCrA.layout)
+        acc = cute.make_rmem_tensor(thr.partition_shape_C((TILE_N, self.tile_m)), cutlass.Float32)
+        acc.fill(0.0)
+        mma.set(warpgroup.Field.ACCUMULATE, True)
+        # per stage, as 32-bit words: this thread's two 16-byte code records (k-steps 0-3, 4-7)
+        # and its quad's 16-byte scale record
+        words = cute.recast_ptr(sW.iterator, dtype=cutlass.Int32)
+        threads = self.num_mma_wg * self.threads_per_wg
+        sCodes = cute.make_tensor(words, cute.make_layout((4, 2, threads, self.stages),
+                                                          stride=(1, 4 * threads, 4, CHUNK_BYTES // 4)))
+        sScales = cute.make_tensor(words + CODE_BYTES // 4, cute.make_layout((4, threads // 4, self.stages),
+                                                                             stride=(1, 4, CHUNK_BYTES // 4)))
+        codes = cute.make_rmem_tensor((4, 2), cutlass.Int32)
+        scw = cute.make_rmem_tensor((4,), cutlass.Int32)
+        state = ring.consumer_state()
+        for _ in cutlass.range(kc_count, unroll=1):
+            ring.wait(state)
+            for g in cutlass.range_constexpr(2):
+                cute.autovec_copy(sCodes[(None, g, mtidx, state.index)], codes[(None, g)])
+            cute.autovec_copy(sScales[(None, mtidx // 4, state.index)], scw)
+            for s in cutlass.range_constexpr(_KSTEPS):
+                self._decode_kstep(codes[(s % 4, s // 4)], scw[s // 2], s % 2, a_words, s)
+            warpgroup.fence()
+            for s in cutlass.range_constexpr(_KSTEPS):
+                cute.gemm(mma, acc, tCrA_w[(None, None, s)], tCrB[(None, None, s, state.index)], acc)
+            warpgroup.commit_group()
+            warpgroup.wait_group(0)
+            fence_operand(acc)
+            ring.release(state)
+            state.advance()
+        return acc
+
+    @cute.jit
+    def _decode_kstep(self, w, sc_word, hi: cutlass.Constexpr, a_words, s: cutlass.Constexpr):
+        """A fragment words 4s..4s+3 (pairs a0..a3) of k-step ``s`` from code word ``w``."""
+        h = _e4m3x2_to_f16x2(sc_word, hi)  # (scale of row r0, of row r1) as f16
+        s2 = ((h >> 3) & cutlass.Int32(0x1FFF1FFF)) + cutlass.Int32(0x72007200)  # bf16 scale * 2^116
+        s_r0 = cutlass.Int32(cute.arch.prmt(s2, s2, cutlass.Int32(0x1010)))
+        s_r1 = cutlass.Int32(cute.arch.prmt(s2, s2, cutlass.Int32(0x3232)))
+        mask = cutlass.Int32(_PAIR_MASK)
+        p3 = (((w >> 4) & cutlass.Int32(0x00C000C0)) | ((w >> 5) & cutlass.Int32(0x01000100))
+              | ((w << 1) & cutlass.Int32(-0x80000000 + 0x8000)))
+        a_words[4 * s + 0] = _mul_bf16x2(w & mask, s_r0)
+        a_words[4 * s + 1] = _mul_bf16x2((w << 3) & mask, s_r1)
+        a_words[4 * s + 2] = _mul_bf16x2((w << 6) & mask, s_r0)
+        a_words[4 * s + 3] = _mul_bf16x2(p3, s_r1)
+
+    @cute.jit
+    def _epilogue(self, mtidx, mma, acc, mY, mBias, mG, mWork, mCount, storage, n_tile, split, m_tile,
+                  k_chunks, chunks_per_split):
+        m, n = cute.size(mY, mode=[0]), cute.size(mY, mode=[1])
+        splits = (k_chunks + chunks_per_split - 1) // chunks_per_split
+        thr = mma.get_slice(mtidx)
+        coords = thr.partition_C(cute.make_identity_tensor((TILE_N, self.tile_m)))
+        n0, m0 = n_tile * TILE_N, m_tile * self.tile_m
+        scale = mG[0] * cutlass.Float32(2.0 ** DECODE_EXP)
+        if splits == 1:
+            for i in cutlass.range_constexpr(cute.size(acc)):
+                row, col = n0 + coords[i][0], m0 + coords[i][1]
+                if row < n and col < m:
+                    mY[col, row] = self._out(acc[i] * scale, mBias, row)
+        else:
+            for i in cutlass.range_constexpr(cute.size(acc)):
+                row, col = n0 + coords[i][0], m0 + coords[i][1]
+                if row < n and col < m:
+                    mWork[(split * m + col) * n + row] = acc[i]
+            # publish the partial, then count this CTA in; the last one reduces
+            last = storage.last.get_tensor(cute.make_layout(1))
+            cute.arch.fence_acq_rel_gpu()
+            cute.arch.barrier(barrier_id=_REDUCE_BAR, number_of_threads=self.num_mma_wg * self.threads_per_wg)
+            tile_id = m_tile * cute.arch.grid_dim()[0] + n_tile
+            if mtidx == 0:
+                old = cute.arch.atomic_add(mCount.iterator + tile_id, cutlass.Int32(1), sem="acq_rel", scope="gpu")
+                last[0] = cutlass.select_(old == splits - 1, cutlass.Int32(1), cutlass.Int32(0))
+            cute.arch.barrier(barrier_id=_REDUCE_BAR, number_of_threads=self.num_mma_wg * self.threads_per_wg)
+            if last[0] != 0:
+                cute.arch.fence_acq_rel_gpu()
+                for i in cutlass.range_constexpr(cute.size(acc)):
+                    row, col = n0 + coords[i][0], m0 + coords[i][1]
+                    if row < n and col < m:
+                        total = cutlass.Float32(0.0)
+                        for sp in cutlass.range(splits, unroll=1):
+                            total = total + mWork[(sp * m + col) * n + row]
+                        mY[col, row] = self._out(total * scale, mBias, row)
+                if mtidx == 0:
+                    mCount[tile_id] = cutlass.Int32(0)
+
+    @cute.jit
+    def _out(self, v, mBias, row):
+        if cutlass.const_expr(self.has_bias):
+            v = v + mBias[row].to(cutlass.Float32)
+        return v.to(cutlass.BFloat16)

@@ -1,0 +1,218 @@
+"""Weight-only GEMM for decode sizes: ``y = x · dequant(W)ᵀ`` with ``x`` bf16 and ``W`` NVFP4.
+
+NVFP4 weights (E2M1 codes, an E4M3 scale per 16 weights of a row or per 16x16 block, an FP32
+global scale) are read at 4.5 bits per weight and decoded to bf16 in registers, where they
+feed Hopper's bf16 tensor cores; at M = 1..a few hundred tokens the weight bytes set the time.
+
+The kernel (``lowprec.gemm.sm90.weight_only``) does not read ModelOpt's layout: the weight is
+re-arranged once (:func:`pack_nvfp4`) so that each thread of the kernel finds its wgmma
+A-fragment codes in one 32-bit word per 16-wide k-step, bit-placed for a cheap decode, and the
+scales of its two rows next to them. This module states that layout (the packing and an exact
+emulation of the kernel's decode, both plain torch, tested on the CPU) and the reference.
+
+Layout of the packed weight (``PackedNVFP4.data``, uint8 ``[chunks * 36, 256]``): the weight,
+zero-padded to multiples of ``TILE_N`` rows and ``CHUNK_K`` columns, is cut into chunks of
+``TILE_N x CHUNK_K`` (n-tile major, then k-chunk), ``CHUNK_BYTES`` each:
+
+* bytes ``[0, 8192)``: codes, 32-bit words at ``((s // 4) * 256 + t) * 4 + s % 4`` for thread
+  ``t`` (0..255; warpgroup ``t // 128`` owns rows ``64 (t // 128) .. +63`` of the tile) and
+  k-step ``s`` (0..7, 16 columns each). A word holds the thread's 8 A-fragment codes of the
+  k-step: rows ``r0 = 64 wg + 16 warp + lane // 4`` and ``r1 = r0 + 8``, columns
+  ``c = 16 s + 2 (lane % 4) + {0, 1}`` and ``c + 8``: pairs ``a0 = (r0, c..c+1)``, ``a1 = (r1,
+  c..c+1)``, ``a2 = (r0, c+8..c+9)``, ``a3 = (r1, c+8..c+9)``. A code's magnitude bits
+  ``(m, e0, e1)`` and sign sit where the decode wants them: pair ``j`` < 3 at bits
+  ``{6, 7, 8, 15} - 3 j`` (first column) and ``+ 16`` (second column), pair 3 at ``{10, 11, 13,
+  14}`` and ``+ 16``; one shift and one mask then put a pair's two codes in bf16 position.
+* bytes ``[8192, 9216)``: scales, one 16-byte record per quad of lanes (they share their rows):
+  E4M3 bytes at ``8192 + 16 (t // 4) + 4 i + {0, 1, 2, 3}`` = the scales of (k-step ``2i``, row
+  ``r0``), (``2i``, ``r1``), (``2i + 1``, ``r0``), (``2i + 1``, ``r1``).
+
+Codes of blocks whose scale is zero are stored as zeros (the same dequantized weight; the
+decode relies on it). Scales must be finite and non-negative.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..formats import E4M3, decode as decode_format, unpack_fp4
+
+__all__ = ["TILE_N", "TILE_MS", "CHUNK_K", "CHUNK_BYTES", "PackedNVFP4", "pack_nvfp4", "unpack_codes_emulated",
+           "decoded_tile_emulated", "weight_only_reference"]
+
+TILE_N = 128  # rows of W per CTA (two consumer warpgroups of 64)
+TILE_MS = (8, 16, 32, 64, 128)  # tokens per CTA (the wgmma N); larger M takes several M tiles
+CHUNK_K = 128  # columns of W per pipeline stage (8 wgmma k-steps of 16)
+CODE_BYTES = TILE_N * CHUNK_K // 2
+SCALE_BYTES = TILE_N * CHUNK_K // 16
+CHUNK_BYTES = CODE_BYTES + SCALE_BYTES  # 9216 = 36 rows of 256 bytes (one TMA box)
+ROW_BYTES = 256
+_THREADS = 256
+_KSTEPS = CHUNK_K // 16
+# bit positions of one pair's (m, e0, e1, sign) for its first code; the second code is at +16
+_PAIR_BITS = ((6, 7, 8, 15), (3, 4, 5, 12), (0, 1, 2, 9), (10, 11, 13, 14))
+# where the decode puts them: a bf16 with exponent e1 e0 and mantissa msb m (value code * 2^-126)
+_BF16_BITS = (6, 7, 8, 15)
+# the decoded pair times the scale times 2^116 is code * scale * 2^-10: the epilogue multiplies
+# by the global scale times 2^10
+DECODE_EXP = 10
+
+
+@dataclass(frozen=True)
+class PackedNVFP4:
+    """An NVFP4 weight in the kernel's layout (see the module docstring)."""
+
+    data: torch.Tensor  # uint8 [n_tiles * k_chunks * 36, 256]
+    global_scale: torch.Tensor  # float32 [1]
+    n: int
+    k: int
+
+    @property
+    def n_tiles(self) -> int:
+        return -(-self.n // TILE_N)
+
+    @property
+    def k_chunks(self) -> int:
+        return -(-self.k // CHUNK_K)
+
+
+def _thread_coords(device):
+    """Per thread t (256) and k-step s (8): rows r0, r1 within the tile and the first column of
+    pairs a0 / a1 within the chunk (a2 / a3 are 8 columns right)."""
+    t = torch.arange(_THREADS, device=device)
+    wg, warp, lane = t // 128, (t % 128) // 32, t % 32
+    r0 = 64 * wg + 16 * warp + lane // 4
+    col = 2 * (lane % 4)
+    s = torch.arange(_KSTEPS, device=device)
+    return r0, col, s
+
+
+def pack_nvfp4(weight: torch.Tensor, weight_scale: torch.Tensor, weight_scale_2: torch.Tensor,
+               weight_2d: bool = False) -> PackedNVFP4:
+    """ModelOpt-layout NVFP4 tensors -> the kernel's layout (any device; done once per weight).
+
+    Args:
+        weight: uint8 ``[N, K / 2]``, two E2M1 codes per byte, element ``2i`` in the low nibble.
+        weight_scale: float8_e4m3fn ``[N, K / 16]`` (``[N / 16, K / 16]`` with ``weight_2d``).
+        weight_scale_2: FP32 global scale (scalar or ``[1]``).
+    """
+    if not isinstance(weight, torch.Tensor) or weight.dtype != torch.uint8 or weight.dim() != 2:
+        raise ValueError(f"weight: expected a uint8 [N, K / 2] tensor of packed E2M1 codes, got "
+                         f"{getattr(weight, 'dtype', type(weight))} {tuple(getattr(weight, 'shape', ()))}")
+    n, k = weight.shape[0], 2 * weight.shape[1]
+    if k % 16:
+        raise ValueError(f"weight: K = {k} is not a multiple of 16 (one E4M3 scale per 16 weights)")
+    expect = (n // 16 if weight_2d else n, k // 16)
+    if weight_2d and n % 16:
+        raise ValueError(f"weight: N = {n} is not a multiple of 16, needed for 16x16 scale blocks")
+    if not isinstance(weight_scale, torch.Tensor) or weight_scale.dtype != torch.float8_e4m3fn \
+            or tuple(weight_scale.shape) != expect:
+        raise ValueError(f"weight_scale: expected float8_e4m3fn {expect}, got "
+                         f"{getattr(weight_scale, 'dtype', type(weight_scale))} "
+                         f"{tuple(getattr(weight_scale, 'shape', ()))}")
+    if not isinstance(weight_scale_2, torch.Tensor) or weight_scale_2.numel() != 1 \
+            or weight_scale_2.dtype != torch.float32:
+        raise ValueError(f"weight_scale_2: expected one FP32 value, got "
+                         f"{getattr(weight_scale_2, 'dtype', type(weight_scale_2))} "
+                         f"{tuple(getattr(weight_scale_2, 'shape', ()))}")
+    scale_bits = weight_scale.view(torch.uint8)
+    if weight_2d:
+        scale_bits = scale_bits.repeat_interleave(16, dim=0)
+    if bool(((scale_bits & 0x7F) == 0x7F).any()) or bool(((scale_bits & 0x80) != 0).any()):
+        raise ValueError("weight_scale: scales must be finite and non-negative (NaN or negative E4M3 found)")
+    device = weight.device
+    n_tiles, k_chunks = -(-n // TILE_N), -(-k // CHUNK_K)
+    n_pad, k_pad = n_tiles * TILE_N, k_chunks * CHUNK_K
+    codes = torch.zeros(n_pad, k_pad, dtype=torch.int32, device=device)
+    codes[:n, :k] = unpack_fp4(weight).to(torch.int32)
+    scales = torch.zeros(n_pad, k_pad // 16, dtype=torch.int32, device=device)
+    scales[:n, : k // 16] = scale_bits.to(torch.int32)
+    # a zero scale dequantizes its block to zeros whatever the codes: store zero codes
+    codes *= (scales != 0).repeat_interleave(16, dim=1).to(torch.int32)
+    codes = codes.view(n_tiles, TILE_N, k_chunks, CHUNK_K).permute(0, 2, 1, 3)  # [nt, kc, 128, 128]
+    scales = scales.view(n_tiles, TILE_N, k_chunks, _KSTEPS).permute(0, 2, 1, 3)  # [nt, kc, 128, 8]
+
+    r0, col, s = _thread_coords(device)
+    rows = (r0, r0 + 8)
+    words = torch.zeros(n_tiles, k_chunks, _THREADS, _KSTEPS, dtype=torch.int64, device=device)
+    for j, bits in enumerate(_PAIR_BITS):
+        row = rows[j % 2][:, None]  # [256, 1]
+        c = (16 * s)[None, :] + col[:, None] + 8 * (j // 2)  # [256, 8]
+        for half in range(2):
+            code = codes[:, :, row, c + half].to(torch.int64)  # [nt, kc, 256, 8]
+            for bit, pos in enumerate(bits):
+                words |= ((code >> bit) & 1) << (pos + 16 * half)
+    # codes region: [group (2), thread (256), word (4)] with k-step = 4 group + word
+    code_words = words.view(n_tiles, k_chunks, _THREADS, 2, 4).permute(0, 1, 3, 2, 4)
+    code_bytes = _words_to_bytes(code_words.reshape(n_tiles, k_chunks, -1))
+    # the four lanes of a quad share their rows: one 16-byte record per quad
+    quad_rows = r0[::4]
+    sc = torch.stack([scales[:, :, quad_rows + 8 * h, :] for h in range(2)], dim=-1)  # [nt, kc, 64, 8 steps, 2 rows]
+    scale_bytes = sc.reshape(n_tiles, k_chunks, _THREADS // 4, 16).to(torch.uint8)
+    data = torch.cat([code_bytes, scale_bytes.reshape(n_tiles, k_chunks, -1)], dim=-1)
+    data = data.reshape(-1, ROW_BYTES).contiguous()
+    return PackedNVFP4(data, weight_scale_2.detach().reshape(1).to(torch.float32).clone(), n, k)
+
+
+def _words_to_bytes(words: torch.Tensor) -> torch.Tensor:
+    """int64 holding uint32 words [..., W] -> uint8 little-endian [..., 4 W]."""
+    shifts = torch.arange(0, 32, 8, device=words.device)
+    return ((words[..., None] >> shifts) & 0xFF).to(torch.uint8).reshape(*words.shape[:-1], -1)
+
+
+def _bytes_to_words(b: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., 4 W] -> int64 uint32 words [..., W]."""
+    b = b.reshape(*b.shape[:-1], -1, 4).to(torch.int64)
+    return b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16) | (b[..., 3] << 24)
+
+
+def _bf16_of_bits(bits: torch.Tensor) -> torch.Tensor:
+    """uint16 values (int64) -> float64 of those bf16 bit patterns."""
+    return (bits.to(torch.int32) << 16).view(torch.float32).to(torch.float64)
+
+
+def decoded_tile_emulated(packed: PackedNVFP4, n_tile: int, k_chunk: int) -> torch.Tensor:
+    """The bf16 A operand the kernel builds for one chunk, as float64 ``[TILE_N, CHUNK_K]``:
+    the same integer decode, bit for bit (shifts and masks of the packed words, the scale's
+    E4M3 -> f16 -> bf16 * 2^116 bit trick), then the exact product of the two bf16 values
+    (``mul.rn.bf16x2``, exact here: a test checks it against the weight times 2^-10)."""
+    chunk = packed.data.view(packed.n_tiles, packed.k_chunks, CHUNK_BYTES)[n_tile, k_chunk]
+    words = _bytes_to_words(chunk[:CODE_BYTES]).view(2, _THREADS, 4).permute(1, 0, 2).reshape(_THREADS, _KSTEPS)
+    scw = _bytes_to_words(chunk[CODE_BYTES:]).view(_THREADS // 4, 4).repeat_interleave(4, dim=0)
+    mask = 0x81C081C0
+    pairs = [words & mask, (words << 3) & mask, (words << 6) & mask,
+             ((words >> 4) & 0x00C000C0) | ((words >> 5) & 0x01000100) | ((words << 1) & 0x80008000)]
+    # scale word i: bytes (2i, r0), (2i, r1), (2i+1, r0), (2i+1, r1); k-step s takes half s % 2
+    s = torch.arange(_KSTEPS)
+    half16 = (scw[:, s // 2] >> (16 * (s % 2))) & 0xFFFF  # [256, 8]: bytes (r0, r1)
+    out = torch.zeros(TILE_N, CHUNK_K, dtype=torch.float64)
+    r0, col, s = _thread_coords("cpu")
+    for row_i, row in enumerate((r0, r0 + 8)):
+        e4m3 = (half16 >> (8 * row_i)) & 0xFF
+        f16_bits = decode_format(e4m3.to(torch.uint8), E4M3).to(torch.float16).view(torch.int16).to(torch.int64) & 0xFFFF
+        scale_bf16 = _bf16_of_bits(((f16_bits >> 3) & 0x1FFF) + 0x7200)  # scale * 2^116
+        for j in (row_i, row_i + 2):
+            c = (16 * s)[None, :] + col[:, None] + 8 * (j // 2)
+            for half in range(2):
+                code = _bf16_of_bits((pairs[j] >> (16 * half)) & 0xFFFF)
+                out[row[:, None], c + half] = code * scale_bf16
+    return out
+
+
+def unpack_codes_emulated(packed: PackedNVFP4) -> torch.Tensor:
+    """The dequantized weight ``[N, K]`` (float64) as the kernel computes it: the emulated
+    decode of every chunk, times 2^10 and the global scale."""
+    tiles = [[decoded_tile_emulated(packed, nt, kc) for kc in range(packed.k_chunks)] for nt in range(packed.n_tiles)]
+    w = torch.cat([torch.cat(row, dim=1) for row in tiles], dim=0)
+    return w[: packed.n, : packed.k] * (2.0 ** DECODE_EXP) * packed.global_scale.double().cpu()
+
+
+def weight_only_reference(x: torch.Tensor, packed: PackedNVFP4, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x · dequant(W)ᵀ (+ bias)`` in FP32 from the packed weight, cast to ``x``'s dtype."""
+    w = unpack_codes_emulated(packed).to(device=x.device, dtype=torch.float32)
+    y = x.float() @ w.t()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)

@@ -1,0 +1,148 @@
+"""The weight-only NVFP4 GEMM: the packed layout and its decode (CPU, exact), the sm_90a kernel's
+compile and SASS (CI), the kernel against the reference (GPU)."""
+
+import pytest
+import torch
+
+from lowprec import quantize
+from lowprec.formats import E4M3, decode, unpack_fp4
+from lowprec.gemm.weight_only import (TILE_MS, decoded_tile_emulated, pack_nvfp4, unpack_codes_emulated,
+                                      weight_only_reference)
+from lowprec.recipes import get_recipe
+from tests.hopper import gpu, needs_cutlass, needs_gpu
+
+
+def _nvfp4(n: int, k: int, weight_2d: bool = False, device="cpu", zero_rows=(), zero_cols=()):
+    w = torch.randn(n, k, device=device)
+    w[list(zero_rows)] = 0  # whole rows: their blocks get zero scales
+    w[:, list(zero_cols)] = 0
+    return quantize(w, get_recipe("nvfp4", weight_2d=weight_2d))
+
+
+def _exact_dequant(q, weight_2d: bool) -> torch.Tensor:
+    """code * scale * global in float64 (every product exact)."""
+    codes = decode(unpack_fp4(q.data.cpu()), "e2m1").double()
+    scale = decode(q.scale.cpu().view(torch.uint8), E4M3).double()
+    if weight_2d:
+        scale = scale.repeat_interleave(16, dim=0)
+    return codes * scale.repeat_interleave(16, dim=1) * q.global_scale.double().cpu()
+
+
+@pytest.mark.parametrize("n,k,weight_2d", [(128, 128, False), (200, 272, False), (256, 384, True), (16, 16, False),
+                                           (144, 1040, True)])
+def test_decode_emulation_is_exact(n, k, weight_2d):
+    q = _nvfp4(n, k, weight_2d, zero_rows=(3, 130) if n > 130 else (3,), zero_cols=range(16, min(k, 32)))
+    packed = pack_nvfp4(q.data, q.scale, q.global_scale, weight_2d)
+    assert packed.data.shape == (packed.n_tiles * packed.k_chunks * 36, 256)
+    torch.testing.assert_close(unpack_codes_emulated(packed), _exact_dequant(q, weight_2d), rtol=0, atol=0)
+
+
+def test_zero_scale_blocks_store_zero_codes():
+    """A zero scale with nonzero codes (a checkpoint may have them) still dequantizes to zero."""
+    q = _nvfp4(128, 128)
+    scale = q.scale.clone()
+    scale[5, 2] = 0
+    packed = pack_nvfp4(q.data, scale, q.global_scale)
+    w = unpack_codes_emulated(packed)
+    assert torch.all(w[5, 32:48] == 0)
+    assert torch.all(decoded_tile_emulated(packed, 0, 0)[5, 32:48] == 0)
+
+
+def test_reference_matches_float64_product():
+    q = _nvfp4(64, 96)
+    packed = pack_nvfp4(q.data, q.scale, q.global_scale)
+    x = torch.randn(5, 96)
+    bias = torch.randn(64)
+    y = weight_only_reference(x, packed, bias)
+    expect = (x.double() @ _exact_dequant(q, False).t() + bias.double()).float()
+    torch.testing.assert_close(y, expect, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("bad,match", [
+    (lambda q: dict(weight=q.data.to(torch.int8)), "weight: expected a uint8"),
+    (lambda q: dict(weight_scale=q.scale.float()), "weight_scale: expected float8_e4m3fn"),
+    (lambda q: dict(weight_scale=q.scale[:, :3]), "weight_scale: expected float8_e4m3fn"),
+    (lambda q: dict(weight_scale_2=torch.ones(2)), "weight_scale_2: expected one FP32"),
+    (lambda q: dict(weight=q.data[:, :7], weight_scale=q.scale[:, :0]), "not a multiple of 16"),
+    (lambda q: dict(weight_scale=torch.full_like(q.scale.view(torch.uint8), 0x7F).view(torch.float8_e4m3fn)),
+     "finite and non-negative"),
+    (lambda q: dict(weight_scale=(-q.scale.float()).to(torch.float8_e4m3fn)), "finite and non-negative"),
+])
+def test_pack_rejects_bad_tensors(bad, match):
+    q = _nvfp4(32, 64)
+    args = dict(weight=q.data, weight_scale=q.scale, weight_scale_2=q.global_scale)
+    args.update(bad(q))
+    with pytest.raises(ValueError, match=match):
+        pack_nvfp4(**args)
+
+
+# ----------------------------------------------------------------------------- compile (CI)
+@needs_cutlass
+@pytest.mark.parametrize("tile_m", TILE_MS)
+@pytest.mark.parametrize("has_bias", [False, True])
+def test_compile_sm90(tile_m, has_bias):
+    from lowprec.gemm.sm90.weight_only_interface import build_kernel
+    from lowprec.runtime.compile import local_memory_ops, nvdisasm_path, sass_of
+
+    compiled = build_kernel(tile_m, has_bias)
+    if nvdisasm_path() is None:
+        pytest.skip("nvdisasm not found: compiled, SASS not checked")
+    sass = sass_of(compiled)
+    assert sass.count("HGMMA") == 8, "expected the chunk's 8 bf16 wgmma (A from registers)"
+    assert sass.count("HMUL2.BF16") >= 32, "expected one bf16x2 scale multiply per A register"
+    assert sass.count("LDS.128") >= 3, "expected 16-byte shared loads of the codes and scales"
+    assert local_memory_ops(sass) == 0
+
+
+# ----------------------------------------------------------------------------- GPU
+def _gpu_case(m, n, k, weight_2d=False, with_bias=False, zero_rows=()):
+    q = _nvfp4(n, k, weight_2d, device="cuda", zero_rows=zero_rows)
+    packed = pack_nvfp4(q.data, q.scale, q.global_scale, weight_2d)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16) if with_bias else None
+    return x, packed, bias, q
+
+
+@gpu
+@needs_gpu
+@pytest.mark.parametrize("m,n,k,weight_2d,with_bias", [
+    (1, 4096, 4096, False, False), (4, 6144, 4096, False, True), (16, 4096, 14336, False, False),
+    (1, 200, 272, False, True), (3, 1024, 1040, True, False), (33, 384, 512, False, True),
+    (64, 512, 2048, True, True), (128, 256, 1024, False, False), (200, 640, 768, False, True),
+    (300, 128, 256, False, False), (8, 28672, 512, False, False),
+])
+def test_kernel_matches_reference(m, n, k, weight_2d, with_bias):
+    from lowprec.gemm.sm90.weight_only_interface import weight_only_nvfp4
+
+    x, packed, bias, q = _gpu_case(m, n, k, weight_2d, with_bias, zero_rows=(1,))
+    y = weight_only_nvfp4(x, packed, bias)
+    expect = x.double() @ _exact_dequant(q, weight_2d).cuda().t()
+    if bias is not None:
+        expect = expect + bias.double()
+    # FP32 accumulation of exact bf16 products, one bf16 rounding of the output
+    err = (y.double() - expect).abs()
+    assert err.max() <= 2e-3 * expect.abs().max() + 1e-6 * k, (err.max().item(), expect.abs().max().item())
+    rel = err.norm() / expect.norm()
+    assert rel < 3e-3, rel.item()
+    assert torch.equal(weight_only_nvfp4(x, packed, bias), y), "not deterministic"
+
+
+@gpu
+@needs_gpu
+def test_kernel_cuda_graph_replay_equals_eager():
+    from lowprec.gemm.sm90.weight_only_interface import weight_only_nvfp4
+
+    x, packed, bias, _ = _gpu_case(4, 4096, 4096, with_bias=True)
+    eager = weight_only_nvfp4(x, packed, bias)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        weight_only_nvfp4(x, packed, bias)  # scratch buffers of this stream exist before capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            y = weight_only_nvfp4(x, packed, bias)
+    torch.cuda.current_stream().wait_stream(stream)
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(y, eager)
