@@ -10,21 +10,21 @@ A-fragment codes in one 32-bit word per 16-wide k-step, bit-placed for a cheap d
 scales of its two rows next to them. This module states that layout (the packing and an exact
 emulation of the kernel's decode, both plain torch, tested on the CPU) and the reference.
 
-Layout of the packed weight (``PackedNVFP4.data``, uint8 ``[chunks * 36, 256]``): the weight,
+Layout of the packed weight (``PackedNVFP4.data``, uint8 ``[chunks * 18, 256]``): the weight,
 zero-padded to multiples of ``TILE_N`` rows and ``CHUNK_K`` columns, is cut into chunks of
 ``TILE_N x CHUNK_K`` (n-tile major, then k-chunk), ``CHUNK_BYTES`` each:
 
-* bytes ``[0, 8192)``: codes, 32-bit words at ``((s // 4) * 256 + t) * 4 + s % 4`` for thread
-  ``t`` (0..255; warpgroup ``t // 128`` owns rows ``64 (t // 128) .. +63`` of the tile) and
-  k-step ``s`` (0..7, 16 columns each). A word holds the thread's 8 A-fragment codes of the
-  k-step: rows ``r0 = 64 wg + 16 warp + lane // 4`` and ``r1 = r0 + 8``, columns
+* bytes ``[0, 4096)``: codes, 32-bit words at ``((s // 4) * 128 + t) * 4 + s % 4`` for thread
+  ``t`` (0..127, the consumer warpgroup) and k-step ``s`` (0..7, 16 columns each). A word holds
+  the thread's 8 A-fragment codes of the k-step: rows ``r0 = 16 warp + lane // 4`` and
+  ``r1 = r0 + 8``, columns
   ``c = 16 s + 2 (lane % 4) + {0, 1}`` and ``c + 8``: pairs ``a0 = (r0, c..c+1)``, ``a1 = (r1,
   c..c+1)``, ``a2 = (r0, c+8..c+9)``, ``a3 = (r1, c+8..c+9)``. A code's magnitude bits
   ``(m, e0, e1)`` and sign sit where the decode wants them: pair ``j`` < 3 at bits
   ``{6, 7, 8, 15} - 3 j`` (first column) and ``+ 16`` (second column), pair 3 at ``{10, 11, 13,
   14}`` and ``+ 16``; one shift and one mask then put a pair's two codes in bf16 position.
-* bytes ``[8192, 9216)``: scales, one 16-byte record per quad of lanes (they share their rows):
-  E4M3 bytes at ``8192 + 16 (t // 4) + 4 i + {0, 1, 2, 3}`` = the scales of (k-step ``2i``, row
+* bytes ``[4096, 4608)``: scales, one 16-byte record per quad of lanes (they share their rows):
+  E4M3 bytes at ``4096 + 16 (t // 4) + 4 i + {0, 1, 2, 3}`` = the scales of (k-step ``2i``, row
   ``r0``), (``2i``, ``r1``), (``2i + 1``, ``r0``), (``2i + 1``, ``r1``).
 
 Codes of blocks whose scale is zero are stored as zeros (the same dequantized weight; the
@@ -42,14 +42,14 @@ from ..formats import E4M3, decode as decode_format, unpack_fp4
 __all__ = ["TILE_N", "TILE_MS", "CHUNK_K", "CHUNK_BYTES", "PackedNVFP4", "pack_nvfp4", "unpack_codes_emulated",
            "decoded_tile_emulated", "weight_only_reference"]
 
-TILE_N = 128  # rows of W per CTA (two consumer warpgroups of 64)
+TILE_N = 64  # rows of W per CTA (one consumer warpgroup)
 TILE_MS = (8, 16, 32, 64, 128)  # tokens per CTA (the wgmma N); larger M takes several M tiles
 CHUNK_K = 128  # columns of W per pipeline stage (8 wgmma k-steps of 16)
 CODE_BYTES = TILE_N * CHUNK_K // 2
 SCALE_BYTES = TILE_N * CHUNK_K // 16
-CHUNK_BYTES = CODE_BYTES + SCALE_BYTES  # 9216 = 36 rows of 256 bytes (one TMA box)
+CHUNK_BYTES = CODE_BYTES + SCALE_BYTES  # 4608 = 18 rows of 256 bytes (one TMA box)
 ROW_BYTES = 256
-_THREADS = 256
+_THREADS = TILE_N * 2  # one consumer warpgroup
 _KSTEPS = CHUNK_K // 16
 # bit positions of one pair's (m, e0, e1, sign) for its first code; the second code is at +16
 _PAIR_BITS = ((6, 7, 8, 15), (3, 4, 5, 12), (0, 1, 2, 9), (10, 11, 13, 14))
@@ -64,7 +64,7 @@ DECODE_EXP = 10
 class PackedNVFP4:
     """An NVFP4 weight in the kernel's layout (see the module docstring)."""
 
-    data: torch.Tensor  # uint8 [n_tiles * k_chunks * 36, 256]
+    data: torch.Tensor  # uint8 [n_tiles * k_chunks * 18, 256]
     global_scale: torch.Tensor  # float32 [1]
     n: int
     k: int
@@ -79,7 +79,7 @@ class PackedNVFP4:
 
 
 def _thread_coords(device):
-    """Per thread t (256) and k-step s (8): rows r0, r1 within the tile and the first column of
+    """Per thread t (128) and k-step s (8): rows r0, r1 within the tile and the first column of
     pairs a0 / a1 within the chunk (a2 / a3 are 8 columns right)."""
     t = torch.arange(_THREADS, device=device)
     wg, warp, lane = t // 128, (t % 128) // 32, t % 32
@@ -131,25 +131,25 @@ def pack_nvfp4(weight: torch.Tensor, weight_scale: torch.Tensor, weight_scale_2:
     scales[:n, : k // 16] = scale_bits.to(torch.int32)
     # a zero scale dequantizes its block to zeros whatever the codes: store zero codes
     codes *= (scales != 0).repeat_interleave(16, dim=1).to(torch.int32)
-    codes = codes.view(n_tiles, TILE_N, k_chunks, CHUNK_K).permute(0, 2, 1, 3)  # [nt, kc, 128, 128]
-    scales = scales.view(n_tiles, TILE_N, k_chunks, _KSTEPS).permute(0, 2, 1, 3)  # [nt, kc, 128, 8]
+    codes = codes.view(n_tiles, TILE_N, k_chunks, CHUNK_K).permute(0, 2, 1, 3)  # [nt, kc, TILE_N, CHUNK_K]
+    scales = scales.view(n_tiles, TILE_N, k_chunks, _KSTEPS).permute(0, 2, 1, 3)  # [nt, kc, TILE_N, 8]
 
     r0, col, s = _thread_coords(device)
     rows = (r0, r0 + 8)
     words = torch.zeros(n_tiles, k_chunks, _THREADS, _KSTEPS, dtype=torch.int64, device=device)
     for j, bits in enumerate(_PAIR_BITS):
-        row = rows[j % 2][:, None]  # [256, 1]
-        c = (16 * s)[None, :] + col[:, None] + 8 * (j // 2)  # [256, 8]
+        row = rows[j % 2][:, None]  # [threads, 1]
+        c = (16 * s)[None, :] + col[:, None] + 8 * (j // 2)  # [threads, 8]
         for half in range(2):
-            code = codes[:, :, row, c + half].to(torch.int64)  # [nt, kc, 256, 8]
+            code = codes[:, :, row, c + half].to(torch.int64)  # [nt, kc, threads, 8]
             for bit, pos in enumerate(bits):
                 words |= ((code >> bit) & 1) << (pos + 16 * half)
-    # codes region: [group (2), thread (256), word (4)] with k-step = 4 group + word
+    # codes region: [group (2), thread, word (4)] with k-step = 4 group + word
     code_words = words.view(n_tiles, k_chunks, _THREADS, 2, 4).permute(0, 1, 3, 2, 4)
     code_bytes = _words_to_bytes(code_words.reshape(n_tiles, k_chunks, -1))
     # the four lanes of a quad share their rows: one 16-byte record per quad
     quad_rows = r0[::4]
-    sc = torch.stack([scales[:, :, quad_rows + 8 * h, :] for h in range(2)], dim=-1)  # [nt, kc, 64, 8 steps, 2 rows]
+    sc = torch.stack([scales[:, :, quad_rows + 8 * h, :] for h in range(2)], dim=-1)  # [nt, kc, quads, 8 steps, 2 rows]
     scale_bytes = sc.reshape(n_tiles, k_chunks, _THREADS // 4, 16).to(torch.uint8)
     data = torch.cat([code_bytes, scale_bytes.reshape(n_tiles, k_chunks, -1)], dim=-1)
     data = data.reshape(-1, ROW_BYTES).contiguous()
@@ -186,7 +186,7 @@ def decoded_tile_emulated(packed: PackedNVFP4, n_tile: int, k_chunk: int) -> tor
              ((words >> 4) & 0x00C000C0) | ((words >> 5) & 0x01000100) | ((words << 1) & 0x80008000)]
     # scale word i: bytes (2i, r0), (2i, r1), (2i+1, r0), (2i+1, r1); k-step s takes half s % 2
     s = torch.arange(_KSTEPS)
-    half16 = (scw[:, s // 2] >> (16 * (s % 2))) & 0xFFFF  # [256, 8]: bytes (r0, r1)
+    half16 = (scw[:, s // 2] >> (16 * (s % 2))) & 0xFFFF  # [threads, 8]: bytes (r0, r1)
     out = torch.zeros(TILE_N, CHUNK_K, dtype=torch.float64)
     r0, col, s = _thread_coords("cpu")
     for row_i, row in enumerate((r0, r0 + 8)):

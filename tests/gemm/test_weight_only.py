@@ -6,7 +6,7 @@ import torch
 
 from lowprec import quantize
 from lowprec.formats import E4M3, decode, unpack_fp4
-from lowprec.gemm.weight_only import (TILE_MS, decoded_tile_emulated, pack_nvfp4, unpack_codes_emulated,
+from lowprec.gemm.weight_only import (CHUNK_BYTES, TILE_MS, decoded_tile_emulated, pack_nvfp4, unpack_codes_emulated,
                                       weight_only_reference)
 from lowprec.recipes import get_recipe
 from tests.hopper import gpu, needs_cutlass, needs_gpu
@@ -33,7 +33,7 @@ def _exact_dequant(q, weight_2d: bool) -> torch.Tensor:
 def test_decode_emulation_is_exact(n, k, weight_2d):
     q = _nvfp4(n, k, weight_2d, zero_rows=(3, 130) if n > 130 else (3,), zero_cols=range(16, min(k, 32)))
     packed = pack_nvfp4(q.data, q.scale, q.global_scale, weight_2d)
-    assert packed.data.shape == (packed.n_tiles * packed.k_chunks * 36, 256)
+    assert packed.data.shape == (packed.n_tiles * packed.k_chunks * CHUNK_BYTES // 256, 256)
     torch.testing.assert_close(unpack_codes_emulated(packed), _exact_dequant(q, weight_2d), rtol=0, atol=0)
 
 
@@ -119,9 +119,10 @@ def test_kernel_matches_reference(m, n, k, weight_2d, with_bias):
     expect = x.double() @ _exact_dequant(q, weight_2d).cuda().t()
     if bias is not None:
         expect = expect + bias.double()
-    # FP32 accumulation of exact bf16 products, one bf16 rounding of the output
+    # FP32 accumulation of exact bf16 products, then one bf16 rounding (<= 2^-8 relative)
     err = (y.double() - expect).abs()
-    assert err.max() <= 2e-3 * expect.abs().max() + 1e-6 * k, (err.max().item(), expect.abs().max().item())
+    bound = 2.0 ** -8 * expect.abs() + 1e-4 * expect.abs().max()
+    assert torch.all(err <= bound), ((err - bound).max().item(), expect.abs().max().item())
     rel = err.norm() / expect.norm()
     assert rel < 3e-3, rel.item()
     assert torch.equal(weight_only_nvfp4(x, packed, bias), y), "not deterministic"

@@ -31,6 +31,7 @@ from cutlass.memory import SmemAllocator
 from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 from cutlass.tensor_utils import LayoutEnum
 
+from ...cute.pdl import after_previous_grid
 from ...cute.sm90.tma_ring import TmaRing, tma_partition_tiles
 from ...cute.utils import fence_operand
 from ..weight_only import CHUNK_BYTES, CHUNK_K, CODE_BYTES, DECODE_EXP, ROW_BYTES, TILE_MS, TILE_N
@@ -38,7 +39,7 @@ from ..weight_only import CHUNK_BYTES, CHUNK_K, CODE_BYTES, DECODE_EXP, ROW_BYTE
 _CHUNK_ROWS = CHUNK_BYTES // ROW_BYTES  # 36
 _KSTEPS = CHUNK_K // 16
 _PAIR_MASK = 0x81C081C0 - (1 << 32)  # as a signed 32-bit immediate
-_REDUCE_BAR = 1  # named barrier of the 256 consumer threads
+_REDUCE_BAR = 1  # named barrier of the consumer warpgroup
 
 
 @dsl_user_op
@@ -61,21 +62,20 @@ def _e4m3x2_to_f16x2(word, hi: bool, *, loc=None, ip=None):
 
 
 class WeightOnlyNVFP4Sm90:
-    """The kernel for one token tile width ``tile_m`` (the wgmma N) and ring depth ``stages``."""
+    """The kernel for one token tile width ``tile_m`` (the wgmma N), ring depth ``stages`` and
+    ``ctas_per_sm`` resident CTAs (the register budget the compiler is held to)."""
 
-    def __init__(self, tile_m: int, stages: int, has_bias: bool):
+    def __init__(self, tile_m: int, stages: int, has_bias: bool, ctas_per_sm: int):
         if tile_m not in TILE_MS:
             raise ValueError(f"tile_m: expected one of {TILE_MS}, got {tile_m}")
-        self.tile_m, self.stages, self.has_bias = tile_m, stages, has_bias
-        self.threads_per_wg = 128
-        self.num_mma_wg = 2
-        self.load_regs, self.mma_regs = 40, 232
+        self.tile_m, self.stages, self.has_bias, self.ctas_per_sm = tile_m, stages, has_bias, ctas_per_sm
+        self.consumer_threads = 128  # warps 0-3: the wgmma warpgroup
+        self.producer_warp = 4
 
     def _mma(self):
         return sm90_utils.make_trivial_tiled_mma(
             cutlass.BFloat16, cutlass.BFloat16, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K,
-            cutlass.Float32, (self.num_mma_wg, 1, 1), tiler_mn=(64, self.tile_m),
-            a_source=warpgroup.OperandSource.RMEM,
+            cutlass.Float32, (1, 1, 1), tiler_mn=(64, self.tile_m), a_source=warpgroup.OperandSource.RMEM,
         )
 
     def _x_smem_layout(self):
@@ -87,7 +87,7 @@ class WeightOnlyNVFP4Sm90:
     def __call__(
         self,
         mX: cute.Tensor,  # (M, K) bf16, K contiguous
-        mW_raw: cute.Tensor,  # (n_tiles, k_chunks * 36, 256) uint8: the packed weight
+        mW_raw: cute.Tensor,  # (n_tiles, k_chunks * rows per chunk, 256) uint8: the packed weight
         mY: cute.Tensor,  # (M, N) bf16
         mBias: cute.Tensor,  # (N,) bf16 (read only with has_bias)
         mG: cute.Tensor,  # (1,) fp32: the global scale
@@ -122,8 +122,10 @@ class WeightOnlyNVFP4Sm90:
             sX_layout, sW_layout, self._mma(),
         ).launch(
             grid=((n + TILE_N - 1) // TILE_N, splits, (m + self.tile_m - 1) // self.tile_m),
-            block=[(1 + self.num_mma_wg) * self.threads_per_wg, 1, 1],
-            min_blocks_per_mp=1,
+            block=[self.consumer_threads + 32, 1, 1],
+            min_blocks_per_mp=self.ctas_per_sm,
+            use_pdl=True,
+            preferred_smem_carveout=100,  # percent: all of the SM's shared memory (several CTAs per SM)
             stream=stream,
         )
 
@@ -141,48 +143,60 @@ class WeightOnlyNVFP4Sm90:
         n_tile, split, m_tile = cute.arch.block_idx()
         kc_first = split * chunks_per_split
         kc_count = cutlass.min(chunks_per_split, k_chunks - kc_first)
-        if warp_idx == 0:
+        if warp_idx == self.producer_warp:
             cpasync.prefetch_descriptor(tma_x)
             cpasync.prefetch_descriptor(tma_w)
         storage = SmemAllocator().allocate(self.shared_storage)
         stage_bytes = CHUNK_BYTES + self.tile_m * CHUNK_K * 2
-        ring = TmaRing.create(storage.mbar.data_ptr(), self.stages, stage_bytes, self.num_mma_wg * 4,
-                              cute.make_layout((1, 1, 1, 1)))
+        ring = TmaRing.create(storage.mbar.data_ptr(), self.stages, stage_bytes, 4, cute.make_layout((1, 1, 1, 1)))
         pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
         sX = storage.sX.get_tensor(sX_layout.outer, swizzle=sX_layout.inner)
         sW = storage.sW.get_tensor(sW_layout)
-        warp_group_idx = cute.arch.make_warp_uniform(tidx // self.threads_per_wg)
         pipeline_init_wait(cluster_shape_mn=(1, 1))
 
-        if warp_group_idx == 0:
-            cute.arch.setmaxregister_decrease(self.load_regs)
-            if warp_idx == 0:
-                tXsX, tXgX = tma_partition_tiles(
-                    tma_x, sX, cute.local_tile(mX, (self.tile_m, CHUNK_K), (m_tile, None)))
-                tWsW, tWgW = tma_partition_tiles(
-                    tma_w, sW, cute.local_tile(mW[(None, None, n_tile)], (_CHUNK_ROWS, ROW_BYTES), (None, 0)))
-                state = ring.producer_state()
-                for i in cutlass.range(kc_count, unroll=1):
-                    ring.pipe.producer_acquire(state)
-                    bar = ring.pipe.producer_get_barrier(state)
-                    cute.copy(tma_w, tWgW[(None, kc_first + i)], tWsW[(None, state.index)], tma_bar_ptr=bar)
-                    cute.copy(tma_x, tXgX[(None, kc_first + i)], tXsX[(None, state.index)], tma_bar_ptr=bar)
-                    ring.pipe.producer_commit(state)
-                    state.advance()
-                ring.producer_tail(state)
-        else:
-            cute.arch.setmaxregister_increase(self.mma_regs)
-            mtidx = tidx - self.threads_per_wg
-            acc = self._mainloop(mtidx, mma, sX, sW, ring, kc_count)
-            self._epilogue(mtidx, mma, acc, mY, mBias, mG, mWork, mCount, storage, n_tile, split, m_tile,
+        if warp_idx == self.producer_warp:
+            tXsX, tXgX = tma_partition_tiles(
+                tma_x, sX, cute.local_tile(mX, (self.tile_m, CHUNK_K), (m_tile, None)))
+            tWsW, tWgW = tma_partition_tiles(
+                tma_w, sW, cute.local_tile(mW[(None, None, n_tile)], (_CHUNK_ROWS, ROW_BYTES), (None, 0)))
+            # programmatic dependent launch: the weights are constants, so the first stages'
+            # weight loads go out while the previous kernel drains; x (its output, maybe) and
+            # every global write wait for it
+            first = cutlass.min(kc_count, self.stages)
+            state = ring.producer_state()
+            for i in cutlass.range(first, unroll=1):
+                ring.pipe.producer_acquire(state)
+                cute.copy(tma_w, tWgW[(None, kc_first + i)], tWsW[(None, state.index)],
+                          tma_bar_ptr=ring.pipe.producer_get_barrier(state))
+                state.advance()
+            after_previous_grid()
+            x_state = ring.producer_state()
+            for i in cutlass.range(first, unroll=1):
+                cute.copy(tma_x, tXgX[(None, kc_first + i)], tXsX[(None, x_state.index)],
+                          tma_bar_ptr=ring.pipe.producer_get_barrier(x_state))
+                ring.pipe.producer_commit(x_state)
+                x_state.advance()
+            for i in cutlass.range(first, kc_count, unroll=1):
+                ring.pipe.producer_acquire(state)
+                bar = ring.pipe.producer_get_barrier(state)
+                cute.copy(tma_w, tWgW[(None, kc_first + i)], tWsW[(None, state.index)], tma_bar_ptr=bar)
+                cute.copy(tma_x, tXgX[(None, kc_first + i)], tXsX[(None, state.index)], tma_bar_ptr=bar)
+                ring.pipe.producer_commit(state)
+                state.advance()
+            ring.producer_tail(state)
+        elif warp_idx < self.producer_warp:
+            acc = self._mainloop(tidx, mma, sX, sW, ring, kc_count)
+            cute.arch.griddepcontrol_wait()  # before the first global write (returns at once by now)
+            self._epilogue(tidx, mma, acc, mY, mBias, mG, mWork, mCount, storage, n_tile, split, m_tile,
                            k_chunks, chunks_per_split)
 
     @cute.jit
-    def _mainloop(self, mtidx, mma, sX, sW, ring, kc_count):
-        wg = mtidx // self.threads_per_wg
-        thr = mma.get_slice(mtidx)
-        thr_wg = mma.get_slice(wg * self.threads_per_wg)
-        tCrB = mma.make_fragment_B(thr_wg.partition_B(sX))  # (atom, n, k-steps, stages)
+    def _mainloop(self, tidx, mma, sX, sW, ring, kc_count):
+        """Per chunk: decode k-steps 0-3, issue their wgmma; decode 4-7 (under the first half's
+        wgmma), issue; a stage is released once the wgmma reading it are done (one half later).
+        Two A-register halves alternate: a half is decoded again only after its wgmma retired."""
+        thr = mma.get_slice(tidx)
+        tCrB = mma.make_fragment_B(thr.partition_B(sX))  # (atom, n, k-steps, stages)
         tCrA = thr.make_fragment_A(thr.partition_shape_A((TILE_N, CHUNK_K)))
         a_words = cute.make_rmem_tensor((cute.size(tCrA) // 2,), cutlass.Int32)
         tCrA_w = cute.make_tensor(cute.recast_ptr(a_words.iterator, dtype=cutlass.BFloat16), tCrA.layout)
@@ -192,7 +206,7 @@ class WeightOnlyNVFP4Sm90:
         # per stage, as 32-bit words: this thread's two 16-byte code records (k-steps 0-3, 4-7)
         # and its quad's 16-byte scale record
         words = cute.recast_ptr(sW.iterator, dtype=cutlass.Int32)
-        threads = self.num_mma_wg * self.threads_per_wg
+        threads = self.consumer_threads
         sCodes = cute.make_tensor(words, cute.make_layout((4, 2, threads, self.stages),
                                                           stride=(1, 4 * threads, 4, CHUNK_BYTES // 4)))
         sScales = cute.make_tensor(words + CODE_BYTES // 4, cute.make_layout((4, threads // 4, self.stages),
@@ -200,21 +214,29 @@ class WeightOnlyNVFP4Sm90:
         codes = cute.make_rmem_tensor((4, 2), cutlass.Int32)
         scw = cute.make_rmem_tensor((4,), cutlass.Int32)
         state = ring.consumer_state()
-        for _ in cutlass.range(kc_count, unroll=1):
+        done = ring.consumer_state()  # the stage whose wgmma retire next
+        for i in cutlass.range(kc_count, unroll=1):
             ring.wait(state)
             for g in cutlass.range_constexpr(2):
-                cute.autovec_copy(sCodes[(None, g, mtidx, state.index)], codes[(None, g)])
-            cute.autovec_copy(sScales[(None, mtidx // 4, state.index)], scw)
-            for s in cutlass.range_constexpr(_KSTEPS):
-                self._decode_kstep(codes[(s % 4, s // 4)], scw[s // 2], s % 2, a_words, s)
-            warpgroup.fence()
-            for s in cutlass.range_constexpr(_KSTEPS):
-                cute.gemm(mma, acc, tCrA_w[(None, None, s)], tCrB[(None, None, s, state.index)], acc)
-            warpgroup.commit_group()
-            warpgroup.wait_group(0)
-            fence_operand(acc)
-            ring.release(state)
+                cute.autovec_copy(sCodes[(None, g, tidx, state.index)], codes[(None, g)])
+            cute.autovec_copy(sScales[(None, tidx // 4, state.index)], scw)
+            for half in cutlass.range_constexpr(2):
+                for s in cutlass.range_constexpr(4 * half, 4 * half + 4):
+                    self._decode_kstep(codes[(s % 4, s // 4)], scw[s // 2], s % 2, a_words, s)
+                warpgroup.fence()
+                for s in cutlass.range_constexpr(4 * half, 4 * half + 4):
+                    cute.gemm(mma, acc, tCrA_w[(None, None, s)], tCrB[(None, None, s, state.index)], acc)
+                warpgroup.commit_group()
+                warpgroup.wait_group(1)
+                if cutlass.const_expr(half == 0):
+                    if i > 0:  # the previous chunk's second half has retired
+                        ring.release(done)
+                        done.advance()
             state.advance()
+        warpgroup.wait_group(0)
+        fence_operand(acc)
+        if kc_count > 0:
+            ring.release(done)
         return acc
 
     @cute.jit
@@ -233,11 +255,11 @@ class WeightOnlyNVFP4Sm90:
         a_words[4 * s + 3] = _mul_bf16x2(p3, s_r1)
 
     @cute.jit
-    def _epilogue(self, mtidx, mma, acc, mY, mBias, mG, mWork, mCount, storage, n_tile, split, m_tile,
+    def _epilogue(self, tidx, mma, acc, mY, mBias, mG, mWork, mCount, storage, n_tile, split, m_tile,
                   k_chunks, chunks_per_split):
         m, n = cute.size(mY, mode=[0]), cute.size(mY, mode=[1])
         splits = (k_chunks + chunks_per_split - 1) // chunks_per_split
-        thr = mma.get_slice(mtidx)
+        thr = mma.get_slice(tidx)
         coords = thr.partition_C(cute.make_identity_tensor((TILE_N, self.tile_m)))
         n0, m0 = n_tile * TILE_N, m_tile * self.tile_m
         scale = mG[0] * cutlass.Float32(2.0 ** DECODE_EXP)
@@ -254,22 +276,25 @@ class WeightOnlyNVFP4Sm90:
             # publish the partial, then count this CTA in; the last one reduces
             last = storage.last.get_tensor(cute.make_layout(1))
             cute.arch.fence_acq_rel_gpu()
-            cute.arch.barrier(barrier_id=_REDUCE_BAR, number_of_threads=self.num_mma_wg * self.threads_per_wg)
+            cute.arch.barrier(barrier_id=_REDUCE_BAR, number_of_threads=self.consumer_threads)
             tile_id = m_tile * cute.arch.grid_dim()[0] + n_tile
-            if mtidx == 0:
+            if tidx == 0:
                 old = cute.arch.atomic_add(mCount.iterator + tile_id, cutlass.Int32(1), sem="acq_rel", scope="gpu")
                 last[0] = cutlass.select_(old == splits - 1, cutlass.Int32(1), cutlass.Int32(0))
-            cute.arch.barrier(barrier_id=_REDUCE_BAR, number_of_threads=self.num_mma_wg * self.threads_per_wg)
+            cute.arch.barrier(barrier_id=_REDUCE_BAR, number_of_threads=self.consumer_threads)
             if last[0] != 0:
                 cute.arch.fence_acq_rel_gpu()
-                for i in cutlass.range_constexpr(cute.size(acc)):
-                    row, col = n0 + coords[i][0], m0 + coords[i][1]
-                    if row < n and col < m:
+                # the tile's outputs spread over the warpgroup (consecutive threads, consecutive
+                # rows), each summed over the splits in split order with the loads unrolled
+                cols = cutlass.min(self.tile_m, m - m0)
+                for e in cutlass.range(tidx, TILE_N * cols, self.consumer_threads, unroll=1):
+                    row, col = n0 + e % TILE_N, m0 + e // TILE_N
+                    if row < n:
                         total = cutlass.Float32(0.0)
-                        for sp in cutlass.range(splits, unroll=1):
+                        for sp in cutlass.range(splits, unroll=8):
                             total = total + mWork[(sp * m + col) * n + row]
                         mY[col, row] = self._out(total * scale, mBias, row)
-                if mtidx == 0:
+                if tidx == 0:
                     mCount[tile_id] = cutlass.Int32(0)
 
     @cute.jit
