@@ -1,7 +1,8 @@
-"""Sweep the weight-only NVFP4 kernel's split-K choice (GPU time, CUDA graph, weights cycled past
-L2 as in ``bench decode``) against bf16 cuBLAS on the Llama-3-8B projections.
+"""Sweep the weight-only NVFP4 kernel's split-K (forced per run, and the launcher's own choice)
+against bf16 cuBLAS on the Llama-3-8B projections: GPU time of a CUDA graph, weights cycled past
+L2 as in ``bench decode``.
 
-    python benchmarks/weight_only_sweep.py [--ms 1,4,16] [--waves 2,4] [--min-chunks 2,4]
+    python benchmarks/weight_only_sweep.py [--ms 1,4,16] [--splits 1,2,4,8]
 """
 
 from __future__ import annotations
@@ -22,11 +23,11 @@ from lowprec.recipes import get_recipe
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--ms", default="1,4,16")
-    p.add_argument("--waves", default="4")
-    p.add_argument("--min-chunks", default="2")
+    p.add_argument("--splits", default="1,2,4,8")
     args = p.parse_args()
     ms = [int(v) for v in args.ms.split(",")]
-    grid = [(int(w), int(c)) for w in args.waves.split(",") for c in args.min_chunks.split(",")]
+    chosen = wo.choose_split
+    grid = [int(v) for v in args.splits.split(",")] + ["auto"]
     ratios = {g: [] for g in grid}
     for n, k in SHAPES:
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k ** -0.5
@@ -38,18 +39,14 @@ def main():
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             t_bf16 = bench_graph_ms(lambda: [x @ b.t() for b in bf16]) * 1e3 / len(bf16)
             line = [f"{n}x{k} M={m}: bf16 {t_bf16:6.1f} us"]
-            for waves, min_chunks in grid:
-                wo._WAVES, wo._MIN_CHUNKS_PER_CTA = waves, min_chunks
+            for g in grid:
+                wo.choose_split = chosen if g == "auto" else (lambda *args, g=g: g)
                 t = bench_graph_ms(lambda: [wo.weight_only_nvfp4(x, pk) for pk in packs]) * 1e3 / len(packs)
-                per, splits = wo.choose_split(packs[0].n_tiles * -(-m // wo.choose_tile_m(m)), packs[0].k_chunks,
-                                              torch.cuda.get_device_properties(0).multi_processor_count
-                                              * wo.ctas_per_sm(wo.choose_tile_m(m)))
-                ratios[(waves, min_chunks)].append(t_bf16 / t)
-                line.append(f"w{waves}c{min_chunks} (s{splits}) {t:6.1f} us {t_bf16 / t:4.2f}x "
-                            f"{n * k * 0.5625 / t / 1e3:5.0f} GB/s")
+                ratios[g].append(t_bf16 / t)
+                line.append(f"s{g} {t:6.1f} us {t_bf16 / t:4.2f}x {n * k * 0.5625 / t / 1e3:5.0f} GB/s")
             print(" | ".join(line), flush=True)
     for g, r in ratios.items():
-        print(f"waves {g[0]} min chunks {g[1]}: geomean x bf16 {math.exp(sum(map(math.log, r)) / len(r)):.2f}")
+        print(f"splits {g}: geomean x bf16 {math.exp(sum(map(math.log, r)) / len(r)):.2f}")
 
 
 if __name__ == "__main__":

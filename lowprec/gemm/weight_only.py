@@ -39,11 +39,12 @@ import torch
 
 from ..formats import E4M3, decode as decode_format, unpack_fp4
 
-__all__ = ["TILE_N", "TILE_MS", "CHUNK_K", "CHUNK_BYTES", "PackedNVFP4", "pack_nvfp4", "unpack_codes_emulated",
+__all__ = ["TILE_N", "TILE_MS", "SPLITS", "CHUNK_K", "CHUNK_BYTES", "PackedNVFP4", "pack_nvfp4", "unpack_codes_emulated",
            "decoded_tile_emulated", "weight_only_reference"]
 
 TILE_N = 64  # rows of W per CTA (one consumer warpgroup)
 TILE_MS = (8, 16, 32, 64, 128)  # tokens per CTA (the wgmma N); larger M takes several M tiles
+SPLITS = (1, 2, 4, 8)  # split-K over the CTAs of a cluster (8: the portable cluster limit)
 CHUNK_K = 128  # columns of W per pipeline stage (8 wgmma k-steps of 16)
 CODE_BYTES = TILE_N * CHUNK_K // 2
 SCALE_BYTES = TILE_N * CHUNK_K // 16

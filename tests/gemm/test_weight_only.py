@@ -6,7 +6,7 @@ import torch
 
 from lowprec import quantize
 from lowprec.formats import E4M3, decode, unpack_fp4
-from lowprec.gemm.weight_only import (CHUNK_BYTES, TILE_MS, decoded_tile_emulated, pack_nvfp4, unpack_codes_emulated,
+from lowprec.gemm.weight_only import (CHUNK_BYTES, SPLITS, TILE_MS, decoded_tile_emulated, pack_nvfp4, unpack_codes_emulated,
                                       weight_only_reference)
 from lowprec.recipes import get_recipe
 from tests.hopper import gpu, needs_cutlass, needs_gpu
@@ -79,18 +79,21 @@ def test_pack_rejects_bad_tensors(bad, match):
 # ----------------------------------------------------------------------------- compile (CI)
 @needs_cutlass
 @pytest.mark.parametrize("tile_m", TILE_MS)
-@pytest.mark.parametrize("has_bias", [False, True])
-def test_compile_sm90(tile_m, has_bias):
+@pytest.mark.parametrize("splits", SPLITS)
+def test_compile_sm90(tile_m, splits):
     from lowprec.gemm.sm90.weight_only_interface import build_kernel
     from lowprec.runtime.compile import local_memory_ops, nvdisasm_path, sass_of
 
-    compiled = build_kernel(tile_m, has_bias)
+    compiled = build_kernel(tile_m, splits)
     if nvdisasm_path() is None:
         pytest.skip("nvdisasm not found: compiled, SASS not checked")
     sass = sass_of(compiled)
     assert sass.count("HGMMA") == 8, "expected the chunk's 8 bf16 wgmma (A from registers)"
     assert sass.count("HMUL2.BF16") >= 32, "expected one bf16x2 scale multiply per A register"
     assert sass.count("LDS.128") >= 3, "expected 16-byte shared loads of the codes and scales"
+    assert "ACQBULK" in sass, "no griddepcontrol.wait: programmatic dependent launch is unsafe"
+    if splits > 1:
+        assert "UCGABAR_ARV" in sass and "UCGABAR_WAIT" in sass, "no cluster barrier before the split-K reduction"
     assert local_memory_ops(sass) == 0
 
 
@@ -147,3 +150,19 @@ def test_kernel_cuda_graph_replay_equals_eager():
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(y, eager)
+
+
+@gpu
+@needs_gpu
+@pytest.mark.parametrize("splits", SPLITS)
+@pytest.mark.parametrize("m", [3, 40])
+def test_kernel_every_split(monkeypatch, splits, m):
+    """Each split-K cluster size, on tails in N, K (chunks not divisible by the splits) and M."""
+    from lowprec.gemm.sm90 import weight_only_interface as wo
+
+    monkeypatch.setattr(wo, "choose_split", lambda *args: splits)
+    x, packed, bias, q = _gpu_case(m, 200, 1296, with_bias=True)
+    y = wo.weight_only_nvfp4(x, packed, bias)
+    expect = x.double() @ _exact_dequant(q, False).cuda().t() + bias.double()
+    err = (y.double() - expect).abs()
+    assert torch.all(err <= 2.0 ** -8 * expect.abs() + 1e-4 * expect.abs().max()), err.max().item()

@@ -13,9 +13,12 @@ one 8-wide wgmma column, not a 64-row tile.
   ``mul.rn.bf16x2`` by ``scale * 2^116``, exact), and issues the chunk's 8 wgmma with A from
   registers and ``x`` from shared memory into one FP32 accumulator.
 * epilogue: ``y = acc * global_scale * 2^10 (+ bias)``. With split-K (the K chunks of a tile
-  spread over ``splits`` CTAs so that small N fills the GPU), each CTA stores its FP32 partial;
-  the last CTA of a tile to finish (a counter per tile, reset by it) sums the partials in split
-  order (deterministic) and writes ``y``.
+  spread over the ``splits`` CTAs of a cluster so that small N fills the GPU), each CTA stores
+  its FP32 partial to a global workspace; after a cluster barrier (release / acquire) each CTA
+  sums a share of the tile's outputs over the partials in split order (deterministic) and
+  writes them.
+* programmatic dependent launch: the first stages' weight loads go out before the previous
+  kernel on the stream has finished (weights are constants); ``x`` and every global write wait.
 """
 
 from __future__ import annotations
@@ -34,12 +37,11 @@ from cutlass.tensor_utils import LayoutEnum
 from ...cute.pdl import after_previous_grid
 from ...cute.sm90.tma_ring import TmaRing, tma_partition_tiles
 from ...cute.utils import fence_operand
-from ..weight_only import CHUNK_BYTES, CHUNK_K, CODE_BYTES, DECODE_EXP, ROW_BYTES, TILE_MS, TILE_N
+from ..weight_only import CHUNK_BYTES, CHUNK_K, CODE_BYTES, DECODE_EXP, ROW_BYTES, SPLITS, TILE_MS, TILE_N
 
 _CHUNK_ROWS = CHUNK_BYTES // ROW_BYTES  # 36
 _KSTEPS = CHUNK_K // 16
 _PAIR_MASK = 0x81C081C0 - (1 << 32)  # as a signed 32-bit immediate
-_REDUCE_BAR = 1  # named barrier of the consumer warpgroup
 
 
 @dsl_user_op
@@ -62,13 +64,16 @@ def _e4m3x2_to_f16x2(word, hi: bool, *, loc=None, ip=None):
 
 
 class WeightOnlyNVFP4Sm90:
-    """The kernel for one token tile width ``tile_m`` (the wgmma N), ring depth ``stages`` and
-    ``ctas_per_sm`` resident CTAs (the register budget the compiler is held to)."""
+    """The kernel for one token tile width ``tile_m`` (the wgmma N), ring depth ``stages``,
+    ``ctas_per_sm`` resident CTAs (the register budget the compiler is held to) and ``splits``
+    (split-K: the cluster size along grid y)."""
 
-    def __init__(self, tile_m: int, stages: int, has_bias: bool, ctas_per_sm: int):
+    def __init__(self, tile_m: int, stages: int, ctas_per_sm: int, splits: int):
         if tile_m not in TILE_MS:
             raise ValueError(f"tile_m: expected one of {TILE_MS}, got {tile_m}")
-        self.tile_m, self.stages, self.has_bias, self.ctas_per_sm = tile_m, stages, has_bias, ctas_per_sm
+        if splits not in SPLITS:
+            raise ValueError(f"splits: expected one of {SPLITS}, got {splits}")
+        self.tile_m, self.stages, self.ctas_per_sm, self.splits = tile_m, stages, ctas_per_sm, splits
         self.consumer_threads = 128  # warps 0-3: the wgmma warpgroup
         self.producer_warp = 4
 
@@ -92,8 +97,7 @@ class WeightOnlyNVFP4Sm90:
         mBias: cute.Tensor,  # (N,) bf16 (read only with has_bias)
         mG: cute.Tensor,  # (1,) fp32: the global scale
         mWork: cute.Tensor,  # (>= splits * M * N,) fp32: split-K partials
-        mCount: cute.Tensor,  # (>= n_tiles * m_tiles,) int32, zero: split-K arrivals per tile
-        chunks_per_split: cutlass.Int32,
+        has_bias: cutlass.Int32,
         stream,
     ):
         mW = cute.make_tensor(mW_raw.iterator, cute.select(mW_raw.layout, mode=[1, 2, 0]))
@@ -109,20 +113,19 @@ class WeightOnlyNVFP4Sm90:
         @cute.struct
         class SharedStorage:
             mbar: cute.struct.MemRange[cutlass.Int64, self.stages * 2]
-            last: cute.struct.MemRange[cutlass.Int32, 1]
             sX: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, cute.cosize(sX_layout)], 1024]
             sW: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, cute.cosize(sW_layout)], 128]
 
         self.shared_storage = SharedStorage
         m, n = cute.size(mY, mode=[0]), cute.size(mY, mode=[1])
         k_chunks = cute.size(mW, mode=[0]) // _CHUNK_ROWS
-        splits = (k_chunks + chunks_per_split - 1) // chunks_per_split
         self.kernel(
-            tma_x, tma_tensor_x, tma_w, tma_tensor_w, mY, mBias, mG, mWork, mCount, chunks_per_split, k_chunks,
+            tma_x, tma_tensor_x, tma_w, tma_tensor_w, mY, mBias, mG, mWork, has_bias, k_chunks,
             sX_layout, sW_layout, self._mma(),
         ).launch(
-            grid=((n + TILE_N - 1) // TILE_N, splits, (m + self.tile_m - 1) // self.tile_m),
+            grid=((n + TILE_N - 1) // TILE_N, self.splits, (m + self.tile_m - 1) // self.tile_m),
             block=[self.consumer_threads + 32, 1, 1],
+            cluster=(1, self.splits, 1),
             min_blocks_per_mp=self.ctas_per_sm,
             use_pdl=True,
             preferred_smem_carveout=100,  # percent: all of the SM's shared memory (several CTAs per SM)
@@ -134,15 +137,16 @@ class WeightOnlyNVFP4Sm90:
         self,
         tma_x: cute.CopyAtom, mX: cute.Tensor,
         tma_w: cute.CopyAtom, mW: cute.Tensor,
-        mY: cute.Tensor, mBias: cute.Tensor, mG: cute.Tensor, mWork: cute.Tensor, mCount: cute.Tensor,
-        chunks_per_split: cutlass.Int32, k_chunks: cutlass.Int32,
+        mY: cute.Tensor, mBias: cute.Tensor, mG: cute.Tensor, mWork: cute.Tensor,
+        has_bias: cutlass.Int32, k_chunks: cutlass.Int32,
         sX_layout: cute.ComposedLayout, sW_layout: cute.Layout, mma: cute.TiledMma,
     ):
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         n_tile, split, m_tile = cute.arch.block_idx()
-        kc_first = split * chunks_per_split
-        kc_count = cutlass.min(chunks_per_split, k_chunks - kc_first)
+        # balanced split: every split gets floor or ceil of k_chunks / splits (>= 1: splits <= k_chunks)
+        kc_first = split * k_chunks // self.splits
+        kc_count = (split + 1) * k_chunks // self.splits - kc_first
         if warp_idx == self.producer_warp:
             cpasync.prefetch_descriptor(tma_x)
             cpasync.prefetch_descriptor(tma_w)
@@ -184,11 +188,13 @@ class WeightOnlyNVFP4Sm90:
                 ring.pipe.producer_commit(state)
                 state.advance()
             ring.producer_tail(state)
+            if cutlass.const_expr(self.splits > 1):  # every thread of the cluster takes the barrier
+                cute.arch.cluster_arrive_relaxed()
+                cute.arch.cluster_wait()
         elif warp_idx < self.producer_warp:
             acc = self._mainloop(tidx, mma, sX, sW, ring, kc_count)
             cute.arch.griddepcontrol_wait()  # before the first global write (returns at once by now)
-            self._epilogue(tidx, mma, acc, mY, mBias, mG, mWork, mCount, storage, n_tile, split, m_tile,
-                           k_chunks, chunks_per_split)
+            self._epilogue(tidx, mma, acc, mY, mBias, mG, mWork, has_bias, n_tile, split, m_tile)
 
     @cute.jit
     def _mainloop(self, tidx, mma, sX, sW, ring, kc_count):
@@ -255,50 +261,43 @@ class WeightOnlyNVFP4Sm90:
         a_words[4 * s + 3] = _mul_bf16x2(p3, s_r1)
 
     @cute.jit
-    def _epilogue(self, tidx, mma, acc, mY, mBias, mG, mWork, mCount, storage, n_tile, split, m_tile,
-                  k_chunks, chunks_per_split):
+    def _epilogue(self, tidx, mma, acc, mY, mBias, mG, mWork, has_bias, n_tile, split, m_tile):
         m, n = cute.size(mY, mode=[0]), cute.size(mY, mode=[1])
-        splits = (k_chunks + chunks_per_split - 1) // chunks_per_split
         thr = mma.get_slice(tidx)
         coords = thr.partition_C(cute.make_identity_tensor((TILE_N, self.tile_m)))
         n0, m0 = n_tile * TILE_N, m_tile * self.tile_m
         scale = mG[0] * cutlass.Float32(2.0 ** DECODE_EXP)
-        if splits == 1:
+        if cutlass.const_expr(self.splits == 1):
             for i in cutlass.range_constexpr(cute.size(acc)):
                 row, col = n0 + coords[i][0], m0 + coords[i][1]
                 if row < n and col < m:
-                    mY[col, row] = self._out(acc[i] * scale, mBias, row)
+                    mY[col, row] = self._out(acc[i] * scale, mBias, has_bias, row)
         else:
             for i in cutlass.range_constexpr(cute.size(acc)):
                 row, col = n0 + coords[i][0], m0 + coords[i][1]
                 if row < n and col < m:
                     mWork[(split * m + col) * n + row] = acc[i]
-            # publish the partial, then count this CTA in; the last one reduces
-            last = storage.last.get_tensor(cute.make_layout(1))
-            cute.arch.fence_acq_rel_gpu()
-            cute.arch.barrier(barrier_id=_REDUCE_BAR, number_of_threads=self.consumer_threads)
-            tile_id = m_tile * cute.arch.grid_dim()[0] + n_tile
-            if tidx == 0:
-                old = cute.arch.atomic_add(mCount.iterator + tile_id, cutlass.Int32(1), sem="acq_rel", scope="gpu")
-                last[0] = cutlass.select_(old == splits - 1, cutlass.Int32(1), cutlass.Int32(0))
-            cute.arch.barrier(barrier_id=_REDUCE_BAR, number_of_threads=self.consumer_threads)
-            if last[0] != 0:
-                cute.arch.fence_acq_rel_gpu()
-                # the tile's outputs spread over the warpgroup (consecutive threads, consecutive
-                # rows), each summed over the splits in split order with the loads unrolled
-                cols = cutlass.min(self.tile_m, m - m0)
-                for e in cutlass.range(tidx, TILE_N * cols, self.consumer_threads, unroll=1):
-                    row, col = n0 + e % TILE_N, m0 + e // TILE_N
-                    if row < n:
-                        total = cutlass.Float32(0.0)
-                        for sp in cutlass.range(splits, unroll=8):
-                            total = total + mWork[(sp * m + col) * n + row]
-                        mY[col, row] = self._out(total * scale, mBias, row)
-                if tidx == 0:
-                    mCount[tile_id] = cutlass.Int32(0)
+            # barrier.cluster.arrive releases and .wait acquires at cluster scope: every split's
+            # partial is visible to every CTA of the tile's cluster after it
+            cute.arch.cluster_arrive()
+            cute.arch.cluster_wait()
+            # split s writes the tile's outputs s * 128 + [0, 128), + 128 * splits, ... (consecutive
+            # threads, consecutive rows), each the sum of the partials in split order
+            cols = cutlass.min(self.tile_m, m - m0)
+            step = self.consumer_threads * self.splits
+            for e in cutlass.range(split * self.consumer_threads + tidx, TILE_N * cols, step, unroll=1):
+                row, col = n0 + e % TILE_N, m0 + e // TILE_N
+                if row < n:
+                    part = cute.make_rmem_tensor((self.splits,), cutlass.Float32)
+                    for sp in cutlass.range_constexpr(self.splits):
+                        part[sp] = mWork[(sp * m + col) * n + row]
+                    total = part[0]
+                    for sp in cutlass.range_constexpr(1, self.splits):
+                        total = total + part[sp]
+                    mY[col, row] = self._out(total * scale, mBias, has_bias, row)
 
     @cute.jit
-    def _out(self, v, mBias, row):
-        if cutlass.const_expr(self.has_bias):
+    def _out(self, v, mBias, has_bias, row):
+        if has_bias != 0:
             v = v + mBias[row].to(cutlass.Float32)
         return v.to(cutlass.BFloat16)

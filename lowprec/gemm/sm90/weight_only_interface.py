@@ -7,18 +7,17 @@ import functools
 import torch
 
 from ...runtime import ffi_entry, kernel_cache, on_device, sm_count
-from ..weight_only import CHUNK_BYTES, CHUNK_K, ROW_BYTES, TILE_MS, PackedNVFP4
+from ..weight_only import CHUNK_BYTES, CHUNK_K, ROW_BYTES, SPLITS, TILE_MS, PackedNVFP4
 
-__all__ = ["TILE_MS", "SHIPPED", "choose_tile_m", "ctas_per_sm", "stages_for", "choose_split", "build_kernel", "compile_kernel",
-           "weight_only_nvfp4"]
+__all__ = ["SHIPPED", "choose_tile_m", "ctas_per_sm", "stages_for", "choose_split", "build_kernel",
+           "compile_kernel", "weight_only_nvfp4"]
 
 ARCH = "sm_90a"
 _SMEM_PER_SM = 220 * 1024
 _MAX_STAGES = 8
-_WAVES = 1  # split-K aims the launch at one wave of resident CTAs (sweep: 1.53x bf16 vs 1.35x at 4 waves)
 _MIN_CHUNKS_PER_CTA = 4
-# every (tile_m, has_bias) the launcher can pick: CI compiles them all
-SHIPPED = tuple((tm, b) for tm in TILE_MS for b in (False, True))
+# every (tile_m, splits) the launcher can pick: CI compiles them all
+SHIPPED = tuple((tm, sp) for tm in TILE_MS for sp in SPLITS)
 
 
 def choose_tile_m(m: int) -> int:
@@ -37,16 +36,17 @@ def stages_for(tile_m: int) -> int:
     return min(_MAX_STAGES, _SMEM_PER_SM // ctas_per_sm(tile_m) // (CHUNK_BYTES + tile_m * CHUNK_K * 2))
 
 
-def choose_split(tiles: int, k_chunks: int, resident: int) -> tuple[int, int]:
-    """(chunks per split, splits): each tile's K chunks spread over CTAs so that the launch is
-    about ``_WAVES`` waves of ``resident`` CTAs, each with at least ``_MIN_CHUNKS_PER_CTA`` chunks."""
-    per = max(_MIN_CHUNKS_PER_CTA, -(-k_chunks * tiles // (_WAVES * resident)))
-    per = min(per, k_chunks)
-    return per, -(-k_chunks // per)
+def choose_split(tiles: int, k_chunks: int, resident: int) -> int:
+    """Split-K: the fewest splits (a power of two, at most 8) that give the launch a wave of
+    ``resident`` CTAs, keeping at least ``_MIN_CHUNKS_PER_CTA`` chunks per CTA."""
+    for splits in SPLITS:
+        if tiles * splits >= resident or splits * 2 * _MIN_CHUNKS_PER_CTA > k_chunks:
+            return splits
+    return SPLITS[-1]
 
 
-def build_kernel(tile_m: int, has_bias: bool, arch: str = ARCH):
-    """Compile the kernel for ``tile_m`` on fake tensors (no GPU needed), uncached."""
+def build_kernel(tile_m: int, splits: int, arch: str = ARCH):
+    """Compile the kernel for ``tile_m`` tokens and ``splits`` on fake tensors (no GPU needed), uncached."""
     import cutlass
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
@@ -63,32 +63,30 @@ def build_kernel(tile_m: int, has_bias: bool, arch: str = ARCH):
     bias = make_fake_tensor(cutlass.BFloat16, (cute.sym_int(),), stride=(1,), assumed_align=2)
     g = make_fake_tensor(cutlass.Float32, (1,), stride=(1,), assumed_align=4)
     work = make_fake_tensor(cutlass.Float32, (cute.sym_int(),), stride=(1,), assumed_align=4)
-    count = make_fake_tensor(cutlass.Int32, (cute.sym_int(),), stride=(1,), assumed_align=4)
-    kernel = WeightOnlyNVFP4Sm90(tile_m, stages_for(tile_m), has_bias, ctas_per_sm(tile_m))
-    return compile_for_arch(kernel, x, w, y, bias, g, work, count, cutlass.Int32(1),
+    kernel = WeightOnlyNVFP4Sm90(tile_m, stages_for(tile_m), ctas_per_sm(tile_m), splits)
+    return compile_for_arch(kernel, x, w, y, bias, g, work, cutlass.Int32(0),
                             make_fake_stream(use_tvm_ffi_env_stream=True), arch=arch, tvm_ffi=True)
 
 
 @functools.cache
-def compile_kernel(tile_m: int, has_bias: bool, arch: str = ARCH):
-    """The launchable kernel, compiled once per (tile_m, has_bias, arch) through the kernel cache."""
+def compile_kernel(tile_m: int, splits: int, arch: str = ARCH):
+    """The launchable kernel, compiled once per (tile_m, splits, arch) through the kernel cache."""
     return ffi_entry(kernel_cache.get("weight_only_nvfp4", {"tile_m": tile_m, "stages": stages_for(tile_m),
-                                                            "ctas_per_sm": ctas_per_sm(tile_m), "has_bias": has_bias},
-                                      arch, lambda: build_kernel(tile_m, has_bias, arch)))
+                                                            "ctas_per_sm": ctas_per_sm(tile_m), "splits": splits},
+                                      arch, lambda: build_kernel(tile_m, splits, arch)))
 
 
-_SCRATCH: dict = {}  # (device, stream) -> (partials, arrival counters): counters return to zero
+_WORKSPACE: dict = {}  # (device, stream) -> FP32 split-K partials
 
 
-def _scratch(device: torch.device, floats: int, counters: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _workspace(device: torch.device, floats: int) -> torch.Tensor:
+    """Split-K partials of one launch; kernels on one stream reuse it in turn (a launch writes
+    its partials only after the previous kernel on the stream has finished)."""
     key = (device, torch.cuda.current_stream(device).stream_id)
-    work, count = _SCRATCH.get(key, (None, None))
+    work = _WORKSPACE.get(key)
     if work is None or work.numel() < floats:
-        work = torch.empty(max(floats, 1 << 16), dtype=torch.float32, device=device)
-    if count is None or count.numel() < counters:
-        count = torch.zeros(max(counters, 1024), dtype=torch.int32, device=device)
-    _SCRATCH[key] = (work, count)
-    return work, count
+        work = _WORKSPACE[key] = torch.empty(max(floats, 1 << 16), dtype=torch.float32, device=device)
+    return work
 
 
 _NO_BIAS: dict = {}
@@ -103,18 +101,17 @@ def weight_only_nvfp4(x: torch.Tensor, packed: PackedNVFP4, bias: torch.Tensor |
     if m == 0 or n == 0:
         return y
     tile_m = choose_tile_m(m)
-    n_tiles, k_chunks, m_tiles = packed.n_tiles, packed.k_chunks, -(-m // tile_m)
-    per, splits = choose_split(n_tiles * m_tiles, k_chunks, sm_count(x.device) * ctas_per_sm(tile_m))
-    work, count = _scratch(x.device, splits * m * n if splits > 1 else 0, n_tiles * m_tiles)
+    n_tiles, k_chunks = packed.n_tiles, packed.k_chunks
+    splits = choose_split(n_tiles * -(-m // tile_m), k_chunks, sm_count(x.device) * ctas_per_sm(tile_m))
+    work = _workspace(x.device, splits * m * n if splits > 1 else 0)
     if bias is None:
         bias = _NO_BIAS.get(x.device)
         if bias is None:
             bias = _NO_BIAS[x.device] = torch.zeros(1, dtype=torch.bfloat16, device=x.device)
-        has_bias = False
+        has_bias = 0
     else:
-        has_bias = True
+        has_bias = 1
     w = packed.data.view(n_tiles, k_chunks * (CHUNK_BYTES // ROW_BYTES), ROW_BYTES)
     with on_device(x.device):
-        compile_kernel(tile_m, has_bias)(x, w, y, bias, packed.global_scale, work, count, per)
+        compile_kernel(tile_m, splits)(x, w, y, bias, packed.global_scale, work, has_bias)
     return y
-
