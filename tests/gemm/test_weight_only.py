@@ -88,7 +88,7 @@ def test_compile_sm90(tile_m, splits):
     if nvdisasm_path() is None:
         pytest.skip("nvdisasm not found: compiled, SASS not checked")
     sass = sass_of(compiled)
-    assert sass.count("HGMMA") == 8, "expected the chunk's 8 bf16 wgmma (A from registers)"
+    assert sass.count("HGMMA.64x") >= 4 and "F32.BF16" in sass, "expected bf16 wgmma with A from registers"
     assert sass.count("HMUL2.BF16") >= 32, "expected one bf16x2 scale multiply per A register"
     assert sass.count("LDS.128") >= 3, "expected 16-byte shared loads of the codes and scales"
     assert "ACQBULK" in sass, "no griddepcontrol.wait: programmatic dependent launch is unsafe"

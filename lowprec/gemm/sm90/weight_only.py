@@ -39,7 +39,9 @@ from ...cute.sm90.tma_ring import TmaRing, tma_partition_tiles
 from ...cute.utils import fence_operand
 from ..weight_only import CHUNK_BYTES, CHUNK_K, CODE_BYTES, DECODE_EXP, ROW_BYTES, SPLITS, TILE_MS, TILE_N
 
-_CHUNK_ROWS = CHUNK_BYTES // ROW_BYTES  # 36
+_HANDOFF_BAR = 1  # named barrier of the two consumer warpgroups
+
+_CHUNK_ROWS = CHUNK_BYTES // ROW_BYTES  # rows of a chunk's TMA box
 _KSTEPS = CHUNK_K // 16
 _PAIR_MASK = 0x81C081C0 - (1 << 32)  # as a signed 32-bit immediate
 
@@ -74,8 +76,11 @@ class WeightOnlyNVFP4Sm90:
         if splits not in SPLITS:
             raise ValueError(f"splits: expected one of {SPLITS}, got {splits}")
         self.tile_m, self.stages, self.ctas_per_sm, self.splits = tile_m, stages, ctas_per_sm, splits
-        self.consumer_threads = 128  # warps 0-3: the wgmma warpgroup
-        self.producer_warp = 4
+        # warps 0-7: two consumer warpgroups, each the full 64 rows over half of every chunk's
+        # k-steps (warpgroup w: k-steps 4w..4w+3) into its own accumulator; warp 8: producer
+        self.wg_threads = 128
+        self.consumer_threads = 2 * self.wg_threads
+        self.producer_warp = 8
 
     def _mma(self):
         return sm90_utils.make_trivial_tiled_mma(
@@ -113,6 +118,8 @@ class WeightOnlyNVFP4Sm90:
         @cute.struct
         class SharedStorage:
             mbar: cute.struct.MemRange[cutlass.Int64, self.stages * 2]
+            # warpgroup 1's accumulator, handed to warpgroup 0 (thread-major: no bank conflicts)
+            sAcc: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, TILE_N * self.tile_m], 16]
             sX: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, cute.cosize(sX_layout)], 1024]
             sW: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, cute.cosize(sW_layout)], 128]
 
@@ -152,7 +159,8 @@ class WeightOnlyNVFP4Sm90:
             cpasync.prefetch_descriptor(tma_w)
         storage = SmemAllocator().allocate(self.shared_storage)
         stage_bytes = CHUNK_BYTES + self.tile_m * CHUNK_K * 2
-        ring = TmaRing.create(storage.mbar.data_ptr(), self.stages, stage_bytes, 4, cute.make_layout((1, 1, 1, 1)))
+        ring = TmaRing.create(storage.mbar.data_ptr(), self.stages, stage_bytes, self.consumer_threads // 32,
+                              cute.make_layout((1, 1, 1, 1)))
         pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
         sX = storage.sX.get_tensor(sX_layout.outer, swizzle=sX_layout.inner)
         sW = storage.sW.get_tensor(sW_layout)
@@ -192,62 +200,87 @@ class WeightOnlyNVFP4Sm90:
                 cute.arch.cluster_arrive_relaxed()
                 cute.arch.cluster_wait()
         elif warp_idx < self.producer_warp:
-            acc = self._mainloop(tidx, mma, sX, sW, ring, kc_count)
+            wg = tidx // self.wg_threads
+            t = tidx % self.wg_threads
+            acc = self._mainloop(wg, t, mma, sX, sW, ring, kc_count)
+            # warpgroup 0 takes warpgroup 1's sum (acc0 + acc1: a fixed order)
+            sAcc = storage.sAcc.get_tensor(cute.make_layout((cute.size(acc), self.wg_threads),
+                                                            stride=(self.wg_threads, 1)))
+            if wg == 1:
+                for i in cutlass.range_constexpr(cute.size(acc)):
+                    sAcc[i, t] = acc[i]
+            cute.arch.barrier(barrier_id=_HANDOFF_BAR, number_of_threads=self.consumer_threads)
+            if wg == 0:
+                for i in cutlass.range_constexpr(cute.size(acc)):
+                    acc[i] = acc[i] + sAcc[i, t]
             cute.arch.griddepcontrol_wait()  # before the first global write (returns at once by now)
-            self._epilogue(tidx, mma, acc, mY, mBias, mG, mWork, has_bias, n_tile, split, m_tile)
+            self._epilogue(wg, t, mma, acc, mY, mBias, mG, mWork, has_bias, n_tile, split, m_tile)
 
     @cute.jit
-    def _mainloop(self, tidx, mma, sX, sW, ring, kc_count):
-        """Per chunk: decode k-steps 0-3, issue their wgmma; decode 4-7 (under the first half's
-        wgmma), issue; a stage is released once the wgmma reading it are done (one half later).
-        Two A-register halves alternate: a half is decoded again only after its wgmma retired."""
-        thr = mma.get_slice(tidx)
+    def _mainloop(self, wg, t, mma, sX, sW, ring, kc_count):
+        """Warpgroup ``wg`` over every chunk: decode its 4 k-steps, issue their wgmma (decoding the
+        next chunk runs under them); a chunk's stage is released once its wgmma retired (one
+        chunk later). Two A-register sets alternate between chunks."""
+        thr = mma.get_slice(t)
         tCrB = mma.make_fragment_B(thr.partition_B(sX))  # (atom, n, k-steps, stages)
         tCrA = thr.make_fragment_A(thr.partition_shape_A((TILE_N, CHUNK_K)))
+        # two sets of the A fragment words of 4 k-steps: set p holds k-steps 4p..4p+3 of tCrA's layout
         a_words = cute.make_rmem_tensor((cute.size(tCrA) // 2,), cutlass.Int32)
         tCrA_w = cute.make_tensor(cute.recast_ptr(a_words.iterator, dtype=cutlass.BFloat16), tCrA.layout)
         acc = cute.make_rmem_tensor(thr.partition_shape_C((TILE_N, self.tile_m)), cutlass.Float32)
         acc.fill(0.0)
         mma.set(warpgroup.Field.ACCUMULATE, True)
-        # per stage, as 32-bit words: this thread's two 16-byte code records (k-steps 0-3, 4-7)
-        # and its quad's 16-byte scale record
+        # per stage, as 32-bit words: the thread's 16-byte code record of this warpgroup's
+        # k-steps and the 8 bytes of its quad's scale record that cover them
         words = cute.recast_ptr(sW.iterator, dtype=cutlass.Int32)
-        threads = self.consumer_threads
-        sCodes = cute.make_tensor(words, cute.make_layout((4, 2, threads, self.stages),
-                                                          stride=(1, 4 * threads, 4, CHUNK_BYTES // 4)))
-        sScales = cute.make_tensor(words + CODE_BYTES // 4, cute.make_layout((4, threads // 4, self.stages),
-                                                                             stride=(1, 4, CHUNK_BYTES // 4)))
-        codes = cute.make_rmem_tensor((4, 2), cutlass.Int32)
-        scw = cute.make_rmem_tensor((4,), cutlass.Int32)
+        sCodes = cute.make_tensor(words, cute.make_layout((4, 2, self.wg_threads, self.stages),
+                                                          stride=(1, 4 * self.wg_threads, 4, CHUNK_BYTES // 4)))
+        sScales = cute.make_tensor(words + CODE_BYTES // 4, cute.make_layout((2, 2, self.wg_threads // 4, self.stages),
+                                                                             stride=(1, 2, 4, CHUNK_BYTES // 4)))
+        codes = cute.make_rmem_tensor((4,), cutlass.Int32)
+        scw = cute.make_rmem_tensor((2,), cutlass.Int32)
+        frags = (tCrA_w, tCrB, a_words, codes, scw, sCodes, sScales)
         state = ring.consumer_state()
         done = ring.consumer_state()  # the stage whose wgmma retire next
-        for i in cutlass.range(kc_count, unroll=1):
-            ring.wait(state)
-            for g in cutlass.range_constexpr(2):
-                cute.autovec_copy(sCodes[(None, g, tidx, state.index)], codes[(None, g)])
-            cute.autovec_copy(sScales[(None, tidx // 4, state.index)], scw)
-            for half in cutlass.range_constexpr(2):
-                for s in cutlass.range_constexpr(4 * half, 4 * half + 4):
-                    self._decode_kstep(codes[(s % 4, s // 4)], scw[s // 2], s % 2, a_words, s)
-                warpgroup.fence()
-                for s in cutlass.range_constexpr(4 * half, 4 * half + 4):
-                    cute.gemm(mma, acc, tCrA_w[(None, None, s)], tCrB[(None, None, s, state.index)], acc)
-                warpgroup.commit_group()
-                warpgroup.wait_group(1)
-                if cutlass.const_expr(half == 0):
-                    if i > 0:  # the previous chunk's second half has retired
-                        ring.release(done)
-                        done.advance()
-            state.advance()
+        # chunks in pairs: the A register set is a compile-time choice (set 0, then set 1)
+        state, done = self._chunk(wg, t, mma, acc, frags, ring, state, done, 0, False)
+        for _ in cutlass.range((kc_count - 1) // 2, unroll=1):
+            state, done = self._chunk(wg, t, mma, acc, frags, ring, state, done, 1, True)
+            state, done = self._chunk(wg, t, mma, acc, frags, ring, state, done, 0, True)
+        if kc_count % 2 == 0:
+            state, done = self._chunk(wg, t, mma, acc, frags, ring, state, done, 1, True)
         warpgroup.wait_group(0)
         fence_operand(acc)
-        if kc_count > 0:
-            ring.release(done)
+        ring.release(done)
         return acc
 
     @cute.jit
+    def _chunk(self, wg, t, mma, acc, frags, ring, state, done, a_set: cutlass.Constexpr,
+               release_previous: cutlass.Constexpr):
+        """One chunk of warpgroup ``wg`` into A register set ``a_set``; returns the advanced
+        (state, done) pipeline states."""
+        tCrA_w, tCrB, a_words, codes, scw, sCodes, sScales = frags
+        ring.wait(state)
+        cute.autovec_copy(sCodes[(None, wg, t, state.index)], codes)
+        cute.autovec_copy(sScales[(None, wg, t // 4, state.index)], scw)
+        for j in cutlass.range_constexpr(4):
+            self._decode_kstep(codes[j], scw[j // 2], j % 2, a_words, 4 * a_set + j)
+        warpgroup.fence()
+        for j in cutlass.range_constexpr(4):
+            # set a_set is stored where tCrA's k-steps 4 a_set .. +3 sit; B is this warpgroup's k-steps
+            cute.gemm(mma, acc, tCrA_w[(None, None, 4 * a_set + j)], tCrB[(None, None, 4 * wg + j, state.index)],
+                      acc)
+        warpgroup.commit_group()
+        warpgroup.wait_group(1)
+        if cutlass.const_expr(release_previous):  # the previous chunk's wgmma have retired
+            ring.release(done)
+            done.advance()
+        state.advance()
+        return state, done
+
+    @cute.jit
     def _decode_kstep(self, w, sc_word, hi: cutlass.Constexpr, a_words, s: cutlass.Constexpr):
-        """A fragment words 4s..4s+3 (pairs a0..a3) of k-step ``s`` from code word ``w``."""
+        """A fragment words 4s..4s+3 (pairs a0..a3) of k-step slot ``s`` from code word ``w``."""
         h = _e4m3x2_to_f16x2(sc_word, hi)  # (scale of row r0, of row r1) as f16
         s2 = ((h >> 3) & cutlass.Int32(0x1FFF1FFF)) + cutlass.Int32(0x72007200)  # bf16 scale * 2^116
         s_r0 = cutlass.Int32(cute.arch.prmt(s2, s2, cutlass.Int32(0x1010)))
@@ -261,22 +294,26 @@ class WeightOnlyNVFP4Sm90:
         a_words[4 * s + 3] = _mul_bf16x2(p3, s_r1)
 
     @cute.jit
-    def _epilogue(self, tidx, mma, acc, mY, mBias, mG, mWork, has_bias, n_tile, split, m_tile):
+    def _epilogue(self, wg, t, mma, acc, mY, mBias, mG, mWork, has_bias, n_tile, split, m_tile):
+        """Warpgroup 0 holds the tile's sums; with split-K both warpgroups reduce."""
         m, n = cute.size(mY, mode=[0]), cute.size(mY, mode=[1])
-        thr = mma.get_slice(tidx)
+        tidx = wg * self.wg_threads + t
+        thr = mma.get_slice(t)
         coords = thr.partition_C(cute.make_identity_tensor((TILE_N, self.tile_m)))
         n0, m0 = n_tile * TILE_N, m_tile * self.tile_m
         scale = mG[0] * cutlass.Float32(2.0 ** DECODE_EXP)
         if cutlass.const_expr(self.splits == 1):
-            for i in cutlass.range_constexpr(cute.size(acc)):
-                row, col = n0 + coords[i][0], m0 + coords[i][1]
-                if row < n and col < m:
-                    mY[col, row] = self._out(acc[i] * scale, mBias, has_bias, row)
+            if wg == 0:
+                for i in cutlass.range_constexpr(cute.size(acc)):
+                    row, col = n0 + coords[i][0], m0 + coords[i][1]
+                    if row < n and col < m:
+                        mY[col, row] = self._out(acc[i] * scale, mBias, has_bias, row)
         else:
-            for i in cutlass.range_constexpr(cute.size(acc)):
-                row, col = n0 + coords[i][0], m0 + coords[i][1]
-                if row < n and col < m:
-                    mWork[(split * m + col) * n + row] = acc[i]
+            if wg == 0:
+                for i in cutlass.range_constexpr(cute.size(acc)):
+                    row, col = n0 + coords[i][0], m0 + coords[i][1]
+                    if row < n and col < m:
+                        mWork[(split * m + col) * n + row] = acc[i]
             # barrier.cluster.arrive releases and .wait acquires at cluster scope: every split's
             # partial is visible to every CTA of the tile's cluster after it
             cute.arch.cluster_arrive()

@@ -13,7 +13,7 @@ __all__ = ["SHIPPED", "choose_tile_m", "ctas_per_sm", "stages_for", "choose_spli
            "compile_kernel", "weight_only_nvfp4"]
 
 ARCH = "sm_90a"
-_SMEM_PER_SM = 220 * 1024
+_SMEM_PER_SM = 200 * 1024  # for the rings (the accumulator hand-off takes up to 32 KB more)
 _MAX_STAGES = 8
 _MIN_CHUNKS_PER_CTA = 4
 # every (tile_m, splits) the launcher can pick: CI compiles them all
@@ -26,9 +26,9 @@ def choose_tile_m(m: int) -> int:
 
 
 def ctas_per_sm(tile_m: int) -> int:
-    """Resident CTAs per SM: 3 while the ``x`` tile is small (12 consumer warps per SM keep the
-    weight stream going), fewer as it grows (shared memory)."""
-    return 3 if tile_m <= 32 else 2 if tile_m == 64 else 1
+    """Resident CTAs per SM: 2 while the ``x`` tile is small (16 consumer warps per SM keep the
+    weight stream going), 1 beyond (shared memory)."""
+    return 2 if tile_m <= 32 else 1
 
 
 def stages_for(tile_m: int) -> int:
@@ -36,11 +36,11 @@ def stages_for(tile_m: int) -> int:
     return min(_MAX_STAGES, _SMEM_PER_SM // ctas_per_sm(tile_m) // (CHUNK_BYTES + tile_m * CHUNK_K * 2))
 
 
-def choose_split(tiles: int, k_chunks: int, resident: int) -> int:
-    """Split-K: the fewest splits (a power of two, at most 8) that give the launch a wave of
-    ``resident`` CTAs, keeping at least ``_MIN_CHUNKS_PER_CTA`` chunks per CTA."""
+def choose_split(tiles: int, k_chunks: int, num_sms: int) -> int:
+    """Split-K: the fewest splits (a power of two, at most 8) that give about one CTA per SM,
+    keeping at least ``_MIN_CHUNKS_PER_CTA`` chunks per CTA (measured: benchmarks/weight_only_sweep.py)."""
     for splits in SPLITS:
-        if tiles * splits >= resident or splits * 2 * _MIN_CHUNKS_PER_CTA > k_chunks:
+        if tiles * splits >= 0.9 * num_sms or splits * 2 * _MIN_CHUNKS_PER_CTA > k_chunks:
             return splits
     return SPLITS[-1]
 
@@ -102,7 +102,7 @@ def weight_only_nvfp4(x: torch.Tensor, packed: PackedNVFP4, bias: torch.Tensor |
         return y
     tile_m = choose_tile_m(m)
     n_tiles, k_chunks = packed.n_tiles, packed.k_chunks
-    splits = choose_split(n_tiles * -(-m // tile_m), k_chunks, sm_count(x.device) * ctas_per_sm(tile_m))
+    splits = choose_split(n_tiles * -(-m // tile_m), k_chunks, sm_count(x.device))
     work = _workspace(x.device, splits * m * n if splits > 1 else 0)
     if bias is None:
         bias = _NO_BIAS.get(x.device)
