@@ -2,7 +2,7 @@
 against bf16 cuBLAS on the Llama-3-8B projections: GPU time of a CUDA graph, weights cycled past
 L2 as in ``bench decode``.
 
-    python benchmarks/weight_only_sweep.py [--ms 1,4,16] [--splits 1,2,4,8]
+    python benchmarks/weight_only_sweep.py [--fmt nvfp4|fp8] [--ms 1,4,16] [--splits 1,2,4,8]
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from lowprec import quantize
 from lowprec.bench.common import bench_graph_ms
 from lowprec.bench.decode import ROTATE_BYTES, SHAPES
 from lowprec.gemm.sm90 import weight_only_interface as wo
-from lowprec.gemm.weight_only import pack_nvfp4
+from lowprec.gemm.weight_only import pack_fp8, pack_nvfp4
 from lowprec.recipes import get_recipe
 
 
@@ -24,6 +24,7 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--ms", default="1,4,16")
     p.add_argument("--splits", default="1,2,4,8")
+    p.add_argument("--fmt", default="nvfp4", choices=("nvfp4", "fp8"))
     args = p.parse_args()
     ms = [int(v) for v in args.ms.split(",")]
     chosen = wo.choose_split
@@ -31,9 +32,15 @@ def main():
     ratios = {g: [] for g in grid}
     for n, k in SHAPES:
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k ** -0.5
-        q = quantize(w, get_recipe("nvfp4"))
-        copies = max(1, math.ceil(ROTATE_BYTES / (n * k * 0.5625)))
-        packs = [pack_nvfp4(q.data.clone(), q.scale.clone(), q.global_scale) for _ in range(copies)]
+        if args.fmt == "nvfp4":
+            q = quantize(w, get_recipe("nvfp4"))
+            bytes_per_weight, run = 0.5625, wo.weight_only_nvfp4
+            pack = lambda: pack_nvfp4(q.data.clone(), q.scale.clone(), q.global_scale)  # noqa: E731
+        else:
+            q = quantize(w, get_recipe("fp8_block128x128"))
+            bytes_per_weight, run = 1.0, wo.weight_only_fp8
+            pack = lambda: pack_fp8(q.data.clone(), q.scale.clone())  # noqa: E731
+        packs = [pack() for _ in range(max(1, math.ceil(ROTATE_BYTES / (n * k * bytes_per_weight))))]
         bf16 = [w.clone() for _ in range(max(1, math.ceil(ROTATE_BYTES / (n * k * 2))))]
         for m in ms:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
@@ -41,9 +48,9 @@ def main():
             line = [f"{n}x{k} M={m}: bf16 {t_bf16:6.1f} us"]
             for g in grid:
                 wo.choose_split = chosen if g == "auto" else (lambda *args, g=g: g)
-                t = bench_graph_ms(lambda: [wo.weight_only_nvfp4(x, pk) for pk in packs]) * 1e3 / len(packs)
+                t = bench_graph_ms(lambda: [run(x, pk) for pk in packs]) * 1e3 / len(packs)
                 ratios[g].append(t_bf16 / t)
-                line.append(f"s{g} {t:6.1f} us {t_bf16 / t:4.2f}x {n * k * 0.5625 / t / 1e3:5.0f} GB/s")
+                line.append(f"s{g} {t:6.1f} us {t_bf16 / t:4.2f}x {n * k * bytes_per_weight / t / 1e3:5.0f} GB/s")
             print(" | ".join(line), flush=True)
     for g, r in ratios.items():
         print(f"splits {g}: geomean x bf16 {math.exp(sum(map(math.log, r)) / len(r)):.2f}")

@@ -1,8 +1,9 @@
-"""Weight-only GEMM for decode sizes: ``y = x · dequant(W)ᵀ`` with ``x`` bf16 and ``W`` NVFP4.
+"""Weight-only GEMM for decode sizes: ``y = x · dequant(W)ᵀ`` with ``x`` bf16 and ``W`` NVFP4 or FP8.
 
 NVFP4 weights (E2M1 codes, an E4M3 scale per 16 weights of a row or per 16x16 block, an FP32
-global scale) are read at 4.5 bits per weight and decoded to bf16 in registers, where they
-feed Hopper's bf16 tensor cores; at M = 1..a few hundred tokens the weight bytes set the time.
+global scale) are read at 4.5 bits per weight, FP8 weights (E4M3, an FP32 scale per 128x128
+block) at 8, and decoded to bf16 in registers, where they feed Hopper's bf16 tensor cores; at
+M = 1..a few hundred tokens the weight bytes set the time.
 
 The kernel (``lowprec.gemm.sm90.weight_only``) does not read ModelOpt's layout: the weight is
 re-arranged once (:func:`pack_nvfp4`) so that each thread of the kernel finds its wgmma
@@ -29,6 +30,13 @@ zero-padded to multiples of ``TILE_N`` rows and ``CHUNK_K`` columns, is cut into
 
 Codes of blocks whose scale is zero are stored as zeros (the same dequantized weight; the
 decode relies on it). Scales must be finite and non-negative.
+
+FP8 (:func:`pack_fp8`, ``PackedFP8.data`` uint8 ``[chunks * 32, 256]``): chunks of the same
+``TILE_N x CHUNK_K``, 8192 bytes of E4M3 codes each: thread ``t``'s 32 bytes of warpgroup
+``g``'s k-steps ``4g .. 4g + 3`` at byte ``32 (128 g + t)``, per k-step two words: bytes
+``(r0, c), (r0, c+1), (r1, c), (r1, c+1)`` then the same at ``c + 8``. The block scales stay in
+their ``[ceil(N / 128), ceil(K / 128)]`` FP32 grid: the kernel applies a chunk's scale to that
+chunk's FP32 products (promotion), the decode itself is exact (E4M3 -> f16 -> bf16).
 """
 
 from __future__ import annotations
@@ -39,8 +47,9 @@ import torch
 
 from ..formats import E4M3, decode as decode_format, unpack_fp4
 
-__all__ = ["TILE_N", "TILE_MS", "SPLITS", "CHUNK_K", "CHUNK_BYTES", "PackedNVFP4", "pack_nvfp4", "unpack_codes_emulated",
-           "decoded_tile_emulated", "weight_only_reference"]
+__all__ = ["TILE_N", "TILE_MS", "SPLITS", "CHUNK_K", "CHUNK_BYTES", "FP8_CHUNK_BYTES", "PackedNVFP4", "PackedFP8",
+           "pack_nvfp4", "pack_fp8", "unpack_codes_emulated", "unpack_fp8_emulated", "decoded_tile_emulated",
+           "weight_only_reference"]
 
 TILE_N = 64  # rows of W per CTA (one consumer warpgroup)
 TILE_MS = (8, 16, 32, 64, 128)  # tokens per CTA (the wgmma N); larger M takes several M tiles
@@ -50,6 +59,8 @@ CODE_BYTES = TILE_N * CHUNK_K // 2
 SCALE_BYTES = TILE_N * CHUNK_K // 16
 CHUNK_BYTES = CODE_BYTES + SCALE_BYTES  # 4608 = 18 rows of 256 bytes (one TMA box)
 ROW_BYTES = 256
+FP8_CHUNK_BYTES = TILE_N * CHUNK_K  # 8192 = 32 rows of 256 bytes
+FP8_SCALE_BLOCK = 128
 _THREADS = TILE_N * 2  # one consumer warpgroup
 _KSTEPS = CHUNK_K // 16
 # bit positions of one pair's (m, e0, e1, sign) for its first code; the second code is at +16
@@ -210,9 +221,82 @@ def unpack_codes_emulated(packed: PackedNVFP4) -> torch.Tensor:
     return w[: packed.n, : packed.k] * (2.0 ** DECODE_EXP) * packed.global_scale.double().cpu()
 
 
-def weight_only_reference(x: torch.Tensor, packed: PackedNVFP4, bias: torch.Tensor | None = None) -> torch.Tensor:
+@dataclass(frozen=True)
+class PackedFP8:
+    """An FP8 weight (128x128 block scales) in the kernel's layout (see the module docstring)."""
+
+    data: torch.Tensor  # uint8 [n_tiles * k_chunks * 32, 256]
+    scale: torch.Tensor  # float32 [ceil(N / 128), k_chunks], contiguous
+    n: int
+    k: int
+
+    @property
+    def n_tiles(self) -> int:
+        return -(-self.n // TILE_N)
+
+    @property
+    def k_chunks(self) -> int:
+        return -(-self.k // CHUNK_K)
+
+
+def pack_fp8(weight: torch.Tensor, scale: torch.Tensor) -> PackedFP8:
+    """FP8 weight ``[N, K]`` (float8_e4m3fn) and its FP32 128x128 block scales
+    ``[ceil(N / 128), ceil(K / 128)]`` -> the kernel's layout (done once per weight)."""
+    if not isinstance(weight, torch.Tensor) or weight.dtype != torch.float8_e4m3fn or weight.dim() != 2:
+        raise ValueError(f"weight: expected a float8_e4m3fn [N, K] tensor, got "
+                         f"{getattr(weight, 'dtype', type(weight))} {tuple(getattr(weight, 'shape', ()))}")
+    n, k = weight.shape
+    expect = (-(-n // FP8_SCALE_BLOCK), -(-k // FP8_SCALE_BLOCK))
+    if not isinstance(scale, torch.Tensor) or scale.dtype != torch.float32 or tuple(scale.shape) != expect:
+        raise ValueError(f"scale: expected float32 {expect} (one per 128x128 block), got "
+                         f"{getattr(scale, 'dtype', type(scale))} {tuple(getattr(scale, 'shape', ()))}")
+    device = weight.device
+    n_tiles, k_chunks = -(-n // TILE_N), -(-k // CHUNK_K)
+    codes = torch.zeros(n_tiles * TILE_N, k_chunks * CHUNK_K, dtype=torch.uint8, device=device)
+    codes[:n, :k] = weight.view(torch.uint8)
+    codes = codes.view(n_tiles, TILE_N, k_chunks, CHUNK_K).permute(0, 2, 1, 3)  # [nt, kc, TILE_N, CHUNK_K]
+    r0, col, s = _thread_coords(device)
+    # [nt, kc, thread, k-step, 2 words x (row r0 pair, row r1 pair)]
+    parts = []
+    for dc in (0, 8):
+        for row in (r0, r0 + 8):
+            c = (16 * s)[None, :] + col[:, None] + dc
+            parts.append(torch.stack([codes[:, :, row[:, None], c], codes[:, :, row[:, None], c + 1]], dim=-1))
+    per_step = torch.cat(parts, dim=-1)  # [nt, kc, 128, 8 steps, 8 bytes]
+    data = per_step.view(n_tiles, k_chunks, _THREADS, 2, 4, 8).permute(0, 1, 3, 2, 4, 5)  # [.., group, thread, ..]
+    data = data.reshape(-1, ROW_BYTES).contiguous()
+    return PackedFP8(data, scale.detach().to(torch.float32).contiguous().clone(), n, k)
+
+
+def unpack_fp8_emulated(packed: PackedFP8) -> torch.Tensor:
+    """The dequantized weight ``[N, K]`` (float64) as the kernel computes it: the codes read
+    back from the packed layout through the kernel's decode (E4M3 -> f16, the f16 bits moved
+    into a bf16 as ``value * 2^-112``, times 2^112), times the block scales."""
+    n_tiles, k_chunks = packed.n_tiles, packed.k_chunks
+    b = packed.data.view(n_tiles, k_chunks, 2, _THREADS, 4, 8).permute(0, 1, 3, 2, 4, 5).cpu()
+    b = b.reshape(n_tiles, k_chunks, _THREADS, _KSTEPS, 8)
+    f16 = b.view(torch.float8_e4m3fn).to(torch.float16).view(torch.int16).to(torch.int64) & 0xFFFF
+    bf16_bits = ((f16 >> 3) & 0x0FFF) | (f16 & 0x8000)
+    vals = _bf16_of_bits(bf16_bits) * 2.0 ** 112
+    w = torch.zeros(n_tiles, k_chunks, TILE_N, CHUNK_K, dtype=torch.float64)
+    r0, col, s = _thread_coords("cpu")
+    i = 0
+    for dc in (0, 8):
+        for row in (r0, r0 + 8):
+            c = (16 * s)[None, :] + col[:, None] + dc
+            w[:, :, row[:, None], c] = vals[..., i]
+            w[:, :, row[:, None], c + 1] = vals[..., i + 1]
+            i += 2
+    w = w.permute(0, 2, 1, 3).reshape(n_tiles * TILE_N, k_chunks * CHUNK_K)
+    scale = packed.scale.double().cpu().repeat_interleave(FP8_SCALE_BLOCK, 0).repeat_interleave(FP8_SCALE_BLOCK, 1)
+    return (w[: packed.n, : packed.k] * scale[: packed.n, : packed.k])
+
+
+def weight_only_reference(x: torch.Tensor, packed: PackedNVFP4 | PackedFP8, bias: torch.Tensor | None = None
+                          ) -> torch.Tensor:
     """``x · dequant(W)ᵀ (+ bias)`` in FP32 from the packed weight, cast to ``x``'s dtype."""
-    w = unpack_codes_emulated(packed).to(device=x.device, dtype=torch.float32)
+    unpack = unpack_fp8_emulated if isinstance(packed, PackedFP8) else unpack_codes_emulated
+    w = unpack(packed).to(device=x.device, dtype=torch.float32)
     y = x.float() @ w.t()
     if bias is not None:
         y = y + bias.float()

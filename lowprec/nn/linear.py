@@ -6,9 +6,11 @@ import logging
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..gemm import gemm
+from ..gemm.weight_only import PackedFP8, pack_fp8
 from ..quant import quantize
 from ..recipes import get_recipe
 from ..runtime import registry
@@ -96,9 +98,19 @@ class _FrozenFP8Linear(torch.autograd.Function):
         return gemm(dy_q, w_t, out_dtype=dy.dtype), None, None, None
 
 
+WEIGHT_ONLY_MAX_M = 64  # FP8InferenceLinear: rows up to which bf16 activations stay unquantized
+
+
 class FP8InferenceLinear(QuantizedBuffersModule):
     """Inference linear holding just the FP8 weight and its scales (about half the memory);
     differentiable in ``x`` (the weight is a constant).
+
+    Decode sizes: with the ``fp8_block`` recipe, a bfloat16 ``x`` of at most ``weight_only_max_m``
+    rows (default 64; 0 turns it off) without gradient is multiplied by the dequantized weight
+    with ``x`` left in bf16 (weight-only: no activation quantization, so closer to the float
+    product): on Hopper the weight-only decode kernel (``lowprec.gemm.sm90.weight_only``, the
+    FP8 weight re-arranged once, :meth:`packed_weight`), elsewhere ``F.linear`` on the
+    dequantized weight. Other calls quantize ``x`` with the recipe's activation format (W8A8).
 
     Buffers: ``weight`` (float8_e4m3fn ``[out, in]``), ``weight_scale`` (FP32, the recipe's
     row-major scale grid) and ``bias`` (if any). Module casts (``.half()``, ``.to(dtype)``) cast
@@ -121,6 +133,8 @@ class FP8InferenceLinear(QuantizedBuffersModule):
         self.register_buffer("weight", w.data)
         self.register_buffer("weight_scale", w.scale)
         self.register_buffer("bias", torch.zeros(out_features, dtype=out_dtype, device=device) if bias else None)
+        self.weight_only_max_m = WEIGHT_ONLY_MAX_M
+        self._packed: tuple[tuple, PackedFP8] | None = None
 
     @classmethod
     def from_linear(cls, linear: nn.Linear | FP8Linear, recipe: str = "fp8_block") -> FP8InferenceLinear:
@@ -138,6 +152,18 @@ class FP8InferenceLinear(QuantizedBuffersModule):
         return QuantizedTensor(self.weight, self.weight_scale, get_recipe(self.recipe.weight),
                                self.weight.shape, self.out_dtype)
 
+    def packed_weight(self) -> PackedFP8:
+        """The weight in the weight-only kernel's layout (``fp8_block``), packed on first use and
+        again whenever the buffers change (load, in-place update, device move)."""
+        key = tuple((t.data_ptr(), t._version, t.device) for t in (self.weight, self.weight_scale))
+        if self._packed is None or self._packed[0] != key:
+            self._packed = (key, pack_fp8(self.weight, self.weight_scale))
+        return self._packed[1]
+
+    def _weight_only(self, x2: torch.Tensor) -> bool:
+        return (self.recipe.weight == "fp8_block128x128" and x2.dtype == torch.bfloat16
+                and x2.shape[0] <= self.weight_only_max_m)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x · Wᵀ + b``, differentiable in ``x`` (the weight and bias are constants)."""
         if not isinstance(x, torch.Tensor) or x.dtype not in _X_DTYPES:
@@ -149,6 +175,16 @@ class FP8InferenceLinear(QuantizedBuffersModule):
         with autocast_off:
             if torch.is_grad_enabled() and x.requires_grad:
                 y = _FrozenFP8Linear.apply(x2, self.quantized_weight(), bias, self.recipe)
+            elif self._weight_only(x2):
+                bias16 = None if self.bias is None else self.bias.to(torch.bfloat16)
+
+                def dequantized():
+                    return F.linear(x2, self.quantized_weight().dequantize(torch.bfloat16), bias16)
+
+                if x2.is_cuda and not torch.compiler.is_compiling():
+                    y = registry.run("weight_only_fp8", x2.device, (x2, self.packed_weight(), bias16), dequantized)
+                else:
+                    y = dequantized()
             else:
                 def composed():
                     x_q = quantize(x2, self.recipe.activation, check_finite=False)

@@ -6,8 +6,8 @@ import torch
 
 from lowprec import quantize
 from lowprec.formats import E4M3, decode, unpack_fp4
-from lowprec.gemm.weight_only import (CHUNK_BYTES, SPLITS, TILE_MS, decoded_tile_emulated, pack_nvfp4, unpack_codes_emulated,
-                                      weight_only_reference)
+from lowprec.gemm.weight_only import (CHUNK_BYTES, SPLITS, TILE_MS, decoded_tile_emulated, pack_fp8, pack_nvfp4,
+                                      unpack_codes_emulated, unpack_fp8_emulated, weight_only_reference)
 from lowprec.recipes import get_recipe
 from tests.hopper import gpu, needs_cutlass, needs_gpu
 
@@ -76,15 +76,54 @@ def test_pack_rejects_bad_tensors(bad, match):
         pack_nvfp4(**args)
 
 
+def _fp8(n: int, k: int, device="cpu"):
+    w = torch.randn(n, k, device=device)
+    w[1] = 0
+    w[2, :9] = 1e-7  # E4M3 subnormals after scaling
+    return quantize(w, get_recipe("fp8_block128x128"))
+
+
+def _exact_fp8(q) -> torch.Tensor:
+    n, k = q.shape
+    scale = q.scale.double().cpu().repeat_interleave(128, 0).repeat_interleave(128, 1)[:n, :k]
+    return q.data.cpu().double() * scale
+
+
+@pytest.mark.parametrize("n,k", [(64, 128), (200, 272), (256, 1040), (16, 16)])
+def test_fp8_decode_emulation_is_exact(n, k):
+    q = _fp8(n, k)
+    packed = pack_fp8(q.data, q.scale)
+    assert packed.data.shape == (packed.n_tiles * packed.k_chunks * 32, 256)
+    torch.testing.assert_close(unpack_fp8_emulated(packed), _exact_fp8(q), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("bad,match", [
+    (lambda q: dict(weight=q.data.view(torch.uint8)), "weight: expected a float8_e4m3fn"),
+    (lambda q: dict(scale=q.scale.double()), "scale: expected float32"),
+    (lambda q: dict(scale=q.scale[:, :1]), "scale: expected float32"),
+])
+def test_pack_fp8_rejects_bad_tensors(bad, match):
+    q = _fp8(64, 256)
+    args = dict(weight=q.data, scale=q.scale)
+    args.update(bad(q))
+    with pytest.raises(ValueError, match=match):
+        pack_fp8(**args)
+
+
 # ----------------------------------------------------------------------------- compile (CI)
+def _shipped():
+    from lowprec.gemm.sm90.weight_only_interface import SHIPPED
+
+    return SHIPPED
+
+
 @needs_cutlass
-@pytest.mark.parametrize("tile_m", TILE_MS)
-@pytest.mark.parametrize("splits", SPLITS)
-def test_compile_sm90(tile_m, splits):
+@pytest.mark.parametrize("fmt,tile_m,splits", _shipped())
+def test_compile_sm90(fmt, tile_m, splits):
     from lowprec.gemm.sm90.weight_only_interface import build_kernel
     from lowprec.runtime.compile import local_memory_ops, nvdisasm_path, sass_of
 
-    compiled = build_kernel(tile_m, splits)
+    compiled = build_kernel(fmt, tile_m, splits)
     if nvdisasm_path() is None:
         pytest.skip("nvdisasm not found: compiled, SASS not checked")
     sass = sass_of(compiled)
@@ -164,5 +203,39 @@ def test_kernel_every_split(monkeypatch, splits, m):
     x, packed, bias, q = _gpu_case(m, 200, 1296, with_bias=True)
     y = wo.weight_only_nvfp4(x, packed, bias)
     expect = x.double() @ _exact_dequant(q, False).cuda().t() + bias.double()
+    err = (y.double() - expect).abs()
+    assert torch.all(err <= 2.0 ** -8 * expect.abs() + 1e-4 * expect.abs().max()), err.max().item()
+
+
+@gpu
+@needs_gpu
+@pytest.mark.parametrize("m,n,k", [(1, 4096, 4096), (5, 200, 272), (16, 1536, 4096), (33, 384, 1040), (64, 640, 2048),
+                                   (8, 4096, 14336)])
+def test_fp8_kernel_matches_reference(m, n, k):
+    from lowprec.gemm.sm90.weight_only_interface import weight_only_fp8
+
+    q = _fp8(n, k, device="cuda")
+    packed = pack_fp8(q.data, q.scale)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    y = weight_only_fp8(x, packed, bias)
+    expect = x.double() @ _exact_fp8(q).cuda().t() + bias.double()
+    err = (y.double() - expect).abs()
+    assert torch.all(err <= 2.0 ** -8 * expect.abs() + 1e-4 * expect.abs().max()), err.max().item()
+    assert torch.equal(weight_only_fp8(x, packed, bias), y), "not deterministic"
+
+
+@gpu
+@needs_gpu
+@pytest.mark.parametrize("splits", SPLITS)
+def test_fp8_kernel_every_split(monkeypatch, splits):
+    from lowprec.gemm.sm90 import weight_only_interface as wo
+
+    monkeypatch.setattr(wo, "choose_split", lambda *args: splits)
+    q = _fp8(200, 1296, device="cuda")
+    packed = pack_fp8(q.data, q.scale)
+    x = torch.randn(7, 1296, device="cuda", dtype=torch.bfloat16)
+    y = wo.weight_only_fp8(x, packed)
+    expect = x.double() @ _exact_fp8(q).cuda().t()
     err = (y.double() - expect).abs()
     assert torch.all(err <= 2.0 ** -8 * expect.abs() + 1e-4 * expect.abs().max()), err.max().item()

@@ -135,6 +135,7 @@ def test_inference_mode_halves_memory_and_roundtrips(tmp_path):
     bytes_fp8 = sum(t.nbytes for t in infer.qkv.state_dict().values())
     assert bytes_fp8 < 0.55 * bytes_bf16
     x = torch.randn(2, 16, 128, dtype=torch.bfloat16)
+    _w8a8(infer)
     with torch.no_grad():
         y_train, y_infer = train(x), infer(x)
     torch.testing.assert_close(y_infer, y_train)  # same quantization, same GEMM
@@ -144,7 +145,15 @@ def test_inference_mode_halves_memory_and_roundtrips(tmp_path):
     fresh = convert(TinyBlock().to(torch.bfloat16), inference=True)
     fresh.load_state_dict(lowprec.load(path))
     with torch.no_grad():
-        assert torch.equal(fresh(x), y_infer)
+        assert torch.equal(_w8a8(fresh)(x), y_infer)
+
+
+def _w8a8(model: nn.Module) -> nn.Module:
+    """Inference layers quantize x at every M (32 rows of bf16 would take the weight-only path)."""
+    for layer in model.modules():
+        if isinstance(layer, FP8InferenceLinear):
+            layer.weight_only_max_m = 0
+    return model
 
 
 def test_trained_fp8_model_converts_to_inference():
@@ -412,6 +421,7 @@ def test_inference_linear_one_pass_is_quantize_then_gemm(m, k, n, dtype, bias):
         pytest.skip("needs an sm_90 GPU")
     linear = nn.Linear(k, n, bias=bias, device="cuda", dtype=dtype)
     layer = FP8InferenceLinear.from_linear(linear)
+    layer.weight_only_max_m = 0  # the W8A8 path at every M
     x = torch.randn(m, k, device="cuda", dtype=dtype)
     b = None if layer.bias is None else layer.bias.float()
     args = (x, layer.weight, layer.weight_scale, layer.recipe.weight, layer.recipe.activation, b, dtype)
@@ -421,3 +431,43 @@ def test_inference_linear_one_pass_is_quantize_then_gemm(m, k, n, dtype, bias):
     ref = lowprec.gemm(lowprec.quantize(x, "fp8_block1x128", check_finite=False), layer.quantized_weight(),
                        out_dtype=dtype, bias=b)
     assert torch.equal(y, ref)
+
+
+@pytest.mark.parametrize("m", [1, 64, 65])
+def test_inference_linear_weight_only_at_decode_sizes(m):
+    """bf16 x with at most weight_only_max_m rows: x · dequant(W)ᵀ with x unquantized; more rows
+    (or weight_only_max_m = 0): x quantized with the recipe (W8A8)."""
+    torch.manual_seed(3)
+    linear = nn.Linear(256, 128, dtype=torch.bfloat16)
+    layer = FP8InferenceLinear.from_linear(linear)
+    x = torch.randn(m, 256, dtype=torch.bfloat16)
+    w = layer.quantized_weight().dequantize(torch.bfloat16)
+    with torch.no_grad():
+        y = layer(x)
+        weight_only = torch.nn.functional.linear(x, w, layer.bias)
+        w8a8 = lowprec.gemm(lowprec.quantize(x, "fp8_block1x128", check_finite=False), layer.quantized_weight(),
+                            out_dtype=torch.bfloat16, bias=layer.bias.float())
+        assert torch.equal(y, weight_only if m <= 64 else w8a8)
+        layer.weight_only_max_m = 0
+        assert torch.equal(layer(x), w8a8)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 5, 16, 64])
+def test_inference_linear_weight_only_kernel(m):
+    """On Hopper the decode sizes run the FP8 weight-only kernel: the dequantized product within
+    bf16 rounding."""
+    from lowprec.runtime import registry
+
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("needs an sm_90 GPU")
+    linear = nn.Linear(4096, 1536, device="cuda", dtype=torch.bfloat16)
+    layer = FP8InferenceLinear.from_linear(linear)
+    x = torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16)
+    bias16 = layer.bias.to(torch.bfloat16)
+    assert registry.why_no_kernel("weight_only_fp8", x.device, x, layer.packed_weight(), bias16) is None
+    with torch.no_grad():
+        y = layer(x)
+    expect = x.double() @ layer.quantized_weight().dequantize(torch.float64).t() + bias16.double()
+    err = (y.double() - expect).abs()
+    assert torch.all(err <= 2.0 ** -8 * expect.abs() + 1e-4 * expect.abs().max()), err.max().item()

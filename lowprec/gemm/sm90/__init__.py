@@ -10,4 +10,6 @@ register("grouped_gemm", "sm_90a", f"{__name__}.interface:grouped_gemm_quantized
 register("grouped_gemm_wgrad", "sm_90a", f"{__name__}.interface:grouped_gemm_wgrad_quantized",
          config.wgrad_unsupported)
 register("weight_only_nvfp4", "sm_90a", f"{__name__}.weight_only_interface:weight_only_nvfp4",
-         config.weight_only_nvfp4_unsupported)
+         config.weight_only_unsupported)
+register("weight_only_fp8", "sm_90a", f"{__name__}.weight_only_interface:weight_only_fp8",
+         config.weight_only_unsupported)

@@ -132,15 +132,20 @@ def wgrad_unsupported(a, b, group_ends, out_dtype) -> str | None:
     return _mn_unsupported(P=b.shape[0], K=a.shape[1])
 
 
-def weight_only_nvfp4_unsupported(x, packed, bias) -> str | None:
-    """Why the weight-only NVFP4 kernel (``weight_only_interface.weight_only_nvfp4``) cannot take
-    ``x`` [M, K] and the packed weight (None: it can)."""
+WEIGHT_ONLY_FP8_MAX_M = 64  # the FP8 kernel's widest token tile (two chunk accumulators besides the sum)
+
+
+def weight_only_unsupported(x, packed, bias) -> str | None:
+    """Why the weight-only kernel (``weight_only_interface``: ``packed`` a ``PackedNVFP4`` or a
+    ``PackedFP8``) cannot take ``x`` [M, K] (None: it can)."""
     if x.dtype != torch.bfloat16:
-        return f"x dtype {x.dtype} (the kernel decodes NVFP4 to bf16: it takes bfloat16 activations)"
+        return f"x dtype {x.dtype} (the kernel decodes the weight to bf16: it takes bfloat16 activations)"
     if x.dim() != 2 or x.shape[1] != packed.k:
         return f"x shape {tuple(x.shape)} (expected [M, {packed.k}])"
     if x.shape[0] == 0:
         return "M=0: nothing to compute"
+    if type(packed).__name__ == "PackedFP8" and x.shape[0] > WEIGHT_ONLY_FP8_MAX_M:
+        return f"M={x.shape[0]} > {WEIGHT_ONLY_FP8_MAX_M} (the FP8 weight-only kernel's widest tile)"
     if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
         return "x: the kernel's TMA needs unit stride along K and 16-byte aligned rows"
     if packed.data.device != x.device:

@@ -1,4 +1,4 @@
-"""Hopper (sm_90a) weight-only GEMM for decode: ``y = x · dequant(W)ᵀ``, ``x`` bf16, ``W`` NVFP4.
+"""Hopper (sm_90a) weight-only GEMM for decode: ``y = x · dequant(W)ᵀ``, ``x`` bf16, ``W`` NVFP4 or FP8.
 
 Swap-AB: the CTA computes ``yᵀ`` tiles, ``W`` rows as the wgmma M side (64 per consumer
 warpgroup, 128 per CTA) and the tokens as its N side (``tile_m`` = 8..128), so one token costs
@@ -7,12 +7,15 @@ one 8-wide wgmma column, not a 64-row tile.
 * warp 0: TMA producer. Per 128-wide K chunk, one stage: the chunk's packed weight (9216 bytes,
   codes and scales, one box; layout in ``lowprec.gemm.weight_only``) and the ``tile_m x 128``
   slice of ``x`` (rows past M and columns past K read as zeros).
-* warpgroups 1, 2: consumers. Per chunk each thread reads its 8 code words and one 16-byte scale
-  record from shared memory, decodes each 16-wide k-step into the 4 bf16x2 registers of its A
-  fragment (a shift and a mask put two E2M1 codes in bf16 position as ``code * 2^-126``; one
-  ``mul.rn.bf16x2`` by ``scale * 2^116``, exact), and issues the chunk's 8 wgmma with A from
-  registers and ``x`` from shared memory into one FP32 accumulator.
-* epilogue: ``y = acc * global_scale * 2^10 (+ bias)``. With split-K (the K chunks of a tile
+* warpgroups 0, 1: consumers, each over the 64 rows and half of every chunk's k-steps (its own
+  accumulator; the two are summed in a fixed order at the end). Per chunk a thread reads its code
+  words (and NVFP4's scale record) from shared memory, decodes each 16-wide k-step into the 4
+  bf16x2 registers of its A fragment and issues the wgmma with A from registers and ``x`` from
+  shared memory. NVFP4: a shift and a mask put two E2M1 codes in bf16 position as
+  ``code * 2^-126``, one ``mul.rn.bf16x2`` by ``scale * 2^116`` (exact). FP8: ``cvt`` E4M3 -> f16,
+  the f16 bits moved into a bf16 (``value * 2^-112``), one multiply by 2^112 (exact); each
+  chunk's products go to a fresh accumulator, added times the chunk's block scale (promotion).
+* epilogue: ``y = acc * scale (+ bias)`` (NVFP4: the global scale times 2^10; FP8: 1). With split-K (the K chunks of a tile
   spread over the ``splits`` CTAs of a cluster so that small N fills the GPU), each CTA stores
   its FP32 partial to a global workspace; after a cluster barrier (release / acquire) each CTA
   sums a share of the tile's outputs over the partials in split order (deterministic) and
@@ -37,12 +40,14 @@ from cutlass.tensor_utils import LayoutEnum
 from ...cute.pdl import after_previous_grid
 from ...cute.sm90.tma_ring import TmaRing, tma_partition_tiles
 from ...cute.utils import fence_operand
-from ..weight_only import CHUNK_BYTES, CHUNK_K, CODE_BYTES, DECODE_EXP, ROW_BYTES, SPLITS, TILE_MS, TILE_N
+from ..weight_only import (CHUNK_BYTES, CHUNK_K, CODE_BYTES, DECODE_EXP, FP8_CHUNK_BYTES, FP8_SCALE_BLOCK, ROW_BYTES,
+                           SPLITS, TILE_MS, TILE_N)
 
 _HANDOFF_BAR = 1  # named barrier of the two consumer warpgroups
 
-_CHUNK_ROWS = CHUNK_BYTES // ROW_BYTES  # rows of a chunk's TMA box
-_KSTEPS = CHUNK_K // 16
+FORMATS = ("nvfp4", "fp8")
+_CHUNK_BYTES = {"nvfp4": CHUNK_BYTES, "fp8": FP8_CHUNK_BYTES}
+_BF16X2_2POW112 = 0x77807780  # bf16 2^112 in both halves
 _PAIR_MASK = 0x81C081C0 - (1 << 32)  # as a signed 32-bit immediate
 
 
@@ -65,12 +70,16 @@ def _e4m3x2_to_f16x2(word, hi: bool, *, loc=None, ip=None):
         "=r,r", loc=loc, ip=ip))
 
 
-class WeightOnlyNVFP4Sm90:
-    """The kernel for one token tile width ``tile_m`` (the wgmma N), ring depth ``stages``,
-    ``ctas_per_sm`` resident CTAs (the register budget the compiler is held to) and ``splits``
-    (split-K: the cluster size along grid y)."""
+class WeightOnlySm90:
+    """The kernel for one weight format ``fmt``, token tile width ``tile_m`` (the wgmma N), ring
+    depth ``stages``, ``ctas_per_sm`` resident CTAs (the register budget the compiler is held to)
+    and ``splits`` (split-K: the cluster size along grid y)."""
 
-    def __init__(self, tile_m: int, stages: int, ctas_per_sm: int, splits: int):
+    def __init__(self, fmt: str, tile_m: int, stages: int, ctas_per_sm: int, splits: int):
+        if fmt not in FORMATS:
+            raise ValueError(f"fmt: expected one of {FORMATS}, got {fmt!r}")
+        self.fmt, self.chunk_bytes = fmt, _CHUNK_BYTES[fmt]
+        self.chunk_rows = self.chunk_bytes // ROW_BYTES
         if tile_m not in TILE_MS:
             raise ValueError(f"tile_m: expected one of {TILE_MS}, got {tile_m}")
         if splits not in SPLITS:
@@ -100,20 +109,20 @@ class WeightOnlyNVFP4Sm90:
         mW_raw: cute.Tensor,  # (n_tiles, k_chunks * rows per chunk, 256) uint8: the packed weight
         mY: cute.Tensor,  # (M, N) bf16
         mBias: cute.Tensor,  # (N,) bf16 (read only with has_bias)
-        mG: cute.Tensor,  # (1,) fp32: the global scale
+        mScale: cute.Tensor,  # fp32: NVFP4 (1, 1) the global scale; FP8 (ceil(N/128), k_chunks) block scales
         mWork: cute.Tensor,  # (>= splits * M * N,) fp32: split-K partials
         has_bias: cutlass.Int32,
         stream,
     ):
         mW = cute.make_tensor(mW_raw.iterator, cute.select(mW_raw.layout, mode=[1, 2, 0]))
         sX_layout = self._x_smem_layout()
-        sW_layout = cute.make_layout((_CHUNK_ROWS, ROW_BYTES, self.stages),
-                                     stride=(ROW_BYTES, 1, CHUNK_BYTES))
+        sW_layout = cute.make_layout((self.chunk_rows, ROW_BYTES, self.stages),
+                                     stride=(ROW_BYTES, 1, self.chunk_bytes))
         g2s = cpasync.CopyBulkTensorTileG2SOp()
         tma_x, tma_tensor_x = cpasync.make_tiled_tma_atom(
             g2s, mX, cute.slice_(sX_layout, (None, None, 0)), (self.tile_m, CHUNK_K))
         tma_w, tma_tensor_w = cpasync.make_tiled_tma_atom(
-            g2s, mW, cute.slice_(sW_layout, (None, None, 0)), (_CHUNK_ROWS, ROW_BYTES))
+            g2s, mW, cute.slice_(sW_layout, (None, None, 0)), (self.chunk_rows, ROW_BYTES))
 
         @cute.struct
         class SharedStorage:
@@ -125,9 +134,9 @@ class WeightOnlyNVFP4Sm90:
 
         self.shared_storage = SharedStorage
         m, n = cute.size(mY, mode=[0]), cute.size(mY, mode=[1])
-        k_chunks = cute.size(mW, mode=[0]) // _CHUNK_ROWS
+        k_chunks = cute.size(mW, mode=[0]) // self.chunk_rows
         self.kernel(
-            tma_x, tma_tensor_x, tma_w, tma_tensor_w, mY, mBias, mG, mWork, has_bias, k_chunks,
+            tma_x, tma_tensor_x, tma_w, tma_tensor_w, mY, mBias, mScale, mWork, has_bias, k_chunks,
             sX_layout, sW_layout, self._mma(),
         ).launch(
             grid=((n + TILE_N - 1) // TILE_N, self.splits, (m + self.tile_m - 1) // self.tile_m),
@@ -144,7 +153,7 @@ class WeightOnlyNVFP4Sm90:
         self,
         tma_x: cute.CopyAtom, mX: cute.Tensor,
         tma_w: cute.CopyAtom, mW: cute.Tensor,
-        mY: cute.Tensor, mBias: cute.Tensor, mG: cute.Tensor, mWork: cute.Tensor,
+        mY: cute.Tensor, mBias: cute.Tensor, mScale: cute.Tensor, mWork: cute.Tensor,
         has_bias: cutlass.Int32, k_chunks: cutlass.Int32,
         sX_layout: cute.ComposedLayout, sW_layout: cute.Layout, mma: cute.TiledMma,
     ):
@@ -158,7 +167,7 @@ class WeightOnlyNVFP4Sm90:
             cpasync.prefetch_descriptor(tma_x)
             cpasync.prefetch_descriptor(tma_w)
         storage = SmemAllocator().allocate(self.shared_storage)
-        stage_bytes = CHUNK_BYTES + self.tile_m * CHUNK_K * 2
+        stage_bytes = self.chunk_bytes + self.tile_m * CHUNK_K * 2
         ring = TmaRing.create(storage.mbar.data_ptr(), self.stages, stage_bytes, self.consumer_threads // 32,
                               cute.make_layout((1, 1, 1, 1)))
         pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
@@ -170,7 +179,7 @@ class WeightOnlyNVFP4Sm90:
             tXsX, tXgX = tma_partition_tiles(
                 tma_x, sX, cute.local_tile(mX, (self.tile_m, CHUNK_K), (m_tile, None)))
             tWsW, tWgW = tma_partition_tiles(
-                tma_w, sW, cute.local_tile(mW[(None, None, n_tile)], (_CHUNK_ROWS, ROW_BYTES), (None, 0)))
+                tma_w, sW, cute.local_tile(mW[(None, None, n_tile)], (self.chunk_rows, ROW_BYTES), (None, 0)))
             # programmatic dependent launch: the weights are constants, so the first stages'
             # weight loads go out while the previous kernel drains; x (its output, maybe) and
             # every global write wait for it
@@ -202,7 +211,7 @@ class WeightOnlyNVFP4Sm90:
         elif warp_idx < self.producer_warp:
             wg = tidx // self.wg_threads
             t = tidx % self.wg_threads
-            acc = self._mainloop(wg, t, mma, sX, sW, ring, kc_count)
+            acc = self._mainloop(wg, t, mma, sX, sW, ring, kc_count, mScale, n_tile, kc_first)
             # warpgroup 0 takes warpgroup 1's sum (acc0 + acc1: a fixed order)
             sAcc = storage.sAcc.get_tensor(cute.make_layout((cute.size(acc), self.wg_threads),
                                                             stride=(self.wg_threads, 1)))
@@ -214,72 +223,127 @@ class WeightOnlyNVFP4Sm90:
                 for i in cutlass.range_constexpr(cute.size(acc)):
                     acc[i] = acc[i] + sAcc[i, t]
             cute.arch.griddepcontrol_wait()  # before the first global write (returns at once by now)
-            self._epilogue(wg, t, mma, acc, mY, mBias, mG, mWork, has_bias, n_tile, split, m_tile)
+            self._epilogue(wg, t, mma, acc, mY, mBias, mScale, mWork, has_bias, n_tile, split, m_tile)
 
     @cute.jit
-    def _mainloop(self, wg, t, mma, sX, sW, ring, kc_count):
+    def _mainloop(self, wg, t, mma, sX, sW, ring, kc_count, mScale, n_tile, kc_first):
         """Warpgroup ``wg`` over every chunk: decode its 4 k-steps, issue their wgmma (decoding the
         next chunk runs under them); a chunk's stage is released once its wgmma retired (one
-        chunk later). Two A-register sets alternate between chunks."""
+        chunk later). Two A-register sets (and, FP8, two chunk accumulators) alternate."""
         thr = mma.get_slice(t)
         tCrB = mma.make_fragment_B(thr.partition_B(sX))  # (atom, n, k-steps, stages)
         tCrA = thr.make_fragment_A(thr.partition_shape_A((TILE_N, CHUNK_K)))
         # two sets of the A fragment words of 4 k-steps: set p holds k-steps 4p..4p+3 of tCrA's layout
         a_words = cute.make_rmem_tensor((cute.size(tCrA) // 2,), cutlass.Int32)
         tCrA_w = cute.make_tensor(cute.recast_ptr(a_words.iterator, dtype=cutlass.BFloat16), tCrA.layout)
-        acc = cute.make_rmem_tensor(thr.partition_shape_C((TILE_N, self.tile_m)), cutlass.Float32)
+        acc_shape = thr.partition_shape_C((TILE_N, self.tile_m))
+        acc = cute.make_rmem_tensor(acc_shape, cutlass.Float32)
         acc.fill(0.0)
-        mma.set(warpgroup.Field.ACCUMULATE, True)
-        # per stage, as 32-bit words: the thread's 16-byte code record of this warpgroup's
-        # k-steps and the 8 bytes of its quad's scale record that cover them
+        mma_acc = mma
+        mma_acc.set(warpgroup.Field.ACCUMULATE, True)
         words = cute.recast_ptr(sW.iterator, dtype=cutlass.Int32)
-        sCodes = cute.make_tensor(words, cute.make_layout((4, 2, self.wg_threads, self.stages),
-                                                          stride=(1, 4 * self.wg_threads, 4, CHUNK_BYTES // 4)))
-        sScales = cute.make_tensor(words + CODE_BYTES // 4, cute.make_layout((2, 2, self.wg_threads // 4, self.stages),
-                                                                             stride=(1, 2, 4, CHUNK_BYTES // 4)))
-        codes = cute.make_rmem_tensor((4,), cutlass.Int32)
-        scw = cute.make_rmem_tensor((2,), cutlass.Int32)
-        frags = (tCrA_w, tCrB, a_words, codes, scw, sCodes, sScales)
+        chunk_words = self.chunk_bytes // 4
+        if cutlass.const_expr(self.fmt == "nvfp4"):
+            # per stage: the thread's 16-byte code record of this warpgroup's k-steps and the 8
+            # bytes of its quad's scale record that cover them
+            sCodes = cute.make_tensor(words, cute.make_layout((4, 2, self.wg_threads, self.stages),
+                                                              stride=(1, 4 * self.wg_threads, 4, chunk_words)))
+            sScales = cute.make_tensor(words + CODE_BYTES // 4, cute.make_layout(
+                (2, 2, self.wg_threads // 4, self.stages), stride=(1, 2, 4, chunk_words)))
+            codes = cute.make_rmem_tensor((4,), cutlass.Int32)
+            scw = cute.make_rmem_tensor((2,), cutlass.Int32)
+            frags = (tCrA_w, tCrB, a_words, codes, scw, sCodes, sScales, None, None, None)
+        else:
+            # per stage: the thread's 32 bytes of codes of this warpgroup's k-steps
+            sCodes = cute.make_tensor(words, cute.make_layout((8, 2, self.wg_threads, self.stages),
+                                                              stride=(1, 8 * self.wg_threads, 8, chunk_words)))
+            codes = cute.make_rmem_tensor((8,), cutlass.Int32)
+            # a fresh accumulator per chunk (two, alternating) and its block scale
+            chunk_acc = [cute.make_rmem_tensor(acc_shape, cutlass.Float32) for _ in range(2)]
+            chunk_scale = cute.make_rmem_tensor((2,), cutlass.Float32)
+            mma_zero = self._mma()
+            mma_zero.set(warpgroup.Field.ACCUMULATE, False)
+            scale_row = mScale[(n_tile * TILE_N // FP8_SCALE_BLOCK, None)]
+            frags = (tCrA_w, tCrB, a_words, codes, None, sCodes, None, chunk_acc, chunk_scale,
+                     (mma_zero, scale_row, kc_first))
         state = ring.consumer_state()
         done = ring.consumer_state()  # the stage whose wgmma retire next
         # chunks in pairs: the A register set is a compile-time choice (set 0, then set 1)
-        state, done = self._chunk(wg, t, mma, acc, frags, ring, state, done, 0, False)
-        for _ in cutlass.range((kc_count - 1) // 2, unroll=1):
-            state, done = self._chunk(wg, t, mma, acc, frags, ring, state, done, 1, True)
-            state, done = self._chunk(wg, t, mma, acc, frags, ring, state, done, 0, True)
+        state, done = self._chunk(wg, t, mma_acc, acc, frags, ring, state, done, 0, False, 0)
+        for i in cutlass.range((kc_count - 1) // 2, unroll=1):
+            state, done = self._chunk(wg, t, mma_acc, acc, frags, ring, state, done, 1, True, 2 * i + 1)
+            state, done = self._chunk(wg, t, mma_acc, acc, frags, ring, state, done, 0, True, 2 * i + 2)
         if kc_count % 2 == 0:
-            state, done = self._chunk(wg, t, mma, acc, frags, ring, state, done, 1, True)
+            state, done = self._chunk(wg, t, mma_acc, acc, frags, ring, state, done, 1, True, kc_count - 1)
         warpgroup.wait_group(0)
+        if cutlass.const_expr(self.fmt == "fp8"):  # the last chunk's promotion
+            self._promote(acc, frags, (kc_count - 1) % 2)
         fence_operand(acc)
         ring.release(done)
         return acc
 
     @cute.jit
     def _chunk(self, wg, t, mma, acc, frags, ring, state, done, a_set: cutlass.Constexpr,
-               release_previous: cutlass.Constexpr):
-        """One chunk of warpgroup ``wg`` into A register set ``a_set``; returns the advanced
+               release_previous: cutlass.Constexpr, i):
+        """Chunk ``i`` of warpgroup ``wg`` into A register set ``a_set``; returns the advanced
         (state, done) pipeline states."""
-        tCrA_w, tCrB, a_words, codes, scw, sCodes, sScales = frags
+        tCrA_w, tCrB, a_words, codes, scw, sCodes, sScales, chunk_acc, chunk_scale, fp8_args = frags
+        if cutlass.const_expr(self.fmt == "fp8"):
+            mma_zero, scale_row, kc_first = fp8_args
+            chunk_scale[a_set] = scale_row[kc_first + i]  # a constant: read before the stage lands
         ring.wait(state)
         cute.autovec_copy(sCodes[(None, wg, t, state.index)], codes)
-        cute.autovec_copy(sScales[(None, wg, t // 4, state.index)], scw)
-        for j in cutlass.range_constexpr(4):
-            self._decode_kstep(codes[j], scw[j // 2], j % 2, a_words, 4 * a_set + j)
+        if cutlass.const_expr(self.fmt == "nvfp4"):
+            cute.autovec_copy(sScales[(None, wg, t // 4, state.index)], scw)
+            for j in cutlass.range_constexpr(4):
+                self._decode_nvfp4(codes[j], scw[j // 2], j % 2, a_words, 4 * a_set + j)
+        else:
+            for j in cutlass.range_constexpr(4):
+                self._decode_fp8(codes[2 * j], codes[2 * j + 1], a_words, 4 * a_set + j)
         warpgroup.fence()
         for j in cutlass.range_constexpr(4):
             # set a_set is stored where tCrA's k-steps 4 a_set .. +3 sit; B is this warpgroup's k-steps
-            cute.gemm(mma, acc, tCrA_w[(None, None, 4 * a_set + j)], tCrB[(None, None, 4 * wg + j, state.index)],
-                      acc)
+            a, b = tCrA_w[(None, None, 4 * a_set + j)], tCrB[(None, None, 4 * wg + j, state.index)]
+            if cutlass.const_expr(self.fmt == "nvfp4"):
+                cute.gemm(mma, acc, a, b, acc)
+            else:
+                cute.gemm(mma_zero if j == 0 else mma, chunk_acc[a_set], a, b, chunk_acc[a_set])
         warpgroup.commit_group()
         warpgroup.wait_group(1)
         if cutlass.const_expr(release_previous):  # the previous chunk's wgmma have retired
+            if cutlass.const_expr(self.fmt == "fp8"):
+                self._promote(acc, frags, 1 - a_set)
             ring.release(done)
             done.advance()
         state.advance()
         return state, done
 
     @cute.jit
-    def _decode_kstep(self, w, sc_word, hi: cutlass.Constexpr, a_words, s: cutlass.Constexpr):
+    def _promote(self, acc, frags, a_set):
+        """FP8: acc += block scale * the chunk accumulator of set ``a_set`` (its wgmma retired)."""
+        chunk_acc, chunk_scale = frags[7], frags[8]
+        if cutlass.const_expr(isinstance(a_set, int)):
+            src, sc = chunk_acc[a_set], chunk_scale[a_set]
+            fence_operand(src)
+            for v in cutlass.range_constexpr(cute.size(acc)):
+                acc[v] = acc[v] + sc * src[v]
+        else:  # the last chunk's set, known at run time
+            if a_set == 0:
+                self._promote(acc, frags, 0)
+            else:
+                self._promote(acc, frags, 1)
+
+    @cute.jit
+    def _decode_fp8(self, w0, w1, a_words, s: cutlass.Constexpr):
+        """A fragment words 4s..4s+3 of k-step slot ``s`` from its two code words (exact)."""
+        two112 = cutlass.Int32(_BF16X2_2POW112)
+        for p in cutlass.range_constexpr(4):
+            h = _e4m3x2_to_f16x2(w0 if p < 2 else w1, p % 2 == 1)
+            bits = ((h >> 3) & cutlass.Int32(0x0FFF0FFF)) | (h & cutlass.Int32(-0x80000000 + 0x8000))
+            a_words[4 * s + p] = _mul_bf16x2(bits, two112)
+
+    @cute.jit
+    def _decode_nvfp4(self, w, sc_word, hi: cutlass.Constexpr, a_words, s: cutlass.Constexpr):
         """A fragment words 4s..4s+3 (pairs a0..a3) of k-step slot ``s`` from code word ``w``."""
         h = _e4m3x2_to_f16x2(sc_word, hi)  # (scale of row r0, of row r1) as f16
         s2 = ((h >> 3) & cutlass.Int32(0x1FFF1FFF)) + cutlass.Int32(0x72007200)  # bf16 scale * 2^116
@@ -294,14 +358,16 @@ class WeightOnlyNVFP4Sm90:
         a_words[4 * s + 3] = _mul_bf16x2(p3, s_r1)
 
     @cute.jit
-    def _epilogue(self, wg, t, mma, acc, mY, mBias, mG, mWork, has_bias, n_tile, split, m_tile):
+    def _epilogue(self, wg, t, mma, acc, mY, mBias, mScale, mWork, has_bias, n_tile, split, m_tile):
         """Warpgroup 0 holds the tile's sums; with split-K both warpgroups reduce."""
         m, n = cute.size(mY, mode=[0]), cute.size(mY, mode=[1])
         tidx = wg * self.wg_threads + t
         thr = mma.get_slice(t)
         coords = thr.partition_C(cute.make_identity_tensor((TILE_N, self.tile_m)))
         n0, m0 = n_tile * TILE_N, m_tile * self.tile_m
-        scale = mG[0] * cutlass.Float32(2.0 ** DECODE_EXP)
+        scale = cutlass.Float32(1.0)  # FP8: the block scales were applied per chunk
+        if cutlass.const_expr(self.fmt == "nvfp4"):
+            scale = mScale[0, 0] * cutlass.Float32(2.0 ** DECODE_EXP)
         if cutlass.const_expr(self.splits == 1):
             if wg == 0:
                 for i in cutlass.range_constexpr(cute.size(acc)):

@@ -1,4 +1,5 @@
-"""Host side of the sm_90a weight-only NVFP4 GEMM: tile and split choice, compile cache, launch."""
+"""Host side of the sm_90a weight-only GEMMs (NVFP4 and FP8 weights): tile and split choice, compile
+cache, launch."""
 
 from __future__ import annotations
 
@@ -7,17 +8,21 @@ import functools
 import torch
 
 from ...runtime import ffi_entry, kernel_cache, on_device, sm_count
-from ..weight_only import CHUNK_BYTES, CHUNK_K, ROW_BYTES, SPLITS, TILE_MS, PackedNVFP4
+from ..weight_only import CHUNK_BYTES, CHUNK_K, FP8_CHUNK_BYTES, ROW_BYTES, SPLITS, TILE_MS, PackedFP8, PackedNVFP4
 
-__all__ = ["SHIPPED", "choose_tile_m", "ctas_per_sm", "stages_for", "choose_split", "build_kernel",
-           "compile_kernel", "weight_only_nvfp4"]
+__all__ = ["SHIPPED", "FP8_TILE_MS", "choose_tile_m", "ctas_per_sm", "stages_for", "choose_split", "build_kernel",
+           "compile_kernel", "weight_only_nvfp4", "weight_only_fp8"]
 
 ARCH = "sm_90a"
 _SMEM_PER_SM = 200 * 1024  # for the rings (the accumulator hand-off takes up to 32 KB more)
 _MAX_STAGES = 8
 _MIN_CHUNKS_PER_CTA = 4
-# every (tile_m, splits) the launcher can pick: CI compiles them all
-SHIPPED = tuple((tm, sp) for tm in TILE_MS for sp in SPLITS)
+# FP8 keeps two chunk accumulators besides the sum (promotion): 64 tokens is its widest tile
+FP8_TILE_MS = tuple(t for t in TILE_MS if t <= 64)
+_CHUNK_BYTES = {"nvfp4": CHUNK_BYTES, "fp8": FP8_CHUNK_BYTES}
+# every (format, tile_m, splits) the launcher can pick: CI compiles them all
+SHIPPED = tuple(("nvfp4", tm, sp) for tm in TILE_MS for sp in SPLITS) + tuple(
+    ("fp8", tm, sp) for tm in FP8_TILE_MS for sp in SPLITS)
 
 
 def choose_tile_m(m: int) -> int:
@@ -31,9 +36,9 @@ def ctas_per_sm(tile_m: int) -> int:
     return 2 if tile_m <= 32 else 1
 
 
-def stages_for(tile_m: int) -> int:
+def stages_for(fmt: str, tile_m: int) -> int:
     """Ring depth: the stages a CTA's share of shared memory holds, at most 8."""
-    return min(_MAX_STAGES, _SMEM_PER_SM // ctas_per_sm(tile_m) // (CHUNK_BYTES + tile_m * CHUNK_K * 2))
+    return min(_MAX_STAGES, _SMEM_PER_SM // ctas_per_sm(tile_m) // (_CHUNK_BYTES[fmt] + tile_m * CHUNK_K * 2))
 
 
 def choose_split(tiles: int, k_chunks: int, num_sms: int) -> int:
@@ -45,14 +50,15 @@ def choose_split(tiles: int, k_chunks: int, num_sms: int) -> int:
     return SPLITS[-1]
 
 
-def build_kernel(tile_m: int, splits: int, arch: str = ARCH):
-    """Compile the kernel for ``tile_m`` tokens and ``splits`` on fake tensors (no GPU needed), uncached."""
+def build_kernel(fmt: str, tile_m: int, splits: int, arch: str = ARCH):
+    """Compile the ``fmt`` kernel for ``tile_m`` tokens and ``splits`` on fake tensors (no GPU
+    needed), uncached."""
     import cutlass
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
 
     from ...runtime import compile_for_arch
-    from .weight_only import WeightOnlyNVFP4Sm90
+    from .weight_only import WeightOnlySm90
 
     x = make_fake_tensor(cutlass.BFloat16, (cute.sym_int(), cute.sym_int(divisibility=8)),
                          stride=(cute.sym_int64(divisibility=8), 1), assumed_align=16)
@@ -61,19 +67,20 @@ def build_kernel(tile_m: int, splits: int, arch: str = ARCH):
     y = make_fake_tensor(cutlass.BFloat16, (cute.sym_int(), cute.sym_int()), stride=(cute.sym_int64(), 1),
                          assumed_align=2)
     bias = make_fake_tensor(cutlass.BFloat16, (cute.sym_int(),), stride=(1,), assumed_align=2)
-    g = make_fake_tensor(cutlass.Float32, (1,), stride=(1,), assumed_align=4)
+    scale = make_fake_tensor(cutlass.Float32, (cute.sym_int(), cute.sym_int()), stride=(cute.sym_int64(), 1),
+                             assumed_align=4)
     work = make_fake_tensor(cutlass.Float32, (cute.sym_int(),), stride=(1,), assumed_align=4)
-    kernel = WeightOnlyNVFP4Sm90(tile_m, stages_for(tile_m), ctas_per_sm(tile_m), splits)
-    return compile_for_arch(kernel, x, w, y, bias, g, work, cutlass.Int32(0),
+    kernel = WeightOnlySm90(fmt, tile_m, stages_for(fmt, tile_m), ctas_per_sm(tile_m), splits)
+    return compile_for_arch(kernel, x, w, y, bias, scale, work, cutlass.Int32(0),
                             make_fake_stream(use_tvm_ffi_env_stream=True), arch=arch, tvm_ffi=True)
 
 
 @functools.cache
-def compile_kernel(tile_m: int, splits: int, arch: str = ARCH):
-    """The launchable kernel, compiled once per (tile_m, splits, arch) through the kernel cache."""
-    return ffi_entry(kernel_cache.get("weight_only_nvfp4", {"tile_m": tile_m, "stages": stages_for(tile_m),
-                                                            "ctas_per_sm": ctas_per_sm(tile_m), "splits": splits},
-                                      arch, lambda: build_kernel(tile_m, splits, arch)))
+def compile_kernel(fmt: str, tile_m: int, splits: int, arch: str = ARCH):
+    """The launchable kernel, compiled once per (fmt, tile_m, splits, arch) through the kernel cache."""
+    return ffi_entry(kernel_cache.get(f"weight_only_{fmt}", {"tile_m": tile_m, "stages": stages_for(fmt, tile_m),
+                                                             "ctas_per_sm": ctas_per_sm(tile_m), "splits": splits},
+                                      arch, lambda: build_kernel(fmt, tile_m, splits, arch)))
 
 
 _WORKSPACE: dict = {}  # (device, stream) -> FP32 split-K partials
@@ -95,6 +102,15 @@ _NO_BIAS: dict = {}
 def weight_only_nvfp4(x: torch.Tensor, packed: PackedNVFP4, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x`` bf16 ``[M, K]`` (unit stride along K, rows 16-byte aligned) -> ``x · dequant(W)ᵀ
     (+ bias)`` bf16 ``[M, N]``; ``bias`` bf16 ``[N]`` contiguous or None."""
+    return _launch("nvfp4", x, packed, packed.global_scale.view(1, 1), bias)
+
+
+def weight_only_fp8(x: torch.Tensor, packed: PackedFP8, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """As :func:`weight_only_nvfp4` for an FP8 weight (128x128 block scales); ``M <= 64``."""
+    return _launch("fp8", x, packed, packed.scale, bias)
+
+
+def _launch(fmt: str, x: torch.Tensor, packed, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     m, k = x.shape
     n = packed.n
     y = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
@@ -111,7 +127,7 @@ def weight_only_nvfp4(x: torch.Tensor, packed: PackedNVFP4, bias: torch.Tensor |
         has_bias = 0
     else:
         has_bias = 1
-    w = packed.data.view(n_tiles, k_chunks * (CHUNK_BYTES // ROW_BYTES), ROW_BYTES)
+    w = packed.data.view(n_tiles, k_chunks * (_CHUNK_BYTES[fmt] // ROW_BYTES), ROW_BYTES)
     with on_device(x.device):
-        compile_kernel(tile_m, splits)(x, w, y, bias, packed.global_scale, work, has_bias)
+        compile_kernel(fmt, tile_m, splits)(x, w, y, bias, scale, work, has_bias)
     return y
