@@ -2,7 +2,7 @@
 against bf16 cuBLAS on the Llama-3-8B projections: GPU time of a CUDA graph, weights cycled past
 L2 as in ``bench decode``.
 
-    python benchmarks/weight_only_sweep.py [--fmt nvfp4|fp8] [--ms 1,4,16] [--splits 1,2,4,8]
+    python benchmarks/weight_only_sweep.py [--fmt nvfp4|fp8] [--ms 1,4,16] [--splits 1,2,4,8] [--max-stages 8]
 """
 
 from __future__ import annotations
@@ -25,7 +25,11 @@ def main():
     p.add_argument("--ms", default="1,4,16")
     p.add_argument("--splits", default="1,2,4,8")
     p.add_argument("--fmt", default="nvfp4", choices=("nvfp4", "fp8"))
+    p.add_argument("--max-stages", type=int, default=None, help="override the ring depth cap")
     args = p.parse_args()
+    if args.max_stages is not None:
+        wo._MAX_STAGES = args.max_stages
+        wo.compile_kernel.cache_clear()
     ms = [int(v) for v in args.ms.split(",")]
     chosen = wo.choose_split
     grid = [int(v) for v in args.splits.split(",")] + ["auto"]

@@ -10,7 +10,12 @@ Shapes: the Llama-3-8B projections (N x K: QKV 6144x4096, O 4096x4096, gate+up 2
 - ``lowprec-nvfp4``: :class:`~lowprec.nn.NVFP4InferenceLinear` (today it dequantizes the weight
   per call: there is no weight-only decode kernel yet).
 
-Each is timed two ways: ``graph_us``, the GPU time of a CUDA graph of back-to-back calls (the
+Then a decode step of a Llama-3-8B-shaped 2-layer model (``bench train``'s ``llama3-8b-2l``, every
+linear including the LM head converted; embedding bf16) at B = 1 and 8 tokens, one new position
+attending over a bf16 KV cache of ``CONTEXT`` positions (SDPA), as a CUDA graph: bf16 weights vs
+``convert(model, "fp8_block", inference=True)`` vs ``convert(model, "nvfp4", inference=True)``.
+
+Each projection is timed two ways: ``graph_us``, the GPU time of a CUDA graph of back-to-back calls (the
 kernel's own speed), and ``eager_us``, back-to-back Python calls (what an eager decode loop pays,
 host time included). The calls cycle over copies of the layer whose weights add up to more than
 ``ROTATE_BYTES`` (four times H100's 50 MB L2), so each call reads its weight from HBM as a model's
@@ -18,23 +23,27 @@ layers do (one weight replayed back to back would stay in L2: 120% of the copy r
 ``GB/s`` counts the bytes of the weight as stored (the floor of a
 memory-bound GEMM), ``% copy`` against the measured device copy bandwidth.
 
-    python -m lowprec bench decode [--ms 1,4,16,64,256] [--shapes 6144x4096,...] [--out FILE]
+    python -m lowprec bench decode [--ms 1,4,16,64,256] [--shapes 6144x4096,...] [--batches 1,8] [--out FILE]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["SHAPES", "MS", "IMPLS", "weight_bytes", "main"]
+__all__ = ["SHAPES", "MS", "IMPLS", "MODEL_IMPLS", "weight_bytes", "decode_step", "model_decode_rows", "main"]
 
 SHAPES = ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336))  # N x K
 MS = (1, 4, 16, 64, 256)
 IMPLS = ("bf16", "fp8-cublas", "lowprec-fp8", "lowprec-nvfp4")
 ROTATE_BYTES = 200e6
+CONTEXT = 1024  # KV-cache positions of the model decode step
+MODEL_IMPLS = ("bf16", "lowprec-fp8", "lowprec-nvfp4")
 _BYTES_PER_WEIGHT = {"bf16": 2.0, "fp8-cublas": 1.0, "lowprec-fp8": 1.0, "lowprec-nvfp4": 0.5 + 1 / 16}
 
 
@@ -51,11 +60,13 @@ def parse_args(argv=None):
     p.add_argument("--ms", default=",".join(map(str, MS)), help="tokens per call, comma-separated")
     p.add_argument("--shapes", default=",".join(f"{n}x{k}" for n, k in SHAPES), help="N x K, comma-separated")
     p.add_argument("--impls", default=",".join(IMPLS))
+    p.add_argument("--batches", default="1,8", help="model decode step: tokens per step (empty: skip)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     args.ms = [int(m) for m in args.ms.split(",")]
     args.shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     args.impls = args.impls.split(",")
+    args.batches = [int(b) for b in args.batches.split(",") if b]
     unknown = [i for i in args.impls if i not in IMPLS]
     if unknown:
         p.error(f"--impls: unknown {unknown}; choose from {IMPLS}")
@@ -135,7 +146,70 @@ def main(argv: list[str] | None = None) -> int:
                 table.append([f"{n}x{k}", m, impl, row.get("graph_us", "-"), row.get("eager_us", "-"),
                               row.get("gbs", "-"), row.get("pct_copy", "-"), row.get("note", "")])
     print_table(["N x K", "M", "impl", "graph_us", "eager_us", "GB/s", "% copy", "note"], table)
-    path = save_results("decode", {"device": torch.cuda.get_device_name(), "copy_gbs": copy_gbs, "rows": rows},
-                        args.out)
+    model_rows = model_decode_rows(args.batches) if args.batches else []
+    path = save_results("decode", {"device": torch.cuda.get_device_name(), "copy_gbs": copy_gbs, "rows": rows,
+                                   "model_step": model_rows, "context": CONTEXT}, args.out)
     print(f"results: {path}")
     return 0
+
+
+def decode_step(model, tokens: torch.Tensor, caches: list, pos: int) -> torch.Tensor:
+    """Logits of one new position of ``tokens`` [B] for ``bench train``'s Llama, each block's
+    keys and values written into its cache (``caches[i]`` = (k, v) [B, Hkv, CONTEXT, D]) at
+    ``pos`` and attended over ``0..pos``."""
+    from .train import apply_rotary
+
+    c = model.c
+    b = tokens.shape[0]
+    cos, sin = model.cos[pos:pos + 1], model.sin[pos:pos + 1]
+    x = model.embed(tokens)[:, None]
+    for block, (k_cache, v_cache) in zip(model.blocks, caches):
+        h = block.attn_norm(x)
+        q = block.q(h).view(b, 1, c.heads, c.head_dim).transpose(1, 2)
+        k = block.k(h).view(b, 1, c.kv_heads, c.head_dim).transpose(1, 2)
+        v = block.v(h).view(b, 1, c.kv_heads, c.head_dim).transpose(1, 2)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        k_cache[:, :, pos:pos + 1] = k
+        v_cache[:, :, pos:pos + 1] = v
+        a = F.scaled_dot_product_attention(q, k_cache[:, :, :pos + 1], v_cache[:, :, :pos + 1],
+                                           enable_gqa=c.kv_heads != c.heads)
+        x = x + block.o(a.transpose(1, 2).reshape(b, 1, -1))
+        h = block.mlp_norm(x)
+        x = x + block.down(F.silu(block.gate(h)) * block.up(h))
+    return model.lm_head(model.norm(x))[:, 0]
+
+
+def model_decode_rows(batches: list[int]) -> list[dict]:
+    """The model decode step of each weight format at each batch: CUDA-graph ms per step."""
+    import copy
+
+    import lowprec
+
+    from .common import bench_graph_ms, print_table
+    from .train import SIZES, Llama
+
+    c = dataclasses.replace(SIZES["llama3-8b-2l"], seq=CONTEXT)
+    torch.manual_seed(0)
+    base = Llama(c).to(device="cuda", dtype=torch.bfloat16)
+    base.cos, base.sin = base.cos.float(), base.sin.float()
+    rows, table, steps = [], [], {}
+    for impl in MODEL_IMPLS:
+        model = copy.deepcopy(base)
+        if impl != "bf16":
+            lowprec.convert(model, impl.removeprefix("lowprec-").replace("fp8", "fp8_block"), inference=True)
+        weight_bytes = sum(t.nbytes for n, t in model.state_dict().items() if not n.startswith("embed"))
+        for b in batches:
+            tokens = torch.randint(0, c.vocab, (b,), device="cuda")
+            caches = [tuple(torch.randn(b, c.kv_heads, CONTEXT, c.head_dim, device="cuda", dtype=torch.bfloat16)
+                            for _ in range(2)) for _ in range(c.layers)]
+            with torch.no_grad():
+                ms = bench_graph_ms(lambda: decode_step(model, tokens, caches, CONTEXT - 1), reps=5)
+            steps[(impl, b)] = ms
+            row = {"impl": impl, "batch": b, "step_ms": ms, "weight_bytes": weight_bytes,
+                   "x_bf16": steps[("bf16", b)] / ms}
+            rows.append(row)
+            table.append([impl, b, ms, weight_bytes / 1e6, row["x_bf16"]])
+        del model
+    print(f"# decode step, Llama-3-8B-shaped 2 layers + LM head, KV cache {CONTEXT} (CUDA graph)")
+    print_table(["weights", "B", "step ms", "weight MB", "x bf16"], table)
+    return rows

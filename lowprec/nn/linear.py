@@ -98,7 +98,10 @@ class _FrozenFP8Linear(torch.autograd.Function):
         return gemm(dy_q, w_t, out_dtype=dy.dtype), None, None, None
 
 
-WEIGHT_ONLY_MAX_M = 64  # FP8InferenceLinear: rows up to which bf16 activations stay unquantized
+# FP8InferenceLinear: rows up to which bf16 activations stay unquantized (bench decode, H100: the
+# weight-only kernel is faster than W8A8 on all four Llama projections at M <= 16, slower on
+# three of four at 64)
+WEIGHT_ONLY_MAX_M = 32
 
 
 class FP8InferenceLinear(QuantizedBuffersModule):
@@ -106,7 +109,7 @@ class FP8InferenceLinear(QuantizedBuffersModule):
     differentiable in ``x`` (the weight is a constant).
 
     Decode sizes: with the ``fp8_block`` recipe, a bfloat16 ``x`` of at most ``weight_only_max_m``
-    rows (default 64; 0 turns it off) without gradient is multiplied by the dequantized weight
+    rows (default 32; 0 turns it off) without gradient is multiplied by the dequantized weight
     with ``x`` left in bf16 (weight-only: no activation quantization, so closer to the float
     product): on Hopper the weight-only decode kernel (``lowprec.gemm.sm90.weight_only``, the
     FP8 weight re-arranged once, :meth:`packed_weight`), elsewhere ``F.linear`` on the

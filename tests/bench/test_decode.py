@@ -41,3 +41,20 @@ def test_rotation_reads_more_than_l2_per_round():
             copies = decode.rotation_copies(nbytes)
             assert copies * nbytes >= decode.ROTATE_BYTES and (copies - 1) * nbytes < decode.ROTATE_BYTES
     assert decode.rotation_copies(1e9) == 1
+
+
+def test_decode_step_matches_the_full_forward():
+    """Positions decoded one by one through the KV caches give the full causal forward's logits."""
+    from lowprec.bench.train import Llama, LlamaConfig
+
+    torch.manual_seed(0)
+    c = LlamaConfig(hidden=64, layers=2, heads=4, kv_heads=2, ffn=128, vocab=100, seq=8)
+    model = Llama(c).double()
+    tokens = torch.randint(0, c.vocab, (3, c.seq))
+    caches = [tuple(torch.zeros(3, c.kv_heads, c.seq, c.head_dim, dtype=torch.float64) for _ in range(2))
+              for _ in range(c.layers)]
+    with torch.no_grad():
+        full = model(tokens)
+        for pos in range(c.seq):
+            step = decode.decode_step(model, tokens[:, pos], caches, pos)
+            torch.testing.assert_close(step, full[:, pos])
