@@ -36,23 +36,21 @@ def main():
     ratios = {g: [] for g in grid}
     for n, k in SHAPES:
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k ** -0.5
+        q = quantize(w, get_recipe("nvfp4" if args.fmt == "nvfp4" else "fp8_block128x128"))
+        bytes_per_weight, run = (0.5625, wo.weight_only_nvfp4) if args.fmt == "nvfp4" else (1.0, wo.weight_only_fp8)
+        copies = max(1, math.ceil(ROTATE_BYTES / (n * k * bytes_per_weight)))
         if args.fmt == "nvfp4":
-            q = quantize(w, get_recipe("nvfp4"))
-            bytes_per_weight, run = 0.5625, wo.weight_only_nvfp4
-            pack = lambda: pack_nvfp4(q.data.clone(), q.scale.clone(), q.global_scale)  # noqa: E731
+            packs = [pack_nvfp4(q.data.clone(), q.scale.clone(), q.global_scale) for _ in range(copies)]
         else:
-            q = quantize(w, get_recipe("fp8_block128x128"))
-            bytes_per_weight, run = 1.0, wo.weight_only_fp8
-            pack = lambda: pack_fp8(q.data.clone(), q.scale.clone())  # noqa: E731
-        packs = [pack() for _ in range(max(1, math.ceil(ROTATE_BYTES / (n * k * bytes_per_weight))))]
+            packs = [pack_fp8(q.data.clone(), q.scale.clone()) for _ in range(copies)]
         bf16 = [w.clone() for _ in range(max(1, math.ceil(ROTATE_BYTES / (n * k * 2))))]
         for m in ms:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            t_bf16 = bench_graph_ms(lambda: [x @ b.t() for b in bf16]) * 1e3 / len(bf16)
+            t_bf16 = bench_graph_ms(lambda x=x, ws=bf16: [x @ b.t() for b in ws]) * 1e3 / len(bf16)
             line = [f"{n}x{k} M={m}: bf16 {t_bf16:6.1f} us"]
             for g in grid:
                 wo.choose_split = chosen if g == "auto" else (lambda *args, g=g: g)
-                t = bench_graph_ms(lambda: [run(x, pk) for pk in packs]) * 1e3 / len(packs)
+                t = bench_graph_ms(lambda x=x, run=run, ps=packs: [run(x, pk) for pk in ps]) * 1e3 / len(packs)
                 ratios[g].append(t_bf16 / t)
                 line.append(f"s{g} {t:6.1f} us {t_bf16 / t:4.2f}x {n * k * bytes_per_weight / t / 1e3:5.0f} GB/s")
             print(" | ".join(line), flush=True)

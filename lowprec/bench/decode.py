@@ -203,7 +203,7 @@ def model_decode_rows(batches: list[int]) -> list[dict]:
             caches = [tuple(torch.randn(b, c.kv_heads, CONTEXT, c.head_dim, device="cuda", dtype=torch.bfloat16)
                             for _ in range(2)) for _ in range(c.layers)]
             with torch.no_grad():
-                ms = bench_graph_ms(lambda: decode_step(model, tokens, caches, CONTEXT - 1), reps=5)
+                ms = bench_graph_ms(lambda m=model, t=tokens, kv=caches: decode_step(m, t, kv, CONTEXT - 1), reps=5)
             steps[(impl, b)] = ms
             row = {"impl": impl, "batch": b, "step_ms": ms, "weight_bytes": weight_bytes,
                    "x_bf16": steps[("bf16", b)] / ms}

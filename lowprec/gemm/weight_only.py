@@ -45,7 +45,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..formats import E4M3, decode as decode_format, unpack_fp4
+from ..formats import E4M3, unpack_fp4
+from ..formats import decode as decode_format
 
 __all__ = ["TILE_N", "TILE_MS", "SPLITS", "CHUNK_K", "CHUNK_BYTES", "FP8_CHUNK_BYTES", "PackedNVFP4", "PackedFP8",
            "pack_nvfp4", "pack_fp8", "unpack_codes_emulated", "unpack_fp8_emulated", "decoded_tile_emulated",
@@ -203,7 +204,8 @@ def decoded_tile_emulated(packed: PackedNVFP4, n_tile: int, k_chunk: int) -> tor
     r0, col, s = _thread_coords("cpu")
     for row_i, row in enumerate((r0, r0 + 8)):
         e4m3 = (half16 >> (8 * row_i)) & 0xFF
-        f16_bits = decode_format(e4m3.to(torch.uint8), E4M3).to(torch.float16).view(torch.int16).to(torch.int64) & 0xFFFF
+        f16 = decode_format(e4m3.to(torch.uint8), E4M3).to(torch.float16)
+        f16_bits = f16.view(torch.int16).to(torch.int64) & 0xFFFF
         scale_bf16 = _bf16_of_bits(((f16_bits >> 3) & 0x1FFF) + 0x7200)  # scale * 2^116
         for j in (row_i, row_i + 2):
             c = (16 * s)[None, :] + col[:, None] + 8 * (j // 2)

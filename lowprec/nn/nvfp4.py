@@ -28,8 +28,8 @@ import torch.nn.functional as F
 
 from ..gemm.weight_only import PackedNVFP4, pack_nvfp4
 from ..quant import dequantize, quantize
-from ..runtime import registry
 from ..recipes import get_recipe
+from ..runtime import registry
 from ..tensor import QuantizedTensor
 from .buffers import QuantizedBuffersModule
 from .functional import _FLOAT_DTYPES, follow_autocast

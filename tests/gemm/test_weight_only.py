@@ -6,8 +6,16 @@ import torch
 
 from lowprec import quantize
 from lowprec.formats import E4M3, decode, unpack_fp4
-from lowprec.gemm.weight_only import (CHUNK_BYTES, SPLITS, TILE_MS, decoded_tile_emulated, pack_fp8, pack_nvfp4,
-                                      unpack_codes_emulated, unpack_fp8_emulated, weight_only_reference)
+from lowprec.gemm.weight_only import (
+    CHUNK_BYTES,
+    SPLITS,
+    decoded_tile_emulated,
+    pack_fp8,
+    pack_nvfp4,
+    unpack_codes_emulated,
+    unpack_fp8_emulated,
+    weight_only_reference,
+)
 from lowprec.recipes import get_recipe
 from tests.hopper import gpu, needs_cutlass, needs_gpu
 

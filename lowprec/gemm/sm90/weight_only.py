@@ -15,8 +15,9 @@ one 8-wide wgmma column, not a 64-row tile.
   ``code * 2^-126``, one ``mul.rn.bf16x2`` by ``scale * 2^116`` (exact). FP8: ``cvt`` E4M3 -> f16,
   the f16 bits moved into a bf16 (``value * 2^-112``), one multiply by 2^112 (exact); each
   chunk's products go to a fresh accumulator, added times the chunk's block scale (promotion).
-* epilogue: ``y = acc * scale (+ bias)`` (NVFP4: the global scale times 2^10; FP8: 1). With split-K (the K chunks of a tile
-  spread over the ``splits`` CTAs of a cluster so that small N fills the GPU), each CTA stores
+* epilogue: ``y = acc * scale (+ bias)`` (NVFP4: the global scale times 2^10; FP8: 1). With
+  split-K (the K chunks of a tile spread over the ``splits`` CTAs of a cluster so that small N
+  fills the GPU), each CTA stores
   its FP32 partial to a global workspace; after a cluster barrier (release / acquire) each CTA
   sums a share of the tile's outputs over the partials in split order (deterministic) and
   writes them.
@@ -28,7 +29,6 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync, warpgroup
@@ -40,8 +40,18 @@ from cutlass.tensor_utils import LayoutEnum
 from ...cute.pdl import after_previous_grid
 from ...cute.sm90.tma_ring import TmaRing, tma_partition_tiles
 from ...cute.utils import fence_operand
-from ..weight_only import (CHUNK_BYTES, CHUNK_K, CODE_BYTES, DECODE_EXP, FP8_CHUNK_BYTES, FP8_SCALE_BLOCK, ROW_BYTES,
-                           SPLITS, TILE_MS, TILE_N)
+from ..weight_only import (
+    CHUNK_BYTES,
+    CHUNK_K,
+    CODE_BYTES,
+    DECODE_EXP,
+    FP8_CHUNK_BYTES,
+    FP8_SCALE_BLOCK,
+    ROW_BYTES,
+    SPLITS,
+    TILE_MS,
+    TILE_N,
+)
 
 _HANDOFF_BAR = 1  # named barrier of the two consumer warpgroups
 
