@@ -9,13 +9,15 @@ reference.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from ..recipes import ScaleRecipe
 from ..runtime import registry
 from ..tensor import QuantizedTensor
 from .reference import gemm_reference
+from .weight_only import PackedFP8, PackedNVFP4
 
-__all__ = ["gemm_op", "gemm_dispatch"]
+__all__ = ["gemm_op", "gemm_dispatch", "weight_only_op", "weight_only"]
 
 
 def gemm_dispatch(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype,
@@ -37,3 +39,39 @@ def gemm_op(a_data: torch.Tensor, a_scale: torch.Tensor, a_global: torch.Tensor 
 @gemm_op.register_fake
 def _(a_data, a_scale, a_global, a_recipe, b_data, b_scale, b_global, b_recipe, k, bias, out_dtype):
     return a_data.new_empty((a_data.shape[0], b_data.shape[0]), dtype=out_dtype)
+
+
+def weight_only(x: torch.Tensor, packed: PackedNVFP4 | PackedFP8 | None, weight: QuantizedTensor,
+                bias: torch.Tensor | None) -> torch.Tensor:
+    """``x [M, K] · dequant(W)ᵀ (+ bias)`` in ``x``'s dtype, ``x`` not quantized: the weight-only
+    kernel (``packed``: the weight in its layout) where one serves, else (also with ``packed``
+    None) ``F.linear`` on the dequantized ``weight``. Traced by ``torch.compile`` as the
+    ``lowprec::weight_only`` op."""
+    if packed is None:
+        return F.linear(x, weight.dequantize(x.dtype), bias)
+    if torch.compiler.is_compiling():
+        scale = packed.global_scale if isinstance(packed, PackedNVFP4) else packed.scale
+        return weight_only_op(x, packed.data, scale, weight.data, weight.scale, weight.global_scale,
+                              weight.recipe.spec(), packed.n, packed.k, bias)
+    return _weight_only_run(x, packed, weight, bias)
+
+
+def _weight_only_run(x, packed, weight, bias):
+    op = "weight_only_nvfp4" if isinstance(packed, PackedNVFP4) else "weight_only_fp8"
+    return registry.run(op, x.device, (x, packed, bias), lambda: F.linear(x, weight.dequantize(x.dtype), bias))
+
+
+@torch.library.custom_op("lowprec::weight_only", mutates_args=())
+def weight_only_op(x: torch.Tensor, packed_data: torch.Tensor, packed_scale: torch.Tensor, w_data: torch.Tensor,
+                   w_scale: torch.Tensor, w_global: torch.Tensor | None, w_recipe: str, n: int, k: int,
+                   bias: torch.Tensor | None) -> torch.Tensor:
+    recipe = ScaleRecipe.from_spec(w_recipe)
+    packed = (PackedNVFP4(packed_data, packed_scale, n, k) if recipe.name == "nvfp4"
+              else PackedFP8(packed_data, packed_scale, n, k))
+    weight = QuantizedTensor(w_data, w_scale, recipe, (n, k), x.dtype, w_global)
+    return _weight_only_run(x, packed, weight, bias)
+
+
+@weight_only_op.register_fake
+def _(x, packed_data, packed_scale, w_data, w_scale, w_global, w_recipe, n, k, bias):
+    return x.new_empty((x.shape[0], n))

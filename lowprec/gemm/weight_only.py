@@ -150,13 +150,12 @@ def pack_nvfp4(weight: torch.Tensor, weight_scale: torch.Tensor, weight_scale_2:
     r0, col, s = _thread_coords(device)
     rows = (r0, r0 + 8)
     words = torch.zeros(n_tiles, k_chunks, _THREADS, _KSTEPS, dtype=torch.int64, device=device)
-    for j, bits in enumerate(_PAIR_BITS):
+    lut = _pair_luts(device)
+    for j in range(len(_PAIR_BITS)):
         row = rows[j % 2][:, None]  # [threads, 1]
         c = (16 * s)[None, :] + col[:, None] + 8 * (j // 2)  # [threads, 8]
-        for half in range(2):
-            code = codes[:, :, row, c + half].to(torch.int64)  # [nt, kc, threads, 8]
-            for bit, pos in enumerate(bits):
-                words |= ((code >> bit) & 1) << (pos + 16 * half)
+        pair = codes[:, :, row, c] | (codes[:, :, row, c + 1] << 4)  # [nt, kc, threads, 8]: first code low
+        words |= lut[j][pair.long()]
     # codes region: [group (2), thread, word (4)] with k-step = 4 group + word
     code_words = words.view(n_tiles, k_chunks, _THREADS, 2, 4).permute(0, 1, 3, 2, 4)
     code_bytes = _words_to_bytes(code_words.reshape(n_tiles, k_chunks, -1))
@@ -167,6 +166,18 @@ def pack_nvfp4(weight: torch.Tensor, weight_scale: torch.Tensor, weight_scale_2:
     data = torch.cat([code_bytes, scale_bytes.reshape(n_tiles, k_chunks, -1)], dim=-1)
     data = data.reshape(-1, ROW_BYTES).contiguous()
     return PackedNVFP4(data, weight_scale_2.detach().reshape(1).to(torch.float32).clone(), n, k)
+
+
+def _pair_luts(device) -> torch.Tensor:
+    """[4, 256] int64: pair j's bits in the code word for each byte (first code in the low nibble)."""
+    byte = torch.arange(256)
+    luts = torch.zeros(len(_PAIR_BITS), 256, dtype=torch.int64)
+    for j, bits in enumerate(_PAIR_BITS):
+        for half in range(2):
+            code = (byte >> (4 * half)) & 0xF
+            for bit, pos in enumerate(bits):
+                luts[j] |= ((code >> bit) & 1) << (pos + 16 * half)
+    return luts.to(device)
 
 
 def _words_to_bytes(words: torch.Tensor) -> torch.Tensor:

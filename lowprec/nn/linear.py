@@ -6,10 +6,10 @@ import logging
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..gemm import gemm
+from ..gemm.ops import weight_only
 from ..gemm.weight_only import PackedFP8, pack_fp8
 from ..quant import quantize
 from ..recipes import get_recipe
@@ -111,9 +111,12 @@ class FP8InferenceLinear(QuantizedBuffersModule):
     Decode sizes: with the ``fp8_block`` recipe, a bfloat16 ``x`` of at most ``weight_only_max_m``
     rows (default 32; 0 turns it off) without gradient is multiplied by the dequantized weight
     with ``x`` left in bf16 (weight-only: no activation quantization, so closer to the float
-    product): on Hopper the weight-only decode kernel (``lowprec.gemm.sm90.weight_only``, the
-    FP8 weight re-arranged once, :meth:`packed_weight`), elsewhere ``F.linear`` on the
-    dequantized weight. Other calls quantize ``x`` with the recipe's activation format (W8A8).
+    product): on Hopper the weight-only decode kernel (``lowprec.gemm.sm90.weight_only``) on a
+    copy of the weight re-arranged for it (:meth:`packed_weight`: made at the first such eager
+    call, kept beside the FP8 weight, which the W8A8 path reads), elsewhere ``F.linear`` on the
+    dequantized weight; under ``torch.compile`` the traced op takes the copy if an eager call
+    made it, else the dequantized product. Other calls quantize ``x`` with the recipe's
+    activation format (W8A8).
 
     Buffers: ``weight`` (float8_e4m3fn ``[out, in]``), ``weight_scale`` (FP32, the recipe's
     row-major scale grid) and ``bias`` (if any). Module casts (``.half()``, ``.to(dtype)``) cast
@@ -180,14 +183,11 @@ class FP8InferenceLinear(QuantizedBuffersModule):
                 y = _FrozenFP8Linear.apply(x2, self.quantized_weight(), bias, self.recipe)
             elif self._weight_only(x2):
                 bias16 = None if self.bias is None else self.bias.to(torch.bfloat16)
-
-                def dequantized():
-                    return F.linear(x2, self.quantized_weight().dequantize(torch.bfloat16), bias16)
-
-                if x2.is_cuda and not torch.compiler.is_compiling():
-                    y = registry.run("weight_only_fp8", x2.device, (x2, self.packed_weight(), bias16), dequantized)
-                else:
-                    y = dequantized()
+                if not torch.compiler.is_compiling():
+                    packed = self.packed_weight() if x2.is_cuda else None
+                else:  # traced: the packed weight of an earlier eager call, or the dequantized product
+                    packed = None if self._packed is None else self._packed[1]
+                y = weight_only(x2, packed, self.quantized_weight(), bias16)
             else:
                 def composed():
                     x_q = quantize(x2, self.recipe.activation, check_finite=False)

@@ -16,9 +16,10 @@ times an E4M3 scale fits bf16's mantissa). On Hopper, a bf16 ``x`` without gradi
 weight-only kernel (``lowprec.gemm.sm90.weight_only``: the 4.5-bit weights read once, decoded in
 registers, bf16 tensor cores, FP32 accumulation, the global scale applied to the FP32 sums) on
 the weight re-arranged once into the kernel's layout (:meth:`NVFP4InferenceLinear.packed_weight`,
-kept beside the ModelOpt buffers, so the layer holds the weight twice). Otherwise (CPU, fp16 /
-fp32 ``x``, a gradient through ``x``, ``torch.compile``) the weight is dequantized to ``x``'s
-dtype and multiplied by ``F.linear``.
+made at the first eager call and kept beside the ModelOpt buffers, so the layer then holds the
+weight twice). Under ``torch.compile`` the ``lowprec::weight_only`` op takes that copy if an eager
+call made it. Otherwise (CPU, fp16 / fp32 ``x``, a gradient through ``x``, no copy yet under
+``torch.compile``) the weight is dequantized to ``x``'s dtype and multiplied by ``F.linear``.
 """
 
 from __future__ import annotations
@@ -26,10 +27,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..gemm.ops import weight_only
 from ..gemm.weight_only import PackedNVFP4, pack_nvfp4
 from ..quant import dequantize, quantize
 from ..recipes import get_recipe
-from ..runtime import registry
 from ..tensor import QuantizedTensor
 from .buffers import QuantizedBuffersModule
 from .functional import _FLOAT_DTYPES, follow_autocast
@@ -131,13 +132,13 @@ class NVFP4InferenceLinear(QuantizedBuffersModule):
             x2 = x.reshape(-1, self.in_features)
             bias = None if self.bias is None else self.bias.to(x.dtype)
 
-            def dequantized():
-                return F.linear(x2, dequantize(self.quantized_weight(), x.dtype), bias)
-
-            if x2.is_cuda and not torch.compiler.is_compiling() and not (torch.is_grad_enabled() and x2.requires_grad):
-                y = registry.run("weight_only_nvfp4", x2.device, (x2, self.packed_weight(), bias), dequantized)
-            else:
-                y = dequantized()
+            if torch.is_grad_enabled() and x2.requires_grad:
+                y = F.linear(x2, dequantize(self.quantized_weight(), x.dtype), bias)
+            elif not torch.compiler.is_compiling():
+                packed = self.packed_weight() if x2.is_cuda else None
+                y = weight_only(x2, packed, self.quantized_weight(), bias)
+            else:  # traced: the packed weight of an earlier eager call, or the dequantized product
+                y = weight_only(x2, None if self._packed is None else self._packed[1], self.quantized_weight(), bias)
             return y.reshape(*x.shape[:-1], self.out_features)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,

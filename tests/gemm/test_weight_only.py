@@ -247,3 +247,46 @@ def test_fp8_kernel_every_split(monkeypatch, splits):
     expect = x.double() @ _exact_fp8(q).cuda().t()
     err = (y.double() - expect).abs()
     assert torch.all(err <= 2.0 ** -8 * expect.abs() + 1e-4 * expect.abs().max()), err.max().item()
+
+
+@pytest.mark.parametrize("layer_kind", ["nvfp4", "fp8"])
+def test_layer_traces_the_weight_only_op_fullgraph(layer_kind):
+    """With a packed copy present, torch.compile (fullgraph) traces lowprec::weight_only (here its
+    CPU fallback: the dequantized product, as eager computes it); opcheck of the op passes."""
+    from lowprec.gemm.ops import weight_only_op
+    from lowprec.nn import FP8InferenceLinear, NVFP4InferenceLinear
+
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(256, 64, dtype=torch.bfloat16)
+    layer = (NVFP4InferenceLinear if layer_kind == "nvfp4" else FP8InferenceLinear).from_linear(linear)
+    x = torch.randn(3, 256, dtype=torch.bfloat16)
+    with torch.no_grad():
+        eager = layer(x)
+        w = layer.quantized_weight()
+        packed = (pack_nvfp4(layer.weight, layer.weight_scale, layer.weight_scale_2) if layer_kind == "nvfp4"
+                  else pack_fp8(layer.weight, layer.weight_scale))
+        layer._packed = ((), packed)  # as an eager call on the GPU leaves it
+        compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")(x)
+    assert torch.equal(compiled, eager)
+    scale = packed.global_scale if layer_kind == "nvfp4" else packed.scale
+    bias = layer.bias.to(torch.bfloat16)
+    torch.library.opcheck(weight_only_op, (x, packed.data, scale, w.data, w.scale, w.global_scale, w.recipe.spec(),
+                                           packed.n, packed.k, bias),
+                          test_utils=("test_faketensor", "test_aot_dispatch_dynamic"))
+
+
+@gpu
+@needs_gpu
+@pytest.mark.parametrize("layer_kind", ["nvfp4", "fp8"])
+def test_layer_compiled_equals_eager_with_the_kernel(layer_kind):
+    """After an eager call made the packed copy, torch.compile (inductor, fullgraph) runs the same
+    kernel through lowprec::weight_only: the same bits."""
+    from lowprec.nn import FP8InferenceLinear, NVFP4InferenceLinear
+
+    linear = torch.nn.Linear(1024, 512, device="cuda", dtype=torch.bfloat16)
+    layer = (NVFP4InferenceLinear if layer_kind == "nvfp4" else FP8InferenceLinear).from_linear(linear)
+    x = torch.randn(4, 1024, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        eager = layer(x)
+        compiled = torch.compile(layer, fullgraph=True)(x)
+    assert torch.equal(compiled, eager)
