@@ -74,3 +74,97 @@ def test_scale_layout_the_kernel_reads_is_to_blocked(rows, k, vec):
     where = {int(v): i for i, v in enumerate(to_blocked(ids).tolist()) if v}
     assert len(offsets) == rows * blocks
     assert all(where[1 + row * blocks + kb] == offset for (row, kb), offset in offsets.items())
+
+
+# ----------------------------------------------------------------------------- wiring (never run here)
+def _operands(recipe, m=200, n=272, k=256):
+    import torch
+
+    import lowprec
+
+    g = torch.Generator().manual_seed(0)
+    return (lowprec.quantize(torch.randn(m, k, generator=g), recipe),
+            lowprec.quantize(torch.randn(n, k, generator=g), recipe))
+
+
+def test_constraints_state_what_the_kernel_takes():
+    import torch
+
+    import lowprec
+    from lowprec.gemm.sm100.config import GemmConfig, config_for, gemm_unsupported
+
+    bf16 = torch.bfloat16
+    a, b = _operands("mxfp8")
+    assert gemm_unsupported(a, b, bf16, None) is None
+    assert config_for(a, b, bf16, None) == GemmConfig("mxf8", 256)
+    a4, b4 = _operands("nvfp4", n=128, k=512)
+    assert gemm_unsupported(a4, b4, bf16, None) is None
+    assert config_for(a4, b4, bf16, None) == GemmConfig("nvf4", 128)
+    cases = {
+        "recipes": _operands("fp8_block1x128"),
+        "recipes mxfp8 x nvfp4": (a, _operands("nvfp4", n=272, k=256)[1]),
+        "K tile": _operands("mxfp8", k=160),
+        "multiple of 16": _operands("mxfp8", n=200),
+        "scale blocks": (a4, lowprec.quantize(torch.randn(128, 512), "nvfp4", weight_2d=True)),
+    }
+    for why, (x, w) in cases.items():
+        reason = gemm_unsupported(x, w, bf16, None)
+        assert reason and why.split()[0] in reason, (why, reason)
+    assert "out_dtype" in gemm_unsupported(a, b, torch.float32, None)
+    assert "bias" in gemm_unsupported(a, b, bf16, torch.zeros(272))
+
+
+def test_kernel_operands_are_the_codes_and_blocked_scales():
+    import torch
+
+    from lowprec.gemm.sm100.interface import kernel_operands
+    from lowprec.quant.layouts import from_blocked
+
+    for recipe in ("mxfp8", "nvfp4"):
+        a, b = _operands(recipe, k=512)
+        a_codes, b_codes, sfa, sfb = kernel_operands(a, b)
+        assert a_codes.data_ptr() == a.data.data_ptr() and b_codes.data_ptr() == b.data.data_ptr()
+        assert sfa.dtype == sfb.dtype == torch.uint8
+        assert torch.equal(from_blocked(sfa, *a.scale.shape), a.scale.view(torch.uint8))
+        assert torch.equal(from_blocked(sfb, *b.scale.shape), b.scale.view(torch.uint8))
+
+
+@pytest.mark.parametrize("recipe", ["mxfp8", "nvfp4"])
+def test_first_use_self_check_guards_the_sm100_kernel(monkeypatch, recipe):
+    """On a (pretended) sm_100a device the registered kernel is proven by its own probe before it
+    serves lowprec.gemm: a right kernel serves, a wrong one is caught (one warning) and the
+    reference answers."""
+    import torch
+
+    import lowprec
+    from lowprec.gemm.reference import gemm_reference
+    from lowprec.runtime import registry
+
+    monkeypatch.setattr(registry, "device_arch", lambda device: "sm_100a")
+    monkeypatch.setattr(registry, "dsl_available", lambda: True)
+    warned = []
+    monkeypatch.setattr(registry, "warn_once", warned.append)
+    target = registry.registered("gemm")["sm_100a"].target
+    a, b = _operands(recipe, m=100, k=512)
+    expected = gemm_reference(a, b, torch.bfloat16, None)
+    calls = []
+
+    def right(a, b, out_dtype, bias):
+        calls.append(a.shape)
+        return gemm_reference(a, b, out_dtype, bias)
+
+    def wrong(a, b, out_dtype, bias):
+        calls.append(a.shape)
+        return gemm_reference(a, b, out_dtype, bias) * 1.05
+
+    for kernel, serves in ((right, True), (wrong, False)):
+        for attr in ("_passed_checks", "_failed_checks", "_checked_all"):
+            monkeypatch.setattr(registry, attr, set())
+        monkeypatch.setattr(registry, "_loaded", {target: kernel})
+        calls.clear()
+        warned.clear()
+        y = lowprec.gemm(a, b)
+        assert calls[0][0] == 200, "the probe (200 rows) runs first"
+        assert calls[1:] == ([(100, 512)] if serves else [])
+        assert len(warned) == (0 if serves else 1) and (serves or "self-check" in warned[0])
+        torch.testing.assert_close(y, expected, rtol=0, atol=0)

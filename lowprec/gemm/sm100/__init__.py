@@ -1,6 +1,33 @@
 """Blackwell (sm_100a) block-scaled GEMM kernels (MXFP8, NVFP4).
 
-They are compiled and their SASS checked for sm_100a on CPU-only machines, but never run here
-(no Blackwell GPU), so they are NOT registered with the kernel registry: nothing dispatches to
-them. Importing this package does not import cutlass.
+Compiled and their SASS checked for sm_100a on CPU-only machines, but never run here (no
+Blackwell GPU). Registered for ``gemm`` on sm_100a behind a first-use self-check: on a real
+device each configuration first proves itself on a small random problem against the reference
+(``interface.probe``, ``interface.close_enough``) and otherwise steps aside, with one warning,
+for the fallback. Importing this package does not import cutlass.
 """
+
+from ...runtime.registry import SelfCheck, register
+from . import config
+
+
+def _reference(a, b, out_dtype, bias):
+    from ..reference import gemm_reference
+
+    return gemm_reference(a, b, out_dtype, bias)
+
+
+def _probe(cfg, device):
+    from .interface import probe
+
+    return probe(cfg, device)
+
+
+def _close(result, expected):
+    from .interface import close_enough
+
+    return close_enough(result, expected)
+
+
+register("gemm", "sm_100a", f"{__name__}.interface:gemm_quantized", config.gemm_unsupported,
+         self_check=SelfCheck(config.config_for, _probe, _reference, _close, config.shipped_configs))

@@ -49,3 +49,43 @@ class GemmConfig:
 def shipped_configs() -> tuple[GemmConfig, ...]:
     """Every configuration the compile tests build."""
     return tuple(GemmConfig(fmt, tile_n) for fmt in ("mxf8", "nvf4") for tile_n in (128, 256))
+
+
+# ----------------------------------------------------------------------------- what the kernel takes
+# Stated once: the registry asks ``gemm_unsupported`` (why_not), the self-check ``config_for``.
+RECIPE_FORMATS = {"mxfp8": "mxf8", "nvfp4": "nvf4"}  # lowprec recipe -> element format (both operands)
+_SCALE_BLOCKS = {"mxfp8": (1, 32), "nvfp4": (1, 16)}
+N_MULTIPLE = 16  # D rows of 32 bytes: bf16 N multiple of 16
+
+
+def gemm_unsupported(a, b, out_dtype, bias) -> str | None:
+    """Why the sm_100a kernel cannot take QuantizedTensors ``a`` [M, K], ``b`` [N, K] (None: it can)."""
+    import torch
+
+    name = a.recipe.name
+    if name not in RECIPE_FORMATS or b.recipe.name != name:
+        return (f"recipes {a.recipe.name} x {b.recipe.name}; the sm_100a kernel takes "
+                f"{' or '.join(f'{r} x {r}' for r in RECIPE_FORMATS)}")
+    if tuple(a.recipe.block) != _SCALE_BLOCKS[name] or tuple(b.recipe.block) != _SCALE_BLOCKS[name]:
+        return f"scale blocks {a.recipe.block} x {b.recipe.block} (the kernel takes {_SCALE_BLOCKS[name]} on both)"
+    if a.dim() != 2 or b.dim() != 2:
+        return "operands are not 2-D"
+    if out_dtype != torch.bfloat16:
+        return f"out_dtype {out_dtype} (the epilogue writes bfloat16)"
+    if bias is not None:
+        return "bias (the epilogue has none yet)"
+    m, k = a.shape
+    n = b.shape[0]
+    if m == 0 or n == 0:
+        return "an empty problem"
+    tile_k = GemmConfig(RECIPE_FORMATS[name]).tile_k
+    if k % tile_k:
+        return f"K={k} is not a multiple of the K tile {tile_k}"
+    if n % N_MULTIPLE:
+        return f"N={n} is not a multiple of {N_MULTIPLE}"
+    return None
+
+
+def config_for(a, b, out_dtype, bias) -> GemmConfig:
+    """The configuration the kernel runs for these (supported) arguments."""
+    return GemmConfig(RECIPE_FORMATS[a.recipe.name], tile_n=256 if b.shape[0] >= 256 else 128)

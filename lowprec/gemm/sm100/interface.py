@@ -1,14 +1,26 @@
-"""Host wiring of the sm_100a block-scaled GEMM: compile on fake arguments (no GPU needed).
+"""Host wiring of the sm_100a block-scaled GEMM: compile (no GPU needed), operand preparation, launch.
 
-Nothing here launches: no Blackwell GPU is available to check the kernel on, see ``__init__``.
+Never run here: no Blackwell GPU is available. The kernel is registered with a first-use
+self-check (``__init__``): on a real sm_100a device each configuration first runs a small random
+problem against the reference, and serves real inputs only if it agrees.
 """
 
 from __future__ import annotations
 
-from ...runtime import compile_for_arch
+import functools
+
+import torch
+
+from ...quant.layouts import to_blocked
+from ...runtime import compile_for_arch, kernel_cache, on_device
+from .config import GemmConfig, config_for
+
+__all__ = ["build_kernel", "compile_kernel", "kernel_operands", "gemm_quantized", "probe", "close_enough"]
+
+ARCH = "sm_100a"
 
 
-def build_kernel(config, arch: str = "sm_100a"):
+def build_kernel(config, arch: str = ARCH):
     """Compile one ``GemmConfig`` on fake pointers and sizes, uncached; keeps PTX and cubin
     (``lowprec.runtime.compile.sass_of`` disassembles the result)."""
     import cutlass
@@ -28,3 +40,70 @@ def build_kernel(config, arch: str = "sm_100a"):
     sizes = [cutlass.Int32(0)] * 4  # m, n, k, l: dynamic
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=False)
     return compile_for_arch(kernel, a, b, sfa, sfb, d, *sizes, stream, arch=arch, tvm_ffi=False)
+
+
+@functools.cache
+def compile_kernel(config: GemmConfig, arch: str = ARCH):
+    """The launchable kernel, compiled once per configuration through the kernel cache."""
+    return kernel_cache.get("gemm_sm100", {"config": str(config)}, arch, lambda: build_kernel(config, arch))
+
+
+def kernel_operands(a, b) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The kernel's A, B (codes as stored: E4M3 bytes, or two E2M1 codes per byte, K contiguous)
+    and its SFA, SFB: the scale grids as raw bytes in the 128x4 blocked layout of cuBLAS
+    (``lowprec.quant.layouts.to_blocked``)."""
+    a_codes, b_codes = a.data.contiguous(), b.data.contiguous()
+    sfa = to_blocked(a.scale.contiguous().view(torch.uint8))
+    sfb = to_blocked(b.scale.contiguous().view(torch.uint8))
+    return a_codes, b_codes, sfa, sfb
+
+
+def gemm_quantized(a, b, out_dtype, bias):
+    """``dequant(a) · dequant(b)ᵀ`` in bf16 on sm_100a (``config.gemm_unsupported`` holds); NVFP4's
+    global scales multiply the kernel's bf16 result (in FP32, one more rounding)."""
+    import cuda.bindings.driver as cuda
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_ptr
+
+    config = config_for(a, b, out_dtype, bias)
+    m, k = a.shape
+    n = b.shape[0]
+    a_codes, b_codes, sfa, sfb = kernel_operands(a, b)
+    d = torch.empty(m, n, dtype=torch.bfloat16, device=a.data.device)
+    from .blockscaled_gemm import _DTYPES
+
+    ab_dtype, sf_dtype = _DTYPES[config.element_format]
+
+    def ptr(t, dtype, align):
+        return make_ptr(dtype, t.data_ptr(), cute.AddressSpace.gmem, assumed_align=align)
+
+    with on_device(d.device):
+        stream = cuda.CUstream(torch.cuda.current_stream(d.device).cuda_stream)
+        compile_kernel(config)(ptr(a_codes, ab_dtype, 16), ptr(b_codes, ab_dtype, 16), ptr(sfa, sf_dtype, 16),
+                               ptr(sfb, sf_dtype, 16), ptr(d, cutlass.BFloat16, 32), cutlass.Int32(m),
+                               cutlass.Int32(n), cutlass.Int32(k), cutlass.Int32(1), stream)
+    if a.global_scale is not None:
+        d = (d.float() * (a.global_scale * b.global_scale)).to(torch.bfloat16)
+    return d
+
+
+# ----------------------------------------------------------------------------- first-use self-check
+def probe(config: GemmConfig, device: torch.device) -> tuple:
+    """A small random problem of ``config``: M and N off the tile, two K tiles."""
+    from ...quant import quantize
+
+    recipe = {"mxf8": "mxfp8", "nvf4": "nvfp4"}[config.element_format]
+    g = torch.Generator(device=device).manual_seed(0)
+    m, n, k = 200, config.tile_n + 48, 2 * config.tile_k
+    a = quantize(torch.randn(m, k, device=device, generator=g), recipe)
+    b = quantize(torch.randn(n, k, device=device, generator=g), recipe)
+    return a, b, torch.bfloat16, None
+
+
+def close_enough(result: torch.Tensor, expected: torch.Tensor) -> bool:
+    """bf16 output (NVFP4: plus the global-scale rounding): relative L2 error under 1%, all finite."""
+    r, e = result.double(), expected.double()
+    if r.shape != e.shape or not bool(torch.isfinite(r).all()):
+        return False
+    return float((r - e).norm() / e.norm().clamp_min(1e-30)) < 1e-2
