@@ -22,8 +22,11 @@ __all__ = ["gemm_op", "gemm_dispatch", "weight_only_op", "weight_only"]
 
 def gemm_dispatch(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype,
                   bias: torch.Tensor | None) -> torch.Tensor:
-    """Run a kernel where the device and operands allow, else the reference (validated inputs)."""
-    return registry.run("gemm", a.device, (a, b, out_dtype, bias), lambda: gemm_reference(a, b, out_dtype, bias))
+    """Run a kernel where the device and operands allow, else a vendor library's block-scaled GEMM
+    where one is registered (cuBLASLt on sm_100a), else the reference (validated inputs)."""
+    args = (a, b, out_dtype, bias)
+    return registry.run("gemm", a.device, args,
+                        lambda: registry.run("gemm_cublaslt", a.device, args, lambda: gemm_reference(*args)))
 
 
 @torch.library.custom_op("lowprec::gemm", mutates_args=())

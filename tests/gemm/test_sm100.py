@@ -144,6 +144,7 @@ def test_first_use_self_check_guards_the_sm100_kernel(monkeypatch, recipe):
     monkeypatch.setattr(registry, "dsl_available", lambda: True)
     warned = []
     monkeypatch.setattr(registry, "warn_once", warned.append)
+    monkeypatch.setitem(registry._registry, "gemm_cublaslt", {})  # the reference is the fallback here
     target = registry.registered("gemm")["sm_100a"].target
     a, b = _operands(recipe, m=100, k=512)
     expected = gemm_reference(a, b, torch.bfloat16, None)
@@ -167,4 +168,41 @@ def test_first_use_self_check_guards_the_sm100_kernel(monkeypatch, recipe):
         assert calls[0][0] == 200, "the probe (200 rows) runs first"
         assert calls[1:] == ([(100, 512)] if serves else [])
         assert len(warned) == (0 if serves else 1) and (serves or "self-check" in warned[0])
+        torch.testing.assert_close(y, expected, rtol=0, atol=0)
+
+
+def test_cublas_fallback_answers_what_the_kernel_does_not_take(monkeypatch):
+    """fp8_block1x128 x fp8_block128x128 on a (pretended) sm_100a device: the sm_100a kernel does not
+    take them, cuBLASLt's block-scaled GEMM does, once its own first-use self-check passed; a wrong
+    one is caught and the reference answers."""
+    import torch
+
+    import lowprec
+    from lowprec.gemm.reference import gemm_reference
+    from lowprec.gemm.sm100.cublas import cublas_unsupported
+    from lowprec.runtime import registry
+
+    monkeypatch.setattr(registry, "device_arch", lambda device: "sm_100a")
+    monkeypatch.setattr(registry, "dsl_available", lambda: True)
+    warned = []
+    monkeypatch.setattr(registry, "warn_once", warned.append)
+    g = torch.Generator().manual_seed(0)
+    a = lowprec.quantize(torch.randn(100, 512, generator=g), "fp8_block1x128")
+    b = lowprec.quantize(torch.randn(384, 512, generator=g), "fp8_block128x128")
+    assert "recipes" in registry.why_no_kernel("gemm", torch.device("cpu"), a, b, torch.bfloat16, None)
+    assert cublas_unsupported(a, b, torch.bfloat16, None) is None
+    assert "recipes" in cublas_unsupported(a, a, torch.bfloat16, None)
+    target = registry.registered("gemm_cublaslt")["sm_100a"].target
+    expected = gemm_reference(a, b, torch.bfloat16, None)
+    calls = []
+    for factor, serves in ((1.0, True), (1.05, False)):
+        for attr in ("_passed_checks", "_failed_checks", "_checked_all"):
+            monkeypatch.setattr(registry, attr, set())
+        monkeypatch.setattr(registry, "_loaded", {target: lambda a, b, o, bias, f=factor: (
+            calls.append(a.shape), gemm_reference(a, b, o, bias) * f)[1]})
+        calls.clear()
+        warned.clear()
+        y = lowprec.gemm(a, b)
+        assert calls[0][0] == 200 and calls[1:] == ([(100, 512)] if serves else [])
+        assert len(warned) == (0 if serves else 1)
         torch.testing.assert_close(y, expected, rtol=0, atol=0)

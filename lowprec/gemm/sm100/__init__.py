@@ -1,20 +1,31 @@
-"""Blackwell (sm_100a) block-scaled GEMM kernels (MXFP8, NVFP4).
+"""Blackwell (sm_100a) block-scaled GEMM kernels (MXFP8, NVFP4), and cuBLASLt's block-scaled GEMM
+(``cublas``) as the fallback before the reference.
 
 Compiled and their SASS checked for sm_100a on CPU-only machines, but never run here (no
 Blackwell GPU). Registered for ``gemm`` on sm_100a behind a first-use self-check: on a real
 device each configuration first proves itself on a small random problem against the reference
 (``interface.probe``, ``interface.close_enough``) and otherwise steps aside, with one warning,
-for the fallback. Importing this package does not import cutlass.
+for the fallback: ``gemm_cublaslt`` (cuBLASLt through ``torch._scaled_mm``, also self-checked),
+then the reference. Importing this package does not import cutlass.
 """
 
 from ...runtime.registry import SelfCheck, register
 from . import config
+from .cublas import PAIRS as _PAIRS
+from .cublas import cublas_unsupported as _cublas_unsupported
+from .cublas import pair_of as _pair_of
 
 
 def _reference(a, b, out_dtype, bias):
     from ..reference import gemm_reference
 
     return gemm_reference(a, b, out_dtype, bias)
+
+
+def _probe_cublas(pair, device):
+    from .cublas import probe
+
+    return probe(pair, device)
 
 
 def _probe(cfg, device):
@@ -31,3 +42,5 @@ def _close(result, expected):
 
 register("gemm", "sm_100a", f"{__name__}.interface:gemm_quantized", config.gemm_unsupported,
          self_check=SelfCheck(config.config_for, _probe, _reference, _close, config.shipped_configs))
+register("gemm_cublaslt", "sm_100a", f"{__name__}.cublas:gemm_cublas", _cublas_unsupported,
+         self_check=SelfCheck(_pair_of, _probe_cublas, _reference, _close, lambda: _PAIRS))
