@@ -73,12 +73,9 @@ _BF16_BITS = (6, 7, 8, 15)
 DECODE_EXP = 10
 
 
-@dataclass(frozen=True)
-class PackedNVFP4:
-    """An NVFP4 weight in the kernel's layout (see the module docstring)."""
+class _Tiled:
+    """The (n-tile, k-chunk) grid of a packed weight of ``n`` rows and ``k`` columns."""
 
-    data: torch.Tensor  # uint8 [n_tiles * k_chunks * 18, 256]
-    global_scale: torch.Tensor  # float32 [1]
     n: int
     k: int
 
@@ -89,6 +86,16 @@ class PackedNVFP4:
     @property
     def k_chunks(self) -> int:
         return -(-self.k // CHUNK_K)
+
+
+@dataclass(frozen=True)
+class PackedNVFP4(_Tiled):
+    """An NVFP4 weight in the kernel's layout (see the module docstring)."""
+
+    data: torch.Tensor  # uint8 [n_tiles * k_chunks * 18, 256]
+    global_scale: torch.Tensor  # float32 [1]
+    n: int
+    k: int
 
 
 def _thread_coords(device):
@@ -235,21 +242,13 @@ def unpack_codes_emulated(packed: PackedNVFP4) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
-class PackedFP8:
+class PackedFP8(_Tiled):
     """An FP8 weight (128x128 block scales) in the kernel's layout (see the module docstring)."""
 
     data: torch.Tensor  # uint8 [n_tiles * k_chunks * 32, 256]
     scale: torch.Tensor  # float32 [ceil(N / 128), k_chunks], contiguous
     n: int
     k: int
-
-    @property
-    def n_tiles(self) -> int:
-        return -(-self.n // TILE_N)
-
-    @property
-    def k_chunks(self) -> int:
-        return -(-self.k // CHUNK_K)
 
 
 def pack_fp8(weight: torch.Tensor, scale: torch.Tensor) -> PackedFP8:

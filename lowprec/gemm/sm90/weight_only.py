@@ -1,26 +1,25 @@
 """Hopper (sm_90a) weight-only GEMM for decode: ``y = x · dequant(W)ᵀ``, ``x`` bf16, ``W`` NVFP4 or FP8.
 
-Swap-AB: the CTA computes ``yᵀ`` tiles, ``W`` rows as the wgmma M side (64 per consumer
-warpgroup, 128 per CTA) and the tokens as its N side (``tile_m`` = 8..128), so one token costs
-one 8-wide wgmma column, not a 64-row tile.
+Swap-AB: the CTA computes a ``yᵀ`` tile, 64 rows of ``W`` as the wgmma M side and the tokens as
+its N side (``tile_m`` = 8..128), so one token costs one 8-wide wgmma column, not a 64-row tile.
 
-* warp 0: TMA producer. Per 128-wide K chunk, one stage: the chunk's packed weight (9216 bytes,
-  codes and scales, one box; layout in ``lowprec.gemm.weight_only``) and the ``tile_m x 128``
-  slice of ``x`` (rows past M and columns past K read as zeros).
-* warpgroups 0, 1: consumers, each over the 64 rows and half of every chunk's k-steps (its own
-  accumulator; the two are summed in a fixed order at the end). Per chunk a thread reads its code
-  words (and NVFP4's scale record) from shared memory, decodes each 16-wide k-step into the 4
-  bf16x2 registers of its A fragment and issues the wgmma with A from registers and ``x`` from
-  shared memory. NVFP4: a shift and a mask put two E2M1 codes in bf16 position as
-  ``code * 2^-126``, one ``mul.rn.bf16x2`` by ``scale * 2^116`` (exact). FP8: ``cvt`` E4M3 -> f16,
-  the f16 bits moved into a bf16 (``value * 2^-112``), one multiply by 2^112 (exact); each
-  chunk's products go to a fresh accumulator, added times the chunk's block scale (promotion).
+* warp 8: TMA producer. Per 128-wide K chunk, one stage: the chunk's packed weight (one box;
+  layout in ``lowprec.gemm.weight_only``) and the ``tile_m x 128`` slice of ``x`` (rows past M
+  and columns past K read as zeros).
+* warpgroups 0, 1 (warps 0-7): consumers, each over the 64 rows and half of every chunk's k-steps
+  (its own accumulator; the two are summed in a fixed order at the end). Per chunk a thread reads
+  its code words (and NVFP4's scale record) from shared memory, decodes each 16-wide k-step into
+  the 4 bf16x2 registers of its A fragment and issues the wgmma with A from registers and ``x``
+  from shared memory; the next chunk is decoded while they run (two A register sets). NVFP4: a
+  shift and a mask put two E2M1 codes in bf16 position as ``code * 2^-126``, one
+  ``mul.rn.bf16x2`` by ``scale * 2^116`` (exact). FP8: ``cvt`` E4M3 -> f16, the f16 bits moved
+  into a bf16 (``value * 2^-112``), one multiply by 2^112 (exact); each chunk's products go to a
+  fresh accumulator, added times the chunk's block scale (promotion).
 * epilogue: ``y = acc * scale (+ bias)`` (NVFP4: the global scale times 2^10; FP8: 1). With
   split-K (the K chunks of a tile spread over the ``splits`` CTAs of a cluster so that small N
-  fills the GPU), each CTA stores
-  its FP32 partial to a global workspace; after a cluster barrier (release / acquire) each CTA
-  sums a share of the tile's outputs over the partials in split order (deterministic) and
-  writes them.
+  fills the GPU), each CTA stores its FP32 partial to a global workspace; after a cluster
+  barrier (release / acquire) each CTA sums a share of the tile's outputs over the partials in
+  split order (deterministic) and writes them.
 * programmatic dependent launch: the first stages' weight loads go out before the previous
   kernel on the stream has finished (weights are constants); ``x`` and every global write wait.
 """
