@@ -1,7 +1,7 @@
 """Compile tests of the sm_100a block-scaled GEMM (lowprec.gemm.sm100), CPU only.
 
 Every shipped config compiles for sm_100a; its SASS has the block-scaled tcgen05 MMA of its
-format (UTCQMMA for mxf8, UTCOMMA for nvf4), the scale-factor copies to TMEM (UTCCP), the
+format (UTCQMMA for mxf8, UTCOMMA for mxf4 and nvf4), the scale-factor copies to TMEM (UTCCP), the
 commits that free stages (UTCBAR), the accumulator loads (LDTM) and no local memory. No test
 runs the kernel: there is no Blackwell GPU here.
 """
@@ -12,7 +12,7 @@ import pytest
 
 from ..hopper import HAS_CUTLASS, needs_cutlass
 
-_MMA_SASS = {"mxf8": "UTCQMMA", "nvf4": "UTCOMMA"}
+_MMA_SASS = {"mxf8": "UTCQMMA", "mxf4": "UTCOMMA", "nvf4": "UTCOMMA"}
 
 
 def _shipped():
@@ -41,7 +41,9 @@ def test_config_rejects_unsupported_values():
     from lowprec.gemm.sm100.config import GemmConfig
 
     with pytest.raises(ValueError, match="element_format"):
-        GemmConfig(element_format="mxf4")
+        GemmConfig(element_format="mxf6")
+    with pytest.raises(ValueError, match="out_dtype"):
+        GemmConfig(out_dtype="float64")
     with pytest.raises(ValueError, match="tile_n"):
         GemmConfig(tile_n=64)
 
@@ -100,6 +102,10 @@ def test_constraints_state_what_the_kernel_takes():
     a4, b4 = _operands("nvfp4", n=128, k=512)
     assert gemm_unsupported(a4, b4, bf16, None) is None
     assert config_for(a4, b4, bf16, None) == GemmConfig("nvf4", 128)
+    assert config_for(a4, b4, torch.float32, torch.zeros(128)) == GemmConfig("nvf4", 128, out_dtype="float32",
+                                                                              has_bias=True)
+    m4, w4 = _operands("mxfp4", k=512)
+    assert gemm_unsupported(m4, w4, torch.float16, torch.zeros(272, dtype=bf16)) is None
     cases = {
         "recipes": _operands("fp8_block1x128"),
         "recipes mxfp8 x nvfp4": (a, _operands("nvfp4", n=272, k=256)[1]),
@@ -110,8 +116,8 @@ def test_constraints_state_what_the_kernel_takes():
     for why, (x, w) in cases.items():
         reason = gemm_unsupported(x, w, bf16, None)
         assert reason and why.split()[0] in reason, (why, reason)
-    assert "out_dtype" in gemm_unsupported(a, b, torch.float32, None)
-    assert "bias" in gemm_unsupported(a, b, bf16, torch.zeros(272))
+    assert "out_dtype" in gemm_unsupported(a, b, torch.float64, None)
+    assert "bias" in gemm_unsupported(a, b, bf16, torch.zeros(1, 272))
 
 
 def test_kernel_operands_are_the_codes_and_blocked_scales():
@@ -120,7 +126,7 @@ def test_kernel_operands_are_the_codes_and_blocked_scales():
     from lowprec.gemm.sm100.interface import kernel_operands
     from lowprec.quant.layouts import from_blocked
 
-    for recipe in ("mxfp8", "nvfp4"):
+    for recipe in ("mxfp8", "mxfp4", "nvfp4"):
         a, b = _operands(recipe, k=512)
         a_codes, b_codes, sfa, sfb = kernel_operands(a, b)
         assert a_codes.data_ptr() == a.data.data_ptr() and b_codes.data_ptr() == b.data.data_ptr()
@@ -129,7 +135,7 @@ def test_kernel_operands_are_the_codes_and_blocked_scales():
         assert torch.equal(from_blocked(sfb, *b.scale.shape), b.scale.view(torch.uint8))
 
 
-@pytest.mark.parametrize("recipe", ["mxfp8", "nvfp4"])
+@pytest.mark.parametrize("recipe", ["mxfp8", "mxfp4", "nvfp4"])
 def test_first_use_self_check_guards_the_sm100_kernel(monkeypatch, recipe):
     """On a (pretended) sm_100a device the registered kernel is proven by its own probe before it
     serves lowprec.gemm: a right kernel serves, a wrong one is caught (one warning) and the

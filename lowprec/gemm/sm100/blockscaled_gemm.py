@@ -1,19 +1,22 @@
 """Blackwell (sm_100a) block-scaled GEMM in CuTe DSL: minimal, one output tile per CTA.
 
-    D[m, n, l] = sum_k (A[m, k, l] * SFA[m, k // vec, l]) * (B[n, k, l] * SFB[n, k // vec, l])
+    D[m, n, l] = alpha * sum_k (A[m, k, l] * SFA[m, k // vec, l]) * (B[n, k, l] * SFB[n, k // vec, l])
+                 (+ bias[n])
 
 Formats (``GemmConfig.element_format``):
     "mxf8": A, B E4M3; scales E8M0, one per 32 K elements (``tcgen05.mma kind::mxf8f6f4``).
+    "mxf4": A, B E2M1 (two per byte); scales E8M0, one per 32 K elements (``kind::mxf4``).
     "nvf4": A, B E2M1 (two per byte); scales E4M3, one per 16 K elements (``kind::mxf4nvf4``).
 
-Contract of ``__call__(a_ptr, b_ptr, sfa_ptr, sfb_ptr, d_ptr, m, n, k, batch, stream)``
-(global pointers, Int32 sizes; L = batch):
+Contract of ``__call__(a_ptr, b_ptr, sfa_ptr, sfb_ptr, d_ptr, alpha_ptr, bias_ptr, m, n, k, batch,
+stream)`` (global pointers, Int32 sizes; L = batch):
     A [L, M, K] and B [L, N, K], K contiguous, K a positive multiple of the K tile (128 for mxf8, 256 for
-    nvf4) and pointers 16-byte aligned. D [L, M, N] bf16, N contiguous, N a multiple of 16, 32-byte
-    aligned. M and N need not be tile multiples: TMA zero-fills, the epilogue skips rows and
-    columns past the edge. SFA / SFB: the 128x4 blocked layout of cuBLAS
-    (``blockscaled_layout.tile_atom_to_shape_SF``): [L, ceil(M/128), K/vec/4, 32, 4, 4] bytes,
-    padding rows included.
+    mxf4 and nvf4) and pointers 16-byte aligned. D [L, M, N] in ``GemmConfig.out_dtype``, N
+    contiguous, N a multiple of 16, 32-byte aligned. ``alpha``: one FP32 (NVFP4's product of the
+    global scales, else 1); ``bias``: FP32 [N], read only with ``has_bias``. M and N need not be
+    tile multiples: TMA zero-fills, the epilogue skips rows and columns past the edge. SFA / SFB:
+    the 128x4 blocked layout of cuBLAS (``blockscaled_layout.tile_atom_to_shape_SF``):
+    [L, ceil(M/128), K/vec/4, 32, 4, 4] bytes, padding rows included.
 
 Structure (128 threads, 4 warps):
 * warp 0 issues the TMA loads of A, B, SFA, SFB into a ``PipelineTmaUmma`` ring and, on the same
@@ -22,7 +25,8 @@ Structure (128 threads, 4 warps):
 * TMEM columns: accumulator [0, tile_n), then SFA, then SFB.
 * epilogue (all 4 warps, warp w reads TMEM lanes 32w..32w+31 = rows of the tile): after the
   accumulator pipeline (``PipelineUmmaAsync``) signals the last MMA, 16-column slices are
-  loaded (``tcgen05.ld.32x32b``, LDTM), converted to bf16 and stored straight to global memory.
+  loaded (``tcgen05.ld.32x32b``, LDTM), scaled by alpha, the bias added, converted to D's dtype
+  and stored straight to global memory.
 """
 
 from __future__ import annotations
@@ -39,8 +43,10 @@ from .config import TILE_M, GemmConfig
 
 _DTYPES = {  # element format -> (A/B dtype, scale-factor dtype)
     "mxf8": (cutlass.Float8E4M3FN, cutlass.Float8E8M0FNU),
+    "mxf4": (cutlass.Float4E2M1FN, cutlass.Float8E8M0FNU),
     "nvf4": (cutlass.Float4E2M1FN, cutlass.Float8E4M3FN),
 }
+_OUT = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16, "float32": cutlass.Float32}
 _THREADS = 128  # 4 warps: one per 32-lane quarter of TMEM
 _EPI_N = 16  # accumulator columns per epilogue slice: 16 fp32 registers, one 32-byte bf16 store
 _TMEM_ALLOC_BARRIER_ID = 1  # 0 is sync_threads
@@ -62,7 +68,8 @@ class BlockScaledGemmSm100:
         self.config = config
         self.ab_dtype, self.sf_dtype = _DTYPES[config.element_format]
         self.sf_vec_size = config.sf_vec_size
-        self.d_dtype = cutlass.BFloat16
+        self.d_dtype = _OUT[config.out_dtype]
+        self.has_bias = config.has_bias
         self.mma_tiler = (TILE_M, config.tile_n, config.tile_k)
         self.num_stages = config.stages
         self.num_tmem_cols = _tmem_columns(config.tile_n)
@@ -75,6 +82,8 @@ class BlockScaledGemmSm100:
         sfa_ptr: cute.Pointer,
         sfb_ptr: cute.Pointer,
         d_ptr: cute.Pointer,
+        alpha_ptr: cute.Pointer,
+        bias_ptr: cute.Pointer,
         m: cutlass.Int32,
         n: cutlass.Int32,
         k: cutlass.Int32,
@@ -86,6 +95,9 @@ class BlockScaledGemmSm100:
         mA = cute.make_tensor(a_ptr, cute.make_layout((m, k_al, batch), stride=(k_al, 1, m * k_al)))
         mB = cute.make_tensor(b_ptr, cute.make_layout((n, k_al, batch), stride=(k_al, 1, n * k_al)))
         mD = cute.make_tensor(d_ptr, cute.make_layout((m, n_al, batch), stride=(n_al, 1, m * n_al)))
+        mAlpha = cute.make_tensor(alpha_ptr, cute.make_layout(1))
+        # bias[n] broadcast over m and l (zero strides): it tiles as D does
+        mBias = cute.make_tensor(bias_ptr, cute.make_layout((m, n_al, batch), stride=(0, 1, 0)))
         mSFA = cute.make_tensor(sfa_ptr, blockscaled_utils.tile_atom_to_shape_SF(mA.shape, self.sf_vec_size))
         mSFB = cute.make_tensor(sfb_ptr, blockscaled_utils.tile_atom_to_shape_SF(mB.shape, self.sf_vec_size))
 
@@ -125,8 +137,8 @@ class BlockScaledGemmSm100:
 
         grid = (cute.ceil_div(m, TILE_M), cute.ceil_div(n, self.config.tile_n), batch)
         self.kernel(
-            tiled_mma, *tma_a, *tma_b, *tma_sfa, *tma_sfb, mD, sA_staged, sB_staged, sSFA_staged, sSFB_staged,
-            tx_bytes,
+            tiled_mma, *tma_a, *tma_b, *tma_sfa, *tma_sfb, mD, mAlpha, mBias, sA_staged, sB_staged, sSFA_staged,
+            sSFB_staged, tx_bytes,
         ).launch(grid=grid, block=[_THREADS, 1, 1], cluster=(1, 1, 1), stream=stream)
 
     @cute.kernel
@@ -142,6 +154,8 @@ class BlockScaledGemmSm100:
         tma_atom_sfb: cute.CopyAtom,
         mSFB: cute.Tensor,
         mD: cute.Tensor,
+        mAlpha: cute.Tensor,
+        mBias: cute.Tensor,
         sA_staged: cute.ComposedLayout,
         sB_staged: cute.ComposedLayout,
         sSFA_staged: cute.Layout,
@@ -187,6 +201,7 @@ class BlockScaledGemmSm100:
         gSFB = cute.local_tile(mSFB, tiler_nk, (tile_n, None, tile_l))
         tiler_mn = cute.slice_(self.mma_tiler, (None, None, 0))
         gD = cute.local_tile(mD, tiler_mn, (tile_m, tile_n, tile_l))
+        gBias = cute.local_tile(mBias, tiler_mn, (tile_m, tile_n, tile_l))
         cD = cute.local_tile(cute.make_identity_tensor(mD.shape), tiler_mn, (tile_m, tile_n, tile_l))
         k_tiles = cute.size(gA, mode=[2])
 
@@ -250,7 +265,7 @@ class BlockScaledGemmSm100:
                 full.release()  # tcgen05.commit: the stage is free once these MMAs have read it
             acc_slot.commit()
 
-        self._epilogue(tidx, tCtAcc, gD, cD, mD.shape, acc_consumer, tmem)
+        self._epilogue(tidx, tCtAcc, gD, cD, mD.shape, mAlpha[0], gBias, acc_consumer, tmem)
         cute.arch.barrier()  # every warp's TMEM loads are done before the free
         tmem.free(acc_ptr)
 
@@ -272,21 +287,24 @@ class BlockScaledGemmSm100:
         return tiled, src, thr.partition_D(tCtSF_compact)
 
     @cute.jit
-    def _epilogue(self, tidx, tCtAcc: cute.Tensor, gD: cute.Tensor, cD: cute.Tensor, d_shape, acc_consumer,
-                  tmem: TmemAllocator):
-        """TMEM -> registers -> bf16 -> global, ``_EPI_N`` columns at a time; ``cD`` holds the (m, n, l)
-        coordinates of ``gD``, stores past ``d_shape`` are skipped."""
+    def _epilogue(self, tidx, tCtAcc: cute.Tensor, gD: cute.Tensor, cD: cute.Tensor, d_shape, alpha,
+                  gBias: cute.Tensor, acc_consumer, tmem: TmemAllocator):
+        """TMEM -> registers -> ``alpha * acc (+ bias)`` -> D's dtype -> global, ``_EPI_N`` columns at
+        a time; ``cD`` holds the (m, n, l) coordinates of ``gD``, stores past ``d_shape`` are skipped."""
         epi_tile = (TILE_M, _EPI_N)
         tAcc_epi = cute.flat_divide(tCtAcc[((None, None), 0, 0)], epi_tile)  # (128, _EPI_N, 1, tile_n / _EPI_N)
         gD_epi = cute.flat_divide(gD, epi_tile)
         cD_epi = cute.flat_divide(cD, epi_tile)
+        gBias_epi = cute.flat_divide(gBias, epi_tile)
         load = cute.make_copy_atom(tcgen05.Ld32x32bOp(tcgen05.Repetition.x16, tcgen05.Pack.NONE), cutlass.Float32)
         t2r = tcgen05.make_tmem_copy(load, tAcc_epi[(None, None, 0, 0)])
         thr = t2r.get_slice(tidx)
         tTR_tAcc = thr.partition_S(tAcc_epi)
         tTR_gD = thr.partition_D(gD_epi)
         tTR_cD = thr.partition_D(cD_epi)
+        tTR_gBias = thr.partition_D(gBias_epi)
         rAcc = cute.make_rmem_tensor(tTR_gD[(None, None, None, 0, 0)].shape, cutlass.Float32)
+        rBias = cute.make_rmem_tensor(rAcc.shape, cutlass.Float32)
         rD = cute.make_rmem_tensor(rAcc.shape, self.d_dtype)
         store = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.d_dtype)
 
@@ -294,8 +312,12 @@ class BlockScaledGemmSm100:
         acc_full = acc_consumer.wait_and_advance()
         for i in cutlass.range(cute.size(tTR_tAcc, mode=[4]), unroll_full=True):
             cute.copy(t2r, tTR_tAcc[(None, None, None, 0, i)], rAcc)
-            rD.store(rAcc.load().to(self.d_dtype))
             # a thread's slice is one row and _EPI_N columns that N (a multiple of _EPI_N) holds whole
             if cute.elem_less(tTR_cD[(None, None, None, 0, i)][0], d_shape):
+                out = rAcc.load() * alpha
+                if cutlass.const_expr(self.has_bias):
+                    cute.autovec_copy(tTR_gBias[(None, None, None, 0, i)], rBias)
+                    out = out + rBias.load()
+                rD.store(out.to(self.d_dtype))
                 cute.copy(store, rD, tTR_gD[(None, None, None, 0, i)])
         acc_full.release()

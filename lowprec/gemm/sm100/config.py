@@ -8,8 +8,10 @@ from dataclasses import dataclass
 # element format -> (K elements per scale factor, K of one MMA instruction)
 _FORMATS = {
     "mxf8": (32, 32),  # E4M3 x E4M3, E8M0 scales: kind::mxf8f6f4.block32
+    "mxf4": (32, 64),  # E2M1 x E2M1, E8M0 scales: kind::mxf4.block32
     "nvf4": (16, 64),  # E2M1 x E2M1, E4M3 scales: kind::mxf4nvf4.block16
 }
+OUT_DTYPES = ("bfloat16", "float16", "float32")
 TILE_M = 128  # one CTA-group-1 MMA covers 128 rows (one per TMEM lane)
 MMAS_PER_K_TILE = 4  # K tile = 4 instructions: 128 bytes of A/B per row and stage (one 128B swizzle atom)
 
@@ -18,13 +20,17 @@ MMAS_PER_K_TILE = 4  # K tile = 4 instructions: 128 bytes of A/B per row and sta
 class GemmConfig:
     """One kernel configuration (everything that changes the generated code)."""
 
-    element_format: str = "mxf8"  # "mxf8" or "nvf4"
+    element_format: str = "mxf8"  # "mxf8", "mxf4" or "nvf4"
     tile_n: int = 128  # 128 or 256
     stages: int = 4  # smem stages of A, B, SFA, SFB
+    out_dtype: str = "bfloat16"  # D's dtype: one of OUT_DTYPES
+    has_bias: bool = False  # the epilogue adds an FP32 bias per column
 
     def __post_init__(self):
         if self.element_format not in _FORMATS:
             raise ValueError(f"element_format: expected one of {sorted(_FORMATS)}, got {self.element_format!r}")
+        if self.out_dtype not in OUT_DTYPES:
+            raise ValueError(f"out_dtype: expected one of {OUT_DTYPES}, got {self.out_dtype!r}")
         if self.tile_n not in (128, 256):
             raise ValueError(f"tile_n: expected 128 or 256, got {self.tile_n}")
         if self.stages < 2:
@@ -43,19 +49,23 @@ class GemmConfig:
         return self.mma_k * MMAS_PER_K_TILE
 
     def __str__(self) -> str:
-        return f"{self.element_format}_{TILE_M}x{self.tile_n}_s{self.stages}"
+        out = "" if self.out_dtype == "bfloat16" else f"_{self.out_dtype}"
+        return f"{self.element_format}_{TILE_M}x{self.tile_n}_s{self.stages}{out}{'_bias' if self.has_bias else ''}"
 
 
 def shipped_configs() -> tuple[GemmConfig, ...]:
-    """Every configuration the compile tests build."""
-    return tuple(GemmConfig(fmt, tile_n) for fmt in ("mxf8", "nvf4") for tile_n in (128, 256))
+    """The configurations the compile tests build: every format and tile at bf16 without bias, and
+    each other output dtype and the bias once (the epilogue variants)."""
+    plain = tuple(GemmConfig(fmt, tile_n) for fmt in _FORMATS for tile_n in (128, 256))
+    return plain + (GemmConfig("mxf8", 128, out_dtype="float32", has_bias=True),
+                    GemmConfig("nvf4", 256, out_dtype="float16", has_bias=True))
 
 
 # ----------------------------------------------------------------------------- what the kernel takes
 # Stated once: the registry asks ``gemm_unsupported`` (why_not), the self-check ``config_for``.
-RECIPE_FORMATS = {"mxfp8": "mxf8", "nvfp4": "nvf4"}  # lowprec recipe -> element format (both operands)
-_SCALE_BLOCKS = {"mxfp8": (1, 32), "nvfp4": (1, 16)}
-N_MULTIPLE = 16  # D rows of 32 bytes: bf16 N multiple of 16
+RECIPE_FORMATS = {"mxfp8": "mxf8", "mxfp4": "mxf4", "nvfp4": "nvf4"}  # recipe -> format (both operands)
+_SCALE_BLOCKS = {"mxfp8": (1, 32), "mxfp4": (1, 32), "nvfp4": (1, 16)}
+N_MULTIPLE = 16  # the epilogue stores 16 columns at a time
 
 
 def gemm_unsupported(a, b, out_dtype, bias) -> str | None:
@@ -70,10 +80,10 @@ def gemm_unsupported(a, b, out_dtype, bias) -> str | None:
         return f"scale blocks {a.recipe.block} x {b.recipe.block} (the kernel takes {_SCALE_BLOCKS[name]} on both)"
     if a.dim() != 2 or b.dim() != 2:
         return "operands are not 2-D"
-    if out_dtype != torch.bfloat16:
-        return f"out_dtype {out_dtype} (the epilogue writes bfloat16)"
-    if bias is not None:
-        return "bias (the epilogue has none yet)"
+    if str(out_dtype).removeprefix("torch.") not in OUT_DTYPES:
+        return f"out_dtype {out_dtype} (the epilogue writes {', '.join(OUT_DTYPES)})"
+    if bias is not None and (bias.dim() != 1 or bias.dtype not in (torch.float32, torch.bfloat16)):
+        return f"bias {bias.dtype} {tuple(bias.shape)} (the epilogue adds an FP32 or bf16 [N] bias)"
     m, k = a.shape
     n = b.shape[0]
     if m == 0 or n == 0:
@@ -88,4 +98,5 @@ def gemm_unsupported(a, b, out_dtype, bias) -> str | None:
 
 def config_for(a, b, out_dtype, bias) -> GemmConfig:
     """The configuration the kernel runs for these (supported) arguments."""
-    return GemmConfig(RECIPE_FORMATS[a.recipe.name], tile_n=256 if b.shape[0] >= 256 else 128)
+    return GemmConfig(RECIPE_FORMATS[a.recipe.name], tile_n=256 if b.shape[0] >= 256 else 128,
+                      out_dtype=str(out_dtype).removeprefix("torch."), has_bias=bias is not None)

@@ -37,9 +37,10 @@ def build_kernel(config, arch: str = ARCH):
     a, b = fake_ptr(kernel.ab_dtype, 16), fake_ptr(kernel.ab_dtype, 16)
     sfa, sfb = fake_ptr(kernel.sf_dtype, 16), fake_ptr(kernel.sf_dtype, 16)
     d = fake_ptr(kernel.d_dtype, 32)
+    alpha, bias = fake_ptr(cutlass.Float32, 4), fake_ptr(cutlass.Float32, 16)
     sizes = [cutlass.Int32(0)] * 4  # m, n, k, l: dynamic
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=False)
-    return compile_for_arch(kernel, a, b, sfa, sfb, d, *sizes, stream, arch=arch, tvm_ffi=False)
+    return compile_for_arch(kernel, a, b, sfa, sfb, d, alpha, bias, *sizes, stream, arch=arch, tvm_ffi=False)
 
 
 @functools.cache
@@ -59,8 +60,8 @@ def kernel_operands(a, b) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tor
 
 
 def gemm_quantized(a, b, out_dtype, bias):
-    """``dequant(a) · dequant(b)ᵀ`` in bf16 on sm_100a (``config.gemm_unsupported`` holds); NVFP4's
-    global scales multiply the kernel's bf16 result (in FP32, one more rounding)."""
+    """``dequant(a) · dequant(b)ᵀ (+ bias)`` in ``out_dtype`` on sm_100a (``config.gemm_unsupported``
+    holds); NVFP4's global scales multiply the FP32 accumulator in the epilogue."""
     import cuda.bindings.driver as cuda
     import cutlass
     import cutlass.cute as cute
@@ -70,8 +71,11 @@ def gemm_quantized(a, b, out_dtype, bias):
     m, k = a.shape
     n = b.shape[0]
     a_codes, b_codes, sfa, sfb = kernel_operands(a, b)
-    d = torch.empty(m, n, dtype=torch.bfloat16, device=a.data.device)
-    from .blockscaled_gemm import _DTYPES
+    device = a.data.device
+    d = torch.empty(m, n, dtype=out_dtype, device=device)
+    alpha = (a.global_scale * b.global_scale).float().reshape(1) if a.global_scale is not None else _one(device)
+    bias32 = bias.float().contiguous() if bias is not None else alpha  # read only with has_bias
+    from .blockscaled_gemm import _DTYPES, _OUT
 
     ab_dtype, sf_dtype = _DTYPES[config.element_format]
 
@@ -81,11 +85,20 @@ def gemm_quantized(a, b, out_dtype, bias):
     with on_device(d.device):
         stream = cuda.CUstream(torch.cuda.current_stream(d.device).cuda_stream)
         compile_kernel(config)(ptr(a_codes, ab_dtype, 16), ptr(b_codes, ab_dtype, 16), ptr(sfa, sf_dtype, 16),
-                               ptr(sfb, sf_dtype, 16), ptr(d, cutlass.BFloat16, 32), cutlass.Int32(m),
+                               ptr(sfb, sf_dtype, 16), ptr(d, _OUT[config.out_dtype], 32),
+                               ptr(alpha, cutlass.Float32, 4), ptr(bias32, cutlass.Float32, 16), cutlass.Int32(m),
                                cutlass.Int32(n), cutlass.Int32(k), cutlass.Int32(1), stream)
-    if a.global_scale is not None:
-        d = (d.float() * (a.global_scale * b.global_scale)).to(torch.bfloat16)
     return d
+
+
+_ONES: dict = {}
+
+
+def _one(device) -> torch.Tensor:
+    one = _ONES.get(device)
+    if one is None:
+        one = _ONES[device] = torch.ones(1, dtype=torch.float32, device=device)
+    return one
 
 
 # ----------------------------------------------------------------------------- first-use self-check
@@ -93,16 +106,17 @@ def probe(config: GemmConfig, device: torch.device) -> tuple:
     """A small random problem of ``config``: M and N off the tile, two K tiles."""
     from ...quant import quantize
 
-    recipe = {"mxf8": "mxfp8", "nvf4": "nvfp4"}[config.element_format]
+    recipe = {"mxf8": "mxfp8", "mxf4": "mxfp4", "nvf4": "nvfp4"}[config.element_format]
     g = torch.Generator(device=device).manual_seed(0)
     m, n, k = 200, config.tile_n + 48, 2 * config.tile_k
     a = quantize(torch.randn(m, k, device=device, generator=g), recipe)
     b = quantize(torch.randn(n, k, device=device, generator=g), recipe)
-    return a, b, torch.bfloat16, None
+    bias = torch.randn(n, device=device, generator=g) if config.has_bias else None
+    return a, b, getattr(torch, config.out_dtype), bias
 
 
 def close_enough(result: torch.Tensor, expected: torch.Tensor) -> bool:
-    """bf16 output (NVFP4: plus the global-scale rounding): relative L2 error under 1%, all finite."""
+    """The output dtype's rounding: relative L2 error under 1%, all finite."""
     r, e = result.double(), expected.double()
     if r.shape != e.shape or not bool(torch.isfinite(r).all()):
         return False
