@@ -90,16 +90,18 @@ def blocked_offset(row: int, col: int, cols: int) -> int:
 def to_blocked(scale: torch.Tensor) -> torch.Tensor:
     """Row-major ``[rows, cols]`` scale grid -> flat 128x4-tiled (swizzled) layout, zero-padded.
 
-    Output is 1-D with ``round_up(rows, 128) * round_up(cols, 4)`` elements, same dtype.
+    Output is 1-D with ``round_up(rows, 128) * round_up(cols, 4)`` elements, same dtype. A stack
+    of grids ``[..., rows, cols]`` gives their tiled layouts one after the other (a batched
+    GEMM's scales).
     """
-    if scale.dim() != 2:
-        raise ValueError(f"scale: expected a 2-D [rows, cols] grid, got shape {tuple(scale.shape)}")
-    rows, cols = scale.shape
+    if scale.dim() < 2:
+        raise ValueError(f"scale: expected a [..., rows, cols] grid, got shape {tuple(scale.shape)}")
+    *batch, rows, cols = scale.shape
     pr, pc = _round_up(rows, 128), _round_up(cols, 4)
-    padded = scale.new_zeros(pr, pc)
-    padded[:rows, :cols] = scale
-    # [rt, 4, 32, ct, 4] (row = rt*128 + j*32 + i) -> [rt, ct, i, j, 4]
-    tiles = padded.view(pr // 128, 4, 32, pc // 4, 4).permute(0, 3, 2, 1, 4)
+    padded = scale.new_zeros(*batch, pr, pc)
+    padded[..., :rows, :cols] = scale
+    # [b, rt, 4, 32, ct, 4] (row = rt*128 + j*32 + i) -> [b, rt, ct, i, j, 4]
+    tiles = padded.reshape(-1, pr // 128, 4, 32, pc // 4, 4).permute(0, 1, 4, 3, 2, 5)
     return tiles.reshape(-1)
 
 

@@ -212,3 +212,50 @@ def test_cublas_fallback_answers_what_the_kernel_does_not_take(monkeypatch):
         assert calls[0][0] == 200 and calls[1:] == ([(100, 512)] if serves else [])
         assert len(warned) == (0 if serves else 1)
         torch.testing.assert_close(y, expected, rtol=0, atol=0)
+
+
+def test_grouped_masked_runs_as_one_batched_launch(monkeypatch):
+    """lowprec.grouped_gemm (masked) on a (pretended) sm_100a device: the constraints, the batched
+    operands (each expert's scales blocked in turn) and the first-use self-check with a right and
+    a wrong stand-in kernel; the contiguous layout is not taken (the reference answers)."""
+    import torch
+
+    import lowprec
+    from lowprec.gemm.reference import grouped_gemm_masked_reference
+    from lowprec.gemm.sm100.config import grouped_unsupported
+    from lowprec.gemm.sm100.interface import kernel_operands
+    from lowprec.quant.layouts import to_blocked
+    from lowprec.runtime import registry
+
+    g = torch.Generator().manual_seed(0)
+    a = lowprec.quantize(torch.randn(3, 100, 256, generator=g), "mxfp8")
+    b = lowprec.quantize(torch.randn(3, 272, 256, generator=g), "mxfp8")
+    counts = torch.tensor([100, 3, 0], dtype=torch.int32)
+    bf16 = torch.bfloat16
+    assert grouped_unsupported(a, b, bf16, None, counts) is None
+    assert "contiguous" in grouped_unsupported(a, b, bf16, torch.tensor([1, 2, 3]), None)
+    _, _, sfa, _ = kernel_operands(a, b)
+    assert torch.equal(sfa, torch.cat([to_blocked(a.scale[e].view(torch.uint8)) for e in range(3)]))
+
+    monkeypatch.setattr(registry, "device_arch", lambda device: "sm_100a")
+    monkeypatch.setattr(registry, "dsl_available", lambda: True)
+    warned = []
+    monkeypatch.setattr(registry, "warn_once", warned.append)
+    target = registry.registered("grouped_gemm")["sm_100a"].target
+    expected = grouped_gemm_masked_reference(a, b, counts, bf16)
+    calls = []
+    for factor, serves in ((1.0, True), (1.05, False)):
+        for attr in ("_passed_checks", "_failed_checks", "_checked_all"):
+            monkeypatch.setattr(registry, attr, set())
+
+        def kernel(a, b, out_dtype, group_ends, masked_counts, f=factor):
+            calls.append(tuple(a.shape))
+            return grouped_gemm_masked_reference(a, b, masked_counts, out_dtype) * f
+
+        monkeypatch.setattr(registry, "_loaded", {target: kernel})
+        calls.clear()
+        warned.clear()
+        y = lowprec.grouped_gemm(a, b, masked_counts=counts)
+        assert calls[0] == (3, 200, 256) and calls[1:] == ([(3, 100, 256)] if serves else [])
+        assert len(warned) == (0 if serves else 1)
+        torch.testing.assert_close(y, expected, rtol=0, atol=0)

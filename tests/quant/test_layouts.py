@@ -68,8 +68,10 @@ def test_blocked_matches_torchao_style_formula():
 def test_blocked_padding_is_zero_and_errors():
     b = to_blocked(torch.ones(3, 2))
     assert b.sum() == 6
-    with pytest.raises(ValueError, match="2-D"):
-        to_blocked(torch.ones(2, 3, 4))
+    with pytest.raises(ValueError, match="rows, cols"):
+        to_blocked(torch.ones(4))
+    stacked = torch.randn(2, 3, 4)  # a stack of grids: their layouts one after the other
+    assert torch.equal(to_blocked(stacked), torch.cat([to_blocked(stacked[0]), to_blocked(stacked[1])]))
     with pytest.raises(ValueError, match="512 elements"):
         from_blocked(torch.ones(100), 3, 2)
     with pytest.raises(ValueError, match="≥ 2 dims"):

@@ -70,6 +70,22 @@ N_MULTIPLE = 16  # the epilogue stores 16 columns at a time
 
 def gemm_unsupported(a, b, out_dtype, bias) -> str | None:
     """Why the sm_100a kernel cannot take QuantizedTensors ``a`` [M, K], ``b`` [N, K] (None: it can)."""
+    if a.dim() != 2 or b.dim() != 2:
+        return "operands are not 2-D"
+    return _problem_unsupported(a, b, out_dtype, bias)
+
+
+def grouped_unsupported(a, b, out_dtype, group_ends, masked_counts) -> str | None:
+    """Why the sm_100a kernel cannot run ``lowprec.grouped_gemm`` on these operands (None: it can):
+    the masked layout (``a`` [E, M_max, K], ``b`` [E, N, K]) runs as one batched launch."""
+    if group_ends is not None:
+        return "the contiguous layout (group_ends): only the masked layout runs on sm_100a so far"
+    if a.dim() != 3 or b.dim() != 3 or a.shape[0] != b.shape[0]:
+        return "masked operands are not [E, M_max, K] x [E, N, K]"
+    return _problem_unsupported(a, b, out_dtype, None)
+
+
+def _problem_unsupported(a, b, out_dtype, bias) -> str | None:
     import torch
 
     name = a.recipe.name
@@ -78,14 +94,12 @@ def gemm_unsupported(a, b, out_dtype, bias) -> str | None:
                 f"{' or '.join(f'{r} x {r}' for r in RECIPE_FORMATS)}")
     if tuple(a.recipe.block) != _SCALE_BLOCKS[name] or tuple(b.recipe.block) != _SCALE_BLOCKS[name]:
         return f"scale blocks {a.recipe.block} x {b.recipe.block} (the kernel takes {_SCALE_BLOCKS[name]} on both)"
-    if a.dim() != 2 or b.dim() != 2:
-        return "operands are not 2-D"
     if str(out_dtype).removeprefix("torch.") not in OUT_DTYPES:
         return f"out_dtype {out_dtype} (the epilogue writes {', '.join(OUT_DTYPES)})"
     if bias is not None and (bias.dim() != 1 or bias.dtype not in (torch.float32, torch.bfloat16)):
         return f"bias {bias.dtype} {tuple(bias.shape)} (the epilogue adds an FP32 or bf16 [N] bias)"
-    m, k = a.shape
-    n = b.shape[0]
+    m, k = a.shape[-2:]
+    n = b.shape[-2]
     if m == 0 or n == 0:
         return "an empty problem"
     tile_k = GemmConfig(RECIPE_FORMATS[name]).tile_k
@@ -98,5 +112,10 @@ def gemm_unsupported(a, b, out_dtype, bias) -> str | None:
 
 def config_for(a, b, out_dtype, bias) -> GemmConfig:
     """The configuration the kernel runs for these (supported) arguments."""
-    return GemmConfig(RECIPE_FORMATS[a.recipe.name], tile_n=256 if b.shape[0] >= 256 else 128,
+    return GemmConfig(RECIPE_FORMATS[a.recipe.name], tile_n=256 if b.shape[-2] >= 256 else 128,
                       out_dtype=str(out_dtype).removeprefix("torch."), has_bias=bias is not None)
+
+
+def grouped_config_for(a, b, out_dtype, group_ends, masked_counts) -> GemmConfig:
+    """The configuration of a masked grouped call (no bias)."""
+    return config_for(a, b, out_dtype, None)

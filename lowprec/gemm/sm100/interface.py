@@ -13,9 +13,10 @@ import torch
 
 from ...quant.layouts import to_blocked
 from ...runtime import compile_for_arch, kernel_cache, on_device
-from .config import GemmConfig, config_for
+from .config import GemmConfig, config_for, grouped_config_for
 
-__all__ = ["build_kernel", "compile_kernel", "kernel_operands", "gemm_quantized", "probe", "close_enough"]
+__all__ = ["build_kernel", "compile_kernel", "kernel_operands", "gemm_quantized", "grouped_gemm_quantized", "probe",
+           "grouped_probe", "close_enough"]
 
 ARCH = "sm_100a"
 
@@ -50,9 +51,10 @@ def compile_kernel(config: GemmConfig, arch: str = ARCH):
 
 
 def kernel_operands(a, b) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The kernel's A, B (codes as stored: E4M3 bytes, or two E2M1 codes per byte, K contiguous)
-    and its SFA, SFB: the scale grids as raw bytes in the 128x4 blocked layout of cuBLAS
-    (``lowprec.quant.layouts.to_blocked``)."""
+    """The kernel's A, B (codes as stored: E4M3 bytes, or two E2M1 codes per byte, K contiguous;
+    ``[M, K]`` or a batch ``[L, M, K]``) and its SFA, SFB: the scale grids as raw bytes in the
+    128x4 blocked layout of cuBLAS (``lowprec.quant.layouts.to_blocked``), one batch item after
+    the other."""
     a_codes, b_codes = a.data.contiguous(), b.data.contiguous()
     sfa = to_blocked(a.scale.contiguous().view(torch.uint8))
     sfb = to_blocked(b.scale.contiguous().view(torch.uint8))
@@ -62,21 +64,33 @@ def kernel_operands(a, b) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tor
 def gemm_quantized(a, b, out_dtype, bias):
     """``dequant(a) · dequant(b)ᵀ (+ bias)`` in ``out_dtype`` on sm_100a (``config.gemm_unsupported``
     holds); NVFP4's global scales multiply the FP32 accumulator in the epilogue."""
+    return _launch(a, b, out_dtype, bias, config_for(a, b, out_dtype, bias))
+
+
+def grouped_gemm_quantized(a, b, out_dtype, group_ends, masked_counts):
+    """``lowprec.grouped_gemm``, masked layout (``config.grouped_unsupported`` holds): one batched
+    launch over the experts, then the rows past each count zeroed (on the device)."""
+    d = _launch(a, b, out_dtype, None, grouped_config_for(a, b, out_dtype, group_ends, masked_counts))
+    rows = torch.arange(d.shape[1], device=d.device)
+    return d.masked_fill_((rows[None, :] >= masked_counts.to(d.device)[:, None])[..., None], 0)
+
+
+def _launch(a, b, out_dtype, bias, config: GemmConfig) -> torch.Tensor:
     import cuda.bindings.driver as cuda
     import cutlass
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_ptr
 
-    config = config_for(a, b, out_dtype, bias)
-    m, k = a.shape
-    n = b.shape[0]
-    a_codes, b_codes, sfa, sfb = kernel_operands(a, b)
-    device = a.data.device
-    d = torch.empty(m, n, dtype=out_dtype, device=device)
-    alpha = (a.global_scale * b.global_scale).float().reshape(1) if a.global_scale is not None else _one(device)
-    bias32 = bias.float().contiguous() if bias is not None else alpha  # read only with has_bias
     from .blockscaled_gemm import _DTYPES, _OUT
 
+    batch = a.shape[0] if a.dim() == 3 else 1
+    m, k = a.shape[-2:]
+    n = b.shape[-2]
+    a_codes, b_codes, sfa, sfb = kernel_operands(a, b)
+    device = a.data.device
+    d = torch.empty(*a.shape[:-1], n, dtype=out_dtype, device=device)
+    alpha = (a.global_scale * b.global_scale).float().reshape(1) if a.global_scale is not None else _one(device)
+    bias32 = bias.float().contiguous() if bias is not None else alpha  # read only with has_bias
     ab_dtype, sf_dtype = _DTYPES[config.element_format]
 
     def ptr(t, dtype, align):
@@ -87,7 +101,7 @@ def gemm_quantized(a, b, out_dtype, bias):
         compile_kernel(config)(ptr(a_codes, ab_dtype, 16), ptr(b_codes, ab_dtype, 16), ptr(sfa, sf_dtype, 16),
                                ptr(sfb, sf_dtype, 16), ptr(d, _OUT[config.out_dtype], 32),
                                ptr(alpha, cutlass.Float32, 4), ptr(bias32, cutlass.Float32, 16), cutlass.Int32(m),
-                               cutlass.Int32(n), cutlass.Int32(k), cutlass.Int32(1), stream)
+                               cutlass.Int32(n), cutlass.Int32(k), cutlass.Int32(batch), stream)
     return d
 
 
@@ -113,6 +127,20 @@ def probe(config: GemmConfig, device: torch.device) -> tuple:
     b = quantize(torch.randn(n, k, device=device, generator=g), recipe)
     bias = torch.randn(n, device=device, generator=g) if config.has_bias else None
     return a, b, getattr(torch, config.out_dtype), bias
+
+
+def grouped_probe(config: GemmConfig, device: torch.device) -> tuple:
+    """A small random masked grouped problem of ``config``: three experts of up to 200 rows, one
+    full, one with 7 rows, one empty; N off the tile, two K tiles."""
+    from ...quant import quantize
+
+    recipe = {"mxf8": "mxfp8", "mxf4": "mxfp4", "nvf4": "nvfp4"}[config.element_format]
+    g = torch.Generator(device=device).manual_seed(0)
+    n, k = config.tile_n + 48, 2 * config.tile_k
+    a = quantize(torch.randn(3, 200, k, device=device, generator=g), recipe)
+    b = quantize(torch.randn(3, n, k, device=device, generator=g), recipe)
+    counts = torch.tensor([200, 7, 0], dtype=torch.int32, device=device)
+    return a, b, getattr(torch, config.out_dtype), None, counts
 
 
 def close_enough(result: torch.Tensor, expected: torch.Tensor) -> bool:
