@@ -80,13 +80,18 @@ def test_scale_layout_the_kernel_reads_is_to_blocked(rows, k, vec):
 
 # ----------------------------------------------------------------------------- wiring (never run here)
 def _operands(recipe, m=200, n=272, k=256):
+    """Quantized operands of one recipe, or ``"deepseek"``: fp8_block1x128 x fp8_block128x128 with
+    power-of-two scales."""
     import torch
 
     import lowprec
 
     g = torch.Generator().manual_seed(0)
-    return (lowprec.quantize(torch.randn(m, k, generator=g), recipe),
-            lowprec.quantize(torch.randn(n, k, generator=g), recipe))
+    x, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g)
+    if recipe == "deepseek":
+        return (lowprec.quantize(x, "fp8_block1x128", pow2_scale=True),
+                lowprec.quantize(w, "fp8_block128x128", pow2_scale=True))
+    return lowprec.quantize(x, recipe), lowprec.quantize(w, recipe)
 
 
 def test_constraints_state_what_the_kernel_takes():
@@ -135,7 +140,7 @@ def test_kernel_operands_are_the_codes_and_blocked_scales():
         assert torch.equal(from_blocked(sfb, *b.scale.shape), b.scale.view(torch.uint8))
 
 
-@pytest.mark.parametrize("recipe", ["mxfp8", "mxfp4", "nvfp4"])
+@pytest.mark.parametrize("recipe", ["mxfp8", "mxfp4", "nvfp4", "deepseek"])
 def test_first_use_self_check_guards_the_sm100_kernel(monkeypatch, recipe):
     """On a (pretended) sm_100a device the registered kernel is proven by its own probe before it
     serves lowprec.gemm: a right kernel serves, a wrong one is caught (one warning) and the
@@ -195,7 +200,7 @@ def test_cublas_fallback_answers_what_the_kernel_does_not_take(monkeypatch):
     g = torch.Generator().manual_seed(0)
     a = lowprec.quantize(torch.randn(100, 512, generator=g), "fp8_block1x128")
     b = lowprec.quantize(torch.randn(384, 512, generator=g), "fp8_block128x128")
-    assert "recipes" in registry.why_no_kernel("gemm", torch.device("cpu"), a, b, torch.bfloat16, None)
+    assert "powers of two" in registry.why_no_kernel("gemm", torch.device("cpu"), a, b, torch.bfloat16, None)
     assert cublas_unsupported(a, b, torch.bfloat16, None) is None
     assert "recipes" in cublas_unsupported(a, a, torch.bfloat16, None)
     target = registry.registered("gemm_cublaslt")["sm_100a"].target
@@ -259,3 +264,31 @@ def test_grouped_masked_runs_as_one_batched_launch(monkeypatch):
         assert calls[0] == (3, 200, 256) and calls[1:] == ([(3, 100, 256)] if serves else [])
         assert len(warned) == (0 if serves else 1)
         torch.testing.assert_close(y, expected, rtol=0, atol=0)
+
+
+def test_deepseek_fp8_with_pow2_scales_runs_as_mxfp8():
+    """fp8_block1x128 x fp8_block128x128 quantized with pow2_scale=True: the kernel takes them as
+    MXFP8, each power-of-two scale the E8M0 scale of its 32-wide blocks (the same dequantized
+    operands); the self-check proves that pair separately from mxfp8's."""
+    import torch
+
+    import lowprec
+    from lowprec.gemm.sm100.config import GemmConfig, check_config, check_configs, gemm_unsupported
+    from lowprec.gemm.sm100.interface import kernel_operands
+    from lowprec.quant.layouts import from_blocked
+
+    g = torch.Generator().manual_seed(0)
+    a = lowprec.quantize(torch.randn(200, 512, generator=g), "fp8_block1x128", pow2_scale=True)
+    b = lowprec.quantize(torch.randn(272, 512, generator=g), "fp8_block128x128", pow2_scale=True)
+    assert gemm_unsupported(a, b, torch.bfloat16, None) is None
+    pair = ("fp8_block1x128", "fp8_block128x128")
+    assert check_config(a, b, torch.bfloat16, None) == (pair, GemmConfig("mxf8", 256))
+    assert (pair, GemmConfig("mxf8", 128)) in check_configs()
+    _, _, sfa, sfb = kernel_operands(a, b)
+
+    def e8m0(blocked, rows):
+        return torch.exp2(from_blocked(blocked, rows, 512 // 32).double() - 127)
+
+    torch.testing.assert_close(e8m0(sfa, 200), a.scale.double().repeat_interleave(4, 1), rtol=0, atol=0)
+    b_scale = b.scale.double().repeat_interleave(128, 0)[:272].repeat_interleave(4, 1)
+    torch.testing.assert_close(e8m0(sfb, 272), b_scale, rtol=0, atol=0)

@@ -54,9 +54,9 @@ def _close(result, expected):
 
 
 register("gemm", "sm_100a", f"{__name__}.interface:gemm_quantized", config.gemm_unsupported,
-         self_check=SelfCheck(config.config_for, _probe, _reference, _close, config.shipped_configs))
+         self_check=SelfCheck(config.check_config, _probe, _reference, _close, config.check_configs))
 register("grouped_gemm", "sm_100a", f"{__name__}.interface:grouped_gemm_quantized", config.grouped_unsupported,
-         self_check=SelfCheck(config.grouped_config_for, _grouped_probe, _grouped_reference, _close,
-                              config.shipped_configs))
+         self_check=SelfCheck(config.grouped_check_config, _grouped_probe, _grouped_reference, _close,
+                              config.check_configs))
 register("gemm_cublaslt", "sm_100a", f"{__name__}.cublas:gemm_cublas", _cublas_unsupported,
          self_check=SelfCheck(_pair_of, _probe_cublas, _reference, _close, lambda: _PAIRS))

@@ -62,10 +62,20 @@ def shipped_configs() -> tuple[GemmConfig, ...]:
 
 
 # ----------------------------------------------------------------------------- what the kernel takes
-# Stated once: the registry asks ``gemm_unsupported`` (why_not), the self-check ``config_for``.
-RECIPE_FORMATS = {"mxfp8": "mxf8", "mxfp4": "mxf4", "nvfp4": "nvf4"}  # recipe -> format (both operands)
-_SCALE_BLOCKS = {"mxfp8": (1, 32), "mxfp4": (1, 32), "nvfp4": (1, 16)}
+# Stated once: the registry asks ``gemm_unsupported`` / ``grouped_unsupported`` (why_not), the
+# self-check ``check_config``.
+# (a's recipe, b's recipe) -> element format. DeepSeek's FP8 recipes run as MXFP8 when their FP32
+# scales are powers of two (``pow2_scale=True``): each becomes the E8M0 scale of its 32-wide blocks.
+PAIR_FORMATS = {("mxfp8", "mxfp8"): "mxf8", ("mxfp4", "mxfp4"): "mxf4", ("nvfp4", "nvfp4"): "nvf4",
+                ("fp8_block1x128", "fp8_block128x128"): "mxf8"}
+DEEPSEEK_PAIR = ("fp8_block1x128", "fp8_block128x128")
+_SCALE_BLOCKS = {"mxfp8": (1, 32), "mxfp4": (1, 32), "nvfp4": (1, 16), "fp8_block1x128": (1, 128),
+                 "fp8_block128x128": (128, 128)}
 N_MULTIPLE = 16  # the epilogue stores 16 columns at a time
+
+
+def pair_of(a, b) -> tuple[str, str]:
+    return a.recipe.name, b.recipe.name
 
 
 def gemm_unsupported(a, b, out_dtype, bias) -> str | None:
@@ -88,12 +98,14 @@ def grouped_unsupported(a, b, out_dtype, group_ends, masked_counts) -> str | Non
 def _problem_unsupported(a, b, out_dtype, bias) -> str | None:
     import torch
 
-    name = a.recipe.name
-    if name not in RECIPE_FORMATS or b.recipe.name != name:
-        return (f"recipes {a.recipe.name} x {b.recipe.name}; the sm_100a kernel takes "
-                f"{' or '.join(f'{r} x {r}' for r in RECIPE_FORMATS)}")
-    if tuple(a.recipe.block) != _SCALE_BLOCKS[name] or tuple(b.recipe.block) != _SCALE_BLOCKS[name]:
-        return f"scale blocks {a.recipe.block} x {b.recipe.block} (the kernel takes {_SCALE_BLOCKS[name]} on both)"
+    pair = pair_of(a, b)
+    if pair not in PAIR_FORMATS:
+        return (f"recipes {pair[0]} x {pair[1]}; the sm_100a kernel takes "
+                f"{', '.join(f'{x} x {y}' for x, y in PAIR_FORMATS)}")
+    if pair == DEEPSEEK_PAIR and not (a.recipe.scale_rounding == b.recipe.scale_rounding == "pow2"):
+        return "fp8_block scales that are not powers of two (quantize with pow2_scale=True; cuBLASLt takes the others)"
+    if tuple(a.recipe.block) != _SCALE_BLOCKS[pair[0]] or tuple(b.recipe.block) != _SCALE_BLOCKS[pair[1]]:
+        return f"scale blocks {a.recipe.block} x {b.recipe.block}"
     if str(out_dtype).removeprefix("torch.") not in OUT_DTYPES:
         return f"out_dtype {out_dtype} (the epilogue writes {', '.join(OUT_DTYPES)})"
     if bias is not None and (bias.dim() != 1 or bias.dtype not in (torch.float32, torch.bfloat16)):
@@ -102,7 +114,7 @@ def _problem_unsupported(a, b, out_dtype, bias) -> str | None:
     n = b.shape[-2]
     if m == 0 or n == 0:
         return "an empty problem"
-    tile_k = GemmConfig(RECIPE_FORMATS[name]).tile_k
+    tile_k = GemmConfig(PAIR_FORMATS[pair]).tile_k
     if k % tile_k:
         return f"K={k} is not a multiple of the K tile {tile_k}"
     if n % N_MULTIPLE:
@@ -111,11 +123,23 @@ def _problem_unsupported(a, b, out_dtype, bias) -> str | None:
 
 
 def config_for(a, b, out_dtype, bias) -> GemmConfig:
-    """The configuration the kernel runs for these (supported) arguments."""
-    return GemmConfig(RECIPE_FORMATS[a.recipe.name], tile_n=256 if b.shape[-2] >= 256 else 128,
+    """The kernel configuration these (supported) arguments run."""
+    return GemmConfig(PAIR_FORMATS[pair_of(a, b)], tile_n=256 if b.shape[-2] >= 256 else 128,
                       out_dtype=str(out_dtype).removeprefix("torch."), has_bias=bias is not None)
 
 
-def grouped_config_for(a, b, out_dtype, group_ends, masked_counts) -> GemmConfig:
-    """The configuration of a masked grouped call (no bias)."""
-    return config_for(a, b, out_dtype, None)
+def check_config(a, b, out_dtype, bias) -> tuple[tuple[str, str], GemmConfig]:
+    """What the first-use self-check proves: the operand pair (its scale preparation) and the kernel
+    configuration."""
+    return pair_of(a, b), config_for(a, b, out_dtype, bias)
+
+
+def grouped_check_config(a, b, out_dtype, group_ends, masked_counts) -> tuple[tuple[str, str], GemmConfig]:
+    """The self-check configuration of a masked grouped call (no bias)."""
+    return check_config(a, b, out_dtype, None)
+
+
+def check_configs() -> tuple[tuple[tuple[str, str], GemmConfig], ...]:
+    """Every shipped kernel configuration with every operand pair of its format."""
+    return tuple((pair, cfg) for cfg in shipped_configs() for pair, fmt in PAIR_FORMATS.items()
+                 if fmt == cfg.element_format)

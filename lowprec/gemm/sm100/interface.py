@@ -13,7 +13,7 @@ import torch
 
 from ...quant.layouts import to_blocked
 from ...runtime import compile_for_arch, kernel_cache, on_device
-from .config import GemmConfig, config_for, grouped_config_for
+from .config import DEEPSEEK_PAIR, GemmConfig, config_for, pair_of
 
 __all__ = ["build_kernel", "compile_kernel", "kernel_operands", "gemm_quantized", "grouped_gemm_quantized", "probe",
            "grouped_probe", "close_enough"]
@@ -56,9 +56,20 @@ def kernel_operands(a, b) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tor
     128x4 blocked layout of cuBLAS (``lowprec.quant.layouts.to_blocked``), one batch item after
     the other."""
     a_codes, b_codes = a.data.contiguous(), b.data.contiguous()
+    if pair_of(a, b) == DEEPSEEK_PAIR:  # power-of-two FP32 scales -> E8M0 per 32-wide block
+        k_blocks = a.shape[-1] // 32
+        sa = _e8m0_of_pow2(a.scale).repeat_interleave(4, dim=-1)[..., :k_blocks]
+        sb = _e8m0_of_pow2(b.scale).repeat_interleave(128, dim=-2)[..., : b.shape[-2], :]
+        sb = sb.repeat_interleave(4, dim=-1)[..., :k_blocks]
+        return a_codes, b_codes, to_blocked(sa), to_blocked(sb)
     sfa = to_blocked(a.scale.contiguous().view(torch.uint8))
     sfb = to_blocked(b.scale.contiguous().view(torch.uint8))
     return a_codes, b_codes, sfa, sfb
+
+
+def _e8m0_of_pow2(scale: torch.Tensor) -> torch.Tensor:
+    """E8M0 codes (uint8) of power-of-two FP32 scales: their biased exponent."""
+    return ((scale.contiguous().view(torch.int32) >> 23) & 0xFF).to(torch.uint8)
 
 
 def gemm_quantized(a, b, out_dtype, bias):
@@ -70,7 +81,7 @@ def gemm_quantized(a, b, out_dtype, bias):
 def grouped_gemm_quantized(a, b, out_dtype, group_ends, masked_counts):
     """``lowprec.grouped_gemm``, masked layout (``config.grouped_unsupported`` holds): one batched
     launch over the experts, then the rows past each count zeroed (on the device)."""
-    d = _launch(a, b, out_dtype, None, grouped_config_for(a, b, out_dtype, group_ends, masked_counts))
+    d = _launch(a, b, out_dtype, None, config_for(a, b, out_dtype, None))
     rows = torch.arange(d.shape[1], device=d.device)
     return d.masked_fill_((rows[None, :] >= masked_counts.to(d.device)[:, None])[..., None], 0)
 
@@ -116,29 +127,34 @@ def _one(device) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------- first-use self-check
-def probe(config: GemmConfig, device: torch.device) -> tuple:
-    """A small random problem of ``config``: M and N off the tile, two K tiles."""
+def _quantize_pair(pair: tuple[str, str], a: torch.Tensor, b: torch.Tensor):
     from ...quant import quantize
 
-    recipe = {"mxf8": "mxfp8", "mxf4": "mxfp4", "nvf4": "nvfp4"}[config.element_format]
+    if pair == DEEPSEEK_PAIR:
+        return quantize(a, pair[0], pow2_scale=True), quantize(b, pair[1], pow2_scale=True)
+    return quantize(a, pair[0]), quantize(b, pair[1])
+
+
+def probe(check: tuple[tuple[str, str], GemmConfig], device: torch.device) -> tuple:
+    """A small random problem of the self-check configuration ``(pair, config)``: M and N off the
+    tile, two K tiles."""
+    pair, config = check
     g = torch.Generator(device=device).manual_seed(0)
     m, n, k = 200, config.tile_n + 48, 2 * config.tile_k
-    a = quantize(torch.randn(m, k, device=device, generator=g), recipe)
-    b = quantize(torch.randn(n, k, device=device, generator=g), recipe)
+    a, b = _quantize_pair(pair, torch.randn(m, k, device=device, generator=g),
+                          torch.randn(n, k, device=device, generator=g))
     bias = torch.randn(n, device=device, generator=g) if config.has_bias else None
     return a, b, getattr(torch, config.out_dtype), bias
 
 
-def grouped_probe(config: GemmConfig, device: torch.device) -> tuple:
-    """A small random masked grouped problem of ``config``: three experts of up to 200 rows, one
-    full, one with 7 rows, one empty; N off the tile, two K tiles."""
-    from ...quant import quantize
-
-    recipe = {"mxf8": "mxfp8", "mxf4": "mxfp4", "nvf4": "nvfp4"}[config.element_format]
+def grouped_probe(check: tuple[tuple[str, str], GemmConfig], device: torch.device) -> tuple:
+    """A small random masked grouped problem: three experts of up to 200 rows, one full, one
+    with 7 rows, one empty; N off the tile, two K tiles."""
+    pair, config = check
     g = torch.Generator(device=device).manual_seed(0)
     n, k = config.tile_n + 48, 2 * config.tile_k
-    a = quantize(torch.randn(3, 200, k, device=device, generator=g), recipe)
-    b = quantize(torch.randn(3, n, k, device=device, generator=g), recipe)
+    a, b = _quantize_pair(pair, torch.randn(3, 200, k, device=device, generator=g),
+                          torch.randn(3, n, k, device=device, generator=g))
     counts = torch.tensor([200, 7, 0], dtype=torch.int32, device=device)
     return a, b, getattr(torch, config.out_dtype), None, counts
 
