@@ -84,6 +84,8 @@ def compile_kernel(fmt: str, tile_m: int, splits: int, arch: str = ARCH):
 
 
 _WORKSPACE: dict = {}  # (device, stream) -> FP32 split-K partials
+# outgrown workspaces stay allocated: a CUDA graph captured earlier still writes to its own
+_OUTGROWN: list = []
 
 
 def _workspace(device: torch.device, floats: int) -> torch.Tensor:
@@ -92,6 +94,8 @@ def _workspace(device: torch.device, floats: int) -> torch.Tensor:
     key = (device, torch.cuda.current_stream(device).stream_id)
     work = _WORKSPACE.get(key)
     if work is None or work.numel() < floats:
+        if work is not None:
+            _OUTGROWN.append(work)
         work = _WORKSPACE[key] = torch.empty(max(floats, 1 << 16), dtype=torch.float32, device=device)
     return work
 
