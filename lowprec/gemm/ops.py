@@ -8,14 +8,16 @@ reference.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
-from ..recipes import ScaleRecipe
+from ..recipes import ScaleRecipe, get_recipe
 from ..runtime import registry
 from ..tensor import QuantizedTensor
 from .reference import gemm_reference
-from .weight_only import PackedFP8, PackedNVFP4
+from .weight_only import PackedFP8, PackedNVFP4, unpack_fp8, unpack_nvfp4
 
 __all__ = ["gemm_op", "gemm_dispatch", "weight_only_op", "weight_only"]
 
@@ -44,37 +46,49 @@ def _(a_data, a_scale, a_global, a_recipe, b_data, b_scale, b_global, b_recipe, 
     return a_data.new_empty((a_data.shape[0], b_data.shape[0]), dtype=out_dtype)
 
 
-def weight_only(x: torch.Tensor, packed: PackedNVFP4 | PackedFP8 | None, weight: QuantizedTensor,
-                bias: torch.Tensor | None) -> torch.Tensor:
+def weight_only(x: torch.Tensor, packed: PackedNVFP4 | PackedFP8 | None,
+                weight: QuantizedTensor | Callable[[], QuantizedTensor], bias: torch.Tensor | None) -> torch.Tensor:
     """``x [M, K] · dequant(W)ᵀ (+ bias)`` in ``x``'s dtype, ``x`` not quantized: the weight-only
     kernel (``packed``: the weight in its layout) where one serves, else (also with ``packed``
-    None) ``F.linear`` on the dequantized ``weight``. Traced by ``torch.compile`` as the
-    ``lowprec::weight_only`` op."""
+    None) ``F.linear`` on the dequantized ``weight`` (a QuantizedTensor, or a function making it:
+    called only then). Traced by ``torch.compile`` as the ``lowprec::weight_only`` op, whose
+    fallback rebuilds the weight from ``packed``."""
     if packed is None:
-        return F.linear(x, weight.dequantize(x.dtype), bias)
+        return F.linear(x, _materialized(weight).dequantize(x.dtype), bias)
     if torch.compiler.is_compiling():
-        scale = packed.global_scale if isinstance(packed, PackedNVFP4) else packed.scale
-        return weight_only_op(x, packed.data, scale, weight.data, weight.scale, weight.global_scale,
-                              weight.recipe.spec(), packed.n, packed.k, bias)
+        fmt, scale = ("nvfp4", packed.global_scale) if isinstance(packed, PackedNVFP4) else ("fp8", packed.scale)
+        return weight_only_op(x, packed.data, scale, fmt, packed.n, packed.k, bias)
     return _weight_only_run(x, packed, weight, bias)
+
+
+def _materialized(weight):
+    return weight() if callable(weight) else weight
 
 
 def _weight_only_run(x, packed, weight, bias):
     op = "weight_only_nvfp4" if isinstance(packed, PackedNVFP4) else "weight_only_fp8"
-    return registry.run(op, x.device, (x, packed, bias), lambda: F.linear(x, weight.dequantize(x.dtype), bias))
+    return registry.run(op, x.device, (x, packed, bias),
+                        lambda: F.linear(x, _materialized(weight).dequantize(x.dtype), bias))
+
+
+def _unpacked(packed: PackedNVFP4 | PackedFP8, dtype: torch.dtype) -> QuantizedTensor:
+    """The packed weight as a QuantizedTensor again (NVFP4 as 1x16 blocks: the same weight)."""
+    if isinstance(packed, PackedNVFP4):
+        weight, scale = unpack_nvfp4(packed)
+        return QuantizedTensor(weight, scale, get_recipe("nvfp4"), (packed.n, packed.k), dtype,
+                               packed.global_scale.reshape(()))
+    return QuantizedTensor(unpack_fp8(packed), packed.scale, get_recipe("fp8_block128x128"), (packed.n, packed.k),
+                           dtype)
 
 
 @torch.library.custom_op("lowprec::weight_only", mutates_args=())
-def weight_only_op(x: torch.Tensor, packed_data: torch.Tensor, packed_scale: torch.Tensor, w_data: torch.Tensor,
-                   w_scale: torch.Tensor, w_global: torch.Tensor | None, w_recipe: str, n: int, k: int,
+def weight_only_op(x: torch.Tensor, packed_data: torch.Tensor, packed_scale: torch.Tensor, fmt: str, n: int, k: int,
                    bias: torch.Tensor | None) -> torch.Tensor:
-    recipe = ScaleRecipe.from_spec(w_recipe)
-    packed = (PackedNVFP4(packed_data, packed_scale, n, k) if recipe.name == "nvfp4"
-              else PackedFP8(packed_data, packed_scale, n, k))
-    weight = QuantizedTensor(w_data, w_scale, recipe, (n, k), x.dtype, w_global)
-    return _weight_only_run(x, packed, weight, bias)
+    kind = PackedNVFP4 if fmt == "nvfp4" else PackedFP8
+    packed = kind(packed_data, packed_scale, n, k)
+    return _weight_only_run(x, packed, lambda: _unpacked(packed, x.dtype), bias)
 
 
 @weight_only_op.register_fake
-def _(x, packed_data, packed_scale, w_data, w_scale, w_global, w_recipe, n, k, bias):
+def _(x, packed_data, packed_scale, fmt, n, k, bias):
     return x.new_empty((x.shape[0], n))

@@ -45,12 +45,12 @@ from dataclasses import dataclass
 
 import torch
 
-from ..formats import E4M3, unpack_fp4
+from ..formats import E4M3, pack_fp4, unpack_fp4
 from ..formats import decode as decode_format
 
 __all__ = ["TILE_N", "TILE_MS", "SPLITS", "CHUNK_K", "CHUNK_BYTES", "FP8_CHUNK_BYTES", "PackedNVFP4", "PackedFP8",
-           "pack_nvfp4", "pack_fp8", "unpack_codes_emulated", "unpack_fp8_emulated", "decoded_tile_emulated",
-           "weight_only_reference"]
+           "pack_nvfp4", "pack_fp8", "unpack_nvfp4", "unpack_fp8", "unpack_codes_emulated", "unpack_fp8_emulated",
+           "decoded_tile_emulated", "weight_only_reference"]
 
 TILE_N = 64  # rows of W per CTA (one consumer warpgroup)
 TILE_MS = (8, 16, 32, 64, 128)  # tokens per CTA (the wgmma N); larger M takes several M tiles
@@ -175,6 +175,38 @@ def pack_nvfp4(weight: torch.Tensor, weight_scale: torch.Tensor, weight_scale_2:
     return PackedNVFP4(data, weight_scale_2.detach().reshape(1).to(torch.float32).clone(), n, k)
 
 
+def unpack_nvfp4(packed: PackedNVFP4, weight_2d: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of :func:`pack_nvfp4` (ModelOpt layout, on the packed weight's device): ``weight``
+    uint8 ``[N, K / 2]`` and ``weight_scale`` float8_e4m3fn ``[N, K / 16]`` (``[N / 16, K / 16]``
+    with ``weight_2d``). Exact, except that codes under a zero scale come back as zeros (the
+    same dequantized weight)."""
+    n_tiles, k_chunks, device = packed.n_tiles, packed.k_chunks, packed.data.device
+    chunks = packed.data.view(n_tiles, k_chunks, CHUNK_BYTES)
+    words = _bytes_to_words(chunks[..., :CODE_BYTES]).view(n_tiles, k_chunks, 2, _THREADS, 4)
+    words = words.permute(0, 1, 3, 2, 4).reshape(n_tiles, k_chunks, _THREADS, _KSTEPS)
+    codes = torch.zeros(n_tiles, k_chunks, TILE_N, CHUNK_K, dtype=torch.uint8, device=device)
+    r0, col, s = _thread_coords(device)
+    rows = (r0, r0 + 8)
+    for j, bits in enumerate(_PAIR_BITS):
+        row = rows[j % 2][:, None]
+        c = (16 * s)[None, :] + col[:, None] + 8 * (j // 2)
+        for half in range(2):
+            code = torch.zeros_like(words)
+            for bit, pos in enumerate(bits):
+                code |= ((words >> (pos + 16 * half)) & 1) << bit
+            codes[:, :, row, c + half] = code.to(torch.uint8)
+    records = chunks[..., CODE_BYTES:].reshape(n_tiles, k_chunks, _THREADS // 4, _KSTEPS, 2)
+    scales = torch.zeros(n_tiles, k_chunks, TILE_N, _KSTEPS, dtype=torch.uint8, device=device)
+    for h in range(2):
+        scales[:, :, r0[::4] + 8 * h, :] = records[..., h]
+    n, k = packed.n, packed.k
+    codes = codes.permute(0, 2, 1, 3).reshape(n_tiles * TILE_N, k_chunks * CHUNK_K)[:n, :k]
+    scales = scales.permute(0, 2, 1, 3).reshape(n_tiles * TILE_N, k_chunks * _KSTEPS)[:n, : k // 16]
+    if weight_2d:
+        scales = scales[::16]
+    return pack_fp4(codes.contiguous()), scales.contiguous().view(torch.float8_e4m3fn)
+
+
 def _pair_luts(device) -> torch.Tensor:
     """[4, 256] int64: pair j's bits in the code word for each byte (first code in the low nibble)."""
     byte = torch.arange(256)
@@ -278,6 +310,25 @@ def pack_fp8(weight: torch.Tensor, scale: torch.Tensor) -> PackedFP8:
     data = per_step.view(n_tiles, k_chunks, _THREADS, 2, 4, 8).permute(0, 1, 3, 2, 4, 5)  # [.., group, thread, ..]
     data = data.reshape(-1, ROW_BYTES).contiguous()
     return PackedFP8(data, scale.detach().to(torch.float32).contiguous().clone(), n, k)
+
+
+def unpack_fp8(packed: PackedFP8) -> torch.Tensor:
+    """Inverse of :func:`pack_fp8`'s code permutation: the float8_e4m3fn weight ``[N, K]`` (exact;
+    the scales are ``packed.scale`` as given)."""
+    n_tiles, k_chunks = packed.n_tiles, packed.k_chunks
+    b = packed.data.view(n_tiles, k_chunks, 2, _THREADS, 4, 8).permute(0, 1, 3, 2, 4, 5)
+    b = b.reshape(n_tiles, k_chunks, _THREADS, _KSTEPS, 8)
+    codes = torch.zeros(n_tiles, k_chunks, TILE_N, CHUNK_K, dtype=torch.uint8, device=packed.data.device)
+    r0, col, s = _thread_coords(packed.data.device)
+    i = 0
+    for dc in (0, 8):
+        for row in (r0, r0 + 8):
+            c = (16 * s)[None, :] + col[:, None] + dc
+            codes[:, :, row[:, None], c] = b[..., i]
+            codes[:, :, row[:, None], c + 1] = b[..., i + 1]
+            i += 2
+    codes = codes.permute(0, 2, 1, 3).reshape(n_tiles * TILE_N, k_chunks * CHUNK_K)[: packed.n, : packed.k]
+    return codes.contiguous().view(torch.float8_e4m3fn)
 
 
 def unpack_fp8_emulated(packed: PackedFP8) -> torch.Tensor:

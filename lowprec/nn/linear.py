@@ -187,7 +187,7 @@ class FP8InferenceLinear(QuantizedBuffersModule):
                     packed = self.packed_weight() if x2.is_cuda else None
                 else:  # traced: the packed weight of an earlier eager call, or the dequantized product
                     packed = None if self._packed is None else self._packed[1]
-                y = weight_only(x2, packed, self.quantized_weight(), bias16)
+                y = weight_only(x2, packed, self.quantized_weight, bias16)
             else:
                 def composed():
                     x_q = quantize(x2, self.recipe.activation, check_finite=False)

@@ -1,6 +1,6 @@
 """NVFP4 weights for inference: 4.5 bits per weight, activations kept in their dtype (weight-only).
 
-The buffers are named and laid out as NVIDIA ModelOpt exports NVFP4 checkpoints, so a converted
+The state dict is named and laid out as NVIDIA ModelOpt exports NVFP4 checkpoints, so a converted
 model's ``load_state_dict`` takes those tensors as they are published, with no requantization:
 
 - ``weight``: uint8 ``[out, in / 2]``, two E2M1 codes per byte, element ``2i`` in the low nibble
@@ -11,15 +11,18 @@ model's ``load_state_dict`` takes those tensors as they are published, with no r
 - ``input_scale``: FP32 scalar of the activations for W4A4 engines; kept so that checkpoints
   load strictly, unused by this weight-only layer.
 
+In memory the layer holds the codes and scales once, re-arranged for the weight-only kernel
+(the ``packed`` buffer, ``lowprec.gemm.weight_only``: the same 4.5 bits per weight); ``weight``
+and ``weight_scale`` are rebuilt from it for the state dict and the dequantized paths (exact,
+except that codes under a zero scale read back as zeros: the same weight).
+
 The product is ``x · dequant(W)ᵀ`` in ``x``'s dtype (NVFP4 -> bf16 is exact: an E2M1 value
 times an E4M3 scale fits bf16's mantissa). On Hopper, a bf16 ``x`` without gradient runs the
 weight-only kernel (``lowprec.gemm.sm90.weight_only``: the 4.5-bit weights read once, decoded in
-registers, bf16 tensor cores, FP32 accumulation, the global scale applied to the FP32 sums) on
-the weight re-arranged once into the kernel's layout (:meth:`NVFP4InferenceLinear.packed_weight`,
-made at the first eager call and kept beside the ModelOpt buffers, so the layer then holds the
-weight twice). Under ``torch.compile`` the ``lowprec::weight_only`` op takes that copy if an eager
-call made it. Otherwise (CPU, fp16 / fp32 ``x``, a gradient through ``x``, no copy yet under
-``torch.compile``) the weight is dequantized to ``x``'s dtype and multiplied by ``F.linear``.
+registers, bf16 tensor cores, FP32 accumulation, the global scale applied to the FP32 sums);
+under ``torch.compile`` through the ``lowprec::weight_only`` op. Otherwise (CPU, fp16 / fp32
+``x``, a gradient through ``x``) the weight is dequantized to ``x``'s dtype and multiplied by
+``F.linear``.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from ..gemm.ops import weight_only
-from ..gemm.weight_only import PackedNVFP4, pack_nvfp4
+from ..gemm.weight_only import CHUNK_BYTES, ROW_BYTES, PackedNVFP4, pack_nvfp4, unpack_nvfp4
 from ..quant import dequantize, quantize
 from ..recipes import get_recipe
 from ..tensor import QuantizedTensor
@@ -53,7 +56,7 @@ class NVFP4InferenceLinear(QuantizedBuffersModule):
     outside ``forward`` and of the bias.
     """
 
-    _quantized = ("weight", "weight_scale", *_SCALARS)
+    _quantized = ("packed", *_SCALARS)
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None,
                  out_dtype: torch.dtype = torch.bfloat16, weight_2d: bool = False) -> None:
@@ -65,17 +68,39 @@ class NVFP4InferenceLinear(QuantizedBuffersModule):
                                  f"{_BLOCK}{'x16' if weight_2d else ''}, got {value!r}")
         self.in_features, self.out_features = in_features, out_features
         self.out_dtype, self.weight_2d = out_dtype, weight_2d
-        w = quantize(torch.zeros(out_features, in_features, device=device), self.recipe)
-        self.register_buffer("weight", w.data)
-        self.register_buffer("weight_scale", w.scale)
-        self.register_buffer("weight_scale_2", w.global_scale)
+        grid = PackedNVFP4(torch.empty(0), torch.empty(0), out_features, in_features)
+        rows = grid.n_tiles * grid.k_chunks * CHUNK_BYTES // ROW_BYTES
+        # a zero weight: zero codes under zero scales (state_dict() rebuilds weight / weight_scale)
+        self.register_buffer("packed", torch.zeros(rows, ROW_BYTES, dtype=torch.uint8, device=device),
+                             persistent=False)
+        self.register_buffer("weight_scale_2", torch.ones((), dtype=torch.float32, device=device))
         self.register_buffer("input_scale", torch.ones((), dtype=torch.float32, device=device))
         self.register_buffer("bias", torch.zeros(out_features, dtype=out_dtype, device=device) if bias else None)
-        self._packed: tuple[tuple, PackedNVFP4] | None = None
 
     @property
     def recipe(self):
         return get_recipe("nvfp4", weight_2d=self.weight_2d)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The codes in ModelOpt's layout (uint8 ``[out, in / 2]``), rebuilt from ``packed``."""
+        return unpack_nvfp4(self.packed_weight(), self.weight_2d)[0]
+
+    @property
+    def weight_scale(self) -> torch.Tensor:
+        """The E4M3 block scales in ModelOpt's layout, rebuilt from ``packed``."""
+        return unpack_nvfp4(self.packed_weight(), self.weight_2d)[1]
+
+    def set_weight(self, weight: torch.Tensor, weight_scale: torch.Tensor, weight_scale_2: torch.Tensor) -> None:
+        """Take NVFP4 tensors in ModelOpt's layout (validated by the packing) as the layer's weight,
+        on the layer's device."""
+        device = self.packed.device
+        packed = pack_nvfp4(weight.to(device), weight_scale.to(device), weight_scale_2.to(device), self.weight_2d)
+        if packed.n != self.out_features or packed.k != self.in_features:
+            raise ValueError(f"weight: expected [{self.out_features}, {self.in_features // 2}] packed codes, got "
+                             f"{tuple(weight.shape)}")
+        self.packed = packed.data
+        self.weight_scale_2 = packed.global_scale.reshape(())
 
     @classmethod
     def from_linear(cls, linear: torch.nn.Module, weight_2d: bool = False) -> NVFP4InferenceLinear:
@@ -84,7 +109,7 @@ class NVFP4InferenceLinear(QuantizedBuffersModule):
         layer = cls(linear.in_features, linear.out_features, linear.bias is not None, linear.weight.device, dtype,
                     weight_2d)
         w = quantize(linear.weight.detach(), layer.recipe)
-        layer.weight, layer.weight_scale, layer.weight_scale_2 = w.data, w.scale, w.global_scale
+        layer.set_weight(w.data, w.scale, w.global_scale)
         if linear.bias is not None:
             layer.bias = linear.bias.detach().to(dtype).clone()
         return layer
@@ -109,17 +134,14 @@ class NVFP4InferenceLinear(QuantizedBuffersModule):
         return layer
 
     def quantized_weight(self) -> QuantizedTensor:
-        """The weight as a QuantizedTensor (validated: the buffers may come from a checkpoint)."""
-        return QuantizedTensor(self.weight, self.weight_scale, self.recipe, (self.out_features, self.in_features),
+        """The weight as a QuantizedTensor in the recipe's layout (rebuilt from ``packed``)."""
+        weight, weight_scale = unpack_nvfp4(self.packed_weight(), self.weight_2d)
+        return QuantizedTensor(weight, weight_scale, self.recipe, (self.out_features, self.in_features),
                                self.out_dtype, self.weight_scale_2)
 
     def packed_weight(self) -> PackedNVFP4:
-        """The weight in the weight-only kernel's layout (``lowprec.gemm.weight_only``), packed on
-        first use and again whenever the NVFP4 buffers change (load, in-place update, device move)."""
-        key = tuple((t.data_ptr(), t._version, t.device) for t in (self.weight, self.weight_scale, self.weight_scale_2))
-        if self._packed is None or self._packed[0] != key:
-            self._packed = (key, pack_nvfp4(self.weight, self.weight_scale, self.weight_scale_2, self.weight_2d))
-        return self._packed[1]
+        """The weight in the weight-only kernel's layout (``lowprec.gemm.weight_only``)."""
+        return PackedNVFP4(self.packed, self.weight_scale_2.reshape(1), self.out_features, self.in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x · Wᵀ + b`` in ``x``'s dtype (the autocast dtype inside ``torch.autocast``)."""
@@ -131,15 +153,17 @@ class NVFP4InferenceLinear(QuantizedBuffersModule):
         with autocast_off:
             x2 = x.reshape(-1, self.in_features)
             bias = None if self.bias is None else self.bias.to(x.dtype)
-
             if torch.is_grad_enabled() and x2.requires_grad:
                 y = F.linear(x2, dequantize(self.quantized_weight(), x.dtype), bias)
-            elif not torch.compiler.is_compiling():
-                packed = self.packed_weight() if x2.is_cuda else None
-                y = weight_only(x2, packed, self.quantized_weight(), bias)
-            else:  # traced: the packed weight of an earlier eager call, or the dequantized product
-                y = weight_only(x2, None if self._packed is None else self._packed[1], self.quantized_weight(), bias)
+            else:
+                y = weight_only(x2, self.packed_weight(), self.quantized_weight, bias)
             return y.reshape(*x.shape[:-1], self.out_features)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        weight, weight_scale = unpack_nvfp4(self.packed_weight(), self.weight_2d)
+        destination[prefix + "weight"] = weight
+        destination[prefix + "weight_scale"] = weight_scale
+        super()._save_to_state_dict(destination, prefix, keep_vars)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
@@ -147,8 +171,30 @@ class NVFP4InferenceLinear(QuantizedBuffersModule):
             t = state_dict.get(prefix + name)
             if isinstance(t, torch.Tensor) and t.dim() == 1 and t.numel() == 1:
                 state_dict[prefix + name] = t.reshape(())
+        taken = {name: state_dict.pop(prefix + name, None) for name in ("weight", "weight_scale")}
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
+        for name, t in taken.items():
+            if t is not None:
+                state_dict[prefix + name] = t
+        expected = {"weight": torch.uint8, "weight_scale": torch.float8_e4m3fn}
+        missing = [name for name, t in taken.items() if t is None]
+        if missing:
+            if strict:
+                missing_keys.extend(prefix + name for name in missing)
+            return
+        wrong = [name for name, t in taken.items() if not isinstance(t, torch.Tensor) or t.dtype != expected[name]]
+        for name in wrong:
+            error_msgs.append(f"{prefix}{name}: expected {expected[name]}, as state_dict() saves it, got "
+                              f"{getattr(taken[name], 'dtype', type(taken[name]))} (float weights are quantized by "
+                              "from_linear or lowprec.convert)")
+        if wrong:
+            return
+        global_scale = state_dict.get(prefix + "weight_scale_2", self.weight_scale_2)
+        try:
+            self.set_weight(taken["weight"], taken["weight_scale"], global_scale.reshape(()).float())
+        except ValueError as err:
+            error_msgs.append(f"{prefix}weight: {err}")
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "

@@ -251,8 +251,8 @@ def test_fp8_kernel_every_split(monkeypatch, splits):
 
 @pytest.mark.parametrize("layer_kind", ["nvfp4", "fp8"])
 def test_layer_traces_the_weight_only_op_fullgraph(layer_kind):
-    """With a packed copy present, torch.compile (fullgraph) traces lowprec::weight_only (here its
-    CPU fallback: the dequantized product, as eager computes it); opcheck of the op passes."""
+    """torch.compile (fullgraph) traces lowprec::weight_only (here its CPU fallback, which rebuilds
+    the weight from the packed form: the product eager computes); opcheck of the op passes."""
     from lowprec.gemm.ops import weight_only_op
     from lowprec.nn import FP8InferenceLinear, NVFP4InferenceLinear
 
@@ -262,17 +262,26 @@ def test_layer_traces_the_weight_only_op_fullgraph(layer_kind):
     x = torch.randn(3, 256, dtype=torch.bfloat16)
     with torch.no_grad():
         eager = layer(x)
-        w = layer.quantized_weight()
-        packed = (pack_nvfp4(layer.weight, layer.weight_scale, layer.weight_scale_2) if layer_kind == "nvfp4"
-                  else pack_fp8(layer.weight, layer.weight_scale))
-        layer._packed = ((), packed)  # as an eager call on the GPU leaves it
+        if layer_kind == "fp8":  # its packed copy comes with the first eager call on a GPU
+            layer._packed = ((), pack_fp8(layer.weight, layer.weight_scale))
+        packed = layer.packed_weight()
         compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")(x)
     assert torch.equal(compiled, eager)
     scale = packed.global_scale if layer_kind == "nvfp4" else packed.scale
-    bias = layer.bias.to(torch.bfloat16)
-    torch.library.opcheck(weight_only_op, (x, packed.data, scale, w.data, w.scale, w.global_scale, w.recipe.spec(),
-                                           packed.n, packed.k, bias),
+    torch.library.opcheck(weight_only_op, (x, packed.data, scale, layer_kind, packed.n, packed.k,
+                                           layer.bias.to(torch.bfloat16)),
                           test_utils=("test_faketensor", "test_aot_dispatch_dynamic"))
+
+
+def test_unpack_is_the_inverse_of_pack():
+    from lowprec.gemm.weight_only import unpack_fp8, unpack_nvfp4
+
+    for weight_2d in (False, True):
+        q = _nvfp4(144, 1040, weight_2d)
+        w, s = unpack_nvfp4(pack_nvfp4(q.data, q.scale, q.global_scale, weight_2d), weight_2d)
+        assert torch.equal(w, q.data) and torch.equal(s.view(torch.uint8), q.scale.view(torch.uint8))
+    q = _fp8(200, 272)
+    assert torch.equal(unpack_fp8(pack_fp8(q.data, q.scale)).view(torch.uint8), q.data.view(torch.uint8))
 
 
 @gpu

@@ -132,3 +132,22 @@ def test_forward_is_cuda_graph_capturable():
         graph.replay()
         torch.cuda.synchronize()
         assert not torch.equal(out, eager) and torch.equal(out, layer(x))
+
+
+def test_the_layer_holds_the_weight_once():
+    """In memory only the kernel's layout (4.5 bits per weight, tiles padded); the state dict
+    rebuilds ModelOpt's tensors from it, and loading them packs them again."""
+    torch.manual_seed(4)
+    layer = NVFP4InferenceLinear.from_linear(nn.Linear(256, 128, bias=False))
+    held = sum(b.numel() * b.element_size() for b in layer.buffers())
+    assert held == layer.packed.numel() + 8 == 128 * 256 // 2 + 128 * 256 // 16 + 8  # + two FP32 scalars
+    state = layer.state_dict()
+    assert set(state) == {"weight", "weight_scale", "weight_scale_2", "input_scale"}
+    w_q = lowprec.quantize(nn.Linear(256, 128, bias=False).weight.detach(), "nvfp4")  # any other weight
+    fresh = NVFP4InferenceLinear(256, 128, bias=False)
+    fresh.load_state_dict({**state, "weight": w_q.data, "weight_scale": w_q.scale})
+    assert torch.equal(fresh.weight, w_q.data) and torch.equal(fresh.packed_weight().data, fresh.packed)
+    fresh.load_state_dict(state)
+    assert torch.equal(fresh.packed, layer.packed)
+    with pytest.raises(RuntimeError, match="Missing key"):
+        fresh.load_state_dict({k: v for k, v in state.items() if k != "weight_scale"})
