@@ -1,0 +1,186 @@
+"""Expert parallelism on ``torch.distributed``: each rank holds ``E / world`` experts and its own
+tokens; a token's slots travel to the ranks of their experts and back by ``all_to_all_single``.
+
+:func:`expert_parallel_experts` computes, over the group, what :func:`lowprec.moe.experts` computes
+in one process on the concatenation of the ranks' tokens (rank 0's first):
+
+- **dispatch**: with ``recipe="fp8_block"`` the tokens are quantized once (1x128, as the one-process
+  MoE quantizes them) and travel as E4M3 codes plus their FP32 scales: about half the bytes of bf16;
+  the experts' rank rebuilds the same codes from them. Without a recipe the rows travel in
+  ``x``'s dtype.
+- **capacity** is global: an expert's rank ranks every slot routed to it by the one-process rule
+  (:mod:`lowprec.moe.routing`: global slot number ``t·k + j`` over the concatenated batch), so the
+  same slots are dropped.
+- **combine**: each slot's output (already times its combine weight) returns to its token's rank,
+  where a token's slots are summed.
+- **backward**: autograd through all of it; the gradients of the returning all-to-all travel in
+  ``x``'s dtype.
+
+Works on any backend that has ``all_to_all_single`` (NCCL on GPUs, gloo on CPUs). Every rank must
+call it (a rank with no tokens passes an empty ``x``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..quant import quantize
+from .layer import experts
+from .routing import DROP_POLICIES, _check_capacity_factor, expert_capacity
+
+__all__ = ["expert_parallel_experts"]
+
+_SCALE_BLOCK = 128
+
+
+def expert_parallel_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w1: torch.Tensor,
+                            w2: torch.Tensor, *, num_experts: int, group: dist.ProcessGroup | None = None,
+                            recipe: str | None = "fp8_block", capacity_factor: float | None = None,
+                            drop_policy: str = "probs", activation: str = "swiglu") -> torch.Tensor:
+    """Routed experts spread over the ranks of ``group`` (see the module docstring).
+
+    Args:
+        x: ``[T, H]`` this rank's tokens (T may be 0; T may differ between ranks).
+        topk_weights, topk_ids: ``[T, k]`` combine weights and *global* expert ids in ``[0, E)``.
+        w1, w2: this rank's experts, ``[E / world, 2F, H]`` and ``[E / world, H, F]``: rank ``r``
+            holds experts ``r·E/world .. (r+1)·E/world - 1``.
+        num_experts: E, a multiple of the group's size.
+        recipe, capacity_factor, drop_policy, activation: as :func:`lowprec.moe.experts`.
+
+    Returns:
+        ``[T, H]`` in ``x``'s dtype, differentiable in ``x``, ``topk_weights``, ``w1`` and ``w2``.
+    """
+    world = dist.get_world_size(group)
+    rank = dist.get_rank(group)
+    _check_args(x, topk_weights, topk_ids, w1, num_experts, world, drop_policy)
+    _check_capacity_factor(capacity_factor)
+    local_experts = num_experts // world
+    tokens, k = topk_ids.shape
+    device = x.device
+
+    # every rank's token count: the global slot numbers and the global capacity
+    gathered = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world)]
+    dist.all_gather(gathered, torch.tensor([tokens], dtype=torch.int64, device=device), group=group)
+    counts = torch.cat(gathered)
+    offset, total = int(counts[:rank].sum()), int(counts.sum())
+    capacity = expert_capacity(total, k, num_experts, capacity_factor)
+
+    # this rank's slots, grouped by destination rank (stable: slot order inside a destination)
+    ids = topk_ids.reshape(-1).long()
+    dest = ids // local_experts
+    order = torch.argsort(dest, stable=True)
+    send_counts = torch.bincount(dest, minlength=world)
+    recv_counts = torch.empty_like(send_counts)
+    dist.all_to_all_single(recv_counts, send_counts, group=group)
+    send_splits, recv_splits = send_counts.tolist(), recv_counts.tolist()
+    token_of_row = order // k  # the token each sent row copies
+
+    slot_numbers = (offset * k + order).to(torch.int64)
+    meta = torch.stack([ids[order] % local_experts, slot_numbers], dim=1)
+    meta_recv = meta.new_empty(sum(recv_splits), 2)
+    dist.all_to_all_single(meta_recv, meta, recv_splits, send_splits, group=group)
+    local_ids, slot_recv = meta_recv[:, 0], meta_recv[:, 1]
+
+    weights_recv = _AllToAll.apply(topk_weights.reshape(-1)[order], send_splits, recv_splits, group)
+    x_recv = _Dispatch.apply(x, token_of_row, send_splits, recv_splits, group, recipe is not None)
+
+    # the dropped slots leave the batch (as in one process: the FP8 weight gradient quantizes
+    # blocks of 128 rows, which must hold the same rows)
+    kept = torch.nonzero(_kept(local_ids, slot_recv, weights_recv.detach(), local_experts, capacity,
+                               drop_policy)).flatten()
+    y_kept = experts(x_recv[kept], weights_recv[kept][:, None], local_ids[kept][:, None], w1, w2, recipe=recipe,
+                     capacity_factor=None, activation=activation, check_ids=False)
+    y_recv = y_kept.new_zeros(x_recv.shape[0], y_kept.shape[1]).index_copy(0, kept, y_kept)
+    y_rows = _AllToAll.apply(y_recv, recv_splits, send_splits, group)
+    return x.new_zeros(tokens, x.shape[1]).index_add(0, token_of_row, y_rows)
+
+
+def _check_args(x, topk_weights, topk_ids, w1, num_experts, world, drop_policy) -> None:
+    if not isinstance(num_experts, int) or num_experts <= 0 or num_experts % world:
+        raise ValueError(f"num_experts: expected a positive multiple of the group size {world}, got {num_experts!r}")
+    if not isinstance(x, torch.Tensor) or x.dim() != 2:
+        raise ValueError(f"x: expected a [T, H] tensor, got {getattr(x, 'shape', type(x))}")
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0] or topk_weights.shape != topk_ids.shape:
+        raise ValueError(f"topk_ids / topk_weights: expected [T={x.shape[0]}, k] each, got {tuple(topk_ids.shape)} "
+                         f"and {tuple(topk_weights.shape)}")
+    if w1.shape[0] != num_experts // world:
+        raise ValueError(f"w1: expected this rank's {num_experts // world} experts, got {w1.shape[0]}")
+    if drop_policy not in DROP_POLICIES:
+        raise ValueError(f"drop_policy: expected one of {DROP_POLICIES}, got {drop_policy!r}")
+
+
+def _kept(local_ids, slot_numbers, weights, local_experts: int, capacity: int | None, drop_policy: str):
+    """Which received slots an expert keeps under the one-process rule (routing.dispatch):
+    ``probs``: the highest combine weights, equal weights by lower slot number; ``position``: the
+    lowest slot numbers; at most ``capacity`` per expert."""
+    rows = local_ids.shape[0]
+    if capacity is None:
+        return torch.ones(rows, dtype=torch.bool, device=local_ids.device)
+    order = torch.argsort(slot_numbers, stable=True)
+    if drop_policy == "probs":
+        order = order[torch.argsort(-weights[order], stable=True)]
+    order = order[torch.argsort(local_ids[order], stable=True)]
+    starts = torch.cumsum(torch.bincount(local_ids, minlength=local_experts), 0) - torch.bincount(
+        local_ids, minlength=local_experts)
+    position = torch.arange(rows, device=local_ids.device) - starts[local_ids[order]]
+    kept = torch.empty(rows, dtype=torch.bool, device=local_ids.device)
+    kept[order] = position < capacity
+    return kept
+
+
+class _AllToAll(torch.autograd.Function):
+    """``all_to_all_single`` of rows (``send_splits`` out, ``recv_splits`` in); the gradient takes
+    the reverse route."""
+
+    @staticmethod
+    def forward(ctx, t, send_splits, recv_splits, group):
+        ctx.splits, ctx.group = (send_splits, recv_splits), group
+        out = t.new_empty(sum(recv_splits), *t.shape[1:])
+        dist.all_to_all_single(out, t.contiguous(), recv_splits, send_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        send_splits, recv_splits = ctx.splits
+        back = grad.new_empty(sum(send_splits), *grad.shape[1:])
+        dist.all_to_all_single(back, grad.contiguous(), send_splits, recv_splits, group=ctx.group)
+        return back, None, None, None
+
+
+class _Dispatch(torch.autograd.Function):
+    """Token rows to the experts' ranks: E4M3 codes plus FP32 1x128 scales (``quantized``) or rows
+    in ``x``'s dtype; the gradient comes back in ``x``'s dtype and is summed per token."""
+
+    @staticmethod
+    def forward(ctx, x, token_of_row, send_splits, recv_splits, group, quantized: bool):
+        ctx.save_for_backward(token_of_row)
+        ctx.splits, ctx.group, ctx.tokens = (send_splits, recv_splits), group, x.shape[0]
+        rows = sum(recv_splits)
+        if not quantized:
+            out = x.new_empty(rows, x.shape[1])
+            dist.all_to_all_single(out, x[token_of_row].contiguous(), recv_splits, send_splits, group=group)
+            return out
+        if x.shape[0]:
+            q = quantize(x, "fp8_block1x128", check_finite=False)
+            codes = q.data.view(torch.uint8)[token_of_row].contiguous()
+            scales = q.scale[token_of_row].contiguous()
+        else:  # no tokens here: empty rows of the right widths
+            codes = torch.empty(0, x.shape[1], dtype=torch.uint8, device=x.device)
+            scales = torch.empty(0, -(-x.shape[1] // _SCALE_BLOCK), dtype=torch.float32, device=x.device)
+        codes_recv = codes.new_empty(rows, codes.shape[1])
+        scales_recv = scales.new_empty(rows, scales.shape[1])
+        dist.all_to_all_single(codes_recv, codes, recv_splits, send_splits, group=group)
+        dist.all_to_all_single(scales_recv, scales, recv_splits, send_splits, group=group)
+        values = codes_recv.view(torch.float8_e4m3fn).float() * scales_recv.repeat_interleave(_SCALE_BLOCK, dim=1)[
+            :, : codes_recv.shape[1]]
+        return values.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (token_of_row,) = ctx.saved_tensors
+        send_splits, recv_splits = ctx.splits
+        back = grad.new_empty(len(token_of_row), grad.shape[1])
+        dist.all_to_all_single(back, grad.contiguous(), send_splits, recv_splits, group=ctx.group)
+        dx = grad.new_zeros(ctx.tokens, grad.shape[1]).index_add_(0, token_of_row, back)
+        return dx, None, None, None, None, None

@@ -1,0 +1,68 @@
+"""Expert-parallel MoE on gloo (CPU processes): the ranks together compute what one process
+computes on the concatenated batch, forward and backward."""
+
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from lowprec.moe import experts
+from lowprec.moe.parallel import expert_parallel_experts
+
+H, F, E, K = 128, 64, 8, 2
+
+
+def _problem(token_counts, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    total = sum(token_counts)
+    x = torch.randn(total, H, generator=g)
+    logits = torch.randn(total, E, generator=g)
+    weights, ids = torch.topk(torch.softmax(logits, -1), K, dim=-1)
+    w1 = torch.randn(E, 2 * F, H, generator=g) * H ** -0.5
+    w2 = torch.randn(E, H, F, generator=g) * F ** -0.5
+    dy = torch.randn(total, H, generator=g)
+    return x, weights, ids, w1, w2, dy
+
+
+def _grads(fn, x, weights, w1, w2, dy):
+    leaves = [t.detach().clone().requires_grad_() for t in (x, weights, w1, w2)]
+    y = fn(*leaves)
+    (y * dy).sum().backward()
+    return y.detach(), [t.grad if t.grad is not None else torch.zeros_like(t) for t in leaves]
+
+
+def _worker(rank, world, init_file, token_counts, recipe, capacity_factor, drop_policy):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        x, weights, ids, w1, w2, dy = _problem(token_counts)
+        kwargs = dict(recipe=recipe, capacity_factor=capacity_factor, drop_policy=drop_policy)
+        y_ref, g_ref = _grads(lambda x, w, a, b: experts(x, w, ids, a, b, **kwargs), x, weights, w1, w2, dy)
+        lo, hi = sum(token_counts[:rank]), sum(token_counts[: rank + 1])
+        per = E // world
+        mine = slice(rank * per, (rank + 1) * per)
+
+        def ep(x_r, w_r, a, b):
+            return expert_parallel_experts(x_r, w_r, ids[lo:hi], a, b, num_experts=E, **kwargs)
+
+        y, g = _grads(ep, x[lo:hi], weights[lo:hi], w1[mine], w2[mine], dy[lo:hi])
+        tol = dict(rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(y, y_ref[lo:hi], **tol)
+        torch.testing.assert_close(g[0], g_ref[0][lo:hi], **tol)  # dx
+        torch.testing.assert_close(g[1], g_ref[1][lo:hi], **tol)  # d topk_weights
+        torch.testing.assert_close(g[2], g_ref[2][mine], **tol)  # d w1 of this rank's experts
+        torch.testing.assert_close(g[3], g_ref[3][mine], **tol)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("token_counts", [(37, 20), (5, 0, 41, 13)], ids=["2 ranks", "4 ranks, one empty"])
+@pytest.mark.parametrize("recipe", [None, "fp8_block"])
+@pytest.mark.parametrize("capacity_factor,drop_policy", [(None, "probs"), (0.75, "probs"), (0.75, "position")])
+def test_expert_parallel_equals_one_process(token_counts, recipe, capacity_factor, drop_policy):
+    with tempfile.TemporaryDirectory() as tmp:
+        init_file = os.path.join(tmp, "init")
+        mp.spawn(_worker, args=(len(token_counts), init_file, token_counts, recipe, capacity_factor, drop_policy),
+                 nprocs=len(token_counts), join=True)
