@@ -3,12 +3,13 @@
 from ..runtime import registry
 from .layer import ACTIVATIONS, RECIPES, FP8InferenceMoE, MoE, experts
 from .packing import gather_rows, pack, pack_tokens, unpack
+from .parallel import ExpertParallelMoE, expert_parallel_experts
 from .routing import DROP_POLICIES, SCORE_FUNCS, Routing, dispatch, expert_capacity, route, select_experts
 from .wgrad import grouped_gemm_wgrad, quantize_k_grouped
 
 __all__ = [
-    "ACTIVATIONS", "DROP_POLICIES", "FP8InferenceMoE", "MoE", "RECIPES", "Routing", "SCORE_FUNCS", "dispatch",
-    "expert_capacity", "experts", "gather_rows", "grouped_gemm_wgrad", "pack", "pack_tokens", "quantize_k_grouped",
+    "ACTIVATIONS", "DROP_POLICIES", "ExpertParallelMoE", "FP8InferenceMoE", "MoE", "RECIPES", "Routing",
+    "SCORE_FUNCS", "dispatch", "expert_capacity", "expert_parallel_experts", "experts", "gather_rows", "grouped_gemm_wgrad", "pack", "pack_tokens", "quantize_k_grouped",
     "route", "select_experts", "unpack",
 ]
 

@@ -24,12 +24,15 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
 
+from ..nn.functional import follow_autocast
 from ..quant import quantize
-from .layer import experts
-from .routing import DROP_POLICIES, _check_capacity_factor, expert_capacity
+from .layer import MoE, _set_config, experts
+from .routing import DROP_POLICIES, _check_capacity_factor, expert_capacity, select_experts
 
-__all__ = ["expert_parallel_experts"]
+__all__ = ["expert_parallel_experts", "ExpertParallelMoE"]
 
 _SCALE_BLOCK = 128
 
@@ -184,3 +187,68 @@ class _Dispatch(torch.autograd.Function):
         dist.all_to_all_single(back, grad.contiguous(), send_splits, recv_splits, group=ctx.group)
         dx = grad.new_zeros(ctx.tokens, grad.shape[1]).index_add_(0, token_of_row, back)
         return dx, None, None, None, None, None
+
+
+class ExpertParallelMoE(nn.Module):
+    """:class:`lowprec.moe.MoE` with its experts spread over the ranks of ``group``: rank ``r`` holds
+    experts ``r·E/world .. (r+1)·E/world - 1`` (``w1``, ``w2``) and a copy of the router; tokens
+    travel by :func:`expert_parallel_experts`. Every rank runs the same layer on its own tokens
+    (any count, 0 included); together they compute what the one-process ``MoE`` computes on the
+    concatenated batch.
+
+    The router is replicated: its gradient on a rank comes from that rank's tokens only, so sum
+    (or average) it over the group as data parallelism does (DDP / FSDP on the router, or
+    ``all_reduce`` of ``router.weight.grad``). Build it with :meth:`from_moe` (this rank's share of
+    a full layer) or directly (then initialise every rank's router alike).
+    """
+
+    def __init__(self, hidden_size: int, ffn_size: int, num_experts: int, top_k: int, *,
+                 group: dist.ProcessGroup | None = None, capacity_factor: float | None = None,
+                 activation: str = "swiglu", recipe: str | None = "fp8_block", score_func: str = "softmax",
+                 renormalize: bool = True, drop_policy: str = "probs", device=None, dtype=None) -> None:
+        super().__init__()
+        world = dist.get_world_size(group)
+        if num_experts % world:
+            raise ValueError(f"num_experts: expected a multiple of the group size {world}, got {num_experts}")
+        _set_config(self, hidden_size, ffn_size, num_experts, top_k, capacity_factor, activation, recipe,
+                    score_func, renormalize, drop_policy)
+        self.recipe, self.group = recipe, group
+        self.rank, self.world = dist.get_rank(group), world
+        per = num_experts // world
+        factory = {"device": device, "dtype": dtype}
+        self.router = nn.Linear(hidden_size, num_experts, bias=False, **factory)
+        self.w1 = nn.Parameter(torch.zeros(per, 2 * ffn_size, hidden_size, **factory))
+        self.w2 = nn.Parameter(torch.zeros(per, hidden_size, ffn_size, **factory))
+
+    @classmethod
+    def from_moe(cls, moe: MoE, group: dist.ProcessGroup | None = None) -> ExpertParallelMoE:
+        """This rank's share of ``moe`` (its router copied, its experts' weights sliced)."""
+        layer = cls(moe.hidden_size, moe.ffn_size, moe.num_experts, moe.top_k, group=group,
+                    capacity_factor=moe.capacity_factor, activation=moe.activation, recipe=moe.recipe,
+                    score_func=moe.score_func, renormalize=moe.renormalize, drop_policy=moe.drop_policy,
+                    device=moe.w1.device, dtype=moe.w1.dtype)
+        per = moe.num_experts // layer.world
+        mine = slice(layer.rank * per, (layer.rank + 1) * per)
+        with torch.no_grad():
+            layer.router.weight.copy_(moe.router.weight)
+            layer.w1.copy_(moe.w1[mine])
+            layer.w2.copy_(moe.w2[mine])
+        return layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [..., H]`` (this rank's tokens) to ``[..., H]``."""
+        if not isinstance(x, torch.Tensor) or x.shape[-1] != self.hidden_size:
+            raise ValueError(f"x: expected [..., H={self.hidden_size}], got {tuple(getattr(x, 'shape', ()))}")
+        tokens, autocast_off = follow_autocast(x.reshape(-1, self.hidden_size))
+        with autocast_off:  # the router stays FP32, as MoE's
+            weights, ids = select_experts(F.linear(tokens.float(), self.router.weight.float()), self.top_k,
+                                          score_func=self.score_func, renormalize=self.renormalize)
+            y = expert_parallel_experts(tokens, weights, ids, self.w1, self.w2, num_experts=self.num_experts,
+                                        group=self.group, recipe=self.recipe, capacity_factor=self.capacity_factor,
+                                        drop_policy=self.drop_policy, activation=self.activation)
+        return y.reshape(x.shape)
+
+    def extra_repr(self) -> str:
+        return (f"hidden_size={self.hidden_size}, ffn_size={self.ffn_size}, num_experts={self.num_experts} "
+                f"({self.num_experts // self.world} on rank {self.rank} of {self.world}), top_k={self.top_k}, "
+                f"capacity_factor={self.capacity_factor}, recipe={self.recipe!r}")

@@ -66,3 +66,42 @@ def test_expert_parallel_equals_one_process(token_counts, recipe, capacity_facto
         init_file = os.path.join(tmp, "init")
         mp.spawn(_worker, args=(len(token_counts), init_file, token_counts, recipe, capacity_factor, drop_policy),
                  nprocs=len(token_counts), join=True)
+
+
+def _module_worker(rank, world, init_file, token_counts, recipe):
+    from lowprec.moe import MoE
+    from lowprec.moe.parallel import ExpertParallelMoE
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        torch.manual_seed(0)
+        full = MoE(H, F, E, K, capacity_factor=1.0, recipe=recipe)
+        g = torch.Generator().manual_seed(1)
+        x = torch.randn(sum(token_counts), H, generator=g)
+        dy = torch.randn(sum(token_counts), H, generator=g)
+        xr = x.clone().requires_grad_()
+        (full(xr) * dy).sum().backward()
+        layer = ExpertParallelMoE.from_moe(full, group=None)
+        lo, hi = sum(token_counts[:rank]), sum(token_counts[: rank + 1])
+        mine = x[lo:hi].clone().requires_grad_()
+        y = layer(mine)
+        (y * dy[lo:hi]).sum().backward()
+        dist.all_reduce(layer.router.weight.grad)  # the replicated router: data parallel
+        per = E // world
+        tol = dict(rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(mine.grad, xr.grad[lo:hi], **tol)
+        torch.testing.assert_close(layer.w1.grad, full.w1.grad[rank * per:(rank + 1) * per], **tol)
+        torch.testing.assert_close(layer.w2.grad, full.w2.grad[rank * per:(rank + 1) * per], **tol)
+        torch.testing.assert_close(layer.router.weight.grad, full.router.weight.grad, **tol)
+        with torch.no_grad():
+            torch.testing.assert_close(y, full(x)[lo:hi], **tol)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("recipe", [None, "fp8_block"])
+def test_expert_parallel_module_equals_moe(recipe):
+    """ExpertParallelMoE.from_moe on 2 ranks: the full MoE's outputs and gradients (the router's
+    summed over the ranks), with a capacity limit."""
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_module_worker, args=(2, os.path.join(tmp, "init"), (29, 35), recipe), nprocs=2, join=True)
