@@ -9,8 +9,8 @@ from .wgrad import grouped_gemm_wgrad, quantize_k_grouped
 
 __all__ = [
     "ACTIVATIONS", "DROP_POLICIES", "ExpertParallelMoE", "FP8InferenceMoE", "MoE", "RECIPES", "Routing",
-    "SCORE_FUNCS", "dispatch", "expert_capacity", "expert_parallel_experts", "experts", "gather_rows", "grouped_gemm_wgrad", "pack", "pack_tokens", "quantize_k_grouped",
-    "route", "select_experts", "unpack",
+    "SCORE_FUNCS", "dispatch", "expert_capacity", "expert_parallel_experts", "experts", "gather_rows",
+    "grouped_gemm_wgrad", "pack", "pack_tokens", "quantize_k_grouped", "route", "select_experts", "unpack",
 ]
 
 registry.load_arch_packages(__name__, __path__)
