@@ -15,11 +15,12 @@ from lowprec.moe.parallel import expert_parallel_experts
 H, F, E, K = 128, 64, 8, 2
 
 
-def _problem(token_counts, seed=0):
+def _problem(token_counts, seed=0, experts_used=E):
     g = torch.Generator().manual_seed(seed)
     total = sum(token_counts)
     x = torch.randn(total, H, generator=g)
     logits = torch.randn(total, E, generator=g)
+    logits[:, experts_used:] = -float("inf")  # experts past experts_used get no slot
     weights, ids = torch.topk(torch.softmax(logits, -1), K, dim=-1)
     w1 = torch.randn(E, 2 * F, H, generator=g) * H ** -0.5
     w2 = torch.randn(E, H, F, generator=g) * F ** -0.5
@@ -34,10 +35,10 @@ def _grads(fn, x, weights, w1, w2, dy):
     return y.detach(), [t.grad if t.grad is not None else torch.zeros_like(t) for t in leaves]
 
 
-def _worker(rank, world, init_file, token_counts, recipe, capacity_factor, drop_policy):
+def _worker(rank, world, init_file, token_counts, recipe, capacity_factor, drop_policy, experts_used=E):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
-        x, weights, ids, w1, w2, dy = _problem(token_counts)
+        x, weights, ids, w1, w2, dy = _problem(token_counts, experts_used=experts_used)
         kwargs = dict(recipe=recipe, capacity_factor=capacity_factor, drop_policy=drop_policy)
         y_ref, g_ref = _grads(lambda x, w, a, b: experts(x, w, ids, a, b, **kwargs), x, weights, w1, w2, dy)
         lo, hi = sum(token_counts[:rank]), sum(token_counts[: rank + 1])
@@ -66,6 +67,13 @@ def test_expert_parallel_equals_one_process(token_counts, recipe, capacity_facto
         init_file = os.path.join(tmp, "init")
         mp.spawn(_worker, args=(len(token_counts), init_file, token_counts, recipe, capacity_factor, drop_policy),
                  nprocs=len(token_counts), join=True)
+
+
+def test_a_rank_whose_experts_get_no_slot():
+    """All slots go to rank 0's experts: rank 1 computes on no rows and still takes part."""
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_worker, args=(2, os.path.join(tmp, "init"), (21, 17), "fp8_block", 1.0, "probs", E // 2),
+                 nprocs=2, join=True)
 
 
 def _module_worker(rank, world, init_file, token_counts, recipe):
