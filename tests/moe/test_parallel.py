@@ -1,6 +1,7 @@
 """Expert-parallel MoE on gloo (CPU processes): the ranks together compute what one process
 computes on the concatenated batch, forward and backward."""
 
+import datetime
 import os
 import tempfile
 
@@ -36,7 +37,8 @@ def _grads(fn, x, weights, w1, w2, dy):
 
 
 def _worker(rank, world, init_file, token_counts, recipe, capacity_factor, drop_policy, experts_used=E):
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120))
     try:
         x, weights, ids, w1, w2, dy = _problem(token_counts, experts_used=experts_used)
         kwargs = dict(recipe=recipe, capacity_factor=capacity_factor, drop_policy=drop_policy)
@@ -56,6 +58,7 @@ def _worker(rank, world, init_file, token_counts, recipe, capacity_factor, drop_
         torch.testing.assert_close(g[2], g_ref[2][mine], **tol)  # d w1 of this rank's experts
         torch.testing.assert_close(g[3], g_ref[3][mine], **tol)
     finally:
+        dist.barrier()  # no rank leaves while another still runs a collective
         dist.destroy_process_group()
 
 
@@ -80,7 +83,8 @@ def _module_worker(rank, world, init_file, token_counts, recipe):
     from lowprec.moe import MoE
     from lowprec.moe.parallel import ExpertParallelMoE
 
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120))
     try:
         torch.manual_seed(0)
         full = MoE(H, F, E, K, capacity_factor=1.0, recipe=recipe)
@@ -104,6 +108,7 @@ def _module_worker(rank, world, init_file, token_counts, recipe):
         with torch.no_grad():
             torch.testing.assert_close(y, full(x)[lo:hi], **tol)
     finally:
+        dist.barrier()  # no rank leaves while another still runs a collective
         dist.destroy_process_group()
 
 

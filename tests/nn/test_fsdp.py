@@ -4,6 +4,7 @@ over the ranks: the FP8 weight gradient quantizes blocks of a rank's own tokens,
 process on the whole batch, is the sharded step's reference), and the state dict is DTensors."""
 
 import copy
+import datetime
 import os
 import tempfile
 
@@ -34,7 +35,8 @@ def _worker(rank, world, init_file):
 
     import lowprec
 
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120))
     try:
         torch.manual_seed(0)
         model = lowprec.convert(_Block(), min_weight_numel=0)
@@ -68,6 +70,7 @@ def _worker(rank, world, init_file):
         for name, value in ref.state_dict().items():
             torch.testing.assert_close(state[name].full_tensor(), value, rtol=1e-6, atol=1e-6)
     finally:
+        dist.barrier()  # no rank leaves while another still runs a collective (full_tensor above)
         dist.destroy_process_group()
 
 
