@@ -6,9 +6,9 @@ Shapes: the Llama-3-8B projections (N x K: QKV 6144x4096, O 4096x4096, gate+up 2
 - ``bf16``: cuBLAS, ``x @ W.t()``;
 - ``fp8-cublas``: ``torch._scaled_mm`` with FP8 rowwise weights and ``x`` quantized per row in
   the call (as a user of cuBLAS FP8 would), where cuBLAS takes the shape;
-- ``lowprec-fp8``: :class:`~lowprec.nn.FP8InferenceLinear` (128x128 weight blocks);
-- ``lowprec-nvfp4``: :class:`~lowprec.nn.NVFP4InferenceLinear` (today it dequantizes the weight
-  per call: there is no weight-only decode kernel yet).
+- ``lowprec-fp8``: :class:`~lowprec.nn.FP8InferenceLinear` (128x128 weight blocks: the weight-only
+  kernel up to ``weight_only_max_m`` rows, W8A8 beyond);
+- ``lowprec-nvfp4``: :class:`~lowprec.nn.NVFP4InferenceLinear` (the weight-only kernel).
 
 Then a decode step of a Llama-3-8B-shaped 2-layer model (``bench train``'s ``llama3-8b-2l``, every
 linear including the LM head converted; embedding bf16) at B = 1 and 8 tokens, one new position
