@@ -333,26 +333,13 @@ def unpack_fp8(packed: PackedFP8) -> torch.Tensor:
 
 def unpack_fp8_emulated(packed: PackedFP8) -> torch.Tensor:
     """The dequantized weight ``[N, K]`` (float64) as the kernel computes it: the codes read
-    back from the packed layout through the kernel's decode (E4M3 -> f16, the f16 bits moved
-    into a bf16 as ``value * 2^-112``, times 2^112), times the block scales."""
-    n_tiles, k_chunks = packed.n_tiles, packed.k_chunks
-    b = packed.data.view(n_tiles, k_chunks, 2, _THREADS, 4, 8).permute(0, 1, 3, 2, 4, 5).cpu()
-    b = b.reshape(n_tiles, k_chunks, _THREADS, _KSTEPS, 8)
-    f16 = b.view(torch.float8_e4m3fn).to(torch.float16).view(torch.int16).to(torch.int64) & 0xFFFF
-    bf16_bits = ((f16 >> 3) & 0x0FFF) | (f16 & 0x8000)
-    vals = _bf16_of_bits(bf16_bits) * 2.0 ** 112
-    w = torch.zeros(n_tiles, k_chunks, TILE_N, CHUNK_K, dtype=torch.float64)
-    r0, col, s = _thread_coords("cpu")
-    i = 0
-    for dc in (0, 8):
-        for row in (r0, r0 + 8):
-            c = (16 * s)[None, :] + col[:, None] + dc
-            w[:, :, row[:, None], c] = vals[..., i]
-            w[:, :, row[:, None], c + 1] = vals[..., i + 1]
-            i += 2
-    w = w.permute(0, 2, 1, 3).reshape(n_tiles * TILE_N, k_chunks * CHUNK_K)
+    back from the packed layout (:func:`unpack_fp8`) through the kernel's decode (E4M3 -> f16,
+    the f16 bits moved into a bf16 as ``value * 2^-112``, times 2^112), times the block scales."""
+    codes = unpack_fp8(packed).cpu()
+    f16 = codes.to(torch.float16).view(torch.int16).to(torch.int64) & 0xFFFF
+    w = _bf16_of_bits(((f16 >> 3) & 0x0FFF) | (f16 & 0x8000)) * 2.0 ** 112
     scale = packed.scale.double().cpu().repeat_interleave(FP8_SCALE_BLOCK, 0).repeat_interleave(FP8_SCALE_BLOCK, 1)
-    return (w[: packed.n, : packed.k] * scale[: packed.n, : packed.k])
+    return w * scale[: packed.n, : packed.k]
 
 
 def weight_only_reference(x: torch.Tensor, packed: PackedNVFP4 | PackedFP8, bias: torch.Tensor | None = None

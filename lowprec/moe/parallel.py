@@ -29,6 +29,8 @@ from torch import nn
 
 from ..nn.functional import follow_autocast
 from ..quant import quantize
+from ..recipes import get_recipe
+from ..tensor import QuantizedTensor
 from .layer import MoE, _set_config, experts
 from .routing import DROP_POLICIES, _check_capacity_factor, expert_capacity, select_experts
 
@@ -86,7 +88,10 @@ def expert_parallel_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_id
     local_ids, slot_recv = meta_recv[:, 0], meta_recv[:, 1]
 
     weights_recv = _AllToAll.apply(topk_weights.reshape(-1)[order], send_splits, recv_splits, group)
-    x_recv = _Dispatch.apply(x, token_of_row, send_splits, recv_splits, group, recipe is not None)
+    if recipe is None:
+        x_recv = _AllToAll.apply(x[token_of_row], send_splits, recv_splits, group)
+    else:
+        x_recv = _Dispatch.apply(x, token_of_row, send_splits, recv_splits, group)
 
     # the dropped slots leave the batch (as in one process: the FP8 weight gradient quantizes
     # blocks of 128 rows, which must hold the same rows)
@@ -132,38 +137,35 @@ def _kept(local_ids, slot_numbers, weights, local_experts: int, capacity: int | 
     return kept
 
 
+def _exchange(t: torch.Tensor, send_splits: list[int], recv_splits: list[int], group) -> torch.Tensor:
+    """``all_to_all_single`` of rows: ``send_splits`` out, ``recv_splits`` in."""
+    out = t.new_empty(sum(recv_splits), *t.shape[1:])
+    dist.all_to_all_single(out, t.contiguous(), recv_splits, send_splits, group=group)
+    return out
+
+
 class _AllToAll(torch.autograd.Function):
-    """``all_to_all_single`` of rows (``send_splits`` out, ``recv_splits`` in); the gradient takes
-    the reverse route."""
+    """:func:`_exchange` with autograd: the gradient takes the reverse route."""
 
     @staticmethod
     def forward(ctx, t, send_splits, recv_splits, group):
         ctx.splits, ctx.group = (send_splits, recv_splits), group
-        out = t.new_empty(sum(recv_splits), *t.shape[1:])
-        dist.all_to_all_single(out, t.contiguous(), recv_splits, send_splits, group=group)
-        return out
+        return _exchange(t, send_splits, recv_splits, group)
 
     @staticmethod
     def backward(ctx, grad):
         send_splits, recv_splits = ctx.splits
-        back = grad.new_empty(sum(send_splits), *grad.shape[1:])
-        dist.all_to_all_single(back, grad.contiguous(), send_splits, recv_splits, group=ctx.group)
-        return back, None, None, None
+        return _exchange(grad, recv_splits, send_splits, ctx.group), None, None, None
 
 
 class _Dispatch(torch.autograd.Function):
-    """Token rows to the experts' ranks: E4M3 codes plus FP32 1x128 scales (``quantized``) or rows
-    in ``x``'s dtype; the gradient comes back in ``x``'s dtype and is summed per token."""
+    """Token rows to the experts' ranks as E4M3 codes plus FP32 1x128 scales (each token quantized
+    once, the rows gathered after); the gradient comes back in ``x``'s dtype, summed per token."""
 
     @staticmethod
-    def forward(ctx, x, token_of_row, send_splits, recv_splits, group, quantized: bool):
+    def forward(ctx, x, token_of_row, send_splits, recv_splits, group):
         ctx.save_for_backward(token_of_row)
         ctx.splits, ctx.group, ctx.tokens = (send_splits, recv_splits), group, x.shape[0]
-        rows = sum(recv_splits)
-        if not quantized:
-            out = x.new_empty(rows, x.shape[1])
-            dist.all_to_all_single(out, x[token_of_row].contiguous(), recv_splits, send_splits, group=group)
-            return out
         if x.shape[0]:
             q = quantize(x, "fp8_block1x128", check_finite=False)
             codes = q.data.view(torch.uint8)[token_of_row].contiguous()
@@ -171,22 +173,18 @@ class _Dispatch(torch.autograd.Function):
         else:  # no tokens here: empty rows of the right widths
             codes = torch.empty(0, x.shape[1], dtype=torch.uint8, device=x.device)
             scales = torch.empty(0, -(-x.shape[1] // _SCALE_BLOCK), dtype=torch.float32, device=x.device)
-        codes_recv = codes.new_empty(rows, codes.shape[1])
-        scales_recv = scales.new_empty(rows, scales.shape[1])
-        dist.all_to_all_single(codes_recv, codes, recv_splits, send_splits, group=group)
-        dist.all_to_all_single(scales_recv, scales, recv_splits, send_splits, group=group)
-        values = codes_recv.view(torch.float8_e4m3fn).float() * scales_recv.repeat_interleave(_SCALE_BLOCK, dim=1)[
-            :, : codes_recv.shape[1]]
-        return values.to(x.dtype)
+        codes_recv = _exchange(codes, send_splits, recv_splits, group)
+        scales_recv = _exchange(scales, send_splits, recv_splits, group)
+        received = QuantizedTensor(codes_recv.view(torch.float8_e4m3fn), scales_recv, get_recipe("fp8_block1x128"),
+                                   tuple(codes_recv.shape), x.dtype)
+        return received.dequantize(torch.float32).to(x.dtype)
 
     @staticmethod
     def backward(ctx, grad):
         (token_of_row,) = ctx.saved_tensors
         send_splits, recv_splits = ctx.splits
-        back = grad.new_empty(len(token_of_row), grad.shape[1])
-        dist.all_to_all_single(back, grad.contiguous(), send_splits, recv_splits, group=ctx.group)
-        dx = grad.new_zeros(ctx.tokens, grad.shape[1]).index_add_(0, token_of_row, back)
-        return dx, None, None, None, None, None
+        back = _exchange(grad, recv_splits, send_splits, ctx.group)
+        return grad.new_zeros(ctx.tokens, grad.shape[1]).index_add_(0, token_of_row, back), None, None, None, None
 
 
 class ExpertParallelMoE(nn.Module):
