@@ -13,7 +13,11 @@ Shapes: the Llama-3-8B projections (N x K: QKV 6144x4096, O 4096x4096, gate+up 2
 Then a decode step of a Llama-3-8B-shaped 2-layer model (``bench train``'s ``llama3-8b-2l``, every
 linear including the LM head converted; embedding bf16) at B = 1 and 8 tokens, one new position
 attending over a bf16 KV cache of ``CONTEXT`` positions (SDPA), as a CUDA graph: bf16 weights vs
-``convert(model, "fp8_block", inference=True)`` vs ``convert(model, "nvfp4", inference=True)``.
+``convert(model, "fp8_block", inference=True)`` vs ``convert(model, "nvfp4", inference=True)``,
+two ways: ``eager-ops``, the step's PyTorch ops as they are captured in the graph, and
+``compiled``, the step through ``torch.compile`` (fullgraph; the norms, rotary, SiLU and residual
+adds fused by inductor, the lowprec layers traced as their custom ops) captured in the graph, as
+a compiled decode loop runs it.
 
 Each projection is timed two ways: ``graph_us``, the GPU time of a CUDA graph of back-to-back calls (the
 kernel's own speed), and ``eager_us``, back-to-back Python calls (what an eager decode loop pays,
@@ -23,7 +27,8 @@ layers do (one weight replayed back to back would stay in L2: 120% of the copy r
 ``GB/s`` counts the bytes of the weight as stored (the floor of a
 memory-bound GEMM), ``% copy`` against the measured device copy bandwidth.
 
-    python -m lowprec bench decode [--ms 1,4,16,64,256] [--shapes 6144x4096,...] [--batches 1,8] [--out FILE]
+    python -m lowprec bench decode [--ms 1,4,16,64,256] [--shapes 6144x4096,...] [--batches 1,8]
+                                   [--model-modes eager-ops,compiled] [--out FILE]
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ IMPLS = ("bf16", "fp8-cublas", "lowprec-fp8", "lowprec-nvfp4")
 ROTATE_BYTES = 200e6
 CONTEXT = 1024  # KV-cache positions of the model decode step
 MODEL_IMPLS = ("bf16", "lowprec-fp8", "lowprec-nvfp4")
+MODEL_MODES = ("eager-ops", "compiled")
 _BYTES_PER_WEIGHT = {"bf16": 2.0, "fp8-cublas": 1.0, "lowprec-fp8": 1.0, "lowprec-nvfp4": 0.5 + 1 / 16}
 
 
@@ -61,12 +67,17 @@ def parse_args(argv=None):
     p.add_argument("--shapes", default=",".join(f"{n}x{k}" for n, k in SHAPES), help="N x K, comma-separated")
     p.add_argument("--impls", default=",".join(IMPLS))
     p.add_argument("--batches", default="1,8", help="model decode step: tokens per step (empty: skip)")
+    p.add_argument("--model-modes", default=",".join(MODEL_MODES),
+                   help=f"model decode step: how its ops run, comma-separated ({', '.join(MODEL_MODES)})")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     args.ms = [int(m) for m in args.ms.split(",")]
     args.shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     args.impls = args.impls.split(",")
     args.batches = [int(b) for b in args.batches.split(",") if b]
+    args.model_modes = [m for m in args.model_modes.split(",") if m]
+    if [m for m in args.model_modes if m not in MODEL_MODES]:
+        p.error(f"--model-modes: expected some of {MODEL_MODES}, got {args.model_modes}")
     unknown = [i for i in args.impls if i not in IMPLS]
     if unknown:
         p.error(f"--impls: unknown {unknown}; choose from {IMPLS}")
@@ -146,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
                 table.append([f"{n}x{k}", m, impl, row.get("graph_us", "-"), row.get("eager_us", "-"),
                               row.get("gbs", "-"), row.get("pct_copy", "-"), row.get("note", "")])
     print_table(["N x K", "M", "impl", "graph_us", "eager_us", "GB/s", "% copy", "note"], table)
-    model_rows = model_decode_rows(args.batches) if args.batches else []
+    model_rows = model_decode_rows(args.batches, args.model_modes) if args.batches else []
     path = save_results("decode", {"device": torch.cuda.get_device_name(), "copy_gbs": copy_gbs, "rows": rows,
                                    "model_step": model_rows, "context": CONTEXT}, args.out)
     print(f"results: {path}")
@@ -179,8 +190,9 @@ def decode_step(model, tokens: torch.Tensor, caches: list, pos: int) -> torch.Te
     return model.lm_head(model.norm(x))[:, 0]
 
 
-def model_decode_rows(batches: list[int]) -> list[dict]:
-    """The model decode step of each weight format at each batch: CUDA-graph ms per step."""
+def model_decode_rows(batches: list[int], modes=MODEL_MODES) -> list[dict]:
+    """The model decode step of each weight format at each batch and mode (``MODEL_MODES``):
+    CUDA-graph ms per step."""
     import copy
 
     import lowprec
@@ -202,14 +214,21 @@ def model_decode_rows(batches: list[int]) -> list[dict]:
             tokens = torch.randint(0, c.vocab, (b,), device="cuda")
             caches = [tuple(torch.randn(b, c.kv_heads, CONTEXT, c.head_dim, device="cuda", dtype=torch.bfloat16)
                             for _ in range(2)) for _ in range(c.layers)]
-            with torch.no_grad():
-                ms = bench_graph_ms(lambda m=model, t=tokens, kv=caches: decode_step(m, t, kv, CONTEXT - 1), reps=5)
-            steps[(impl, b)] = ms
-            row = {"impl": impl, "batch": b, "step_ms": ms, "weight_bytes": weight_bytes,
-                   "x_bf16": steps[("bf16", b)] / ms}
-            rows.append(row)
-            table.append([impl, b, ms, weight_bytes / 1e6, row["x_bf16"]])
+            for mode in modes:
+                step = decode_step
+                if mode == "compiled":
+                    torch._dynamo.reset()  # each model and batch compiles afresh (no recompile limit)
+                    step = torch.compile(decode_step, fullgraph=True, dynamic=False)
+                with torch.no_grad():
+                    # an eager step first: the layers make their kernel-layout weights on first use
+                    decode_step(model, tokens, caches, CONTEXT - 1)
+                    ms = bench_graph_ms(lambda m=model, t=tokens, kv=caches, f=step: f(m, t, kv, CONTEXT - 1), reps=5)
+                steps[(impl, b, mode)] = ms
+                row = {"impl": impl, "batch": b, "mode": mode, "step_ms": ms, "weight_bytes": weight_bytes,
+                       "x_bf16": steps[("bf16", b, mode)] / ms}
+                rows.append(row)
+                table.append([impl, b, mode, ms, weight_bytes / 1e6, row["x_bf16"]])
         del model
-    print(f"# decode step, Llama-3-8B-shaped 2 layers + LM head, KV cache {CONTEXT} (CUDA graph)")
-    print_table(["weights", "B", "step ms", "weight MB", "x bf16"], table)
+    print(f"# decode step, Llama-3-8B-shaped 2 layers + LM head, KV cache {CONTEXT} (CUDA graph; x bf16 within a mode)")
+    print_table(["weights", "B", "mode", "step ms", "weight MB", "x bf16"], table)
     return rows

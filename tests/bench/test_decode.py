@@ -14,6 +14,10 @@ def test_arguments_and_defaults():
     assert (args.ms, args.shapes, args.impls) == ([1, 8], [(256, 512)], ["bf16", "lowprec-nvfp4"])
     with pytest.raises(SystemExit):
         decode.parse_args(["--impls", "int4"])
+    assert decode.parse_args([]).model_modes == list(decode.MODEL_MODES)
+    assert decode.parse_args(["--model-modes", "compiled"]).model_modes == ["compiled"]
+    with pytest.raises(SystemExit):
+        decode.parse_args(["--model-modes", "graph"])
 
 
 def test_weight_bytes():
@@ -58,3 +62,23 @@ def test_decode_step_matches_the_full_forward():
         for pos in range(c.seq):
             step = decode.decode_step(model, tokens[:, pos], caches, pos)
             torch.testing.assert_close(step, full[:, pos])
+
+
+def test_decode_step_traces_in_one_graph_with_nvfp4_layers():
+    """The compiled mode of the model decode step: torch.compile(fullgraph) traces the step of a
+    model whose linears are NVFP4 inference layers (their custom op), with the eager step's result."""
+    import lowprec
+    from lowprec.bench.train import Llama, LlamaConfig
+
+    torch.manual_seed(0)
+    c = LlamaConfig(hidden=64, layers=2, heads=4, kv_heads=2, ffn=128, vocab=96, seq=8)
+    model = Llama(c).to(torch.bfloat16)
+    lowprec.convert(model, "nvfp4", inference=True)
+    tokens = torch.randint(0, c.vocab, (2,))
+    caches = [tuple(torch.randn(2, c.kv_heads, c.seq, c.head_dim, dtype=torch.bfloat16) for _ in range(2))
+              for _ in range(c.layers)]
+    with torch.no_grad():
+        eager = decode.decode_step(model, tokens, caches, c.seq - 1)
+        compiled = torch.compile(decode.decode_step, fullgraph=True, backend="aot_eager")(model, tokens, caches,
+                                                                                        c.seq - 1)
+    torch.testing.assert_close(compiled, eager)
