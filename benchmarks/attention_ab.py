@@ -1,0 +1,55 @@
+# ruff: noqa: B023, E501  (scratch script: lambdas timed inside their own iteration)
+"""Same-run A/B of one interface flag of the sm_90a FP8 attention kernel (kernel only, Vᵀ permuted
+as the fused call runs it), rounds interleaved, do_bench median with L2 flushed. Usage:
+    python benchmarks/attention_ab.py FLAG VALUE_A VALUE_B [--rounds N]
+e.g. ``PV_ROWSUM 0 1``. Prints ms per shape and value, and the ratio."""
+
+from __future__ import annotations
+
+import functools
+import sys
+
+import torch
+from triton.testing import do_bench
+
+sys.path.insert(0, ".")
+from lowprec.attention.sm90 import interface  # noqa: E402
+from lowprec.attention.sm90.interface import fp8_attention_forward, permute_v_keys  # noqa: E402
+from tests.attention.test_sm90 import quantize_inputs  # noqa: E402
+
+SHAPES = [  # B, H, Hkv, Sq, Sk, D, causal
+    (4, 32, 32, 4096, 4096, 128, False),
+    (4, 32, 32, 4096, 4096, 128, True),
+    (4, 32, 8, 4096, 4096, 128, True),
+    (4, 32, 32, 4096, 4096, 64, False),
+    (4, 16, 16, 4096, 4096, 256, False),
+    (16, 32, 32, 1024, 1024, 128, True),
+]
+
+
+def main():
+    flag, a, b = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    rounds = int(sys.argv[sys.argv.index("--rounds") + 1]) if "--rounds" in sys.argv else 3
+    for B, H, Hkv, Sq, Sk, D, causal in SHAPES:
+        q = torch.randn(B, H, Sq, D, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn(B, Hkv, Sk, D, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn(B, Hkv, Sk, D, device="cuda", dtype=torch.bfloat16)
+        qc, qs, kc, ks, vt, vs = quantize_inputs(q, k, v)
+        vtp = permute_v_keys(vt)
+        out = torch.empty(B, H, Sq, D, device="cuda", dtype=torch.bfloat16)
+        fn = functools.partial(fp8_attention_forward, qc, qs, kc, ks, vtp, vs, causal=causal, softmax_scale=D ** -0.5,
+                               out_dtype=torch.bfloat16, out=out, v_keys_permuted=True)
+        times = {a: [], b: []}
+        for _ in range(rounds):
+            for val in (a, b):
+                setattr(interface, flag, type(getattr(interface, flag))(val))
+                fn()
+                times[val].append(do_bench(fn, warmup=50, rep=300, return_mode="median"))
+        ta, tb = (sorted(times[x])[len(times[x]) // 2] for x in (a, b))
+        f = 4 * B * H * Sq * Sk * D * (0.5 if causal else 1.0)
+        print(f"B{B} H{H}/{Hkv} S{Sq} d{D} {'causal' if causal else 'full':6s} {flag}={a}: {ta:.3f} ms "
+              f"({f / ta / 1e9:.0f} TFLOPS)  {flag}={b}: {tb:.3f} ms ({f / tb / 1e9:.0f})  b/a time {tb / ta:.3f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
