@@ -41,6 +41,7 @@ chunk's FP32 products (promotion), the decode itself is exact (E4M3 -> f16 -> bf
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -86,6 +87,12 @@ class _Tiled:
     @property
     def k_chunks(self) -> int:
         return -(-self.k // CHUNK_K)
+
+    @functools.cached_property
+    def tiles(self) -> torch.Tensor:
+        """``data`` as the kernel reads it: ``[n_tiles, rows of the tile's chunks, ROW_BYTES]``
+        (a view, made once per packed weight: the eager launch path does not rebuild it)."""
+        return self.data.view(self.n_tiles, -1, ROW_BYTES)
 
 
 @dataclass(frozen=True)

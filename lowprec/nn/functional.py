@@ -29,6 +29,9 @@ __all__ = ["LinearRecipe", "LINEAR_RECIPES", "get_linear_recipe", "fp8_linear", 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
+_NO_CONTEXT = contextlib.nullcontext()  # reusable: entered and left per call, holds no state
+
+
 def follow_autocast(x: torch.Tensor) -> tuple[torch.Tensor, contextlib.AbstractContextManager]:
     """``x`` as ``nn.Linear`` sees it under ``torch.autocast`` for ``x``'s device (cast to the
     autocast dtype, differentiably: its gradient comes back in ``x``'s dtype), else ``x``; and a
@@ -36,7 +39,7 @@ def follow_autocast(x: torch.Tensor) -> tuple[torch.Tensor, contextlib.AbstractC
     (master weights are quantized from their own dtype, not from a half-precision copy)."""
     device_type = x.device.type
     if not torch.is_autocast_enabled(device_type):
-        return x, contextlib.nullcontext()
+        return x, _NO_CONTEXT
     return x.to(torch.get_autocast_dtype(device_type)), torch.autocast(device_type, enabled=False)
 
 

@@ -161,7 +161,8 @@ class FP8InferenceLinear(QuantizedBuffersModule):
     def packed_weight(self) -> PackedFP8:
         """The weight in the weight-only kernel's layout (``fp8_block``), packed on first use and
         again whenever the buffers change (load, in-place update, device move)."""
-        key = tuple((t.data_ptr(), t._version, t.device) for t in (self.weight, self.weight_scale))
+        w, s = self.weight, self.weight_scale
+        key = (w.get_device(), w.data_ptr(), w._version, s.data_ptr(), s._version)  # ints: a cheap check per call
         if self._packed is None or self._packed[0] != key:
             self._packed = (key, pack_fp8(self.weight, self.weight_scale))
         return self._packed[1]
@@ -176,10 +177,10 @@ class FP8InferenceLinear(QuantizedBuffersModule):
             raise TypeError(f"x: expected a float32/bfloat16/float16 tensor, got {getattr(x, 'dtype', type(x))}")
         if x.shape[-1] != self.in_features:
             raise ValueError(f"x: last dim must be in_features={self.in_features}, got shape {tuple(x.shape)}")
-        x2, autocast_off = follow_autocast(x.reshape(-1, self.in_features))
-        bias = None if self.bias is None else self.bias.float()
+        x2, autocast_off = follow_autocast(x if x.dim() == 2 else x.reshape(-1, self.in_features))
         with autocast_off:
             if torch.is_grad_enabled() and x.requires_grad:
+                bias = None if self.bias is None else self.bias.float()
                 y = _FrozenFP8Linear.apply(x2, self.quantized_weight(), bias, self.recipe)
             elif self._weight_only(x2):
                 bias16 = None if self.bias is None else self.bias.to(torch.bfloat16)
@@ -189,6 +190,8 @@ class FP8InferenceLinear(QuantizedBuffersModule):
                     packed = None if self._packed is None else self._packed[1]
                 y = weight_only(x2, packed, self.quantized_weight, bias16)
             else:
+                bias = None if self.bias is None else self.bias.float()
+
                 def composed():
                     x_q = quantize(x2, self.recipe.activation, check_finite=False)
                     return gemm(x_q, self.quantized_weight(), out_dtype=x2.dtype, bias=bias)
@@ -199,7 +202,7 @@ class FP8InferenceLinear(QuantizedBuffersModule):
                     y = registry.run("linear_inference", x2.device, (
                         x2, self.weight, self.weight_scale, self.recipe.weight, self.recipe.activation, bias,
                         x2.dtype), composed)
-        return y.reshape(*x.shape[:-1], self.out_features)
+        return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "

@@ -140,8 +140,15 @@ class NVFP4InferenceLinear(QuantizedBuffersModule):
                                self.out_dtype, self.weight_scale_2)
 
     def packed_weight(self) -> PackedNVFP4:
-        """The weight in the weight-only kernel's layout (``lowprec.gemm.weight_only``)."""
-        return PackedNVFP4(self.packed, self.weight_scale_2.reshape(1), self.out_features, self.in_features)
+        """The weight in the weight-only kernel's layout (``lowprec.gemm.weight_only``): views of
+        the buffers, made again only when a buffer is replaced (load, device move); in-place
+        updates show through the views."""
+        packed, scale = self.packed, self.weight_scale_2
+        cached = self.__dict__.get("_packed_view")
+        if cached is None or cached[0] is not packed or cached[1] is not scale:
+            cached = self.__dict__["_packed_view"] = (
+                packed, scale, PackedNVFP4(packed, scale.reshape(1), self.out_features, self.in_features))
+        return cached[2]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x · Wᵀ + b`` in ``x``'s dtype (the autocast dtype inside ``torch.autocast``)."""
@@ -151,13 +158,13 @@ class NVFP4InferenceLinear(QuantizedBuffersModule):
             raise ValueError(f"x: last dim must be in_features={self.in_features}, got shape {tuple(x.shape)}")
         x, autocast_off = follow_autocast(x)
         with autocast_off:
-            x2 = x.reshape(-1, self.in_features)
+            x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
             bias = None if self.bias is None else self.bias.to(x.dtype)
             if torch.is_grad_enabled() and x2.requires_grad:
                 y = F.linear(x2, dequantize(self.quantized_weight(), x.dtype), bias)
             else:
                 y = weight_only(x2, self.packed_weight(), self.quantized_weight, bias)
-            return y.reshape(*x.shape[:-1], self.out_features)
+            return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         weight, weight_scale = unpack_nvfp4(self.packed_weight(), self.weight_2d)

@@ -151,3 +151,22 @@ def test_the_layer_holds_the_weight_once():
     assert torch.equal(fresh.packed, layer.packed)
     with pytest.raises(RuntimeError, match="Missing key"):
         fresh.load_state_dict({k: v for k, v in state.items() if k != "weight_scale"})
+
+
+def test_packed_weight_views_follow_the_buffers():
+    """The kernel-layout views are made once (the eager launch path reuses them), show in-place
+    updates, and are made again when a buffer is replaced (a load into new tensors, a device move)."""
+    torch.manual_seed(5)
+    layer = NVFP4InferenceLinear.from_linear(nn.Linear(128, 64, bias=False))
+    first = layer.packed_weight()
+    assert layer.packed_weight() is first and first.tiles.data_ptr() == layer.packed.data_ptr()
+    x = torch.randn(3, 128)
+    before = layer(x)
+    layer.weight_scale_2.mul_(2)  # in place: the cached view sees it
+    torch.testing.assert_close(layer(x), 2 * before, rtol=0, atol=0)
+    layer.weight_scale_2 = torch.tensor(0.5) * layer.weight_scale_2  # replaced: a new view
+    assert layer.packed_weight() is not first
+    torch.testing.assert_close(layer(x), before, rtol=0, atol=0)
+    other = NVFP4InferenceLinear.from_linear(nn.Linear(128, 64, bias=False))
+    layer.packed, layer.weight_scale_2 = other.packed.clone(), other.weight_scale_2.clone()
+    torch.testing.assert_close(layer(x), other(x), rtol=0, atol=0)

@@ -90,8 +90,10 @@ _OUTGROWN: list = []
 
 def _workspace(device: torch.device, floats: int) -> torch.Tensor:
     """Split-K partials of one launch; kernels on one stream reuse it in turn (a launch writes
-    its partials only after the previous kernel on the stream has finished)."""
-    key = (device, torch.cuda.current_stream(device).stream_id)
+    its partials only after the previous kernel on the stream has finished). Keyed by the raw
+    stream handle: building a ``torch.cuda.Stream`` per call cost ~10 µs of host time."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    key = (index, torch._C._cuda_getCurrentRawStream(index))
     work = _WORKSPACE.get(key)
     if work is None or work.numel() < floats:
         if work is not None:
@@ -100,7 +102,14 @@ def _workspace(device: torch.device, floats: int) -> torch.Tensor:
     return work
 
 
-_NO_BIAS: dict = {}
+_UNUSED: dict = {}  # device -> a one-value tensor for the bias / workspace arguments a launch does not read
+
+
+def _unused(device: torch.device) -> torch.Tensor:
+    t = _UNUSED.get(device)
+    if t is None:
+        t = _UNUSED[device] = torch.zeros(8, dtype=torch.bfloat16, device=device)
+    return t
 
 
 def weight_only_nvfp4(x: torch.Tensor, packed: PackedNVFP4, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -115,23 +124,15 @@ def weight_only_fp8(x: torch.Tensor, packed: PackedFP8, bias: torch.Tensor | Non
 
 
 def _launch(fmt: str, x: torch.Tensor, packed, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    m, k = x.shape
-    n = packed.n
-    y = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
+    m, n, device = x.shape[0], packed.n, x.device
+    y = torch.empty(m, n, dtype=torch.bfloat16, device=device)
     if m == 0 or n == 0:
         return y
     tile_m = choose_tile_m(m)
-    n_tiles, k_chunks = packed.n_tiles, packed.k_chunks
-    splits = choose_split(n_tiles * -(-m // tile_m), k_chunks, sm_count(x.device))
-    work = _workspace(x.device, splits * m * n if splits > 1 else 0)
-    if bias is None:
-        bias = _NO_BIAS.get(x.device)
-        if bias is None:
-            bias = _NO_BIAS[x.device] = torch.zeros(1, dtype=torch.bfloat16, device=x.device)
-        has_bias = 0
-    else:
-        has_bias = 1
-    w = packed.data.view(n_tiles, k_chunks * (_CHUNK_BYTES[fmt] // ROW_BYTES), ROW_BYTES)
-    with on_device(x.device):
-        compile_kernel(fmt, tile_m, splits)(x, w, y, bias, scale, work, has_bias)
+    splits = choose_split(packed.n_tiles * -(-m // tile_m), packed.k_chunks, sm_count(device))
+    work = _workspace(device, splits * m * n) if splits > 1 else _unused(device).view(torch.float32)
+    has_bias = bias is not None
+    with on_device(device):
+        compile_kernel(fmt, tile_m, splits)(x, packed.tiles, y, bias if has_bias else _unused(device), scale, work,
+                                            int(has_bias))
     return y
