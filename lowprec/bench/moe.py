@@ -39,8 +39,11 @@ and backward into every parameter) at those token counts: eager, under
 ``torch.compile(fullgraph=True)`` and with ``mode="reduce-overhead"`` (CUDA graphs), vs the bf16
 MoE eager; the compiled gradients' largest rel-L2 against eager's. Saved under ``moe_train``.
 
+``--ep WORLD`` instead times the expert-parallel layer's training step on WORLD GPUs, its rows
+dispatched in FP8 vs bf16 (:mod:`lowprec.bench.moe_ep`). Saved under ``moe_ep``.
+
     python -m lowprec bench moe [--quick] [--configs E,H,F,k,T;...] [--routings balanced,skewed]
-                                [--sustained S] [--decode T1,T2,...] [--train T1,T2,...]
+                                [--sustained S] [--decode T1,T2,...] [--train T1,T2,...] [--ep WORLD]
 """
 
 from __future__ import annotations
@@ -135,11 +138,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="time inference steps of the layer at these token counts instead (module docstring)")
     p.add_argument("--train", type=_token_counts, default=None, metavar="T1,T2,...",
                    help="time training steps of the layer at these token counts instead (module docstring)")
+    p.add_argument("--ep", type=int, default=None, metavar="WORLD",
+                   help="time the expert-parallel layer on WORLD GPUs instead (lowprec.bench.moe_ep; "
+                        "--configs' T is per rank)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="results JSON (default benchmarks/results/<gpu>.json)")
     args = p.parse_args(argv)
+    if args.ep is not None and args.ep < 2:
+        p.error(f"--ep: expected a world size of at least 2, got {args.ep}")
     if args.configs is None:
-        args.configs = CONFIGS[:1] if args.quick else list(CONFIGS)
+        from .moe_ep import EP_CONFIGS
+
+        args.configs = list(EP_CONFIGS) if args.ep else CONFIGS[:1] if args.quick else list(CONFIGS)
     return args
 
 
@@ -359,6 +369,14 @@ def _ratio(peer_ms: float, ms: float) -> float:
 def run(args: argparse.Namespace) -> dict:
     if not torch.cuda.is_available():
         raise SystemExit("bench moe needs a CUDA GPU (none is visible to torch)")
+    if args.ep:
+        from .moe_ep import ep_rows, print_rows
+
+        rows = ep_rows(args.ep, args.configs, seed=args.seed)
+        print_rows(rows)
+        path = save_results("moe_ep", {"device": torch.cuda.get_device_name(), "rows": rows}, args.out)
+        print(f"results: {path}")
+        return {"rows": rows}
     if args.decode:
         return run_decode(args)
     if args.train:

@@ -6,8 +6,8 @@ in one process on the concatenation of the ranks' tokens (rank 0's first):
 
 - **dispatch**: with ``recipe="fp8_block"`` the tokens are quantized once (1x128, as the one-process
   MoE quantizes them) and travel as E4M3 codes plus their FP32 scales: about half the bytes of bf16;
-  the experts' rank rebuilds the same codes from them. Without a recipe the rows travel in
-  ``x``'s dtype.
+  the experts' rank rebuilds the same codes from them. Without a recipe (or with
+  ``fp8_dispatch=False``, the same result bits) the rows travel in ``x``'s dtype.
 - **capacity** is global: an expert's rank ranks every slot routed to it by the one-process rule
   (:mod:`lowprec.moe.routing`: global slot number ``t·k + j`` over the concatenated batch), so the
   same slots are dropped.
@@ -42,7 +42,8 @@ _SCALE_BLOCK = 128
 def expert_parallel_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w1: torch.Tensor,
                             w2: torch.Tensor, *, num_experts: int, group: dist.ProcessGroup | None = None,
                             recipe: str | None = "fp8_block", capacity_factor: float | None = None,
-                            drop_policy: str = "probs", activation: str = "swiglu") -> torch.Tensor:
+                            drop_policy: str = "probs", activation: str = "swiglu",
+                            fp8_dispatch: bool = True) -> torch.Tensor:
     """Routed experts spread over the ranks of ``group`` (see the module docstring).
 
     Args:
@@ -52,6 +53,8 @@ def expert_parallel_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_id
             holds experts ``r·E/world .. (r+1)·E/world - 1``.
         num_experts: E, a multiple of the group's size.
         recipe, capacity_factor, drop_policy, activation: as :func:`lowprec.moe.experts`.
+        fp8_dispatch: with a recipe, send the rows as the E4M3 codes and scales the experts
+            compute on (else in ``x``'s dtype, quantized on arrival: the same codes, twice the bytes).
 
     Returns:
         ``[T, H]`` in ``x``'s dtype, differentiable in ``x``, ``topk_weights``, ``w1`` and ``w2``.
@@ -88,7 +91,7 @@ def expert_parallel_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_id
     local_ids, slot_recv = meta_recv[:, 0], meta_recv[:, 1]
 
     weights_recv = _AllToAll.apply(topk_weights.reshape(-1)[order], send_splits, recv_splits, group)
-    if recipe is None:
+    if recipe is None or not fp8_dispatch:
         x_recv = _AllToAll.apply(x[token_of_row], send_splits, recv_splits, group)
     else:
         x_recv = _Dispatch.apply(x, token_of_row, send_splits, recv_splits, group)
@@ -197,20 +200,22 @@ class ExpertParallelMoE(nn.Module):
     The router is replicated: its gradient on a rank comes from that rank's tokens only, so sum
     (or average) it over the group as data parallelism does (DDP / FSDP on the router, or
     ``all_reduce`` of ``router.weight.grad``). Build it with :meth:`from_moe` (this rank's share of
-    a full layer) or directly (then initialise every rank's router alike).
+    a full layer) or directly (then initialise every rank's router alike). ``fp8_dispatch``: see
+    :func:`expert_parallel_experts`.
     """
 
     def __init__(self, hidden_size: int, ffn_size: int, num_experts: int, top_k: int, *,
                  group: dist.ProcessGroup | None = None, capacity_factor: float | None = None,
                  activation: str = "swiglu", recipe: str | None = "fp8_block", score_func: str = "softmax",
-                 renormalize: bool = True, drop_policy: str = "probs", device=None, dtype=None) -> None:
+                 renormalize: bool = True, drop_policy: str = "probs", fp8_dispatch: bool = True, device=None,
+                 dtype=None) -> None:
         super().__init__()
         world = dist.get_world_size(group)
         if num_experts % world:
             raise ValueError(f"num_experts: expected a multiple of the group size {world}, got {num_experts}")
         _set_config(self, hidden_size, ffn_size, num_experts, top_k, capacity_factor, activation, recipe,
                     score_func, renormalize, drop_policy)
-        self.recipe, self.group = recipe, group
+        self.recipe, self.group, self.fp8_dispatch = recipe, group, fp8_dispatch
         self.rank, self.world = dist.get_rank(group), world
         per = num_experts // world
         factory = {"device": device, "dtype": dtype}
@@ -243,7 +248,8 @@ class ExpertParallelMoE(nn.Module):
                                           score_func=self.score_func, renormalize=self.renormalize)
             y = expert_parallel_experts(tokens, weights, ids, self.w1, self.w2, num_experts=self.num_experts,
                                         group=self.group, recipe=self.recipe, capacity_factor=self.capacity_factor,
-                                        drop_policy=self.drop_policy, activation=self.activation)
+                                        drop_policy=self.drop_policy, activation=self.activation,
+                                        fp8_dispatch=self.fp8_dispatch)
         return y.reshape(x.shape)
 
     def extra_repr(self) -> str:

@@ -155,3 +155,23 @@ def test_decode_bf16_layer_is_the_unquantized_moe_layer():
     with torch.no_grad():
         out = bench.bf16_layer(x, moe.router.weight, 2, moe.w1, moe.w2)
         torch.testing.assert_close(out.float(), moe(x).float(), rtol=0.02, atol=0.02)
+
+
+def test_ep_bench_runs_on_cpu_processes():
+    """bench moe --ep's worker on 2 gloo processes (timings meaningless here): a row per dispatch,
+    the same output bits both ways, FP8 moving a bit over half of bf16's bytes."""
+    from lowprec.bench import moe_ep
+
+    rows = moe_ep.ep_rows(2, [(4, 256, 64, 2, 24)], steps=1, warmup=0, backend="gloo")
+    assert [r["dispatch"] for r in rows] == ["fp8", "bf16"] and all(r["same_output"] for r in rows)
+    fp8, bf16 = (r["dispatch_bytes"] for r in rows)
+    assert bf16 > 0 and fp8 / bf16 == (256 + 4 * 2) / (2 * 256)
+
+
+def test_ep_argument():
+    from lowprec.bench.moe import parse_args
+    from lowprec.bench.moe_ep import EP_CONFIGS
+
+    assert parse_args(["--ep", "2"]).configs == list(EP_CONFIGS)
+    with pytest.raises(SystemExit):
+        parse_args(["--ep", "1"])

@@ -1,5 +1,6 @@
-"""Expert-parallel MoE on gloo (CPU processes): the ranks together compute what one process
-computes on the concatenated batch, forward and backward."""
+"""Expert-parallel MoE on gloo (CPU processes) and NCCL (one GPU per rank, bf16, the FP8 kernels):
+the ranks together compute what one process computes on the concatenated batch, forward and
+backward."""
 
 import datetime
 import os
@@ -12,6 +13,10 @@ import torch.multiprocessing as mp
 
 from lowprec.moe import experts
 from lowprec.moe.parallel import expert_parallel_experts
+
+from ..hopper import gpu
+
+needs_two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
 
 H, F, E, K = 128, 64, 8, 2
 
@@ -36,11 +41,25 @@ def _grads(fn, x, weights, w1, w2, dy):
     return y.detach(), [t.grad if t.grad is not None else torch.zeros_like(t) for t in leaves]
 
 
-def _worker(rank, world, init_file, token_counts, recipe, capacity_factor, drop_policy, experts_used=E):
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+def _init(rank, world, init_file, backend):
+    """Join the group; NCCL: this rank's GPU. Returns how to place the problem's tensors there
+    (GPU: bf16, as the FP8 kernels take them) and the comparison tolerance (GPU: a few bf16 steps,
+    the combine's sums in another order; a wrong route or scale is O(1))."""
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=120))
+    if backend == "nccl":
+        return (lambda t: t.to("cuda", torch.bfloat16) if t.is_floating_point() else t.to("cuda"),
+                dict(rtol=2e-2, atol=2e-2))
+    return (lambda t: t), dict(rtol=1e-5, atol=1e-5)
+
+
+def _worker(rank, world, init_file, token_counts, recipe, capacity_factor, drop_policy, experts_used=E,
+            backend="gloo", fp8_dispatch=True):
+    place, tol = _init(rank, world, init_file, backend)
     try:
-        x, weights, ids, w1, w2, dy = _problem(token_counts, experts_used=experts_used)
+        x, weights, ids, w1, w2, dy = map(place, _problem(token_counts, experts_used=experts_used))
         kwargs = dict(recipe=recipe, capacity_factor=capacity_factor, drop_policy=drop_policy)
         y_ref, g_ref = _grads(lambda x, w, a, b: experts(x, w, ids, a, b, **kwargs), x, weights, w1, w2, dy)
         lo, hi = sum(token_counts[:rank]), sum(token_counts[: rank + 1])
@@ -48,10 +67,10 @@ def _worker(rank, world, init_file, token_counts, recipe, capacity_factor, drop_
         mine = slice(rank * per, (rank + 1) * per)
 
         def ep(x_r, w_r, a, b):
-            return expert_parallel_experts(x_r, w_r, ids[lo:hi], a, b, num_experts=E, **kwargs)
+            return expert_parallel_experts(x_r, w_r, ids[lo:hi], a, b, num_experts=E, fp8_dispatch=fp8_dispatch,
+                                           **kwargs)
 
         y, g = _grads(ep, x[lo:hi], weights[lo:hi], w1[mine], w2[mine], dy[lo:hi])
-        tol = dict(rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(y, y_ref[lo:hi], **tol)
         torch.testing.assert_close(g[0], g_ref[0][lo:hi], **tol)  # dx
         torch.testing.assert_close(g[1], g_ref[1][lo:hi], **tol)  # d topk_weights
@@ -72,6 +91,26 @@ def test_expert_parallel_equals_one_process(token_counts, recipe, capacity_facto
                  nprocs=len(token_counts), join=True)
 
 
+@pytest.mark.parametrize("recipe", [None, "fp8_block"])
+def test_rows_sent_in_bf16_give_the_same_result(recipe):
+    """fp8_dispatch=False: the rows travel in x's dtype and are quantized on arrival, to the codes
+    the FP8 dispatch sends (checked against one process, as the FP8 dispatch is)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_worker, args=(2, os.path.join(tmp, "init"), (30, 26), recipe, 0.75, "probs", E, "gloo", False),
+                 nprocs=2, join=True)
+
+
+@gpu
+@needs_two_gpus
+@pytest.mark.parametrize("capacity_factor", [None, 0.75])
+@pytest.mark.parametrize("fp8_dispatch", [True, False])
+def test_expert_parallel_on_nccl(capacity_factor, fp8_dispatch):
+    """Two GPUs, NCCL, bf16 tokens on the FP8 kernels: as one process on the whole batch."""
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_worker, args=(2, os.path.join(tmp, "init"), (300, 212), "fp8_block", capacity_factor, "probs", E,
+                                "nccl", fp8_dispatch), nprocs=2, join=True)
+
+
 def test_a_rank_whose_experts_get_no_slot():
     """All slots go to rank 0's experts: rank 1 computes on no rows and still takes part."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -79,18 +118,19 @@ def test_a_rank_whose_experts_get_no_slot():
                  nprocs=2, join=True)
 
 
-def _module_worker(rank, world, init_file, token_counts, recipe):
+def _module_worker(rank, world, init_file, token_counts, recipe, backend="gloo"):
     from lowprec.moe import MoE
     from lowprec.moe.parallel import ExpertParallelMoE
 
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=120))
+    place, tol = _init(rank, world, init_file, backend)
     try:
         torch.manual_seed(0)
         full = MoE(H, F, E, K, capacity_factor=1.0, recipe=recipe)
+        if backend == "nccl":
+            full = full.to("cuda", torch.bfloat16)
         g = torch.Generator().manual_seed(1)
-        x = torch.randn(sum(token_counts), H, generator=g)
-        dy = torch.randn(sum(token_counts), H, generator=g)
+        x = place(torch.randn(sum(token_counts), H, generator=g))
+        dy = place(torch.randn(sum(token_counts), H, generator=g))
         xr = x.clone().requires_grad_()
         (full(xr) * dy).sum().backward()
         layer = ExpertParallelMoE.from_moe(full, group=None)
@@ -100,7 +140,6 @@ def _module_worker(rank, world, init_file, token_counts, recipe):
         (y * dy[lo:hi]).sum().backward()
         dist.all_reduce(layer.router.weight.grad)  # the replicated router: data parallel
         per = E // world
-        tol = dict(rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(mine.grad, xr.grad[lo:hi], **tol)
         torch.testing.assert_close(layer.w1.grad, full.w1.grad[rank * per:(rank + 1) * per], **tol)
         torch.testing.assert_close(layer.w2.grad, full.w2.grad[rank * per:(rank + 1) * per], **tol)
@@ -118,3 +157,11 @@ def test_expert_parallel_module_equals_moe(recipe):
     summed over the ranks), with a capacity limit."""
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(_module_worker, args=(2, os.path.join(tmp, "init"), (29, 35), recipe), nprocs=2, join=True)
+
+
+@gpu
+@needs_two_gpus
+def test_expert_parallel_module_on_nccl():
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_module_worker, args=(2, os.path.join(tmp, "init"), (290, 350), "fp8_block", "nccl"), nprocs=2,
+                 join=True)
