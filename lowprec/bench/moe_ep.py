@@ -5,7 +5,8 @@ One process per GPU (NCCL; ``torch.multiprocessing`` spawn), each holding ``E / 
 its own. Per config (E, H, F, top-k, T tokens per rank) the layer's training step (forward, and
 backward into the tokens and every weight) is timed twice on the same weights, tokens and
 routing: with the rows dispatched as E4M3 codes plus scales (``fp8_dispatch=True``) and as bf16
-(``fp8_dispatch=False``, quantized on arrival: the same result bits, checked). Reported: the step
+(``fp8_dispatch=False``, quantized on arrival: the same codes; the outputs' largest difference is
+reported). Reported: the step
 time (median of host-synced steps, the slowest rank's), tokens per second over all ranks, and
 the bytes the forward dispatch moves between ranks (rows leaving their rank times the row's
 bytes: ``H + 4·H/128`` in FP8, ``2·H`` in bf16). The combine and the backward's all-to-alls move
@@ -87,10 +88,10 @@ def _worker(rank, world, init_file, configs, steps, warmup, seed, backend, out):
                              "world": world, "dispatch": dispatch, "step_ms": slowest.item(),
                              "tokens_per_s": world * tokens / slowest.item() * 1e3,
                              "dispatch_bytes": int(leaving.item()) * row_bytes(hidden, dispatch)})
-            same = torch.tensor([int(torch.equal(outputs["fp8"], outputs["bf16"]))], device=device)
-            dist.all_reduce(same, op=dist.ReduceOp.MIN)
+            diff = (outputs["fp8"].float() - outputs["bf16"].float()).abs().max().reshape(1)
+            dist.all_reduce(diff, op=dist.ReduceOp.MAX)
             for row in rows[-len(DISPATCHES):]:
-                row["same_output"] = bool(same.item())
+                row["max_output_diff"] = diff.item()
             del layer, x, dy, outputs
         if rank == 0:
             with open(out, "w") as f:
@@ -131,8 +132,8 @@ def print_rows(rows: list[dict]) -> None:
         table.append([f"E{r['E']} H{r['H']} F{r['F']} k{r['top_k']} T{r['T_per_rank']}x{r['world']}", r["dispatch"],
                       r["step_ms"], r["tokens_per_s"], r["dispatch_bytes"] / 1e6,
                       r["dispatch_bytes"] / base["dispatch_bytes"] if base["dispatch_bytes"] else math.nan,
-                      base["step_ms"] / r["step_ms"], r["same_output"]])
+                      base["step_ms"] / r["step_ms"], r["max_output_diff"]])
     print("# expert-parallel MoE training step (forward + backward), one rank per GPU, host-synced; "
           "x bf16 = the bf16-dispatch step's time over this one's")
-    print_table(["config", "dispatch", "step ms", "tokens/s", "dispatch MB", "bytes / bf16", "x bf16", "same out"],
-                table)
+    print_table(["config", "dispatch", "step ms", "tokens/s", "dispatch MB", "bytes / bf16", "x bf16",
+                 "max |fp8 - bf16|"], table)

@@ -94,7 +94,7 @@ def expert_parallel_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_id
     if recipe is None or not fp8_dispatch:
         x_recv = _AllToAll.apply(x[token_of_row], send_splits, recv_splits, group)
     else:
-        x_recv = _Dispatch.apply(x, token_of_row, send_splits, recv_splits, group)
+        x_recv = _Dispatch.apply(x, token_of_row, order, send_splits, recv_splits, group)
 
     # the dropped slots leave the batch (as in one process: the FP8 weight gradient quantizes
     # blocks of 128 rows, which must hold the same rows)
@@ -104,7 +104,15 @@ def expert_parallel_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_id
                      capacity_factor=None, activation=activation, check_ids=False)
     y_recv = y_kept.new_zeros(x_recv.shape[0], y_kept.shape[1]).index_copy(0, kept, y_kept)
     y_rows = _AllToAll.apply(y_recv, recv_splits, send_splits, group)
-    return x.new_zeros(tokens, x.shape[1]).index_add(0, token_of_row, y_rows)
+    return _sum_slots(y_rows, order, tokens, k)
+
+
+def _sum_slots(rows: torch.Tensor, order: torch.Tensor, tokens: int, k: int) -> torch.Tensor:
+    """``rows[i]`` belongs to slot ``order[i]`` (token ``order[i] // k``): each token's k slots
+    summed in slot order. Deterministic (no atomics, unlike ``index_add`` on a GPU) and
+    differentiable."""
+    slots = rows.new_empty(tokens * k, rows.shape[1]).index_copy(0, order, rows)
+    return slots.view(tokens, k, rows.shape[1]).sum(dim=1)
 
 
 def _check_args(x, topk_weights, topk_ids, w1, num_experts, world, drop_policy) -> None:
@@ -166,8 +174,8 @@ class _Dispatch(torch.autograd.Function):
     once, the rows gathered after); the gradient comes back in ``x``'s dtype, summed per token."""
 
     @staticmethod
-    def forward(ctx, x, token_of_row, send_splits, recv_splits, group):
-        ctx.save_for_backward(token_of_row)
+    def forward(ctx, x, token_of_row, order, send_splits, recv_splits, group):
+        ctx.save_for_backward(order)
         ctx.splits, ctx.group, ctx.tokens = (send_splits, recv_splits), group, x.shape[0]
         if x.shape[0]:
             q = quantize(x, "fp8_block1x128", check_finite=False)
@@ -184,10 +192,11 @@ class _Dispatch(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        (token_of_row,) = ctx.saved_tensors
+        (order,) = ctx.saved_tensors
         send_splits, recv_splits = ctx.splits
         back = _exchange(grad, recv_splits, send_splits, ctx.group)
-        return grad.new_zeros(ctx.tokens, grad.shape[1]).index_add_(0, token_of_row, back), None, None, None, None
+        k = order.shape[0] // ctx.tokens if ctx.tokens else 1
+        return _sum_slots(back, order, ctx.tokens, k), None, None, None, None, None
 
 
 class ExpertParallelMoE(nn.Module):
