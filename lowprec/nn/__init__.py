@@ -1,5 +1,6 @@
 """FP8 layers for training and inference, and ``convert`` to swap them into a model."""
 
+from .fsdp import FP8AllGatherWeight, FP8GatheredWeight, enable_fp8_all_gather
 from .functional import LINEAR_RECIPES, LinearRecipe, fp8_linear
 from .linear import MIN_TRAIN_WEIGHT_NUMEL, FP8InferenceLinear, FP8Linear, convert
 from .nvfp4 import NVFP4InferenceLinear
@@ -7,4 +8,4 @@ from .weight_cache import reuse_quantized_weights
 
 __all__ = ["LINEAR_RECIPES", "LinearRecipe", "fp8_linear", "FP8InferenceLinear", "FP8Linear", "convert",
            "MIN_TRAIN_WEIGHT_NUMEL", "NVFP4InferenceLinear",
-           "reuse_quantized_weights"]
+           "reuse_quantized_weights", "enable_fp8_all_gather", "FP8AllGatherWeight", "FP8GatheredWeight"]

@@ -96,3 +96,108 @@ def test_fully_shard_trains_as_data_parallel():
 def test_fully_shard_on_nccl():
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(_worker, args=(2, os.path.join(tmp, "init"), "nccl"), nprocs=2, join=True)
+
+
+def _fp8_gather_worker(rank, world, init_file):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import lowprec
+    from lowprec.nn import FP8AllGatherWeight, FP8GatheredWeight, enable_fp8_all_gather
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120))
+    try:
+        torch.manual_seed(0)
+        # 256 rows: shards of 128 (whole 128x128 blocks: gathered in FP8; the middle one's input
+        # gradient multiplies by its transposed codes); the last, 128 rows: shards of 64 (plain)
+        layers = [nn.Linear(128, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 128)]
+        plain = lowprec.convert(nn.Sequential(*layers), min_weight_numel=0)
+        fp8 = copy.deepcopy(plain)
+        assert enable_fp8_all_gather(fp8) == 3
+        mesh = init_device_mesh("cpu", (world,))
+        for model in (plain, fp8):
+            for layer in (model[0], model[2], model[4]):
+                fully_shard(layer, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+        assert isinstance(fp8[0].weight.to_local(), FP8AllGatherWeight)
+        seen = []
+        for layer in (fp8[0], fp8[2], fp8[4]):
+            layer.register_forward_pre_hook(lambda m, args: seen.append(type(m.weight)))
+        opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (plain, fp8)]
+        g = torch.Generator().manual_seed(1)
+        for _ in range(3):
+            x = torch.randn(world * 16, 128, generator=g)[rank * 16:(rank + 1) * 16]
+            dy = torch.randn(world * 16, 128, generator=g)[rank * 16:(rank + 1) * 16]
+            ys, dxs = [], []
+            for model, opt in zip((plain, fp8), opts):
+                xr = x.clone().requires_grad_()
+                y = model(xr)
+                (y * dy).sum().backward()
+                opt.step()
+                opt.zero_grad()
+                ys.append(y)
+                dxs.append(xr.grad)
+            # the same codes and scales, gathered either way
+            assert torch.equal(ys[0], ys[1]) and torch.equal(dxs[0], dxs[1])
+        assert seen[:3] == [FP8GatheredWeight, FP8GatheredWeight, nn.Parameter], seen
+        for name, value in plain.state_dict().items():
+            assert torch.equal(fp8.state_dict()[name].full_tensor(), value.full_tensor()), name
+    finally:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_fp8_all_gather_trains_as_the_plain_one():
+    """enable_fp8_all_gather: the sharded weights travel as E4M3 codes and 128x128 scales where a
+    shard holds whole blocks, and training is bit-identical to the plain all-gather's."""
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_fp8_gather_worker, args=(2, os.path.join(tmp, "init")), nprocs=2, join=True)
+
+
+def test_fp8_all_gather_weights_outside_fsdp(tmp_path):
+    """Without FSDP the wrapped weight trains as the master weight (same bits through AdamW), the
+    state dict holds the plain master weight (lowprec.save / load round trip), and a gathered
+    weight (codes and scales) multiplies as the weight it was quantized from."""
+    import lowprec
+    from lowprec.nn import FP8AllGatherWeight, FP8GatheredWeight, enable_fp8_all_gather, fp8_linear
+
+    torch.manual_seed(0)
+    plain = lowprec.convert(nn.Sequential(nn.Linear(128, 256), nn.ReLU(), nn.Linear(256, 128)), min_weight_numel=0)
+    wrapped = copy.deepcopy(plain)
+    assert enable_fp8_all_gather(wrapped) == 2 and enable_fp8_all_gather(wrapped) == 0
+    assert isinstance(wrapped[0].weight, FP8AllGatherWeight) and isinstance(wrapped[0].weight, nn.Parameter)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (plain, wrapped)]
+    for _ in range(2):
+        x = torch.randn(8, 128, requires_grad=True)
+        outs = []
+        for model, opt in zip((plain, wrapped), opts):
+            xr = x.detach().clone().requires_grad_()
+            y = model(xr)
+            y.square().sum().backward()
+            opt.step()
+            opt.zero_grad()
+            outs.append((y, xr.grad))
+        assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    state = wrapped.state_dict()
+    assert type(state["0.weight"]) is torch.Tensor and torch.equal(state["0.weight"], plain[0].weight)
+    lowprec.save(state, tmp_path / "m.safetensors")
+    fresh = copy.deepcopy(wrapped)
+    with torch.no_grad():
+        fresh[0].weight.zero_()
+    fresh.load_state_dict(lowprec.load(tmp_path / "m.safetensors"))
+    assert torch.equal(fresh[0].weight.hp, plain[0].weight)
+
+    w = plain[0].weight.detach()
+    q = lowprec.quantize(w, "fp8_block128x128")
+    gathered = nn.Parameter(FP8GatheredWeight(q.data.view(torch.uint8), q.scale, w.shape, w.dtype))
+    x = torch.randn(4, 128, requires_grad=True)
+    y = fp8_linear(x, gathered)
+    y.sum().backward()
+    x_ref = x.detach().clone().requires_grad_()
+    w_ref = w.clone().requires_grad_()
+    y_ref = fp8_linear(x_ref, w_ref)
+    y_ref.sum().backward()
+    assert torch.equal(y, y_ref) and torch.equal(x.grad, x_ref.grad) and torch.equal(gathered.grad, w_ref.grad)
+    assert type(gathered.grad) is torch.Tensor

@@ -1,0 +1,183 @@
+"""FP8 all-gather of :class:`~lowprec.nn.FP8Linear` weights under FSDP2 (``fully_shard``).
+
+FSDP2 shards each weight along its rows and all-gathers the full weight before every forward
+and backward, in the weight's dtype. The layer then quantizes the gathered weight to E4M3 with
+128x128 block scales (``fp8_block``). :func:`enable_fp8_all_gather` makes each rank quantize its
+own shard instead and the ranks gather the E4M3 codes and the FP32 block scales: one byte per
+weight plus 4 bytes per 128x128 block, against 2 (bf16) or 4 (FP32) bytes, and no per-rank
+quantization of the whole weight. A shard whose rows are a multiple of 128 holds whole blocks,
+so its codes and scales are exactly those of the full weight's: the layers compute the same bits
+as with the plain all-gather (tested). Layers whose shards would split a block keep the plain
+all-gather.
+
+How: the weight parameter becomes an :class:`FP8AllGatherWeight`, a tensor subclass wrapping the
+master weight that behaves as the master weight for every op (optimizers, state dicts, DTensor)
+and implements FSDP2's all-gather extension (``fsdp_pre_all_gather`` / ``fsdp_post_all_gather``);
+the gathered weight is an :class:`FP8GatheredWeight`, which :func:`~lowprec.nn.fp8_linear` takes
+as its quantized form (``quantize_weight`` returns its codes and scales).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_map_only
+
+from ..recipes import get_recipe
+from ..tensor import QuantizedTensor
+
+__all__ = ["enable_fp8_all_gather", "FP8AllGatherWeight", "FP8GatheredWeight"]
+
+_BLOCK = 128
+_WEIGHT_RECIPE = "fp8_block128x128"
+_aten = torch.ops.aten
+# ops FSDP2 applies to a parameter while sharding it, padding it and moving it (and detach, which
+# nn.Parameter applies): their outputs stay FP8AllGatherWeight, so the shard keeps the extension
+_KEEPS_SUBCLASS = {
+    _aten.detach.default, _aten.alias.default, _aten.view.default, _aten.slice.Tensor, _aten.split.Tensor,
+    _aten.split_with_sizes.default, _aten.chunk.default, _aten.as_strided.default, _aten.clone.default,
+    _aten.copy_.default, _aten.empty_like.default, _aten.new_zeros.default, _aten.new_empty.default,
+    _aten._to_copy.default, _aten._pin_memory.default, _aten.narrow.default,
+}
+
+
+class FP8AllGatherWeight(torch.Tensor):
+    """A master weight (any float dtype) whose FSDP2 all-gather sends 128x128-block E4M3 codes and
+    FP32 scales (module docstring). Every other op sees the wrapped tensor ``hp``."""
+
+    hp: torch.Tensor
+
+    @staticmethod
+    def __new__(cls, hp: torch.Tensor):
+        return torch.Tensor._make_wrapper_subclass(cls, hp.size(), strides=hp.stride(),
+                                                   storage_offset=hp.storage_offset(), dtype=hp.dtype,
+                                                   device=hp.device, layout=hp.layout,
+                                                   requires_grad=hp.requires_grad)
+
+    def __init__(self, hp: torch.Tensor):
+        self.hp = hp
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        out = func(*tree_map_only(cls, lambda t: t.hp, args), **tree_map_only(cls, lambda t: t.hp, kwargs or {}))
+        if func in _KEEPS_SUBCLASS:
+            return tree_map_only(torch.Tensor, cls, out)
+        return out
+
+    def __tensor_flatten__(self):
+        return ["hp"], None
+
+    @staticmethod
+    def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
+        return FP8AllGatherWeight(inner["hp"])
+
+    def __repr__(self) -> str:
+        return f"FP8AllGatherWeight({self.hp!r})"
+
+    def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
+        """This rank's shard as E4M3 codes (uint8) and FP32 128x128 block scales, when its rows
+        hold whole blocks; else the shard as it is (the plain all-gather)."""
+        from ..quant import quantize
+
+        if self.hp.dim() != 2 or self.hp.shape[0] % _BLOCK or not self.hp.shape[0]:
+            return (self.hp,), None
+        q = quantize(self.hp, _WEIGHT_RECIPE, check_finite=False)
+        return (q.data.view(torch.uint8), q.scale), tuple(outer_size)
+
+    def fsdp_post_all_gather(self, outputs, metadata, param_dtype, *, out=None):
+        """The gathered weight: an :class:`FP8GatheredWeight` of the full codes and scales (or,
+        after a plain all-gather, the full weight)."""
+        if metadata is None:  # the plain all-gather
+            (full,) = outputs
+            if out is not None:
+                return None
+            return full.to(param_dtype) if param_dtype is not None else full, (full,)
+        codes, scales = outputs
+        if out is not None:  # FSDP refilled the same buffers: out already views them
+            return None
+        dtype = param_dtype if param_dtype is not None else self.dtype
+        return FP8GatheredWeight(codes, scales, torch.Size(metadata), dtype), (codes, scales)
+
+
+class FP8GatheredWeight(torch.Tensor):
+    """A full weight as FP8AllGatherWeight's all-gather delivers it: E4M3 codes ``[out, in]`` and
+    FP32 scales per 128x128 block. It reports the master weight's shape and dtype;
+    :func:`~lowprec.nn.fp8_linear` multiplies by its codes directly (:meth:`quantized`), other ops
+    see its dequantized value."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+
+    @staticmethod
+    def __new__(cls, codes: torch.Tensor, scales: torch.Tensor, shape: torch.Size, dtype: torch.dtype):
+        return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=codes.device)
+
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, shape: torch.Size, dtype: torch.dtype):
+        self.codes, self.scales = codes, scales
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    def quantized(self) -> QuantizedTensor:
+        """The weight as the ``fp8_block128x128`` QuantizedTensor it was gathered as."""
+        return QuantizedTensor(self.codes.view(torch.float8_e4m3fn), self.scales, get_recipe(_WEIGHT_RECIPE),
+                               tuple(self.shape), self.dtype)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        if func in (_aten.detach.default, _aten.alias.default) or (
+                func in (_aten.view.default, _aten.as_strided.default) and _whole(args)):
+            # nn.Parameter(...), .data, FSDP's as_strided to the full shape: the same codes
+            self = args[0]
+            return cls(self.codes, self.scales, self.shape, self.dtype)
+        unwrap = tree_map_only(cls, lambda t: t.quantized().dequantize(t.dtype), (args, kwargs or {}))
+        return func(*unwrap[0], **unwrap[1])
+
+    def __tensor_flatten__(self):
+        return ["codes", "scales"], (tuple(self.shape), self.dtype)
+
+    @staticmethod
+    def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
+        return FP8GatheredWeight(inner["codes"], inner["scales"], torch.Size(meta[0]), meta[1])
+
+    def __repr__(self) -> str:
+        return f"FP8GatheredWeight(shape={tuple(self.shape)}, dtype={self.dtype}, codes on {self.codes.device})"
+
+
+def _whole(args) -> bool:
+    """``view(t, size)`` / ``as_strided(t, size, stride, offset)`` of ``t`` as it is."""
+    t, size = args[0], tuple(args[1])
+    if size != tuple(t.shape):
+        return False
+    return len(args) < 3 or (tuple(args[2]) == t.stride() and (len(args) < 4 or not args[3]))
+
+
+def _master_weight_in_state_dict(module, state_dict, prefix, local_metadata):
+    key = prefix + "weight"
+    if isinstance(state_dict.get(key), FP8AllGatherWeight):  # savers need a plain tensor
+        state_dict[key] = state_dict[key].hp
+
+
+def enable_fp8_all_gather(module: nn.Module) -> int:
+    """Make every :class:`~lowprec.nn.FP8Linear` of ``module`` with 128x128 weight blocks
+    (``fp8_block``) all-gather its weight in FP8 under FSDP2: call before ``fully_shard``.
+    Returns how many weights were wrapped. Outside FSDP nothing changes: the wrapped weight
+    behaves as the master weight, and the layer's state dict holds the master weight itself
+    (under FSDP, DTensors as usual: ``full_tensor()`` gives the master weight).
+
+    With ``MixedPrecisionPolicy(param_dtype=torch.bfloat16)`` the shards are quantized from the
+    master weights' own dtype, not from a bf16 copy (the plain all-gather's layer quantizes the
+    gathered bf16 weight), so the codes can differ from the plain path's there. The MoE's expert
+    weights keep the plain all-gather."""
+    from .linear import FP8Linear
+
+    count = 0
+    for layer in module.modules():
+        if isinstance(layer, FP8Linear) and layer.recipe.weight == _WEIGHT_RECIPE \
+                and not isinstance(layer.weight, FP8AllGatherWeight):
+            weight = layer.weight
+            layer.weight = nn.Parameter(FP8AllGatherWeight(weight.data), requires_grad=weight.requires_grad)
+            layer.register_state_dict_post_hook(_master_weight_in_state_dict)
+            count += 1
+    return count
