@@ -92,7 +92,7 @@ def expert_parallel_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_id
 
     weights_recv = _AllToAll.apply(topk_weights.reshape(-1)[order], send_splits, recv_splits, group)
     if recipe is None or not fp8_dispatch:
-        x_recv = _AllToAll.apply(x[token_of_row], send_splits, recv_splits, group)
+        x_recv = _AllToAll.apply(_GatherSlots.apply(x, order, k), send_splits, recv_splits, group)
     else:
         x_recv = _Dispatch.apply(x, token_of_row, order, send_splits, recv_splits, group)
 
@@ -167,6 +167,23 @@ class _AllToAll(torch.autograd.Function):
     def backward(ctx, grad):
         send_splits, recv_splits = ctx.splits
         return _exchange(grad, recv_splits, send_splits, ctx.group), None, None, None
+
+
+class _GatherSlots(torch.autograd.Function):
+    """The row of each slot in ``order`` (token ``order // k``); the gradient sums each token's
+    rows in slot order (:func:`_sum_slots`: the backward of plain indexing adds them with GPU
+    atomics, in no fixed order)."""
+
+    @staticmethod
+    def forward(ctx, x, order, k):
+        ctx.save_for_backward(order)
+        ctx.tokens, ctx.k = x.shape[0], k
+        return x[order // k]
+
+    @staticmethod
+    def backward(ctx, grad):
+        (order,) = ctx.saved_tensors
+        return _sum_slots(grad, order, ctx.tokens, ctx.k), None, None
 
 
 class _Dispatch(torch.autograd.Function):
