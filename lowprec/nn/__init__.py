@@ -1,8 +1,8 @@
 """FP8 layers for training and inference, and ``convert`` to swap them into a model."""
 
-from .fsdp import FP8AllGatherWeight, FP8GatheredWeight, enable_fp8_all_gather
+from .fsdp import FP8AllGatherWeight, FP8GatheredWeight
 from .functional import LINEAR_RECIPES, LinearRecipe, fp8_linear
-from .linear import MIN_TRAIN_WEIGHT_NUMEL, FP8InferenceLinear, FP8Linear, convert
+from .linear import MIN_TRAIN_WEIGHT_NUMEL, FP8InferenceLinear, FP8Linear, convert, enable_fp8_all_gather
 from .nvfp4 import NVFP4InferenceLinear
 from .weight_cache import reuse_quantized_weights
 

@@ -2,7 +2,7 @@
 
 FSDP2 shards each weight along its rows and all-gathers the full weight before every forward
 and backward, in the weight's dtype. The layer then quantizes the gathered weight to E4M3 with
-128x128 block scales (``fp8_block``). :func:`enable_fp8_all_gather` makes each rank quantize its
+128x128 block scales (``fp8_block``). :func:`~lowprec.nn.enable_fp8_all_gather` makes each rank quantize its
 own shard instead and the ranks gather the E4M3 codes and the FP32 block scales: one byte per
 weight plus 4 bytes per 128x128 block, against 2 (bf16) or 4 (FP32) bytes, and no per-rank
 quantization of the whole weight. A shard whose rows are a multiple of 128 holds whole blocks,
@@ -10,9 +10,10 @@ so its codes and scales are exactly those of the full weight's: the layers compu
 as with the plain all-gather (tested). Layers whose shards would split a block keep the plain
 all-gather.
 
-How: the weight parameter becomes an :class:`FP8AllGatherWeight`, a tensor subclass wrapping the
-master weight that behaves as the master weight for every op (optimizers, state dicts, DTensor)
-and implements FSDP2's all-gather extension (``fsdp_pre_all_gather`` / ``fsdp_post_all_gather``);
+How (this module holds the tensor subclasses; :func:`~lowprec.nn.enable_fp8_all_gather`, beside
+``FP8Linear``, swaps them in): the weight parameter becomes an :class:`FP8AllGatherWeight`, a
+tensor subclass wrapping the master weight that behaves as the master weight for every op
+(optimizers, state dicts, DTensor) and implements FSDP2's all-gather extension (``fsdp_pre_all_gather`` / ``fsdp_post_all_gather``);
 the gathered weight is an :class:`FP8GatheredWeight`, which :func:`~lowprec.nn.fp8_linear` takes
 as its quantized form (``quantize_weight`` returns its codes and scales).
 """
@@ -20,13 +21,12 @@ as its quantized form (``quantize_weight`` returns its codes and scales).
 from __future__ import annotations
 
 import torch
-from torch import nn
 from torch.utils._pytree import tree_map_only
 
 from ..recipes import get_recipe
 from ..tensor import QuantizedTensor
 
-__all__ = ["enable_fp8_all_gather", "FP8AllGatherWeight", "FP8GatheredWeight"]
+__all__ = ["FP8AllGatherWeight", "FP8GatheredWeight"]
 
 _BLOCK = 128
 _WEIGHT_RECIPE = "fp8_block128x128"
@@ -151,33 +151,3 @@ def _whole(args) -> bool:
     if size != tuple(t.shape):
         return False
     return len(args) < 3 or (tuple(args[2]) == t.stride() and (len(args) < 4 or not args[3]))
-
-
-def _master_weight_in_state_dict(module, state_dict, prefix, local_metadata):
-    key = prefix + "weight"
-    if isinstance(state_dict.get(key), FP8AllGatherWeight):  # savers need a plain tensor
-        state_dict[key] = state_dict[key].hp
-
-
-def enable_fp8_all_gather(module: nn.Module) -> int:
-    """Make every :class:`~lowprec.nn.FP8Linear` of ``module`` with 128x128 weight blocks
-    (``fp8_block``) all-gather its weight in FP8 under FSDP2: call before ``fully_shard``.
-    Returns how many weights were wrapped. Outside FSDP nothing changes: the wrapped weight
-    behaves as the master weight, and the layer's state dict holds the master weight itself
-    (under FSDP, DTensors as usual: ``full_tensor()`` gives the master weight).
-
-    With ``MixedPrecisionPolicy(param_dtype=torch.bfloat16)`` the shards are quantized from the
-    master weights' own dtype, not from a bf16 copy (the plain all-gather's layer quantizes the
-    gathered bf16 weight), so the codes can differ from the plain path's there. The MoE's expert
-    weights keep the plain all-gather."""
-    from .linear import FP8Linear
-
-    count = 0
-    for layer in module.modules():
-        if isinstance(layer, FP8Linear) and layer.recipe.weight == _WEIGHT_RECIPE \
-                and not isinstance(layer.weight, FP8AllGatherWeight):
-            weight = layer.weight
-            layer.weight = nn.Parameter(FP8AllGatherWeight(weight.data), requires_grad=weight.requires_grad)
-            layer.register_state_dict_post_hook(_master_weight_in_state_dict)
-            count += 1
-    return count

@@ -16,10 +16,11 @@ from ..recipes import get_recipe
 from ..runtime import registry
 from ..tensor import QuantizedTensor
 from .buffers import QuantizedBuffersModule
+from .fsdp import FP8AllGatherWeight
 from .functional import LinearRecipe, follow_autocast, fp8_linear, get_linear_recipe
 from .nvfp4 import NVFP4InferenceLinear
 
-__all__ = ["FP8Linear", "FP8InferenceLinear", "convert", "MIN_TRAIN_WEIGHT_NUMEL"]
+__all__ = ["FP8Linear", "FP8InferenceLinear", "convert", "MIN_TRAIN_WEIGHT_NUMEL", "enable_fp8_all_gather"]
 
 log = logging.getLogger("lowprec")
 _ALIGN = 16  # the GEMM kernels take N and K in multiples of 16
@@ -321,3 +322,35 @@ def _converted(module: nn.Module, name: str, recipe: str, inference: bool, min_n
         log.warning("lowprec.convert: keeping %s as FP8InferenceLinear in %s, not %s: its FP8 weights cannot be "
                     "requantized without the master weights", name or "<model>", module.recipe.name, recipe)
     return module
+
+
+# --- FSDP2: FP8 all-gather of FP8Linear weights (the tensor subclasses: lowprec.nn.fsdp) ---
+_GATHER_RECIPE = "fp8_block128x128"
+
+
+def _master_weight_in_state_dict(module, state_dict, prefix, local_metadata):
+    key = prefix + "weight"
+    if isinstance(state_dict.get(key), FP8AllGatherWeight):  # savers need a plain tensor
+        state_dict[key] = state_dict[key].hp
+
+
+def enable_fp8_all_gather(module: nn.Module) -> int:
+    """Make every :class:`~lowprec.nn.FP8Linear` of ``module`` with 128x128 weight blocks
+    (``fp8_block``) all-gather its weight in FP8 under FSDP2: call before ``fully_shard``.
+    Returns how many weights were wrapped. Outside FSDP nothing changes: the wrapped weight
+    behaves as the master weight, and the layer's state dict holds the master weight itself
+    (under FSDP, DTensors as usual: ``full_tensor()`` gives the master weight).
+
+    With ``MixedPrecisionPolicy(param_dtype=torch.bfloat16)`` the shards are quantized from the
+    master weights' own dtype, not from a bf16 copy (the plain all-gather's layer quantizes the
+    gathered bf16 weight), so the codes can differ from the plain path's there. The MoE's expert
+    weights keep the plain all-gather."""
+    count = 0
+    for layer in module.modules():
+        if isinstance(layer, FP8Linear) and layer.recipe.weight == _GATHER_RECIPE \
+                and not isinstance(layer.weight, FP8AllGatherWeight):
+            weight = layer.weight
+            layer.weight = nn.Parameter(FP8AllGatherWeight(weight.data), requires_grad=weight.requires_grad)
+            layer.register_state_dict_post_hook(_master_weight_in_state_dict)
+            count += 1
+    return count

@@ -20,6 +20,7 @@ import torch
 from ..quant import quantize, quantize_with_transpose
 from ..recipes import get_recipe
 from ..tensor import QuantizedTensor
+from .fsdp import FP8AllGatherWeight, FP8GatheredWeight
 
 __all__ = ["reuse_quantized_weights", "quantize_weight"]
 
@@ -74,8 +75,6 @@ def quantize_weight(weight: torch.Tensor, recipe: str, with_transpose: bool
     same pass for transposable recipes (128x128 blocks, tensorwise), else quantized along the
     other dim. Leading dims of ``weight`` are a batch of matrices (experts).
     """
-    from .fsdp import FP8AllGatherWeight, FP8GatheredWeight
-
     if isinstance(weight, FP8GatheredWeight) and recipe == _GATHERED_RECIPE:  # gathered in FP8 by FSDP2
         w_q = weight.quantized()
         return w_q, w_q.transpose() if with_transpose else None
