@@ -13,9 +13,10 @@ all-gather.
 How (this module holds the tensor subclasses; :func:`~lowprec.nn.enable_fp8_all_gather`, beside
 ``FP8Linear``, swaps them in): the weight parameter becomes an :class:`FP8AllGatherWeight`, a
 tensor subclass wrapping the master weight that behaves as the master weight for every op
-(optimizers, state dicts, DTensor) and implements FSDP2's all-gather extension (``fsdp_pre_all_gather`` / ``fsdp_post_all_gather``);
-the gathered weight is an :class:`FP8GatheredWeight`, which :func:`~lowprec.nn.fp8_linear` takes
-as its quantized form (``quantize_weight`` returns its codes and scales).
+(optimizers, state dicts, DTensor) and implements FSDP2's all-gather extension
+(``fsdp_pre_all_gather`` / ``fsdp_post_all_gather``); the gathered weight is an
+:class:`FP8GatheredWeight`, which :func:`~lowprec.nn.fp8_linear` takes as its quantized form
+(``quantize_weight`` returns its codes and scales).
 """
 
 from __future__ import annotations
