@@ -201,3 +201,45 @@ def test_fp8_all_gather_weights_outside_fsdp(tmp_path):
     y_ref.sum().backward()
     assert torch.equal(y, y_ref) and torch.equal(x.grad, x_ref.grad) and torch.equal(gathered.grad, w_ref.grad)
     assert type(gathered.grad) is torch.Tensor
+
+
+def _inference_worker(rank, world, init_file):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import lowprec
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120))
+    try:
+        torch.manual_seed(0)
+        base = nn.Sequential(nn.Linear(128, 256), nn.ReLU(), nn.Linear(256, 128), nn.ReLU(), nn.Linear(128, 64))
+        for recipe in ("fp8_block", "nvfp4"):
+            model = copy.deepcopy(base)
+            lowprec.convert(model, recipe, inference=True, min_weight_numel=0, filter_fn=lambda name, m: name != "4")
+            kind = lowprec.nn.FP8InferenceLinear if recipe == "fp8_block" else lowprec.nn.NVFP4InferenceLinear
+            assert isinstance(model[0], kind) and isinstance(model[2], kind) and type(model[4]) is nn.Linear
+            ref = copy.deepcopy(model)
+            mesh = init_device_mesh("cpu", (world,))
+            fully_shard(model[4], mesh=mesh)  # the one layer with parameters; the FP8 / NVFP4 buffers stay whole
+            fully_shard(model, mesh=mesh)
+            x = torch.randn(6, 128, generator=torch.Generator().manual_seed(rank))
+            with torch.no_grad():
+                torch.testing.assert_close(model(x), ref(x), rtol=0, atol=0)
+            state = model.state_dict()
+            for name, value in ref.state_dict().items():
+                got = state[name]
+                got = got.full_tensor() if hasattr(got, "full_tensor") else got
+                assert torch.equal(got.view(torch.uint8) if got.dtype == torch.float8_e4m3fn else got,
+                                   value.view(torch.uint8) if value.dtype == torch.float8_e4m3fn else value), name
+    finally:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_inference_layers_under_fully_shard():
+    """FP8InferenceLinear and NVFP4InferenceLinear (buffers, no parameters) in a model under
+    fully_shard on 2 ranks: the outputs and state dict of the unsharded model."""
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_inference_worker, args=(2, os.path.join(tmp, "init")), nprocs=2, join=True)
