@@ -128,6 +128,11 @@ class MoE(nn.Module):
         """``x [..., H]`` to ``[..., H]``; with ``return_routing`` also the :class:`Routing` (``.stats()``)."""
         return _route_and_apply(self, x, self.w1, self.w2, self.recipe, return_routing)
 
+    def fp8_block_weights(self) -> tuple[str, ...]:
+        """The parameters quantized in 128x128 blocks (:func:`lowprec.nn.enable_fp8_all_gather`):
+        the expert weights, each expert's matrix on its own (FSDP shards them along the experts)."""
+        return ("w1", "w2") if self.recipe == "fp8_block" else ()
+
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, ffn_size={self.ffn_size}, num_experts={self.num_experts}, "
                 f"top_k={self.top_k}, capacity_factor={self.capacity_factor}, drop_policy={self.drop_policy!r}, "

@@ -1,4 +1,5 @@
-"""FP8 all-gather of :class:`~lowprec.nn.FP8Linear` weights under FSDP2 (``fully_shard``).
+"""FP8 all-gather under FSDP2 (``fully_shard``) of the weights lowprec quantizes in 128x128 blocks
+(:class:`~lowprec.nn.FP8Linear`'s, the MoE's expert weights).
 
 FSDP2 shards each weight along its rows and all-gathers the full weight before every forward
 and backward, in the weight's dtype. The layer then quantizes the gathered weight to E4M3 with
@@ -7,7 +8,8 @@ own shard instead and the ranks gather the E4M3 codes and the FP32 block scales:
 weight plus 4 bytes per 128x128 block, against 2 (bf16) or 4 (FP32) bytes, and no per-rank
 quantization of the whole weight. A shard whose rows are a multiple of 128 holds whole blocks,
 so its codes and scales are exactly those of the full weight's: the layers compute the same bits
-as with the plain all-gather (tested). Layers whose shards would split a block keep the plain
+as with the plain all-gather (tested). A stack of expert matrices is sharded along the experts,
+so its shards always hold whole matrices. Layers whose shards would split a block keep the plain
 all-gather.
 
 How (this module holds the tensor subclasses; :func:`~lowprec.nn.enable_fp8_all_gather`, beside
@@ -78,11 +80,12 @@ class FP8AllGatherWeight(torch.Tensor):
         return f"FP8AllGatherWeight({self.hp!r})"
 
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
-        """This rank's shard as E4M3 codes (uint8) and FP32 128x128 block scales, when its rows
-        hold whole blocks; else the shard as it is (the plain all-gather)."""
+        """This rank's shard as E4M3 codes (uint8) and FP32 128x128 block scales, when it holds
+        whole blocks (a matrix: rows a multiple of 128; a stack of expert matrices: always, FSDP
+        splits the stack); else the shard as it is (the plain all-gather)."""
         from ..quant import quantize
 
-        if self.hp.dim() != 2 or self.hp.shape[0] % _BLOCK or not self.hp.shape[0]:
+        if self.hp.dim() not in (2, 3) or not self.hp.shape[0] or (self.hp.dim() == 2 and self.hp.shape[0] % _BLOCK):
             return (self.hp,), None
         q = quantize(self.hp, _WEIGHT_RECIPE, check_finite=False)
         return (q.data.view(torch.uint8), q.scale), tuple(outer_size)

@@ -75,6 +75,10 @@ class FP8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return fp8_linear(x, self.weight, self.bias, self.recipe)
 
+    def fp8_block_weights(self) -> tuple[str, ...]:
+        """The parameters quantized in 128x128 blocks (:func:`enable_fp8_all_gather`)."""
+        return ("weight",) if self.recipe.weight == "fp8_block128x128" else ()
+
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bias={self.bias is not None}, recipe={self.recipe.name}")
@@ -324,33 +328,36 @@ def _converted(module: nn.Module, name: str, recipe: str, inference: bool, min_n
     return module
 
 
-# --- FSDP2: FP8 all-gather of FP8Linear weights (the tensor subclasses: lowprec.nn.fsdp) ---
-_GATHER_RECIPE = "fp8_block128x128"
+# --- FSDP2: FP8 all-gather of 128x128-quantized weights (the tensor subclasses: lowprec.nn.fsdp) ---
 
-
-def _master_weight_in_state_dict(module, state_dict, prefix, local_metadata):
-    key = prefix + "weight"
-    if isinstance(state_dict.get(key), FP8AllGatherWeight):  # savers need a plain tensor
-        state_dict[key] = state_dict[key].hp
+def _master_weights_in_state_dict(module, state_dict, prefix, local_metadata):
+    for name in module.fp8_block_weights():
+        key = prefix + name
+        if isinstance(state_dict.get(key), FP8AllGatherWeight):  # savers need a plain tensor
+            state_dict[key] = state_dict[key].hp
 
 
 def enable_fp8_all_gather(module: nn.Module) -> int:
-    """Make every :class:`~lowprec.nn.FP8Linear` of ``module`` with 128x128 weight blocks
-    (``fp8_block``) all-gather its weight in FP8 under FSDP2: call before ``fully_shard``.
-    Returns how many weights were wrapped. Outside FSDP nothing changes: the wrapped weight
-    behaves as the master weight, and the layer's state dict holds the master weight itself
-    (under FSDP, DTensors as usual: ``full_tensor()`` gives the master weight).
+    """Make the weights that ``module``'s layers quantize in 128x128 blocks all-gather in FP8
+    under FSDP2 (each shard's E4M3 codes and scales): every :class:`~lowprec.nn.FP8Linear`
+    weight with the ``fp8_block`` recipe and the expert weights ``w1``, ``w2`` of
+    :class:`lowprec.moe.MoE` (``fp8_block``) - any module whose ``fp8_block_weights()`` names
+    them. Call before ``fully_shard``. Returns how many weights were wrapped.
 
-    With ``MixedPrecisionPolicy(param_dtype=torch.bfloat16)`` the shards are quantized from the
-    master weights' own dtype, not from a bf16 copy (the plain all-gather's layer quantizes the
-    gathered bf16 weight), so the codes can differ from the plain path's there. The MoE's expert
-    weights keep the plain all-gather."""
+    Outside FSDP nothing changes: a wrapped weight behaves as the master weight, and the
+    module's state dict holds the master weight itself (under FSDP, DTensors as usual:
+    ``full_tensor()`` gives the master weight). With ``MixedPrecisionPolicy(param_dtype=
+    torch.bfloat16)`` the shards are quantized from the master weights' own dtype, not from a
+    bf16 copy (the plain all-gather's layer quantizes the gathered bf16 weight), so the codes can
+    differ from the plain path's there."""
     count = 0
     for layer in module.modules():
-        if isinstance(layer, FP8Linear) and layer.recipe.weight == _GATHER_RECIPE \
-                and not isinstance(layer.weight, FP8AllGatherWeight):
-            weight = layer.weight
-            layer.weight = nn.Parameter(FP8AllGatherWeight(weight.data), requires_grad=weight.requires_grad)
-            layer.register_state_dict_post_hook(_master_weight_in_state_dict)
-            count += 1
+        names = layer.fp8_block_weights() if hasattr(layer, "fp8_block_weights") else ()
+        fresh = [n for n in names if not isinstance(getattr(layer, n), FP8AllGatherWeight)]
+        for name in fresh:
+            weight = getattr(layer, name)
+            setattr(layer, name, nn.Parameter(FP8AllGatherWeight(weight.data), requires_grad=weight.requires_grad))
+        if fresh and len(fresh) == len(names):  # first time for this module
+            layer.register_state_dict_post_hook(_master_weights_in_state_dict)
+        count += len(fresh)
     return count

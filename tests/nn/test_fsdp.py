@@ -103,6 +103,7 @@ def _fp8_gather_worker(rank, world, init_file):
     from torch.distributed.fsdp import fully_shard
 
     import lowprec
+    from lowprec.moe import MoE
     from lowprec.nn import FP8AllGatherWeight, FP8GatheredWeight, enable_fp8_all_gather
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
@@ -110,20 +111,23 @@ def _fp8_gather_worker(rank, world, init_file):
     try:
         torch.manual_seed(0)
         # 256 rows: shards of 128 (whole 128x128 blocks: gathered in FP8; the middle one's input
-        # gradient multiplies by its transposed codes); the last, 128 rows: shards of 64 (plain)
-        layers = [nn.Linear(128, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 128)]
+        # gradient multiplies by its transposed codes); 128 rows: shards of 64 (plain); the MoE's
+        # expert weights: shards of 2 whole experts (FP8)
+        layers = [nn.Linear(128, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 128),
+                  MoE(128, 64, num_experts=4, top_k=2)]
         plain = lowprec.convert(nn.Sequential(*layers), min_weight_numel=0)
         fp8 = copy.deepcopy(plain)
-        assert enable_fp8_all_gather(fp8) == 3
+        assert enable_fp8_all_gather(fp8) == 5
         mesh = init_device_mesh("cpu", (world,))
         for model in (plain, fp8):
-            for layer in (model[0], model[2], model[4]):
+            for layer in (model[0], model[2], model[4], model[5]):
                 fully_shard(layer, mesh=mesh)
             fully_shard(model, mesh=mesh)
         assert isinstance(fp8[0].weight.to_local(), FP8AllGatherWeight)
         seen = []
         for layer in (fp8[0], fp8[2], fp8[4]):
             layer.register_forward_pre_hook(lambda m, args: seen.append(type(m.weight)))
+        fp8[5].register_forward_pre_hook(lambda m, args: seen.extend([type(m.w1), type(m.w2)]))
         opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (plain, fp8)]
         g = torch.Generator().manual_seed(1)
         for _ in range(3):
@@ -140,7 +144,8 @@ def _fp8_gather_worker(rank, world, init_file):
                 dxs.append(xr.grad)
             # the same codes and scales, gathered either way
             assert torch.equal(ys[0], ys[1]) and torch.equal(dxs[0], dxs[1])
-        assert seen[:3] == [FP8GatheredWeight, FP8GatheredWeight, nn.Parameter], seen
+        assert seen[:5] == [FP8GatheredWeight, FP8GatheredWeight, nn.Parameter, FP8GatheredWeight,
+                            FP8GatheredWeight], seen
         for name, value in plain.state_dict().items():
             assert torch.equal(fp8.state_dict()[name].full_tensor(), value.full_tensor()), name
     finally:
@@ -150,8 +155,9 @@ def _fp8_gather_worker(rank, world, init_file):
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
 def test_fp8_all_gather_trains_as_the_plain_one():
-    """enable_fp8_all_gather: the sharded weights travel as E4M3 codes and 128x128 scales where a
-    shard holds whole blocks, and training is bit-identical to the plain all-gather's."""
+    """enable_fp8_all_gather: FP8Linear and MoE expert weights travel as E4M3 codes and 128x128
+    scales where a shard holds whole blocks, and training is bit-identical to the plain
+    all-gather's."""
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(_fp8_gather_worker, args=(2, os.path.join(tmp, "init")), nprocs=2, join=True)
 
