@@ -163,8 +163,8 @@ def test_fp8_all_gather_trains_as_the_plain_one():
 
 
 def test_fp8_all_gather_weights_outside_fsdp(tmp_path):
-    """Without FSDP the wrapped weight trains as the master weight (same bits through AdamW), the
-    state dict holds the plain master weight (lowprec.save / load round trip), and a gathered
+    """Without FSDP the wrapped weight trains as the master weight (same bits through AdamW, and
+    under torch.compile), the state dict holds the plain master weight (lowprec.save / load round trip), and a gathered
     weight (codes and scales) multiplies as the weight it was quantized from."""
     import lowprec
     from lowprec.nn import FP8AllGatherWeight, FP8GatheredWeight, enable_fp8_all_gather, fp8_linear
@@ -186,6 +186,9 @@ def test_fp8_all_gather_weights_outside_fsdp(tmp_path):
             opt.zero_grad()
             outs.append((y, xr.grad))
         assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    x = torch.randn(8, 128)  # torch.compile traces the wrapped weights (fullgraph)
+    compiled = torch.compile(wrapped, backend="aot_eager", fullgraph=True)
+    assert torch.equal(compiled(x), plain(x))
     state = wrapped.state_dict()
     assert type(state["0.weight"]) is torch.Tensor and torch.equal(state["0.weight"], plain[0].weight)
     lowprec.save(state, tmp_path / "m.safetensors")
