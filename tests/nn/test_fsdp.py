@@ -186,8 +186,10 @@ def test_fp8_all_gather_weights_outside_fsdp(tmp_path):
             opt.zero_grad()
             outs.append((y, xr.grad))
         assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
-    x = torch.randn(8, 128)  # torch.compile traces the wrapped weights (fullgraph)
-    compiled = torch.compile(wrapped, backend="aot_eager", fullgraph=True)
+    # torch.compile traces the wrapped weights (fullgraph); a function of this test's own, so the
+    # compile cache is not that of nn.Sequential.forward, which other tests compile too
+    x = torch.randn(8, 128)
+    compiled = torch.compile(lambda t: wrapped(t), backend="aot_eager", fullgraph=True)
     assert torch.equal(compiled(x), plain(x))
     state = wrapped.state_dict()
     assert type(state["0.weight"]) is torch.Tensor and torch.equal(state["0.weight"], plain[0].weight)
