@@ -292,3 +292,41 @@ def test_deepseek_fp8_with_pow2_scales_runs_as_mxfp8():
     torch.testing.assert_close(e8m0(sfa, 200), a.scale.double().repeat_interleave(4, 1), rtol=0, atol=0)
     b_scale = b.scale.double().repeat_interleave(128, 0)[:272].repeat_interleave(4, 1)
     torch.testing.assert_close(e8m0(sfb, 272), b_scale, rtol=0, atol=0)
+
+
+def test_grouped_contiguous_runs_through_the_masked_launch(monkeypatch):
+    """The contiguous layout on a (pretended) sm_100a device: each group's rows go into a masked
+    buffer of the longest group's rows, the masked launch runs (a stand-in computing every row),
+    and the rows come back to their places, rows past the last group zero; the first-use
+    self-check proves the contiguous layout on its own probe."""
+    import torch
+
+    import lowprec
+    from lowprec.gemm.reference import grouped_gemm_contiguous_reference, grouped_gemm_masked_reference
+    from lowprec.gemm.sm100 import interface
+    from lowprec.runtime import registry
+
+    g = torch.Generator().manual_seed(1)
+    for recipe in ("mxfp8", "nvfp4"):
+        a = lowprec.quantize(torch.randn(150, 256, generator=g), recipe)
+        b = lowprec.quantize(torch.randn(4, 144, 256, generator=g), recipe)
+        ends = torch.tensor([40, 40, 133, 141], dtype=torch.int32)  # an empty group; 9 rows past the last
+        launches = []
+
+        def launch(a_masked, b, out_dtype, bias, config, launches=launches):
+            launches.append(tuple(a_masked.shape))
+            full = torch.full((a_masked.shape[0],), a_masked.shape[1], dtype=torch.int32)
+            return grouped_gemm_masked_reference(a_masked, b, full, out_dtype)
+
+        monkeypatch.setattr(interface, "_launch", launch)
+        monkeypatch.setattr(registry, "device_arch", lambda device: "sm_100a")
+        monkeypatch.setattr(registry, "dsl_available", lambda: True)
+        for attr in ("_passed_checks", "_failed_checks", "_checked_all"):
+            monkeypatch.setattr(registry, attr, set())
+        warned = []
+        monkeypatch.setattr(registry, "warn_once", warned.append)
+        y = lowprec.grouped_gemm(a, b, group_ends=ends)
+        assert launches[-1] == (4, 93, 256) and not warned  # the longest group: 93 rows; the probe's first
+        expected = grouped_gemm_contiguous_reference(a, b, ends, torch.bfloat16)
+        torch.testing.assert_close(y, expected, rtol=1e-2, atol=1e-2)
+        assert (y[141:] == 0).all()

@@ -24,8 +24,10 @@ def _reference(a, b, out_dtype, bias):
 
 
 def _grouped_reference(a, b, out_dtype, group_ends, masked_counts):
-    from ..reference import grouped_gemm_masked_reference
+    from ..reference import grouped_gemm_contiguous_reference, grouped_gemm_masked_reference
 
+    if group_ends is not None:
+        return grouped_gemm_contiguous_reference(a, b, group_ends, out_dtype)
     return grouped_gemm_masked_reference(a, b, masked_counts, out_dtype)
 
 
@@ -57,6 +59,6 @@ register("gemm", "sm_100a", f"{__name__}.interface:gemm_quantized", config.gemm_
          self_check=SelfCheck(config.check_config, _probe, _reference, _close, config.check_configs))
 register("grouped_gemm", "sm_100a", f"{__name__}.interface:grouped_gemm_quantized", config.grouped_unsupported,
          self_check=SelfCheck(config.grouped_check_config, _grouped_probe, _grouped_reference, _close,
-                              config.check_configs))
+                              config.grouped_check_configs))
 register("gemm_cublaslt", "sm_100a", f"{__name__}.cublas:gemm_cublas", _cublas_unsupported,
          self_check=SelfCheck(_pair_of, _probe_cublas, _reference, _close, lambda: _PAIRS))

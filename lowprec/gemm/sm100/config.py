@@ -87,10 +87,12 @@ def gemm_unsupported(a, b, out_dtype, bias) -> str | None:
 
 def grouped_unsupported(a, b, out_dtype, group_ends, masked_counts) -> str | None:
     """Why the sm_100a kernel cannot run ``lowprec.grouped_gemm`` on these operands (None: it can):
-    the masked layout (``a`` [E, M_max, K], ``b`` [E, N, K]) runs as one batched launch."""
+    the masked layout (``a`` [E, M_max, K], ``b`` [E, N, K]) runs as one batched launch; the
+    contiguous one (``a`` [M, K]) too, its groups' rows copied into a masked buffer and back."""
     if group_ends is not None:
-        return "the contiguous layout (group_ends): only the masked layout runs on sm_100a so far"
-    if a.dim() != 3 or b.dim() != 3 or a.shape[0] != b.shape[0]:
+        if a.dim() != 2 or b.dim() != 3:
+            return "contiguous operands are not [M, K] x [E, N, K]"
+    elif a.dim() != 3 or b.dim() != 3 or a.shape[0] != b.shape[0]:
         return "masked operands are not [E, M_max, K] x [E, N, K]"
     return _problem_unsupported(a, b, out_dtype, None)
 
@@ -134,9 +136,18 @@ def check_config(a, b, out_dtype, bias) -> tuple[tuple[str, str], GemmConfig]:
     return pair_of(a, b), config_for(a, b, out_dtype, bias)
 
 
-def grouped_check_config(a, b, out_dtype, group_ends, masked_counts) -> tuple[tuple[str, str], GemmConfig]:
-    """The self-check configuration of a masked grouped call (no bias)."""
-    return check_config(a, b, out_dtype, None)
+GROUPED_LAYOUTS = ("masked", "contiguous")
+
+
+def grouped_check_config(a, b, out_dtype, group_ends, masked_counts) -> tuple[str, tuple[str, str], GemmConfig]:
+    """The self-check configuration of a grouped call (no bias): its layout (the contiguous one
+    also proves the copies into and out of the masked buffer), the operand pair, the kernel's."""
+    return ("masked" if group_ends is None else "contiguous", *check_config(a, b, out_dtype, None))
+
+
+def grouped_check_configs() -> tuple[tuple[str, tuple[str, str], GemmConfig], ...]:
+    """Every grouped self-check configuration (``LOWPREC_SELF_CHECK=always``)."""
+    return tuple((layout, *check) for layout in GROUPED_LAYOUTS for check in check_configs())
 
 
 def check_configs() -> tuple[tuple[tuple[str, str], GemmConfig], ...]:

@@ -13,6 +13,7 @@ import torch
 
 from ...quant.layouts import to_blocked
 from ...runtime import compile_for_arch, kernel_cache, on_device
+from ...tensor import QuantizedTensor
 from .config import DEEPSEEK_PAIR, GemmConfig, config_for, pair_of
 
 __all__ = ["build_kernel", "compile_kernel", "kernel_operands", "gemm_quantized", "grouped_gemm_quantized", "probe",
@@ -79,11 +80,33 @@ def gemm_quantized(a, b, out_dtype, bias):
 
 
 def grouped_gemm_quantized(a, b, out_dtype, group_ends, masked_counts):
-    """``lowprec.grouped_gemm``, masked layout (``config.grouped_unsupported`` holds): one batched
-    launch over the experts, then the rows past each count zeroed (on the device)."""
+    """``lowprec.grouped_gemm`` (``config.grouped_unsupported`` holds). Masked layout: one batched
+    launch over the experts, then the rows past each count zeroed (on the device). Contiguous
+    layout: each group's rows (codes with their row-local scales) copied into a masked buffer of
+    the longest group's rows (its size read on the host: a sync), the masked launch, and the
+    output rows copied back."""
+    if group_ends is not None:
+        return _contiguous_as_masked(a, b, out_dtype, group_ends)
     d = _launch(a, b, out_dtype, None, config_for(a, b, out_dtype, None))
     rows = torch.arange(d.shape[1], device=d.device)
     return d.masked_fill_((rows[None, :] >= masked_counts.to(d.device)[:, None])[..., None], 0)
+
+
+def _contiguous_as_masked(a, b, out_dtype, group_ends):
+    ends = group_ends.to(device=a.data.device, dtype=torch.int64)
+    starts = torch.cat([ends.new_zeros(1), ends[:-1]])
+    counts = ends - starts
+    y = torch.zeros(a.shape[0], b.shape[-2], dtype=out_dtype, device=a.data.device)
+    m_max = int(counts.max()) if counts.numel() else 0
+    if m_max == 0:
+        return y
+    offsets = torch.arange(m_max, device=ends.device)
+    valid = offsets[None, :] < counts[:, None]  # [E, m_max]
+    rows = torch.where(valid, starts[:, None] + offsets[None, :], 0)  # the rows past a count: row 0, ignored
+    masked = QuantizedTensor(a.data[rows], a.scale[rows], a.recipe, (b.shape[0], m_max, a.shape[1]), a.dtype,
+                             a.global_scale)
+    d = grouped_gemm_quantized(masked, b, out_dtype, None, counts.to(torch.int32))
+    return y.index_copy_(0, rows[valid], d[valid])
 
 
 def _launch(a, b, out_dtype, bias, config: GemmConfig) -> torch.Tensor:
@@ -147,16 +170,20 @@ def probe(check: tuple[tuple[str, str], GemmConfig], device: torch.device) -> tu
     return a, b, getattr(torch, config.out_dtype), bias
 
 
-def grouped_probe(check: tuple[tuple[str, str], GemmConfig], device: torch.device) -> tuple:
-    """A small random masked grouped problem: three experts of up to 200 rows, one full, one
-    with 7 rows, one empty; N off the tile, two K tiles."""
-    pair, config = check
+def grouped_probe(check: tuple[str, tuple[str, str], GemmConfig], device: torch.device) -> tuple:
+    """A small random grouped problem of the check's layout: three experts, one of 200 rows (the
+    longest), one of 7, one empty (masked: ``[3, 200, K]``; contiguous: 207 rows and 13 past the
+    last group, which stay zero); N off the tile, two K tiles."""
+    layout, pair, config = check
     g = torch.Generator(device=device).manual_seed(0)
     n, k = config.tile_n + 48, 2 * config.tile_k
-    a, b = _quantize_pair(pair, torch.randn(3, 200, k, device=device, generator=g),
+    rows = (3, 200) if layout == "masked" else (220,)
+    a, b = _quantize_pair(pair, torch.randn(*rows, k, device=device, generator=g),
                           torch.randn(3, n, k, device=device, generator=g))
-    counts = torch.tensor([200, 7, 0], dtype=torch.int32, device=device)
-    return a, b, getattr(torch, config.out_dtype), None, counts
+    out = getattr(torch, config.out_dtype)
+    if layout == "masked":
+        return a, b, out, None, torch.tensor([200, 7, 0], dtype=torch.int32, device=device)
+    return a, b, out, torch.tensor([200, 207, 207], dtype=torch.int32, device=device), None
 
 
 def close_enough(result: torch.Tensor, expected: torch.Tensor) -> bool:
