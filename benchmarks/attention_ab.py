@@ -17,14 +17,10 @@ from lowprec.attention.sm90 import interface  # noqa: E402
 from lowprec.attention.sm90.interface import fp8_attention_forward, permute_v_keys  # noqa: E402
 from tests.attention.test_sm90 import quantize_inputs  # noqa: E402
 
-SHAPES = [  # B, H, Hkv, Sq, Sk, D, causal
-    (4, 32, 32, 4096, 4096, 128, False),
-    (4, 32, 32, 4096, 4096, 128, True),
-    (4, 32, 8, 4096, 4096, 128, True),
-    (4, 32, 32, 4096, 4096, 64, False),
-    (4, 16, 16, 4096, 4096, 256, False),
-    (16, 32, 32, 1024, 1024, 128, True),
-]
+sys.path.insert(0, "benchmarks")
+from attention_sm90_timing import SHAPES, SHORT  # noqa: E402  (the timing script's shapes)
+
+SHAPES = SHAPES + SHORT
 
 
 def main():

@@ -11,25 +11,19 @@ from __future__ import annotations
 import argparse
 import cProfile
 import pstats
-import time
 
 import torch
 from torch import nn
 
 import lowprec
+from lowprec.bench.common import back_to_back_us, bench_graph_ms
 from lowprec.gemm import ops
 from lowprec.gemm.sm90 import weight_only_interface as wo
 
 
 def per_call_us(fn, calls: int) -> float:
-    for _ in range(50):
-        fn()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t) / calls * 1e6
+    """Back-to-back calls, the GPU waited for at the end of each batch (bench's helper)."""
+    return back_to_back_us(fn, calls=max(1, calls // 5), reps=5, warmup=50)
 
 
 def main():
@@ -49,7 +43,6 @@ def main():
         for name, layer in layers.items():
             print(f"{name:10s} layer call          {per_call_us(lambda layer=layer: layer(x), args.calls):6.1f} us")
         # as bench decode times it: a round over copies whose weights add up past L2
-        from lowprec.bench.common import back_to_back_us, bench_graph_ms
         from lowprec.bench.decode import _make, rotation_copies, weight_bytes
         for impl in ("bf16", "lowprec-nvfp4"):
             copies = [_make(impl, base.weight) for _ in range(rotation_copies(weight_bytes(impl, 4096, 4096)))]

@@ -82,7 +82,6 @@ def expert_parallel_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_id
     recv_counts = torch.empty_like(send_counts)
     dist.all_to_all_single(recv_counts, send_counts, group=group)
     send_splits, recv_splits = send_counts.tolist(), recv_counts.tolist()
-    token_of_row = order // k  # the token each sent row copies
 
     slot_numbers = (offset * k + order).to(torch.int64)
     meta = torch.stack([ids[order] % local_experts, slot_numbers], dim=1)
@@ -94,7 +93,7 @@ def expert_parallel_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_id
     if recipe is None or not fp8_dispatch:
         x_recv = _AllToAll.apply(_GatherSlots.apply(x, order, k), send_splits, recv_splits, group)
     else:
-        x_recv = _Dispatch.apply(x, token_of_row, order, send_splits, recv_splits, group)
+        x_recv = _Dispatch.apply(x, order, k, send_splits, recv_splits, group)
 
     # the dropped slots leave the batch (as in one process: the FP8 weight gradient quantizes
     # blocks of 128 rows, which must hold the same rows)
@@ -191,9 +190,10 @@ class _Dispatch(torch.autograd.Function):
     once, the rows gathered after); the gradient comes back in ``x``'s dtype, summed per token."""
 
     @staticmethod
-    def forward(ctx, x, token_of_row, order, send_splits, recv_splits, group):
+    def forward(ctx, x, order, k, send_splits, recv_splits, group):
         ctx.save_for_backward(order)
-        ctx.splits, ctx.group, ctx.tokens = (send_splits, recv_splits), group, x.shape[0]
+        ctx.splits, ctx.group, ctx.tokens, ctx.k = (send_splits, recv_splits), group, x.shape[0], k
+        token_of_row = order // k
         if x.shape[0]:
             q = quantize(x, "fp8_block1x128", check_finite=False)
             codes = q.data.view(torch.uint8)[token_of_row].contiguous()
@@ -212,8 +212,7 @@ class _Dispatch(torch.autograd.Function):
         (order,) = ctx.saved_tensors
         send_splits, recv_splits = ctx.splits
         back = _exchange(grad, recv_splits, send_splits, ctx.group)
-        k = order.shape[0] // ctx.tokens if ctx.tokens else 1
-        return _sum_slots(back, order, ctx.tokens, k), None, None, None, None, None
+        return _sum_slots(back, order, ctx.tokens, ctx.k), None, None, None, None, None
 
 
 class ExpertParallelMoE(nn.Module):

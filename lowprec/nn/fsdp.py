@@ -29,10 +29,10 @@ from torch.utils._pytree import tree_map_only
 from ..recipes import get_recipe
 from ..tensor import QuantizedTensor
 
-__all__ = ["FP8AllGatherWeight", "FP8GatheredWeight"]
+__all__ = ["FP8AllGatherWeight", "FP8GatheredWeight", "GATHER_RECIPE"]
 
 _BLOCK = 128
-_WEIGHT_RECIPE = "fp8_block128x128"
+GATHER_RECIPE = "fp8_block128x128"  # the weights' recipe the FP8 all-gather sends
 _aten = torch.ops.aten
 # ops FSDP2 applies to a parameter while sharding it, padding it and moving it (and detach, which
 # nn.Parameter applies): their outputs stay FP8AllGatherWeight, so the shard keeps the extension
@@ -87,7 +87,7 @@ class FP8AllGatherWeight(torch.Tensor):
 
         if self.hp.dim() not in (2, 3) or not self.hp.shape[0] or (self.hp.dim() == 2 and self.hp.shape[0] % _BLOCK):
             return (self.hp,), None
-        q = quantize(self.hp, _WEIGHT_RECIPE, check_finite=False)
+        q = quantize(self.hp, GATHER_RECIPE, check_finite=False)
         return (q.data.view(torch.uint8), q.scale), tuple(outer_size)
 
     def fsdp_post_all_gather(self, outputs, metadata, param_dtype, *, out=None):
@@ -125,7 +125,7 @@ class FP8GatheredWeight(torch.Tensor):
 
     def quantized(self) -> QuantizedTensor:
         """The weight as the ``fp8_block128x128`` QuantizedTensor it was gathered as."""
-        return QuantizedTensor(self.codes.view(torch.float8_e4m3fn), self.scales, get_recipe(_WEIGHT_RECIPE),
+        return QuantizedTensor(self.codes.view(torch.float8_e4m3fn), self.scales, get_recipe(GATHER_RECIPE),
                                tuple(self.shape), self.dtype)
 
     @classmethod

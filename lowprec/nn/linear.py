@@ -16,7 +16,7 @@ from ..recipes import get_recipe
 from ..runtime import registry
 from ..tensor import QuantizedTensor
 from .buffers import QuantizedBuffersModule
-from .fsdp import FP8AllGatherWeight
+from .fsdp import GATHER_RECIPE, FP8AllGatherWeight
 from .functional import LinearRecipe, follow_autocast, fp8_linear, get_linear_recipe
 from .nvfp4 import NVFP4InferenceLinear
 
@@ -77,7 +77,7 @@ class FP8Linear(nn.Module):
 
     def fp8_block_weights(self) -> tuple[str, ...]:
         """The parameters quantized in 128x128 blocks (:func:`enable_fp8_all_gather`)."""
-        return ("weight",) if self.recipe.weight == "fp8_block128x128" else ()
+        return ("weight",) if self.recipe.weight == GATHER_RECIPE else ()
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "

@@ -20,12 +20,11 @@ import torch
 from ..quant import quantize, quantize_with_transpose
 from ..recipes import get_recipe
 from ..tensor import QuantizedTensor
-from .fsdp import FP8AllGatherWeight, FP8GatheredWeight
+from .fsdp import GATHER_RECIPE, FP8AllGatherWeight, FP8GatheredWeight
 
 __all__ = ["reuse_quantized_weights", "quantize_weight"]
 
 _state = threading.local()
-_GATHERED_RECIPE = "fp8_block128x128"  # what FP8AllGatherWeight gathers (lowprec.nn.fsdp)
 
 
 class _Entry:
@@ -75,11 +74,11 @@ def quantize_weight(weight: torch.Tensor, recipe: str, with_transpose: bool
     same pass for transposable recipes (128x128 blocks, tensorwise), else quantized along the
     other dim. Leading dims of ``weight`` are a batch of matrices (experts).
     """
-    if isinstance(weight, FP8GatheredWeight) and recipe == _GATHERED_RECIPE:  # gathered in FP8 by FSDP2
+    if isinstance(weight, FP8GatheredWeight) and recipe == GATHER_RECIPE:  # gathered in FP8 by FSDP2
         w_q = weight.quantized()
         return w_q, w_q.transpose() if with_transpose else None
-    if isinstance(weight, (FP8AllGatherWeight, FP8GatheredWeight)):  # the kernels read a plain tensor
-        weight = weight.hp if isinstance(weight, FP8AllGatherWeight) else weight.quantized().dequantize(weight.dtype)
+    if isinstance(weight, FP8AllGatherWeight):  # the master weight itself: the kernels read a plain tensor
+        weight = weight.hp
     # traced graphs take the plain path: no thread-local state read under torch.compile
     cache = None if torch.compiler.is_compiling() else getattr(_state, "cache", None)
     if cache is None:
