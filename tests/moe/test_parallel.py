@@ -14,6 +14,7 @@ import torch.multiprocessing as mp
 from lowprec.moe import experts
 from lowprec.moe.parallel import expert_parallel_experts
 
+from ..distributed import rank_body
 from ..hopper import gpu
 
 needs_two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
@@ -58,7 +59,7 @@ def _init(rank, world, init_file, backend):
 def _worker(rank, world, init_file, token_counts, recipe, capacity_factor, drop_policy, experts_used=E,
             backend="gloo", fp8_dispatch=True):
     place, tol = _init(rank, world, init_file, backend)
-    try:
+    with rank_body():
         x, weights, ids, w1, w2, dy = map(place, _problem(token_counts, experts_used=experts_used))
         kwargs = dict(recipe=recipe, capacity_factor=capacity_factor, drop_policy=drop_policy)
         y_ref, g_ref = _grads(lambda x, w, a, b: experts(x, w, ids, a, b, **kwargs), x, weights, w1, w2, dy)
@@ -76,9 +77,6 @@ def _worker(rank, world, init_file, token_counts, recipe, capacity_factor, drop_
         torch.testing.assert_close(g[1], g_ref[1][lo:hi], **tol)  # d topk_weights
         torch.testing.assert_close(g[2], g_ref[2][mine], **tol)  # d w1 of this rank's experts
         torch.testing.assert_close(g[3], g_ref[3][mine], **tol)
-    finally:
-        dist.barrier()  # no rank leaves while another still runs a collective
-        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("token_counts", [(37, 20), (5, 0, 41, 13)], ids=["2 ranks", "4 ranks, one empty"])
@@ -123,7 +121,7 @@ def _module_worker(rank, world, init_file, token_counts, recipe, backend="gloo")
     from lowprec.moe.parallel import ExpertParallelMoE
 
     place, tol = _init(rank, world, init_file, backend)
-    try:
+    with rank_body():
         torch.manual_seed(0)
         full = MoE(H, F, E, K, capacity_factor=1.0, recipe=recipe)
         if backend == "nccl":
@@ -151,9 +149,6 @@ def _module_worker(rank, world, init_file, token_counts, recipe, backend="gloo")
             torch.testing.assert_close(layer.router.weight.grad, full.router.weight.grad, **tol)
         with torch.no_grad():
             torch.testing.assert_close(y, full(x)[lo:hi], **tol)
-    finally:
-        dist.barrier()  # no rank leaves while another still runs a collective
-        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("recipe", [None, "fp8_block"])

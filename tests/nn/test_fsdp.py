@@ -15,6 +15,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
+from ..distributed import rank_body
 from ..hopper import gpu
 
 
@@ -46,7 +47,7 @@ def _worker(rank, world, init_file, backend="gloo"):
     # NCCL: FP32 master weights on the GPU kernels; FSDP's reduce-scatter and the reference's
     # all-reduce may round their averages differently in the last bit
     tol = dict(rtol=1e-4, atol=1e-4) if backend == "nccl" else dict(rtol=1e-6, atol=1e-6)
-    try:
+    with rank_body():
         torch.manual_seed(0)
         model = lowprec.convert(_Block(), min_weight_numel=0).to(device)
         assert isinstance(model.up, lowprec.nn.FP8Linear)
@@ -78,9 +79,6 @@ def _worker(rank, world, init_file, backend="gloo"):
         assert isinstance(state["up.weight"], DTensor) and isinstance(state["moe.w1"], DTensor)
         for name, value in ref.state_dict().items():
             torch.testing.assert_close(state[name].full_tensor(), value, **tol)
-    finally:
-        dist.barrier()  # no rank leaves while another still runs a collective (full_tensor above)
-        dist.destroy_process_group()
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
@@ -108,7 +106,7 @@ def _fp8_gather_worker(rank, world, init_file):
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=120))
-    try:
+    with rank_body():
         torch.manual_seed(0)
         # 256 rows: shards of 128 (whole 128x128 blocks: gathered in FP8; the middle one's input
         # gradient multiplies by its transposed codes); 128 rows: shards of 64 (plain); the MoE's
@@ -148,9 +146,6 @@ def _fp8_gather_worker(rank, world, init_file):
                             FP8GatheredWeight], seen
         for name, value in plain.state_dict().items():
             assert torch.equal(fp8.state_dict()[name].full_tensor(), value.full_tensor()), name
-    finally:
-        dist.barrier()
-        dist.destroy_process_group()
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
@@ -222,7 +217,7 @@ def _inference_worker(rank, world, init_file):
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=120))
-    try:
+    with rank_body():
         torch.manual_seed(0)
         base = nn.Sequential(nn.Linear(128, 256), nn.ReLU(), nn.Linear(256, 128), nn.ReLU(), nn.Linear(128, 64))
         for recipe in ("fp8_block", "nvfp4"):
@@ -243,9 +238,6 @@ def _inference_worker(rank, world, init_file):
                 got = got.full_tensor() if hasattr(got, "full_tensor") else got
                 assert torch.equal(got.view(torch.uint8) if got.dtype == torch.float8_e4m3fn else got,
                                    value.view(torch.uint8) if value.dtype == torch.float8_e4m3fn else value), name
-    finally:
-        dist.barrier()
-        dist.destroy_process_group()
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
