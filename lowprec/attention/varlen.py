@@ -2,10 +2,12 @@
 
 Semantics are those of :func:`lowprec.attention` applied to each sequence on its own (its causal
 mask bottom-right aligned within the sequence; in the FP8 scheme its own K mean and its own
-128-token blocks, starting at the sequence's first token). Today this runs one dense call per
-sequence after reading ``cu_seqlens`` to the host (a sync; not CUDA-graph capturable).
-TODO(kernel): packed sequences in the FP8 kernel's tile scheduler, and the exact path through
-``aten._flash_attention_forward`` (native varlen), with no host sync.
+128-token blocks, starting at the sequence's first token).
+
+``quant="fp8"`` on CUDA is one custom op (:mod:`.varlen_ops`): on Hopper the padded-layout pre-pass
+and one launch of the varlen kernel, nothing read back to the host (CUDA-graph capturable,
+``torch.compile(fullgraph=True)``). Elsewhere, and for exact attention, one dense call per sequence
+after reading ``cu_seqlens`` to the host (a sync).
 """
 
 from __future__ import annotations
@@ -71,12 +73,15 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
         raise ValueError(f"k: expected [total_k, Hkv ≥ 1 dividing H={h}, D={d}], got {tuple(k.shape)}")
     if v.shape[:2] != k.shape[:2]:
         raise ValueError(f"v: expected [total_k, Hkv] = {tuple(k.shape[:2])} leading dims, got {tuple(v.shape)}")
+    if scale is None:
+        scale = 1.0 / math.sqrt(d)
+    if quant == "fp8" and q.is_cuda:
+        return _fp8_on_device(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, bool(causal), scale,
+                              return_lse, bool(incoherent))
     cq = check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q, q.device)
     ck = check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k, q.device)
     if len(cq) != len(ck):
         raise ValueError(f"cu_seqlens_k: {len(ck) - 1} sequences, but cu_seqlens_q has {len(cq) - 1}")
-    if scale is None:
-        scale = 1.0 / math.sqrt(d)
     outs, lses = [], []
     for (q0, q1), (k0, k1) in zip(zip(cq, cq[1:]), zip(ck, ck[1:])):
         if q1 == q0:
@@ -93,3 +98,27 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
         out = q.new_zeros(0, h, v.shape[-1]) + 0 * q.sum()  # keeps the graph for autograd
         lse = q.new_zeros(h, 0, dtype=torch.float32)
     return (out, lse) if return_lse else out
+
+
+def _fp8_on_device(q, k, v, cu_q, cu_k, max_q, max_k, causal: bool, scale: float, return_lse: bool,
+                   incoherent: bool):
+    """The FP8 call on CUDA through the varlen op. The ``cu_seqlens`` values are checked in eager
+    calls (a host read); inside a CUDA graph capture or ``torch.compile`` they are not read, and a
+    bad value gives a wrong result for its sequences, never a write outside ``out``."""
+    from .varlen_ops import attention_fp8_varlen_call, packed_lse_correction
+
+    for name, cu in (("cu_seqlens_q", cu_q), ("cu_seqlens_k", cu_k)):
+        if not isinstance(cu, torch.Tensor) or cu.dim() != 1 or cu.dtype not in (torch.int32, torch.int64) \
+                or cu.numel() < 1:
+            raise ValueError(f"{name}: expected a 1-D int32 tensor [B + 1], got "
+                             f"{getattr(cu, 'dtype', type(cu))} {tuple(getattr(cu, 'shape', ()))}")
+    if cu_k.numel() != cu_q.numel():
+        raise ValueError(f"cu_seqlens_k: {cu_k.numel() - 1} sequences, but cu_seqlens_q has {cu_q.numel() - 1}")
+    if not (torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing()):
+        check_cu_seqlens("cu_seqlens_q", cu_q, q.shape[0], max_q, q.device)
+        check_cu_seqlens("cu_seqlens_k", cu_k, k.shape[0], max_k, q.device)
+    out, lse, k_mean = attention_fp8_varlen_call(q, k, v, cu_q, cu_k, int(max_q), int(max_k), causal, scale,
+                                                 incoherent)
+    if not return_lse:
+        return out
+    return out, lse + packed_lse_correction(q.detach(), k_mean, cu_q, scale, incoherent)

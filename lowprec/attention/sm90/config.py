@@ -40,6 +40,8 @@ class AttnConfig:
     # per thread, which only fits in-MMA accumulation and the plain serial loop at D <= 128 (D = 256: 2)
     consumer_wgs: int = 3
     skip_unit_rescale: bool = True  # in-MMA: a warp skips O *= alpha when every alpha of its rows is 1
+    # packed variable-length sequences (``lowprec.attention.packed``): a tile table drives the grid
+    varlen: bool = False
 
     def __post_init__(self):
         # one key per generated kernel: overlap (and ping-pong, which needs it) only where it fits
@@ -49,6 +51,9 @@ class AttnConfig:
             object.__setattr__(self, "two_level_pv", False)
             overlap = False
         object.__setattr__(self, "consumer_wgs", wgs)
+        if self.varlen:  # one tile per (sequence, query block, head): no packing, splits or persistence
+            for flag in ("pack_gqa", "split_kv", "persistent"):
+                object.__setattr__(self, flag, False)
         object.__setattr__(self, "skip_unit_rescale", self.skip_unit_rescale and not self.two_level_pv)
         object.__setattr__(self, "overlap", overlap)
         object.__setattr__(self, "pingpong", self.pingpong and overlap)
@@ -66,7 +71,7 @@ class AttnConfig:
         tags = [("serial", not self.overlap), ("pp", self.pingpong), ("pack", self.pack_gqa),
                 ("split", self.split_kv), ("persist", self.persistent), ("vperm", self.v_keys_permuted),
                 ("inmma", not self.two_level_pv), ("wg3", self.consumer_wgs == 3),
-                ("skip1", self.skip_unit_rescale)]
+                ("skip1", self.skip_unit_rescale), ("varlen", self.varlen)]
         return f"d{self.head_dim}{'_causal' if self.causal else ''}_{self.out_dtype}" + "".join(
             f"_{t}" for t, on in tags if on)
 
@@ -83,6 +88,7 @@ def variant_configs() -> tuple[AttnConfig, ...]:
     for d in HEAD_DIMS:
         for c in (False, True):
             out.append(AttnConfig(d, c, v_keys_permuted=True))
+            out.append(AttnConfig(d, c, v_keys_permuted=True, varlen=True))
             out.append(AttnConfig(d, c, split_kv=True))
             out.append(AttnConfig(d, c, pack_gqa=True))
             out.append(AttnConfig(d, c, pack_gqa=True, split_kv=True))
@@ -239,3 +245,31 @@ def qkv_unsupported(q, k, v, causal: bool, scale: float) -> str | None:
     if d not in HEAD_DIMS or v.shape[-1] != d:
         return f"head dims D={d}, Dv={v.shape[-1]}; the kernel serves D = Dv in {HEAD_DIMS}"
     return _q_prepass_unsupported(q) or prepass_k_unsupported(k) or prepass_v_unsupported(v)
+
+
+def varlen_unsupported(q, k, v, cu_q, cu_k, causal: bool, scale: float, incoherent: bool) -> str | None:
+    """Why ``interface.attention_fp8_varlen_op`` (packed sequences: the padded-layout pre-pass in torch
+    ops and the varlen kernel) cannot take these inputs (None: it can)."""
+    d = q.shape[-1]
+    if q.dtype != k.dtype or q.dtype != v.dtype or str(q.dtype).removeprefix("torch.") not in OUT_DTYPES:
+        return f"dtypes {q.dtype}, {k.dtype}, {v.dtype} (the varlen kernel takes one of {' or '.join(OUT_DTYPES)})"
+    if d not in HEAD_DIMS or v.shape[-1] != d:
+        return f"head dims D={d}, Dv={v.shape[-1]}; the kernel serves D = Dv in {HEAD_DIMS}"
+    return None
+
+
+def packed_prepass_unsupported(q, k, v) -> str | None:
+    """Why ``interface.packed_prepass`` (the pre-pass kernels over packed sequences) cannot read
+    these inputs (None: it can): contiguous ``[total, heads, D]`` rows as the quantize kernels read
+    them, with a shared-memory ring that fits."""
+    from ...quant.sm90.config import rows_unsupported
+
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.dim() != 3 or not x.is_contiguous():
+            return f"{name}: a contiguous [total, heads, D] tensor"
+        if x.shape[-1] > PREPASS_MAX_D or not prepass_ring_stages(x.shape[-1], x.element_size()):
+            return f"{name}: head dim {x.shape[-1]} (the pre-pass ring fits D <= {PREPASS_MAX_D})"
+        why = rows_unsupported(x.view(-1, x.shape[-1])) if x.numel() else None
+        if why:
+            return f"{name}: {why}"
+    return None

@@ -145,6 +145,10 @@ class FP8AttentionFwdSm90:
         # exponentials' latency) with v_t permuted, else just before the P.V (NOTES.md, session 23:
         # 1.28 vs 1.32 ms and 1.34 vs 1.32 at d128)
         self.rescale_early = self.v_perm
+        # packed variable-length sequences (``lowprec.attention.packed``): the grid walks a table
+        # of (sequence, query block) tiles; Q, K, Vᵀ and their scales in the padded layout (each
+        # sequence from a multiple of 128 rows), O and the LSE packed as FlashAttention's varlen
+        self.varlen = config.varlen
         if self.split_kv:
             self.out_dtype = cutlass.Float32
 
@@ -187,6 +191,7 @@ class FP8AttentionFwdSm90:
         heads_per_kv: cutlass.Int32,
         pack_r: cutlass.Int32,  # pack_gqa: query heads per KV head packed into the rows; else 1
         pack_sq: cutlass.Int32,  # pack_gqa: the query rows of one head (Sq); else Sq too
+        mTiles,  # varlen: (tiles, 8) int32, packed.TILE_FIELDS; else None
         stream,
     ):
         f8 = self.ab_dtype
@@ -219,16 +224,18 @@ class FP8AttentionFwdSm90:
         m_blocks = (seqlen_q + self.tile_m - 1) // self.tile_m
         self.kernel(
             tma_q, tma_tensor_q, tma_k, tma_tensor_k, tma_v, tma_tensor_v,
-            mQS, mKS, mVS, mO, mLSE, softmax_scale_log2, heads, heads_per_kv, pack_r, pack_sq,
+            mQS, mKS, mVS, mO, mLSE, softmax_scale_log2, heads, heads_per_kv, pack_r, pack_sq, mTiles,
             sQ_layout, sK_layout, sV_layout, self._mma_qk(), self._mma_pv(),
         ).launch(
-            grid=self._grid(m_blocks, heads, batch_heads),
+            grid=self._grid(m_blocks, heads, batch_heads, mTiles),
             block=[self.threads_per_cta, 1, 1],
             min_blocks_per_mp=1,
             stream=stream,
         )
 
-    def _grid(self, m_blocks, heads, batch_heads):
+    def _grid(self, m_blocks, heads, batch_heads, mTiles):
+        if cutlass.const_expr(self.varlen):
+            return (cute.size(mTiles, mode=[0]), heads, 1)
         if cutlass.const_expr(self.persistent):
             return (cutlass.min(m_blocks * batch_heads, self.num_sms), 1, 1)
         return (m_blocks, heads, batch_heads // heads)
@@ -247,6 +254,7 @@ class FP8AttentionFwdSm90:
         heads_per_kv: cutlass.Int32,
         pack_r: cutlass.Int32,
         pack_sq: cutlass.Int32,
+        mTiles,
         sQ_layout: cute.ComposedLayout,
         sK_layout: cute.ComposedLayout,
         sV_layout: cute.ComposedLayout,
@@ -262,7 +270,7 @@ class FP8AttentionFwdSm90:
         m_blocks = (seqlen_q + self.tile_m - 1) // self.tile_m
         zdim = cute.size(mO, mode=[2]) // heads
         dims = (m_blocks, heads, zdim, heads_per_kv, pack_sq, seqlen_q, seqlen_k,
-                cute.size(mQ, mode=[2]) // heads)
+                cute.size(mQ, mode=[2]) // heads, mTiles)
 
         if warp_idx == 0:
             cpasync.prefetch_descriptor(tma_q)
@@ -325,6 +333,8 @@ class FP8AttentionFwdSm90:
         """(m_block, head, zz) of this CTA (one tile per CTA): longest causal rows first."""
         m_blocks = dims[0]
         bidx, head, zz = cute.arch.block_idx()
+        if cutlass.const_expr(self.varlen):  # the row of the tile table
+            return (bidx, head, zz)
         return (m_blocks - 1 - bidx, head, zz)
 
     @cute.jit
@@ -338,19 +348,28 @@ class FP8AttentionFwdSm90:
 
     @cute.jit
     def _tile_info(self, tile, dims):
-        """Everything both roles need about one tile: indices and the KV blocks [n_lo, n_max)
+        """Everything both roles need about one tile: indices, the KV blocks [n_lo, n_max)
         it visits, of which those from n_full on need a mask (the tail of Sk, or keys right of
-        the bottom-right causal diagonal of some row)."""
+        the bottom-right causal diagonal of some row), and its sequence: ``seq`` = (Sq, Sk,
+        first padded Q row, first K block, first O / LSE row, V-scale row) (dense: the tensors'
+        S, offsets 0)."""
         m_block, head, zz = tile
-        _, heads, zdim, heads_per_kv, pack_sq, seqlen_q, seqlen_k, nb = dims
-        batch = zz
-        if cutlass.const_expr(self.split_kv):
-            batch = zz % nb
-        bh = batch * heads + head
-        bh_out = bh  # index of O / LSE (split-KV: split-major partials)
-        if cutlass.const_expr(self.split_kv):
-            bh_out = (zz // nb) * (nb * heads) + bh
-        bh_kv = batch * (heads // heads_per_kv) + head // heads_per_kv
+        _, heads, zdim, heads_per_kv, pack_sq, seqlen_q, seqlen_k, nb, mTiles = dims
+        if cutlass.const_expr(self.varlen):
+            bh = head
+            bh_out = head
+            bh_kv = head // heads_per_kv
+            m_block, seqlen_q, seqlen_k, seq = self._varlen_fields(m_block, bh_kv, dims)
+        else:
+            batch = zz
+            if cutlass.const_expr(self.split_kv):
+                batch = zz % nb
+            bh = batch * heads + head
+            bh_out = bh  # index of O / LSE (split-KV: split-major partials)
+            if cutlass.const_expr(self.split_kv):
+                bh_out = (zz // nb) * (nb * heads) + bh
+            bh_kv = batch * (heads // heads_per_kv) + head // heads_per_kv
+            seq = (seqlen_q, seqlen_k, 0, 0, 0, bh_kv)
         n_blocks_k = (seqlen_k + self.tile_n - 1) // self.tile_n
         m0 = m_block * self.tile_m
         n_max = n_blocks_k
@@ -372,7 +391,17 @@ class FP8AttentionFwdSm90:
             per = (n_blocks_k + splits - 1) // splits
             n_lo = (zz // nb) * per
             n_max = cutlass.min(n_max, n_lo + per)
-        return (m_block, bh, bh_kv, bh_out, m0, n_lo, n_max, n_full)
+        return (m_block, bh, bh_kv, bh_out, m0, n_lo, n_max, n_full, seq)
+
+    @cute.jit
+    def _varlen_fields(self, t, bh_kv, dims):
+        """Row ``t`` of the tile table: (m_block, Sq, Sk, seq) as :meth:`_tile_info` returns them."""
+        heads, heads_per_kv, mTiles = dims[1], dims[3], dims[8]
+        fields = cute.make_rmem_tensor((8,), cutlass.Int32)
+        cute.autovec_copy(mTiles[(t, None)], fields)
+        seq = (fields[2], fields[3], fields[4], fields[5] // self.tile_n, fields[6],
+               fields[1] * (heads // heads_per_kv) + bh_kv)
+        return fields[0], fields[2], fields[3], seq
 
     @cute.jit
     def _produce_tile(self, loads, info, q_state, state):
@@ -380,11 +409,16 @@ class FP8AttentionFwdSm90:
         advanced states: the DSL rebinds a state advanced in a dynamic loop to a new object, so
         the caller's must be replaced (else the producer tail and the next tile start over)."""
         tma_q, tma_k, tma_v, mQ, mK, mVt, sQ, sK, sV, pipe_q, pipe_k, pipe_v = loads
-        m_block, bh, bh_kv, bh_out, m0, n_lo, n_max, n_full = info
+        m_block, bh, bh_kv, bh_out, m0, n_lo, n_max, n_full, seq = info
         d = self.head_dim
-        gQ = cute.local_tile(mQ[None, None, bh], (self.tile_m, d), (m_block, 0))
-        gK = cute.local_tile(mK[None, None, bh_kv], (self.tile_n, d), (None, 0))
-        gV = cute.local_tile(mVt[None, None, bh_kv], (d, self.tile_n), (0, None))
+        q_src, k_src, v_src = mQ[None, None, bh], mK[None, None, bh_kv], mVt[None, None, bh_kv]
+        if cutlass.const_expr(self.varlen):  # the sequence's rows of the padded layout
+            q_src = cute.domain_offset((seq[2], 0), q_src)
+            k_src = cute.domain_offset((seq[3] * self.tile_n, 0), k_src)
+            v_src = cute.domain_offset((0, seq[3] * self.tile_n), v_src)
+        gQ = cute.local_tile(q_src, (self.tile_m, d), (m_block, 0))
+        gK = cute.local_tile(k_src, (self.tile_n, d), (None, 0))
+        gV = cute.local_tile(v_src, (d, self.tile_n), (0, None))
         tQsQ, tQgQ = cpasync.tma_partition(
             tma_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
         tKsK, tKgK = cpasync.tma_partition(
@@ -486,8 +520,9 @@ class FP8AttentionFwdSm90:
     def _consume_tile(self, info, dims, wg, regs, qk, pv, gm, pipes, q_state, k_state, v_state):
         """One tile of one consumer warpgroup: the KV-block loop and the epilogue. Returns the
         advanced pipeline states (see _produce_tile)."""
-        m_block, bh, bh_kv, bh_out, m0, n_lo, n_max, n_full = info
-        pack_sq, seqlen_q, seqlen_k = dims[4], dims[5], dims[6]
+        m_block, bh, bh_kv, bh_out, m0, n_lo, n_max, n_full, seq = info
+        pack_sq = dims[4]
+        seqlen_q, seqlen_k, q_row0, kb0, o_row0, vs_row = seq
         acc_s, blk, acc_o, p_words, row_l, col_l, quad, ocol_l, shuf = regs
         src_a, src_b, sender_odd, sel0, sel1 = shuf
         mQS, mKS, mVS, mO, mLSE, softmax_scale_log2, pack_r = gm
@@ -513,7 +548,10 @@ class FP8AttentionFwdSm90:
             causal_off = seqlen_k - pack_sq
         else:
             # q scales per TILE_M rows: a warpgroup's 64 rows never straddle two
-            qs = mQS[(bh, (m0 + 64 * wg) // TILE_M)] * softmax_scale_log2
+            q_blk = (m0 + 64 * wg) // TILE_M
+            if cutlass.const_expr(self.varlen):  # rows past the last sequence: any scale, in bounds
+                q_blk = cutlass.min(q_row0 // TILE_M + q_blk, cute.size(mQS, mode=[1]) - 1)
+            qs = mQS[(bh, q_blk)] * softmax_scale_log2
             qsc[0] = qs
             qsc[1] = qs
             row_pos = [m0 + row_l[0], m0 + row_l[1]]
@@ -527,7 +565,7 @@ class FP8AttentionFwdSm90:
             # D = 256 (O is 128 registers) or 3 warpgroups at D = 128 (160 registers: the S-ahead
             # loop spills): S, softmax, P.V one after the other
             for n in cutlass.range(n_lo, n_max, unroll=1):
-                self._s_block(qk, c, qsc, mKS[(bh_kv, n)], pipe_k, k_state)
+                self._s_block(qk, c, qsc, mKS[(bh_kv, kb0 + n)], pipe_k, k_state)
                 if n >= n_full:
                     self._mask(acc_s, n, mask_args)
                 self._softmax(acc_s, c, row_max, row_sum, alpha)
@@ -555,7 +593,7 @@ class FP8AttentionFwdSm90:
             # of block n runs while it is in flight (acc_s is free once P is in its FP8
             # fragment; the registers are those of the P.V step of the plain serial loop)
             if n_max > n_lo:
-                self._s_block(qk, c, qsc, mKS[(bh_kv, n_lo)], pipe_k, k_state)
+                self._s_block(qk, c, qsc, mKS[(bh_kv, kb0 + n_lo)], pipe_k, k_state)
             for n in cutlass.range(n_lo, n_max, unroll=1):
                 if n >= n_full:
                     self._mask(acc_s, n, mask_args)
@@ -567,7 +605,7 @@ class FP8AttentionFwdSm90:
                 self._rescale(acc_o, alpha, 0)
                 self._issue_pv(pv, 0, v_state.index)
                 if n + 1 < n_max:
-                    self._block_scale(c, qsc, mKS[(bh_kv, n + 1)])
+                    self._block_scale(c, qsc, mKS[(bh_kv, kb0 + n + 1)])
                     pipe_k.consumer_wait(k_next)
                     self._issue_qk(qk, k_next.index)
                     warpgroup.wait_group(1)
@@ -588,14 +626,14 @@ class FP8AttentionFwdSm90:
             # while this warpgroup does block n's softmax
             alpha_prev = cute.make_rmem_tensor((2,), cutlass.Float32)
             if n_max > n_lo:
-                self._s_block(qk, c, qsc, mKS[(bh_kv, n_lo)], pipe_k, k_state)
+                self._s_block(qk, c, qsc, mKS[(bh_kv, kb0 + n_lo)], pipe_k, k_state)
                 if n_full <= n_lo:
                     self._mask(acc_s, n_lo, mask_args)
                 self._softmax(acc_s, c, row_max, row_sum, alpha_prev)
                 self._p_to_frag_a(acc_s, p_words, src_a, src_b, sender_odd, sel0, sel1)
                 k_state.advance()
                 for n in cutlass.range(n_lo + 1, n_max, unroll=1):
-                    self._block_scale(c, qsc, mKS[(bh_kv, n)])
+                    self._block_scale(c, qsc, mKS[(bh_kv, kb0 + n)])
                     pipe_k.consumer_wait(k_state)
                     pipe_v.consumer_wait(v_state)
                     self._sched_sync(wg)
@@ -632,6 +670,10 @@ class FP8AttentionFwdSm90:
         q_state.advance()
 
         # ---- epilogue: O = O_acc * v_scale / rowsum, LSE
+        if cutlass.const_expr(self.varlen):
+            # the sequence's fields read again: held through the KV loop they spill at D = 256
+            _, _, _, seq = self._varlen_fields(cute.arch.block_idx()[0], bh_kv, dims)
+            seqlen_q, o_row0, vs_row = seq[0], seq[4], seq[5]
         inv = cute.make_rmem_tensor((2,), cutlass.Float32)
         for r in cutlass.range_constexpr(2):
             s = row_sum[r]
@@ -646,12 +688,12 @@ class FP8AttentionFwdSm90:
             lse = cutlass.select_(empty, cutlass.Float32(-math.inf), lse)
             if quad == 0:
                 if row < seqlen_q:
-                    mLSE[(row, bh_out)] = lse
+                    mLSE[(o_row0 + row, bh_out)] = lse
         # every V scale this lane needs (its columns 8j + {0,1}) is loaded before the first store:
         # loads after stores to a maybe-aliasing pointer would each wait a full global latency
         # (measured: 16% of the kernel's warp time); O goes out as pairs of adjacent columns
         v_scales = cute.make_rmem_tensor((self.pv_chunks * n_blk // 2,), cutlass.Float32)
-        vs_row = mVS[(bh_kv, None)]
+        vs_row = mVS[(vs_row, None)]
         for ch in cutlass.range_constexpr(self.pv_chunks):
             for j in cutlass.range_constexpr(n_blk // 4):
                 col = ch * self.pv_n + ocol_l + 8 * j
@@ -660,6 +702,22 @@ class FP8AttentionFwdSm90:
                 for e in cutlass.range_constexpr(2):
                     v_scales[ch * n_blk // 2 + 2 * j + e] = pair[e]
         o_head = mO[(None, None, bh_out)]
+        if cutlass.const_expr(self.varlen):
+            # a run-time row stride (H * D): one row view per row, each store a constant offset
+            for r in cutlass.range_constexpr(2):
+                row = m0 + row_l[r]
+                o_row = o_head[(o_row0 + row, None)]
+                if row < seqlen_q:
+                    for ch in cutlass.range_constexpr(self.pv_chunks):
+                        for j in cutlass.range_constexpr(n_blk // 4):
+                            col = ch * self.pv_n + ocol_l + 8 * j
+                            o_pair = cute.make_rmem_tensor((2,), self.out_dtype)
+                            for e in cutlass.range_constexpr(2):
+                                o_val = acc_o[ch][e + 2 * r + 4 * j]
+                                o_pair[e] = (o_val * (v_scales[ch * n_blk // 2 + 2 * j + e] * inv[r])
+                                             ).to(self.out_dtype)
+                            cute.autovec_copy(o_pair, cute.local_tile(o_row, (2,), (col // 2,)))
+            return q_state, k_state, v_state
         for ch in cutlass.range_constexpr(self.pv_chunks):
             for j in cutlass.range_constexpr(n_blk // 4):
                 col = ch * self.pv_n + ocol_l + 8 * j

@@ -25,6 +25,7 @@ from .config import (
     V_PAD,
     AttnConfig,
     operands_unsupported,
+    packed_prepass_unsupported,
     prepass_cluster,
     prepass_ring_stages,
 )
@@ -54,7 +55,7 @@ def num_splits(ctas: int, n_blocks: int, num_sms: int = _NUM_SMS) -> int:
         return 1
     return max(1, min(-(-2 * num_sms // ctas), n_blocks // 4, 32))
 
-__all__ = ["fp8_attention_forward", "attention_fp8_forward_op", "attention_fp8_qkv_op", "attention_fp8_q_op",
+__all__ = ["fp8_attention_forward", "fp8_attention_varlen_forward", "attention_fp8_varlen_op", "varlen_tile_m", "attention_fp8_forward_op", "attention_fp8_qkv_op", "attention_fp8_q_op",
            "permute_v_keys",
            "compile_only", "build_kernel", "attention_prepass_k_op", "attention_prepass_v_op",
            "build_prepass_kernel"]
@@ -91,14 +92,20 @@ def build_kernel(config: AttnConfig, arch: str = _ARCH_DEFAULT, tvm_ffi: bool | 
     qs = fake(cutlass.Float32, (cute.sym_int() if config.pack_gqa else bh, cute.sym_int()), stride=(i64(), 1),
               assumed_align=4)
     ks = fake(cutlass.Float32, (bhkv, cute.sym_int()), stride=(i64(), 1), assumed_align=4)
-    vs = fake(cutlass.Float32, (bhkv, d), stride=(d, 1), assumed_align=4)
+    # varlen: one V scale row per (sequence, KV head)
+    vs = fake(cutlass.Float32, (cute.sym_int() if config.varlen else bhkv, d), stride=(d, 1), assumed_align=4)
     obh = cute.sym_int() if config.split_kv else bh  # split-KV: splits x B*H partials
-    o = fake(out_c, (sq, d, obh), stride=(d, 1, i64(divisibility=8)), assumed_align=16)
-    lse = fake(cutlass.Float32, (sq, obh), stride=(1, i64()), assumed_align=4)
+    if config.varlen:  # O packed [total_q, H, D]
+        o = fake(out_c, (cute.sym_int(), d, bh), stride=(i64(divisibility=8), 1, cute.sym_int(divisibility=8)),
+                 assumed_align=16)
+    else:
+        o = fake(out_c, (sq, d, obh), stride=(d, 1, i64(divisibility=8)), assumed_align=16)
+    lse = fake(cutlass.Float32, (cute.sym_int() if config.varlen else sq, obh), stride=(1, i64()), assumed_align=4)
+    tiles = fake(cutlass.Int32, (cute.sym_int(), 8), stride=(8, 1), assumed_align=16)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=tvm_ffi)
     one = cutlass.Int32(1)
     return compile_for_arch(kernel, q, k, vt, qs, ks, vs, o, lse, cutlass.Float32(1.0), one, one, one, one,
-                            stream, arch=arch, tvm_ffi=tvm_ffi)
+                            tiles, stream, arch=arch, tvm_ffi=tvm_ffi)
 
 
 @functools.cache
@@ -113,13 +120,14 @@ def _get_compiled(config: AttnConfig, arch: str = _ARCH_DEFAULT):
 @functools.cache
 def _kernel(d: int, causal: bool, out_dtype: torch.dtype, pack: bool, split: bool, v_keys_permuted: bool,
             overlap: bool, pingpong: bool, persistent_sms: int, two_level_pv: bool, consumer_wgs: int,
-            skip_unit_rescale: bool):
+            skip_unit_rescale: bool, varlen: bool = False):
     """The launched kernel of one call's parameters (and the interface flags; ``persistent_sms``
     0: not persistent): a lookup on plain values, no config object built per call."""
     return ffi_entry(_get_compiled(AttnConfig(d, causal, _OUT[out_dtype], overlap, pingpong, pack, split,
                                               persistent=persistent_sms > 0, num_sms=persistent_sms or _NUM_SMS,
                                               v_keys_permuted=v_keys_permuted, two_level_pv=two_level_pv,
-                                              consumer_wgs=consumer_wgs, skip_unit_rescale=skip_unit_rescale)))
+                                              consumer_wgs=consumer_wgs, skip_unit_rescale=skip_unit_rescale,
+                                              varlen=varlen)))
 
 
 def compile_only(config: AttnConfig | None = None, arch: str = _ARCH_DEFAULT):
@@ -208,16 +216,7 @@ def _forward(q, q_scale, k, k_scale, v_t, v_scale, causal: bool, softmax_scale: 
         o_dst.as_strided((rows, D, o_dst.numel() // (rows * D)), (D, 1, rows * D)),
         l_dst.as_strided((rows, l_dst.numel() // rows), (1, rows)),
     )
-    scale_log2 = softmax_scale * math.log2(math.e)
-    ints = (Hkv, 1, r, Sq) if pack else (H, r, 1, Sq)
-    if _use_tvm_ffi():
-        fn(*args, scale_log2, *ints)
-    else:  # pragma: no cover - slow path
-        import cuda.bindings.driver as cuda
-        from cutlass.cute.runtime import from_dlpack
-
-        targs = [from_dlpack(t, assumed_align=16 if i < 3 or i == 6 else 4) for i, t in enumerate(args)]
-        fn(*targs, scale_log2, *ints, cuda.CUstream(torch.cuda.current_stream().cuda_stream))
+    _launch(fn, args, softmax_scale, (Hkv, 1, r, Sq) if pack else (H, r, 1, Sq), _no_tiles(q.device))
     if splits > 1:  # combine: lse = logsumexp_i lse_i, O = sum_i exp(lse_i - lse) O_i
         l_part = l_dst.view(splits, B * qh, rows)
         l_all = torch.logsumexp(l_part, dim=0)
@@ -226,6 +225,80 @@ def _forward(q, q_scale, k, k_scale, v_t, v_scale, causal: bool, softmax_scale: 
         out.view(B * qh, rows, D).copy_(o_all)
         lse.view(B * qh, rows).copy_(l_all)
     return out, lse
+
+
+@functools.cache
+def _no_tiles(device: torch.device) -> torch.Tensor:
+    """The tile-table argument of the dense kernels (unread): empty, so nothing is allocated."""
+    return torch.empty(0, 8, dtype=torch.int32, device=device)
+
+
+def _launch(fn, args, softmax_scale: float, ints, tiles):
+    scale_log2 = softmax_scale * math.log2(math.e)
+    if _use_tvm_ffi():
+        fn(*args, scale_log2, *ints, tiles)
+    else:  # pragma: no cover - slow path
+        import cuda.bindings.driver as cuda
+        from cutlass.cute.runtime import from_dlpack
+
+        targs = [from_dlpack(t, assumed_align=16 if i < 3 or i == 6 else 4) for i, t in enumerate(args)]
+        fn(*targs, scale_log2, *ints, from_dlpack(tiles, assumed_align=16),
+           cuda.CUstream(torch.cuda.current_stream().cuda_stream))
+
+
+# ----------------------------------------------------------------------------- packed sequences
+def varlen_tile_m(head_dim: int) -> int:
+    """Query rows per tile of the varlen kernel launched for ``head_dim`` (the tile table's unit)."""
+    return AttnConfig(head_dim, consumer_wgs=CONSUMER_WGS, varlen=True).tile_m
+
+
+def fp8_attention_varlen_forward(q, q_scale, k, k_scale, v_t, v_scale, tiles, total_q: int, *, causal: bool,
+                                 softmax_scale: float, out_dtype: torch.dtype, v_keys_permuted: bool = False):
+    """The FP8 forward over packed sequences, on the padded-layout operands of
+    :func:`lowprec.attention.packed.quantize_packed` (E4M3 as float8 or uint8) and the tile table of
+    :func:`~lowprec.attention.packed.tile_table` built with ``varlen_tile_m(D)``. Returns ``(out
+    [total_q, H, D] out_dtype, lse [H, total_q] FP32 of the smoothed scores)`` (FlashAttention's
+    varlen layouts). Every row of ``out`` belongs to some tile: written in full; no host sync."""
+    h, rq, d = q.shape
+    hkv, rk = k.shape[:2]
+    out = torch.empty(total_q, h, d, dtype=out_dtype, device=q.device)
+    lse = torch.empty(h, total_q, dtype=torch.float32, device=q.device)
+    if total_q == 0:
+        return out, lse
+    u8 = torch.uint8
+    fn = _kernel(d, causal, out_dtype, False, False, v_keys_permuted, OVERLAP, PINGPONG, 0, TWO_LEVEL_PV,
+                 CONSUMER_WGS, SKIP_UNIT_RESCALE, True)
+    args = (
+        q.view(u8).as_strided((rq, d, h), (d, 1, rq * d)),
+        k.view(u8).as_strided((rk, d, hkv), (d, 1, rk * d)),
+        v_t.view(u8).as_strided((d, rk, hkv), (rk, 1, d * rk)),
+        q_scale,
+        k_scale,
+        v_scale.view(-1, d),
+        out.as_strided((total_q, d, h), (h * d, 1, d)),
+        lse.as_strided((total_q, h), (1, total_q)),
+    )
+    with on_device(q.device):
+        _launch(fn, args, softmax_scale, (h, h // hkv, 1, 1), tiles)
+    return out, lse
+
+
+def attention_fp8_varlen_op(q, k, v, cu_q, cu_k, causal: bool, scale: float, incoherent: bool):
+    """``lowprec.attention_varlen(..., quant="fp8")`` on sm_90a: the padded-layout pre-pass
+    (:func:`lowprec.attention.packed.quantize_packed`, Vᵀ's keys in the kernel's order), the tile table
+    and the varlen kernel; no host sync. Returns ``(out [total_q, H, D], lse [H, total_q] of the
+    smoothed scores, k_mean [B, Hkv, D])``."""
+    from ..packed import quantize_packed, tile_table
+
+    if incoherent or packed_prepass_unsupported(q, k, v):  # the rotation: torch ops
+        x = quantize_packed(q, k, v, cu_q, cu_k, incoherent=incoherent, permute_v_keys=True)
+    else:
+        x = packed_prepass(q, k, v, cu_q, cu_k)
+    tiles = tile_table(cu_q, cu_k, q.shape[0], k.shape[0], varlen_tile_m(q.shape[-1]), causal)
+    out, lse = fp8_attention_varlen_forward(x.q, x.q_scale, x.k, x.k_scale, x.v_t, x.v_scale, tiles, q.shape[0],
+                                            causal=causal, softmax_scale=scale, out_dtype=q.dtype,
+                                            v_keys_permuted=True)
+    return out, lse, x.k_mean
 
 
 # ----------------------------------------------------------------------------- the whole FP8 call
@@ -306,13 +379,14 @@ def _prepass_entry(kind: str, dtype: torch.dtype, head_dim: int, cluster: int):
 
 
 # ----------------------------------------------------------------------------- pre-pass kernels
-PREPASS_KINDS = ("k", "v", "v_perm")
+PREPASS_KINDS = ("k", "v", "v_perm", "q_packed", "k_packed", "v_packed", "v_perm_packed")
 
 
 def build_prepass_kernel(kind: str, dtype: torch.dtype, head_dim: int, cluster: int = PREPASS_MAX_CLUSTER,
                          arch: str = _ARCH_DEFAULT):
     """Compile one pre-pass kernel (``"k"``: smooth + quantize, ``"v"``: quantize + transpose,
-    ``"v_perm"``: the same with the keys in :func:`permute_v_keys`'s order) for
+    ``"v_perm"``: the same with the keys in :func:`permute_v_keys`'s order; ``*_packed``: packed
+    sequences into the padded layout, ``"q_packed"`` the K kernel without smoothing) for
     ``dtype`` inputs of ``head_dim`` columns, ``cluster`` CTAs per head, on fake tensors (no GPU
     needed), uncached."""
     if kind not in PREPASS_KINDS:
@@ -338,6 +412,15 @@ def build_prepass_kernel(kind: str, dtype: torch.dtype, head_dim: int, cluster: 
         args = (x, fake_rows(cutlass.Uint8), fake_scales(), vec(cutlass.Float32), vec(cutlass.Float32), one, one,
                 head_dim, stages, cluster, stream)
         return compile_for_arch(prepass.k_smooth_quant, *args, arch=arch, tvm_ffi=True)
+    if kind.endswith("_packed"):
+        seq = make_fake_tensor(cutlass.Int32, (cute.sym_int(), 4), stride=(4, 1), assumed_align=16)
+        if kind in ("q_packed", "k_packed"):
+            args = (x, fake_rows(cutlass.Uint8), fake_scales(), vec(cutlass.Float32), vec(cutlass.Float32), seq, one,
+                    head_dim, stages, cluster, kind == "k_packed", stream)
+            return compile_for_arch(prepass.packed_quant, *args, arch=arch, tvm_ffi=True)
+        return compile_for_arch(prepass.packed_v_quant_t, x, fake_rows(cutlass.Uint8), vec(cutlass.Float32),
+                                vec(cutlass.Float32), seq, one, head_dim, stages, cluster, kind == "v_perm_packed",
+                                stream, arch=arch, tvm_ffi=True)
     return compile_for_arch(prepass.v_quant_t, x, fake_rows(cutlass.Uint8), vec(cutlass.Float32), vec(cutlass.Float32),
                             one, one, head_dim, stages, cluster, kind == "v_perm", stream, arch=arch, tvm_ffi=True)
 
@@ -366,6 +449,51 @@ def _launch_prepass_v(kind, v, v_t, scale, partials):
     b, h, s, d = v.shape
     kernel = _prepass_entry(kind, v.dtype, d, prepass_cluster(b * h, s, d * v.element_size()))
     kernel(v.view(-1, d), v_t, scale, partials.view(-1, d), s, b * h)
+
+
+def packed_prepass(q, k, v, cu_q, cu_k, permute_v_keys: bool = True):
+    """:func:`lowprec.attention.packed.quantize_packed` (not incoherent) in three launches that read
+    Q, K and V once each: contiguous packed ``[total, heads, D]`` bf16/fp16 inputs (the registry's
+    ``config.varlen_unsupported`` holds). Returns a ``PackedFP8Inputs`` (codes as float8)."""
+    from ..packed import PackedFP8Inputs, padded_rows
+
+    b = cu_q.numel() - 1
+    (tq, h, d), (tk, hkv) = q.shape, k.shape[:2]
+    rq, rk = padded_rows(tq, b), padded_rows(tk, b)
+    dev, f32 = q.device, torch.float32
+    codes = torch.empty(h * rq * d + 2 * hkv * rk * d, dtype=torch.uint8, device=dev)
+    q_codes = codes[:h * rq * d].view(h, rq, d)
+    k_codes = codes[h * rq * d:h * rq * d + hkv * rk * d].view(hkv, rk, d)
+    v_t = codes[h * rq * d + hkv * rk * d:].view(hkv, d, rk)
+    nstat, npart = b * hkv * d, prepass_partials_numel(b * h, d)
+    stats = torch.empty(2 * nstat + 3 * npart + (h * rq + hkv * rk) // TILE_N, dtype=f32, device=dev)
+    v_scale, k_mean = stats[:nstat].view(b, hkv, d), stats[nstat:2 * nstat].view(b, hkv, d)
+    parts = stats[2 * nstat:2 * nstat + 3 * npart].view(3, -1, d)
+    q_scale = stats[2 * nstat + 3 * npart:2 * nstat + 3 * npart + h * rq // TILE_N].view(h, rq // TILE_N)
+    k_scale = stats[2 * nstat + 3 * npart + h * rq // TILE_N:].view(hkv, rk // TILE_N)
+    seq_q, seq_k = _sequence_table(cu_q), _sequence_table(cu_k)
+    with on_device(dev):
+        if b:
+            for kind, x, cu_seq, out_codes, out_scales, mean, part, total in (
+                    ("q_packed", q, seq_q, q_codes, q_scale, k_mean, parts[0], tq),
+                    ("k_packed", k, seq_k, k_codes, k_scale, k_mean, parts[1], tk)):
+                heads = x.shape[1]
+                kernel = _prepass_entry(kind, x.dtype, d, prepass_cluster(b * heads, -(-total // b), d * x.element_size()))
+                kernel(x.view(-1, d), out_codes.view(-1, d), out_scales.view(-1, 1), mean.view(-1, d), part, cu_seq,
+                       heads)
+            kind = "v_perm_packed" if permute_v_keys else "v_packed"
+            kernel = _prepass_entry(kind, v.dtype, d, prepass_cluster(b * hkv, -(-tk // b), d * v.element_size()))
+            kernel(v.view(-1, d), v_t.view(-1, rk), v_scale.view(-1, d), parts[2], seq_k, hkv)
+    f8 = torch.float8_e4m3fn
+    return PackedFP8Inputs(q_codes.view(f8), q_scale, k_codes.view(f8), k_scale, v_t.view(f8), v_scale, k_mean)
+
+
+def _sequence_table(cu: torch.Tensor) -> torch.Tensor:
+    """``[B, 4]`` int32 of the packed pre-pass kernels: first token, length, first padded row, 0."""
+    cu = cu.long()
+    lengths = cu[1:] - cu[:-1]
+    padded = (lengths + TILE_N - 1) // TILE_N * TILE_N
+    return torch.stack([cu[:-1], lengths, torch.cumsum(padded, 0) - padded, lengths * 0], 1).to(torch.int32)
 
 
 def prepass_partials_numel(heads: int, head_dim: int) -> int:

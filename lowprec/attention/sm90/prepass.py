@@ -71,17 +71,18 @@ def _copy_chunk(atom, src: cute.Tensor, dst: cute.Tensor, src_row, dst_row, col)
 
 
 @cute.jit
-def _issue_block(atom, mX: cute.Tensor, ring: cute.Tensor, stage, head_row0, block, seqlen, rgrp, lane,
+def _issue_block(atom, mX: cute.Tensor, ring: cute.Tensor, stage, walk, block, seqlen, rgrp, lane,
                  col_tiles: cutlass.Constexpr, d: cutlass.Constexpr, consecutive: cutlass.Constexpr):
-    """cp.async of the thread's chunks of 128-token ``block`` of the head at ``head_row0`` into ring
-    ``stage`` (tokens past ``seqlen`` are not copied: :func:`_read_block` reads them as 0)."""
+    """cp.async of the thread's chunks of 128-token ``block`` of the walk's head into ring ``stage``
+    (tokens past ``seqlen`` are not copied: :func:`_read_block` reads them as 0)."""
     for ct in cutlass.range_constexpr(col_tiles):
         col = ct * TILE + lane * VEC
         if col < d:
             for p in cutlass.range_constexpr(PASSES):
                 row = _row_in_block(rgrp, p, consecutive)
                 if block * TILE + row < seqlen:
-                    _copy_chunk(atom, mX, ring, head_row0 + block * TILE + row, stage * TILE + row, col)
+                    _copy_chunk(atom, mX, ring, walk.head_row0 + (block * TILE + row) * walk.token_stride,
+                                stage * TILE + row, col)
 
 
 @cute.jit
@@ -103,16 +104,20 @@ def _read_block(ring: cute.Tensor, stage, block, seqlen, rgrp, lane, ct, d: cutl
 
 class _Walk(LoopInvariant):
     """A CTA's steps over its head: ``2 * per_head`` steps walk the blocks ``rank, rank + cluster,
-    ...`` up (the statistics), then down (the quantization; the newest first, still in L2). Every
-    CTA of the cluster takes the same steps (blocks past ``blocks`` are skipped), so all meet at
-    the cluster barrier."""
+    ...`` up (the statistics), then down (the quantization; the newest first, still in L2); with
+    ``passes=1`` only the quantization, up. Every CTA of the cluster takes the same steps (blocks
+    past ``blocks`` are skipped), so all meet at the cluster barrier. Token t of the head is row
+    ``head_row0 + t * token_stride`` of the input (packed sequences: ``token_stride`` = heads)."""
 
-    def __init__(self, rank, cluster: int, head, seqlen, blocks):
-        self.rank, self.cluster, self.head_row0, self.blocks = rank, cluster, head * seqlen, blocks
+    def __init__(self, rank, cluster: int, head_row0, blocks, token_stride=1, passes: int = 2):
+        self.rank, self.cluster, self.head_row0, self.blocks = rank, cluster, head_row0, blocks
+        self.token_stride, self.passes = token_stride, passes
         self.per_head = (blocks + cluster - 1) // cluster
-        self.steps = 2 * self.per_head
+        self.steps = passes * self.per_head
 
     def block(self, t):
+        if cutlass.const_expr(self.passes == 1):
+            return self.rank + self.cluster * t
         return self.rank + self.cluster * cutlass.min(t, self.steps - 1 - t)
 
 
@@ -123,8 +128,7 @@ def _issue_step(atom, mX, ring, walk: _Walk, t, seqlen, rgrp, lane, stages: cutl
     if t < walk.steps:
         block = walk.block(t)
         if block < walk.blocks:
-            _issue_block(atom, mX, ring, t % stages, walk.head_row0, block, seqlen, rgrp, lane, col_tiles, d,
-                         consecutive)
+            _issue_block(atom, mX, ring, t % stages, walk, block, seqlen, rgrp, lane, col_tiles, d, consecutive)
     cute.arch.cp_async_commit_group()
 
 
@@ -211,12 +215,22 @@ def _combine(total: cute.Tensor, part: cute.Tensor, is_max: cutlass.Constexpr):
         total.store(total.load() + other.load())
 
 
+@cute.jit
+def _sequence(mSeq: cute.Tensor, batch, head, heads, out_rows):
+    """Packed sequences: (its tokens, first input row, token stride, first output row, statistic
+    index) of sequence ``batch``, head ``head`` (``mSeq`` rows: first token, length, first padded
+    row; inputs [total·heads, D], outputs [heads·out_rows, D] in the padded layout)."""
+    return (mSeq[batch, 1], mSeq[batch, 0] * heads + head, heads, head * out_rows + mSeq[batch, 2],
+            batch * heads + head)
+
+
 @cute.kernel
 def _k_smooth_quant_kernel(mK: cute.Tensor, mQ_u8: cute.Tensor, mS: cute.Tensor, mMean: cute.Tensor,
-                           mPart: cute.Tensor, seqlen: cutlass.Int32, d: cutlass.Constexpr,
-                           stages: cutlass.Constexpr, cluster: cutlass.Constexpr):
+                           mPart: cute.Tensor, mSeq: cute.Tensor, seqlen: cutlass.Int32, heads: cutlass.Int32,
+                           d: cutlass.Constexpr, stages: cutlass.Constexpr, cluster: cutlass.Constexpr,
+                           varlen: cutlass.Constexpr, smooth: cutlass.Constexpr):
     tidx, _, _ = cute.arch.thread_idx()
-    rank, head, _ = cute.arch.block_idx()
+    rank, head, batch = cute.arch.block_idx()
     d_tiles = (d + TILE - 1) // TILE
     mQ = as_fp8(mQ_u8)
     smem = cutlass.memory.SmemAllocator()
@@ -225,28 +239,34 @@ def _k_smooth_quant_kernel(mK: cute.Tensor, mQ_u8: cute.Tensor, mS: cute.Tensor,
     part_smem = _alloc_row_group_partials(smem, d_tiles)
     atom = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(), mK.element_type, num_bits_per_copy=128)
     lane, rgrp = tidx % LANES, tidx // LANES
-    blocks = seqlen // TILE  # seqlen % 128 == 0
-    walk = _Walk(rank, cluster, head, seqlen, blocks)
-    sums = _zero_fragments(d_tiles)
+    if cutlass.const_expr(varlen):  # one (sequence, head) per cluster, any length
+        seqlen, in_row0, token_stride, out_row0, stat = _sequence(mSeq, batch, head, heads, mQ.shape[0] // heads)
+        blocks = (seqlen + TILE - 1) // TILE
+    else:
+        blocks = seqlen // TILE  # seqlen % 128 == 0
+        in_row0, token_stride, out_row0, stat = head * seqlen, 1, head * seqlen, head
+    walk = _Walk(rank, cluster, in_row0, blocks, token_stride, 2 if smooth else 1)
     _fill_ring(atom, mK, ring, walk, seqlen, rgrp, lane, stages, d_tiles, d, False)
-    for t in cutlass.range(walk.per_head):  # the statistics
-        stage = _advance_ring(atom, mK, ring, walk, t, seqlen, rgrp, lane, stages, d_tiles, d, False)
-        block = walk.block(t)
-        if block < blocks:
-            for ct in cutlass.range_constexpr(d_tiles):
-                tile = _read_block(ring, stage, block, seqlen, rgrp, lane, ct, d, False)
-                for p in cutlass.range_constexpr(PASSES):
-                    sums[ct].store(sums[ct].load() + tile[p])
-    totals = _exchange(sums, part_smem, mPart, head, rank, lane, rgrp, d, d_tiles, cluster, False)
-    means = []
-    for ct in cutlass.range_constexpr(d_tiles):
-        col = ct * TILE + lane * VEC
-        mean = cute.make_rmem_tensor((1, VEC), Float32)
-        mean.store(totals[ct].load() / Float32(seqlen))
-        if rank == 0 and rgrp == 0 and col < d:
-            cute.autovec_copy(mean, cute.local_tile(mMean, (1, VEC), (head, col // VEC)))
-        means.append(mean)
-    for t in cutlass.range(walk.per_head, walk.steps):  # the quantization
+    means = _zero_fragments(d_tiles)
+    if cutlass.const_expr(smooth):
+        sums = _zero_fragments(d_tiles)
+        for t in cutlass.range(walk.per_head):  # the statistics
+            stage = _advance_ring(atom, mK, ring, walk, t, seqlen, rgrp, lane, stages, d_tiles, d, False)
+            block = walk.block(t)
+            if block < blocks:
+                for ct in cutlass.range_constexpr(d_tiles):
+                    tile = _read_block(ring, stage, block, seqlen, rgrp, lane, ct, d, False)
+                    for p in cutlass.range_constexpr(PASSES):
+                        sums[ct].store(sums[ct].load() + tile[p])
+        totals = _exchange(sums, part_smem, mPart, stat, rank, lane, rgrp, d, d_tiles, cluster, False)
+        count = Float32(seqlen)
+        if cutlass.const_expr(varlen):  # an empty sequence's mean is 0
+            count = Float32(cutlass.max(seqlen, 1))
+        for ct in cutlass.range_constexpr(d_tiles):
+            means[ct].store(totals[ct].load() / count)
+            if rank == 0 and rgrp == 0 and ct * TILE + lane * VEC < d:
+                cute.autovec_copy(means[ct], cute.local_tile(mMean, (1, VEC), (stat, (ct * TILE + lane * VEC) // VEC)))
+    for t in cutlass.range(walk.steps - walk.per_head, walk.steps):  # the quantization
         stage = _advance_ring(atom, mK, ring, walk, t, seqlen, rgrp, lane, stages, d_tiles, d, False)
         block = walk.block(t)
         if block < blocks:  # the same branch for the whole CTA
@@ -256,18 +276,25 @@ def _k_smooth_quant_kernel(mK: cute.Tensor, mQ_u8: cute.Tensor, mS: cute.Tensor,
                 tile = _read_block(ring, stage, block, seqlen, rgrp, lane, ct, d, False)
                 for p in cutlass.range_constexpr(PASSES):
                     tile[p] = tile[p] - means[ct].load()  # columns past D: 0 - 0
+                    if cutlass.const_expr(varlen and smooth):  # tokens past the sequence stay 0
+                        row = block * TILE + _row_in_block(rgrp, p, False)
+                        frag = cute.make_rmem_tensor((1, VEC), Float32)
+                        frag.store(tile[p])
+                        for j in cutlass.range_constexpr(VEC):
+                            frag[0, j] = cutlass.select_(row < seqlen, frag[0, j], Float32(0.0))
+                        tile[p] = frag.load()
                     amax = cute.arch.fmax(amax, abs(tile[p]).reduce(cute.ReductionOp.MAX, Float32(0.0), 0))
                 values.append(tile)
             amax = cta_max(amax, warp_max, tidx)
             scale, inv = scale_and_inverse(amax)
-            row0 = (head * blocks + block) * TILE
+            row0 = out_row0 + block * TILE
             for ct in cutlass.range_constexpr(d_tiles):
-                col = ct * TILE + lane * VEC
-                if col < d:
+                out_col = ct * TILE + lane * VEC
+                if out_col < d:
                     for p in cutlass.range_constexpr(PASSES):
-                        store_row_chunk(mQ, values[ct][p] * inv, row0 + rgrp + ROW_GROUPS * p, col)
+                        store_row_chunk(mQ, values[ct][p] * inv, row0 + rgrp + ROW_GROUPS * p, out_col)
             if tidx == 0:
-                mS[head * blocks + block, 0] = scale
+                mS[out_row0 // TILE + block, 0] = scale
             cute.arch.sync_threads()  # warp_max is rewritten by the next block
 
 
@@ -278,16 +305,31 @@ def k_smooth_quant(mK: cute.Tensor, mQ_u8: cute.Tensor, mS: cute.Tensor, mMean: 
     """``mK`` [heads·S, D] (S % 128 == 0) -> codes [heads·S, D] of K minus its token mean, scales
     [heads·S/128, 1], ``mMean`` [heads, D] FP32; ``mPart`` [heads·cluster, D] FP32 workspace;
     ``stages``: ``config.prepass_ring_stages``; ``cluster`` CTAs per head."""
-    _k_smooth_quant_kernel(mK, mQ_u8, mS, mMean, mPart, seqlen, d, stages, cluster).launch(
+    _k_smooth_quant_kernel(mK, mQ_u8, mS, mMean, mPart, mS, seqlen, heads, d, stages, cluster, False, True).launch(
         grid=(cluster, heads, 1), block=(THREADS, 1, 1), cluster=(cluster, 1, 1), stream=stream)
+
+
+@cute.jit
+def packed_quant(mX: cute.Tensor, mQ_u8: cute.Tensor, mS: cute.Tensor, mMean: cute.Tensor, mPart: cute.Tensor,
+                 mSeq: cute.Tensor, heads: cutlass.Int32, d: cutlass.Constexpr, stages: cutlass.Constexpr,
+                 cluster: cutlass.Constexpr, smooth: cutlass.Constexpr, stream):
+    """Packed sequences (``lowprec.attention.packed``'s padded layout): ``mX`` [total·heads, D] (token
+    t of head h at row t·heads + h) -> codes [heads·R, D] (sequence b from padded row ``mSeq[b, 2]``,
+    tokens past its length 0), scales [heads·R/128, 1]; with ``smooth`` each sequence's token mean
+    is subtracted first and written to ``mMean`` [B·heads, D] (else Q: plain 128-token blocks).
+    ``mSeq`` [B, 4] int32: first token, length, first padded row. One cluster per (sequence, head)."""
+    _k_smooth_quant_kernel(mX, mQ_u8, mS, mMean, mPart, mSeq, cutlass.Int32(0), heads, d, stages, cluster, True,
+                           smooth).launch(grid=(cluster, heads, mSeq.shape[0]), block=(THREADS, 1, 1),
+                                          cluster=(cluster, 1, 1), stream=stream)
 
 
 @cute.kernel
 def _v_quant_t_kernel(mV: cute.Tensor, mVt_u8: cute.Tensor, mScale: cute.Tensor, mPart: cute.Tensor,
-                      seqlen: cutlass.Int32, d: cutlass.Constexpr, stages: cutlass.Constexpr,
-                      cluster: cutlass.Constexpr, permute_keys: cutlass.Constexpr):
+                      mSeq: cute.Tensor, seqlen: cutlass.Int32, heads: cutlass.Int32, d: cutlass.Constexpr,
+                      stages: cutlass.Constexpr, cluster: cutlass.Constexpr, permute_keys: cutlass.Constexpr,
+                      varlen: cutlass.Constexpr):
     tidx, _, _ = cute.arch.thread_idx()
-    rank, head, _ = cute.arch.block_idx()
+    rank, head, batch = cute.arch.block_idx()
     col_tiles = (d + TILE - 1) // TILE
     smem = cutlass.memory.SmemAllocator()
     ring = _alloc_ring(smem, mV.element_type, stages, d)
@@ -296,8 +338,15 @@ def _v_quant_t_kernel(mV: cute.Tensor, mVt_u8: cute.Tensor, mScale: cute.Tensor,
     atom = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(), mV.element_type, num_bits_per_copy=128)
     mVt = as_fp8(mVt_u8)
     lane, rgrp = tidx % LANES, tidx // LANES
-    s_pad = mVt.shape[1]
-    walk = _Walk(rank, cluster, head, seqlen, (s_pad + TILE - 1) // TILE)
+    if cutlass.const_expr(varlen):  # keys of sequence b from column mSeq[b, 2], zeros to its 128-token end
+        seqlen, in_row0, token_stride, _, stat = _sequence(mSeq, batch, head, heads, 0)
+        blocks = (seqlen + TILE - 1) // TILE
+        col0 = mSeq[batch, 2]
+        col_end = col0 + blocks * TILE
+    else:
+        blocks = (mVt.shape[1] + TILE - 1) // TILE
+        in_row0, token_stride, stat, col0, col_end = head * seqlen, 1, head, 0, mVt.shape[1]
+    walk = _Walk(rank, cluster, in_row0, blocks, token_stride)
     amaxes = _zero_fragments(col_tiles)
     _fill_ring(atom, mV, ring, walk, seqlen, rgrp, lane, stages, col_tiles, d, True)
     for t in cutlass.range(walk.per_head):  # the statistics
@@ -309,7 +358,7 @@ def _v_quant_t_kernel(mV: cute.Tensor, mVt_u8: cute.Tensor, mScale: cute.Tensor,
                 for p in cutlass.range_constexpr(PASSES):
                     for j in cutlass.range_constexpr(VEC):
                         amaxes[ct][0, j] = cute.arch.fmax(amaxes[ct][0, j], abs(values[p][j]))
-    amax = _exchange(amaxes, part_smem, mPart, head, rank, lane, rgrp, d, col_tiles, cluster, True)
+    amax = _exchange(amaxes, part_smem, mPart, stat, rank, lane, rgrp, d, col_tiles, cluster, True)
     invs = []
     for ct in cutlass.range_constexpr(col_tiles):
         col = ct * TILE + lane * VEC
@@ -318,7 +367,7 @@ def _v_quant_t_kernel(mV: cute.Tensor, mVt_u8: cute.Tensor, mScale: cute.Tensor,
             scale, inv_j = scale_and_inverse(amax[ct][0, j])
             inv[0, j] = inv_j
             if rank == 0 and rgrp == 0 and col < d:  # one writer per channel
-                mScale[head, col + j] = scale
+                mScale[stat, col + j] = scale
         invs.append(inv)
     for t in cutlass.range(walk.per_head, walk.steps):  # the quantization
         stage = _advance_ring(atom, mV, ring, walk, t, seqlen, rgrp, lane, stages, col_tiles, d, True)
@@ -329,7 +378,7 @@ def _v_quant_t_kernel(mV: cute.Tensor, mVt_u8: cute.Tensor, mScale: cute.Tensor,
                 for j in cutlass.range_constexpr(VEC):
                     stage_column(tile_t, column_codes(values, j, invs[ct][0, j]), lane, rgrp, j)
                 cute.arch.sync_threads()
-                store_transposed(tile_t, mVt, head * d + ct * TILE, head * d + d, block * TILE, s_pad, tidx,
+                store_transposed(tile_t, mVt, head * d + ct * TILE, head * d + d, col0 + block * TILE, col_end, tidx,
                                  permute_keys)
                 cute.arch.sync_threads()  # tile_t is restaged next
 
@@ -343,5 +392,18 @@ def v_quant_t(mV: cute.Tensor, mVt_u8: cute.Tensor, mScale: cute.Tensor, mPart: 
     ``config.V_KEY_PERM`` order) and ``mScale`` [heads, D] FP32 (the quantizer's scale of each
     channel's amax over the sequence); ``mPart`` [heads·cluster, D] FP32 workspace; ``stages``:
     ``config.prepass_ring_stages``; ``cluster`` CTAs per head."""
-    _v_quant_t_kernel(mV, mVt_u8, mScale, mPart, seqlen, d, stages, cluster, permute_keys).launch(
-        grid=(cluster, heads, 1), block=(THREADS, 1, 1), cluster=(cluster, 1, 1), stream=stream)
+    _v_quant_t_kernel(mV, mVt_u8, mScale, mPart, mScale, seqlen, heads, d, stages, cluster, permute_keys,
+                      False).launch(grid=(cluster, heads, 1), block=(THREADS, 1, 1), cluster=(cluster, 1, 1),
+                                    stream=stream)
+
+
+@cute.jit
+def packed_v_quant_t(mV: cute.Tensor, mVt_u8: cute.Tensor, mScale: cute.Tensor, mPart: cute.Tensor,
+                     mSeq: cute.Tensor, heads: cutlass.Int32, d: cutlass.Constexpr, stages: cutlass.Constexpr,
+                     cluster: cutlass.Constexpr, permute_keys: cutlass.Constexpr, stream):
+    """Packed sequences: ``mV`` [total·heads, D] -> ``v_t`` codes [heads·D, R] (sequence b's keys from
+    column ``mSeq[b, 2]``, zeros to its padded end), ``mScale`` [B·heads, D] (each sequence's channel
+    scales); as :func:`packed_quant` otherwise."""
+    _v_quant_t_kernel(mV, mVt_u8, mScale, mPart, mSeq, cutlass.Int32(0), heads, d, stages, cluster, permute_keys,
+                      True).launch(grid=(cluster, heads, mSeq.shape[0]), block=(THREADS, 1, 1),
+                                   cluster=(cluster, 1, 1), stream=stream)

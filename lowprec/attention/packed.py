@@ -1,0 +1,176 @@
+"""Packed variable-length sequences as the FP8 attention kernel reads them, built on the device.
+
+FlashAttention's varlen layout (``[total, H, D]``, sequence ``i`` at rows ``cu[i]:cu[i+1]``) is
+regrouped into a *padded* layout: per head, each sequence's tokens start at a multiple of 128
+rows (its 128-token quantization blocks are the kernel's blocks), the rest of its last block
+zero. The padded row count is a host bound (``round_up(total + 127·B, 128)``), so nothing here
+reads a value back to the host: every step is a torch op on the device, CUDA-graph capturable.
+
+The FP8 operands in that layout are each sequence's own, as :func:`lowprec.attention.quantize_qkv`
+makes them for one sequence: Q and K scales per 128-token block, K smoothed by the sequence's
+token mean, one V scale per (sequence, head, channel). The kernel walks a table of its tiles
+(:func:`tile_table`): one row per (sequence, query block), longest work first.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from ..quant.reference import ieee_div, scale_from_amax
+from ..recipes import get_recipe
+from .quantize import ATTN_BLOCK, _blocks, _rotate
+
+__all__ = ["PaddedLayout", "padded_rows", "padded_layout", "pad_rows", "PackedFP8Inputs", "quantize_packed", "tile_table",
+           "TILE_FIELDS", "sequence_of_rows"]
+
+_ROWWISE = get_recipe("fp8_rowwise")
+# columns of a tile-table row (int32); an unused row (the grid is a host bound) has Sq = Sk = 0
+TILE_FIELDS = ("m_block", "batch", "seqlen_q", "seqlen_k", "q_row0", "k_row0", "out_row0", "unused")
+
+
+class PaddedLayout(NamedTuple):
+    """Where each padded row comes from (device tensors; ``rows`` a host int)."""
+
+    rows: int              # padded rows, a multiple of 128
+    src: torch.Tensor      # [rows] int64: the packed row (0 for padding)
+    valid: torch.Tensor    # [rows] bool: a token (not padding)
+    seq: torch.Tensor      # [rows] int64: the sequence of the row (clamped to B - 1 for trailing padding)
+    start: torch.Tensor    # [B] int64: the sequence's first padded row (a multiple of 128)
+    lengths: torch.Tensor  # [B] int64
+
+
+def padded_rows(total: int, sequences: int) -> int:
+    """Rows of the padded layout of ``sequences`` sequences of ``total`` tokens (a bound)."""
+    return -(-(total + (ATTN_BLOCK - 1) * sequences) // ATTN_BLOCK) * ATTN_BLOCK
+
+
+def padded_layout(cu: torch.Tensor, total: int) -> PaddedLayout:
+    """The padded layout of ``cu`` (``[B + 1]`` prefix sums of the lengths, ``total`` = its last
+    value) with every sequence starting at a multiple of 128 rows."""
+    b = cu.numel() - 1
+    cu = cu.long()
+    lengths = cu[1:] - cu[:-1]
+    padded = (lengths + ATTN_BLOCK - 1) // ATTN_BLOCK * ATTN_BLOCK
+    end = torch.cumsum(padded, 0)
+    start = end - padded
+    rows = padded_rows(total, b)
+    r = torch.arange(rows, device=cu.device)
+    seq = torch.searchsorted(end, r, right=True).clamp(max=max(b - 1, 0))
+    local = r - start[seq] if b else r
+    valid = (local < lengths[seq]) & (local >= 0) if b else torch.zeros_like(r, dtype=torch.bool)
+    src = torch.where(valid, cu[seq] + local, 0) if b else r * 0
+    return PaddedLayout(rows, src, valid, seq, start, lengths)
+
+
+def pad_rows(x: torch.Tensor, layout: PaddedLayout, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``x`` ``[total, H, D]`` -> ``[H, rows, D]`` in the padded layout (padding rows 0)."""
+    if x.shape[0] == 0:
+        return torch.zeros(x.shape[1], layout.rows, x.shape[2], dtype=dtype or x.dtype, device=x.device)
+    g = x.index_select(0, layout.src.clamp(max=x.shape[0] - 1))  # clamped: cu_seqlens are not checked in graphs
+    if dtype is not None:
+        g = g.to(dtype)
+    g = torch.where(layout.valid[:, None, None], g, torch.zeros((), dtype=g.dtype, device=g.device))
+    return g.transpose(0, 1).contiguous()
+
+
+def sequence_of_rows(cu: torch.Tensor, total: int) -> torch.Tensor:
+    """``[total]`` int64: the sequence each packed row belongs to."""
+    return torch.searchsorted(cu[1:].long(), torch.arange(total, device=cu.device), right=True)
+
+
+class PackedFP8Inputs(NamedTuple):
+    """The varlen FP8 forward's operands (padded layout) and the smoothing means."""
+
+    q: torch.Tensor        # [H, Rq, D] float8_e4m3fn
+    q_scale: torch.Tensor  # [H, Rq/128] float32
+    k: torch.Tensor        # [Hkv, Rk, D] float8_e4m3fn of K minus its sequence's mean
+    k_scale: torch.Tensor  # [Hkv, Rk/128] float32
+    v_t: torch.Tensor      # [Hkv, Dv, Rk] float8_e4m3fn (keys permuted within 16 if asked)
+    v_scale: torch.Tensor  # [B, Hkv, Dv] float32: per sequence, head and channel
+    k_mean: torch.Tensor   # [B, Hkv, D] float32
+
+
+def _segment_sums(tile_sums: torch.Tensor, start: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """Per sequence, the sum of its 128-row tiles' sums ``[H, T, D]`` -> ``[H, B, D]`` (FP64 prefix
+    sums: deterministic, and exact enough that the difference keeps FP32's digits)."""
+    prefix = torch.nn.functional.pad(torch.cumsum(tile_sums.double(), dim=1), (0, 0, 1, 0))
+    first = start // ATTN_BLOCK
+    last = first + (lengths + ATTN_BLOCK - 1) // ATTN_BLOCK
+    return (prefix[:, last] - prefix[:, first]).float()
+
+
+def quantize_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor, *,
+                    smooth: bool = True, incoherent: bool = False, permute_v_keys: bool = False) -> PackedFP8Inputs:
+    """The FP8 operands of packed ``q`` ``[total_q, H, D]``, ``k`` ``[total_k, Hkv, D]``, ``v``
+    ``[total_k, Hkv, Dv]`` in the padded layout, each sequence quantized as its own dense call
+    would be. ``permute_v_keys``: Vᵀ's keys stored in ``V_KEY_PERM`` order within each 16."""
+    lq, lk = padded_layout(cu_q, q.shape[0]), padded_layout(cu_k, k.shape[0])
+    hkv, d, dv = k.shape[1], q.shape[2], v.shape[2]
+    f32 = torch.float32
+    qp = pad_rows(q, lq)
+    q_codes, q_scale = _blocks(_rotate(qp, incoherent)[None])
+    kp = _rotate(pad_rows(k, lk), incoherent)
+    tiles_k = lk.rows // ATTN_BLOCK
+    if smooth:
+        tile_sums = kp.view(hkv, tiles_k, ATTN_BLOCK, d).sum(dim=2, dtype=f32)
+        k_mean = _segment_sums(tile_sums, lk.start, lk.lengths) / lk.lengths.clamp(min=1)[None, :, None]
+        kp = torch.where(lk.valid[None, :, None], torch.sub(kp, k_mean[:, lk.seq]), 0.0)
+    else:
+        k_mean = torch.zeros(hkv, lk.lengths.numel(), d, dtype=f32, device=k.device)
+    k_codes, k_scale = _blocks(kp[None])
+    # V: one scale per (sequence, head, channel), from the amax of the sequence's tiles
+    vp = pad_rows(v, lk, f32)
+    tile_amax = vp.abs().nan_to_num(nan=0.0, posinf=torch.inf).view(hkv, tiles_k, ATTN_BLOCK, dv).amax(dim=2)
+    nseq = lk.lengths.numel()
+    tile_seq = lk.seq[::ATTN_BLOCK]
+    amax = torch.zeros(hkv, nseq, dv, dtype=f32, device=v.device).scatter_reduce_(
+        1, tile_seq[None, :, None].expand(hkv, tiles_k, dv), tile_amax, "amax")
+    v_scale = scale_from_amax(amax, _ROWWISE, None)
+    inv = ieee_div(torch.ones_like(v_scale), v_scale)
+    codes = (vp * inv[:, lk.seq]).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    if permute_v_keys:  # stored position p of each 16 holds key V_KEY_PERM[p] (arithmetic: no host copy)
+        p = torch.arange(lk.rows, device=v.device)
+        codes = codes.index_select(1, p - p % 16 + (p % 16) // 4 * 2 + (p // 2) % 2 * 8 + p % 2)
+    v_t = codes.transpose(1, 2).contiguous()
+    return PackedFP8Inputs(q_codes[0], q_scale[0], k_codes[0], k_scale[0], v_t, v_scale.transpose(0, 1).contiguous(),
+                           k_mean.transpose(0, 1).contiguous())
+
+
+def tile_table(cu_q: torch.Tensor, cu_k: torch.Tensor, total_q: int, total_k: int, tile_m: int, causal: bool,
+               block_n: int = ATTN_BLOCK) -> torch.Tensor:
+    """The varlen kernel's tiles ``[T, 8]`` int32 (columns :data:`TILE_FIELDS`), one per (sequence,
+    query block of ``tile_m`` rows), the most KV blocks first (causal: a block's visible keys);
+    ``T = ceil(total_q / tile_m) + B`` (a host bound), unused rows with Sq = Sk = 0 last.
+
+    Lengths are clamped so that no tile reaches past ``total_q`` output rows or the padded K rows
+    (``cu_seqlens`` are not checked inside CUDA graphs: a bad one must not write out of bounds)."""
+    b = cu_q.numel() - 1
+    cu_q, cu_k = cu_q.long().clamp(0, total_q), cu_k.long().clamp(0, total_k)
+    lq, lk = (cu_q[1:] - cu_q[:-1]).clamp(min=0), (cu_k[1:] - cu_k[:-1]).clamp(min=0)
+    blocks = (lq + tile_m - 1) // tile_m
+    ends = torch.cumsum(blocks, 0)
+    rows = -(-total_q // tile_m) + b
+    t = torch.arange(rows, device=cu_q.device)
+    seq = torch.searchsorted(ends, t, right=True)
+    used = seq < b
+    s = seq.clamp(max=max(b - 1, 0))
+    m_block = t - (ends[s] - blocks[s]) if b else t * 0
+    sq = torch.where(used, lq[s], 0) if b else t * 0
+    sk = torch.where(used, lk[s], 0) if b else t * 0
+    pq = (lq + ATTN_BLOCK - 1) // ATTN_BLOCK * ATTN_BLOCK
+    pk = (lk + ATTN_BLOCK - 1) // ATTN_BLOCK * ATTN_BLOCK
+    q_row0 = (torch.cumsum(pq, 0) - pq)[s] if b else t * 0
+    k_row0 = (torch.cumsum(pk, 0) - pk)[s] if b else t * 0
+    out_row0 = torch.where(used, cu_q[s], 0) if b else t * 0
+    sq = torch.minimum(sq, total_q - out_row0)
+    sk = torch.minimum(sk, (padded_rows(total_k, b) - k_row0).clamp(min=0))
+    kv_blocks = (sk + block_n - 1) // block_n
+    if causal:  # keys the block's last row sees: (m_block + 1) * tile_m + Sk - Sq
+        reach = ((m_block + 1) * tile_m + sk - sq).clamp(min=0)
+        kv_blocks = torch.minimum(kv_blocks, (reach + block_n - 1) // block_n)
+    work = torch.where(used, kv_blocks + 1, 0)  # + 1: a used tile with no keys still writes its rows
+    order = torch.sort(work, descending=True, stable=True).indices
+    table = torch.stack([m_block, s, sq, sk, q_row0, k_row0, out_row0, t * 0], dim=1)
+    return table[order].to(torch.int32).contiguous()
