@@ -49,7 +49,7 @@ def main():
                 "lowprec fp8 kernel only": lambda: fp8_attention_varlen_forward(
                     x.q, x.q_scale, x.k, x.k_scale, x.v_t, x.v_scale, tiles, total, causal=causal,
                     softmax_scale=d ** -0.5, out_dtype=torch.bfloat16, v_keys_permuted=True),
-                "lowprec pre-pass kernels": lambda: packed_prepass(q, k, v, cu, cu),
+                "lowprec pre-pass kernels": lambda: packed_prepass(q, k, v, cu, cu, mx, mx),
                 "pre-pass in torch ops": lambda: quantize_packed(q, k, v, cu, cu, permute_v_keys=True),
                 "aten flash varlen bf16": lambda: torch.ops.aten._flash_attention_forward(
                     q, ke, ve, cu, cu, mx, mx, 0.0, causal, False, scale=d ** -0.5),

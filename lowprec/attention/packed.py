@@ -22,7 +22,7 @@ from ..quant.reference import ieee_div, scale_from_amax
 from ..recipes import get_recipe
 from .quantize import ATTN_BLOCK, _blocks, _rotate
 
-__all__ = ["PaddedLayout", "padded_rows", "padded_layout", "pad_rows", "PackedFP8Inputs", "quantize_packed", "tile_table",
+__all__ = ["PaddedLayout", "padded_rows", "padded_layout", "pad_rows", "PackedFP8Inputs", "quantize_packed", "tile_table", "sequence_table",
            "TILE_FIELDS", "sequence_of_rows"]
 
 _ROWWISE = get_recipe("fp8_rowwise")
@@ -136,6 +136,14 @@ def quantize_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: tor
     v_t = codes.transpose(1, 2).contiguous()
     return PackedFP8Inputs(q_codes[0], q_scale[0], k_codes[0], k_scale[0], v_t, v_scale.transpose(0, 1).contiguous(),
                            k_mean.transpose(0, 1).contiguous())
+
+
+def sequence_table(cu: torch.Tensor) -> torch.Tensor:
+    """``[B, 4]`` int32 of the packed pre-pass kernels: first token, length, first padded row, 0."""
+    cu = cu.long()
+    lengths = cu[1:] - cu[:-1]
+    padded = (lengths + ATTN_BLOCK - 1) // ATTN_BLOCK * ATTN_BLOCK
+    return torch.stack([cu[:-1], lengths, torch.cumsum(padded, 0) - padded, lengths * 0], 1).to(torch.int32)
 
 
 def tile_table(cu_q: torch.Tensor, cu_k: torch.Tensor, total_q: int, total_k: int, tile_m: int, causal: bool,

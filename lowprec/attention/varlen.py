@@ -54,8 +54,12 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
         q: ``[total_q, H, D]``; k: ``[total_k, Hkv, D]``; v: ``[total_k, Hkv, Dv]`` (``H`` a multiple
             of ``Hkv``): the sequences one after another.
         cu_seqlens_q, cu_seqlens_k: ``[B + 1]`` int32 prefix sums of the sequence lengths
-            (sequence ``i`` is rows ``cu[i]:cu[i+1]``); empty sequences allowed.
-        max_seqlen_q, max_seqlen_k: upper bounds of the lengths (validated).
+            (sequence ``i`` is rows ``cu[i]:cu[i+1]``); empty sequences allowed. Their values are
+            checked wherever that needs no GPU-to-host read: on the CPU, and on CUDA when they are
+            CPU tensors (then copied to the GPU). On the GPU path of ``quant="fp8"``, GPU tensors
+            are not read back (as FlashAttention): a bad value gives wrong rows for its
+            sequences, never a write outside the output.
+        max_seqlen_q, max_seqlen_k: upper bounds of the lengths (checked with the values).
         causal, scale, quant, incoherent: as :func:`lowprec.attention`, per sequence.
         return_lse: also return the LSE ``[H, total_q]`` FP32 (FlashAttention's varlen layout).
 
@@ -102,21 +106,26 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
 
 def _fp8_on_device(q, k, v, cu_q, cu_k, max_q, max_k, causal: bool, scale: float, return_lse: bool,
                    incoherent: bool):
-    """The FP8 call on CUDA through the varlen op. The ``cu_seqlens`` values are checked in eager
-    calls (a host read); inside a CUDA graph capture or ``torch.compile`` they are not read, and a
-    bad value gives a wrong result for its sequences, never a write outside ``out``."""
+    """The FP8 call on CUDA through the varlen op, with no host read of GPU ``cu_seqlens``."""
     from .varlen_ops import attention_fp8_varlen_call, packed_lse_correction
 
-    for name, cu in (("cu_seqlens_q", cu_q), ("cu_seqlens_k", cu_k)):
+    cus = []
+    for name, cu, total, longest in (("cu_seqlens_q", cu_q, q.shape[0], max_q), ("cu_seqlens_k", cu_k, k.shape[0], max_k)):
         if not isinstance(cu, torch.Tensor) or cu.dim() != 1 or cu.dtype not in (torch.int32, torch.int64) \
                 or cu.numel() < 1:
             raise ValueError(f"{name}: expected a 1-D int32 tensor [B + 1], got "
                              f"{getattr(cu, 'dtype', type(cu))} {tuple(getattr(cu, 'shape', ()))}")
+        if not isinstance(longest, int) or longest < 0:
+            raise ValueError(f"max_seqlen{name[-2:]}: expected an int ≥ the longest sequence, got {longest!r}")
+        if cu.device.type == "cpu":  # checked on the host for free, then sent over
+            check_cu_seqlens(name, cu, total, longest, cu.device)
+            cu = cu.to(q.device, non_blocking=True)
+        elif cu.device != q.device:
+            raise ValueError(f"{name}: on {cu.device}, but q is on {q.device}")
+        cus.append(cu)
+    cu_q, cu_k = cus
     if cu_k.numel() != cu_q.numel():
         raise ValueError(f"cu_seqlens_k: {cu_k.numel() - 1} sequences, but cu_seqlens_q has {cu_q.numel() - 1}")
-    if not (torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing()):
-        check_cu_seqlens("cu_seqlens_q", cu_q, q.shape[0], max_q, q.device)
-        check_cu_seqlens("cu_seqlens_k", cu_k, k.shape[0], max_k, q.device)
     out, lse, k_mean = attention_fp8_varlen_call(q, k, v, cu_q, cu_k, int(max_q), int(max_k), causal, scale,
                                                  incoherent)
     if not return_lse:

@@ -42,9 +42,11 @@ def _per_sequence(q, k, v, cu_q, cu_k, causal: bool, scale: float, incoherent: b
     return out, lse, k_mean
 
 
-def _attention_fp8_varlen(q, k, v, cu_q, cu_k, causal: bool, scale: float, incoherent: bool):
-    args = (q, k, v, cu_q, cu_k, causal, scale, incoherent)
-    return registry.run("attention_fp8_varlen", q.device, args, lambda: _per_sequence(*args))
+def _attention_fp8_varlen(q, k, v, cu_q, cu_k, max_q: int, max_k: int, causal: bool, scale: float,
+                          incoherent: bool):
+    args = (q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, incoherent)
+    return registry.run("attention_fp8_varlen", q.device, args,
+                        lambda: _per_sequence(q, k, v, cu_q, cu_k, causal, scale, incoherent))
 
 
 @torch.library.custom_op("lowprec::attention_fp8_varlen", mutates_args=())
@@ -54,7 +56,7 @@ def attention_fp8_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q
     """FP8 attention of packed float Q, K, V: ``(out [total_q, H, Dv] in q's dtype, lse [H, total_q]
     FP32 of the smoothed scores, k_mean [B, Hkv, D] FP32)``; ``max_q``, ``max_k`` bound the
     sequence lengths (the backward's flash kernel needs them)."""
-    return _attention_fp8_varlen(q, k, v, cu_q, cu_k, causal, scale, incoherent)
+    return _attention_fp8_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, incoherent)
 
 
 @attention_fp8_varlen.register_fake
@@ -119,7 +121,7 @@ class _AttentionFP8VarlenFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, incoherent):
-        return _attention_fp8_varlen(q, k, v, cu_q, cu_k, causal, scale, incoherent)
+        return _attention_fp8_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, incoherent)
 
     setup_context = staticmethod(_setup_context)
     backward = staticmethod(_backward)
@@ -134,7 +136,7 @@ def attention_fp8_varlen_call(q, k, v, cu_q, cu_k, max_q: int, max_k: int, causa
         return attention_fp8_varlen(*args)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return _AttentionFP8VarlenFunction.apply(*args)
-    return _attention_fp8_varlen(q, k, v, cu_q, cu_k, causal, scale, incoherent)
+    return _attention_fp8_varlen(*args)
 
 
 # --- the backward ----------------------------------------------------------------------------------

@@ -150,7 +150,7 @@ def test_packed_prepass_kernels_are_the_torch_prepass(case):
                                   + shift).bfloat16()
     q, k, v = dy(sum(lq), h, 0.0), dy(sum(lk), hkv, 1.0), dy(sum(lk), hkv, 0.0)
     _, _, _, cq, ck = _packed(lq, lk, h, hkv, d)
-    got, want = packed_prepass(q, k, v, cq, ck), quantize_packed(q, k, v, cq, ck, permute_v_keys=True)
+    got, want = packed_prepass(q, k, v, cq, ck, max(lq), max(lk)), quantize_packed(q, k, v, cq, ck, permute_v_keys=True)
     u8 = torch.uint8
     end_q = padded_layout(cq, q.shape[0]).start[-1].item() + -(-lq[-1] // 128) * 128
     end_k = padded_layout(ck, k.shape[0]).start[-1].item() + -(-lk[-1] // 128) * 128
@@ -161,3 +161,17 @@ def test_packed_prepass_kernels_are_the_torch_prepass(case):
     assert torch.equal(got.k_scale[:, :end_k // 128], want.k_scale[:, :end_k // 128])
     assert torch.equal(got.v_scale, want.v_scale)
     assert torch.equal(got.v_t.view(u8)[..., :end_k], want.v_t.view(u8)[..., :end_k])
+
+
+def test_cpu_cu_seqlens_are_checked_then_sent():
+    lq, lk, h, hkv, d = CASES[0]
+    q, k, v, cq, ck = _packed(lq, lk, h, hkv, d)
+    on_gpu = attention_varlen(q, k, v, cq, ck, max(lq), max(lk), causal=True, quant="fp8")
+    assert torch.equal(attention_varlen(q, k, v, cq.cpu(), ck.cpu(), max(lq), max(lk), causal=True, quant="fp8"),
+                       on_gpu)
+    bad = cq.cpu().clone()
+    bad[2] = bad[1] - 1
+    with pytest.raises(ValueError, match="cu_seqlens_q: must be non-decreasing"):
+        attention_varlen(q, k, v, bad, ck, max(lq), max(lk), quant="fp8")
+    with pytest.raises(ValueError, match="max_seqlen_k"):
+        attention_varlen(q, k, v, cq.cpu(), ck.cpu(), max(lq), 3, quant="fp8")

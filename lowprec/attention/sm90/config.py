@@ -247,7 +247,8 @@ def qkv_unsupported(q, k, v, causal: bool, scale: float) -> str | None:
     return _q_prepass_unsupported(q) or prepass_k_unsupported(k) or prepass_v_unsupported(v)
 
 
-def varlen_unsupported(q, k, v, cu_q, cu_k, causal: bool, scale: float, incoherent: bool) -> str | None:
+def varlen_unsupported(q, k, v, cu_q, cu_k, max_q: int, max_k: int, causal: bool, scale: float,
+                       incoherent: bool) -> str | None:
     """Why ``interface.attention_fp8_varlen_op`` (packed sequences: the padded-layout pre-pass in torch
     ops and the varlen kernel) cannot take these inputs (None: it can)."""
     d = q.shape[-1]
@@ -273,3 +274,13 @@ def packed_prepass_unsupported(q, k, v) -> str | None:
         if why:
             return f"{name}: {why}"
     return None
+
+
+def packed_prepass_cluster(max_len: int) -> int:
+    """CTAs per (sequence, head) of the packed K / V pre-pass kernels: a power of two, at most
+    PREPASS_MAX_CLUSTER, enough that the longest sequence's CTAs take at most 4 blocks each (the
+    sequences differ in length: the longest one's heads set the kernel's time)."""
+    cluster, blocks = 1, -(-max_len // TILE_N)
+    while cluster < PREPASS_MAX_CLUSTER and -(-blocks // cluster) > 4:
+        cluster *= 2
+    return cluster

@@ -25,6 +25,7 @@ from .config import (
     V_PAD,
     AttnConfig,
     operands_unsupported,
+    packed_prepass_cluster,
     packed_prepass_unsupported,
     prepass_cluster,
     prepass_ring_stages,
@@ -283,7 +284,8 @@ def fp8_attention_varlen_forward(q, q_scale, k, k_scale, v_t, v_scale, tiles, to
     return out, lse
 
 
-def attention_fp8_varlen_op(q, k, v, cu_q, cu_k, causal: bool, scale: float, incoherent: bool):
+def attention_fp8_varlen_op(q, k, v, cu_q, cu_k, max_q: int, max_k: int, causal: bool, scale: float,
+                            incoherent: bool):
     """``lowprec.attention_varlen(..., quant="fp8")`` on sm_90a: the padded-layout pre-pass
     (:func:`lowprec.attention.packed.quantize_packed`, Vᵀ's keys in the kernel's order), the tile table
     and the varlen kernel; no host sync. Returns ``(out [total_q, H, D], lse [H, total_q] of the
@@ -293,7 +295,7 @@ def attention_fp8_varlen_op(q, k, v, cu_q, cu_k, causal: bool, scale: float, inc
     if incoherent or packed_prepass_unsupported(q, k, v):  # the rotation: torch ops
         x = quantize_packed(q, k, v, cu_q, cu_k, incoherent=incoherent, permute_v_keys=True)
     else:
-        x = packed_prepass(q, k, v, cu_q, cu_k)
+        x = packed_prepass(q, k, v, cu_q, cu_k, max_q, max_k)
     tiles = tile_table(cu_q, cu_k, q.shape[0], k.shape[0], varlen_tile_m(q.shape[-1]), causal)
     out, lse = fp8_attention_varlen_forward(x.q, x.q_scale, x.k, x.k_scale, x.v_t, x.v_scale, tiles, q.shape[0],
                                             causal=causal, softmax_scale=scale, out_dtype=q.dtype,
@@ -416,7 +418,7 @@ def build_prepass_kernel(kind: str, dtype: torch.dtype, head_dim: int, cluster: 
         seq = make_fake_tensor(cutlass.Int32, (cute.sym_int(), 4), stride=(4, 1), assumed_align=16)
         if kind in ("q_packed", "k_packed"):
             args = (x, fake_rows(cutlass.Uint8), fake_scales(), vec(cutlass.Float32), vec(cutlass.Float32), seq, one,
-                    head_dim, stages, cluster, kind == "k_packed", stream)
+                    one, head_dim, stages, cluster, kind == "k_packed", stream)
             return compile_for_arch(prepass.packed_quant, *args, arch=arch, tvm_ffi=True)
         return compile_for_arch(prepass.packed_v_quant_t, x, fake_rows(cutlass.Uint8), vec(cutlass.Float32),
                                 vec(cutlass.Float32), seq, one, head_dim, stages, cluster, kind == "v_perm_packed",
@@ -451,11 +453,12 @@ def _launch_prepass_v(kind, v, v_t, scale, partials):
     kernel(v.view(-1, d), v_t, scale, partials.view(-1, d), s, b * h)
 
 
-def packed_prepass(q, k, v, cu_q, cu_k, permute_v_keys: bool = True):
+def packed_prepass(q, k, v, cu_q, cu_k, max_q: int, max_k: int, permute_v_keys: bool = True):
     """:func:`lowprec.attention.packed.quantize_packed` (not incoherent) in three launches that read
-    Q, K and V once each: contiguous packed ``[total, heads, D]`` bf16/fp16 inputs (the registry's
-    ``config.varlen_unsupported`` holds). Returns a ``PackedFP8Inputs`` (codes as float8)."""
-    from ..packed import PackedFP8Inputs, padded_rows
+    Q, K and V once each: contiguous packed ``[total, heads, D]`` bf16/fp16 inputs
+    (``config.packed_prepass_unsupported`` holds); ``max_q``, ``max_k`` bound the lengths (they size
+    the grids). Returns a ``PackedFP8Inputs`` (codes as float8)."""
+    from ..packed import PackedFP8Inputs, padded_rows, sequence_table
 
     b = cu_q.numel() - 1
     (tq, h, d), (tk, hkv) = q.shape, k.shape[:2]
@@ -471,29 +474,21 @@ def packed_prepass(q, k, v, cu_q, cu_k, permute_v_keys: bool = True):
     parts = stats[2 * nstat:2 * nstat + 3 * npart].view(3, -1, d)
     q_scale = stats[2 * nstat + 3 * npart:2 * nstat + 3 * npart + h * rq // TILE_N].view(h, rq // TILE_N)
     k_scale = stats[2 * nstat + 3 * npart + h * rq // TILE_N:].view(hkv, rk // TILE_N)
-    seq_q, seq_k = _sequence_table(cu_q), _sequence_table(cu_k)
+    seq_q, seq_k = sequence_table(cu_q), sequence_table(cu_k)
+    k_cluster = packed_prepass_cluster(max_k)
     with on_device(dev):
         if b:
-            for kind, x, cu_seq, out_codes, out_scales, mean, part, total in (
-                    ("q_packed", q, seq_q, q_codes, q_scale, k_mean, parts[0], tq),
-                    ("k_packed", k, seq_k, k_codes, k_scale, k_mean, parts[1], tk)):
-                heads = x.shape[1]
-                kernel = _prepass_entry(kind, x.dtype, d, prepass_cluster(b * heads, -(-total // b), d * x.element_size()))
-                kernel(x.view(-1, d), out_codes.view(-1, d), out_scales.view(-1, 1), mean.view(-1, d), part, cu_seq,
-                       heads)
-            kind = "v_perm_packed" if permute_v_keys else "v_packed"
-            kernel = _prepass_entry(kind, v.dtype, d, prepass_cluster(b * hkv, -(-tk // b), d * v.element_size()))
-            kernel(v.view(-1, d), v_t.view(-1, rk), v_scale.view(-1, d), parts[2], seq_k, hkv)
+            # Q: no statistic, CTAs of about two blocks each; K, V: one cluster per (sequence, head)
+            _prepass_entry("q_packed", q.dtype, d, 1)(
+                q.view(-1, d), q_codes.view(-1, d), q_scale.view(-1, 1), k_mean.view(-1, d), parts[0], seq_q, h,
+                max(1, -(-max_q // (2 * TILE_N))))
+            _prepass_entry("k_packed", k.dtype, d, k_cluster)(
+                k.view(-1, d), k_codes.view(-1, d), k_scale.view(-1, 1), k_mean.view(-1, d), parts[1], seq_k, hkv,
+                k_cluster)
+            _prepass_entry("v_perm_packed" if permute_v_keys else "v_packed", v.dtype, d, k_cluster)(
+                v.view(-1, d), v_t.view(-1, rk), v_scale.view(-1, d), parts[2], seq_k, hkv)
     f8 = torch.float8_e4m3fn
     return PackedFP8Inputs(q_codes.view(f8), q_scale, k_codes.view(f8), k_scale, v_t.view(f8), v_scale, k_mean)
-
-
-def _sequence_table(cu: torch.Tensor) -> torch.Tensor:
-    """``[B, 4]`` int32 of the packed pre-pass kernels: first token, length, first padded row, 0."""
-    cu = cu.long()
-    lengths = cu[1:] - cu[:-1]
-    padded = (lengths + TILE_N - 1) // TILE_N * TILE_N
-    return torch.stack([cu[:-1], lengths, torch.cumsum(padded, 0) - padded, lengths * 0], 1).to(torch.int32)
 
 
 def prepass_partials_numel(heads: int, head_dim: int) -> int:

@@ -245,7 +245,9 @@ def _k_smooth_quant_kernel(mK: cute.Tensor, mQ_u8: cute.Tensor, mS: cute.Tensor,
     else:
         blocks = seqlen // TILE  # seqlen % 128 == 0
         in_row0, token_stride, out_row0, stat = head * seqlen, 1, head * seqlen, head
-    walk = _Walk(rank, cluster, in_row0, blocks, token_stride, 2 if smooth else 1)
+    # no statistic (Q): no cluster, the CTAs along x split a head's blocks
+    walk = _Walk(rank, cluster if smooth else cute.arch.grid_dim()[0], in_row0, blocks, token_stride,
+                 2 if smooth else 1)
     _fill_ring(atom, mK, ring, walk, seqlen, rgrp, lane, stages, d_tiles, d, False)
     means = _zero_fragments(d_tiles)
     if cutlass.const_expr(smooth):
@@ -311,16 +313,18 @@ def k_smooth_quant(mK: cute.Tensor, mQ_u8: cute.Tensor, mS: cute.Tensor, mMean: 
 
 @cute.jit
 def packed_quant(mX: cute.Tensor, mQ_u8: cute.Tensor, mS: cute.Tensor, mMean: cute.Tensor, mPart: cute.Tensor,
-                 mSeq: cute.Tensor, heads: cutlass.Int32, d: cutlass.Constexpr, stages: cutlass.Constexpr,
-                 cluster: cutlass.Constexpr, smooth: cutlass.Constexpr, stream):
+                 mSeq: cute.Tensor, heads: cutlass.Int32, ctas: cutlass.Int32, d: cutlass.Constexpr,
+                 stages: cutlass.Constexpr, cluster: cutlass.Constexpr, smooth: cutlass.Constexpr, stream):
     """Packed sequences (``lowprec.attention.packed``'s padded layout): ``mX`` [total·heads, D] (token
     t of head h at row t·heads + h) -> codes [heads·R, D] (sequence b from padded row ``mSeq[b, 2]``,
     tokens past its length 0), scales [heads·R/128, 1]; with ``smooth`` each sequence's token mean
     is subtracted first and written to ``mMean`` [B·heads, D] (else Q: plain 128-token blocks).
-    ``mSeq`` [B, 4] int32: first token, length, first padded row. One cluster per (sequence, head)."""
+    ``mSeq`` [B, 4] int32: first token, length, first padded row. One cluster per (sequence, head)
+    with ``smooth``; else ``ctas`` CTAs (no cluster)."""
     _k_smooth_quant_kernel(mX, mQ_u8, mS, mMean, mPart, mSeq, cutlass.Int32(0), heads, d, stages, cluster, True,
-                           smooth).launch(grid=(cluster, heads, mSeq.shape[0]), block=(THREADS, 1, 1),
-                                          cluster=(cluster, 1, 1), stream=stream)
+                           smooth).launch(grid=(cluster if smooth else ctas, heads, mSeq.shape[0]),
+                                          block=(THREADS, 1, 1), cluster=(cluster if smooth else 1, 1, 1),
+                                          stream=stream)
 
 
 @cute.kernel
