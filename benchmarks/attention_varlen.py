@@ -14,8 +14,8 @@ from triton.testing import do_bench
 
 sys.path.insert(0, ".")
 import lowprec  # noqa: E402
-from lowprec.attention.packed import quantize_packed, tile_table  # noqa: E402
-from lowprec.attention.sm90.interface import fp8_attention_varlen_forward, packed_prepass, varlen_tile_m  # noqa: E402
+from lowprec.attention.packed import longest_first, quantize_packed, sequence_plan  # noqa: E402
+from lowprec.attention.sm90.interface import fp8_attention_varlen_forward, packed_prepass  # noqa: E402
 
 # (name, sequence lengths, H, Hkv, D)
 CASES = [
@@ -42,14 +42,15 @@ def main():
         for causal in (False, True):
             f = flops(lens, h, d, causal)
             x = quantize_packed(q, k, v, cu, cu, permute_v_keys=True)
-            tiles = tile_table(cu, cu, total, total, varlen_tile_m(d), causal)
+            plan = sequence_plan(cu, cu, total, total)
+            plan_f = longest_first(plan)
             ke, ve = (t.repeat_interleave(h // hkv, 1) for t in (k, v))
             fns = {
                 "lowprec fp8 (with quant)": lambda: lowprec.attention_varlen(q, k, v, cu, cu, mx, mx, causal=causal, quant="fp8"),
                 "lowprec fp8 kernel only": lambda: fp8_attention_varlen_forward(
-                    x.q, x.q_scale, x.k, x.k_scale, x.v_t, x.v_scale, tiles, total, causal=causal,
+                    x.q, x.q_scale, x.k, x.k_scale, x.v_t, x.v_scale, plan_f, total, mx, causal=causal,
                     softmax_scale=d ** -0.5, out_dtype=torch.bfloat16, v_keys_permuted=True),
-                "lowprec pre-pass kernels": lambda: packed_prepass(q, k, v, cu, cu, mx, mx),
+                "lowprec pre-pass kernels": lambda: packed_prepass(q, k, v, plan, mx, mx),
                 "pre-pass in torch ops": lambda: quantize_packed(q, k, v, cu, cu, permute_v_keys=True),
                 "aten flash varlen bf16": lambda: torch.ops.aten._flash_attention_forward(
                     q, ke, ve, cu, cu, mx, mx, 0.0, causal, False, scale=d ** -0.5),

@@ -8,8 +8,9 @@ reads a value back to the host: every step is a torch op on the device, CUDA-gra
 
 The FP8 operands in that layout are each sequence's own, as :func:`lowprec.attention.quantize_qkv`
 makes them for one sequence: Q and K scales per 128-token block, K smoothed by the sequence's
-token mean, one V scale per (sequence, head, channel). The kernel walks a table of its tiles
-(:func:`tile_table`): one row per (sequence, query block), longest work first.
+token mean, one V scale per (sequence, head, channel). The kernels read one row per sequence
+(:func:`sequence_plan`); the forward's grid is (query blocks of the longest sequence, heads,
+sequences), the CTAs past their sequence's end write nothing.
 """
 
 from __future__ import annotations
@@ -22,12 +23,13 @@ from ..quant.reference import ieee_div, scale_from_amax
 from ..recipes import get_recipe
 from .quantize import ATTN_BLOCK, _blocks, _rotate
 
-__all__ = ["PaddedLayout", "padded_rows", "padded_layout", "pad_rows", "PackedFP8Inputs", "quantize_packed", "tile_table", "sequence_table",
-           "TILE_FIELDS", "sequence_of_rows"]
+__all__ = ["PaddedLayout", "padded_rows", "padded_layout", "pad_rows", "PackedFP8Inputs", "quantize_packed",
+           "sequence_plan", "longest_first", "SEQUENCE_FIELDS", "sequence_of_rows"]
 
 _ROWWISE = get_recipe("fp8_rowwise")
-# columns of a tile-table row (int32); an unused row (the grid is a host bound) has Sq = Sk = 0
-TILE_FIELDS = ("m_block", "batch", "seqlen_q", "seqlen_k", "q_row0", "k_row0", "out_row0", "unused")
+# columns of a sequence-plan row (int32): first packed token, length, first padded row, of the
+# queries then of the keys
+SEQUENCE_FIELDS = ("q_first", "q_len", "q_row0", "batch", "k_first", "k_len", "k_row0", "unused")
 
 
 class PaddedLayout(NamedTuple):
@@ -138,47 +140,27 @@ def quantize_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: tor
                            k_mean.transpose(0, 1).contiguous())
 
 
-def sequence_table(cu: torch.Tensor) -> torch.Tensor:
-    """``[B, 4]`` int32 of the packed pre-pass kernels: first token, length, first padded row, 0."""
-    cu = cu.long()
-    lengths = cu[1:] - cu[:-1]
-    padded = (lengths + ATTN_BLOCK - 1) // ATTN_BLOCK * ATTN_BLOCK
-    return torch.stack([cu[:-1], lengths, torch.cumsum(padded, 0) - padded, lengths * 0], 1).to(torch.int32)
+def sequence_plan(cu_q: torch.Tensor, cu_k: torch.Tensor, total_q: int, total_k: int) -> torch.Tensor:
+    """``[B, 8]`` int32, one row per sequence (columns :data:`SEQUENCE_FIELDS`): where its tokens are
+    in the packed tensors and in the padded layout. Columns 0-3 (queries) and 4-7 (keys) are the
+    packed pre-pass kernels' sequence tables; the varlen forward kernel reads the whole row.
 
-
-def tile_table(cu_q: torch.Tensor, cu_k: torch.Tensor, total_q: int, total_k: int, tile_m: int, causal: bool,
-               block_n: int = ATTN_BLOCK) -> torch.Tensor:
-    """The varlen kernel's tiles ``[T, 8]`` int32 (columns :data:`TILE_FIELDS`), one per (sequence,
-    query block of ``tile_m`` rows), the most KV blocks first (causal: a block's visible keys);
-    ``T = ceil(total_q / tile_m) + B`` (a host bound), unused rows with Sq = Sk = 0 last.
-
-    Lengths are clamped so that no tile reaches past ``total_q`` output rows or the padded K rows
-    (``cu_seqlens`` are not checked inside CUDA graphs: a bad one must not write out of bounds)."""
+    Lengths are clamped so that no sequence reaches past ``total_q`` output rows or the padded K
+    rows (GPU ``cu_seqlens`` are not checked: a bad one must not write out of bounds)."""
     b = cu_q.numel() - 1
-    cu_q, cu_k = cu_q.long().clamp(0, total_q), cu_k.long().clamp(0, total_k)
-    lq, lk = (cu_q[1:] - cu_q[:-1]).clamp(min=0), (cu_k[1:] - cu_k[:-1]).clamp(min=0)
-    blocks = (lq + tile_m - 1) // tile_m
-    ends = torch.cumsum(blocks, 0)
-    rows = -(-total_q // tile_m) + b
-    t = torch.arange(rows, device=cu_q.device)
-    seq = torch.searchsorted(ends, t, right=True)
-    used = seq < b
-    s = seq.clamp(max=max(b - 1, 0))
-    m_block = t - (ends[s] - blocks[s]) if b else t * 0
-    sq = torch.where(used, lq[s], 0) if b else t * 0
-    sk = torch.where(used, lk[s], 0) if b else t * 0
-    pq = (lq + ATTN_BLOCK - 1) // ATTN_BLOCK * ATTN_BLOCK
-    pk = (lk + ATTN_BLOCK - 1) // ATTN_BLOCK * ATTN_BLOCK
-    q_row0 = (torch.cumsum(pq, 0) - pq)[s] if b else t * 0
-    k_row0 = (torch.cumsum(pk, 0) - pk)[s] if b else t * 0
-    out_row0 = torch.where(used, cu_q[s], 0) if b else t * 0
-    sq = torch.minimum(sq, total_q - out_row0)
-    sk = torch.minimum(sk, (padded_rows(total_k, b) - k_row0).clamp(min=0))
-    kv_blocks = (sk + block_n - 1) // block_n
-    if causal:  # keys the block's last row sees: (m_block + 1) * tile_m + Sk - Sq
-        reach = ((m_block + 1) * tile_m + sk - sq).clamp(min=0)
-        kv_blocks = torch.minimum(kv_blocks, (reach + block_n - 1) // block_n)
-    work = torch.where(used, kv_blocks + 1, 0)  # + 1: a used tile with no keys still writes its rows
-    order = torch.sort(work, descending=True, stable=True).indices
-    table = torch.stack([m_block, s, sq, sk, q_row0, k_row0, out_row0, t * 0], dim=1)
-    return table[order].to(torch.int32).contiguous()
+    cu = torch.stack([cu_q.long().clamp(0, total_q), cu_k.long().clamp(0, total_k)])  # [2, B + 1]
+    lengths = (cu[:, 1:] - cu[:, :-1]).clamp(min=0)
+    padded = (lengths + ATTN_BLOCK - 1) // ATTN_BLOCK * ATTN_BLOCK
+    starts = torch.cumsum(padded, 1) - padded
+    for i, total in enumerate((total_q, total_k)):  # zig-zag cu_seqlens: lengths past the padded rows
+        lengths[i] = torch.minimum(lengths[i], (padded_rows(total, b) - starts[i]).clamp(min=0))
+    index = torch.arange(b, device=cu.device).expand(2, b)  # the sequence's index (its V scales, K mean)
+    return torch.stack([cu[:, :-1], lengths, starts, index], 2).transpose(0, 1).reshape(b, 8).to(torch.int32)
+
+
+def longest_first(plan: torch.Tensor) -> torch.Tensor:
+    """The plan's rows, the most work (query x key tokens) first: the forward kernel's grid walks its
+    sequences in this order, so the longest ones do not start in the last wave (a stable sort:
+    deterministic)."""
+    work = plan[:, 1].long() * plan[:, 5].long()
+    return plan.index_select(0, torch.sort(work, descending=True, stable=True).indices)

@@ -10,7 +10,14 @@ import math
 import pytest
 import torch
 
-from lowprec.attention.packed import TILE_FIELDS, padded_layout, padded_rows, quantize_packed, tile_table
+from lowprec.attention.packed import (
+    SEQUENCE_FIELDS,
+    longest_first,
+    padded_layout,
+    padded_rows,
+    quantize_packed,
+    sequence_plan,
+)
 from lowprec.attention.quantize import quantize_qkv
 from lowprec.attention.reference import fp8_forward_reference
 from lowprec.attention.sm90.config import V_KEY_PERM
@@ -71,38 +78,42 @@ def test_operands_are_each_sequences_own(permute):
     assert (x.k.view(u8)[:, ~lay.valid] == 0).all() and (v_t[:, :, ~lay.valid] == 0).all()
 
 
-def _emulate_kernel(x, tiles, tile_m, total_q, causal, scale):
-    """The varlen kernel's reading of the table (rows of out written per tile)."""
-    f = {name: i for i, name in enumerate(TILE_FIELDS)}
+def _emulate_kernel(x, plan, tile_m, max_q, total_q, causal, scale):
+    """The varlen kernel's reading of the sequence plan: grid (query blocks of the longest sequence,
+    sequences); a block past its sequence's end writes nothing."""
+    f = {name: i for i, name in enumerate(SEQUENCE_FIELDS)}
     h = x.q.shape[0]
     out = torch.full((total_q, h, x.v_t.shape[1]), float("nan"))
     lse = torch.full((h, total_q), float("nan"))
-    for row in tiles.tolist():
-        sq, sk = row[f["seqlen_q"]], row[f["seqlen_k"]]
-        m0 = row[f["m_block"]] * tile_m
-        if m0 >= sq:
-            continue
-        a, b, o0 = row[f["q_row0"]], row[f["k_row0"]], row[f["out_row0"]]
-        sl = slice(a, a + sq)
-        o, l_ = fp8_forward_reference(x.q[None, :, sl], x.q_scale[None, :, a // 128:a // 128 + math.ceil(sq / 128)],
-                                      x.k[None, :, b:b + sk], x.k_scale[None, :, b // 128:b // 128 + math.ceil(sk / 128)],
-                                      x.v_t[None, :, :, b:b + -(-sk // 16) * 16], x.v_scale[None, row[f["batch"]]],
-                                      causal, scale)
-        rows = slice(m0, min(m0 + tile_m, sq))
-        assert torch.isnan(out[o0 + rows.start:o0 + rows.stop]).all(), "a row written twice"
-        out[o0 + rows.start:o0 + rows.stop] = o[0, :, rows].transpose(0, 1)
-        lse[:, o0 + rows.start:o0 + rows.stop] = l_[0, :, rows]
+    for row in plan.tolist():
+        batch = row[f["batch"]]
+        sq, sk = row[f["q_len"]], row[f["k_len"]]
+        a, b, o0 = row[f["q_row0"]], row[f["k_row0"]], row[f["q_first"]]
+        for m_block in range(math.ceil(max_q / tile_m)):
+            m0 = m_block * tile_m
+            if m0 >= sq:
+                continue
+            o, l_ = fp8_forward_reference(
+                x.q[None, :, a:a + sq], x.q_scale[None, :, a // 128:a // 128 + math.ceil(sq / 128)],
+                x.k[None, :, b:b + sk], x.k_scale[None, :, b // 128:b // 128 + math.ceil(sk / 128)],
+                x.v_t[None, :, :, b:b + -(-sk // 16) * 16], x.v_scale[None, batch], causal, scale)
+            rows = slice(m0, min(m0 + tile_m, sq))
+            assert torch.isnan(out[o0 + rows.start:o0 + rows.stop]).all(), "a row written twice"
+            out[o0 + rows.start:o0 + rows.stop] = o[0, :, rows].transpose(0, 1)
+            lse[:, o0 + rows.start:o0 + rows.stop] = l_[0, :, rows]
     return out, lse
 
 
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("tile_m", [128, 192])
-def test_tile_table_covers_every_row_with_its_sequence(causal, tile_m):
+def test_sequence_plan_covers_every_row_with_its_sequence(causal, tile_m):
     q, k, v, cq, ck = _packed()
     x = quantize_packed(q, k, v, cq, ck)
-    tiles = tile_table(cq, ck, q.shape[0], k.shape[0], tile_m, causal)
-    assert tiles.dtype == torch.int32 and tiles.shape == (math.ceil(sum(LQ) / tile_m) + len(LQ), 8)
-    out, lse = _emulate_kernel(x, tiles, tile_m, q.shape[0], causal, 0.125)
+    plan = sequence_plan(cq, ck, q.shape[0], k.shape[0])
+    assert plan.dtype == torch.int32 and plan.shape == (len(LQ), 8)
+    plan = longest_first(plan)
+    assert plan[:, SEQUENCE_FIELDS.index("batch")].tolist() == [4, 2, 5, 0, 1, 3]
+    out, lse = _emulate_kernel(x, plan, tile_m, max(LQ), q.shape[0], causal, 0.125)
     assert not torch.isnan(out).any() and not torch.isnan(lse).any()
     for i, (nq, nk) in enumerate(zip(LQ, LK)):
         if not nq:
@@ -118,18 +129,13 @@ def test_tile_table_covers_every_row_with_its_sequence(causal, tile_m):
         assert torch.equal(out[rq], o[0].transpose(0, 1)) and torch.equal(lse[:, rq], l_[0])
 
 
-def test_tile_table_order_and_bounds():
-    cq, ck = _cu([10, 1000, 0, 300]), _cu([10, 1000, 5, 300])
-    tiles = tile_table(cq, ck, 1310, 1315, 128, causal=True)
-    sq = tiles[:, TILE_FIELDS.index("seqlen_q")]
-    used = sq > 0
-    assert int(used.sum()) == 1 + 8 + 3 and not used[int(used.sum()):].any()  # unused rows last
-    # the longest causal rows first: the last block of the 1000-token sequence
-    first = tiles[0].tolist()
-    assert first[TILE_FIELDS.index("batch")] == 1 and first[TILE_FIELDS.index("m_block")] == 7
-    # bad cu_seqlens (not checked in graphs): no tile reaches past the output or the padded keys
-    bad = tile_table(torch.tensor([0, 5000], dtype=torch.int32), torch.tensor([0, 9000], dtype=torch.int32),
-                     100, 50, 128, causal=False)
-    f = {n: i for i, n in enumerate(TILE_FIELDS)}
-    assert (bad[:, f["out_row0"]] + bad[:, f["seqlen_q"]] <= 100).all()
-    assert (bad[:, f["k_row0"]] + bad[:, f["seqlen_k"]] <= padded_rows(50, 1)).all()
+def test_sequence_plan_bounds():
+    """Bad cu_seqlens (GPU ones are not checked): no sequence reaches past the output or the padded
+    rows, and its columns are the pre-pass kernels' tables."""
+    f = {n: i for i, n in enumerate(SEQUENCE_FIELDS)}
+    for cq, ck in (([0, 5000], [0, 9000]), ([0, 60, 0, 100], [0, 50, 0, 50]), ([-5, 200, 30, 90], [0, 1, 2, 3])):
+        plan = sequence_plan(torch.tensor(cq, dtype=torch.int32), torch.tensor(ck, dtype=torch.int32), 100, 50)
+        assert (plan[:, f["q_first"]] >= 0).all() and (plan[:, f["q_first"]] + plan[:, f["q_len"]] <= 100).all()
+        assert (plan[:, f["q_row0"]] + plan[:, f["q_len"]] <= padded_rows(100, len(cq) - 1)).all()
+        assert (plan[:, f["k_row0"]] + plan[:, f["k_len"]] <= padded_rows(50, len(cq) - 1)).all()
+        assert (plan[:, f["q_row0"]] % 128 == 0).all() and (plan[:, f["k_row0"]] % 128 == 0).all()

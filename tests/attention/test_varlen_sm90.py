@@ -45,15 +45,16 @@ def _ids(case):
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("case", CASES, ids=_ids)
 def test_each_sequence_has_the_dense_kernels_bits(case, causal):
-    from lowprec.attention.packed import padded_layout, quantize_packed, tile_table
-    from lowprec.attention.sm90.interface import fp8_attention_forward, fp8_attention_varlen_forward, varlen_tile_m
+    from lowprec.attention.packed import longest_first, padded_layout, quantize_packed, sequence_plan
+    from lowprec.attention.sm90.interface import fp8_attention_forward, fp8_attention_varlen_forward
 
     lq, lk, h, hkv, d = case
     q, k, v, cq, ck = _packed(lq, lk, h, hkv, d)
     x = quantize_packed(q, k, v, cq, ck, permute_v_keys=True)
-    tiles = tile_table(cq, ck, q.shape[0], k.shape[0], varlen_tile_m(d), causal)
-    out, lse = fp8_attention_varlen_forward(x.q, x.q_scale, x.k, x.k_scale, x.v_t, x.v_scale, tiles, q.shape[0],
-                                            causal=causal, softmax_scale=0.1, out_dtype=q.dtype, v_keys_permuted=True)
+    plan = longest_first(sequence_plan(cq, ck, q.shape[0], k.shape[0]))
+    out, lse = fp8_attention_varlen_forward(x.q, x.q_scale, x.k, x.k_scale, x.v_t, x.v_scale, plan, q.shape[0],
+                                            max(lq), causal=causal, softmax_scale=0.1, out_dtype=q.dtype,
+                                            v_keys_permuted=True)
     sq0, sk0 = padded_layout(cq, q.shape[0]).start.tolist(), padded_layout(ck, k.shape[0]).start.tolist()
     for i, (nq, nk) in enumerate(zip(lq, lk)):
         rq = slice(int(cq[i]), int(cq[i + 1]))
@@ -141,7 +142,7 @@ def test_cuda_graph_capture_and_compile():
 def test_packed_prepass_kernels_are_the_torch_prepass(case):
     """The three packed pre-pass kernels write the bits of ``quantize_packed`` (torch ops) over every
     sequence's padded rows; dyadic inputs make K's mean exact in either summation order."""
-    from lowprec.attention.packed import padded_layout, quantize_packed
+    from lowprec.attention.packed import padded_layout, quantize_packed, sequence_plan
     from lowprec.attention.sm90.interface import packed_prepass
 
     lq, lk, h, hkv, d = case
@@ -150,7 +151,8 @@ def test_packed_prepass_kernels_are_the_torch_prepass(case):
                                   + shift).bfloat16()
     q, k, v = dy(sum(lq), h, 0.0), dy(sum(lk), hkv, 1.0), dy(sum(lk), hkv, 0.0)
     _, _, _, cq, ck = _packed(lq, lk, h, hkv, d)
-    got, want = packed_prepass(q, k, v, cq, ck, max(lq), max(lk)), quantize_packed(q, k, v, cq, ck, permute_v_keys=True)
+    got = packed_prepass(q, k, v, sequence_plan(cq, ck, q.shape[0], k.shape[0]), max(lq), max(lk))
+    want = quantize_packed(q, k, v, cq, ck, permute_v_keys=True)
     u8 = torch.uint8
     end_q = padded_layout(cq, q.shape[0]).start[-1].item() + -(-lq[-1] // 128) * 128
     end_k = padded_layout(ck, k.shape[0]).start[-1].item() + -(-lk[-1] // 128) * 128

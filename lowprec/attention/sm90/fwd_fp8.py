@@ -145,9 +145,10 @@ class FP8AttentionFwdSm90:
         # exponentials' latency) with v_t permuted, else just before the P.V (NOTES.md, session 23:
         # 1.28 vs 1.32 ms and 1.34 vs 1.32 at d128)
         self.rescale_early = self.v_perm
-        # packed variable-length sequences (``lowprec.attention.packed``): the grid walks a table
-        # of (sequence, query block) tiles; Q, K, Vᵀ and their scales in the padded layout (each
-        # sequence from a multiple of 128 rows), O and the LSE packed as FlashAttention's varlen
+        # packed variable-length sequences (``lowprec.attention.packed``): grid (query blocks of the
+        # longest sequence, heads, sequences), one row of the sequence plan per sequence; Q, K, Vᵀ
+        # and their scales in the padded layout (each sequence from a multiple of 128 rows), O and
+        # the LSE packed as FlashAttention's varlen
         self.varlen = config.varlen
         if self.split_kv:
             self.out_dtype = cutlass.Float32
@@ -190,8 +191,8 @@ class FP8AttentionFwdSm90:
         heads: cutlass.Int32,
         heads_per_kv: cutlass.Int32,
         pack_r: cutlass.Int32,  # pack_gqa: query heads per KV head packed into the rows; else 1
-        pack_sq: cutlass.Int32,  # pack_gqa: the query rows of one head (Sq); else Sq too
-        mTiles,  # varlen: (tiles, 8) int32, packed.TILE_FIELDS; else None
+        pack_sq: cutlass.Int32,  # pack_gqa: the query rows of one head (Sq); varlen: the longest Sq; else Sq
+        mTiles,  # varlen: (B, 8) int32, packed.SEQUENCE_FIELDS; else unread
         stream,
     ):
         f8 = self.ab_dtype
@@ -227,15 +228,15 @@ class FP8AttentionFwdSm90:
             mQS, mKS, mVS, mO, mLSE, softmax_scale_log2, heads, heads_per_kv, pack_r, pack_sq, mTiles,
             sQ_layout, sK_layout, sV_layout, self._mma_qk(), self._mma_pv(),
         ).launch(
-            grid=self._grid(m_blocks, heads, batch_heads, mTiles),
+            grid=self._grid(m_blocks, heads, batch_heads, mTiles, pack_sq),
             block=[self.threads_per_cta, 1, 1],
             min_blocks_per_mp=1,
             stream=stream,
         )
 
-    def _grid(self, m_blocks, heads, batch_heads, mTiles):
+    def _grid(self, m_blocks, heads, batch_heads, mTiles, pack_sq):
         if cutlass.const_expr(self.varlen):
-            return (cute.size(mTiles, mode=[0]), heads, 1)
+            return ((pack_sq + self.tile_m - 1) // self.tile_m, heads, cute.size(mTiles, mode=[0]))
         if cutlass.const_expr(self.persistent):
             return (cutlass.min(m_blocks * batch_heads, self.num_sms), 1, 1)
         return (m_blocks, heads, batch_heads // heads)
@@ -333,8 +334,8 @@ class FP8AttentionFwdSm90:
         """(m_block, head, zz) of this CTA (one tile per CTA): longest causal rows first."""
         m_blocks = dims[0]
         bidx, head, zz = cute.arch.block_idx()
-        if cutlass.const_expr(self.varlen):  # the row of the tile table
-            return (bidx, head, zz)
+        if cutlass.const_expr(self.varlen):  # blocks past the sequence's end are empty
+            return (cute.arch.grid_dim()[0] - 1 - bidx, head, zz)
         return (m_blocks - 1 - bidx, head, zz)
 
     @cute.jit
@@ -359,7 +360,7 @@ class FP8AttentionFwdSm90:
             bh = head
             bh_out = head
             bh_kv = head // heads_per_kv
-            m_block, seqlen_q, seqlen_k, seq = self._varlen_fields(m_block, bh_kv, dims)
+            seqlen_q, seqlen_k, seq = self._varlen_fields(zz, bh_kv, dims)
         else:
             batch = zz
             if cutlass.const_expr(self.split_kv):
@@ -391,17 +392,20 @@ class FP8AttentionFwdSm90:
             per = (n_blocks_k + splits - 1) // splits
             n_lo = (zz // nb) * per
             n_max = cutlass.min(n_max, n_lo + per)
+        if cutlass.const_expr(self.varlen):  # a block past the sequence's end: no keys, no rows
+            n_max = cutlass.select_(m0 < seqlen_q, n_max, 0)
         return (m_block, bh, bh_kv, bh_out, m0, n_lo, n_max, n_full, seq)
 
     @cute.jit
-    def _varlen_fields(self, t, bh_kv, dims):
-        """Row ``t`` of the tile table: (m_block, Sq, Sk, seq) as :meth:`_tile_info` returns them."""
+    def _varlen_fields(self, batch, bh_kv, dims):
+        """Row ``batch`` of the plan (its rows may be reordered: the V scales' row comes from its
+        ``batch`` field): (Sq, Sk, seq) as :meth:`_tile_info` returns them."""
         heads, heads_per_kv, mTiles = dims[1], dims[3], dims[8]
         fields = cute.make_rmem_tensor((8,), cutlass.Int32)
-        cute.autovec_copy(mTiles[(t, None)], fields)
-        seq = (fields[2], fields[3], fields[4], fields[5] // self.tile_n, fields[6],
-               fields[1] * (heads // heads_per_kv) + bh_kv)
-        return fields[0], fields[2], fields[3], seq
+        cute.autovec_copy(mTiles[(batch, None)], fields)
+        seq = (fields[1], fields[5], fields[2], fields[6] // self.tile_n, fields[0],
+               fields[3] * (heads // heads_per_kv) + bh_kv)
+        return fields[1], fields[5], seq
 
     @cute.jit
     def _produce_tile(self, loads, info, q_state, state):
@@ -672,7 +676,7 @@ class FP8AttentionFwdSm90:
         # ---- epilogue: O = O_acc * v_scale / rowsum, LSE
         if cutlass.const_expr(self.varlen):
             # the sequence's fields read again: held through the KV loop they spill at D = 256
-            _, _, _, seq = self._varlen_fields(cute.arch.block_idx()[0], bh_kv, dims)
+            _, _, seq = self._varlen_fields(cute.arch.block_idx()[2], bh_kv, dims)
             seqlen_q, o_row0, vs_row = seq[0], seq[4], seq[5]
         inv = cute.make_rmem_tensor((2,), cutlass.Float32)
         for r in cutlass.range_constexpr(2):

@@ -56,7 +56,7 @@ def num_splits(ctas: int, n_blocks: int, num_sms: int = _NUM_SMS) -> int:
         return 1
     return max(1, min(-(-2 * num_sms // ctas), n_blocks // 4, 32))
 
-__all__ = ["fp8_attention_forward", "fp8_attention_varlen_forward", "attention_fp8_varlen_op", "varlen_tile_m", "attention_fp8_forward_op", "attention_fp8_qkv_op", "attention_fp8_q_op",
+__all__ = ["fp8_attention_forward", "fp8_attention_varlen_forward", "attention_fp8_varlen_op", "attention_fp8_forward_op", "attention_fp8_qkv_op", "attention_fp8_q_op",
            "permute_v_keys",
            "compile_only", "build_kernel", "attention_prepass_k_op", "attention_prepass_v_op",
            "build_prepass_kernel"]
@@ -248,18 +248,15 @@ def _launch(fn, args, softmax_scale: float, ints, tiles):
 
 
 # ----------------------------------------------------------------------------- packed sequences
-def varlen_tile_m(head_dim: int) -> int:
-    """Query rows per tile of the varlen kernel launched for ``head_dim`` (the tile table's unit)."""
-    return AttnConfig(head_dim, consumer_wgs=CONSUMER_WGS, varlen=True).tile_m
-
-
-def fp8_attention_varlen_forward(q, q_scale, k, k_scale, v_t, v_scale, tiles, total_q: int, *, causal: bool,
-                                 softmax_scale: float, out_dtype: torch.dtype, v_keys_permuted: bool = False):
+def fp8_attention_varlen_forward(q, q_scale, k, k_scale, v_t, v_scale, plan, total_q: int, max_q: int, *,
+                                 causal: bool, softmax_scale: float, out_dtype: torch.dtype,
+                                 v_keys_permuted: bool = False):
     """The FP8 forward over packed sequences, on the padded-layout operands of
-    :func:`lowprec.attention.packed.quantize_packed` (E4M3 as float8 or uint8) and the tile table of
-    :func:`~lowprec.attention.packed.tile_table` built with ``varlen_tile_m(D)``. Returns ``(out
-    [total_q, H, D] out_dtype, lse [H, total_q] FP32 of the smoothed scores)`` (FlashAttention's
-    varlen layouts). Every row of ``out`` belongs to some tile: written in full; no host sync."""
+    :func:`lowprec.attention.packed.quantize_packed` (E4M3 as float8 or uint8) and the sequence plan
+    of :func:`~lowprec.attention.packed.sequence_plan` (rows in any order: the grid walks them in
+    that order, :func:`~lowprec.attention.packed.longest_first` balances it); ``max_q`` bounds the
+    query lengths (the grid). Returns ``(out [total_q, H, D] out_dtype, lse [H, total_q] FP32 of the smoothed
+    scores)`` (FlashAttention's varlen layouts): every row of a sequence is written; no host sync."""
     h, rq, d = q.shape
     hkv, rk = k.shape[:2]
     out = torch.empty(total_q, h, d, dtype=out_dtype, device=q.device)
@@ -280,7 +277,7 @@ def fp8_attention_varlen_forward(q, q_scale, k, k_scale, v_t, v_scale, tiles, to
         lse.as_strided((total_q, h), (1, total_q)),
     )
     with on_device(q.device):
-        _launch(fn, args, softmax_scale, (h, h // hkv, 1, 1), tiles)
+        _launch(fn, args, softmax_scale, (h, h // hkv, 1, max(int(max_q), 1)), plan)
     return out, lse
 
 
@@ -290,15 +287,15 @@ def attention_fp8_varlen_op(q, k, v, cu_q, cu_k, max_q: int, max_k: int, causal:
     (:func:`lowprec.attention.packed.quantize_packed`, Vᵀ's keys in the kernel's order), the tile table
     and the varlen kernel; no host sync. Returns ``(out [total_q, H, D], lse [H, total_q] of the
     smoothed scores, k_mean [B, Hkv, D])``."""
-    from ..packed import quantize_packed, tile_table
+    from ..packed import longest_first, quantize_packed, sequence_plan
 
+    plan = sequence_plan(cu_q, cu_k, q.shape[0], k.shape[0])
     if incoherent or packed_prepass_unsupported(q, k, v):  # the rotation: torch ops
         x = quantize_packed(q, k, v, cu_q, cu_k, incoherent=incoherent, permute_v_keys=True)
     else:
-        x = packed_prepass(q, k, v, cu_q, cu_k, max_q, max_k)
-    tiles = tile_table(cu_q, cu_k, q.shape[0], k.shape[0], varlen_tile_m(q.shape[-1]), causal)
-    out, lse = fp8_attention_varlen_forward(x.q, x.q_scale, x.k, x.k_scale, x.v_t, x.v_scale, tiles, q.shape[0],
-                                            causal=causal, softmax_scale=scale, out_dtype=q.dtype,
+        x = packed_prepass(q, k, v, plan, max_q, max_k)
+    out, lse = fp8_attention_varlen_forward(x.q, x.q_scale, x.k, x.k_scale, x.v_t, x.v_scale, longest_first(plan),
+                                            q.shape[0], max_q, causal=causal, softmax_scale=scale, out_dtype=q.dtype,
                                             v_keys_permuted=True)
     return out, lse, x.k_mean
 
@@ -415,7 +412,8 @@ def build_prepass_kernel(kind: str, dtype: torch.dtype, head_dim: int, cluster: 
                 head_dim, stages, cluster, stream)
         return compile_for_arch(prepass.k_smooth_quant, *args, arch=arch, tvm_ffi=True)
     if kind.endswith("_packed"):
-        seq = make_fake_tensor(cutlass.Int32, (cute.sym_int(), 4), stride=(4, 1), assumed_align=16)
+        # the query or key half of a sequence plan
+        seq = make_fake_tensor(cutlass.Int32, (cute.sym_int(), 4), stride=(8, 1), assumed_align=16)
         if kind in ("q_packed", "k_packed"):
             args = (x, fake_rows(cutlass.Uint8), fake_scales(), vec(cutlass.Float32), vec(cutlass.Float32), seq, one,
                     one, head_dim, stages, cluster, kind == "k_packed", stream)
@@ -453,14 +451,15 @@ def _launch_prepass_v(kind, v, v_t, scale, partials):
     kernel(v.view(-1, d), v_t, scale, partials.view(-1, d), s, b * h)
 
 
-def packed_prepass(q, k, v, cu_q, cu_k, max_q: int, max_k: int, permute_v_keys: bool = True):
+def packed_prepass(q, k, v, plan, max_q: int, max_k: int, permute_v_keys: bool = True):
     """:func:`lowprec.attention.packed.quantize_packed` (not incoherent) in three launches that read
     Q, K and V once each: contiguous packed ``[total, heads, D]`` bf16/fp16 inputs
-    (``config.packed_prepass_unsupported`` holds); ``max_q``, ``max_k`` bound the lengths (they size
-    the grids). Returns a ``PackedFP8Inputs`` (codes as float8)."""
-    from ..packed import PackedFP8Inputs, padded_rows, sequence_table
+    (``config.packed_prepass_unsupported`` holds), ``plan`` from
+    :func:`~lowprec.attention.packed.sequence_plan`; ``max_q``, ``max_k`` bound the lengths (they
+    size the grids). Returns a ``PackedFP8Inputs`` (codes as float8)."""
+    from ..packed import PackedFP8Inputs, padded_rows
 
-    b = cu_q.numel() - 1
+    b = plan.shape[0]
     (tq, h, d), (tk, hkv) = q.shape, k.shape[:2]
     rq, rk = padded_rows(tq, b), padded_rows(tk, b)
     dev, f32 = q.device, torch.float32
@@ -474,7 +473,7 @@ def packed_prepass(q, k, v, cu_q, cu_k, max_q: int, max_k: int, permute_v_keys: 
     parts = stats[2 * nstat:2 * nstat + 3 * npart].view(3, -1, d)
     q_scale = stats[2 * nstat + 3 * npart:2 * nstat + 3 * npart + h * rq // TILE_N].view(h, rq // TILE_N)
     k_scale = stats[2 * nstat + 3 * npart + h * rq // TILE_N:].view(hkv, rk // TILE_N)
-    seq_q, seq_k = sequence_table(cu_q), sequence_table(cu_k)
+    seq_q, seq_k = plan[:, :4], plan[:, 4:]
     k_cluster = packed_prepass_cluster(max_k)
     with on_device(dev):
         if b:
