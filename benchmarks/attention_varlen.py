@@ -1,4 +1,4 @@
-# ruff: noqa: E501  (scratch script)
+# ruff: noqa: B023, E501  (scratch script: lambdas timed inside their own iteration)
 """Packed variable-length FP8 attention on the H100, one run: lowprec.attention_varlen(quant="fp8")
 (the packed pre-pass kernels + the varlen kernel), each part alone, the pre-pass in torch ops,
 and PyTorch's bf16 varlen flash attention

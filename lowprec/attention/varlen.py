@@ -110,7 +110,8 @@ def _fp8_on_device(q, k, v, cu_q, cu_k, max_q, max_k, causal: bool, scale: float
     from .varlen_ops import attention_fp8_varlen_call, packed_lse_correction
 
     cus = []
-    for name, cu, total, longest in (("cu_seqlens_q", cu_q, q.shape[0], max_q), ("cu_seqlens_k", cu_k, k.shape[0], max_k)):
+    for name, cu, total, longest in (("cu_seqlens_q", cu_q, q.shape[0], max_q),
+                                     ("cu_seqlens_k", cu_k, k.shape[0], max_k)):
         if not isinstance(cu, torch.Tensor) or cu.dim() != 1 or cu.dtype not in (torch.int32, torch.int64) \
                 or cu.numel() < 1:
             raise ValueError(f"{name}: expected a 1-D int32 tensor [B + 1], got "
