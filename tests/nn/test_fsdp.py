@@ -96,7 +96,7 @@ def test_fully_shard_on_nccl():
         mp.spawn(_worker, args=(2, os.path.join(tmp, "init"), "nccl"), nprocs=2, join=True)
 
 
-def _fp8_gather_worker(rank, world, init_file):
+def _fp8_gather_worker(rank, world, init_file, backend="gloo"):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -104,7 +104,10 @@ def _fp8_gather_worker(rank, world, init_file):
     from lowprec.moe import MoE
     from lowprec.nn import FP8AllGatherWeight, FP8GatheredWeight, enable_fp8_all_gather
 
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+    device = "cuda" if backend == "nccl" else "cpu"
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=120))
     with rank_body():
         torch.manual_seed(0)
@@ -113,10 +116,10 @@ def _fp8_gather_worker(rank, world, init_file):
         # expert weights: shards of 2 whole experts (FP8)
         layers = [nn.Linear(128, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 128),
                   MoE(128, 64, num_experts=4, top_k=2)]
-        plain = lowprec.convert(nn.Sequential(*layers), min_weight_numel=0)
+        plain = lowprec.convert(nn.Sequential(*layers), min_weight_numel=0).to(device)
         fp8 = copy.deepcopy(plain)
         assert enable_fp8_all_gather(fp8) == 5
-        mesh = init_device_mesh("cpu", (world,))
+        mesh = init_device_mesh(device, (world,))
         for model in (plain, fp8):
             for layer in (model[0], model[2], model[4], model[5]):
                 fully_shard(layer, mesh=mesh)
@@ -129,8 +132,8 @@ def _fp8_gather_worker(rank, world, init_file):
         opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (plain, fp8)]
         g = torch.Generator().manual_seed(1)
         for _ in range(3):
-            x = torch.randn(world * 16, 128, generator=g)[rank * 16:(rank + 1) * 16]
-            dy = torch.randn(world * 16, 128, generator=g)[rank * 16:(rank + 1) * 16]
+            x = torch.randn(world * 16, 128, generator=g)[rank * 16:(rank + 1) * 16].to(device)
+            dy = torch.randn(world * 16, 128, generator=g)[rank * 16:(rank + 1) * 16].to(device)
             ys, dxs = [], []
             for model, opt in zip((plain, fp8), opts):
                 xr = x.clone().requires_grad_()
@@ -155,6 +158,16 @@ def test_fp8_all_gather_trains_as_the_plain_one():
     all-gather's."""
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(_fp8_gather_worker, args=(2, os.path.join(tmp, "init")), nprocs=2, join=True)
+
+
+@gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_fp8_all_gather_on_nccl():
+    """The same on NCCL and the GPU kernels: the codes each rank quantizes from its shard are those
+    the plain path's layer quantizes from the gathered weight (whole 128x128 blocks)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_fp8_gather_worker, args=(2, os.path.join(tmp, "init"), "nccl"), nprocs=2, join=True)
 
 
 def test_fp8_all_gather_weights_outside_fsdp(tmp_path):
