@@ -4,10 +4,11 @@ Semantics are those of :func:`lowprec.attention` applied to each sequence on its
 mask bottom-right aligned within the sequence; in the FP8 scheme its own K mean and its own
 128-token blocks, starting at the sequence's first token).
 
-``quant="fp8"`` on CUDA is one custom op (:mod:`.varlen_ops`): on Hopper the padded-layout pre-pass
-and one launch of the varlen kernel, nothing read back to the host (CUDA-graph capturable,
-``torch.compile(fullgraph=True)``). Elsewhere, and for exact attention, one dense call per sequence
-after reading ``cu_seqlens`` to the host (a sync).
+``quant="fp8"`` on CUDA is one custom op (:mod:`.varlen_ops`): on Hopper the packed pre-pass
+kernels and one launch of the varlen kernel, nothing read back to the host (CUDA-graph capturable,
+``torch.compile(fullgraph=True)``). Exact attention on CUDA (fp16/bf16) is PyTorch's varlen flash
+attention, also without a host read. Elsewhere one dense call per sequence after reading
+``cu_seqlens`` to the host.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import math
 import torch
 
 from .dense import attention
+from .ops import _flash_ok
 
 __all__ = ["attention_varlen", "check_cu_seqlens"]
 
@@ -56,9 +58,9 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
         cu_seqlens_q, cu_seqlens_k: ``[B + 1]`` int32 prefix sums of the sequence lengths
             (sequence ``i`` is rows ``cu[i]:cu[i+1]``); empty sequences allowed. Their values are
             checked wherever that needs no GPU-to-host read: on the CPU, and on CUDA when they are
-            CPU tensors (then copied to the GPU). On the GPU path of ``quant="fp8"``, GPU tensors
-            are not read back (as FlashAttention): a bad value gives wrong rows for its
-            sequences, never a write outside the output.
+            CPU tensors (then copied to the GPU). On CUDA (the FP8 kernel, or exact attention in
+            fp16/bf16) GPU tensors are not read back, as in FlashAttention: a bad value gives
+            wrong rows for its sequences, never a write outside the output.
         max_seqlen_q, max_seqlen_k: upper bounds of the lengths (checked with the values).
         causal, scale, quant, incoherent: as :func:`lowprec.attention`, per sequence.
         return_lse: also return the LSE ``[H, total_q]`` FP32 (FlashAttention's varlen layout).
@@ -82,6 +84,11 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     if quant == "fp8" and q.is_cuda:
         return _fp8_on_device(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, bool(causal), scale,
                               return_lse, bool(incoherent))
+    if quant is None and q.is_cuda and q.shape[0] and k.shape[0] and _flash_ok(q, k, v):
+        if incoherent:
+            raise ValueError("incoherent: applies to quant='fp8' only")
+        return _exact_on_device(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, bool(causal),
+                                float(scale), return_lse)
     cq = check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q, q.device)
     ck = check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k, q.device)
     if len(cq) != len(ck):
@@ -104,11 +111,36 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     return (out, lse) if return_lse else out
 
 
+def _exact_on_device(q, k, v, cu_q, cu_k, max_q, max_k, causal: bool, scale: float, return_lse: bool):
+    """Exact attention on CUDA: PyTorch's varlen flash attention (``aten._flash_attention_forward``,
+    differentiable through its varlen backward), no host read of GPU ``cu_seqlens``."""
+    cu_q, cu_k = _device_cu_seqlens(q, k, cu_q, cu_k, max_q, max_k)
+    group = q.shape[1] // k.shape[1]
+    if group > 1:  # the flash op takes as many K / V heads as Q heads
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    out, lse = torch.ops.aten._flash_attention_forward(q, k, v, cu_q.int(), cu_k.int(), max_q, max_k, 0.0, causal,
+                                                       False, scale=scale)[:2]
+    if not return_lse:
+        return out
+    return out, torch.where(lse == math.inf, -math.inf, lse)  # FlashAttention: +inf for rows with no key
+
+
 def _fp8_on_device(q, k, v, cu_q, cu_k, max_q, max_k, causal: bool, scale: float, return_lse: bool,
                    incoherent: bool):
     """The FP8 call on CUDA through the varlen op, with no host read of GPU ``cu_seqlens``."""
     from .varlen_ops import attention_fp8_varlen_call, packed_lse_correction
 
+    cu_q, cu_k = _device_cu_seqlens(q, k, cu_q, cu_k, max_q, max_k)
+    out, lse, k_mean = attention_fp8_varlen_call(q, k, v, cu_q, cu_k, int(max_q), int(max_k), causal, scale,
+                                                 incoherent)
+    if not return_lse:
+        return out
+    return out, lse + packed_lse_correction(q.detach(), k_mean, cu_q, scale, incoherent)
+
+
+def _device_cu_seqlens(q, k, cu_q, cu_k, max_q, max_k) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cu_seqlens`` on q's GPU: checked and sent over when they are CPU tensors, else only their
+    shapes and dtypes are checked (their values are not read back)."""
     cus = []
     for name, cu, total, longest in (("cu_seqlens_q", cu_q, q.shape[0], max_q),
                                      ("cu_seqlens_k", cu_k, k.shape[0], max_k)):
@@ -127,8 +159,4 @@ def _fp8_on_device(q, k, v, cu_q, cu_k, max_q, max_k, causal: bool, scale: float
     cu_q, cu_k = cus
     if cu_k.numel() != cu_q.numel():
         raise ValueError(f"cu_seqlens_k: {cu_k.numel() - 1} sequences, but cu_seqlens_q has {cu_q.numel() - 1}")
-    out, lse, k_mean = attention_fp8_varlen_call(q, k, v, cu_q, cu_k, int(max_q), int(max_k), causal, scale,
-                                                 incoherent)
-    if not return_lse:
-        return out
-    return out, lse + packed_lse_correction(q.detach(), k_mean, cu_q, scale, incoherent)
+    return cu_q, cu_k

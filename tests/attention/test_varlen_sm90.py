@@ -177,3 +177,30 @@ def test_cpu_cu_seqlens_are_checked_then_sent():
         attention_varlen(q, k, v, bad, ck, max(lq), max(lk), quant="fp8")
     with pytest.raises(ValueError, match="max_seqlen_k"):
         attention_varlen(q, k, v, cq.cpu(), ck.cpu(), max(lq), 3, quant="fp8")
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_exact_varlen_is_pytorchs_varlen_flash_attention(causal):
+    """quant=None on CUDA: one varlen flash call (no host read), the per-sequence SDPA results within
+    bf16 rounding, differentiable; rows of a causal sequence with Sq > Sk that see no key: 0, -inf."""
+    lq, lk, h, hkv, d = [5, 0, 130, 7, 300, 40], [9, 4, 200, 0, 300, 20], 4, 2, 64
+    q, k, v, cq, ck = _packed(lq, lk, h, hkv, d)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out, lse = attention_varlen(*leaves, cq, ck, max(lq), max(lk), causal=causal, return_lse=True)
+    w = torch.randn_like(out)
+    (out.float() * w).sum().backward()
+    ref = [t.clone().requires_grad_() for t in (q, k, v)]
+    for i in range(len(lq)):
+        rq, rk = slice(int(cq[i]), int(cq[i + 1])), slice(int(ck[i]), int(ck[i + 1]))
+        if not lq[i]:
+            continue
+        if not lk[i]:
+            assert (out[rq] == 0).all() and (lse[:, rq] == -math.inf).all()
+            continue
+        o, l_ = lowprec.attention(ref[0][rq].transpose(0, 1)[None], ref[1][rk].transpose(0, 1)[None],
+                                  ref[2][rk].transpose(0, 1)[None], causal=causal, return_lse=True)
+        torch.testing.assert_close(out[rq], o[0].transpose(0, 1), rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(lse[:, rq], l_[0], rtol=0, atol=1e-3)
+        (o[0].transpose(0, 1).float() * w[rq]).sum().backward()
+    for a, b in zip(leaves, ref):
+        assert metrics.cos_sim(a.grad, b.grad) > 0.999
