@@ -1,7 +1,7 @@
 # ruff: noqa: B023, E501  (scratch script: lambdas timed inside their own iteration)
 """Same-run A/B of one interface flag of the sm_90a FP8 attention kernel (kernel only, Vᵀ permuted
 as the fused call runs it), rounds interleaved, do_bench median with L2 flushed. Usage:
-    python benchmarks/attention_ab.py FLAG VALUE_A VALUE_B [--rounds N]
+    python benchmarks/attention_ab.py FLAG VALUE_A VALUE_B [--rounds N] [--decode]
 e.g. ``PV_ROWSUM 0 1``. Prints ms per shape and value, and the ratio."""
 
 from __future__ import annotations
@@ -21,12 +21,15 @@ sys.path.insert(0, "benchmarks")
 from attention_sm90_timing import SHAPES, SHORT  # noqa: E402  (the timing script's shapes)
 
 SHAPES = SHAPES + SHORT
+# decode (--decode): Sq 1..16 over long KV at batches under a wave, where split-KV applies
+DECODE = [(1, 32, 8, 1, 8192, 128, False), (4, 32, 8, 1, 8192, 128, False), (1, 32, 8, 16, 32768, 128, True),
+          (8, 32, 8, 4, 16384, 128, True), (2, 32, 32, 1, 16384, 128, False), (64, 32, 8, 1, 8192, 128, False)]
 
 
 def main():
     flag, a, b = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     rounds = int(sys.argv[sys.argv.index("--rounds") + 1]) if "--rounds" in sys.argv else 3
-    for B, H, Hkv, Sq, Sk, D, causal in SHAPES:
+    for B, H, Hkv, Sq, Sk, D, causal in DECODE if "--decode" in sys.argv else SHAPES:
         q = torch.randn(B, H, Sq, D, device="cuda", dtype=torch.bfloat16)
         k = torch.randn(B, Hkv, Sk, D, device="cuda", dtype=torch.bfloat16)
         v = torch.randn(B, Hkv, Sk, D, device="cuda", dtype=torch.bfloat16)
