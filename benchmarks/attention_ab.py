@@ -1,7 +1,7 @@
 # ruff: noqa: B023, E501  (scratch script: lambdas timed inside their own iteration)
 """Same-run A/B of one interface flag of the sm_90a FP8 attention kernel (kernel only, Vᵀ permuted
 as the fused call runs it), rounds interleaved, do_bench median with L2 flushed. Usage:
-    python benchmarks/attention_ab.py FLAG VALUE_A VALUE_B [--rounds N] [--decode]
+    python benchmarks/attention_ab.py FLAG VALUE_A VALUE_B [--rounds N] [--decode] [--graph]
 e.g. ``PV_ROWSUM 0 1``. Prints ms per shape and value, and the ratio."""
 
 from __future__ import annotations
@@ -26,6 +26,19 @@ DECODE = [(1, 32, 8, 1, 8192, 128, False), (4, 32, 8, 1, 8192, 128, False), (1, 
           (8, 32, 8, 4, 16384, 128, True), (2, 32, 32, 1, 16384, 128, False), (64, 32, 8, 1, 8192, 128, False)]
 
 
+def graphed(fn):
+    """``fn`` captured in a CUDA graph: its replay (GPU time without the host's launches)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
 def main():
     flag, a, b = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     rounds = int(sys.argv[sys.argv.index("--rounds") + 1]) if "--rounds" in sys.argv else 3
@@ -43,7 +56,8 @@ def main():
             for val in (a, b):
                 setattr(interface, flag, type(getattr(interface, flag))(val))
                 fn()
-                times[val].append(do_bench(fn, warmup=50, rep=300, return_mode="median"))
+                times[val].append(do_bench(graphed(fn) if "--graph" in sys.argv else fn, warmup=50, rep=300,
+                                           return_mode="median"))
         ta, tb = (sorted(times[x])[len(times[x]) // 2] for x in (a, b))
         f = 4 * B * H * Sq * Sk * D * (0.5 if causal else 1.0)
         print(f"B{B} H{H}/{Hkv} S{Sq} d{D} {'causal' if causal else 'full':6s} {flag}={a}: {ta:.3f} ms "

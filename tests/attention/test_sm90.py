@@ -109,6 +109,20 @@ def test_prepass_smaller_clusters_compile_sm90a(kind, cluster):
     assert sass.count("UCGABAR_WAIT") == (kind != "q_packed") and local_memory_ops(sass) == 0
 
 
+@needs_cutlass
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_split_combine_compiles_sm90a(head_dim):
+    """The split-KV combine kernel compiles: 16-byte partial loads, exp and log on MUFU, no local memory."""
+    from lowprec.attention.sm90.interface import build_combine_kernel
+    from lowprec.runtime.compile import local_memory_ops, nvdisasm_path, sass_of
+
+    compiled = build_combine_kernel(head_dim, torch.bfloat16, arch="sm_90a")
+    if nvdisasm_path() is None:
+        pytest.skip("nvdisasm not found")
+    sass = sass_of(compiled)
+    assert "LDG.E.128" in sass and "MUFU.EX2" in sass and local_memory_ops(sass) == 0
+
+
 def test_prepass_cluster_sizes():
     from lowprec.attention.sm90.config import prepass_cluster
 

@@ -36,7 +36,11 @@ _OUT = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 OVERLAP = True  # AttnConfig.overlap of launched kernels (benchmarks flip it to time the serial kernel)
 PINGPONG = False  # AttnConfig.pingpong of launched kernels (unmeasured: benchmarks flip it)
 PACK_GQA = True  # pack the query heads of a KV head into the rows when H > Hkv and Sq <= 128 (decode: 3.4x)
-SPLIT_KV = False  # split the KV blocks over more CTAs when the grid is under a wave (unmeasured)
+SPLIT_KV = False  # split the KV blocks over more CTAs when the grid is under a wave, at any Sq
+# ... and at decode sizes (Sq <= DECODE_MAX_SQ) always: 1.35-5.7x at B1-8 decode, eager and graphed,
+# with the one-launch combine (NOTES.md, session 28); prefill grids under a wave are unmeasured
+SPLIT_KV_DECODE = True
+DECODE_MAX_SQ = 16
 PERSISTENT = False  # persistent CTAs walking the tiles longest-first (unmeasured)
 TWO_LEVEL_PV = True  # AttnConfig.two_level_pv of launched kernels
 CONSUMER_WGS = 3  # AttnConfig.consumer_wgs of launched kernels (3 where it applies: D <= 128)
@@ -59,7 +63,7 @@ def num_splits(ctas: int, n_blocks: int, num_sms: int = _NUM_SMS) -> int:
 __all__ = ["fp8_attention_forward", "fp8_attention_varlen_forward", "attention_fp8_varlen_op", "packed_prepass",
            "attention_fp8_forward_op", "attention_fp8_qkv_op", "attention_fp8_q_op", "permute_v_keys",
            "compile_only", "build_kernel", "attention_prepass_k_op", "attention_prepass_v_op",
-           "build_prepass_kernel"]
+           "build_prepass_kernel", "build_combine_kernel"]
 
 
 def _use_tvm_ffi() -> bool:
@@ -198,7 +202,8 @@ def _forward(q, q_scale, k, k_scale, v_t, v_scale, causal: bool, softmax_scale: 
     pack = PACK_GQA and r > 1 and Sq <= TILE_M
     # packed: q, out, lse of the r query heads of a KV head are one contiguous run of r * Sq rows
     qh, rows = (Hkv, r * Sq) if pack else (H, Sq)
-    splits = num_splits(-(-rows // TILE_M) * qh * B, -(-Sk // TILE_N)) if SPLIT_KV else 1
+    split = SPLIT_KV or (SPLIT_KV_DECODE and Sq <= DECODE_MAX_SQ)
+    splits = num_splits(-(-rows // TILE_M) * qh * B, -(-Sk // TILE_N)) if split else 1
     fn = _kernel(D, causal, out_dtype, pack, splits > 1, v_keys_permuted, OVERLAP, PINGPONG,
                  _num_sms(q.device) if PERSISTENT else 0, TWO_LEVEL_PV, CONSUMER_WGS, SKIP_UNIT_RESCALE)
     o_dst, l_dst = out, lse
@@ -219,13 +224,37 @@ def _forward(q, q_scale, k, k_scale, v_t, v_scale, causal: bool, softmax_scale: 
     )
     _launch(fn, args, softmax_scale, (Hkv, 1, r, Sq) if pack else (H, r, 1, Sq), _no_tiles(q.device))
     if splits > 1:  # combine: lse = logsumexp_i lse_i, O = sum_i exp(lse_i - lse) O_i
-        l_part = l_dst.view(splits, B * qh, rows)
-        l_all = torch.logsumexp(l_part, dim=0)
-        w = torch.exp(l_part - torch.where(torch.isinf(l_all), 0.0, l_all))
-        o_all = torch.einsum("sbr,sbrd->brd", w, o_dst.view(splits, B * qh, rows, D))
-        out.view(B * qh, rows, D).copy_(o_all)
-        lse.view(B * qh, rows).copy_(l_all)
+        _combine_entry(D, out_dtype)(o_dst.view(splits, -1, D), l_dst.view(splits, -1), out.view(-1, D), lse.view(-1),
+                                     splits)
     return out, lse
+
+
+def build_combine_kernel(head_dim: int, out_dtype: torch.dtype, arch: str = _ARCH_DEFAULT):
+    """Compile the split-KV combine (``combine.combine_splits``) on fake tensors (no GPU needed)."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
+
+    from ...runtime import compile_for_arch
+    from .combine import combine_splits
+
+    out_c = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}[_OUT[out_dtype]]
+    rows, d = cute.sym_int(), head_dim
+    parts = make_fake_tensor(cutlass.Float32, (cute.sym_int(), rows, d), stride=(cute.sym_int64(divisibility=4), d, 1),
+                             assumed_align=16)
+    lses = make_fake_tensor(cutlass.Float32, (cute.sym_int(), rows), stride=(cute.sym_int64(), 1), assumed_align=4)
+    out = make_fake_tensor(out_c, (rows, d), stride=(d, 1), assumed_align=8)
+    lse = make_fake_tensor(cutlass.Float32, (rows,), stride=(1,), assumed_align=4)
+    return compile_for_arch(combine_splits, parts, lses, out, lse, cutlass.Int32(2), head_dim,
+                            make_fake_stream(use_tvm_ffi_env_stream=True), arch=arch, tvm_ffi=True)
+
+
+@functools.cache
+def _combine_entry(head_dim: int, out_dtype: torch.dtype):
+    from ...runtime import kernel_cache
+
+    return ffi_entry(kernel_cache.get("attention_split_combine", {"head_dim": head_dim, "out": _OUT[out_dtype]},
+                                      _ARCH_DEFAULT, lambda: build_combine_kernel(head_dim, out_dtype)))
 
 
 @functools.cache
