@@ -8,6 +8,8 @@ runs the kernel: there is no Blackwell GPU here.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from ..hopper import HAS_CUTLASS, needs_cutlass
@@ -33,8 +35,36 @@ def test_compile_shipped_config(config):
     sass = sass_of(compiled)
     for op in (_MMA_SASS[config.element_format], "UTCCP", "UTCBAR", "LDTM"):
         assert op in sass, f"no {op} in the SASS"
+    if config.cta_group == 2:  # the pair's MMA, scale copies, TMA loads and the commits to both CTAs
+        for op in (rf"{_MMA_SASS[config.element_format]}\.2CTA", r"UTCCP\.T\.S\.2CTA", r"UTCBAR\.2CTA\.MULTICAST",
+                   r"UTMALDG\.\dD\.2CTA", r"UTCATOMSWS\.2CTA"):
+            assert re.search(op, sass), f"no {op} in the SASS of a CTA pair"
+    else:
+        assert ".2CTA" not in sass
     spills = local_memory_ops(sass)
     assert not spills, f"local-memory traffic in SASS: {spills} LDL/STL"
+
+
+def test_probes_run_the_configuration_they_prove():
+    """The self-check's probe of a configuration is a problem that configuration serves: dense
+    256x256 CTA pairs where M and N fill them, grouped calls on one CTA (their rows per launch are
+    known only after a host read)."""
+    import torch
+
+    from lowprec.gemm.sm100 import config as cfg
+    from lowprec.gemm.sm100.interface import grouped_probe, probe
+
+    if not HAS_CUTLASS:
+        pytest.skip("nvidia-cutlass-dsl not installed")
+    cpu = torch.device("cpu")
+    for pair, config in cfg.check_configs():
+        a, b, out, bias = probe((pair, config), cpu)
+        assert cfg.config_for(a, b, out, bias) == config, (pair, config)
+    for layout, pair, config in cfg.grouped_check_configs():
+        assert config.cta_group == 1
+        a, b, out, ends, counts = grouped_probe((layout, pair, config), cpu)
+        assert cfg.grouped_check_config(a, b, out, ends, counts) == (layout, pair, config)
+    assert any(config.cta_group == 2 for _, config in cfg.check_configs())
 
 
 def test_config_rejects_unsupported_values():

@@ -38,6 +38,7 @@ import cutlass.utils.blackwell_helpers as sm100_utils
 import cutlass.utils.blockscaled_layout as blockscaled_utils
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, tcgen05
 from cutlass.memory import SmemAllocator, TmemAllocator
+from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 
 from .config import TILE_M, GemmConfig
 
@@ -70,9 +71,12 @@ class BlockScaledGemmSm100:
         self.sf_vec_size = config.sf_vec_size
         self.d_dtype = _OUT[config.out_dtype]
         self.has_bias = config.has_bias
-        self.mma_tiler = (TILE_M, config.tile_n, config.tile_k)
+        self.mma_tiler = (config.tile_m, config.tile_n, config.tile_k)
         self.num_stages = config.stages
         self.num_tmem_cols = _tmem_columns(config.tile_n)
+        self.pair = config.cta_group == 2
+        # the pair's SFB: a 1-CTA MMA view of the CTA's rows and N rounded up to the 128-row SF atom
+        self.mma_tiler_sfb = (TILE_M, -(-config.tile_n // 128) * 128, config.tile_k)
 
     @cute.jit
     def __call__(
@@ -101,6 +105,9 @@ class BlockScaledGemmSm100:
         mSFA = cute.make_tensor(sfa_ptr, blockscaled_utils.tile_atom_to_shape_SF(mA.shape, self.sf_vec_size))
         mSFB = cute.make_tensor(sfb_ptr, blockscaled_utils.tile_atom_to_shape_SF(mB.shape, self.sf_vec_size))
 
+        if cutlass.const_expr(self.pair):
+            self._launch_pair(mA, mB, mSFA, mSFB, mD, mAlpha, mBias, m, n, batch, stream)
+            return
         tiled_mma = sm100_utils.make_blockscaled_trivial_tiled_mma(
             self.ab_dtype, self.ab_dtype, OperandMajorMode.K, OperandMajorMode.K, self.sf_dtype, self.sf_vec_size,
             tcgen05.CtaGroup.ONE, self.mma_tiler[:2],
@@ -269,17 +276,244 @@ class BlockScaledGemmSm100:
         cute.arch.barrier()  # every warp's TMEM loads are done before the free
         tmem.free(acc_ptr)
 
+    # ------------------------------------------------------------------ 2-CTA (cta_group::2)
     @cute.jit
-    def _tma_partition(self, atom: cute.CopyAtom, sX: cute.Tensor, tCgX: cute.Tensor):
-        """(smem, gmem) views of one operand for its TMA atom, without multicast."""
-        return cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(sX, 0, 3),
+    def _launch_pair(self, mA, mB, mSFA, mSFB, mD, mAlpha, mBias, m, n, batch, stream):
+        """Host side of the pair kernel: a 256-row MMA over a cluster of 2 CTAs along M."""
+        tiled_mma = sm100_utils.make_blockscaled_trivial_tiled_mma(
+            self.ab_dtype, self.ab_dtype, OperandMajorMode.K, OperandMajorMode.K, self.sf_dtype, self.sf_vec_size,
+            tcgen05.CtaGroup.TWO, self.mma_tiler[:2],
+        )
+        tiled_mma_sfb = sm100_utils.make_blockscaled_trivial_tiled_mma(
+            self.ab_dtype, self.ab_dtype, OperandMajorMode.K, OperandMajorMode.K, self.sf_dtype, self.sf_vec_size,
+            tcgen05.CtaGroup.ONE, self.mma_tiler_sfb[:2],
+        )
+        cluster_mn = (2, 1)
+        cluster_vmnk = cute.tiled_divide(cute.make_layout((*cluster_mn, 1)), (tiled_mma.thr_id.shape,))
+        cluster_sfb_vmnk = cute.tiled_divide(cute.make_layout((*cluster_mn, 1)), (tiled_mma_sfb.thr_id.shape,))
+        stages = self.num_stages
+        sA_staged = sm100_utils.make_smem_layout_a(tiled_mma, self.mma_tiler, self.ab_dtype, stages)
+        sB_staged = sm100_utils.make_smem_layout_b(tiled_mma, self.mma_tiler, self.ab_dtype, stages)
+        sSFA_staged = blockscaled_utils.make_smem_layout_sfa(tiled_mma, self.mma_tiler, self.sf_vec_size, stages)
+        sSFB_staged = blockscaled_utils.make_smem_layout_sfb(tiled_mma, self.mma_tiler, self.sf_vec_size, stages)
+
+        def one_stage(staged):
+            return cute.slice_(staged, (None, None, None, 0))
+
+        op_a = sm100_utils.cluster_shape_to_tma_atom_A(cluster_mn, tiled_mma.thr_id)
+        op_b = sm100_utils.cluster_shape_to_tma_atom_B(cluster_mn, tiled_mma.thr_id)
+        op_sfb = sm100_utils.cluster_shape_to_tma_atom_SFB(cluster_mn, tiled_mma.thr_id)
+        tma_a = cute.nvgpu.make_tiled_tma_atom_A(
+            op_a, mA, one_stage(sA_staged), self.mma_tiler, tiled_mma, cluster_vmnk.shape)
+        tma_b = cute.nvgpu.make_tiled_tma_atom_B(
+            op_b, mB, one_stage(sB_staged), self.mma_tiler, tiled_mma, cluster_vmnk.shape)
+        tma_sfa = cute.nvgpu.make_tiled_tma_atom_A(
+            op_a, mSFA, one_stage(sSFA_staged), self.mma_tiler, tiled_mma, cluster_vmnk.shape,
+            internal_type=cutlass.Int16)
+        tma_sfb = cute.nvgpu.make_tiled_tma_atom_B(
+            op_sfb, mSFB, one_stage(sSFB_staged), self.mma_tiler_sfb, tiled_mma_sfb, cluster_sfb_vmnk.shape,
+            internal_type=cutlass.Int16)
+        # the leader's full barrier counts both CTAs' bytes
+        tx_bytes = 2 * (
+            cute.size_in_bytes(self.ab_dtype, one_stage(sA_staged))
+            + cute.size_in_bytes(self.ab_dtype, one_stage(sB_staged))
+            + cute.size_in_bytes(self.sf_dtype, one_stage(sSFA_staged))
+            + cute.size_in_bytes(self.sf_dtype, one_stage(sSFB_staged))
+        )
+        grid = (cute.ceil_div(m, self.mma_tiler[0]) * 2, cute.ceil_div(n, self.config.tile_n), batch)
+        self.kernel_pair(
+            tiled_mma, tiled_mma_sfb, *tma_a, *tma_b, *tma_sfa, *tma_sfb, mD, mAlpha, mBias, cluster_vmnk,
+            cluster_sfb_vmnk, sA_staged, sB_staged, sSFA_staged, sSFB_staged, tx_bytes,
+        ).launch(grid=grid, block=[_THREADS, 1, 1], cluster=(*cluster_mn, 1), stream=stream)
+
+    @cute.kernel
+    def kernel_pair(
+        self,
+        tiled_mma: cute.TiledMma,
+        tiled_mma_sfb: cute.TiledMma,
+        tma_atom_a: cute.CopyAtom,
+        mA: cute.Tensor,
+        tma_atom_b: cute.CopyAtom,
+        mB: cute.Tensor,
+        tma_atom_sfa: cute.CopyAtom,
+        mSFA: cute.Tensor,
+        tma_atom_sfb: cute.CopyAtom,
+        mSFB: cute.Tensor,
+        mD: cute.Tensor,
+        mAlpha: cute.Tensor,
+        mBias: cute.Tensor,
+        cluster_vmnk: cute.Layout,
+        cluster_sfb_vmnk: cute.Layout,
+        sA_staged: cute.ComposedLayout,
+        sB_staged: cute.ComposedLayout,
+        sSFA_staged: cute.Layout,
+        sSFB_staged: cute.Layout,
+        tx_bytes: cutlass.Constexpr,
+    ):
+        """Warp 0 of each CTA loads its halves of the stage (the 2-SM TMA signals the leader's full
+        barrier); warp 1 of the leader CTA (v = 0) moves the scale factors to TMEM and issues the
+        256-row MMAs, whose commits free both CTAs' stages; all 4 warps of each CTA then store its
+        128 rows from its own TMEM."""
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, tile_n, tile_l = cute.arch.block_idx()
+        v = bidx % 2
+        is_leader = v == 0
+        rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+        coord_vmnk = cluster_vmnk.get_flat_coord(rank)
+        coord_sfb_vmnk = cluster_sfb_vmnk.get_flat_coord(rank)
+        tile_m = bidx // 2
+
+        @cute.struct
+        class SharedStorage:
+            ab_mbar: cute.struct.MemRange[cutlass.Int64, self.num_stages * 2]
+            acc_mbar: cute.struct.MemRange[cutlass.Int64, 2]
+            tmem_dealloc_mbar: cutlass.Int64
+            tmem_base: cutlass.Int32
+
+        smem = SmemAllocator()
+        storage = smem.allocate(SharedStorage)
+        sA = smem.allocate_tensor(self.ab_dtype, sA_staged.outer, byte_alignment=128, swizzle=sA_staged.inner)
+        sB = smem.allocate_tensor(self.ab_dtype, sB_staged.outer, byte_alignment=128, swizzle=sB_staged.inner)
+        sSFA = smem.allocate_tensor(self.sf_dtype, sSFA_staged, byte_alignment=128)
+        sSFB = smem.allocate_tensor(self.sf_dtype, sSFB_staged, byte_alignment=128)
+
+        one = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
+        ab_pipe = pipeline.PipelineTmaUmma.create(
+            num_stages=self.num_stages, producer_group=one, consumer_group=one, tx_count=tx_bytes,
+            barrier_storage=storage.ab_mbar.data_ptr(), cta_layout_vmnk=cluster_vmnk, defer_sync=True,
+        )
+        # both CTAs' epilogue threads consume the accumulator
+        acc_pipe = pipeline.PipelineUmmaAsync.create(
+            num_stages=1, producer_group=one,
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 2 * _THREADS),
+            barrier_storage=storage.acc_mbar.data_ptr(), cta_layout_vmnk=cluster_vmnk, defer_sync=True,
+        )
+        tmem = TmemAllocator(
+            storage.tmem_base.ptr,
+            barrier_for_retrieve=pipeline.NamedBarrier(barrier_id=_TMEM_ALLOC_BARRIER_ID, num_threads=_THREADS),
+            is_two_cta=True, two_cta_tmem_dealloc_mbar_ptr=storage.tmem_dealloc_mbar.ptr,
+        )
+        pipeline_init_arrive(cluster_shape_mn=(2, 1), is_relaxed=True)
+
+        tiler_mk = cute.slice_(self.mma_tiler, (None, 0, None))
+        tiler_nk = cute.slice_(self.mma_tiler, (0, None, None))
+        tiler_sfb_nk = cute.slice_(self.mma_tiler_sfb, (0, None, None))
+        gA = cute.local_tile(mA, tiler_mk, (tile_m, None, tile_l))
+        gB = cute.local_tile(mB, tiler_nk, (tile_n, None, tile_l))
+        gSFA = cute.local_tile(mSFA, tiler_mk, (tile_m, None, tile_l))
+        gSFB = cute.local_tile(mSFB, tiler_sfb_nk, (tile_n, None, tile_l))
+        tiler_mn = cute.slice_(self.mma_tiler, (None, None, 0))
+        thr_mma = tiled_mma.get_slice(v)
+        thr_mma_sfb = tiled_mma_sfb.get_slice(v)
+        # this CTA's 128 rows of the pair's 256-row output tile
+        gD = thr_mma.partition_C(cute.local_tile(mD, tiler_mn, (tile_m, tile_n, tile_l)))[((None, None), 0, 0)]
+        gBias = thr_mma.partition_C(cute.local_tile(mBias, tiler_mn, (tile_m, tile_n, tile_l)))[((None, None), 0, 0)]
+        cD = thr_mma.partition_C(cute.local_tile(cute.make_identity_tensor(mD.shape), tiler_mn,
+                                                 (tile_m, tile_n, tile_l)))[((None, None), 0, 0)]
+        k_tiles = cute.size(gA, mode=[2])
+
+        a_layout = cute.make_layout(cute.slice_(cluster_vmnk, (0, 0, None, 0)).shape)
+        b_layout = cute.make_layout(cute.slice_(cluster_vmnk, (0, None, 0, 0)).shape)
+        sfb_layout = cute.make_layout(cute.slice_(cluster_sfb_vmnk, (0, None, 0, 0)).shape)
+        tAsA, tAgA = self._tma_partition(tma_atom_a, sA, thr_mma.partition_A(gA), coord_vmnk[2], a_layout)
+        tBsB, tBgB = self._tma_partition(tma_atom_b, sB, thr_mma.partition_B(gB), coord_vmnk[1], b_layout)
+        tAsSFA, tAgSFA = self._tma_partition(tma_atom_sfa, sSFA, thr_mma.partition_A(gSFA), coord_vmnk[2], a_layout)
+        tBsSFB, tBgSFB = self._tma_partition(tma_atom_sfb, sSFB, thr_mma_sfb.partition_B(gSFB), coord_sfb_vmnk[1],
+                                             sfb_layout)
+        tAsSFA, tAgSFA = cute.filter_zeros(tAsSFA), cute.filter_zeros(tAgSFA)
+        tBsSFB, tBgSFB = cute.filter_zeros(tBsSFB), cute.filter_zeros(tBgSFB)
+        # the 2-SM loads signal the leader's barrier: the masks name the CTAs whose barrier counts them
+        mask_a = cpasync.create_tma_multicast_mask(cluster_vmnk, coord_vmnk, mcast_mode=2)
+        mask_b = cpasync.create_tma_multicast_mask(cluster_vmnk, coord_vmnk, mcast_mode=1)
+        mask_sfb = cpasync.create_tma_multicast_mask(cluster_sfb_vmnk, coord_sfb_vmnk, mcast_mode=1)
+
+        tCrA = tiled_mma.make_fragment_A(sA)
+        tCrB = tiled_mma.make_fragment_B(sB)
+        acc_layout = tiled_mma.make_fragment_C(tiled_mma.partition_shape_C(self.mma_tiler[:2])).layout
+        pipeline_init_wait(cluster_shape_mn=(2, 1))
+
+        tmem.allocate(self.num_tmem_cols)
+        tmem.wait_for_alloc()
+        acc_ptr = tmem.retrieve_ptr(cutlass.Float32)
+        tCtAcc = cute.make_tensor(acc_ptr, acc_layout)
+
+        if warp_idx == 0:  # both CTAs: their halves of every stage
+            state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
+            for k_tile in cutlass.range(k_tiles, unroll=1):
+                ab_pipe.producer_acquire(state)
+                bar = ab_pipe.producer_get_barrier(state)
+                cute.copy(tma_atom_a, tAgA[(None, k_tile)], tAsA[(None, state.index)], tma_bar_ptr=bar,
+                          mcast_mask=mask_a)
+                cute.copy(tma_atom_b, tBgB[(None, k_tile)], tBsB[(None, state.index)], tma_bar_ptr=bar,
+                          mcast_mask=mask_b)
+                cute.copy(tma_atom_sfa, tAgSFA[(None, k_tile)], tAsSFA[(None, state.index)], tma_bar_ptr=bar,
+                          mcast_mask=mask_a)
+                cute.copy(tma_atom_sfb, tBgSFB[(None, k_tile)], tBsSFB[(None, state.index)], tma_bar_ptr=bar,
+                          mcast_mask=mask_sfb)
+                state.advance()
+            # the leader's MMAs still read this CTA's stages: wait until they are all released
+            ab_pipe.producer_tail(state)
+        if warp_idx == 1:
+            if is_leader:
+                sfa_col = tcgen05.find_tmem_tensor_col_offset(tCtAcc)
+                tCtSFA = cute.make_tensor(
+                    cute.recast_ptr(acc_ptr + sfa_col, dtype=self.sf_dtype),
+                    blockscaled_utils.make_tmem_layout_sfa(tiled_mma, self.mma_tiler, self.sf_vec_size,
+                                                           cute.slice_(sSFA_staged, (None, None, None, 0))),
+                )
+                sfb_col = sfa_col + tcgen05.find_tmem_tensor_col_offset(tCtSFA)
+                tCtSFB = cute.make_tensor(
+                    cute.recast_ptr(acc_ptr + sfb_col, dtype=self.sf_dtype),
+                    blockscaled_utils.make_tmem_layout_sfb(tiled_mma, self.mma_tiler, self.sf_vec_size,
+                                                           cute.slice_(sSFB_staged, (None, None, None, 0))),
+                )
+                s2t_sfa, tCsSFA_s2t, tCtSFA_s2t = self._s2t_partition(sSFA, tCtSFA)
+                s2t_sfb, tCsSFB_s2t, tCtSFB_s2t = self._s2t_partition(sSFB, tCtSFB)
+                acc_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+                acc_pipe.producer_acquire(acc_state)
+                read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+                tiled_mma.set(tcgen05.Field.ACCUMULATE, False)
+                for _ in cutlass.range(k_tiles, unroll=1):
+                    ab_pipe.consumer_wait(read)
+                    cute.copy(s2t_sfa, tCsSFA_s2t[(None, None, None, None, read.index)], tCtSFA_s2t)
+                    cute.copy(s2t_sfb, tCsSFB_s2t[(None, None, None, None, read.index)], tCtSFB_s2t)
+                    for kb in cutlass.range(cute.size(tCrA, mode=[2]), unroll_full=True):
+                        tiled_mma.set(tcgen05.Field.SFA, tCtSFA[(None, None, kb)].iterator)
+                        tiled_mma.set(tcgen05.Field.SFB, tCtSFB[(None, None, kb)].iterator)
+                        cute.gemm(tiled_mma, tCtAcc, tCrA[(None, None, kb, read.index)],
+                                  tCrB[(None, None, kb, read.index)], tCtAcc)
+                        tiled_mma.set(tcgen05.Field.ACCUMULATE, True)
+                    ab_pipe.consumer_release(read)  # commit to both CTAs' empty barriers
+                    read.advance()
+                acc_pipe.producer_commit(acc_state)  # commit to both CTAs' accumulator barriers
+
+        acc_consumer = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        self._epilogue_pair(tidx, tCtAcc, gD, cD, mD.shape, mAlpha[0], gBias, acc_pipe, acc_consumer, tmem)
+        cute.arch.barrier()  # every warp's TMEM loads are done before the free
+        tmem.free(acc_ptr)
+
+    @cute.jit
+    def _epilogue_pair(self, tidx, tCtAcc, gD, cD, d_shape, alpha, gBias, acc_pipe, acc_state, tmem):
+        """:meth:`_epilogue` with the accumulator pipeline's state API (the pair's barriers)."""
+        tmem.relinquish_alloc_permit()
+        acc_pipe.consumer_wait(acc_state)
+        self._store_tile(tidx, tCtAcc, gD, cD, d_shape, alpha, gBias)
+        acc_pipe.consumer_release(acc_state)
+
+    @cute.jit
+    def _tma_partition(self, atom: cute.CopyAtom, sX: cute.Tensor, tCgX: cute.Tensor, cta_coord=0, cta_layout=None):
+        """(smem, gmem) views of one operand for its TMA atom (default: one CTA, no multicast)."""
+        layout = cute.make_layout(1) if cutlass.const_expr(cta_layout is None) else cta_layout
+        return cpasync.tma_partition(atom, cta_coord, layout, cute.group_modes(sX, 0, 3),
                                      cute.group_modes(tCgX, 0, 3))
 
     @cute.jit
     def _s2t_partition(self, sSF: cute.Tensor, tCtSF: cute.Tensor):
         """``tcgen05.cp`` of one stage of scale factors: (tiled copy, smem descriptors with a
         STAGE mode, TMEM destination)."""
-        atom = cute.make_copy_atom(tcgen05.Cp4x32x128bOp(tcgen05.CtaGroup.ONE), self.sf_dtype)
+        group = tcgen05.CtaGroup.TWO if cutlass.const_expr(self.pair) else tcgen05.CtaGroup.ONE
+        atom = cute.make_copy_atom(tcgen05.Cp4x32x128bOp(group), self.sf_dtype)
         tCtSF_compact = cute.filter_zeros(tCtSF)
         tiled = tcgen05.make_s2t_copy(atom, tCtSF_compact)
         thr = tiled.get_slice(0)
@@ -291,6 +525,15 @@ class BlockScaledGemmSm100:
                   gBias: cute.Tensor, acc_consumer, tmem: TmemAllocator):
         """TMEM -> registers -> ``alpha * acc (+ bias)`` -> D's dtype -> global, ``_EPI_N`` columns at
         a time; ``cD`` holds the (m, n, l) coordinates of ``gD``, stores past ``d_shape`` are skipped."""
+        tmem.relinquish_alloc_permit()
+        acc_full = acc_consumer.wait_and_advance()
+        self._store_tile(tidx, tCtAcc, gD, cD, d_shape, alpha, gBias)
+        acc_full.release()
+
+    @cute.jit
+    def _store_tile(self, tidx, tCtAcc: cute.Tensor, gD: cute.Tensor, cD: cute.Tensor, d_shape, alpha,
+                    gBias: cute.Tensor):
+        """The CTA's 128 accumulator rows (TMEM lanes) -> ``alpha * acc (+ bias)`` -> D."""
         epi_tile = (TILE_M, _EPI_N)
         tAcc_epi = cute.flat_divide(tCtAcc[((None, None), 0, 0)], epi_tile)  # (128, _EPI_N, 1, tile_n / _EPI_N)
         gD_epi = cute.flat_divide(gD, epi_tile)
@@ -307,9 +550,6 @@ class BlockScaledGemmSm100:
         rBias = cute.make_rmem_tensor(rAcc.shape, cutlass.Float32)
         rD = cute.make_rmem_tensor(rAcc.shape, self.d_dtype)
         store = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.d_dtype)
-
-        tmem.relinquish_alloc_permit()
-        acc_full = acc_consumer.wait_and_advance()
         for i in cutlass.range(cute.size(tTR_tAcc, mode=[4]), unroll_full=True):
             cute.copy(t2r, tTR_tAcc[(None, None, None, 0, i)], rAcc)
             # a thread's slice is one row and _EPI_N columns that N (a multiple of _EPI_N) holds whole
@@ -320,4 +560,3 @@ class BlockScaledGemmSm100:
                     out = out + rBias.load()
                 rD.store(out.to(self.d_dtype))
                 cute.copy(store, rD, tTR_gD[(None, None, None, 0, i)])
-        acc_full.release()

@@ -25,6 +25,9 @@ class GemmConfig:
     stages: int = 4  # smem stages of A, B, SFA, SFB
     out_dtype: str = "bfloat16"  # D's dtype: one of OUT_DTYPES
     has_bias: bool = False  # the epilogue adds an FP32 bias per column
+    # 2: a cluster of two CTAs runs one 256-row MMA (``cta_group::2``): each CTA loads its 128 rows of
+    # A and half the tile's B, the pair's leader issues the MMAs (B read once per 256 rows)
+    cta_group: int = 1
 
     def __post_init__(self):
         if self.element_format not in _FORMATS:
@@ -35,6 +38,13 @@ class GemmConfig:
             raise ValueError(f"tile_n: expected 128 or 256, got {self.tile_n}")
         if self.stages < 2:
             raise ValueError(f"stages: expected at least 2, got {self.stages}")
+        if self.cta_group not in (1, 2):
+            raise ValueError(f"cta_group: expected 1 or 2, got {self.cta_group}")
+
+    @property
+    def tile_m(self) -> int:
+        """Rows of one MMA tile (of the CTA pair with ``cta_group=2``)."""
+        return TILE_M * self.cta_group
 
     @property
     def sf_vec_size(self) -> int:
@@ -50,15 +60,18 @@ class GemmConfig:
 
     def __str__(self) -> str:
         out = "" if self.out_dtype == "bfloat16" else f"_{self.out_dtype}"
-        return f"{self.element_format}_{TILE_M}x{self.tile_n}_s{self.stages}{out}{'_bias' if self.has_bias else ''}"
+        pair = "_2cta" if self.cta_group == 2 else ""
+        return (f"{self.element_format}_{self.tile_m}x{self.tile_n}{pair}_s{self.stages}{out}"
+                f"{'_bias' if self.has_bias else ''}")
 
 
 def shipped_configs() -> tuple[GemmConfig, ...]:
     """The configurations the compile tests build: every format and tile at bf16 without bias, and
     each other output dtype and the bias once (the epilogue variants)."""
     plain = tuple(GemmConfig(fmt, tile_n) for fmt in _FORMATS for tile_n in (128, 256))
-    return plain + (GemmConfig("mxf8", 128, out_dtype="float32", has_bias=True),
-                    GemmConfig("nvf4", 256, out_dtype="float16", has_bias=True))
+    pairs = tuple(GemmConfig(fmt, 256, cta_group=2) for fmt in _FORMATS)
+    return plain + pairs + (GemmConfig("mxf8", 128, out_dtype="float32", has_bias=True),
+                            GemmConfig("nvf4", 256, out_dtype="float16", has_bias=True, cta_group=2))
 
 
 # ----------------------------------------------------------------------------- what the kernel takes
@@ -124,10 +137,16 @@ def _problem_unsupported(a, b, out_dtype, bias) -> str | None:
     return None
 
 
-def config_for(a, b, out_dtype, bias) -> GemmConfig:
-    """The kernel configuration these (supported) arguments run."""
-    return GemmConfig(PAIR_FORMATS[pair_of(a, b)], tile_n=256 if b.shape[-2] >= 256 else 128,
-                      out_dtype=str(out_dtype).removeprefix("torch."), has_bias=bias is not None)
+def config_for(a, b, out_dtype, bias, pair_ok: bool = True) -> GemmConfig:
+    """The kernel configuration these (supported) arguments run. Grouped calls pass ``pair_ok=False``:
+    their rows per launch are known only after a host read (contiguous layout), so the
+    configuration their self-check proves must not depend on them."""
+    wide = b.shape[-2] >= 256
+    # a CTA pair (256-row MMA, B read once per 256 rows) where both dims fill its 256x256 tile
+    pair = pair_ok and wide and a.shape[-2] >= 2 * TILE_M
+    return GemmConfig(PAIR_FORMATS[pair_of(a, b)], tile_n=256 if wide else 128,
+                      out_dtype=str(out_dtype).removeprefix("torch."), has_bias=bias is not None,
+                      cta_group=2 if pair else 1)
 
 
 def check_config(a, b, out_dtype, bias) -> tuple[tuple[str, str], GemmConfig]:
@@ -142,12 +161,14 @@ GROUPED_LAYOUTS = ("masked", "contiguous")
 def grouped_check_config(a, b, out_dtype, group_ends, masked_counts) -> tuple[str, tuple[str, str], GemmConfig]:
     """The self-check configuration of a grouped call (no bias): its layout (the contiguous one
     also proves the copies into and out of the masked buffer), the operand pair, the kernel's."""
-    return ("masked" if group_ends is None else "contiguous", *check_config(a, b, out_dtype, None))
+    return ("masked" if group_ends is None else "contiguous", pair_of(a, b),
+            config_for(a, b, out_dtype, None, pair_ok=False))
 
 
 def grouped_check_configs() -> tuple[tuple[str, tuple[str, str], GemmConfig], ...]:
     """Every grouped self-check configuration (``LOWPREC_SELF_CHECK=always``)."""
-    return tuple((layout, *check) for layout in GROUPED_LAYOUTS for check in check_configs())
+    return tuple((layout, *check) for layout in GROUPED_LAYOUTS for check in check_configs()
+                 if check[1].cta_group == 1 and not check[1].has_bias)  # grouped calls: one CTA, no bias
 
 
 def check_configs() -> tuple[tuple[tuple[str, str], GemmConfig], ...]:

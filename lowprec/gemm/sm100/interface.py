@@ -14,7 +14,7 @@ import torch
 from ...quant.layouts import to_blocked
 from ...runtime import compile_for_arch, kernel_cache, on_device
 from ...tensor import QuantizedTensor
-from .config import DEEPSEEK_PAIR, GemmConfig, config_for, pair_of
+from .config import DEEPSEEK_PAIR, TILE_M, GemmConfig, config_for, pair_of
 
 __all__ = ["build_kernel", "compile_kernel", "kernel_operands", "gemm_quantized", "grouped_gemm_quantized", "probe",
            "grouped_probe", "close_enough"]
@@ -87,7 +87,7 @@ def grouped_gemm_quantized(a, b, out_dtype, group_ends, masked_counts):
     output rows copied back."""
     if group_ends is not None:
         return _contiguous_as_masked(a, b, out_dtype, group_ends)
-    d = _launch(a, b, out_dtype, None, config_for(a, b, out_dtype, None))
+    d = _launch(a, b, out_dtype, None, config_for(a, b, out_dtype, None, pair_ok=False))
     rows = torch.arange(d.shape[1], device=d.device)
     return d.masked_fill_((rows[None, :] >= masked_counts.to(d.device)[:, None])[..., None], 0)
 
@@ -163,7 +163,7 @@ def probe(check: tuple[tuple[str, str], GemmConfig], device: torch.device) -> tu
     tile, two K tiles."""
     pair, config = check
     g = torch.Generator(device=device).manual_seed(0)
-    m, n, k = 200, config.tile_n + 48, 2 * config.tile_k
+    m, n, k = 200 + config.tile_m - TILE_M, config.tile_n + 48, 2 * config.tile_k  # a pair: 328 rows
     a, b = _quantize_pair(pair, torch.randn(m, k, device=device, generator=g),
                           torch.randn(n, k, device=device, generator=g))
     bias = torch.randn(n, device=device, generator=g) if config.has_bias else None
@@ -171,19 +171,21 @@ def probe(check: tuple[tuple[str, str], GemmConfig], device: torch.device) -> tu
 
 
 def grouped_probe(check: tuple[str, tuple[str, str], GemmConfig], device: torch.device) -> tuple:
-    """A small random grouped problem of the check's layout: three experts, one of 200 rows (the
-    longest), one of 7, one empty (masked: ``[3, 200, K]``; contiguous: 207 rows and 13 past the
-    last group, which stay zero); N off the tile, two K tiles."""
+    """A small random grouped problem of the check's layout: three experts, one of ``L`` = 200 rows
+    (328 for a CTA pair: the longest, the configuration's own), one of 7, one empty (masked:
+    ``[3, L, K]``; contiguous: L + 7 rows and 13 past the last group, which stay zero); N off the
+    tile, two K tiles."""
     layout, pair, config = check
     g = torch.Generator(device=device).manual_seed(0)
     n, k = config.tile_n + 48, 2 * config.tile_k
-    rows = (3, 200) if layout == "masked" else (220,)
+    longest = 200 + config.tile_m - TILE_M
+    rows = (3, longest) if layout == "masked" else (longest + 20,)
     a, b = _quantize_pair(pair, torch.randn(*rows, k, device=device, generator=g),
                           torch.randn(3, n, k, device=device, generator=g))
     out = getattr(torch, config.out_dtype)
     if layout == "masked":
-        return a, b, out, None, torch.tensor([200, 7, 0], dtype=torch.int32, device=device)
-    return a, b, out, torch.tensor([200, 207, 207], dtype=torch.int32, device=device), None
+        return a, b, out, None, torch.tensor([longest, 7, 0], dtype=torch.int32, device=device)
+    return a, b, out, torch.tensor([longest, longest + 7, longest + 7], dtype=torch.int32, device=device), None
 
 
 def close_enough(result: torch.Tensor, expected: torch.Tensor) -> bool:
