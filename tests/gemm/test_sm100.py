@@ -343,7 +343,8 @@ def test_grouped_contiguous_runs_through_the_masked_launch(monkeypatch):
         ends = torch.tensor([40, 40, 133, 141], dtype=torch.int32)  # an empty group; 9 rows past the last
         launches = []
 
-        def launch(a_masked, b, out_dtype, bias, config, launches=launches):
+        def launch(a_masked, b, out_dtype, bias, config, counts=None, launches=launches):
+            assert config.masked and config.cta_group == 1 and counts is not None
             launches.append(tuple(a_masked.shape))
             full = torch.full((a_masked.shape[0],), a_masked.shape[1], dtype=torch.int32)
             return grouped_gemm_masked_reference(a_masked, b, full, out_dtype)

@@ -88,6 +88,7 @@ class BlockScaledGemmSm100:
         d_ptr: cute.Pointer,
         alpha_ptr: cute.Pointer,
         bias_ptr: cute.Pointer,
+        counts_ptr: cute.Pointer,
         m: cutlass.Int32,
         n: cutlass.Int32,
         k: cutlass.Int32,
@@ -100,6 +101,7 @@ class BlockScaledGemmSm100:
         mB = cute.make_tensor(b_ptr, cute.make_layout((n, k_al, batch), stride=(k_al, 1, n * k_al)))
         mD = cute.make_tensor(d_ptr, cute.make_layout((m, n_al, batch), stride=(n_al, 1, m * n_al)))
         mAlpha = cute.make_tensor(alpha_ptr, cute.make_layout(1))
+        mCounts = cute.make_tensor(counts_ptr, cute.make_layout(batch))  # read only when masked
         # bias[n] broadcast over m and l (zero strides): it tiles as D does
         mBias = cute.make_tensor(bias_ptr, cute.make_layout((m, n_al, batch), stride=(0, 1, 0)))
         mSFA = cute.make_tensor(sfa_ptr, blockscaled_utils.tile_atom_to_shape_SF(mA.shape, self.sf_vec_size))
@@ -144,8 +146,8 @@ class BlockScaledGemmSm100:
 
         grid = (cute.ceil_div(m, TILE_M), cute.ceil_div(n, self.config.tile_n), batch)
         self.kernel(
-            tiled_mma, *tma_a, *tma_b, *tma_sfa, *tma_sfb, mD, mAlpha, mBias, sA_staged, sB_staged, sSFA_staged,
-            sSFB_staged, tx_bytes,
+            tiled_mma, *tma_a, *tma_b, *tma_sfa, *tma_sfb, mD, mAlpha, mBias, mCounts, sA_staged, sB_staged,
+            sSFA_staged, sSFB_staged, tx_bytes,
         ).launch(grid=grid, block=[_THREADS, 1, 1], cluster=(1, 1, 1), stream=stream)
 
     @cute.kernel
@@ -163,6 +165,7 @@ class BlockScaledGemmSm100:
         mD: cute.Tensor,
         mAlpha: cute.Tensor,
         mBias: cute.Tensor,
+        mCounts: cute.Tensor,
         sA_staged: cute.ComposedLayout,
         sB_staged: cute.ComposedLayout,
         sSFA_staged: cute.Layout,
@@ -211,6 +214,11 @@ class BlockScaledGemmSm100:
         gBias = cute.local_tile(mBias, tiler_mn, (tile_m, tile_n, tile_l))
         cD = cute.local_tile(cute.make_identity_tensor(mD.shape), tiler_mn, (tile_m, tile_n, tile_l))
         k_tiles = cute.size(gA, mode=[2])
+        d_bound = mD.shape
+        if cutlass.const_expr(self.config.masked):  # rows past this batch's count: no K loop, no stores
+            rows = mCounts[tile_l]
+            k_tiles = cutlass.select_(tile_m * TILE_M < rows, k_tiles, 0)
+            d_bound = (rows, mD.shape[1], mD.shape[2])
 
         thr_mma = tiled_mma.get_slice(0)
         # TMA views: ((atom_v, rest_v), STAGE) in smem, ((atom_v, rest_v), RestK) in global
@@ -272,7 +280,7 @@ class BlockScaledGemmSm100:
                 full.release()  # tcgen05.commit: the stage is free once these MMAs have read it
             acc_slot.commit()
 
-        self._epilogue(tidx, tCtAcc, gD, cD, mD.shape, mAlpha[0], gBias, acc_consumer, tmem)
+        self._epilogue(tidx, tCtAcc, gD, cD, d_bound, mAlpha[0], gBias, acc_consumer, tmem)
         cute.arch.barrier()  # every warp's TMEM loads are done before the free
         tmem.free(acc_ptr)
 

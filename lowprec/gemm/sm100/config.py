@@ -28,6 +28,9 @@ class GemmConfig:
     # 2: a cluster of two CTAs runs one 256-row MMA (``cta_group::2``): each CTA loads its 128 rows of
     # A and half the tile's B, the pair's leader issues the MMAs (B read once per 256 rows)
     cta_group: int = 1
+    # grouped masked launches: batch l has counts[l] valid rows; M tiles past them skip their K loop
+    # and store nothing (the rows past each count are zeroed after the launch)
+    masked: bool = False
 
     def __post_init__(self):
         if self.element_format not in _FORMATS:
@@ -40,6 +43,8 @@ class GemmConfig:
             raise ValueError(f"stages: expected at least 2, got {self.stages}")
         if self.cta_group not in (1, 2):
             raise ValueError(f"cta_group: expected 1 or 2, got {self.cta_group}")
+        if self.masked and self.cta_group == 2:
+            raise ValueError("masked: grouped launches run on one CTA (cta_group=1)")
 
     @property
     def tile_m(self) -> int:
@@ -62,7 +67,7 @@ class GemmConfig:
         out = "" if self.out_dtype == "bfloat16" else f"_{self.out_dtype}"
         pair = "_2cta" if self.cta_group == 2 else ""
         return (f"{self.element_format}_{self.tile_m}x{self.tile_n}{pair}_s{self.stages}{out}"
-                f"{'_bias' if self.has_bias else ''}")
+                f"{'_bias' if self.has_bias else ''}{'_masked' if self.masked else ''}")
 
 
 def shipped_configs() -> tuple[GemmConfig, ...]:
@@ -70,7 +75,8 @@ def shipped_configs() -> tuple[GemmConfig, ...]:
     each other output dtype and the bias once (the epilogue variants)."""
     plain = tuple(GemmConfig(fmt, tile_n) for fmt in _FORMATS for tile_n in (128, 256))
     pairs = tuple(GemmConfig(fmt, 256, cta_group=2) for fmt in _FORMATS)
-    return plain + pairs + (GemmConfig("mxf8", 128, out_dtype="float32", has_bias=True),
+    masked = tuple(GemmConfig(fmt, tile_n, masked=True) for fmt in _FORMATS for tile_n in (128, 256))
+    return plain + pairs + masked + (GemmConfig("mxf8", 128, out_dtype="float32", has_bias=True),
                             GemmConfig("nvf4", 256, out_dtype="float16", has_bias=True, cta_group=2))
 
 
@@ -137,16 +143,16 @@ def _problem_unsupported(a, b, out_dtype, bias) -> str | None:
     return None
 
 
-def config_for(a, b, out_dtype, bias, pair_ok: bool = True) -> GemmConfig:
-    """The kernel configuration these (supported) arguments run. Grouped calls pass ``pair_ok=False``:
-    their rows per launch are known only after a host read (contiguous layout), so the
-    configuration their self-check proves must not depend on them."""
+def config_for(a, b, out_dtype, bias, grouped: bool = False) -> GemmConfig:
+    """The kernel configuration these (supported) arguments run. Grouped calls (the masked launch)
+    run on one CTA with per-batch row counts: their rows per launch are known only after a host
+    read (contiguous layout), so the configuration their self-check proves must not depend on them."""
     wide = b.shape[-2] >= 256
     # a CTA pair (256-row MMA, B read once per 256 rows) where both dims fill its 256x256 tile
-    pair = pair_ok and wide and a.shape[-2] >= 2 * TILE_M
+    pair = not grouped and wide and a.shape[-2] >= 2 * TILE_M
     return GemmConfig(PAIR_FORMATS[pair_of(a, b)], tile_n=256 if wide else 128,
                       out_dtype=str(out_dtype).removeprefix("torch."), has_bias=bias is not None,
-                      cta_group=2 if pair else 1)
+                      cta_group=2 if pair else 1, masked=grouped)
 
 
 def check_config(a, b, out_dtype, bias) -> tuple[tuple[str, str], GemmConfig]:
@@ -162,16 +168,19 @@ def grouped_check_config(a, b, out_dtype, group_ends, masked_counts) -> tuple[st
     """The self-check configuration of a grouped call (no bias): its layout (the contiguous one
     also proves the copies into and out of the masked buffer), the operand pair, the kernel's."""
     return ("masked" if group_ends is None else "contiguous", pair_of(a, b),
-            config_for(a, b, out_dtype, None, pair_ok=False))
+            config_for(a, b, out_dtype, None, grouped=True))
 
 
 def grouped_check_configs() -> tuple[tuple[str, tuple[str, str], GemmConfig], ...]:
     """Every grouped self-check configuration (``LOWPREC_SELF_CHECK=always``)."""
-    return tuple((layout, *check) for layout in GROUPED_LAYOUTS for check in check_configs()
-                 if check[1].cta_group == 1 and not check[1].has_bias)  # grouped calls: one CTA, no bias
+    return tuple((layout, pair, cfg) for layout in GROUPED_LAYOUTS for pair, cfg in _pairs_of(shipped_configs())
+                 if cfg.masked and not cfg.has_bias)  # grouped calls: the masked kernel, no bias
 
 
 def check_configs() -> tuple[tuple[tuple[str, str], GemmConfig], ...]:
-    """Every shipped kernel configuration with every operand pair of its format."""
-    return tuple((pair, cfg) for cfg in shipped_configs() for pair, fmt in PAIR_FORMATS.items()
-                 if fmt == cfg.element_format)
+    """Every shipped dense kernel configuration with every operand pair of its format."""
+    return tuple((pair, cfg) for pair, cfg in _pairs_of(shipped_configs()) if not cfg.masked)
+
+
+def _pairs_of(configs) -> tuple[tuple[tuple[str, str], GemmConfig], ...]:
+    return tuple((pair, cfg) for cfg in configs for pair, fmt in PAIR_FORMATS.items() if fmt == cfg.element_format)

@@ -39,10 +39,10 @@ def build_kernel(config, arch: str = ARCH):
     a, b = fake_ptr(kernel.ab_dtype, 16), fake_ptr(kernel.ab_dtype, 16)
     sfa, sfb = fake_ptr(kernel.sf_dtype, 16), fake_ptr(kernel.sf_dtype, 16)
     d = fake_ptr(kernel.d_dtype, 32)
-    alpha, bias = fake_ptr(cutlass.Float32, 4), fake_ptr(cutlass.Float32, 16)
+    alpha, bias, counts = fake_ptr(cutlass.Float32, 4), fake_ptr(cutlass.Float32, 16), fake_ptr(cutlass.Int32, 4)
     sizes = [cutlass.Int32(0)] * 4  # m, n, k, l: dynamic
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=False)
-    return compile_for_arch(kernel, a, b, sfa, sfb, d, alpha, bias, *sizes, stream, arch=arch, tvm_ffi=False)
+    return compile_for_arch(kernel, a, b, sfa, sfb, d, alpha, bias, counts, *sizes, stream, arch=arch, tvm_ffi=False)
 
 
 @functools.cache
@@ -87,7 +87,7 @@ def grouped_gemm_quantized(a, b, out_dtype, group_ends, masked_counts):
     output rows copied back."""
     if group_ends is not None:
         return _contiguous_as_masked(a, b, out_dtype, group_ends)
-    d = _launch(a, b, out_dtype, None, config_for(a, b, out_dtype, None, pair_ok=False))
+    d = _launch(a, b, out_dtype, None, config_for(a, b, out_dtype, None, grouped=True), masked_counts)
     rows = torch.arange(d.shape[1], device=d.device)
     return d.masked_fill_((rows[None, :] >= masked_counts.to(d.device)[:, None])[..., None], 0)
 
@@ -109,7 +109,7 @@ def _contiguous_as_masked(a, b, out_dtype, group_ends):
     return y.index_copy_(0, rows[valid], d[valid])
 
 
-def _launch(a, b, out_dtype, bias, config: GemmConfig) -> torch.Tensor:
+def _launch(a, b, out_dtype, bias, config: GemmConfig, counts: torch.Tensor | None = None) -> torch.Tensor:
     import cuda.bindings.driver as cuda
     import cutlass
     import cutlass.cute as cute
@@ -125,6 +125,7 @@ def _launch(a, b, out_dtype, bias, config: GemmConfig) -> torch.Tensor:
     d = torch.empty(*a.shape[:-1], n, dtype=out_dtype, device=device)
     alpha = (a.global_scale * b.global_scale).float().reshape(1) if a.global_scale is not None else _one(device)
     bias32 = bias.float().contiguous() if bias is not None else alpha  # read only with has_bias
+    counts32 = counts.to(device=device, dtype=torch.int32).contiguous() if config.masked else alpha  # read if masked
     ab_dtype, sf_dtype = _DTYPES[config.element_format]
 
     def ptr(t, dtype, align):
@@ -134,7 +135,8 @@ def _launch(a, b, out_dtype, bias, config: GemmConfig) -> torch.Tensor:
         stream = cuda.CUstream(torch.cuda.current_stream(d.device).cuda_stream)
         compile_kernel(config)(ptr(a_codes, ab_dtype, 16), ptr(b_codes, ab_dtype, 16), ptr(sfa, sf_dtype, 16),
                                ptr(sfb, sf_dtype, 16), ptr(d, _OUT[config.out_dtype], 32),
-                               ptr(alpha, cutlass.Float32, 4), ptr(bias32, cutlass.Float32, 16), cutlass.Int32(m),
+                               ptr(alpha, cutlass.Float32, 4), ptr(bias32, cutlass.Float32, 16),
+                               ptr(counts32, cutlass.Int32, 4), cutlass.Int32(m),
                                cutlass.Int32(n), cutlass.Int32(k), cutlass.Int32(batch), stream)
     return d
 
