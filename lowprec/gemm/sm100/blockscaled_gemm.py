@@ -51,6 +51,10 @@ _OUT = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16, "float32": cut
 _THREADS = 128  # 4 warps: one per 32-lane quarter of TMEM
 _EPI_N = 16  # accumulator columns per epilogue slice: 16 fp32 registers, one 32-byte bf16 store
 _TMEM_ALLOC_BARRIER_ID = 1  # 0 is sync_threads
+_EPILOGUE_BARRIER_ID = 2
+# the pair kernel: 4 epilogue warps (TMEM lane quarters), then the MMA warp and the TMA warp
+_PAIR_MMA_WARP, _PAIR_TMA_WARP = 4, 5
+_PAIR_THREADS = 6 * 32
 
 
 def _tmem_columns(tile_n: int) -> int:
@@ -93,6 +97,7 @@ class BlockScaledGemmSm100:
         n: cutlass.Int32,
         k: cutlass.Int32,
         batch: cutlass.Int32,
+        max_clusters: cutlass.Int32,  # the pair kernel's persistent grid: clusters of 2 CTAs in flight
         stream,
     ):
         k_al = cute.assume(k, divby=self.config.tile_k)
@@ -108,7 +113,7 @@ class BlockScaledGemmSm100:
         mSFB = cute.make_tensor(sfb_ptr, blockscaled_utils.tile_atom_to_shape_SF(mB.shape, self.sf_vec_size))
 
         if cutlass.const_expr(self.pair):
-            self._launch_pair(mA, mB, mSFA, mSFB, mD, mAlpha, mBias, m, n, batch, stream)
+            self._launch_pair(mA, mB, mSFA, mSFB, mD, mAlpha, mBias, m, n, batch, max_clusters, stream)
             return
         tiled_mma = sm100_utils.make_blockscaled_trivial_tiled_mma(
             self.ab_dtype, self.ab_dtype, OperandMajorMode.K, OperandMajorMode.K, self.sf_dtype, self.sf_vec_size,
@@ -286,8 +291,9 @@ class BlockScaledGemmSm100:
 
     # ------------------------------------------------------------------ 2-CTA (cta_group::2)
     @cute.jit
-    def _launch_pair(self, mA, mB, mSFA, mSFB, mD, mAlpha, mBias, m, n, batch, stream):
-        """Host side of the pair kernel: a 256-row MMA over a cluster of 2 CTAs along M."""
+    def _launch_pair(self, mA, mB, mSFA, mSFB, mD, mAlpha, mBias, m, n, batch, max_clusters, stream):
+        """Host side of the pair kernel: 256-row MMAs over clusters of 2 CTAs along M, persistent (at
+        most ``max_clusters`` clusters walk the output tiles)."""
         tiled_mma = sm100_utils.make_blockscaled_trivial_tiled_mma(
             self.ab_dtype, self.ab_dtype, OperandMajorMode.K, OperandMajorMode.K, self.sf_dtype, self.sf_vec_size,
             tcgen05.CtaGroup.TWO, self.mma_tiler[:2],
@@ -328,11 +334,12 @@ class BlockScaledGemmSm100:
             + cute.size_in_bytes(self.sf_dtype, one_stage(sSFA_staged))
             + cute.size_in_bytes(self.sf_dtype, one_stage(sSFB_staged))
         )
-        grid = (cute.ceil_div(m, self.mma_tiler[0]) * 2, cute.ceil_div(n, self.config.tile_n), batch)
+        tiles = cute.ceil_div(m, self.mma_tiler[0]) * cute.ceil_div(n, self.config.tile_n) * batch
+        grid = (cutlass.min(tiles, max_clusters) * 2, 1, 1)
         self.kernel_pair(
             tiled_mma, tiled_mma_sfb, *tma_a, *tma_b, *tma_sfa, *tma_sfb, mD, mAlpha, mBias, cluster_vmnk,
             cluster_sfb_vmnk, sA_staged, sB_staged, sSFA_staged, sSFB_staged, tx_bytes,
-        ).launch(grid=grid, block=[_THREADS, 1, 1], cluster=(*cluster_mn, 1), stream=stream)
+        ).launch(grid=grid, block=[_PAIR_THREADS, 1, 1], cluster=(*cluster_mn, 1), stream=stream)
 
     @cute.kernel
     def kernel_pair(
@@ -358,19 +365,20 @@ class BlockScaledGemmSm100:
         sSFB_staged: cute.Layout,
         tx_bytes: cutlass.Constexpr,
     ):
-        """Warp 0 of each CTA loads its halves of the stage (the 2-SM TMA signals the leader's full
-        barrier); warp 1 of the leader CTA (v = 0) moves the scale factors to TMEM and issues the
-        256-row MMAs, whose commits free both CTAs' stages; all 4 warps of each CTA then store its
-        128 rows from its own TMEM."""
+        """Persistent and warp-specialized: cluster c of the grid takes output tiles c, c + clusters,
+        ... (M fastest). Per CTA: warps 0-3 store its 128 rows of each tile from its TMEM, warp
+        _PAIR_MMA_WARP of the leader (v = 0) moves the scale factors to TMEM and issues the 256-row
+        MMAs (their commits free both CTAs' stages), warp _PAIR_TMA_WARP loads the CTA's halves of
+        every stage (the 2-SM TMA completes on the leader's barrier). One accumulator buffer: a
+        tile's MMAs wait for the previous tile's stores, its loads run ahead."""
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
-        bidx, tile_n, tile_l = cute.arch.block_idx()
+        bidx, _, _ = cute.arch.block_idx()
         v = bidx % 2
         is_leader = v == 0
         rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
         coord_vmnk = cluster_vmnk.get_flat_coord(rank)
         coord_sfb_vmnk = cluster_sfb_vmnk.get_flat_coord(rank)
-        tile_m = bidx // 2
 
         @cute.struct
         class SharedStorage:
@@ -391,79 +399,80 @@ class BlockScaledGemmSm100:
             num_stages=self.num_stages, producer_group=one, consumer_group=one, tx_count=tx_bytes,
             barrier_storage=storage.ab_mbar.data_ptr(), cta_layout_vmnk=cluster_vmnk, defer_sync=True,
         )
-        # both CTAs' epilogue threads consume the accumulator
+        # both CTAs' epilogue warps consume the accumulator
         acc_pipe = pipeline.PipelineUmmaAsync.create(
             num_stages=1, producer_group=one,
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 2 * _THREADS),
             barrier_storage=storage.acc_mbar.data_ptr(), cta_layout_vmnk=cluster_vmnk, defer_sync=True,
         )
+        # the epilogue warps allocate; the MMA warp retrieves the address too
         tmem = TmemAllocator(
             storage.tmem_base.ptr,
-            barrier_for_retrieve=pipeline.NamedBarrier(barrier_id=_TMEM_ALLOC_BARRIER_ID, num_threads=_THREADS),
+            barrier_for_retrieve=pipeline.NamedBarrier(barrier_id=_TMEM_ALLOC_BARRIER_ID,
+                                                       num_threads=_THREADS + 32),
             is_two_cta=True, two_cta_tmem_dealloc_mbar_ptr=storage.tmem_dealloc_mbar.ptr,
         )
         pipeline_init_arrive(cluster_shape_mn=(2, 1), is_relaxed=True)
 
+        # (bM|bN, bK, RestM|RestN, RestK, RestL) views; a tile's slices are taken in the loops
         tiler_mk = cute.slice_(self.mma_tiler, (None, 0, None))
         tiler_nk = cute.slice_(self.mma_tiler, (0, None, None))
         tiler_sfb_nk = cute.slice_(self.mma_tiler_sfb, (0, None, None))
-        gA = cute.local_tile(mA, tiler_mk, (tile_m, None, tile_l))
-        gB = cute.local_tile(mB, tiler_nk, (tile_n, None, tile_l))
-        gSFA = cute.local_tile(mSFA, tiler_mk, (tile_m, None, tile_l))
-        gSFB = cute.local_tile(mSFB, tiler_sfb_nk, (tile_n, None, tile_l))
-        tiler_mn = cute.slice_(self.mma_tiler, (None, None, 0))
+        gA = cute.local_tile(mA, tiler_mk, (None, None, None))
+        gB = cute.local_tile(mB, tiler_nk, (None, None, None))
+        gSFA = cute.local_tile(mSFA, tiler_mk, (None, None, None))
+        gSFB = cute.local_tile(mSFB, tiler_sfb_nk, (None, None, None))
         thr_mma = tiled_mma.get_slice(v)
         thr_mma_sfb = tiled_mma_sfb.get_slice(v)
-        # this CTA's 128 rows of the pair's 256-row output tile
-        gD = thr_mma.partition_C(cute.local_tile(mD, tiler_mn, (tile_m, tile_n, tile_l)))[((None, None), 0, 0)]
-        gBias = thr_mma.partition_C(cute.local_tile(mBias, tiler_mn, (tile_m, tile_n, tile_l)))[((None, None), 0, 0)]
-        cD = thr_mma.partition_C(cute.local_tile(cute.make_identity_tensor(mD.shape), tiler_mn,
-                                                 (tile_m, tile_n, tile_l)))[((None, None), 0, 0)]
-        k_tiles = cute.size(gA, mode=[2])
-
-        a_layout = cute.make_layout(cute.slice_(cluster_vmnk, (0, 0, None, 0)).shape)
-        b_layout = cute.make_layout(cute.slice_(cluster_vmnk, (0, None, 0, 0)).shape)
-        sfb_layout = cute.make_layout(cute.slice_(cluster_sfb_vmnk, (0, None, 0, 0)).shape)
-        tAsA, tAgA = self._tma_partition(tma_atom_a, sA, thr_mma.partition_A(gA), coord_vmnk[2], a_layout)
-        tBsB, tBgB = self._tma_partition(tma_atom_b, sB, thr_mma.partition_B(gB), coord_vmnk[1], b_layout)
-        tAsSFA, tAgSFA = self._tma_partition(tma_atom_sfa, sSFA, thr_mma.partition_A(gSFA), coord_vmnk[2], a_layout)
-        tBsSFB, tBgSFB = self._tma_partition(tma_atom_sfb, sSFB, thr_mma_sfb.partition_B(gSFB), coord_sfb_vmnk[1],
-                                             sfb_layout)
-        tAsSFA, tAgSFA = cute.filter_zeros(tAsSFA), cute.filter_zeros(tAgSFA)
-        tBsSFB, tBgSFB = cute.filter_zeros(tBsSFB), cute.filter_zeros(tBgSFB)
-        # the 2-SM loads signal the leader's barrier: the masks name the CTAs whose barrier counts them
-        mask_a = cpasync.create_tma_multicast_mask(cluster_vmnk, coord_vmnk, mcast_mode=2)
-        mask_b = cpasync.create_tma_multicast_mask(cluster_vmnk, coord_vmnk, mcast_mode=1)
-        mask_sfb = cpasync.create_tma_multicast_mask(cluster_sfb_vmnk, coord_sfb_vmnk, mcast_mode=1)
+        k_tiles = cute.size(gA, mode=[3])
+        tiles_m, tiles_n = cute.size(gA, mode=[2]), cute.ceil_div(mD.shape[1], self.config.tile_n)
+        tiles = tiles_m * tiles_n * cute.size(gA, mode=[4])
+        clusters = cute.arch.grid_dim()[0] // 2
+        first = bidx // 2
 
         tCrA = tiled_mma.make_fragment_A(sA)
         tCrB = tiled_mma.make_fragment_B(sB)
         acc_layout = tiled_mma.make_fragment_C(tiled_mma.partition_shape_C(self.mma_tiler[:2])).layout
         pipeline_init_wait(cluster_shape_mn=(2, 1))
 
-        tmem.allocate(self.num_tmem_cols)
-        tmem.wait_for_alloc()
-        acc_ptr = tmem.retrieve_ptr(cutlass.Float32)
-        tCtAcc = cute.make_tensor(acc_ptr, acc_layout)
-
-        if warp_idx == 0:  # both CTAs: their halves of every stage
+        if warp_idx == _PAIR_TMA_WARP:  # both CTAs: their halves of every stage
+            a_layout = cute.make_layout(cute.slice_(cluster_vmnk, (0, 0, None, 0)).shape)
+            b_layout = cute.make_layout(cute.slice_(cluster_vmnk, (0, None, 0, 0)).shape)
+            sfb_layout = cute.make_layout(cute.slice_(cluster_sfb_vmnk, (0, None, 0, 0)).shape)
+            tAsA, tAgA = self._tma_partition(tma_atom_a, sA, thr_mma.partition_A(gA), coord_vmnk[2], a_layout)
+            tBsB, tBgB = self._tma_partition(tma_atom_b, sB, thr_mma.partition_B(gB), coord_vmnk[1], b_layout)
+            tAsSFA, tAgSFA = self._tma_partition(tma_atom_sfa, sSFA, thr_mma.partition_A(gSFA), coord_vmnk[2],
+                                                 a_layout)
+            tBsSFB, tBgSFB = self._tma_partition(tma_atom_sfb, sSFB, thr_mma_sfb.partition_B(gSFB),
+                                                 coord_sfb_vmnk[1], sfb_layout)
+            tAsSFA, tAgSFA = cute.filter_zeros(tAsSFA), cute.filter_zeros(tAgSFA)
+            tBsSFB, tBgSFB = cute.filter_zeros(tBsSFB), cute.filter_zeros(tBgSFB)
+            # the 2-SM loads complete on the leader's barrier: the masks name the CTAs it counts
+            mask_a = cpasync.create_tma_multicast_mask(cluster_vmnk, coord_vmnk, mcast_mode=2)
+            mask_b = cpasync.create_tma_multicast_mask(cluster_vmnk, coord_vmnk, mcast_mode=1)
+            mask_sfb = cpasync.create_tma_multicast_mask(cluster_sfb_vmnk, coord_sfb_vmnk, mcast_mode=1)
             state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
-            for k_tile in cutlass.range(k_tiles, unroll=1):
-                ab_pipe.producer_acquire(state)
-                bar = ab_pipe.producer_get_barrier(state)
-                cute.copy(tma_atom_a, tAgA[(None, k_tile)], tAsA[(None, state.index)], tma_bar_ptr=bar,
-                          mcast_mask=mask_a)
-                cute.copy(tma_atom_b, tBgB[(None, k_tile)], tBsB[(None, state.index)], tma_bar_ptr=bar,
-                          mcast_mask=mask_b)
-                cute.copy(tma_atom_sfa, tAgSFA[(None, k_tile)], tAsSFA[(None, state.index)], tma_bar_ptr=bar,
-                          mcast_mask=mask_a)
-                cute.copy(tma_atom_sfb, tBgSFB[(None, k_tile)], tBsSFB[(None, state.index)], tma_bar_ptr=bar,
-                          mcast_mask=mask_sfb)
-                state.advance()
+            for t in cutlass.range(first, tiles, clusters, unroll=1):
+                tm, tn, tl = self._tile_coord(t, tiles_m, tiles_n)
+                for k_tile in cutlass.range(k_tiles, unroll=1):
+                    ab_pipe.producer_acquire(state)
+                    bar = ab_pipe.producer_get_barrier(state)
+                    cute.copy(tma_atom_a, tAgA[(None, tm, k_tile, tl)], tAsA[(None, state.index)], tma_bar_ptr=bar,
+                              mcast_mask=mask_a)
+                    cute.copy(tma_atom_b, tBgB[(None, tn, k_tile, tl)], tBsB[(None, state.index)], tma_bar_ptr=bar,
+                              mcast_mask=mask_b)
+                    cute.copy(tma_atom_sfa, tAgSFA[(None, tm, k_tile, tl)], tAsSFA[(None, state.index)],
+                              tma_bar_ptr=bar, mcast_mask=mask_a)
+                    cute.copy(tma_atom_sfb, tBgSFB[(None, tn, k_tile, tl)], tBsSFB[(None, state.index)],
+                              tma_bar_ptr=bar, mcast_mask=mask_sfb)
+                    state.advance()
             # the leader's MMAs still read this CTA's stages: wait until they are all released
             ab_pipe.producer_tail(state)
-        if warp_idx == 1:
+        if warp_idx == _PAIR_MMA_WARP:
+            tmem.wait_for_alloc()
+            acc_ptr = tmem.retrieve_ptr(cutlass.Float32)
             if is_leader:
+                tCtAcc = cute.make_tensor(acc_ptr, acc_layout)
                 sfa_col = tcgen05.find_tmem_tensor_col_offset(tCtAcc)
                 tCtSFA = cute.make_tensor(
                     cute.recast_ptr(acc_ptr + sfa_col, dtype=self.sf_dtype),
@@ -479,35 +488,54 @@ class BlockScaledGemmSm100:
                 s2t_sfa, tCsSFA_s2t, tCtSFA_s2t = self._s2t_partition(sSFA, tCtSFA)
                 s2t_sfb, tCsSFB_s2t, tCtSFB_s2t = self._s2t_partition(sSFB, tCtSFB)
                 acc_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
-                acc_pipe.producer_acquire(acc_state)
                 read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
-                tiled_mma.set(tcgen05.Field.ACCUMULATE, False)
-                for _ in cutlass.range(k_tiles, unroll=1):
-                    ab_pipe.consumer_wait(read)
-                    cute.copy(s2t_sfa, tCsSFA_s2t[(None, None, None, None, read.index)], tCtSFA_s2t)
-                    cute.copy(s2t_sfb, tCsSFB_s2t[(None, None, None, None, read.index)], tCtSFB_s2t)
-                    for kb in cutlass.range(cute.size(tCrA, mode=[2]), unroll_full=True):
-                        tiled_mma.set(tcgen05.Field.SFA, tCtSFA[(None, None, kb)].iterator)
-                        tiled_mma.set(tcgen05.Field.SFB, tCtSFB[(None, None, kb)].iterator)
-                        cute.gemm(tiled_mma, tCtAcc, tCrA[(None, None, kb, read.index)],
-                                  tCrB[(None, None, kb, read.index)], tCtAcc)
-                        tiled_mma.set(tcgen05.Field.ACCUMULATE, True)
-                    ab_pipe.consumer_release(read)  # commit to both CTAs' empty barriers
-                    read.advance()
-                acc_pipe.producer_commit(acc_state)  # commit to both CTAs' accumulator barriers
-
-        acc_consumer = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
-        self._epilogue_pair(tidx, tCtAcc, gD, cD, mD.shape, mAlpha[0], gBias, acc_pipe, acc_consumer, tmem)
-        cute.arch.barrier()  # every warp's TMEM loads are done before the free
-        tmem.free(acc_ptr)
+                for _ in cutlass.range(first, tiles, clusters, unroll=1):
+                    acc_pipe.producer_acquire(acc_state)  # the previous tile's rows are stored
+                    tiled_mma.set(tcgen05.Field.ACCUMULATE, False)
+                    for _ in cutlass.range(k_tiles, unroll=1):
+                        ab_pipe.consumer_wait(read)
+                        cute.copy(s2t_sfa, tCsSFA_s2t[(None, None, None, None, read.index)], tCtSFA_s2t)
+                        cute.copy(s2t_sfb, tCsSFB_s2t[(None, None, None, None, read.index)], tCtSFB_s2t)
+                        for kb in cutlass.range(cute.size(tCrA, mode=[2]), unroll_full=True):
+                            tiled_mma.set(tcgen05.Field.SFA, tCtSFA[(None, None, kb)].iterator)
+                            tiled_mma.set(tcgen05.Field.SFB, tCtSFB[(None, None, kb)].iterator)
+                            cute.gemm(tiled_mma, tCtAcc, tCrA[(None, None, kb, read.index)],
+                                      tCrB[(None, None, kb, read.index)], tCtAcc)
+                            tiled_mma.set(tcgen05.Field.ACCUMULATE, True)
+                        ab_pipe.consumer_release(read)  # commit to both CTAs' empty barriers
+                        read.advance()
+                    acc_pipe.producer_commit(acc_state)  # commit to both CTAs' accumulator barriers
+                    acc_state.advance()
+                acc_pipe.producer_tail(acc_state)
+        if warp_idx < _PAIR_MMA_WARP:  # the epilogue warps: TMEM lane quarters 0-3
+            tmem.allocate(self.num_tmem_cols)
+            tmem.wait_for_alloc()
+            acc_ptr = tmem.retrieve_ptr(cutlass.Float32)
+            tCtAcc = cute.make_tensor(acc_ptr, acc_layout)
+            tiler_mn = cute.slice_(self.mma_tiler, (None, None, 0))
+            alpha = mAlpha[0]
+            acc_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+            for t in cutlass.range(first, tiles, clusters, unroll=1):
+                tm, tn, tl = self._tile_coord(t, tiles_m, tiles_n)
+                # this CTA's 128 rows of the pair's 256-row output tile
+                gD = thr_mma.partition_C(cute.local_tile(mD, tiler_mn, (tm, tn, tl)))[((None, None), 0, 0)]
+                gBias = thr_mma.partition_C(cute.local_tile(mBias, tiler_mn, (tm, tn, tl)))[((None, None), 0, 0)]
+                cD = thr_mma.partition_C(cute.local_tile(cute.make_identity_tensor(mD.shape), tiler_mn,
+                                                         (tm, tn, tl)))[((None, None), 0, 0)]
+                acc_pipe.consumer_wait(acc_state)
+                self._store_tile(tidx, tCtAcc, gD, cD, mD.shape, alpha, gBias)
+                cute.arch.fence_view_async_tmem_load()  # the loads are done before the MMAs may overwrite
+                acc_pipe.consumer_release(acc_state)
+                acc_state.advance()
+            tmem.relinquish_alloc_permit()
+            pipeline.NamedBarrier(barrier_id=_EPILOGUE_BARRIER_ID, num_threads=_THREADS).arrive_and_wait()
+            tmem.free(acc_ptr)
 
     @cute.jit
-    def _epilogue_pair(self, tidx, tCtAcc, gD, cD, d_shape, alpha, gBias, acc_pipe, acc_state, tmem):
-        """:meth:`_epilogue` with the accumulator pipeline's state API (the pair's barriers)."""
-        tmem.relinquish_alloc_permit()
-        acc_pipe.consumer_wait(acc_state)
-        self._store_tile(tidx, tCtAcc, gD, cD, d_shape, alpha, gBias)
-        acc_pipe.consumer_release(acc_state)
+    def _tile_coord(self, t, tiles_m, tiles_n):
+        """(m, n, l) of linear output tile ``t``, M fastest: clusters in flight share B's columns."""
+        rest = t // tiles_m
+        return t % tiles_m, rest % tiles_n, rest // tiles_n
 
     @cute.jit
     def _tma_partition(self, atom: cute.CopyAtom, sX: cute.Tensor, tCgX: cute.Tensor, cta_coord=0, cta_layout=None):
