@@ -39,6 +39,8 @@ def test_compile_shipped_config(config):
         for op in (rf"{_MMA_SASS[config.element_format]}\.2CTA", r"UTCCP\.T\.S\.2CTA", r"UTCBAR\.2CTA\.MULTICAST",
                    r"UTMALDG\.\dD\.2CTA", r"UTCATOMSWS\.2CTA"):
             assert re.search(op, sass), f"no {op} in the SASS of a CTA pair"
+        # B multicast: across the cluster's two pairs (else only SFB, the 4-D load, is multicast)
+        assert bool(re.search(r"UTMALDG\.3D\.MULTICAST\.2CTA", sass)) == (config.cluster_pairs == 2)
     else:
         assert ".2CTA" not in sass
     spills = local_memory_ops(sass)

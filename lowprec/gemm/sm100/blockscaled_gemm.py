@@ -79,6 +79,8 @@ class BlockScaledGemmSm100:
         self.num_stages = config.stages
         self.num_tmem_cols = _tmem_columns(config.tile_n)
         self.pair = config.cta_group == 2
+        self.pairs = config.cluster_pairs  # pairs per cluster along M (they share B's loads)
+        self.cluster_mn = (2 * self.pairs, 1)
         # the pair's SFB: a 1-CTA MMA view of the CTA's rows and N rounded up to the 128-row SF atom
         self.mma_tiler_sfb = (TILE_M, -(-config.tile_n // 128) * 128, config.tile_k)
 
@@ -302,7 +304,7 @@ class BlockScaledGemmSm100:
             self.ab_dtype, self.ab_dtype, OperandMajorMode.K, OperandMajorMode.K, self.sf_dtype, self.sf_vec_size,
             tcgen05.CtaGroup.ONE, self.mma_tiler_sfb[:2],
         )
-        cluster_mn = (2, 1)
+        cluster_mn = self.cluster_mn
         cluster_vmnk = cute.tiled_divide(cute.make_layout((*cluster_mn, 1)), (tiled_mma.thr_id.shape,))
         cluster_sfb_vmnk = cute.tiled_divide(cute.make_layout((*cluster_mn, 1)), (tiled_mma_sfb.thr_id.shape,))
         stages = self.num_stages
@@ -334,8 +336,8 @@ class BlockScaledGemmSm100:
             + cute.size_in_bytes(self.sf_dtype, one_stage(sSFA_staged))
             + cute.size_in_bytes(self.sf_dtype, one_stage(sSFB_staged))
         )
-        tiles = cute.ceil_div(m, self.mma_tiler[0]) * cute.ceil_div(n, self.config.tile_n) * batch
-        grid = (cutlass.min(tiles, max_clusters) * 2, 1, 1)
+        tiles = cute.ceil_div(m, self.mma_tiler[0] * self.pairs) * cute.ceil_div(n, self.config.tile_n) * batch
+        grid = (cutlass.min(tiles, max_clusters // self.pairs) * 2 * self.pairs, 1, 1)
         self.kernel_pair(
             tiled_mma, tiled_mma_sfb, *tma_a, *tma_b, *tma_sfa, *tma_sfb, mD, mAlpha, mBias, cluster_vmnk,
             cluster_sfb_vmnk, sA_staged, sB_staged, sSFA_staged, sSFB_staged, tx_bytes,
@@ -395,8 +397,10 @@ class BlockScaledGemmSm100:
         sSFB = smem.allocate_tensor(self.sf_dtype, sSFB_staged, byte_alignment=128)
 
         one = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
+        # a stage is free once every pair whose MMAs read it (B multicast: all of them) committed
         ab_pipe = pipeline.PipelineTmaUmma.create(
-            num_stages=self.num_stages, producer_group=one, consumer_group=one, tx_count=tx_bytes,
+            num_stages=self.num_stages, producer_group=one,
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.pairs), tx_count=tx_bytes,
             barrier_storage=storage.ab_mbar.data_ptr(), cta_layout_vmnk=cluster_vmnk, defer_sync=True,
         )
         # both CTAs' epilogue warps consume the accumulator
@@ -412,7 +416,7 @@ class BlockScaledGemmSm100:
                                                        num_threads=_THREADS + 32),
             is_two_cta=True, two_cta_tmem_dealloc_mbar_ptr=storage.tmem_dealloc_mbar.ptr,
         )
-        pipeline_init_arrive(cluster_shape_mn=(2, 1), is_relaxed=True)
+        pipeline_init_arrive(cluster_shape_mn=self.cluster_mn, is_relaxed=True)
 
         # (bM|bN, bK, RestM|RestN, RestK, RestL) views; a tile's slices are taken in the loops
         tiler_mk = cute.slice_(self.mma_tiler, (None, 0, None))
@@ -425,15 +429,18 @@ class BlockScaledGemmSm100:
         thr_mma = tiled_mma.get_slice(v)
         thr_mma_sfb = tiled_mma_sfb.get_slice(v)
         k_tiles = cute.size(gA, mode=[3])
-        tiles_m, tiles_n = cute.size(gA, mode=[2]), cute.ceil_div(mD.shape[1], self.config.tile_n)
+        # cluster tiles: ``pairs`` M tiles of one N column; this pair takes M tile ``tm * pairs + p``
+        tiles_m = cute.ceil_div(cute.size(gA, mode=[2]), self.pairs)
+        tiles_n = cute.ceil_div(mD.shape[1], self.config.tile_n)
         tiles = tiles_m * tiles_n * cute.size(gA, mode=[4])
-        clusters = cute.arch.grid_dim()[0] // 2
-        first = bidx // 2
+        clusters = cute.arch.grid_dim()[0] // (2 * self.pairs)
+        first = bidx // (2 * self.pairs)
+        p = (bidx // 2) % self.pairs
 
         tCrA = tiled_mma.make_fragment_A(sA)
         tCrB = tiled_mma.make_fragment_B(sB)
         acc_layout = tiled_mma.make_fragment_C(tiled_mma.partition_shape_C(self.mma_tiler[:2])).layout
-        pipeline_init_wait(cluster_shape_mn=(2, 1))
+        pipeline_init_wait(cluster_shape_mn=self.cluster_mn)
 
         if warp_idx == _PAIR_TMA_WARP:  # both CTAs: their halves of every stage
             a_layout = cute.make_layout(cute.slice_(cluster_vmnk, (0, 0, None, 0)).shape)
@@ -454,6 +461,7 @@ class BlockScaledGemmSm100:
             state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
             for t in cutlass.range(first, tiles, clusters, unroll=1):
                 tm, tn, tl = self._tile_coord(t, tiles_m, tiles_n)
+                tm = tm * self.pairs + p
                 for k_tile in cutlass.range(k_tiles, unroll=1):
                     ab_pipe.producer_acquire(state)
                     bar = ab_pipe.producer_get_barrier(state)
@@ -517,6 +525,7 @@ class BlockScaledGemmSm100:
             acc_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
             for t in cutlass.range(first, tiles, clusters, unroll=1):
                 tm, tn, tl = self._tile_coord(t, tiles_m, tiles_n)
+                tm = tm * self.pairs + p
                 # this CTA's 128 rows of the pair's 256-row output tile
                 gD = thr_mma.partition_C(cute.local_tile(mD, tiler_mn, (tm, tn, tl)))[((None, None), 0, 0)]
                 gBias = thr_mma.partition_C(cute.local_tile(mBias, tiler_mn, (tm, tn, tl)))[((None, None), 0, 0)]

@@ -28,6 +28,8 @@ class GemmConfig:
     # 2: a cluster of two CTAs runs one 256-row MMA (``cta_group::2``): each CTA loads its 128 rows of
     # A and half the tile's B, the pair's leader issues the MMAs (B read once per 256 rows)
     cta_group: int = 1
+    # with cta_group=2: pairs per cluster along M; 2: the two pairs' B tiles travel once, multicast
+    cluster_pairs: int = 1
     # grouped masked launches: batch l has counts[l] valid rows; M tiles past them skip their K loop
     # and store nothing (the rows past each count are zeroed after the launch)
     masked: bool = False
@@ -43,6 +45,8 @@ class GemmConfig:
             raise ValueError(f"stages: expected at least 2, got {self.stages}")
         if self.cta_group not in (1, 2):
             raise ValueError(f"cta_group: expected 1 or 2, got {self.cta_group}")
+        if self.cluster_pairs not in (1, 2) or (self.cluster_pairs == 2 and self.cta_group != 2):
+            raise ValueError(f"cluster_pairs: expected 1, or 2 with cta_group=2, got {self.cluster_pairs}")
         if self.masked and self.cta_group == 2:
             raise ValueError("masked: grouped launches run on one CTA (cta_group=1)")
 
@@ -50,6 +54,11 @@ class GemmConfig:
     def tile_m(self) -> int:
         """Rows of one MMA tile (of the CTA pair with ``cta_group=2``)."""
         return TILE_M * self.cta_group
+
+    @property
+    def cluster_rows(self) -> int:
+        """Rows one cluster computes per output tile."""
+        return self.tile_m * self.cluster_pairs
 
     @property
     def sf_vec_size(self) -> int:
@@ -65,7 +74,7 @@ class GemmConfig:
 
     def __str__(self) -> str:
         out = "" if self.out_dtype == "bfloat16" else f"_{self.out_dtype}"
-        pair = "_2cta" if self.cta_group == 2 else ""
+        pair = ("_2cta" if self.cta_group == 2 else "") + ("_x2" if self.cluster_pairs == 2 else "")
         return (f"{self.element_format}_{self.tile_m}x{self.tile_n}{pair}_s{self.stages}{out}"
                 f"{'_bias' if self.has_bias else ''}{'_masked' if self.masked else ''}")
 
@@ -74,7 +83,7 @@ def shipped_configs() -> tuple[GemmConfig, ...]:
     """The configurations the compile tests build: every format and tile at bf16 without bias, and
     each other output dtype and the bias once (the epilogue variants)."""
     plain = tuple(GemmConfig(fmt, tile_n) for fmt in _FORMATS for tile_n in (128, 256))
-    pairs = tuple(GemmConfig(fmt, 256, cta_group=2) for fmt in _FORMATS)
+    pairs = tuple(GemmConfig(fmt, 256, cta_group=2, cluster_pairs=c) for fmt in _FORMATS for c in (1, 2))
     masked = tuple(GemmConfig(fmt, tile_n, masked=True) for fmt in _FORMATS for tile_n in (128, 256))
     return plain + pairs + masked + (GemmConfig("mxf8", 128, out_dtype="float32", has_bias=True),
                             GemmConfig("nvf4", 256, out_dtype="float16", has_bias=True, cta_group=2))
@@ -150,9 +159,11 @@ def config_for(a, b, out_dtype, bias, grouped: bool = False) -> GemmConfig:
     wide = b.shape[-2] >= 256
     # a CTA pair (256-row MMA, B read once per 256 rows) where both dims fill its 256x256 tile
     pair = not grouped and wide and a.shape[-2] >= 2 * TILE_M
+    # two pairs per cluster (B multicast) once M fills both
+    two_pairs = pair and a.shape[-2] >= 4 * TILE_M
     return GemmConfig(PAIR_FORMATS[pair_of(a, b)], tile_n=256 if wide else 128,
                       out_dtype=str(out_dtype).removeprefix("torch."), has_bias=bias is not None,
-                      cta_group=2 if pair else 1, masked=grouped)
+                      cta_group=2 if pair else 1, cluster_pairs=2 if two_pairs else 1, masked=grouped)
 
 
 def check_config(a, b, out_dtype, bias) -> tuple[tuple[str, str], GemmConfig]:

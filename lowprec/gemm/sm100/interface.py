@@ -171,7 +171,8 @@ def probe(check: tuple[tuple[str, str], GemmConfig], device: torch.device) -> tu
     tile, two K tiles."""
     pair, config = check
     g = torch.Generator(device=device).manual_seed(0)
-    m, n, k = 200 + config.tile_m - TILE_M, config.tile_n + 48, 2 * config.tile_k  # a pair: 328 rows
+    # one tile past the configuration's last full cluster tile: a pair 328 rows, two pairs 584
+    m, n, k = 200 + config.cluster_rows - TILE_M, config.tile_n + 48, 2 * config.tile_k
     a, b = _quantize_pair(pair, torch.randn(m, k, device=device, generator=g),
                           torch.randn(n, k, device=device, generator=g))
     bias = torch.randn(n, device=device, generator=g) if config.has_bias else None
