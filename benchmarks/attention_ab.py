@@ -15,6 +15,7 @@ from triton.testing import do_bench
 sys.path.insert(0, ".")
 from lowprec.attention.sm90 import interface  # noqa: E402
 from lowprec.attention.sm90.interface import fp8_attention_forward, permute_v_keys  # noqa: E402
+from lowprec.bench.common import cuda_graph_replay  # noqa: E402
 from tests.attention.test_sm90 import quantize_inputs  # noqa: E402
 
 sys.path.insert(0, "benchmarks")
@@ -24,19 +25,6 @@ SHAPES = SHAPES + SHORT
 # decode (--decode): Sq 1..16 over long KV at batches under a wave, where split-KV applies
 DECODE = [(1, 32, 8, 1, 8192, 128, False), (4, 32, 8, 1, 8192, 128, False), (1, 32, 8, 16, 32768, 128, True),
           (8, 32, 8, 4, 16384, 128, True), (2, 32, 32, 1, 16384, 128, False), (64, 32, 8, 1, 8192, 128, False)]
-
-
-def graphed(fn):
-    """``fn`` captured in a CUDA graph: its replay (GPU time without the host's launches)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
 
 
 def main():
@@ -56,7 +44,7 @@ def main():
             for val in (a, b):
                 setattr(interface, flag, type(getattr(interface, flag))(val))
                 fn()
-                times[val].append(do_bench(graphed(fn) if "--graph" in sys.argv else fn, warmup=50, rep=300,
+                times[val].append(do_bench(cuda_graph_replay(fn) if "--graph" in sys.argv else fn, warmup=50, rep=300,
                                            return_mode="median"))
         ta, tb = (sorted(times[x])[len(times[x]) // 2] for x in (a, b))
         f = 4 * B * H * Sq * Sk * D * (0.5 if causal else 1.0)

@@ -239,21 +239,22 @@ def qkv_unsupported(q, k, v, causal: bool, scale: float) -> str | None:
     """Why ``interface.attention_fp8_qkv_op`` (the pre-pass and forward of float Q, K, V in one
     host pass) cannot take these inputs (None: it can); the caller then composes the steps, each
     on its kernel or reference."""
-    d = q.shape[-1]
-    if q.dtype != k.dtype or q.dtype != v.dtype or str(q.dtype).removeprefix("torch.") not in OUT_DTYPES:
-        return f"dtypes {q.dtype}, {k.dtype}, {v.dtype} (the fused path takes one of {' or '.join(OUT_DTYPES)})"
-    if d not in HEAD_DIMS or v.shape[-1] != d:
-        return f"head dims D={d}, Dv={v.shape[-1]}; the kernel serves D = Dv in {HEAD_DIMS}"
-    return _q_prepass_unsupported(q) or prepass_k_unsupported(k) or prepass_v_unsupported(v)
+    return (_float_qkv_unsupported(q, k, v) or _q_prepass_unsupported(q) or prepass_k_unsupported(k)
+            or prepass_v_unsupported(v))
 
 
 def varlen_unsupported(q, k, v, cu_q, cu_k, max_q: int, max_k: int, causal: bool, scale: float,
                        incoherent: bool) -> str | None:
-    """Why ``interface.attention_fp8_varlen_op`` (packed sequences: the padded-layout pre-pass in torch
-    ops and the varlen kernel) cannot take these inputs (None: it can)."""
+    """Why ``interface.attention_fp8_varlen_op`` (packed sequences: the packed pre-pass and the
+    varlen kernel) cannot take these inputs (None: it can)."""
+    return _float_qkv_unsupported(q, k, v)
+
+
+def _float_qkv_unsupported(q, k, v) -> str | None:
+    """Float Q, K, V the one-pass paths quantize themselves: one kernel dtype, a kernel head dim."""
     d = q.shape[-1]
     if q.dtype != k.dtype or q.dtype != v.dtype or str(q.dtype).removeprefix("torch.") not in OUT_DTYPES:
-        return f"dtypes {q.dtype}, {k.dtype}, {v.dtype} (the varlen kernel takes one of {' or '.join(OUT_DTYPES)})"
+        return f"dtypes {q.dtype}, {k.dtype}, {v.dtype} (the one-pass path takes one of {' or '.join(OUT_DTYPES)})"
     if d not in HEAD_DIMS or v.shape[-1] != d:
         return f"head dims D={d}, Dv={v.shape[-1]}; the kernel serves D = Dv in {HEAD_DIMS}"
     return None

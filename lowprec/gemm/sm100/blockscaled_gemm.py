@@ -57,6 +57,10 @@ _PAIR_MMA_WARP, _PAIR_TMA_WARP = 4, 5
 _PAIR_THREADS = 6 * 32
 
 
+def _one_stage(staged):
+    return cute.slice_(staged, (None, None, None, 0))
+
+
 def _tmem_columns(tile_n: int) -> int:
     """Columns to allocate: fp32 accumulator plus the scale factors' worst case (nvf4: 16 per row
     and K tile, 4 columns per 32 rows of SFA and of SFB, N rounded up to 128), rounded up to the
@@ -117,39 +121,23 @@ class BlockScaledGemmSm100:
         if cutlass.const_expr(self.pair):
             self._launch_pair(mA, mB, mSFA, mSFB, mD, mAlpha, mBias, m, n, batch, max_clusters, stream)
             return
-        tiled_mma = sm100_utils.make_blockscaled_trivial_tiled_mma(
-            self.ab_dtype, self.ab_dtype, OperandMajorMode.K, OperandMajorMode.K, self.sf_dtype, self.sf_vec_size,
-            tcgen05.CtaGroup.ONE, self.mma_tiler[:2],
-        )
+        tiled_mma = self._tiled_mma(tcgen05.CtaGroup.ONE, self.mma_tiler[:2])
         cluster_vmnk = cute.tiled_divide(cute.make_layout((1, 1, 1)), (tiled_mma.thr_id.shape,))
-
-        stages = self.num_stages
-        sA_staged = sm100_utils.make_smem_layout_a(tiled_mma, self.mma_tiler, self.ab_dtype, stages)
-        sB_staged = sm100_utils.make_smem_layout_b(tiled_mma, self.mma_tiler, self.ab_dtype, stages)
-        sSFA_staged = blockscaled_utils.make_smem_layout_sfa(tiled_mma, self.mma_tiler, self.sf_vec_size, stages)
-        sSFB_staged = blockscaled_utils.make_smem_layout_sfb(tiled_mma, self.mma_tiler, self.sf_vec_size, stages)
-
-        def one_stage(staged):
-            return cute.slice_(staged, (None, None, None, 0))
+        sA_staged, sB_staged, sSFA_staged, sSFB_staged = self._staged_layouts(tiled_mma)
 
         load_op = cpasync.CopyBulkTensorTileG2SOp(tcgen05.CtaGroup.ONE)
         tma_a = cute.nvgpu.make_tiled_tma_atom_A(
-            load_op, mA, one_stage(sA_staged), self.mma_tiler, tiled_mma, cluster_vmnk.shape)
+            load_op, mA, _one_stage(sA_staged), self.mma_tiler, tiled_mma, cluster_vmnk.shape)
         tma_b = cute.nvgpu.make_tiled_tma_atom_B(
-            load_op, mB, one_stage(sB_staged), self.mma_tiler, tiled_mma, cluster_vmnk.shape)
+            load_op, mB, _one_stage(sB_staged), self.mma_tiler, tiled_mma, cluster_vmnk.shape)
         # scale factors travel as 16-bit TMA elements (a box row of 1-byte SFs is too narrow)
         tma_sfa = cute.nvgpu.make_tiled_tma_atom_A(
-            load_op, mSFA, one_stage(sSFA_staged), self.mma_tiler, tiled_mma, cluster_vmnk.shape,
+            load_op, mSFA, _one_stage(sSFA_staged), self.mma_tiler, tiled_mma, cluster_vmnk.shape,
             internal_type=cutlass.Int16)
         tma_sfb = cute.nvgpu.make_tiled_tma_atom_B(
-            load_op, mSFB, one_stage(sSFB_staged), self.mma_tiler, tiled_mma, cluster_vmnk.shape,
+            load_op, mSFB, _one_stage(sSFB_staged), self.mma_tiler, tiled_mma, cluster_vmnk.shape,
             internal_type=cutlass.Int16)
-        tx_bytes = (
-            cute.size_in_bytes(self.ab_dtype, one_stage(sA_staged))
-            + cute.size_in_bytes(self.ab_dtype, one_stage(sB_staged))
-            + cute.size_in_bytes(self.sf_dtype, one_stage(sSFA_staged))
-            + cute.size_in_bytes(self.sf_dtype, one_stage(sSFB_staged))
-        )
+        tx_bytes = self._stage_bytes(sA_staged, sB_staged, sSFA_staged, sSFB_staged)
 
         grid = (cute.ceil_div(m, TILE_M), cute.ceil_div(n, self.config.tile_n), batch)
         self.kernel(
@@ -191,10 +179,7 @@ class BlockScaledGemmSm100:
 
         smem = SmemAllocator()
         storage = smem.allocate(SharedStorage)
-        sA = smem.allocate_tensor(self.ab_dtype, sA_staged.outer, byte_alignment=128, swizzle=sA_staged.inner)
-        sB = smem.allocate_tensor(self.ab_dtype, sB_staged.outer, byte_alignment=128, swizzle=sB_staged.inner)
-        sSFA = smem.allocate_tensor(self.sf_dtype, sSFA_staged, byte_alignment=128)
-        sSFB = smem.allocate_tensor(self.sf_dtype, sSFB_staged, byte_alignment=128)
+        sA, sB, sSFA, sSFB = self._alloc_operands(smem, sA_staged, sB_staged, sSFA_staged, sSFB_staged)
 
         # one thread (the elected lane of warp 0) produces and consumes the AB ring and produces
         # the accumulator; all 128 threads consume the accumulator
@@ -249,19 +234,7 @@ class BlockScaledGemmSm100:
         tmem.wait_for_alloc()
         acc_ptr = tmem.retrieve_ptr(cutlass.Float32)
         tCtAcc = cute.make_tensor(acc_ptr, acc_layout)
-        # scale factors live in the columns after the accumulator: SFA, then SFB
-        sfa_col = tcgen05.find_tmem_tensor_col_offset(tCtAcc)
-        tCtSFA = cute.make_tensor(
-            cute.recast_ptr(acc_ptr + sfa_col, dtype=self.sf_dtype),
-            blockscaled_utils.make_tmem_layout_sfa(tiled_mma, self.mma_tiler, self.sf_vec_size,
-                                                   cute.slice_(sSFA_staged, (None, None, None, 0))),
-        )
-        sfb_col = sfa_col + tcgen05.find_tmem_tensor_col_offset(tCtSFA)
-        tCtSFB = cute.make_tensor(
-            cute.recast_ptr(acc_ptr + sfb_col, dtype=self.sf_dtype),
-            blockscaled_utils.make_tmem_layout_sfb(tiled_mma, self.mma_tiler, self.sf_vec_size,
-                                                   cute.slice_(sSFB_staged, (None, None, None, 0))),
-        )
+        tCtSFA, tCtSFB = self._sf_tmem(acc_ptr, tCtAcc, tiled_mma, sSFA_staged, sSFB_staged)
         s2t_sfa, tCsSFA_s2t, tCtSFA_s2t = self._s2t_partition(sSFA, tCtSFA)
         s2t_sfb, tCsSFB_s2t, tCtSFB_s2t = self._s2t_partition(sSFB, tCtSFB)
 
@@ -296,46 +269,28 @@ class BlockScaledGemmSm100:
     def _launch_pair(self, mA, mB, mSFA, mSFB, mD, mAlpha, mBias, m, n, batch, max_clusters, stream):
         """Host side of the pair kernel: 256-row MMAs over clusters of 2 CTAs along M, persistent (at
         most ``max_clusters`` clusters walk the output tiles)."""
-        tiled_mma = sm100_utils.make_blockscaled_trivial_tiled_mma(
-            self.ab_dtype, self.ab_dtype, OperandMajorMode.K, OperandMajorMode.K, self.sf_dtype, self.sf_vec_size,
-            tcgen05.CtaGroup.TWO, self.mma_tiler[:2],
-        )
-        tiled_mma_sfb = sm100_utils.make_blockscaled_trivial_tiled_mma(
-            self.ab_dtype, self.ab_dtype, OperandMajorMode.K, OperandMajorMode.K, self.sf_dtype, self.sf_vec_size,
-            tcgen05.CtaGroup.ONE, self.mma_tiler_sfb[:2],
-        )
+        tiled_mma = self._tiled_mma(tcgen05.CtaGroup.TWO, self.mma_tiler[:2])
+        tiled_mma_sfb = self._tiled_mma(tcgen05.CtaGroup.ONE, self.mma_tiler_sfb[:2])
         cluster_mn = self.cluster_mn
         cluster_vmnk = cute.tiled_divide(cute.make_layout((*cluster_mn, 1)), (tiled_mma.thr_id.shape,))
         cluster_sfb_vmnk = cute.tiled_divide(cute.make_layout((*cluster_mn, 1)), (tiled_mma_sfb.thr_id.shape,))
-        stages = self.num_stages
-        sA_staged = sm100_utils.make_smem_layout_a(tiled_mma, self.mma_tiler, self.ab_dtype, stages)
-        sB_staged = sm100_utils.make_smem_layout_b(tiled_mma, self.mma_tiler, self.ab_dtype, stages)
-        sSFA_staged = blockscaled_utils.make_smem_layout_sfa(tiled_mma, self.mma_tiler, self.sf_vec_size, stages)
-        sSFB_staged = blockscaled_utils.make_smem_layout_sfb(tiled_mma, self.mma_tiler, self.sf_vec_size, stages)
-
-        def one_stage(staged):
-            return cute.slice_(staged, (None, None, None, 0))
+        sA_staged, sB_staged, sSFA_staged, sSFB_staged = self._staged_layouts(tiled_mma)
 
         op_a = sm100_utils.cluster_shape_to_tma_atom_A(cluster_mn, tiled_mma.thr_id)
         op_b = sm100_utils.cluster_shape_to_tma_atom_B(cluster_mn, tiled_mma.thr_id)
         op_sfb = sm100_utils.cluster_shape_to_tma_atom_SFB(cluster_mn, tiled_mma.thr_id)
         tma_a = cute.nvgpu.make_tiled_tma_atom_A(
-            op_a, mA, one_stage(sA_staged), self.mma_tiler, tiled_mma, cluster_vmnk.shape)
+            op_a, mA, _one_stage(sA_staged), self.mma_tiler, tiled_mma, cluster_vmnk.shape)
         tma_b = cute.nvgpu.make_tiled_tma_atom_B(
-            op_b, mB, one_stage(sB_staged), self.mma_tiler, tiled_mma, cluster_vmnk.shape)
+            op_b, mB, _one_stage(sB_staged), self.mma_tiler, tiled_mma, cluster_vmnk.shape)
         tma_sfa = cute.nvgpu.make_tiled_tma_atom_A(
-            op_a, mSFA, one_stage(sSFA_staged), self.mma_tiler, tiled_mma, cluster_vmnk.shape,
+            op_a, mSFA, _one_stage(sSFA_staged), self.mma_tiler, tiled_mma, cluster_vmnk.shape,
             internal_type=cutlass.Int16)
         tma_sfb = cute.nvgpu.make_tiled_tma_atom_B(
-            op_sfb, mSFB, one_stage(sSFB_staged), self.mma_tiler_sfb, tiled_mma_sfb, cluster_sfb_vmnk.shape,
+            op_sfb, mSFB, _one_stage(sSFB_staged), self.mma_tiler_sfb, tiled_mma_sfb, cluster_sfb_vmnk.shape,
             internal_type=cutlass.Int16)
         # the leader's full barrier counts both CTAs' bytes
-        tx_bytes = 2 * (
-            cute.size_in_bytes(self.ab_dtype, one_stage(sA_staged))
-            + cute.size_in_bytes(self.ab_dtype, one_stage(sB_staged))
-            + cute.size_in_bytes(self.sf_dtype, one_stage(sSFA_staged))
-            + cute.size_in_bytes(self.sf_dtype, one_stage(sSFB_staged))
-        )
+        tx_bytes = 2 * self._stage_bytes(sA_staged, sB_staged, sSFA_staged, sSFB_staged)
         tiles = cute.ceil_div(m, self.mma_tiler[0] * self.pairs) * cute.ceil_div(n, self.config.tile_n) * batch
         grid = (cutlass.min(tiles, max_clusters // self.pairs) * 2 * self.pairs, 1, 1)
         self.kernel_pair(
@@ -391,10 +346,7 @@ class BlockScaledGemmSm100:
 
         smem = SmemAllocator()
         storage = smem.allocate(SharedStorage)
-        sA = smem.allocate_tensor(self.ab_dtype, sA_staged.outer, byte_alignment=128, swizzle=sA_staged.inner)
-        sB = smem.allocate_tensor(self.ab_dtype, sB_staged.outer, byte_alignment=128, swizzle=sB_staged.inner)
-        sSFA = smem.allocate_tensor(self.sf_dtype, sSFA_staged, byte_alignment=128)
-        sSFB = smem.allocate_tensor(self.sf_dtype, sSFB_staged, byte_alignment=128)
+        sA, sB, sSFA, sSFB = self._alloc_operands(smem, sA_staged, sB_staged, sSFA_staged, sSFB_staged)
 
         one = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
         # a stage is free once every pair whose MMAs read it (B multicast: all of them) committed
@@ -481,18 +433,7 @@ class BlockScaledGemmSm100:
             acc_ptr = tmem.retrieve_ptr(cutlass.Float32)
             if is_leader:
                 tCtAcc = cute.make_tensor(acc_ptr, acc_layout)
-                sfa_col = tcgen05.find_tmem_tensor_col_offset(tCtAcc)
-                tCtSFA = cute.make_tensor(
-                    cute.recast_ptr(acc_ptr + sfa_col, dtype=self.sf_dtype),
-                    blockscaled_utils.make_tmem_layout_sfa(tiled_mma, self.mma_tiler, self.sf_vec_size,
-                                                           cute.slice_(sSFA_staged, (None, None, None, 0))),
-                )
-                sfb_col = sfa_col + tcgen05.find_tmem_tensor_col_offset(tCtSFA)
-                tCtSFB = cute.make_tensor(
-                    cute.recast_ptr(acc_ptr + sfb_col, dtype=self.sf_dtype),
-                    blockscaled_utils.make_tmem_layout_sfb(tiled_mma, self.mma_tiler, self.sf_vec_size,
-                                                           cute.slice_(sSFB_staged, (None, None, None, 0))),
-                )
+                tCtSFA, tCtSFB = self._sf_tmem(acc_ptr, tCtAcc, tiled_mma, sSFA_staged, sSFB_staged)
                 s2t_sfa, tCsSFA_s2t, tCtSFA_s2t = self._s2t_partition(sSFA, tCtSFA)
                 s2t_sfb, tCsSFB_s2t, tCtSFB_s2t = self._s2t_partition(sSFB, tCtSFB)
                 acc_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
@@ -545,6 +486,51 @@ class BlockScaledGemmSm100:
         """(m, n, l) of linear output tile ``t``, M fastest: clusters in flight share B's columns."""
         rest = t // tiles_m
         return t % tiles_m, rest % tiles_n, rest // tiles_n
+
+    # ------------------------------------------------------------------ shared pieces
+    def _tiled_mma(self, group, tiler_mn):
+        return sm100_utils.make_blockscaled_trivial_tiled_mma(
+            self.ab_dtype, self.ab_dtype, OperandMajorMode.K, OperandMajorMode.K, self.sf_dtype, self.sf_vec_size,
+            group, tiler_mn,
+        )
+
+    def _staged_layouts(self, tiled_mma):
+        """The ``num_stages``-deep shared-memory layouts of A, B, SFA, SFB."""
+        stages = self.num_stages
+        return (sm100_utils.make_smem_layout_a(tiled_mma, self.mma_tiler, self.ab_dtype, stages),
+                sm100_utils.make_smem_layout_b(tiled_mma, self.mma_tiler, self.ab_dtype, stages),
+                blockscaled_utils.make_smem_layout_sfa(tiled_mma, self.mma_tiler, self.sf_vec_size, stages),
+                blockscaled_utils.make_smem_layout_sfb(tiled_mma, self.mma_tiler, self.sf_vec_size, stages))
+
+    def _stage_bytes(self, sA_staged, sB_staged, sSFA_staged, sSFB_staged):
+        """Bytes one CTA's TMA writes into one stage."""
+        return (cute.size_in_bytes(self.ab_dtype, _one_stage(sA_staged))
+                + cute.size_in_bytes(self.ab_dtype, _one_stage(sB_staged))
+                + cute.size_in_bytes(self.sf_dtype, _one_stage(sSFA_staged))
+                + cute.size_in_bytes(self.sf_dtype, _one_stage(sSFB_staged)))
+
+    def _alloc_operands(self, smem, sA_staged, sB_staged, sSFA_staged, sSFB_staged):
+        return (smem.allocate_tensor(self.ab_dtype, sA_staged.outer, byte_alignment=128, swizzle=sA_staged.inner),
+                smem.allocate_tensor(self.ab_dtype, sB_staged.outer, byte_alignment=128, swizzle=sB_staged.inner),
+                smem.allocate_tensor(self.sf_dtype, sSFA_staged, byte_alignment=128),
+                smem.allocate_tensor(self.sf_dtype, sSFB_staged, byte_alignment=128))
+
+    @cute.jit
+    def _sf_tmem(self, acc_ptr, tCtAcc, tiled_mma, sSFA_staged, sSFB_staged):
+        """The scale factors' TMEM tensors, in the columns after the accumulator: SFA, then SFB."""
+        sfa_col = tcgen05.find_tmem_tensor_col_offset(tCtAcc)
+        tCtSFA = cute.make_tensor(
+            cute.recast_ptr(acc_ptr + sfa_col, dtype=self.sf_dtype),
+            blockscaled_utils.make_tmem_layout_sfa(tiled_mma, self.mma_tiler, self.sf_vec_size,
+                                                   _one_stage(sSFA_staged)),
+        )
+        sfb_col = sfa_col + tcgen05.find_tmem_tensor_col_offset(tCtSFA)
+        tCtSFB = cute.make_tensor(
+            cute.recast_ptr(acc_ptr + sfb_col, dtype=self.sf_dtype),
+            blockscaled_utils.make_tmem_layout_sfb(tiled_mma, self.mma_tiler, self.sf_vec_size,
+                                                   _one_stage(sSFB_staged)),
+        )
+        return tCtSFA, tCtSFB
 
     @cute.jit
     def _tma_partition(self, atom: cute.CopyAtom, sX: cute.Tensor, tCgX: cute.Tensor, cta_coord=0, cta_layout=None):
