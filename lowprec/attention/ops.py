@@ -155,23 +155,38 @@ def _flash_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
             and v.shape[-1] == d and d % 8 == 0 and d <= 256 and backend_mode() != "reference")
 
 
-def _flash_backward(dout, q, k, v, out, lse, causal, scale):
-    heads, hkv = q.shape[1], k.shape[1]
-    group = heads // hkv
-    # GQA: the backward sees every query head's K and V, dK and dV are summed over each group
-    ke = k.repeat_interleave(group, dim=1) if group > 1 else k
-    ve = v.repeat_interleave(group, dim=1) if group > 1 else v
-    # FlashAttention marks rows that see no key with LSE +inf (p = exp(s - inf) = 0); ours say -inf
+def expand_kv_heads(k: torch.Tensor, v: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """GQA for the aten flash ops, which take as many K / V heads as Q heads (heads: dim 1)."""
+    group = heads // k.shape[1]
+    if group == 1:
+        return k, v
+    return k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+
+
+def fold_kv_heads(dk: torch.Tensor, dv: torch.Tensor, hkv: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gradients of expanded K / V summed over each group of query heads (heads: dim 1)."""
+    group = dk.shape[1] // hkv
+    if group == 1:
+        return dk, dv
+    return dk.unflatten(1, (hkv, group)).sum(dim=2), dv.unflatten(1, (hkv, group)).sum(dim=2)
+
+
+def flash_backward_state(lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(lse, philox seed, philox offset)`` as the aten flash backward ops read them: FlashAttention
+    marks rows that see no key with LSE +inf (p = exp(s - inf) = 0), ours say -inf; dropout 0
+    leaves the philox state unread."""
     lse_fa = torch.where(lse == -math.inf, math.inf, lse).float().contiguous()
-    seed = torch.empty(2, dtype=torch.uint64, device=q.device)  # dropout 0: philox state unread
-    offset = torch.empty((), dtype=torch.uint64, device=q.device)
+    return (lse_fa, torch.empty(2, dtype=torch.uint64, device=lse.device),
+            torch.empty((), dtype=torch.uint64, device=lse.device))
+
+
+def _flash_backward(dout, q, k, v, out, lse, causal, scale):
+    ke, ve = expand_kv_heads(k, v, q.shape[1])
+    lse_fa, seed, offset = flash_backward_state(lse)
     dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
         dout.to(q.dtype).contiguous(), q.contiguous(), ke.contiguous(), ve.contiguous(), out.to(q.dtype).contiguous(),
         lse_fa, None, None, q.shape[-2], k.shape[-2], 0.0, causal, seed, offset, scale=scale)
-    if group > 1:
-        dk = dk.unflatten(1, (hkv, group)).sum(dim=2)
-        dv = dv.unflatten(1, (hkv, group)).sum(dim=2)
-    return dq, dk, dv
+    return (dq, *fold_kv_heads(dk, dv, k.shape[1]))
 
 
 @torch.library.custom_op("lowprec::attention_backward", mutates_args=())

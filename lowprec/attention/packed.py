@@ -24,6 +24,7 @@ from ..recipes import get_recipe
 from .quantize import ATTN_BLOCK, _blocks, _rotate
 
 __all__ = ["PaddedLayout", "padded_rows", "padded_layout", "pad_rows", "PackedFP8Inputs", "quantize_packed",
+           "sequence_means",
            "sequence_plan", "longest_first", "SEQUENCE_FIELDS", "sequence_of_rows"]
 
 _ROWWISE = get_recipe("fp8_rowwise")
@@ -48,15 +49,20 @@ def padded_rows(total: int, sequences: int) -> int:
     return -(-(total + (ATTN_BLOCK - 1) * sequences) // ATTN_BLOCK) * ATTN_BLOCK
 
 
+def _padded_spans(lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(first, end) padded row of each sequence (along the last dim): lengths rounded up to 128."""
+    padded = (lengths + ATTN_BLOCK - 1) // ATTN_BLOCK * ATTN_BLOCK
+    end = torch.cumsum(padded, -1)
+    return end - padded, end
+
+
 def padded_layout(cu: torch.Tensor, total: int) -> PaddedLayout:
     """The padded layout of ``cu`` (``[B + 1]`` prefix sums of the lengths, ``total`` = its last
     value) with every sequence starting at a multiple of 128 rows."""
     b = cu.numel() - 1
     cu = cu.long()
     lengths = cu[1:] - cu[:-1]
-    padded = (lengths + ATTN_BLOCK - 1) // ATTN_BLOCK * ATTN_BLOCK
-    end = torch.cumsum(padded, 0)
-    start = end - padded
+    start, end = _padded_spans(lengths)
     rows = padded_rows(total, b)
     r = torch.arange(rows, device=cu.device)
     seq = torch.searchsorted(end, r, right=True).clamp(max=max(b - 1, 0))
@@ -103,6 +109,14 @@ def _segment_sums(tile_sums: torch.Tensor, start: torch.Tensor, lengths: torch.T
     return (prefix[:, last] - prefix[:, first]).float()
 
 
+def sequence_means(xp: torch.Tensor, layout: PaddedLayout) -> torch.Tensor:
+    """Each sequence's token mean of ``xp`` ``[H, rows, D]`` (padded layout, padding rows 0) ->
+    ``[H, B, D]`` FP32 (0 for an empty sequence)."""
+    h, _, d = xp.shape
+    tile_sums = xp.view(h, layout.rows // ATTN_BLOCK, ATTN_BLOCK, d).sum(dim=2, dtype=torch.float32)
+    return _segment_sums(tile_sums, layout.start, layout.lengths) / layout.lengths.clamp(min=1)[None, :, None]
+
+
 def quantize_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor, *,
                     smooth: bool = True, incoherent: bool = False, permute_v_keys: bool = False) -> PackedFP8Inputs:
     """The FP8 operands of packed ``q`` ``[total_q, H, D]``, ``k`` ``[total_k, Hkv, D]``, ``v``
@@ -116,8 +130,7 @@ def quantize_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: tor
     kp = _rotate(pad_rows(k, lk), incoherent)
     tiles_k = lk.rows // ATTN_BLOCK
     if smooth:
-        tile_sums = kp.view(hkv, tiles_k, ATTN_BLOCK, d).sum(dim=2, dtype=f32)
-        k_mean = _segment_sums(tile_sums, lk.start, lk.lengths) / lk.lengths.clamp(min=1)[None, :, None]
+        k_mean = sequence_means(kp, lk)
         kp = torch.where(lk.valid[None, :, None], torch.sub(kp, k_mean[:, lk.seq]), 0.0)
     else:
         k_mean = torch.zeros(hkv, lk.lengths.numel(), d, dtype=f32, device=k.device)
@@ -150,8 +163,7 @@ def sequence_plan(cu_q: torch.Tensor, cu_k: torch.Tensor, total_q: int, total_k:
     b = cu_q.numel() - 1
     cu = torch.stack([cu_q.long().clamp(0, total_q), cu_k.long().clamp(0, total_k)])  # [2, B + 1]
     lengths = (cu[:, 1:] - cu[:, :-1]).clamp(min=0)
-    padded = (lengths + ATTN_BLOCK - 1) // ATTN_BLOCK * ATTN_BLOCK
-    starts = torch.cumsum(padded, 1) - padded
+    starts, _ = _padded_spans(lengths)
     for i, total in enumerate((total_q, total_k)):  # zig-zag cu_seqlens: lengths past the padded rows
         lengths[i] = torch.minimum(lengths[i], (padded_rows(total, b) - starts[i]).clamp(min=0))
     index = torch.arange(b, device=cu.device).expand(2, b)  # the sequence's index (its V scales, K mean)

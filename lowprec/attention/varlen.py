@@ -18,7 +18,7 @@ import math
 import torch
 
 from .dense import attention
-from .ops import _flash_ok
+from .ops import _flash_ok, expand_kv_heads
 
 __all__ = ["attention_varlen", "check_cu_seqlens"]
 
@@ -26,13 +26,9 @@ __all__ = ["attention_varlen", "check_cu_seqlens"]
 def check_cu_seqlens(name: str, cu: torch.Tensor, total: int, max_seqlen: int, device: torch.device) -> list[int]:
     """Validate a ``cu_seqlens`` tensor (``[B + 1]`` int32, from 0 to ``total``, non-decreasing, no
     sequence longer than ``max_seqlen``) and return it as a host list."""
-    if not isinstance(cu, torch.Tensor) or cu.dim() != 1 or cu.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"{name}: expected a 1-D int32 tensor [B + 1], got "
-                         f"{getattr(cu, 'dtype', type(cu))} {tuple(getattr(cu, 'shape', ()))}")
+    _check_cu_shape(name, cu)
     if cu.device != device:
         raise ValueError(f"{name}: on {cu.device}, but q is on {device}")
-    if cu.numel() < 1:
-        raise ValueError(f"{name}: expected at least one entry (0), got an empty tensor")
     values = cu.tolist()
     if values[0] != 0 or values[-1] != total:
         raise ValueError(f"{name}: must start at 0 and end at the packed length {total}, got "
@@ -44,6 +40,15 @@ def check_cu_seqlens(name: str, cu: torch.Tensor, total: int, max_seqlen: int, d
         raise ValueError(f"max_seqlen{name[-2:]}: expected an int ≥ the longest sequence "
                          f"({max(lengths, default=0)}), got {max_seqlen!r}")
     return values
+
+
+def _check_cu_shape(name: str, cu) -> None:
+    """A ``cu_seqlens`` tensor's type and shape (no values read)."""
+    if not isinstance(cu, torch.Tensor) or cu.dim() != 1 or cu.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"{name}: expected a 1-D int32 tensor [B + 1], got "
+                         f"{getattr(cu, 'dtype', type(cu))} {tuple(getattr(cu, 'shape', ()))}")
+    if cu.numel() < 1:
+        raise ValueError(f"{name}: expected at least one entry (0), got an empty tensor")
 
 
 def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
@@ -115,9 +120,7 @@ def _exact_on_device(q, k, v, cu_q, cu_k, max_q, max_k, causal: bool, scale: flo
     """Exact attention on CUDA: PyTorch's varlen flash attention (``aten._flash_attention_forward``,
     differentiable through its varlen backward), no host read of GPU ``cu_seqlens``."""
     cu_q, cu_k = _device_cu_seqlens(q, k, cu_q, cu_k, max_q, max_k)
-    group = q.shape[1] // k.shape[1]
-    if group > 1:  # the flash op takes as many K / V heads as Q heads
-        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    k, v = expand_kv_heads(k, v, q.shape[1])
     out, lse = torch.ops.aten._flash_attention_forward(q, k, v, cu_q.int(), cu_k.int(), max_q, max_k, 0.0, causal,
                                                        False, scale=scale)[:2]
     if not return_lse:
@@ -144,10 +147,7 @@ def _device_cu_seqlens(q, k, cu_q, cu_k, max_q, max_k) -> tuple[torch.Tensor, to
     cus = []
     for name, cu, total, longest in (("cu_seqlens_q", cu_q, q.shape[0], max_q),
                                      ("cu_seqlens_k", cu_k, k.shape[0], max_k)):
-        if not isinstance(cu, torch.Tensor) or cu.dim() != 1 or cu.dtype not in (torch.int32, torch.int64) \
-                or cu.numel() < 1:
-            raise ValueError(f"{name}: expected a 1-D int32 tensor [B + 1], got "
-                             f"{getattr(cu, 'dtype', type(cu))} {tuple(getattr(cu, 'shape', ()))}")
+        _check_cu_shape(name, cu)
         if not isinstance(longest, int) or longest < 0:
             raise ValueError(f"max_seqlen{name[-2:]}: expected an int ≥ the longest sequence, got {longest!r}")
         if cu.device.type == "cpu":  # checked on the host for free, then sent over

@@ -16,9 +16,9 @@ import math
 import torch
 
 from ..runtime import kernel_failed, registry
-from .ops import _attention_fp8, _flash_ok
-from .packed import _segment_sums, pad_rows, padded_layout, sequence_of_rows
-from .quantize import ATTN_BLOCK, _rotate
+from .ops import _attention_fp8, _flash_ok, expand_kv_heads, flash_backward_state, fold_kv_heads
+from .packed import pad_rows, padded_layout, sequence_means, sequence_of_rows
+from .quantize import _rotate
 from .reference import attention_backward_reference
 
 __all__ = ["attention_fp8_varlen", "attention_fp8_varlen_call", "attention_varlen_backward", "packed_lse_correction"]
@@ -69,10 +69,7 @@ def _(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, incoherent):
 def _token_means(k: torch.Tensor, cu_k: torch.Tensor) -> torch.Tensor:
     """Each sequence's token mean of packed ``k`` ``[total_k, Hkv, D]`` -> ``[B, Hkv, D]`` FP32."""
     layout = padded_layout(cu_k, k.shape[0])
-    kp = pad_rows(k, layout)
-    sums = kp.view(k.shape[1], layout.rows // ATTN_BLOCK, ATTN_BLOCK, k.shape[2]).sum(dim=2, dtype=torch.float32)
-    return (_segment_sums(sums, layout.start, layout.lengths) / layout.lengths.clamp(min=1)[None, :, None]
-            ).transpose(0, 1)
+    return sequence_means(pad_rows(k, layout), layout).transpose(0, 1)
 
 
 def packed_lse_correction(q: torch.Tensor, k_mean: torch.Tensor, cu_q: torch.Tensor, scale: float,
@@ -142,20 +139,12 @@ def attention_fp8_varlen_call(q, k, v, cu_q, cu_k, max_q: int, max_k: int, causa
 # --- the backward ----------------------------------------------------------------------------------
 
 def _flash_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale):
-    group = q.shape[1] // k.shape[1]
-    # GQA: the backward sees every query head's K and V, dK and dV are summed over each group
-    ke = k.repeat_interleave(group, dim=1) if group > 1 else k
-    ve = v.repeat_interleave(group, dim=1) if group > 1 else v
-    lse_fa = torch.where(lse == -math.inf, math.inf, lse).float().contiguous()  # FlashAttention: +inf
-    rng = torch.empty(2, dtype=torch.uint64, device=q.device)  # dropout 0: philox state unread
-    unused = torch.empty((), dtype=torch.uint64, device=q.device)
+    ke, ve = expand_kv_heads(k, v, q.shape[1])
+    lse_fa, rng, unused = flash_backward_state(lse)
     dq, dk, dv = torch.ops.aten._flash_attention_backward(
         dout.to(q.dtype).contiguous(), q.contiguous(), ke.contiguous(), ve.contiguous(), out.to(q.dtype).contiguous(),
         lse_fa, cu_q.int(), cu_k.int(), max_q, max_k, 0.0, causal, rng, unused, scale=scale)
-    if group > 1:
-        dk = dk.unflatten(1, (k.shape[1], group)).sum(dim=2)
-        dv = dv.unflatten(1, (k.shape[1], group)).sum(dim=2)
-    return dq, dk, dv
+    return (dq, *fold_kv_heads(dk, dv, k.shape[1]))
 
 
 def _reference_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, causal, scale):

@@ -32,6 +32,16 @@ class _Block(nn.Module):
         return self.moe(self.down(torch.relu(self.up(x))))
 
 
+def _init_group(rank, world, init_file, backend) -> str:
+    """Join the test's process group (NCCL: one GPU per rank); returns the rank's device."""
+    device = "cuda" if backend == "nccl" else "cpu"
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120))
+    return device
+
+
 def _worker(rank, world, init_file, backend="gloo"):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -39,11 +49,7 @@ def _worker(rank, world, init_file, backend="gloo"):
 
     import lowprec
 
-    device = "cuda" if backend == "nccl" else "cpu"
-    if backend == "nccl":
-        torch.cuda.set_device(rank)
-    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=120))
+    device = _init_group(rank, world, init_file, backend)
     # NCCL: FP32 master weights on the GPU kernels; FSDP's reduce-scatter and the reference's
     # all-reduce may round their averages differently in the last bit
     tol = dict(rtol=1e-4, atol=1e-4) if backend == "nccl" else dict(rtol=1e-6, atol=1e-6)
@@ -104,11 +110,7 @@ def _fp8_gather_worker(rank, world, init_file, backend="gloo"):
     from lowprec.moe import MoE
     from lowprec.nn import FP8AllGatherWeight, FP8GatheredWeight, enable_fp8_all_gather
 
-    device = "cuda" if backend == "nccl" else "cpu"
-    if backend == "nccl":
-        torch.cuda.set_device(rank)
-    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=120))
+    device = _init_group(rank, world, init_file, backend)
     with rank_body():
         torch.manual_seed(0)
         # 256 rows: shards of 128 (whole 128x128 blocks: gathered in FP8; the middle one's input

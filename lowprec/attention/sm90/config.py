@@ -40,7 +40,7 @@ class AttnConfig:
     # per thread, which only fits in-MMA accumulation and the plain serial loop at D <= 128 (D = 256: 2)
     consumer_wgs: int = 3
     skip_unit_rescale: bool = True  # in-MMA: a warp skips O *= alpha when every alpha of its rows is 1
-    # packed variable-length sequences (``lowprec.attention.packed``): a tile table drives the grid
+    # packed variable-length sequences (``lowprec.attention.packed``): a sequence plan drives the grid
     varlen: bool = False
 
     def __post_init__(self):
@@ -191,12 +191,17 @@ def prepass_cluster(heads: int, seqlen: int, row_bytes: int) -> int:
 def _prepass_unsupported(x) -> str | None:
     """The pre-pass kernels read ``x`` [B, H, S, D] as the quantize kernels read rows: the same
     dtypes, 16-column multiples and alignment (``quant.sm90.config.rows_unsupported``)."""
-    from ...quant.sm90.config import rows_unsupported
-
     if x.dim() != 4 or not x.is_contiguous():
         return "a contiguous [B, H, S, D] tensor"
     if not x.numel():
         return "an empty tensor"
+    return _prepass_rows_unsupported(x)
+
+
+def _prepass_rows_unsupported(x) -> str | None:
+    """Rows of ``x``'s head dim the pre-pass kernels can stream (any leading dims)."""
+    from ...quant.sm90.config import rows_unsupported
+
     if x.shape[-1] > PREPASS_MAX_D:
         return f"head dim {x.shape[-1]} (at most {PREPASS_MAX_D})"
     if not prepass_ring_stages(x.shape[-1], x.element_size()):
@@ -264,14 +269,10 @@ def packed_prepass_unsupported(q, k, v) -> str | None:
     """Why ``interface.packed_prepass`` (the pre-pass kernels over packed sequences) cannot read
     these inputs (None: it can): contiguous ``[total, heads, D]`` rows as the quantize kernels read
     them, with a shared-memory ring that fits."""
-    from ...quant.sm90.config import rows_unsupported
-
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.dim() != 3 or not x.is_contiguous():
             return f"{name}: a contiguous [total, heads, D] tensor"
-        if x.shape[-1] > PREPASS_MAX_D or not prepass_ring_stages(x.shape[-1], x.element_size()):
-            return f"{name}: head dim {x.shape[-1]} (the pre-pass ring fits D <= {PREPASS_MAX_D})"
-        why = rows_unsupported(x.view(-1, x.shape[-1])) if x.numel() else None
+        why = _prepass_rows_unsupported(x) if x.numel() else None
         if why:
             return f"{name}: {why}"
     return None

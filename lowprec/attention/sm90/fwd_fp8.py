@@ -192,7 +192,7 @@ class FP8AttentionFwdSm90:
         heads_per_kv: cutlass.Int32,
         pack_r: cutlass.Int32,  # pack_gqa: query heads per KV head packed into the rows; else 1
         pack_sq: cutlass.Int32,  # pack_gqa: the query rows of one head (Sq); varlen: the longest Sq; else Sq
-        mTiles,  # varlen: (B, 8) int32, packed.SEQUENCE_FIELDS; else unread
+        mPlan,  # varlen: (B, 8) int32, packed.SEQUENCE_FIELDS; else unread
         stream,
     ):
         f8 = self.ab_dtype
@@ -225,18 +225,18 @@ class FP8AttentionFwdSm90:
         m_blocks = (seqlen_q + self.tile_m - 1) // self.tile_m
         self.kernel(
             tma_q, tma_tensor_q, tma_k, tma_tensor_k, tma_v, tma_tensor_v,
-            mQS, mKS, mVS, mO, mLSE, softmax_scale_log2, heads, heads_per_kv, pack_r, pack_sq, mTiles,
+            mQS, mKS, mVS, mO, mLSE, softmax_scale_log2, heads, heads_per_kv, pack_r, pack_sq, mPlan,
             sQ_layout, sK_layout, sV_layout, self._mma_qk(), self._mma_pv(),
         ).launch(
-            grid=self._grid(m_blocks, heads, batch_heads, mTiles, pack_sq),
+            grid=self._grid(m_blocks, heads, batch_heads, mPlan, pack_sq),
             block=[self.threads_per_cta, 1, 1],
             min_blocks_per_mp=1,
             stream=stream,
         )
 
-    def _grid(self, m_blocks, heads, batch_heads, mTiles, pack_sq):
+    def _grid(self, m_blocks, heads, batch_heads, mPlan, pack_sq):
         if cutlass.const_expr(self.varlen):
-            return ((pack_sq + self.tile_m - 1) // self.tile_m, heads, cute.size(mTiles, mode=[0]))
+            return ((pack_sq + self.tile_m - 1) // self.tile_m, heads, cute.size(mPlan, mode=[0]))
         if cutlass.const_expr(self.persistent):
             return (cutlass.min(m_blocks * batch_heads, self.num_sms), 1, 1)
         return (m_blocks, heads, batch_heads // heads)
@@ -255,7 +255,7 @@ class FP8AttentionFwdSm90:
         heads_per_kv: cutlass.Int32,
         pack_r: cutlass.Int32,
         pack_sq: cutlass.Int32,
-        mTiles,
+        mPlan,
         sQ_layout: cute.ComposedLayout,
         sK_layout: cute.ComposedLayout,
         sV_layout: cute.ComposedLayout,
@@ -271,7 +271,7 @@ class FP8AttentionFwdSm90:
         m_blocks = (seqlen_q + self.tile_m - 1) // self.tile_m
         zdim = cute.size(mO, mode=[2]) // heads
         dims = (m_blocks, heads, zdim, heads_per_kv, pack_sq, seqlen_q, seqlen_k,
-                cute.size(mQ, mode=[2]) // heads, mTiles)
+                cute.size(mQ, mode=[2]) // heads, mPlan)
 
         if warp_idx == 0:
             cpasync.prefetch_descriptor(tma_q)
@@ -355,7 +355,7 @@ class FP8AttentionFwdSm90:
         first padded Q row, first K block, first O / LSE row, V-scale row) (dense: the tensors'
         S, offsets 0)."""
         m_block, head, zz = tile
-        _, heads, zdim, heads_per_kv, pack_sq, seqlen_q, seqlen_k, nb, mTiles = dims
+        _, heads, zdim, heads_per_kv, pack_sq, seqlen_q, seqlen_k, nb, mPlan = dims
         if cutlass.const_expr(self.varlen):
             bh = head
             bh_out = head
@@ -400,9 +400,9 @@ class FP8AttentionFwdSm90:
     def _varlen_fields(self, batch, bh_kv, dims):
         """Row ``batch`` of the plan (its rows may be reordered: the V scales' row comes from its
         ``batch`` field): (Sq, Sk, seq) as :meth:`_tile_info` returns them."""
-        heads, heads_per_kv, mTiles = dims[1], dims[3], dims[8]
+        heads, heads_per_kv, mPlan = dims[1], dims[3], dims[8]
         fields = cute.make_rmem_tensor((8,), cutlass.Int32)
-        cute.autovec_copy(mTiles[(batch, None)], fields)
+        cute.autovec_copy(mPlan[(batch, None)], fields)
         seq = (fields[1], fields[5], fields[2], fields[6] // self.tile_n, fields[0],
                fields[3] * (heads // heads_per_kv) + bh_kv)
         return fields[1], fields[5], seq

@@ -106,11 +106,11 @@ def build_kernel(config: AttnConfig, arch: str = _ARCH_DEFAULT, tvm_ffi: bool | 
     else:
         o = fake(out_c, (sq, d, obh), stride=(d, 1, i64(divisibility=8)), assumed_align=16)
     lse = fake(cutlass.Float32, (cute.sym_int() if config.varlen else sq, obh), stride=(1, i64()), assumed_align=4)
-    tiles = fake(cutlass.Int32, (cute.sym_int(), 8), stride=(8, 1), assumed_align=16)
+    plan = fake(cutlass.Int32, (cute.sym_int(), 8), stride=(8, 1), assumed_align=16)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=tvm_ffi)
     one = cutlass.Int32(1)
     return compile_for_arch(kernel, q, k, vt, qs, ks, vs, o, lse, cutlass.Float32(1.0), one, one, one, one,
-                            tiles, stream, arch=arch, tvm_ffi=tvm_ffi)
+                            plan, stream, arch=arch, tvm_ffi=tvm_ffi)
 
 
 @functools.cache
@@ -222,7 +222,7 @@ def _forward(q, q_scale, k, k_scale, v_t, v_scale, causal: bool, softmax_scale: 
         o_dst.as_strided((rows, D, o_dst.numel() // (rows * D)), (D, 1, rows * D)),
         l_dst.as_strided((rows, l_dst.numel() // rows), (1, rows)),
     )
-    _launch(fn, args, softmax_scale, (Hkv, 1, r, Sq) if pack else (H, r, 1, Sq), _no_tiles(q.device))
+    _launch(fn, args, softmax_scale, (Hkv, 1, r, Sq) if pack else (H, r, 1, Sq), _no_plan(q.device))
     if splits > 1:  # combine: lse = logsumexp_i lse_i, O = sum_i exp(lse_i - lse) O_i
         _combine_entry(D, out_dtype)(o_dst.view(splits, -1, D), l_dst.view(splits, -1), out.view(-1, D), lse.view(-1),
                                      splits)
@@ -258,21 +258,21 @@ def _combine_entry(head_dim: int, out_dtype: torch.dtype):
 
 
 @functools.cache
-def _no_tiles(device: torch.device) -> torch.Tensor:
-    """The tile-table argument of the dense kernels (unread): empty, so nothing is allocated."""
+def _no_plan(device: torch.device) -> torch.Tensor:
+    """The sequence-plan argument of the dense kernels (unread): empty, so nothing is allocated."""
     return torch.empty(0, 8, dtype=torch.int32, device=device)
 
 
-def _launch(fn, args, softmax_scale: float, ints, tiles):
+def _launch(fn, args, softmax_scale: float, ints, plan):
     scale_log2 = softmax_scale * math.log2(math.e)
     if _use_tvm_ffi():
-        fn(*args, scale_log2, *ints, tiles)
+        fn(*args, scale_log2, *ints, plan)
     else:  # pragma: no cover - slow path
         import cuda.bindings.driver as cuda
         from cutlass.cute.runtime import from_dlpack
 
         targs = [from_dlpack(t, assumed_align=16 if i < 3 or i == 6 else 4) for i, t in enumerate(args)]
-        fn(*targs, scale_log2, *ints, from_dlpack(tiles, assumed_align=16),
+        fn(*targs, scale_log2, *ints, from_dlpack(plan, assumed_align=16),
            cuda.CUstream(torch.cuda.current_stream().cuda_stream))
 
 
@@ -312,9 +312,10 @@ def fp8_attention_varlen_forward(q, q_scale, k, k_scale, v_t, v_scale, plan, tot
 
 def attention_fp8_varlen_op(q, k, v, cu_q, cu_k, max_q: int, max_k: int, causal: bool, scale: float,
                             incoherent: bool):
-    """``lowprec.attention_varlen(..., quant="fp8")`` on sm_90a: the padded-layout pre-pass
-    (:func:`lowprec.attention.packed.quantize_packed`, Vᵀ's keys in the kernel's order), the tile table
-    and the varlen kernel; no host sync. Returns ``(out [total_q, H, D], lse [H, total_q] of the
+    """``lowprec.attention_varlen(..., quant="fp8")`` on sm_90a: the sequence plan, the packed
+    pre-pass kernels (:func:`packed_prepass`; in torch ops, :func:`lowprec.attention.packed.quantize_packed`,
+    with ``incoherent`` or inputs they cannot read; Vᵀ's keys in the kernel's order) and the varlen
+    kernel; no host sync. Returns ``(out [total_q, H, D], lse [H, total_q] of the
     smoothed scores, k_mean [B, Hkv, D])``."""
     from ..packed import longest_first, quantize_packed, sequence_plan
 
