@@ -160,8 +160,10 @@ def quantize_inputs(q, k, v):
     return qc, qs, kc, ks, vt, vs
 
 
-def emulate(qc, qs, kc, ks, vt, vs, causal, scale):
-    """The FP8 scheme from the codes (FP64 except the E4M3 cast of P), as reference._fp8."""
+def emulate(qc, qs, kc, ks, vt, vs, causal, scale, splits=1):
+    """The FP8 scheme from the codes (FP64 except the E4M3 cast of P), as reference._fp8; with
+    ``splits`` > 1 as the split-KV kernel runs it: each range of KV blocks its own online softmax
+    (P's E4M3 scale follows that range's running max), then the combine."""
     B, H, Sq, D = qc.shape
     Hkv, Sk = kc.shape[1], kc.shape[2]
     rep = H // Hkv
@@ -175,23 +177,32 @@ def emulate(qc, qs, kc, ks, vt, vs, causal, scale):
         i = torch.arange(Sq, device=qc.device)[:, None]
         j = torch.arange(Sk, device=qc.device)[None, :]
         s_all = s_all.masked_fill(j > i + Sk - Sq, -math.inf)
-    m = torch.full((B, H, Sq), -math.inf, dtype=torch.float64, device=qc.device)
-    rs = torch.zeros_like(m)
-    acc = torch.zeros(B, H, Sq, D, dtype=torch.float64, device=qc.device)
-    for st in range(0, Sk, BLOCK):
-        s = s_all[..., st:st + BLOCK]
-        m_new = torch.maximum(m, s.amax(-1))
-        m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
-        p = torch.exp(s - m_safe[..., None])
-        alpha = torch.exp(m - m_safe)
-        rs = rs * alpha + p.sum(-1)
-        pq = (p * F8_MAX).float().to(F8).double()
-        acc = acc * alpha[..., None] + (pq @ vcodes[..., st:st + BLOCK, :]) * (vsc / F8_MAX)
-        m = m_new
-    empty = rs == 0
-    out = torch.where(empty[..., None], 0.0, acc / torch.where(empty, 1.0, rs)[..., None])
+    blocks = max(1, -(-Sk // BLOCK))
+    per = -(-blocks // splits) * BLOCK  # keys per split
+    outs, lses = [], []
+    for lo in range(0, per * splits, per):
+        m = torch.full((B, H, Sq), -math.inf, dtype=torch.float64, device=qc.device)
+        rs = torch.zeros_like(m)
+        acc = torch.zeros(B, H, Sq, D, dtype=torch.float64, device=qc.device)
+        for st in range(lo, min(lo + per, Sk), BLOCK):
+            s = s_all[..., st:st + BLOCK]
+            m_new = torch.maximum(m, s.amax(-1))
+            m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
+            p = torch.exp(s - m_safe[..., None])
+            alpha = torch.exp(m - m_safe)
+            rs = rs * alpha + p.sum(-1)
+            pq = (p * F8_MAX).float().to(F8).double()
+            acc = acc * alpha[..., None] + (pq @ vcodes[..., st:st + BLOCK, :]) * (vsc / F8_MAX)
+            m = m_new
+        empty = rs == 0
+        outs.append(torch.where(empty[..., None], 0.0, acc / torch.where(empty, 1.0, rs)[..., None]))
+        lses.append(torch.where(empty, -math.inf, m + torch.log(torch.where(empty, 1.0, rs))))
     lse = torch.logsumexp(s_all, dim=-1)
-    return out, lse
+    if splits == 1:
+        return outs[0], lse
+    part_lse = torch.stack(lses)
+    weights = torch.exp(part_lse - torch.where(torch.isinf(lse), 0.0, lse))
+    return (weights[..., None] * torch.stack(outs)).sum(0), lse
 
 
 def exact(q, k, v, causal, scale):
@@ -209,7 +220,7 @@ def exact(q, k, v, causal, scale):
 
 
 def _run(B, H, Hkv, Sq, Sk, D, causal, out_dtype=torch.bfloat16, seed=0, v_perm=False):
-    from lowprec.attention.sm90.interface import fp8_attention_forward, permute_v_keys
+    from lowprec.attention.sm90.interface import fp8_attention_forward, kv_splits, permute_v_keys
 
     g = torch.Generator(device="cuda").manual_seed(seed)
     q = torch.randn(B, H, Sq, D, device="cuda", generator=g)
@@ -222,7 +233,7 @@ def _run(B, H, Hkv, Sq, Sk, D, causal, out_dtype=torch.bfloat16, seed=0, v_perm=
                                    softmax_scale=scale, out_dtype=out_dtype, out=out, v_keys_permuted=v_perm)
     torch.cuda.synchronize()
     assert o.data_ptr() == out.data_ptr()
-    emu, emu_lse = emulate(qc, qs, kc, ks, vt, vs, causal, scale)
+    emu, emu_lse = emulate(qc, qs, kc, ks, vt, vs, causal, scale, splits=kv_splits(B, H, Hkv, Sq, Sk))
     ref = exact(q, k, v, causal, scale)
     return o, lse, emu, emu_lse, ref, (qc, qs, kc, ks, vt, vs, scale)
 

@@ -44,9 +44,12 @@ def _ids(case):
 
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("case", CASES, ids=_ids)
-def test_each_sequence_has_the_dense_kernels_bits(case, causal):
+def test_each_sequence_has_the_dense_kernels_bits(case, causal, monkeypatch):
     from lowprec.attention.packed import longest_first, padded_layout, quantize_packed, sequence_plan
+    from lowprec.attention.sm90 import interface
     from lowprec.attention.sm90.interface import fp8_attention_forward, fp8_attention_varlen_forward
+
+    monkeypatch.setattr(interface, "SPLIT_KV_DECODE", False)  # the varlen kernel never splits KV
 
     lq, lk, h, hkv, d = case
     q, k, v, cq, ck = _packed(lq, lk, h, hkv, d)
@@ -74,19 +77,23 @@ def test_each_sequence_has_the_dense_kernels_bits(case, causal):
         assert torch.equal(lse[:, rq], l_[0]), i
 
 
-@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("causal, incoherent", [(False, False), (True, False), (True, True)])
 @pytest.mark.parametrize("case", CASES[:3], ids=_ids)
-def test_attention_varlen_is_the_dense_call_per_sequence(case, causal):
+def test_attention_varlen_is_the_dense_call_per_sequence(case, causal, incoherent, monkeypatch):
+    from lowprec.attention.sm90 import interface
+
+    monkeypatch.setattr(interface, "SPLIT_KV_DECODE", False)  # the varlen kernel never splits KV
     lq, lk, h, hkv, d = case
     q, k, v, cq, ck = _packed(lq, lk, h, hkv, d)
-    out, lse = attention_varlen(q, k, v, cq, ck, max(lq), max(lk), causal=causal, quant="fp8", return_lse=True)
+    out, lse = attention_varlen(q, k, v, cq, ck, max(lq), max(lk), causal=causal, quant="fp8", return_lse=True,
+                                incoherent=incoherent)
     for i in range(len(lq)):
         rq, rk = slice(int(cq[i]), int(cq[i + 1])), slice(int(ck[i]), int(ck[i + 1]))
         if not lq[i] or not lk[i]:
             continue
         dense, dense_lse = lowprec.attention(q[rq].transpose(0, 1)[None], k[rk].transpose(0, 1)[None],
                                              v[rk].transpose(0, 1)[None], causal=causal, quant="fp8",
-                                             return_lse=True)
+                                             return_lse=True, incoherent=incoherent)
         # the K mean's FP32 sum order differs (the dense pre-pass sums in its cluster's order)
         assert metrics.cos_sim(out[rq], dense[0].transpose(0, 1)) > 0.99999
         torch.testing.assert_close(lse[:, rq], dense_lse[0], rtol=0, atol=2e-3)

@@ -60,6 +60,21 @@ def num_splits(ctas: int, n_blocks: int, num_sms: int = _NUM_SMS) -> int:
         return 1
     return max(1, min(-(-2 * num_sms // ctas), n_blocks // 4, 32))
 
+
+def kv_splits(B: int, H: int, Hkv: int, Sq: int, Sk: int, num_sms: int = _NUM_SMS) -> int:
+    """How many KV ranges the dense forward splits ``Sk`` into for this shape (1: no split). Split
+    ``i`` takes KV blocks ``[i·per, (i+1)·per)``, ``per = ceil(blocks / splits)``, each with its own
+    online softmax (so its own running max for P's E4M3 scale), then one combine."""
+    if not (SPLIT_KV or (SPLIT_KV_DECODE and Sq <= DECODE_MAX_SQ)):
+        return 1
+    r = H // Hkv
+    qh, rows = (Hkv, r * Sq) if _packs_gqa(r, Sq) else (H, Sq)
+    return num_splits(-(-rows // TILE_M) * qh * B, -(-Sk // TILE_N), num_sms)
+
+
+def _packs_gqa(r: int, Sq: int) -> bool:
+    return PACK_GQA and r > 1 and Sq <= TILE_M
+
 __all__ = ["fp8_attention_forward", "fp8_attention_varlen_forward", "attention_fp8_varlen_op", "packed_prepass",
            "attention_fp8_forward_op", "attention_fp8_qkv_op", "attention_fp8_q_op", "permute_v_keys",
            "compile_only", "build_kernel", "attention_prepass_k_op", "attention_prepass_v_op",
@@ -199,11 +214,10 @@ def _forward(q, q_scale, k, k_scale, v_t, v_scale, causal: bool, softmax_scale: 
         lse.fill_(-math.inf)
         return out, lse
     r = H // Hkv
-    pack = PACK_GQA and r > 1 and Sq <= TILE_M
+    pack = _packs_gqa(r, Sq)
     # packed: q, out, lse of the r query heads of a KV head are one contiguous run of r * Sq rows
     qh, rows = (Hkv, r * Sq) if pack else (H, Sq)
-    split = SPLIT_KV or (SPLIT_KV_DECODE and Sq <= DECODE_MAX_SQ)
-    splits = num_splits(-(-rows // TILE_M) * qh * B, -(-Sk // TILE_N)) if split else 1
+    splits = kv_splits(B, H, Hkv, Sq, Sk)
     fn = _kernel(D, causal, out_dtype, pack, splits > 1, v_keys_permuted, OVERLAP, PINGPONG,
                  _num_sms(q.device) if PERSISTENT else 0, TWO_LEVEL_PV, CONSUMER_WGS, SKIP_UNIT_RESCALE)
     o_dst, l_dst = out, lse
