@@ -3,6 +3,7 @@ against bf16 cuBLAS on the Llama-3-8B projections: GPU time of a CUDA graph, wei
 L2 as in ``bench decode``.
 
     python benchmarks/weight_only_sweep.py [--fmt nvfp4|fp8] [--ms 1,4,16] [--splits 1,2,4,8] [--max-stages 8]
+        [--ctas-per-sm 2] [--warp-mma-max 8]
 """
 
 from __future__ import annotations
@@ -26,7 +27,15 @@ def main():
     p.add_argument("--splits", default="1,2,4,8")
     p.add_argument("--fmt", default="nvfp4", choices=("nvfp4", "fp8"))
     p.add_argument("--max-stages", type=int, default=None, help="override the ring depth cap")
+    p.add_argument("--ctas-per-sm", type=int, default=None, help="override the resident CTAs per SM at tile_m <= 32")
+    p.add_argument("--warp-mma-max", type=int, default=None, help="override the widest tile_m on mma.sync (0: none)")
     args = p.parse_args()
+    if args.warp_mma_max is not None:
+        wo.WARP_MMA_MAX_TILE_M = args.warp_mma_max
+        wo.compile_kernel.cache_clear()
+    if args.ctas_per_sm is not None:
+        wo.ctas_per_sm = lambda tile_m, c=args.ctas_per_sm: c if tile_m <= 32 else 1
+        wo.compile_kernel.cache_clear()
     if args.max_stages is not None:
         wo._MAX_STAGES = args.max_stages
         wo.compile_kernel.cache_clear()

@@ -128,16 +128,22 @@ def _shipped():
 @needs_cutlass
 @pytest.mark.parametrize("fmt,tile_m,splits", _shipped())
 def test_compile_sm90(fmt, tile_m, splits):
-    from lowprec.gemm.sm90.weight_only_interface import build_kernel
+    from lowprec.gemm.sm90.weight_only_interface import build_kernel, warp_mma_for
     from lowprec.runtime.compile import local_memory_ops, nvdisasm_path, sass_of
 
     compiled = build_kernel(fmt, tile_m, splits)
     if nvdisasm_path() is None:
         pytest.skip("nvdisasm not found: compiled, SASS not checked")
     sass = sass_of(compiled)
-    assert sass.count("HGMMA.64x") >= 4 and "F32.BF16" in sass, "expected bf16 wgmma with A from registers"
-    assert sass.count("HMUL2.BF16") >= 32, "expected one bf16x2 scale multiply per A register"
-    assert sass.count("LDS.128") >= 3, "expected 16-byte shared loads of the codes and scales"
+    if warp_mma_for(fmt, tile_m):  # one chunk per loop trip: 4 k-steps of mma.sync, x by ldmatrix
+        assert sass.count("HMMA.16816.F32.BF16") >= 4 and "HGMMA" not in sass, "expected bf16 mma.sync"
+        assert sass.count("LDSM.16.M88") >= 4, "expected ldmatrix loads of the x fragments"
+        assert sass.count("HMUL2.BF16") >= 16, "expected one bf16x2 scale multiply per A register"
+        assert "LDS.128" in sass, "expected 16-byte shared loads of the codes"
+    else:
+        assert sass.count("HGMMA.64x") >= 4 and "F32.BF16" in sass, "expected bf16 wgmma with A from registers"
+        assert sass.count("HMUL2.BF16") >= 32, "expected one bf16x2 scale multiply per A register"
+        assert sass.count("LDS.128") >= 3, "expected 16-byte shared loads of the codes and scales"
     assert "ACQBULK" in sass, "no griddepcontrol.wait: programmatic dependent launch is unsafe"
     if splits > 1:
         assert "UCGABAR_ARV" in sass and "UCGABAR_WAIT" in sass, "no cluster barrier before the split-K reduction"

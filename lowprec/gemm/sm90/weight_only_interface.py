@@ -10,13 +10,14 @@ import torch
 from ...runtime import ffi_entry, kernel_cache, on_device, sm_count
 from ..weight_only import CHUNK_BYTES, CHUNK_K, FP8_CHUNK_BYTES, ROW_BYTES, SPLITS, TILE_MS, PackedFP8, PackedNVFP4
 
-__all__ = ["SHIPPED", "FP8_TILE_MS", "choose_tile_m", "ctas_per_sm", "stages_for", "choose_split", "build_kernel",
-           "compile_kernel", "weight_only_nvfp4", "weight_only_fp8"]
+__all__ = ["SHIPPED", "FP8_TILE_MS", "choose_tile_m", "ctas_per_sm", "warp_mma_for", "stages_for", "choose_split",
+           "build_kernel", "compile_kernel", "weight_only_nvfp4", "weight_only_fp8"]
 
 ARCH = "sm_90a"
 _SMEM_PER_SM = 200 * 1024  # for the rings (the accumulator hand-off takes up to 32 KB more)
 _MAX_STAGES = 8
 _MIN_CHUNKS_PER_CTA = 4
+WARP_MMA_MAX_TILE_M = 8
 # FP8 keeps two chunk accumulators besides the sum (promotion): 64 tokens is its widest tile
 FP8_TILE_MS = tuple(t for t in TILE_MS if t <= 64)
 _CHUNK_BYTES = {"nvfp4": CHUNK_BYTES, "fp8": FP8_CHUNK_BYTES}
@@ -34,6 +35,11 @@ def ctas_per_sm(tile_m: int) -> int:
     """Resident CTAs per SM: 2 while the ``x`` tile is small (16 consumer warps per SM keep the
     weight stream going), 1 beyond (shared memory)."""
     return 2 if tile_m <= 32 else 1
+
+
+def warp_mma_for(fmt: str, tile_m: int) -> bool:
+    """NVFP4 at up to ``WARP_MMA_MAX_TILE_M`` tokens: the products on ``mma.sync`` (0: wgmma always)."""
+    return fmt == "nvfp4" and tile_m <= WARP_MMA_MAX_TILE_M
 
 
 def stages_for(fmt: str, tile_m: int) -> int:
@@ -70,7 +76,8 @@ def build_kernel(fmt: str, tile_m: int, splits: int, arch: str = ARCH):
     scale = make_fake_tensor(cutlass.Float32, (cute.sym_int(), cute.sym_int()), stride=(cute.sym_int64(), 1),
                              assumed_align=4)
     work = make_fake_tensor(cutlass.Float32, (cute.sym_int(),), stride=(1,), assumed_align=4)
-    kernel = WeightOnlySm90(fmt, tile_m, stages_for(fmt, tile_m), ctas_per_sm(tile_m), splits)
+    kernel = WeightOnlySm90(fmt, tile_m, stages_for(fmt, tile_m), ctas_per_sm(tile_m), splits,
+                            warp_mma_for(fmt, tile_m))
     return compile_for_arch(kernel, x, w, y, bias, scale, work, cutlass.Int32(0),
                             make_fake_stream(use_tvm_ffi_env_stream=True), arch=arch, tvm_ffi=True)
 
@@ -79,7 +86,8 @@ def build_kernel(fmt: str, tile_m: int, splits: int, arch: str = ARCH):
 def compile_kernel(fmt: str, tile_m: int, splits: int, arch: str = ARCH):
     """The launchable kernel, compiled once per (fmt, tile_m, splits, arch) through the kernel cache."""
     return ffi_entry(kernel_cache.get(f"weight_only_{fmt}", {"tile_m": tile_m, "stages": stages_for(fmt, tile_m),
-                                                             "ctas_per_sm": ctas_per_sm(tile_m), "splits": splits},
+                                                             "ctas_per_sm": ctas_per_sm(tile_m), "splits": splits,
+                                                             "warp_mma": warp_mma_for(fmt, tile_m)},
                                       arch, lambda: build_kernel(fmt, tile_m, splits, arch)))
 
 
