@@ -4,8 +4,9 @@ back-to-back calls, weights cycled past L2) as the chunks per CTA and the CTAs p
     python benchmarks/weight_only_latency.py [--fmt nvfp4|fp8]
 
 Rows:
-- K sweep at N = 4096, one split: each CTA walks K / 128 chunks one after another, 64 CTAs (one
-  per SM), so the slope is one chunk's serial time per CTA;
+- K sweep at N = 4096, one and two splits: each CTA walks K / 128 / splits chunks one after
+  another, 64 or 128 CTAs (at most one per SM), so the slope is one chunk's serial time per CTA
+  and the intercept the fixed cost of a call;
 - N sweep at K = 4096, one split: 32 chunks per CTA, 16..528 CTAs;
 - split sweep at 4096 x 4096;
 - ``chained``: each call's output is the next call's input (N = K), as consecutive layers of a
@@ -67,8 +68,9 @@ def main():
     p.add_argument("--fmt", default="nvfp4", choices=("nvfp4", "fp8"))
     args = p.parse_args()
     f = args.fmt
-    for k in (1024, 2048, 4096, 8192, 16384):
-        print(_time(f, 4096, k, 1, 1), flush=True)
+    for splits in (1, 2):
+        for k in (256, 512, 1024, 2048, 4096, 8192, 16384):
+            print(_time(f, 4096, k, 1, splits), flush=True)
     for n in (1024, 2048, 4096, 8448, 16896, 33792):
         print(_time(f, n, 4096, 1, 1), flush=True)
     for s in (1, 2, 4, "auto"):
@@ -77,7 +79,7 @@ def main():
         print(_time(f, 4096, 4096, m, "auto"), flush=True)
         print(_time(f, 4096, 4096, m, "auto", chained=True), flush=True)
     default_stages = wo._MAX_STAGES
-    for stages in (2, 4, 16):
+    for stages in (4, 16):
         wo._MAX_STAGES = stages
         wo.compile_kernel.cache_clear()
         print(f"ring depth cap {stages}:")
