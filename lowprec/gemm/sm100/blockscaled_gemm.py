@@ -1,4 +1,4 @@
-"""Blackwell (sm_100a) block-scaled GEMM in CuTe DSL: minimal, one output tile per CTA.
+"""Blackwell (sm_100a) block-scaled GEMM in CuTe DSL: persistent, warp-specialized, 1-CTA or CTA pairs.
 
     D[m, n, l] = alpha * sum_k (A[m, k, l] * SFA[m, k // vec, l]) * (B[n, k, l] * SFB[n, k // vec, l])
                  (+ bias[n])
@@ -8,8 +8,9 @@ Formats (``GemmConfig.element_format``):
     "mxf4": A, B E2M1 (two per byte); scales E8M0, one per 32 K elements (``kind::mxf4``).
     "nvf4": A, B E2M1 (two per byte); scales E4M3, one per 16 K elements (``kind::mxf4nvf4``).
 
-Contract of ``__call__(a_ptr, b_ptr, sfa_ptr, sfb_ptr, d_ptr, alpha_ptr, bias_ptr, m, n, k, batch,
-stream)`` (global pointers, Int32 sizes; L = batch):
+Contract of ``__call__(a_ptr, b_ptr, sfa_ptr, sfb_ptr, d_ptr, alpha_ptr, bias_ptr, counts_ptr, m, n,
+k, batch, sm_count, stream)`` (global pointers, Int32 sizes; L = batch; ``counts`` [L] Int32 read
+only by masked configs):
     A [L, M, K] and B [L, N, K], K contiguous, K a positive multiple of the K tile (128 for mxf8, 256 for
     mxf4 and nvf4) and pointers 16-byte aligned. D [L, M, N] in ``GemmConfig.out_dtype``, N
     contiguous, N a multiple of 16, 32-byte aligned. ``alpha``: one FP32 (NVFP4's product of the
@@ -18,15 +19,18 @@ stream)`` (global pointers, Int32 sizes; L = batch):
     the 128x4 blocked layout of cuBLAS (``blockscaled_layout.tile_atom_to_shape_SF``):
     [L, ceil(M/128), K/vec/4, 32, 4, 4] bytes, padding rows included.
 
-Structure (128 threads, 4 warps):
-* warp 0 issues the TMA loads of A, B, SFA, SFB into a ``PipelineTmaUmma`` ring and, on the same
-  thread, the MMAs: per stage the scale factors go smem -> TMEM (``tcgen05.cp``, UTCCP), then 4
-  block-scaled MMAs accumulate into TMEM; ``tcgen05.commit`` frees the stage (UTCBAR).
-* TMEM columns: accumulator [0, tile_n), then SFA, then SFB.
-* epilogue (all 4 warps, warp w reads TMEM lanes 32w..32w+31 = rows of the tile): after the
-  accumulator pipeline (``PipelineUmmaAsync``) signals the last MMA, 16-column slices are
+Structure (192 threads; a grid of at most one CTA per SM walks the output tiles, M fastest):
+* warps 0-3, the epilogue: warp w reads TMEM lanes 32w..32w+31 (rows of the CTA's 128) once the
+  accumulator pipeline (``PipelineUmmaAsync``) signals a tile's last MMA; 16-column slices are
   loaded (``tcgen05.ld.32x32b``, LDTM), scaled by alpha, the bias added, converted to D's dtype
-  and stored straight to global memory.
+  and stored straight to global memory; then the accumulator is released to the next tile.
+* warp 4 (of the pair's leader CTA), the MMAs: per stage the scale factors go smem -> TMEM
+  (``tcgen05.cp``, UTCCP), then 4 block-scaled MMAs accumulate into TMEM; ``tcgen05.commit``
+  frees the stage (UTCBAR) in every CTA that loaded it.
+* warp 5, the TMA loads of A, B, SFA, SFB into a ``PipelineTmaUmma`` ring, running ahead across
+  tiles (a pair's 2-SM loads complete on the leader's barrier; two pairs per cluster share B
+  multicast).
+* TMEM columns: accumulator [0, tile_n), then SFA, then SFB; one accumulator buffer.
 """
 
 from __future__ import annotations
@@ -52,9 +56,9 @@ _THREADS = 128  # 4 warps: one per 32-lane quarter of TMEM
 _EPI_N = 16  # accumulator columns per epilogue slice: 16 fp32 registers, one 32-byte bf16 store
 _TMEM_ALLOC_BARRIER_ID = 1  # 0 is sync_threads
 _EPILOGUE_BARRIER_ID = 2
-# the pair kernel: 4 epilogue warps (TMEM lane quarters), then the MMA warp and the TMA warp
-_PAIR_MMA_WARP, _PAIR_TMA_WARP = 4, 5
-_PAIR_THREADS = 6 * 32
+# 4 epilogue warps (TMEM lane quarters), then the MMA warp and the TMA warp
+_MMA_WARP, _TMA_WARP = 4, 5
+_THREADS_WS = 6 * 32
 
 
 def _one_stage(staged):
@@ -82,10 +86,12 @@ class BlockScaledGemmSm100:
         self.mma_tiler = (config.tile_m, config.tile_n, config.tile_k)
         self.num_stages = config.stages
         self.num_tmem_cols = _tmem_columns(config.tile_n)
+        self.cta_group = config.cta_group
         self.pair = config.cta_group == 2
-        self.pairs = config.cluster_pairs  # pairs per cluster along M (they share B's loads)
-        self.cluster_mn = (2 * self.pairs, 1)
-        # the pair's SFB: a 1-CTA MMA view of the CTA's rows and N rounded up to the 128-row SF atom
+        self.pairs = config.cluster_pairs  # MMAs (CTAs or pairs) per cluster along M (they share B's loads)
+        self.ctas_per_cluster = self.cta_group * self.pairs
+        self.cluster_mn = (self.ctas_per_cluster, 1)
+        # SFB: a 1-CTA MMA view of the CTA's rows and N rounded up to the 128-row SF atom
         self.mma_tiler_sfb = (TILE_M, -(-config.tile_n // 128) * 128, config.tile_k)
 
     @cute.jit
@@ -103,7 +109,7 @@ class BlockScaledGemmSm100:
         n: cutlass.Int32,
         k: cutlass.Int32,
         batch: cutlass.Int32,
-        max_clusters: cutlass.Int32,  # the pair kernel's persistent grid: clusters of 2 CTAs in flight
+        sm_count: cutlass.Int32,  # the persistent grid's bound: one CTA per SM
         stream,
     ):
         k_al = cute.assume(k, divby=self.config.tile_k)
@@ -118,158 +124,14 @@ class BlockScaledGemmSm100:
         mSFA = cute.make_tensor(sfa_ptr, blockscaled_utils.tile_atom_to_shape_SF(mA.shape, self.sf_vec_size))
         mSFB = cute.make_tensor(sfb_ptr, blockscaled_utils.tile_atom_to_shape_SF(mB.shape, self.sf_vec_size))
 
-        if cutlass.const_expr(self.pair):
-            self._launch_pair(mA, mB, mSFA, mSFB, mD, mAlpha, mBias, m, n, batch, max_clusters, stream)
-            return
-        tiled_mma = self._tiled_mma(tcgen05.CtaGroup.ONE, self.mma_tiler[:2])
-        cluster_vmnk = cute.tiled_divide(cute.make_layout((1, 1, 1)), (tiled_mma.thr_id.shape,))
-        sA_staged, sB_staged, sSFA_staged, sSFB_staged = self._staged_layouts(tiled_mma)
+        self._launch(mA, mB, mSFA, mSFB, mD, mAlpha, mBias, mCounts, m, n, batch, sm_count, stream)
 
-        load_op = cpasync.CopyBulkTensorTileG2SOp(tcgen05.CtaGroup.ONE)
-        tma_a = cute.nvgpu.make_tiled_tma_atom_A(
-            load_op, mA, _one_stage(sA_staged), self.mma_tiler, tiled_mma, cluster_vmnk.shape)
-        tma_b = cute.nvgpu.make_tiled_tma_atom_B(
-            load_op, mB, _one_stage(sB_staged), self.mma_tiler, tiled_mma, cluster_vmnk.shape)
-        # scale factors travel as 16-bit TMA elements (a box row of 1-byte SFs is too narrow)
-        tma_sfa = cute.nvgpu.make_tiled_tma_atom_A(
-            load_op, mSFA, _one_stage(sSFA_staged), self.mma_tiler, tiled_mma, cluster_vmnk.shape,
-            internal_type=cutlass.Int16)
-        tma_sfb = cute.nvgpu.make_tiled_tma_atom_B(
-            load_op, mSFB, _one_stage(sSFB_staged), self.mma_tiler, tiled_mma, cluster_vmnk.shape,
-            internal_type=cutlass.Int16)
-        tx_bytes = self._stage_bytes(sA_staged, sB_staged, sSFA_staged, sSFB_staged)
-
-        grid = (cute.ceil_div(m, TILE_M), cute.ceil_div(n, self.config.tile_n), batch)
-        self.kernel(
-            tiled_mma, *tma_a, *tma_b, *tma_sfa, *tma_sfb, mD, mAlpha, mBias, mCounts, sA_staged, sB_staged,
-            sSFA_staged, sSFB_staged, tx_bytes,
-        ).launch(grid=grid, block=[_THREADS, 1, 1], cluster=(1, 1, 1), stream=stream)
-
-    @cute.kernel
-    def kernel(
-        self,
-        tiled_mma: cute.TiledMma,
-        tma_atom_a: cute.CopyAtom,
-        mA: cute.Tensor,
-        tma_atom_b: cute.CopyAtom,
-        mB: cute.Tensor,
-        tma_atom_sfa: cute.CopyAtom,
-        mSFA: cute.Tensor,
-        tma_atom_sfb: cute.CopyAtom,
-        mSFB: cute.Tensor,
-        mD: cute.Tensor,
-        mAlpha: cute.Tensor,
-        mBias: cute.Tensor,
-        mCounts: cute.Tensor,
-        sA_staged: cute.ComposedLayout,
-        sB_staged: cute.ComposedLayout,
-        sSFA_staged: cute.Layout,
-        sSFB_staged: cute.Layout,
-        tx_bytes: cutlass.Constexpr,
-    ):
-        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        tidx, _, _ = cute.arch.thread_idx()
-        tile_m, tile_n, tile_l = cute.arch.block_idx()
-
-        @cute.struct
-        class SharedStorage:
-            ab_mbar: cute.struct.MemRange[cutlass.Int64, self.num_stages * 2]
-            acc_mbar: cute.struct.MemRange[cutlass.Int64, 2]
-            tmem_base: cutlass.Int32
-
-        smem = SmemAllocator()
-        storage = smem.allocate(SharedStorage)
-        sA, sB, sSFA, sSFB = self._alloc_operands(smem, sA_staged, sB_staged, sSFA_staged, sSFB_staged)
-
-        # one thread (the elected lane of warp 0) produces and consumes the AB ring and produces
-        # the accumulator; all 128 threads consume the accumulator
-        mma_thread = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
-        ab_producer, ab_consumer = pipeline.PipelineTmaUmma.create(
-            num_stages=self.num_stages, producer_group=mma_thread, consumer_group=mma_thread, tx_count=tx_bytes,
-            barrier_storage=storage.ab_mbar.data_ptr(),
-        ).make_participants()
-        acc_producer, acc_consumer = pipeline.PipelineUmmaAsync.create(
-            num_stages=1, producer_group=mma_thread,
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, _THREADS),
-            barrier_storage=storage.acc_mbar.data_ptr(),
-        ).make_participants()
-
-        # this CTA's tiles: (bM|bN, bK, RestK)
-        tiler_mk = cute.slice_(self.mma_tiler, (None, 0, None))
-        tiler_nk = cute.slice_(self.mma_tiler, (0, None, None))
-        gA = cute.local_tile(mA, tiler_mk, (tile_m, None, tile_l))
-        gB = cute.local_tile(mB, tiler_nk, (tile_n, None, tile_l))
-        gSFA = cute.local_tile(mSFA, tiler_mk, (tile_m, None, tile_l))
-        gSFB = cute.local_tile(mSFB, tiler_nk, (tile_n, None, tile_l))
-        tiler_mn = cute.slice_(self.mma_tiler, (None, None, 0))
-        gD = cute.local_tile(mD, tiler_mn, (tile_m, tile_n, tile_l))
-        gBias = cute.local_tile(mBias, tiler_mn, (tile_m, tile_n, tile_l))
-        cD = cute.local_tile(cute.make_identity_tensor(mD.shape), tiler_mn, (tile_m, tile_n, tile_l))
-        k_tiles = cute.size(gA, mode=[2])
-        d_bound = mD.shape
-        if cutlass.const_expr(self.config.masked):  # rows past this batch's count: no K loop, no stores
-            rows = mCounts[tile_l]
-            k_tiles = cutlass.select_(tile_m * TILE_M < rows, k_tiles, 0)
-            d_bound = (rows, mD.shape[1], mD.shape[2])
-
-        thr_mma = tiled_mma.get_slice(0)
-        # TMA views: ((atom_v, rest_v), STAGE) in smem, ((atom_v, rest_v), RestK) in global
-        tAsA, tAgA = self._tma_partition(tma_atom_a, sA, thr_mma.partition_A(gA))
-        tBsB, tBgB = self._tma_partition(tma_atom_b, sB, thr_mma.partition_B(gB))
-        # SF views repeat each byte over its vector: drop those zero strides for the copies
-        tAsSFA, tAgSFA = self._tma_partition(tma_atom_sfa, sSFA, thr_mma.partition_A(gSFA))
-        tBsSFB, tBgSFB = self._tma_partition(tma_atom_sfb, sSFB, thr_mma.partition_B(gSFB))
-        tAsSFA, tAgSFA = cute.filter_zeros(tAsSFA), cute.filter_zeros(tAgSFA)
-        tBsSFB, tBgSFB = cute.filter_zeros(tBsSFB), cute.filter_zeros(tBgSFB)
-
-        tCrA = tiled_mma.make_fragment_A(sA)  # smem descriptors (MMA, MMA_M, MMA_K, STAGE)
-        tCrB = tiled_mma.make_fragment_B(sB)
-        acc_layout = tiled_mma.make_fragment_C(tiled_mma.partition_shape_C(self.mma_tiler[:2])).layout
-
-        tmem = TmemAllocator(
-            storage.tmem_base.ptr,
-            barrier_for_retrieve=pipeline.NamedBarrier(barrier_id=_TMEM_ALLOC_BARRIER_ID, num_threads=_THREADS),
-        )
-        tmem.allocate(self.num_tmem_cols)
-        tmem.wait_for_alloc()
-        acc_ptr = tmem.retrieve_ptr(cutlass.Float32)
-        tCtAcc = cute.make_tensor(acc_ptr, acc_layout)
-        tCtSFA, tCtSFB = self._sf_tmem(acc_ptr, tCtAcc, tiled_mma, sSFA_staged, sSFB_staged)
-        s2t_sfa, tCsSFA_s2t, tCtSFA_s2t = self._s2t_partition(sSFA, tCtSFA)
-        s2t_sfb, tCsSFB_s2t, tCtSFB_s2t = self._s2t_partition(sSFB, tCtSFB)
-
-        if warp_idx == 0:
-            acc_slot = acc_producer.acquire_and_advance()
-            tiled_mma.set(tcgen05.Field.ACCUMULATE, False)
-            # the pipeliner hoists the TMA of the next stages-2 K tiles ahead of this tile's MMAs
-            for _ in cutlass.range(k_tiles, prefetch_stages=self.num_stages - 2):
-                empty = ab_producer.acquire_and_advance()
-                for atom, src, dst in ((tma_atom_a, tAgA, tAsA), (tma_atom_b, tBgB, tBsB),
-                                       (tma_atom_sfa, tAgSFA, tAsSFA), (tma_atom_sfb, tBgSFB, tBsSFB)):
-                    cute.copy(atom, src[(None, empty.count)], dst[(None, empty.index)], tma_bar_ptr=empty.barrier)
-
-                full = ab_consumer.wait_and_advance()
-                cute.copy(s2t_sfa, tCsSFA_s2t[(None, None, None, None, full.index)], tCtSFA_s2t)
-                cute.copy(s2t_sfb, tCsSFB_s2t[(None, None, None, None, full.index)], tCtSFB_s2t)
-                for kb in cutlass.range(cute.size(tCrA, mode=[2]), unroll_full=True):
-                    tiled_mma.set(tcgen05.Field.SFA, tCtSFA[(None, None, kb)].iterator)
-                    tiled_mma.set(tcgen05.Field.SFB, tCtSFB[(None, None, kb)].iterator)
-                    cute.gemm(tiled_mma, tCtAcc, tCrA[(None, None, kb, full.index)],
-                              tCrB[(None, None, kb, full.index)], tCtAcc)
-                    tiled_mma.set(tcgen05.Field.ACCUMULATE, True)
-                full.release()  # tcgen05.commit: the stage is free once these MMAs have read it
-            acc_slot.commit()
-
-        self._epilogue(tidx, tCtAcc, gD, cD, d_bound, mAlpha[0], gBias, acc_consumer, tmem)
-        cute.arch.barrier()  # every warp's TMEM loads are done before the free
-        tmem.free(acc_ptr)
-
-    # ------------------------------------------------------------------ 2-CTA (cta_group::2)
     @cute.jit
-    def _launch_pair(self, mA, mB, mSFA, mSFB, mD, mAlpha, mBias, m, n, batch, max_clusters, stream):
-        """Host side of the pair kernel: 256-row MMAs over clusters of 2 CTAs along M, persistent (at
-        most ``max_clusters`` clusters walk the output tiles)."""
-        tiled_mma = self._tiled_mma(tcgen05.CtaGroup.TWO, self.mma_tiler[:2])
+    def _launch(self, mA, mB, mSFA, mSFB, mD, mAlpha, mBias, mCounts, m, n, batch, sm_count, stream):
+        """Host side: a persistent grid of at most ``sm_count`` CTAs (one per SM) in clusters of
+        ``ctas_per_cluster`` walks the output tiles."""
+        group = tcgen05.CtaGroup.TWO if cutlass.const_expr(self.pair) else tcgen05.CtaGroup.ONE
+        tiled_mma = self._tiled_mma(group, self.mma_tiler[:2])
         tiled_mma_sfb = self._tiled_mma(tcgen05.CtaGroup.ONE, self.mma_tiler_sfb[:2])
         cluster_mn = self.cluster_mn
         cluster_vmnk = cute.tiled_divide(cute.make_layout((*cluster_mn, 1)), (tiled_mma.thr_id.shape,))
@@ -283,23 +145,25 @@ class BlockScaledGemmSm100:
             op_a, mA, _one_stage(sA_staged), self.mma_tiler, tiled_mma, cluster_vmnk.shape)
         tma_b = cute.nvgpu.make_tiled_tma_atom_B(
             op_b, mB, _one_stage(sB_staged), self.mma_tiler, tiled_mma, cluster_vmnk.shape)
+        # scale factors travel as 16-bit TMA elements (a box row of 1-byte SFs is too narrow)
         tma_sfa = cute.nvgpu.make_tiled_tma_atom_A(
             op_a, mSFA, _one_stage(sSFA_staged), self.mma_tiler, tiled_mma, cluster_vmnk.shape,
             internal_type=cutlass.Int16)
         tma_sfb = cute.nvgpu.make_tiled_tma_atom_B(
             op_sfb, mSFB, _one_stage(sSFB_staged), self.mma_tiler_sfb, tiled_mma_sfb, cluster_sfb_vmnk.shape,
             internal_type=cutlass.Int16)
-        # the leader's full barrier counts both CTAs' bytes
-        tx_bytes = 2 * self._stage_bytes(sA_staged, sB_staged, sSFA_staged, sSFB_staged)
+        # the (leader's) full barrier counts every CTA of the MMA's bytes
+        tx_bytes = self.cta_group * self._stage_bytes(sA_staged, sB_staged, sSFA_staged, sSFB_staged)
         tiles = cute.ceil_div(m, self.mma_tiler[0] * self.pairs) * cute.ceil_div(n, self.config.tile_n) * batch
-        grid = (cutlass.min(tiles, max_clusters // self.pairs) * 2 * self.pairs, 1, 1)
-        self.kernel_pair(
-            tiled_mma, tiled_mma_sfb, *tma_a, *tma_b, *tma_sfa, *tma_sfb, mD, mAlpha, mBias, cluster_vmnk,
+        clusters = cutlass.min(tiles, sm_count // self.ctas_per_cluster)
+        self.kernel(
+            tiled_mma, tiled_mma_sfb, *tma_a, *tma_b, *tma_sfa, *tma_sfb, mD, mAlpha, mBias, mCounts, cluster_vmnk,
             cluster_sfb_vmnk, sA_staged, sB_staged, sSFA_staged, sSFB_staged, tx_bytes,
-        ).launch(grid=grid, block=[_PAIR_THREADS, 1, 1], cluster=(*cluster_mn, 1), stream=stream)
+        ).launch(grid=(clusters * self.ctas_per_cluster, 1, 1), block=[_THREADS_WS, 1, 1],
+                 cluster=(*cluster_mn, 1), stream=stream)
 
     @cute.kernel
-    def kernel_pair(
+    def kernel(
         self,
         tiled_mma: cute.TiledMma,
         tiled_mma_sfb: cute.TiledMma,
@@ -314,6 +178,7 @@ class BlockScaledGemmSm100:
         mD: cute.Tensor,
         mAlpha: cute.Tensor,
         mBias: cute.Tensor,
+        mCounts: cute.Tensor,
         cluster_vmnk: cute.Layout,
         cluster_sfb_vmnk: cute.Layout,
         sA_staged: cute.ComposedLayout,
@@ -324,14 +189,16 @@ class BlockScaledGemmSm100:
     ):
         """Persistent and warp-specialized: cluster c of the grid takes output tiles c, c + clusters,
         ... (M fastest). Per CTA: warps 0-3 store its 128 rows of each tile from its TMEM, warp
-        _PAIR_MMA_WARP of the leader (v = 0) moves the scale factors to TMEM and issues the 256-row
-        MMAs (their commits free both CTAs' stages), warp _PAIR_TMA_WARP loads the CTA's halves of
-        every stage (the 2-SM TMA completes on the leader's barrier). One accumulator buffer: a
-        tile's MMAs wait for the previous tile's stores, its loads run ahead."""
+        _MMA_WARP (of the pair's leader, v = 0) moves the scale factors to TMEM and issues the MMAs
+        (their commits free the stages of every CTA that loaded them), warp _TMA_WARP loads the
+        CTA's part of every stage (a pair's 2-SM TMA completes on the leader's barrier). One
+        accumulator buffer: a tile's MMAs wait for the previous tile's stores, its loads run ahead.
+        Masked (grouped) launches: an M tile past its batch's row count runs no K loop and stores
+        nothing (the commit of zero MMAs releases the epilogue at once)."""
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
-        v = bidx % 2
+        v = bidx % self.cta_group
         is_leader = v == 0
         rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
         coord_vmnk = cluster_vmnk.get_flat_coord(rank)
@@ -349,25 +216,25 @@ class BlockScaledGemmSm100:
         sA, sB, sSFA, sSFB = self._alloc_operands(smem, sA_staged, sB_staged, sSFA_staged, sSFB_staged)
 
         one = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
-        # a stage is free once every pair whose MMAs read it (B multicast: all of them) committed
+        # a stage is free once every MMA issuer whose MMAs read it (B multicast: all pairs) committed
         ab_pipe = pipeline.PipelineTmaUmma.create(
             num_stages=self.num_stages, producer_group=one,
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.pairs), tx_count=tx_bytes,
             barrier_storage=storage.ab_mbar.data_ptr(), cta_layout_vmnk=cluster_vmnk, defer_sync=True,
         )
-        # both CTAs' epilogue warps consume the accumulator
+        # the epilogue warps of every CTA of the MMA consume the accumulator
         acc_pipe = pipeline.PipelineUmmaAsync.create(
             num_stages=1, producer_group=one,
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 2 * _THREADS),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.cta_group * _THREADS),
             barrier_storage=storage.acc_mbar.data_ptr(), cta_layout_vmnk=cluster_vmnk, defer_sync=True,
         )
         # the epilogue warps allocate; the MMA warp retrieves the address too
-        tmem = TmemAllocator(
-            storage.tmem_base.ptr,
-            barrier_for_retrieve=pipeline.NamedBarrier(barrier_id=_TMEM_ALLOC_BARRIER_ID,
-                                                       num_threads=_THREADS + 32),
-            is_two_cta=True, two_cta_tmem_dealloc_mbar_ptr=storage.tmem_dealloc_mbar.ptr,
-        )
+        retrieve = pipeline.NamedBarrier(barrier_id=_TMEM_ALLOC_BARRIER_ID, num_threads=_THREADS + 32)
+        if cutlass.const_expr(self.pair):
+            tmem = TmemAllocator(storage.tmem_base.ptr, barrier_for_retrieve=retrieve, is_two_cta=True,
+                                 two_cta_tmem_dealloc_mbar_ptr=storage.tmem_dealloc_mbar.ptr)
+        else:
+            tmem = TmemAllocator(storage.tmem_base.ptr, barrier_for_retrieve=retrieve)
         pipeline_init_arrive(cluster_shape_mn=self.cluster_mn, is_relaxed=True)
 
         # (bM|bN, bK, RestM|RestN, RestK, RestL) views; a tile's slices are taken in the loops
@@ -385,16 +252,16 @@ class BlockScaledGemmSm100:
         tiles_m = cute.ceil_div(cute.size(gA, mode=[2]), self.pairs)
         tiles_n = cute.ceil_div(mD.shape[1], self.config.tile_n)
         tiles = tiles_m * tiles_n * cute.size(gA, mode=[4])
-        clusters = cute.arch.grid_dim()[0] // (2 * self.pairs)
-        first = bidx // (2 * self.pairs)
-        p = (bidx // 2) % self.pairs
+        clusters = cute.arch.grid_dim()[0] // self.ctas_per_cluster
+        first = bidx // self.ctas_per_cluster
+        p = (bidx // self.cta_group) % self.pairs
 
         tCrA = tiled_mma.make_fragment_A(sA)
         tCrB = tiled_mma.make_fragment_B(sB)
         acc_layout = tiled_mma.make_fragment_C(tiled_mma.partition_shape_C(self.mma_tiler[:2])).layout
         pipeline_init_wait(cluster_shape_mn=self.cluster_mn)
 
-        if warp_idx == _PAIR_TMA_WARP:  # both CTAs: their halves of every stage
+        if warp_idx == _TMA_WARP:  # every CTA: its part of every stage
             a_layout = cute.make_layout(cute.slice_(cluster_vmnk, (0, 0, None, 0)).shape)
             b_layout = cute.make_layout(cute.slice_(cluster_vmnk, (0, None, 0, 0)).shape)
             sfb_layout = cute.make_layout(cute.slice_(cluster_sfb_vmnk, (0, None, 0, 0)).shape)
@@ -404,31 +271,36 @@ class BlockScaledGemmSm100:
                                                  a_layout)
             tBsSFB, tBgSFB = self._tma_partition(tma_atom_sfb, sSFB, thr_mma_sfb.partition_B(gSFB),
                                                  coord_sfb_vmnk[1], sfb_layout)
+            # SF views repeat each byte over its vector: drop those zero strides for the copies
             tAsSFA, tAgSFA = cute.filter_zeros(tAsSFA), cute.filter_zeros(tAgSFA)
             tBsSFB, tBgSFB = cute.filter_zeros(tBsSFB), cute.filter_zeros(tBgSFB)
-            # the 2-SM loads complete on the leader's barrier: the masks name the CTAs it counts
-            mask_a = cpasync.create_tma_multicast_mask(cluster_vmnk, coord_vmnk, mcast_mode=2)
-            mask_b = cpasync.create_tma_multicast_mask(cluster_vmnk, coord_vmnk, mcast_mode=1)
-            mask_sfb = cpasync.create_tma_multicast_mask(cluster_sfb_vmnk, coord_sfb_vmnk, mcast_mode=1)
+            masks = ({}, {}, {}, {})  # per copy of A, B, SFA, SFB
+            if cutlass.const_expr(self.pair):
+                # the 2-SM loads complete on the leader's barrier: the masks name the CTAs it counts
+                mask_a = cpasync.create_tma_multicast_mask(cluster_vmnk, coord_vmnk, mcast_mode=2)
+                mask_b = cpasync.create_tma_multicast_mask(cluster_vmnk, coord_vmnk, mcast_mode=1)
+                mask_sfb = cpasync.create_tma_multicast_mask(cluster_sfb_vmnk, coord_sfb_vmnk, mcast_mode=1)
+                masks = ({"mcast_mask": mask_a}, {"mcast_mask": mask_b}, {"mcast_mask": mask_a},
+                         {"mcast_mask": mask_sfb})
             state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
             for t in cutlass.range(first, tiles, clusters, unroll=1):
                 tm, tn, tl = self._tile_coord(t, tiles_m, tiles_n)
                 tm = tm * self.pairs + p
-                for k_tile in cutlass.range(k_tiles, unroll=1):
+                for k_tile in cutlass.range(self._k_count(mCounts, tm, tl, k_tiles), unroll=1):
                     ab_pipe.producer_acquire(state)
                     bar = ab_pipe.producer_get_barrier(state)
                     cute.copy(tma_atom_a, tAgA[(None, tm, k_tile, tl)], tAsA[(None, state.index)], tma_bar_ptr=bar,
-                              mcast_mask=mask_a)
+                              **masks[0])
                     cute.copy(tma_atom_b, tBgB[(None, tn, k_tile, tl)], tBsB[(None, state.index)], tma_bar_ptr=bar,
-                              mcast_mask=mask_b)
+                              **masks[1])
                     cute.copy(tma_atom_sfa, tAgSFA[(None, tm, k_tile, tl)], tAsSFA[(None, state.index)],
-                              tma_bar_ptr=bar, mcast_mask=mask_a)
+                              tma_bar_ptr=bar, **masks[2])
                     cute.copy(tma_atom_sfb, tBgSFB[(None, tn, k_tile, tl)], tBsSFB[(None, state.index)],
-                              tma_bar_ptr=bar, mcast_mask=mask_sfb)
+                              tma_bar_ptr=bar, **masks[3])
                     state.advance()
-            # the leader's MMAs still read this CTA's stages: wait until they are all released
+            # the (leader's) MMAs still read this CTA's stages: wait until they are all released
             ab_pipe.producer_tail(state)
-        if warp_idx == _PAIR_MMA_WARP:
+        if warp_idx == _MMA_WARP:
             tmem.wait_for_alloc()
             acc_ptr = tmem.retrieve_ptr(cutlass.Float32)
             if is_leader:
@@ -438,10 +310,11 @@ class BlockScaledGemmSm100:
                 s2t_sfb, tCsSFB_s2t, tCtSFB_s2t = self._s2t_partition(sSFB, tCtSFB)
                 acc_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
                 read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
-                for _ in cutlass.range(first, tiles, clusters, unroll=1):
+                for t in cutlass.range(first, tiles, clusters, unroll=1):
+                    tm, tn, tl = self._tile_coord(t, tiles_m, tiles_n)
                     acc_pipe.producer_acquire(acc_state)  # the previous tile's rows are stored
                     tiled_mma.set(tcgen05.Field.ACCUMULATE, False)
-                    for _ in cutlass.range(k_tiles, unroll=1):
+                    for _ in cutlass.range(self._k_count(mCounts, tm * self.pairs + p, tl, k_tiles), unroll=1):
                         ab_pipe.consumer_wait(read)
                         cute.copy(s2t_sfa, tCsSFA_s2t[(None, None, None, None, read.index)], tCtSFA_s2t)
                         cute.copy(s2t_sfb, tCsSFB_s2t[(None, None, None, None, read.index)], tCtSFB_s2t)
@@ -451,12 +324,12 @@ class BlockScaledGemmSm100:
                             cute.gemm(tiled_mma, tCtAcc, tCrA[(None, None, kb, read.index)],
                                       tCrB[(None, None, kb, read.index)], tCtAcc)
                             tiled_mma.set(tcgen05.Field.ACCUMULATE, True)
-                        ab_pipe.consumer_release(read)  # commit to both CTAs' empty barriers
+                        ab_pipe.consumer_release(read)  # commit to the empty barriers of the stage's loaders
                         read.advance()
-                    acc_pipe.producer_commit(acc_state)  # commit to both CTAs' accumulator barriers
+                    acc_pipe.producer_commit(acc_state)  # commit to every CTA's accumulator barrier
                     acc_state.advance()
                 acc_pipe.producer_tail(acc_state)
-        if warp_idx < _PAIR_MMA_WARP:  # the epilogue warps: TMEM lane quarters 0-3
+        if warp_idx < _MMA_WARP:  # the epilogue warps: TMEM lane quarters 0-3
             tmem.allocate(self.num_tmem_cols)
             tmem.wait_for_alloc()
             acc_ptr = tmem.retrieve_ptr(cutlass.Float32)
@@ -467,19 +340,29 @@ class BlockScaledGemmSm100:
             for t in cutlass.range(first, tiles, clusters, unroll=1):
                 tm, tn, tl = self._tile_coord(t, tiles_m, tiles_n)
                 tm = tm * self.pairs + p
-                # this CTA's 128 rows of the pair's 256-row output tile
+                # this CTA's 128 rows of the MMA's output tile
                 gD = thr_mma.partition_C(cute.local_tile(mD, tiler_mn, (tm, tn, tl)))[((None, None), 0, 0)]
                 gBias = thr_mma.partition_C(cute.local_tile(mBias, tiler_mn, (tm, tn, tl)))[((None, None), 0, 0)]
                 cD = thr_mma.partition_C(cute.local_tile(cute.make_identity_tensor(mD.shape), tiler_mn,
                                                          (tm, tn, tl)))[((None, None), 0, 0)]
+                d_bound = mD.shape
+                if cutlass.const_expr(self.config.masked):  # no row past this batch's count
+                    d_bound = (mCounts[tl], mD.shape[1], mD.shape[2])
                 acc_pipe.consumer_wait(acc_state)
-                self._store_tile(tidx, tCtAcc, gD, cD, mD.shape, alpha, gBias)
+                self._store_tile(tidx, tCtAcc, gD, cD, d_bound, alpha, gBias)
                 cute.arch.fence_view_async_tmem_load()  # the loads are done before the MMAs may overwrite
                 acc_pipe.consumer_release(acc_state)
                 acc_state.advance()
             tmem.relinquish_alloc_permit()
             pipeline.NamedBarrier(barrier_id=_EPILOGUE_BARRIER_ID, num_threads=_THREADS).arrive_and_wait()
             tmem.free(acc_ptr)
+
+    @cute.jit
+    def _k_count(self, mCounts, tm, tl, k_tiles):
+        """K tiles of output tile (tm, ·, tl): none for an M tile past its batch's count (masked)."""
+        if cutlass.const_expr(self.config.masked):
+            return cutlass.select_(tm * TILE_M < mCounts[tl], k_tiles, 0)
+        return k_tiles
 
     @cute.jit
     def _tile_coord(self, t, tiles_m, tiles_n):
@@ -550,16 +433,6 @@ class BlockScaledGemmSm100:
         thr = tiled.get_slice(0)
         src = tcgen05.get_s2t_smem_desc_tensor(tiled, thr.partition_S(cute.filter_zeros(sSF)))
         return tiled, src, thr.partition_D(tCtSF_compact)
-
-    @cute.jit
-    def _epilogue(self, tidx, tCtAcc: cute.Tensor, gD: cute.Tensor, cD: cute.Tensor, d_shape, alpha,
-                  gBias: cute.Tensor, acc_consumer, tmem: TmemAllocator):
-        """TMEM -> registers -> ``alpha * acc (+ bias)`` -> D's dtype -> global, ``_EPI_N`` columns at
-        a time; ``cD`` holds the (m, n, l) coordinates of ``gD``, stores past ``d_shape`` are skipped."""
-        tmem.relinquish_alloc_permit()
-        acc_full = acc_consumer.wait_and_advance()
-        self._store_tile(tidx, tCtAcc, gD, cD, d_shape, alpha, gBias)
-        acc_full.release()
 
     @cute.jit
     def _store_tile(self, tidx, tCtAcc: cute.Tensor, gD: cute.Tensor, cD: cute.Tensor, d_shape, alpha,

@@ -40,7 +40,7 @@ def build_kernel(config, arch: str = ARCH):
     sfa, sfb = fake_ptr(kernel.sf_dtype, 16), fake_ptr(kernel.sf_dtype, 16)
     d = fake_ptr(kernel.d_dtype, 32)
     alpha, bias, counts = fake_ptr(cutlass.Float32, 4), fake_ptr(cutlass.Float32, 16), fake_ptr(cutlass.Int32, 4)
-    sizes = [cutlass.Int32(0)] * 5  # m, n, k, l, max_clusters: dynamic
+    sizes = [cutlass.Int32(0)] * 5  # m, n, k, l, sm_count: dynamic
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=False)
     return compile_for_arch(kernel, a, b, sfa, sfb, d, alpha, bias, counts, *sizes, stream, arch=arch, tvm_ffi=False)
 
@@ -138,7 +138,7 @@ def _launch(a, b, out_dtype, bias, config: GemmConfig, counts: torch.Tensor | No
                                ptr(alpha, cutlass.Float32, 4), ptr(bias32, cutlass.Float32, 16),
                                ptr(counts32, cutlass.Int32, 4), cutlass.Int32(m),
                                cutlass.Int32(n), cutlass.Int32(k), cutlass.Int32(batch),
-                               cutlass.Int32(_sm_count(device) // 2), stream)
+                               cutlass.Int32(_sm_count(device)), stream)
     return d
 
 
