@@ -1,6 +1,7 @@
 # ruff: noqa: B023, E501  (scratch script: lambdas timed inside their own iteration)
 """Packed variable-length FP8 attention on the H100, one run: lowprec.attention_varlen(quant="fp8")
-(the packed pre-pass kernels + the varlen kernel), each part alone, the pre-pass in torch ops,
+(the packed pre-pass kernels + the varlen kernel; also with incoherent=True), each part alone, the
+pre-pass in torch ops (also incoherent, as the call ran it before session 29),
 and PyTorch's bf16 varlen flash attention
 (``aten._flash_attention_forward`` with cu_seqlens). do_bench medians (L2 flushed), eager calls,
 TFLOPS counting each sequence's own work (causal: half, bottom-right)."""
@@ -50,8 +51,11 @@ def main():
                 "lowprec fp8 kernel only": lambda: fp8_attention_varlen_forward(
                     x.q, x.q_scale, x.k, x.k_scale, x.v_t, x.v_scale, plan_f, total, mx, causal=causal,
                     softmax_scale=d ** -0.5, out_dtype=torch.bfloat16, v_keys_permuted=True),
+                "lowprec fp8 incoherent": lambda: lowprec.attention_varlen(q, k, v, cu, cu, mx, mx, causal=causal, quant="fp8",
+                                                                         incoherent=True),
                 "lowprec pre-pass kernels": lambda: packed_prepass(q, k, v, plan, mx, mx),
                 "pre-pass in torch ops": lambda: quantize_packed(q, k, v, cu, cu, permute_v_keys=True),
+                "incoherent pre-pass, torch": lambda: quantize_packed(q, k, v, cu, cu, incoherent=True, permute_v_keys=True),
                 "aten flash varlen bf16": lambda: torch.ops.aten._flash_attention_forward(
                     q, ke, ve, cu, cu, mx, mx, 0.0, causal, False, scale=d ** -0.5),
             }

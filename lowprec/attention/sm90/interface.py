@@ -327,17 +327,20 @@ def fp8_attention_varlen_forward(q, q_scale, k, k_scale, v_t, v_scale, plan, tot
 def attention_fp8_varlen_op(q, k, v, cu_q, cu_k, max_q: int, max_k: int, causal: bool, scale: float,
                             incoherent: bool):
     """``lowprec.attention_varlen(..., quant="fp8")`` on sm_90a: the sequence plan, the packed
-    pre-pass kernels (:func:`packed_prepass`; in torch ops, :func:`lowprec.attention.packed.quantize_packed`,
-    with ``incoherent`` or inputs they cannot read; Vᵀ's keys in the kernel's order) and the varlen
-    kernel; no host sync. Returns ``(out [total_q, H, D], lse [H, total_q] of the
-    smoothed scores, k_mean [B, Hkv, D])``."""
+    pre-pass kernels (:func:`packed_prepass`; with ``incoherent`` on Q and K rotated in FP32 by one
+    matmul each, as the torch pre-pass rotates them; in torch ops,
+    :func:`lowprec.attention.packed.quantize_packed`, for inputs the kernels cannot read; Vᵀ's keys
+    in the kernel's order) and the varlen kernel; no host sync. Returns ``(out [total_q, H, D],
+    lse [H, total_q] of the smoothed scores, k_mean [B, Hkv, D])``."""
     from ..packed import longest_first, quantize_packed, sequence_plan
+    from ..quantize import _rotate
 
     plan = sequence_plan(cu_q, cu_k, q.shape[0], k.shape[0])
-    if incoherent or packed_prepass_unsupported(q, k, v):  # the rotation: torch ops
+    qr, kr = (_rotate(q, True), _rotate(k, True)) if incoherent else (q, k)
+    if packed_prepass_unsupported(qr, kr, v):
         x = quantize_packed(q, k, v, cu_q, cu_k, incoherent=incoherent, permute_v_keys=True)
     else:
-        x = packed_prepass(q, k, v, plan, max_q, max_k)
+        x = packed_prepass(qr, kr, v, plan, max_q, max_k)
     out, lse = fp8_attention_varlen_forward(x.q, x.q_scale, x.k, x.k_scale, x.v_t, x.v_scale, longest_first(plan),
                                             q.shape[0], max_q, causal=causal, softmax_scale=scale, out_dtype=q.dtype,
                                             v_keys_permuted=True)
