@@ -267,15 +267,7 @@ class WeightOnlySm90:
         words = cute.recast_ptr(sW.iterator, dtype=cutlass.Int32)
         chunk_words = self.chunk_bytes // 4
         if cutlass.const_expr(self.fmt == "nvfp4"):
-            # per stage: the thread's 16-byte code record of this warpgroup's k-steps and the 8
-            # bytes of its quad's scale record that cover them
-            sCodes = cute.make_tensor(words, cute.make_layout((4, 2, self.wg_threads, self.stages),
-                                                              stride=(1, 4 * self.wg_threads, 4, chunk_words)))
-            sScales = cute.make_tensor(words + CODE_BYTES // 4, cute.make_layout(
-                (2, 2, self.wg_threads // 4, self.stages), stride=(1, 2, 4, chunk_words)))
-            codes = cute.make_rmem_tensor((4,), cutlass.Int32)
-            scw = cute.make_rmem_tensor((2,), cutlass.Int32)
-            frags = (tCrA_w, tCrB, a_words, codes, scw, sCodes, sScales, None, None, None)
+            frags = (tCrA_w, tCrB, a_words, *self._nvfp4_views(sW), None, None, None)
         else:
             # per stage: the thread's 32 bytes of codes of this warpgroup's k-steps
             sCodes = cute.make_tensor(words, cute.make_layout((8, 2, self.wg_threads, self.stages),
@@ -305,6 +297,17 @@ class WeightOnlySm90:
         ring.release(done)
         return acc
 
+    def _nvfp4_views(self, sW):
+        """NVFP4 per stage: the thread's 16-byte code record of its warpgroup's k-steps and the 8
+        bytes of its quad's scale record that cover them (smem views), and their registers."""
+        words = cute.recast_ptr(sW.iterator, dtype=cutlass.Int32)
+        chunk_words = self.chunk_bytes // 4
+        sCodes = cute.make_tensor(words, cute.make_layout((4, 2, self.wg_threads, self.stages),
+                                                          stride=(1, 4 * self.wg_threads, 4, chunk_words)))
+        sScales = cute.make_tensor(words + CODE_BYTES // 4, cute.make_layout(
+            (2, 2, self.wg_threads // 4, self.stages), stride=(1, 2, 4, chunk_words)))
+        return cute.make_rmem_tensor((4,), cutlass.Int32), cute.make_rmem_tensor((2,), cutlass.Int32), sCodes, sScales
+
     @cute.jit
     def _mainloop_warp(self, wg, t, mma, sX, sW, ring, kc_count):
         """NVFP4 on ``mma.sync``: per chunk, warpgroup ``wg`` reads its codes, scales and (ldmatrix)
@@ -323,14 +326,7 @@ class WeightOnlySm90:
         tCrA_w = cute.make_tensor(cute.recast_ptr(a_words.iterator, dtype=cutlass.BFloat16), tCrA.layout)
         acc = cute.make_rmem_tensor(thr.partition_shape_C((TILE_N, self.tile_m)), cutlass.Float32)
         acc.fill(0.0)
-        words = cute.recast_ptr(sW.iterator, dtype=cutlass.Int32)
-        chunk_words = self.chunk_bytes // 4
-        sCodes = cute.make_tensor(words, cute.make_layout((4, 2, self.wg_threads, self.stages),
-                                                          stride=(1, 4 * self.wg_threads, 4, chunk_words)))
-        sScales = cute.make_tensor(words + CODE_BYTES // 4, cute.make_layout(
-            (2, 2, self.wg_threads // 4, self.stages), stride=(1, 2, 4, chunk_words)))
-        codes = cute.make_rmem_tensor((4,), cutlass.Int32)
-        scw = cute.make_rmem_tensor((2,), cutlass.Int32)
+        codes, scw, sCodes, sScales = self._nvfp4_views(sW)
         state = ring.consumer_state()
         for _ in cutlass.range(kc_count, unroll=1):
             ring.wait(state)
