@@ -1,0 +1,32 @@
+"""lowprec.blocks: block geometry and dequantization in plain torch (CPU)."""
+
+import pytest
+import torch
+
+import lowprec
+from lowprec.blocks import expand_scale, times_block_scales
+
+
+@pytest.mark.parametrize("shape, block", [((256, 512), (1, 128)), ((3, 256, 384), (128, 128)),
+                                          ((200, 300), (1, 128)), ((130, 256), (128, 128)), ((64, 96), (64, 96))])
+def test_block_scales_broadcast_as_the_expanded_grid(shape, block):
+    """Whole blocks (a broadcast view) and tails (the expanded grid) give the expanded grid's products."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(*shape, generator=g)
+    rows, cols = shape[-2:]
+    grid = torch.rand(*shape[:-2], -(-rows // block[0]), -(-cols // block[1]), generator=g) + 0.5
+    expected = q * expand_scale(grid, *block, rows, cols)
+    assert torch.equal(times_block_scales(q, grid, *block), expected)
+    # a grid without the leading dims (one scale grid for a batch) broadcasts over them
+    assert torch.equal(times_block_scales(q, grid[(0,) * (len(shape) - 2)], *block),
+                       q * expand_scale(grid[(0,) * (len(shape) - 2)], *block, rows, cols))
+
+
+@pytest.mark.parametrize("recipe", ["fp8_tensorwise", "fp8_rowwise", "fp8_block1x128", "fp8_block128x128", "mxfp8"])
+def test_dequantize_is_codes_times_scales(recipe):
+    """One FP32 scale per block: the FP32 product is the exact product rounded once."""
+    x = torch.randn(2, 256, 512, generator=torch.Generator().manual_seed(1)) * 3
+    qt = lowprec.quantize(x, recipe)
+    exact = qt.dequantize(torch.float64)
+    assert torch.equal(qt.dequantize(torch.float32), exact.float())  # every product fits FP32
+    assert torch.equal(qt.dequantize(torch.bfloat16), exact.float().bfloat16())
