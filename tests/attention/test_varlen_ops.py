@@ -7,16 +7,13 @@ import torch
 import lowprec
 from lowprec.attention.varlen_ops import attention_fp8_varlen, attention_fp8_varlen_call, packed_lse_correction
 
+from .test_varlen import _packed as packed_sequences
+
 LQ, LK = [5, 0, 130, 7, 3], [9, 4, 200, 0, 3]
 
 
-def _packed(h=4, hkv=2, d=32, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(sum(LQ), h, d, generator=g)
-    k = torch.randn(sum(LK), hkv, d, generator=g) + 1.0
-    v = torch.randn(sum(LK), hkv, d, generator=g)
-    cu = lambda lens: torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)  # noqa: E731
-    return q, k, v, cu(LQ), cu(LK)
+def _packed(**kwargs):
+    return packed_sequences(LQ, LK, **kwargs)
 
 
 @pytest.mark.parametrize("causal", [False, True])
