@@ -75,6 +75,7 @@ def kv_splits(B: int, H: int, Hkv: int, Sq: int, Sk: int, num_sms: int = _NUM_SM
 def _packs_gqa(r: int, Sq: int) -> bool:
     return PACK_GQA and r > 1 and Sq <= TILE_M
 
+
 __all__ = ["fp8_attention_forward", "fp8_attention_varlen_forward", "attention_fp8_varlen_op", "packed_prepass",
            "attention_fp8_forward_op", "attention_fp8_qkv_op", "attention_fp8_q_op", "permute_v_keys",
            "compile_only", "build_kernel", "attention_prepass_k_op", "attention_prepass_v_op",
