@@ -25,6 +25,7 @@ initial weights and batches; the losses go to the results JSON (and, with matplo
 
     python -m lowprec bench train [--sizes h1024,llama3-8b-2l] [--impls bf16,lowprec,...]
         [--weights bf16,fp32-autocast] [--modes eager,compiled] [--steps 20] [--train-steps 300]
+        [--min-weight-numel N]
 """
 
 from __future__ import annotations
@@ -217,6 +218,8 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--train-steps", type=int, default=0, help="then train the first size this many steps on "
                                                               "real text, bf16 vs lowprec (0: skip)")
+    p.add_argument("--min-weight-numel", type=int, default=None,
+                   help="lowprec.convert's threshold for the timed rows (default: convert's own; 0: every projection)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     for name, known in (("sizes", SIZES), ("impls", IMPLS), ("weights", WEIGHTS), ("modes", MODES)):
@@ -278,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
                         rows.append({**row, "note": f"missing: {reasons[impl]}"})
                         continue
                     try:
-                        model = make_model(c, impl, weights, base=base)
+                        model = make_model(c, impl, weights, base=base, min_weight_numel=args.min_weight_numel)
                         step = make_step(model, weights, compiled=mode == "compiled")
                         torch.cuda.reset_peak_memory_stats()
                         ms = bench_ms(functools.partial(step, tokens, targets), warmup=args.warmup, rep=args.steps)
@@ -304,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
                 [[r["size"], r["weights"], r["mode"], r["impl"], r.get("step_ms", "-"), r.get("x_bf16", "-"),
                   r.get("peak_gib", "-"), r.get("note", "")] for r in rows])
     payload = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows,
-               "sizes": {s: vars(SIZES[s]) for s in args.sizes}}
+               "sizes": {s: vars(SIZES[s]) for s in args.sizes}, "min_weight_numel": args.min_weight_numel}
     if args.train_steps:
         payload["text"] = train_on_text(SIZES[args.sizes[0]], args.train_steps)
         print(f"last-20 mean loss: {payload['text']['last20_mean']}, lowprec vs bf16 "
