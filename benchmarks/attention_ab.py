@@ -1,8 +1,9 @@
 # ruff: noqa: B023, E501  (scratch script: lambdas timed inside their own iteration)
 """Same-run A/B of one interface flag of the sm_90a FP8 attention kernel (kernel only, Vᵀ permuted
 as the fused call runs it), rounds interleaved, do_bench median with L2 flushed. Usage:
-    python benchmarks/attention_ab.py FLAG VALUE_A VALUE_B [--rounds N] [--decode] [--graph]
-e.g. ``PV_ROWSUM 0 1``. Prints ms per shape and value, and the ratio."""
+    python benchmarks/attention_ab.py FLAG VALUE_A VALUE_B [--rounds N] [--decode] [--graph] [--full]
+e.g. ``PV_ROWSUM 0 1``. Prints ms per shape and value, and the ratio. ``--full``: the whole
+``lowprec.attention(q, k, v, quant="fp8")`` call (pre-pass kernels and forward) instead of the kernel."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch
 from triton.testing import do_bench
 
 sys.path.insert(0, ".")
+import lowprec  # noqa: E402
 from lowprec.attention.sm90 import interface  # noqa: E402
 from lowprec.attention.sm90.interface import fp8_attention_forward, permute_v_keys  # noqa: E402
 from lowprec.bench.common import cuda_graph_replay  # noqa: E402
@@ -39,6 +41,8 @@ def main():
         out = torch.empty(B, H, Sq, D, device="cuda", dtype=torch.bfloat16)
         fn = functools.partial(fp8_attention_forward, qc, qs, kc, ks, vtp, vs, causal=causal, softmax_scale=D ** -0.5,
                                out_dtype=torch.bfloat16, out=out, v_keys_permuted=True)
+        if "--full" in sys.argv:
+            fn = functools.partial(lowprec.attention, q, k, v, causal=causal, quant="fp8")
         times = {a: [], b: []}
         for _ in range(rounds):
             for val in (a, b):

@@ -518,28 +518,42 @@ def test_kv_cache_call_is_the_composed_steps(case):
 
 @gpu
 @needs_gpu
+@pytest.mark.parametrize("q_in_kernel", [True, False], ids=["q-in-kernel", "q-prepass"])
 @pytest.mark.parametrize("case", [(2, 4, 4, 256, 384, 128, False, torch.bfloat16),
                                   (1, 8, 2, 100, 256, 64, True, torch.float16),
                                   (2, 4, 1, 128, 128, 256, True, torch.bfloat16),
-                                  (3, 8, 8, 1, 512, 128, True, torch.bfloat16)],
+                                  (3, 8, 8, 1, 512, 128, True, torch.bfloat16),
+                                  (1, 8, 8, 100, 256, 64, True, torch.float16),
+                                  (2, 4, 4, 384, 256, 256, True, torch.bfloat16),
+                                  (1, 8, 2, 640, 512, 128, True, torch.bfloat16)],
                          ids=_call_case_id)
-def test_fused_call_is_the_composed_steps(case):
+def test_fused_call_is_the_composed_steps(monkeypatch, case, q_in_kernel):
     """The one-pass host path of lowprec.attention (pre-pass + forward) gives the same bits as
     quantize_qkv followed by the forward kernel on Vᵀ with its keys permuted (which the fused
-    V pre-pass writes directly), and is what lowprec.attention runs."""
+    V pre-pass writes directly), and is what lowprec.attention runs; with the forward quantizing
+    Q itself (dense grids: the 128-row blocks' other halves read from other warpgroups' and
+    CTAs' rows) as with the Q pre-pass kernel."""
     import lowprec
     from lowprec.attention.quantize import quantize_qkv
-    from lowprec.attention.sm90.interface import attention_fp8_qkv_op, fp8_attention_forward, permute_v_keys
+    from lowprec.attention.sm90 import interface
     from lowprec.runtime import registry
 
+    monkeypatch.setattr(interface, "QUANTIZE_Q_IN_KERNEL", q_in_kernel)
     b, h, hkv, sq, sk, d, causal, dtype = case
     g = torch.Generator(device="cuda").manual_seed(7)
     q, k, v = (torch.randn(b, n, s, d, device="cuda", generator=g).to(dtype) + 0.5
                for n, s in ((h, sq), (hkv, sk), (hkv, sk)))
+    # outliers in some 64-row halves: a half's scale must come from its whole 128-row block
+    q[..., ::3 * 64, :] *= 8
     assert registry.why_no_kernel("attention_fp8_qkv", q.device, q, k, v, causal, 0.1) is None
-    out, lse, k_mean = attention_fp8_qkv_op(q, k, v, causal, 0.1)
+    dense_grid = not (h > hkv and sq <= 128) and interface.kv_splits(b, h, hkv, sq, sk) == 1  # no pack, no split
+    assert interface.quantizes_q(b, h, hkv, sq, sk) == (q_in_kernel and dense_grid)
+    out, lse, k_mean, q_scale = interface._attention_fp8_qkv(q, k, v, causal, 0.1)
     x = quantize_qkv(q, k, v)
-    out_c, lse_c = fp8_attention_forward(x.q, x.q_scale, x.k, x.k_scale, permute_v_keys(x.v_t), x.v_scale,
-                                         causal=causal, softmax_scale=0.1, out_dtype=dtype, v_keys_permuted=True)
+    out_c, lse_c = interface.fp8_attention_forward(x.q, x.q_scale, x.k, x.k_scale, interface.permute_v_keys(x.v_t),
+                                                   x.v_scale, causal=causal, softmax_scale=0.1, out_dtype=dtype,
+                                                   v_keys_permuted=True)
+    assert torch.equal(q_scale, x.q_scale)
     assert torch.equal(out, out_c) and torch.equal(lse, lse_c) and torch.equal(k_mean, x.k_mean)
     assert torch.equal(lowprec.attention(q, k, v, causal=causal, scale=0.1, quant="fp8"), out)
+    assert torch.equal(interface.attention_fp8_qkv_op(q, k, v, causal, 0.1)[0], out)

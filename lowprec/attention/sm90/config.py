@@ -42,8 +42,13 @@ class AttnConfig:
     skip_unit_rescale: bool = True  # in-MMA: a warp skips O *= alpha when every alpha of its rows is 1
     # packed variable-length sequences (``lowprec.attention.packed``): a sequence plan drives the grid
     varlen: bool = False
+    # Q given in the output dtype, quantized by each consumer warpgroup (its 64 rows, with the
+    # scale of their 128-row block): no Q pre-pass; dense grids only (no pack-GQA, split-KV, varlen)
+    quantize_q: bool = False
 
     def __post_init__(self):
+        if self.quantize_q and (self.pack_gqa or self.split_kv or self.varlen):
+            raise ValueError("quantize_q: dense grids only (no pack_gqa, split_kv or varlen)")
         # one key per generated kernel: overlap (and ping-pong, which needs it) only where it fits
         overlap = self.overlap and self.head_dim <= (OVERLAP_MAX_D if self.two_level_pv else OVERLAP_MAX_D_IN_MMA)
         wgs = 3 if self.consumer_wgs == 3 and self.head_dim <= 128 else 2
@@ -71,7 +76,7 @@ class AttnConfig:
         tags = [("serial", not self.overlap), ("pp", self.pingpong), ("pack", self.pack_gqa),
                 ("split", self.split_kv), ("persist", self.persistent), ("vperm", self.v_keys_permuted),
                 ("inmma", not self.two_level_pv), ("wg3", self.consumer_wgs == 3),
-                ("skip1", self.skip_unit_rescale), ("varlen", self.varlen)]
+                ("skip1", self.skip_unit_rescale), ("varlen", self.varlen), ("qk", self.quantize_q)]
         return f"d{self.head_dim}{'_causal' if self.causal else ''}_{self.out_dtype}" + "".join(
             f"_{t}" for t, on in tags if on)
 
@@ -88,6 +93,8 @@ def variant_configs() -> tuple[AttnConfig, ...]:
     for d in HEAD_DIMS:
         for c in (False, True):
             out.append(AttnConfig(d, c, v_keys_permuted=True))
+            for o in OUT_DTYPES:
+                out.append(AttnConfig(d, c, o, v_keys_permuted=True, quantize_q=True))
             out.append(AttnConfig(d, c, v_keys_permuted=True, varlen=True))
             out.append(AttnConfig(d, c, split_kv=True))
             out.append(AttnConfig(d, c, pack_gqa=True))

@@ -46,12 +46,15 @@ from cutlass.memory import SmemAllocator
 from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 from cutlass.tensor_utils import LayoutEnum
 
+from ...cute.fp8_block import scale_and_inverse
 from .config import P_SCALE, TILE_M, TILE_N, AttnConfig
 
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
 _LOG2_PSCALE = math.log2(P_SCALE)
 _SCHED_BAR = 2  # named barriers 2, 3: ping-pong turns of consumer warpgroups 0, 1
+_QUANT_BAR = 4  # named barriers 4..6: consumer warpgroup w's Q quantization (quantize_q)
+Q_VEC = 8  # Q values per 16-byte load of the in-kernel Q quantization
 _C_MIN = 1e-30  # floor of the score scale: a zero scale (all-zero block) must not make -inf * 0
 _NACC = 4  # independent accumulation chains of the row max / row sum (8: 2-4% slower, NOTES.md)
 
@@ -150,6 +153,10 @@ class FP8AttentionFwdSm90:
         # and their scales in the padded layout (each sequence from a multiple of 128 rows), O and
         # the LSE packed as FlashAttention's varlen
         self.varlen = config.varlen
+        # Q arrives in its float dtype (q's dtype is the output's) and each consumer warpgroup
+        # quantizes its own 64 rows into sQ with the Q pre-pass's recipe (one scale per 128 rows,
+        # written to q_scale): no Q pre-pass. Else Q comes in E4M3 by TMA.
+        self.quantize_q = config.quantize_q
         if self.split_kv:
             self.out_dtype = cutlass.Float32
 
@@ -179,10 +186,10 @@ class FP8AttentionFwdSm90:
     @cute.jit
     def __call__(
         self,
-        mQ_u8: cute.Tensor,  # (Sq, D, B*H) uint8 view of E4M3
+        mQ_u8: cute.Tensor,  # (Sq, D, B*H) uint8 view of E4M3; quantize_q: Q in the output dtype
         mK_u8: cute.Tensor,  # (Sk, D, B*Hkv)
         mVt_u8: cute.Tensor,  # (D, Sk_pad, B*Hkv)
-        mQS: cute.Tensor,  # (B*H, ceil(Sq/128)) fp32
+        mQS: cute.Tensor,  # (B*H, ceil(Sq/128)) fp32 (quantize_q: written)
         mKS: cute.Tensor,  # (B*Hkv, ceil(Sk/128)) fp32
         mVS: cute.Tensor,  # (B*Hkv, D) fp32
         mO: cute.Tensor,  # (Sq, D, B*H) out dtype
@@ -196,7 +203,7 @@ class FP8AttentionFwdSm90:
         stream,
     ):
         f8 = self.ab_dtype
-        mQ = cute.make_tensor(cute.recast_ptr(mQ_u8.iterator, dtype=f8), mQ_u8.layout)
+        mQ = mQ_u8 if self.quantize_q else cute.make_tensor(cute.recast_ptr(mQ_u8.iterator, dtype=f8), mQ_u8.layout)
         mK = cute.make_tensor(cute.recast_ptr(mK_u8.iterator, dtype=f8), mK_u8.layout)
         mVt = cute.make_tensor(cute.recast_ptr(mVt_u8.iterator, dtype=f8), mVt_u8.layout)
         d = self.head_dim
@@ -204,9 +211,12 @@ class FP8AttentionFwdSm90:
         sK_layout = self._smem_layout(self.tile_n, d, self.stages)
         sV_layout = self._smem_layout(d, self.tile_n, self.stages)
         g2s = cpasync.CopyBulkTensorTileG2SOp()
-        tma_q, tma_tensor_q = cpasync.make_tiled_tma_atom(g2s, mQ, sQ_layout, (self.tile_m, d))
         tma_k, tma_tensor_k = cpasync.make_tiled_tma_atom(
             g2s, mK, cute.slice_(sK_layout, (None, None, 0)), (self.tile_n, d))
+        if cutlass.const_expr(self.quantize_q):  # no Q load by TMA: K's atom stands in, unused
+            tma_q, tma_tensor_q = tma_k, mQ
+        else:
+            tma_q, tma_tensor_q = cpasync.make_tiled_tma_atom(g2s, mQ, sQ_layout, (self.tile_m, d))
         tma_v, tma_tensor_v = cpasync.make_tiled_tma_atom(
             g2s, mVt, cute.slice_(sV_layout, (None, None, 0)), (d, self.tile_n))
 
@@ -216,6 +226,7 @@ class FP8AttentionFwdSm90:
             mbar_k: cute.struct.MemRange[cutlass.Int64, self.stages * 2]
             mbar_v: cute.struct.MemRange[cutlass.Int64, self.stages * 2]
             sQ: cute.struct.Align[cute.struct.MemRange[f8, cute.cosize(sQ_layout)], 1024]
+            q_amax: cute.struct.MemRange[cutlass.Float32, 4 * self.num_mma_wg]  # quantize_q: per warp
             sK: cute.struct.Align[cute.struct.MemRange[f8, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[f8, cute.cosize(sV_layout)], 1024]
 
@@ -274,7 +285,8 @@ class FP8AttentionFwdSm90:
                 cute.size(mQ, mode=[2]) // heads, mPlan)
 
         if warp_idx == 0:
-            cpasync.prefetch_descriptor(tma_q)
+            if cutlass.const_expr(not self.quantize_q):
+                cpasync.prefetch_descriptor(tma_q)
             cpasync.prefetch_descriptor(tma_k)
             cpasync.prefetch_descriptor(tma_v)
 
@@ -325,7 +337,8 @@ class FP8AttentionFwdSm90:
             cute.arch.setmaxregister_increase(self.mma_regs)
             self._consumer(
                 tidx - self.threads_per_wg, mma_qk, mma_pv, sQ, sK, sV, pipe_q, pipe_k, pipe_v,
-                mQS, mKS, mVS, mO, mLSE, softmax_scale_log2, pack_r, dims,
+                mQS, mKS, mVS, mO, mLSE, softmax_scale_log2, pack_r, dims, (mQ, storage.q_amax.get_tensor(
+                    cute.make_layout(4 * self.num_mma_wg))),
             )
 
     # ------------------------------------------------------------------ tiles
@@ -420,18 +433,19 @@ class FP8AttentionFwdSm90:
             q_src = cute.domain_offset((seq[2], 0), q_src)
             k_src = cute.domain_offset((seq[3] * self.tile_n, 0), k_src)
             v_src = cute.domain_offset((0, seq[3] * self.tile_n), v_src)
-        gQ = cute.local_tile(q_src, (self.tile_m, d), (m_block, 0))
         gK = cute.local_tile(k_src, (self.tile_n, d), (None, 0))
         gV = cute.local_tile(v_src, (d, self.tile_n), (0, None))
-        tQsQ, tQgQ = cpasync.tma_partition(
-            tma_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
         tKsK, tKgK = cpasync.tma_partition(
             tma_k, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
         tVsV, tVgV = cpasync.tma_partition(
             tma_v, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
-        pipe_q.producer_acquire(q_state)
-        cute.copy(tma_q, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
-        q_state.advance()
+        if cutlass.const_expr(not self.quantize_q):
+            gQ = cute.local_tile(q_src, (self.tile_m, d), (m_block, 0))
+            tQsQ, tQgQ = cpasync.tma_partition(
+                tma_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
+            pipe_q.producer_acquire(q_state)
+            cute.copy(tma_q, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
+            q_state.advance()
         for n in cutlass.range(n_lo, n_max, unroll=1):
             pipe_k.producer_acquire(state)
             cute.copy(tma_k, tKgK[(None, n)], tKsK[(None, state.index)],
@@ -446,7 +460,7 @@ class FP8AttentionFwdSm90:
     @cute.jit
     def _consumer(
         self, mtidx, mma_qk: cute.TiledMma, mma_pv: cute.TiledMma, sQ, sK, sV,
-        pipe_q, pipe_k, pipe_v, mQS, mKS, mVS, mO, mLSE, softmax_scale_log2, pack_r, dims,
+        pipe_q, pipe_k, pipe_v, mQS, mKS, mVS, mO, mLSE, softmax_scale_log2, pack_r, dims, q_in,
     ):
         wg = mtidx // self.threads_per_wg
         # --- S = Q Kᵀ: operands from shared memory
@@ -500,7 +514,7 @@ class FP8AttentionFwdSm90:
         regs = (acc_s, blk, acc_o, p_words, row_l, col_l, quad, tOcO[0][1], shuf)
         qk = (qk_zero, qk_acc, acc_s, tSrQ, tSrK)
         pv = (pv_zero if self.two_level else pv_acc, pv_acc, pv_dst, tOrP_w, tOrV)
-        gm = (mQS, mKS, mVS, mO, mLSE, softmax_scale_log2, pack_r)
+        gm = (mQS, mKS, mVS, mO, mLSE, softmax_scale_log2, pack_r, (*q_in, sQ, mtidx % self.threads_per_wg))
         pipes = (pipe_q, pipe_k, pipe_v)
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
@@ -529,7 +543,7 @@ class FP8AttentionFwdSm90:
         seqlen_q, seqlen_k, q_row0, kb0, o_row0, vs_row = seq
         acc_s, blk, acc_o, p_words, row_l, col_l, quad, ocol_l, shuf = regs
         src_a, src_b, sender_odd, sel0, sel1 = shuf
-        mQS, mKS, mVS, mO, mLSE, softmax_scale_log2, pack_r = gm
+        mQS, mKS, mVS, mO, mLSE, softmax_scale_log2, pack_r, q_in = gm
         pipe_q, pipe_k, pipe_v = pipes
         n_blk = cute.size(acc_o[0])
         for ch in cutlass.range_constexpr(self.pv_chunks):
@@ -550,6 +564,12 @@ class FP8AttentionFwdSm90:
                 qsc[r] = mQS[(bh * pack_r + hh, 0)] * softmax_scale_log2
                 row_pos.append(rr - hh * pack_sq)
             causal_off = seqlen_k - pack_sq
+        elif cutlass.const_expr(self.quantize_q):
+            qs = self._quantize_q_rows(q_in, mQS, bh, m0, wg, seqlen_q) * softmax_scale_log2
+            qsc[0] = qs
+            qsc[1] = qs
+            row_pos = [m0 + row_l[0], m0 + row_l[1]]
+            causal_off = seqlen_k - seqlen_q
         else:
             # q scales per TILE_M rows: a warpgroup's 64 rows never straddle two
             q_blk = (m0 + 64 * wg) // TILE_M
@@ -561,7 +581,8 @@ class FP8AttentionFwdSm90:
             row_pos = [m0 + row_l[0], m0 + row_l[1]]
             causal_off = seqlen_k - seqlen_q
 
-        pipe_q.consumer_wait(q_state)
+        if cutlass.const_expr(not self.quantize_q):
+            pipe_q.consumer_wait(q_state)
         mask_args = (col_l, row_pos, seqlen_k, causal_off)
         alpha = cute.make_rmem_tensor((2,), cutlass.Float32)
         plain_serial = self.pv_chunks > 1 or (self.num_mma_wg == 3 and self.head_dim > 64)
@@ -659,7 +680,7 @@ class FP8AttentionFwdSm90:
                     self._p_to_frag_a(acc_s, p_words, src_a, src_b, sender_odd, sel0, sel1)
                     k_state.advance()
                     v_state.advance()
-                pipe_q.consumer_release(q_state)  # every S of the tile is done: Q may be reloaded
+                self._release_q(pipe_q, q_state)  # every S of the tile is done: Q may be reloaded
                 pipe_v.consumer_wait(v_state)
                 self._rescale(acc_o, alpha_prev, 0)
                 self._issue_pv(pv, 0, v_state.index)
@@ -668,9 +689,9 @@ class FP8AttentionFwdSm90:
                 self._accumulate(acc_o, blk, alpha_prev, 0)
                 v_state.advance()
             else:
-                pipe_q.consumer_release(q_state)
+                self._release_q(pipe_q, q_state)
         if cutlass.const_expr(not self.overlap):
-            pipe_q.consumer_release(q_state)
+            self._release_q(pipe_q, q_state)
         q_state.advance()
 
         # ---- epilogue: O = O_acc * v_scale / rowsum, LSE
@@ -734,6 +755,74 @@ class FP8AttentionFwdSm90:
                     if row < seqlen_q:
                         cute.autovec_copy(pair, cute.local_tile(o_head, (1, 2), (row, col // 2)))
         return q_state, k_state, v_state
+
+    @cute.jit
+    def _release_q(self, pipe_q, q_state):
+        if cutlass.const_expr(not self.quantize_q):  # else no producer fills sQ
+            pipe_q.consumer_release(q_state)
+
+    @cute.jit
+    def _quantize_q_rows(self, q_in, mQS, bh, m0, wg, seqlen_q):
+        """quantize_q: warpgroup ``wg``'s 64 query rows (from ``r0 = m0 + 64 wg``) of head ``bh`` from
+        the float Q into sQ as E4M3, with the scale the Q pre-pass gives their 128-row block (its
+        amax over 448, ``scale_and_inverse``; rows past Sq count as zeros, as the recipe's partial
+        last block). The block's other 64 rows belong to another warpgroup, maybe of another CTA:
+        they are read for the amax only (from L2 mostly: that warpgroup reads them too). Returns
+        the scale (the block's first half also writes it to ``mQS``). Threads move 16-byte runs of
+        8 values; the codes are fenced to the async proxy before the warpgroup's wgmma read them."""
+        mQ, q_amax, sQ, t = q_in
+        runs = self.head_dim // Q_VEC  # per row
+        per_thread = 64 * runs // self.threads_per_wg
+        r0 = m0 + 64 * wg
+        other = r0 ^ 64  # the block's other half
+        q_head = mQ[None, None, bh]
+        # the runs held at once: both halves at D <= 128; at D = 256 (O alone is 128 registers)
+        # 8 at a time (16 spilled), the own half read again to quantize it
+        held = cutlass.const_expr(2 * per_thread if per_thread <= 8 else 8)
+        amax = cutlass.Float32(0.0)
+        for c in cutlass.range_constexpr(2 * per_thread // held):
+            vals = self._load_q_runs(q_head, r0, other, t, c * held, held, per_thread, seqlen_q)
+            for i in cutlass.range_constexpr(held):
+                amax = cute.arch.fmax(amax, abs(vals[i].load().to(cutlass.Float32)).reduce(
+                    cute.ReductionOp.MAX, cutlass.Float32(0.0), 0))
+        amax = cute.arch.warp_reduction_max(amax)
+        if t % 32 == 0:
+            q_amax[4 * wg + t // 32] = amax
+        cute.arch.barrier(barrier_id=_QUANT_BAR + wg, number_of_threads=self.threads_per_wg)
+        amax = q_amax[4 * wg]
+        for w in cutlass.range_constexpr(1, 4):
+            amax = cute.arch.fmax(amax, q_amax[4 * wg + w])
+        scale, inv = scale_and_inverse(amax)
+        for c in cutlass.range_constexpr(per_thread // min(held, per_thread)):
+            first = c * min(held, per_thread)
+            if cutlass.const_expr(held < 2 * per_thread):
+                vals = self._load_q_runs(q_head, r0, other, t, first, held, per_thread, seqlen_q)
+            for i in cutlass.range_constexpr(min(held, per_thread)):
+                u = t + (first + i) * self.threads_per_wg
+                codes = cute.make_rmem_tensor((1, Q_VEC), self.ab_dtype)
+                codes.store((vals[i].load().to(cutlass.Float32) * inv).to(self.ab_dtype))
+                cute.autovec_copy(codes, cute.local_tile(sQ, (1, Q_VEC), (64 * wg + u // runs, u % runs)))
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.barrier(barrier_id=_QUANT_BAR + wg, number_of_threads=self.threads_per_wg)
+        if t == 0 and r0 % TILE_M == 0 and r0 < seqlen_q:
+            mQS[(bh, r0 // TILE_M)] = scale
+        return scale
+
+    @cute.jit
+    def _load_q_runs(self, q_head, r0, other, t, first: cutlass.Constexpr, count: cutlass.Constexpr,
+                     per_thread: cutlass.Constexpr, seqlen_q):
+        """Runs ``first .. first + count`` of the thread's ``2 per_thread`` (the own half's, then the
+        other half's), zeros past Sq."""
+        runs = self.head_dim // Q_VEC
+        vals = [cute.make_rmem_tensor((1, Q_VEC), q_head.element_type) for _ in range(count)]
+        for i in cutlass.range_constexpr(count):
+            j = first + i
+            u = t + (j % per_thread) * self.threads_per_wg
+            row = (r0 if j < per_thread else other) + u // runs
+            vals[i].fill(0)
+            if row < seqlen_q:
+                cute.autovec_copy(cute.local_tile(q_head, (1, Q_VEC), (row, u % runs)), vals[i])
+        return vals
 
     @cute.jit
     def _wait_pv_after(self, row_sum):

@@ -45,6 +45,9 @@ PERSISTENT = False  # persistent CTAs walking the tiles longest-first (unmeasure
 TWO_LEVEL_PV = True  # AttnConfig.two_level_pv of launched kernels
 CONSUMER_WGS = 3  # AttnConfig.consumer_wgs of launched kernels (3 where it applies: D <= 128)
 SKIP_UNIT_RESCALE = True  # AttnConfig.skip_unit_rescale of launched kernels
+# lowprec.attention(q, k, v, quant="fp8") on float q: the forward quantizes Q itself (the Q
+# pre-pass's bits) where its grid is dense (no pack-GQA, no split-KV), instead of a Q pre-pass kernel
+QUANTIZE_Q_IN_KERNEL = True
 _NUM_SMS = 132
 
 
@@ -106,6 +109,9 @@ def build_kernel(config: AttnConfig, arch: str = _ARCH_DEFAULT, tvm_ffi: bool | 
     bh, bhkv = cute.sym_int(), cute.sym_int()
     i64 = cute.sym_int64
     q = fake(cutlass.Uint8, (sq, d, bh), stride=(d, 1, i64(divisibility=16)), assumed_align=16)
+    if config.quantize_q:  # Q in the output dtype, quantized by the kernel
+        q = fake({"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}[config.out_dtype], (sq, d, bh),
+                 stride=(d, 1, i64(divisibility=8)), assumed_align=16)
     k = fake(cutlass.Uint8, (sk, d, bhkv), stride=(d, 1, i64(divisibility=16)), assumed_align=16)
     vt = fake(cutlass.Uint8, (d, skp, bhkv), stride=(i64(divisibility=16), 1, i64(divisibility=16)),
               assumed_align=16)
@@ -141,14 +147,14 @@ def _get_compiled(config: AttnConfig, arch: str = _ARCH_DEFAULT):
 @functools.cache
 def _kernel(d: int, causal: bool, out_dtype: torch.dtype, pack: bool, split: bool, v_keys_permuted: bool,
             overlap: bool, pingpong: bool, persistent_sms: int, two_level_pv: bool, consumer_wgs: int,
-            skip_unit_rescale: bool, varlen: bool = False):
+            skip_unit_rescale: bool, varlen: bool = False, quantize_q: bool = False):
     """The launched kernel of one call's parameters (and the interface flags; ``persistent_sms``
     0: not persistent): a lookup on plain values, no config object built per call."""
     return ffi_entry(_get_compiled(AttnConfig(d, causal, _OUT[out_dtype], overlap, pingpong, pack, split,
                                               persistent=persistent_sms > 0, num_sms=persistent_sms or _NUM_SMS,
                                               v_keys_permuted=v_keys_permuted, two_level_pv=two_level_pv,
                                               consumer_wgs=consumer_wgs, skip_unit_rescale=skip_unit_rescale,
-                                              varlen=varlen)))
+                                              varlen=varlen, quantize_q=quantize_q)))
 
 
 def compile_only(config: AttnConfig | None = None, arch: str = _ARCH_DEFAULT):
@@ -200,9 +206,10 @@ def fp8_attention_forward(q, q_scale, k, k_scale, v_t, v_scale, *, causal: bool,
 
 
 def _forward(q, q_scale, k, k_scale, v_t, v_scale, causal: bool, softmax_scale: float, out_dtype: torch.dtype,
-             out: torch.Tensor | None = None, v_keys_permuted: bool = False):
+             out: torch.Tensor | None = None, v_keys_permuted: bool = False, quantize_q: bool = False):
     """The launch of :func:`fp8_attention_forward` on valid operands, FP8 codes as uint8, on the
-    current device."""
+    current device. ``quantize_q``: ``q`` is the float Q (the output dtype), quantized by the kernel
+    as the Q pre-pass would (it writes ``q_scale``); the caller has checked :func:`quantizes_q`."""
     B, H, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
     if out is None:
@@ -215,12 +222,13 @@ def _forward(q, q_scale, k, k_scale, v_t, v_scale, causal: bool, softmax_scale: 
         lse.fill_(-math.inf)
         return out, lse
     r = H // Hkv
-    pack = _packs_gqa(r, Sq)
+    pack = _packs_gqa(r, Sq) and not quantize_q
     # packed: q, out, lse of the r query heads of a KV head are one contiguous run of r * Sq rows
     qh, rows = (Hkv, r * Sq) if pack else (H, Sq)
-    splits = kv_splits(B, H, Hkv, Sq, Sk)
+    splits = 1 if quantize_q else kv_splits(B, H, Hkv, Sq, Sk)
     fn = _kernel(D, causal, out_dtype, pack, splits > 1, v_keys_permuted, OVERLAP, PINGPONG,
-                 _num_sms(q.device) if PERSISTENT else 0, TWO_LEVEL_PV, CONSUMER_WGS, SKIP_UNIT_RESCALE)
+                 _num_sms(q.device) if PERSISTENT else 0, TWO_LEVEL_PV, CONSUMER_WGS, SKIP_UNIT_RESCALE,
+                 False, quantize_q)
     o_dst, l_dst = out, lse
     if splits > 1:
         o_dst = torch.empty(splits * B * qh, rows, D, dtype=torch.float32, device=q.device)
@@ -352,43 +360,60 @@ def attention_fp8_varlen_op(q, k, v, cu_q, cu_k, max_q: int, max_k: int, causal:
 def attention_fp8_qkv_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``lowprec.attention(q, k, v, quant="fp8")`` on sm_90a in one lean host pass: the pre-pass
-    (Q quantized per 128-token block, K smoothed and quantized, V quantized and transposed) and
-    the forward, the same kernels and bits as :func:`~lowprec.attention.quantize.quantize_qkv`
-    followed by :func:`fp8_attention_forward` on :func:`permute_v_keys` of its ``v_t`` (Vᵀ is
-    written in that order: P needs no shuffles), without their per-step dispatch, validation and
-    float8 views (the registry's constraints, ``config.qkv_unsupported``, hold). Returns
-    ``(out in q's dtype, lse FP32 of the smoothed scores, k_mean [B, Hkv, D] FP32)``."""
+    (K smoothed and quantized, V quantized and transposed, Q quantized per 128-token block by the
+    forward itself where :func:`quantizes_q`, else by a pre-pass kernel) and the forward: the same
+    bits as :func:`~lowprec.attention.quantize.quantize_qkv` followed by
+    :func:`fp8_attention_forward` on :func:`permute_v_keys` of its ``v_t`` (Vᵀ is written in that
+    order: P needs no shuffles), without their per-step dispatch, validation and float8 views (the
+    registry's constraints, ``config.qkv_unsupported``, hold). Returns ``(out in q's dtype, lse
+    FP32 of the smoothed scores, k_mean [B, Hkv, D] FP32)``."""
+    out, lse, k_mean, _ = _attention_fp8_qkv(q, k, v, causal, scale)
+    return out, lse, k_mean
+
+
+def quantizes_q(b: int, h: int, hkv: int, sq: int, sk: int) -> bool:
+    """Whether :func:`attention_fp8_qkv_op`'s forward quantizes Q itself (``QUANTIZE_Q_IN_KERNEL``
+    and a dense grid: no pack-GQA, no split-KV) instead of a Q pre-pass kernel."""
+    return QUANTIZE_Q_IN_KERNEL and not _packs_gqa(h // hkv, sq) and kv_splits(b, h, hkv, sq, sk) == 1
+
+
+def _attention_fp8_qkv(q, k, v, causal: bool, scale: float):
+    """:func:`attention_fp8_qkv_op`, also returning the Q scales (``[B, H, Sq/128]``, or ``[B, H, 1]``
+    for Sq < 128)."""
     b, h, sq, d = q.shape
     hkv, sk = k.shape[1], k.shape[2]
     dev = q.device
     u8, f32 = torch.uint8, torch.float32
+    quantize_q = quantizes_q(b, h, hkv, sq, sk)
     q_block = TILE_M if sq % TILE_M == 0 else sq
     sk_pad = -(-sk // V_PAD) * V_PAD
-    q_kernel = _q_prepass_kernel(q.dtype, q_block * d)
     # the codes of Q, K and Vᵀ in one buffer, their scales in another (fewer host ops per call)
-    nq, nk, nv = b * h * sq * d, b * hkv * sk * d, b * hkv * d * sk_pad
+    nq, nk, nv = 0 if quantize_q else b * h * sq * d, b * hkv * sk * d, b * hkv * d * sk_pad
     codes = torch.empty(nq + nk + nv, dtype=u8, device=dev)
-    q_codes = codes.as_strided((b, h, sq, d), (h * sq * d, sq * d, d, 1))
     k_codes = codes.as_strided((b, hkv, sk, d), (hkv * sk * d, sk * d, d, 1), nq)
     v_t = codes.as_strided((b, hkv, d, sk_pad), (hkv * d * sk_pad, d * sk_pad, sk_pad, 1), nq + nk)
     # the FP32 outputs and workspaces in one buffer, those the kernels read or write by 16 bytes
     # first: Vᵀ's scales, K's mean, the partials of K and of V, then the Q and K scales
-    nvs, nqs, nks = b * hkv * d, b * h * (sq // q_block), b * hkv * (sk // TILE_N)
+    q_scales = sq // q_block
+    nvs, nqs, nks = b * hkv * d, b * h * q_scales, b * hkv * (sk // TILE_N)
     npart = prepass_partials_numel(b * hkv, d)
     scales = torch.empty(2 * nvs + 2 * npart + nqs + nks, dtype=f32, device=dev)
     v_scale = scales.as_strided((b, hkv, d), (hkv * d, d, 1))
     k_mean = scales.as_strided((b, hkv, d), (hkv * d, d, 1), nvs)
     k_part, v_part = scales[2 * nvs:2 * nvs + npart], scales[2 * nvs + npart:2 * nvs + 2 * npart]
     q_off = 2 * nvs + 2 * npart
-    q_scale = scales.as_strided((b, h, sq // q_block), (h * (sq // q_block), sq // q_block, 1), q_off)
+    q_scale = scales.as_strided((b, h, q_scales), (h * q_scales, q_scales, 1), q_off)
     k_scale = scales.as_strided((b, hkv, sk // TILE_N), (hkv * (sk // TILE_N), sk // TILE_N, 1), q_off + nqs)
     with on_device(dev):
-        q_kernel(q.view(-1, q_block * d), q_codes.view(-1, q_block * d), q_scale.view(-1, 1))
+        if not quantize_q:
+            q_codes = codes.as_strided((b, h, sq, d), (h * sq * d, sq * d, d, 1))
+            _q_prepass_kernel(q.dtype, q_block * d)(q.view(-1, q_block * d), q_codes.view(-1, q_block * d),
+                                                    q_scale.view(-1, 1))
         _launch_prepass_k(k, k_codes, k_scale.view(-1, 1), k_mean.view(-1, d), k_part)
         _launch_prepass_v("v_perm", v, v_t.view(-1, sk_pad), v_scale.view(-1, d), v_part)
-        out, lse = _forward(q_codes, q_scale, k_codes, k_scale, v_t, v_scale, causal, scale, q.dtype,
-                            v_keys_permuted=True)
-    return out, lse, k_mean
+        out, lse = _forward(q if quantize_q else q_codes, q_scale, k_codes, k_scale, v_t, v_scale, causal, scale,
+                            q.dtype, v_keys_permuted=True, quantize_q=quantize_q)
+    return out, lse, k_mean, q_scale
 
 
 def attention_fp8_q_op(q: torch.Tensor, k: torch.Tensor, k_scale: torch.Tensor, v_t: torch.Tensor,
