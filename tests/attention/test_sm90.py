@@ -15,6 +15,7 @@ contract (CONTRACT.md).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 
@@ -59,6 +60,12 @@ def test_compiles_sm90a(config):
     assert local_memory_ops(sass) == 0
     if config.overlap:
         assert_softmax_under_pv(sass)
+    if config.quantize_q:  # Q by 16-byte loads, its codes into sQ by 8-byte stores, fenced; no Q TMA
+        runs = 64 * config.head_dim // 8 // 128  # per thread and half block
+        assert sass.count("LDG.E.128") >= 2 * runs and sass.count("STS.64") >= runs
+        assert "FENCE.VIEW.ASYNC.S" in sass
+        tma_q = sass_of(build_kernel(dataclasses.replace(config, quantize_q=False), "sm_90a", tvm_ffi=False))
+        assert sass.count("UTMALDG.3D") < tma_q.count("UTMALDG.3D")  # no Q box (d256: two)
 
 
 def assert_softmax_under_pv(sass: str):
@@ -121,6 +128,15 @@ def test_split_combine_compiles_sm90a(head_dim):
         pytest.skip("nvdisasm not found")
     sass = sass_of(compiled)
     assert "LDG.E.128" in sass and "MUFU.EX2" in sass and local_memory_ops(sass) == 0
+
+
+def test_quantize_q_configs():
+    from lowprec.attention.sm90.config import AttnConfig
+
+    assert str(AttnConfig(128, quantize_q=True)).endswith("_qk")
+    for flag in ("pack_gqa", "split_kv", "varlen"):
+        with pytest.raises(ValueError, match="quantize_q: dense grids only"):
+            AttnConfig(128, quantize_q=True, **{flag: True})
 
 
 def test_prepass_cluster_sizes():
