@@ -1,8 +1,12 @@
 # ruff: noqa: B023, E501
 """Timing of the FP8 attention pre-pass (K smoothed, V transposed, the whole qkv pre-pass) and the
 eager ``lowprec.attention(..., quant="fp8")`` call, do_bench median (L2 flushed), bf16 inputs.
-    python benchmarks/attention_prepass_timing.py [--pkg DIR] [--tag NAME]
-``--pkg DIR`` imports lowprec from DIR (an older tree, for an A/B in one run)."""
+    python benchmarks/attention_prepass_timing.py [--pkg DIR] [--tag NAME] [--ring-kb N,...]
+        [--target-ctas N,...]
+``--pkg DIR`` imports lowprec from DIR (an older tree, for an A/B in one run); ``--ring-kb`` /
+``--target-ctas``: time the K and V kernels with each ring size (``config.PREPASS_RING_BYTES``) /
+launch size the cluster rule aims at (``config.PREPASS_TARGET_CTAS``), rounds interleaved, bits
+compared."""
 
 from __future__ import annotations
 
@@ -27,7 +31,50 @@ SHAPES = [  # B, H, Hkv, S, D, causal
 ]
 
 
+def sweep(knob: str, values, rounds=3):
+    """K and V pre-pass kernels per value of ``knob`` (ring KB or target CTAs), same process,
+    rounds interleaved."""
+    from lowprec.attention.sm90 import config, interface
+
+    def use(x):
+        if knob == "ring":
+            config.PREPASS_RING_BYTES = x * 1024
+        else:
+            config.PREPASS_TARGET_CTAS = (x, x // 2)
+        interface._prepass_entry.cache_clear()
+        return config.prepass_cluster(B * Hkv, S, D * 2)
+
+    sizes_kb = values if knob == "ring" else [config.PREPASS_RING_BYTES // 1024]
+
+    for B, _, Hkv, S, D, _ in SHAPES:
+        if any(kb * 1024 // (config.TILE_N * D * 2) < 2 for kb in sizes_kb):
+            continue  # a ring of fewer than two blocks: no kernel
+        g = torch.Generator(device="cuda").manual_seed(0)
+        k = torch.randn(B, Hkv, S, D, device="cuda", dtype=torch.bfloat16, generator=g) + 0.5
+        v = torch.randn(B, Hkv, S, D, device="cuda", dtype=torch.bfloat16, generator=g)
+        times = {(x, n): [] for x in values for n in "kv"}
+        ref, clusters = {}, {}
+        for _ in range(rounds):
+            for x in values:
+                clusters[x] = use(x)
+                for n, f in (("k", lambda: quantize_k(k)), ("v", lambda: quantize_v(v))):
+                    out = f()
+                    ref.setdefault(n, out)
+                    # K's mean sums in an order that follows the cluster size: its bits may move
+                    assert (knob != "ring" and n == "k") or all(torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
+                                           b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b)
+                               for a, b in zip(out, ref[n])), f"{n}: {knob} {x} changed the bits"
+                    times[(x, n)].append(do_bench(f, warmup=20, rep=200, return_mode="median") * 1e3)
+        med = {key: sorted(t)[len(t) // 2] for key, t in times.items()}
+        print(f"B{B} H{Hkv} S{S} d{D} us: " + "  ".join(
+            f"{knob} {x} (cluster {clusters[x]}) K {med[(x, 'k')]:.1f} V {med[(x, 'v')]:.1f}"
+            for x in values), flush=True)
+
+
 def main():
+    for flag, knob in (("--ring-kb", "ring"), ("--target-ctas", "ctas")):
+        if flag in sys.argv:
+            return sweep(knob, [int(x) for x in sys.argv[sys.argv.index(flag) + 1].split(",")])
     tag = sys.argv[sys.argv.index("--tag") + 1] if "--tag" in sys.argv else "new"
     print(f"[{tag}] lowprec from {lowprec.__file__}")
     for B, H, Hkv, S, D, causal in SHAPES:
