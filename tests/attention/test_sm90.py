@@ -134,8 +134,8 @@ def test_quantize_q_configs():
     from lowprec.attention.sm90.config import AttnConfig
 
     assert str(AttnConfig(128, quantize_q=True)).endswith("_qk")
-    for flag in ("pack_gqa", "split_kv"):
-        with pytest.raises(ValueError, match="quantize_q: no pack_gqa or split_kv"):
+    for flag in ("pack_gqa", "split_kv", "varlen"):
+        with pytest.raises(ValueError, match="quantize_q: dense grids only"):
             AttnConfig(128, quantize_q=True, **{flag: True})
 
 

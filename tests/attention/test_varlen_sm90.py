@@ -77,35 +77,6 @@ def test_each_sequence_has_the_dense_kernels_bits(case, causal, monkeypatch):
         assert torch.equal(lse[:, rq], l_[0]), i
 
 
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("case", [c for c in CASES if c[4] <= 128], ids=_ids)
-def test_the_kernel_quantizing_packed_q_gives_the_prepass_bits(case, causal):
-    """The varlen kernel reading the packed float Q and quantizing each warpgroup's rows with its
-    128-row block's scale (the fused call's path at D <= 128) equals the kernel on the packed Q
-    pre-pass's codes, bit for bit, and writes the same Q scales."""
-    from lowprec.attention.packed import longest_first, sequence_plan
-    from lowprec.attention.sm90.interface import fp8_attention_varlen_forward, packed_prepass
-
-    lq, lk, h, hkv, d = case
-    q, k, v, cq, ck = _packed(lq, lk, h, hkv, d)
-    q[::97] *= 16  # outliers: a 64-row half's scale must come from its whole block
-    plan = sequence_plan(cq, ck, q.shape[0], k.shape[0])
-    results = []
-    for in_kernel in (False, True):
-        x = packed_prepass(q, k, v, plan, max(lq), max(lk), quantize_q=in_kernel)
-        if in_kernel:
-            x.q_scale.fill_(-1.0)  # marks the scales the kernel does not write
-        out, lse = fp8_attention_varlen_forward(q if in_kernel else x.q, x.q_scale, x.k, x.k_scale, x.v_t, x.v_scale,
-                                                longest_first(plan), q.shape[0], max(lq), causal=causal,
-                                                softmax_scale=0.1, out_dtype=q.dtype, v_keys_permuted=True,
-                                                quantize_q=in_kernel)
-        results.append((out, lse, x.q_scale))
-    (o0, l0, s0), (o1, l1, s1) = results
-    assert torch.equal(o0, o1) and torch.equal(l0, l1)
-    written = s1 != -1.0  # blocks of padding past every sequence's rows are never read
-    assert written.any() and torch.equal(s1[written], s0[written])
-
-
 @pytest.mark.parametrize("causal, incoherent", [(False, False), (True, False), (True, True)])
 @pytest.mark.parametrize("case", CASES[:3], ids=_ids)
 def test_attention_varlen_is_the_dense_call_per_sequence(case, causal, incoherent, monkeypatch):

@@ -16,9 +16,6 @@ V_KEY_PERM = (0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15)
 # intra-warpgroup overlap keeps S, the block accumulator, O and the in-flight P live at once: that
 # fits the 240 registers of a consumer thread at D = 64 only (D = 128 spills; NOTES.md); without
 # the block accumulator (P.V accumulated in the wgmma) at D <= 128
-# the varlen kernel quantizing Q itself: D = 256 spills 16-28 registers (the sequence's fields and
-# the packed row addresses held besides O), so Q goes through the packed pre-pass there
-VARLEN_QUANTIZE_Q_MAX_D = 128
 OVERLAP_MAX_D = 64
 OVERLAP_MAX_D_IN_MMA = 128
 
@@ -46,14 +43,12 @@ class AttnConfig:
     # packed variable-length sequences (``lowprec.attention.packed``): a sequence plan drives the grid
     varlen: bool = False
     # Q given in the output dtype, quantized by each consumer warpgroup (its 64 rows, with the
-    # scale of their 128-row block): no Q pre-pass; no pack-GQA or split-KV (varlen: Q packed as O)
+    # scale of their 128-row block): no Q pre-pass; dense grids only (no pack-GQA, split-KV, varlen)
     quantize_q: bool = False
 
     def __post_init__(self):
-        if self.quantize_q and (self.pack_gqa or self.split_kv):
-            raise ValueError("quantize_q: no pack_gqa or split_kv")
-        if self.quantize_q and self.varlen and self.head_dim > VARLEN_QUANTIZE_Q_MAX_D:
-            raise ValueError(f"quantize_q: varlen up to D = {VARLEN_QUANTIZE_Q_MAX_D} (D = 256 spills)")
+        if self.quantize_q and (self.pack_gqa or self.split_kv or self.varlen):
+            raise ValueError("quantize_q: dense grids only (no pack_gqa, split_kv or varlen)")
         # one key per generated kernel: overlap (and ping-pong, which needs it) only where it fits
         overlap = self.overlap and self.head_dim <= (OVERLAP_MAX_D if self.two_level_pv else OVERLAP_MAX_D_IN_MMA)
         wgs = 3 if self.consumer_wgs == 3 and self.head_dim <= 128 else 2
@@ -100,8 +95,6 @@ def variant_configs() -> tuple[AttnConfig, ...]:
             out.append(AttnConfig(d, c, v_keys_permuted=True))
             for o in OUT_DTYPES:
                 out.append(AttnConfig(d, c, o, v_keys_permuted=True, quantize_q=True))
-            if d <= VARLEN_QUANTIZE_Q_MAX_D:
-                out.append(AttnConfig(d, c, v_keys_permuted=True, varlen=True, quantize_q=True))
             out.append(AttnConfig(d, c, v_keys_permuted=True, varlen=True))
             out.append(AttnConfig(d, c, split_kv=True))
             out.append(AttnConfig(d, c, pack_gqa=True))

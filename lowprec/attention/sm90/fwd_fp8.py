@@ -565,10 +565,7 @@ class FP8AttentionFwdSm90:
                 row_pos.append(rr - hh * pack_sq)
             causal_off = seqlen_k - pack_sq
         elif cutlass.const_expr(self.quantize_q):
-            # varlen: Q packed as O ([total_q, H, D]: the sequence's tokens from o_row0), its
-            # scales in the padded layout (the sequence's blocks from q_row0 / 128)
-            row0, blk0 = (o_row0, q_row0 // TILE_M) if self.varlen else (0, 0)
-            qs = self._quantize_q_rows(q_in, mQS, bh, m0, wg, seqlen_q, row0, blk0) * softmax_scale_log2
+            qs = self._quantize_q_rows(q_in, mQS, bh, m0, wg, seqlen_q) * softmax_scale_log2
             qsc[0] = qs
             qsc[1] = qs
             row_pos = [m0 + row_l[0], m0 + row_l[1]]
@@ -765,21 +762,20 @@ class FP8AttentionFwdSm90:
             pipe_q.consumer_release(q_state)
 
     @cute.jit
-    def _quantize_q_rows(self, q_in, mQS, bh, m0, wg, seqlen_q, row0, blk0):
+    def _quantize_q_rows(self, q_in, mQS, bh, m0, wg, seqlen_q):
         """quantize_q: warpgroup ``wg``'s 64 query rows (from ``r0 = m0 + 64 wg``) of head ``bh`` from
         the float Q into sQ as E4M3, with the scale the Q pre-pass gives their 128-row block (its
         amax over 448, ``scale_and_inverse``; rows past Sq count as zeros, as the recipe's partial
         last block). The block's other 64 rows belong to another warpgroup, maybe of another CTA:
         they are read for the amax only (from L2 mostly: that warpgroup reads them too). Returns
         the scale (the block's first half also writes it to ``mQS``). Threads move 16-byte runs of
-        8 values; the codes are fenced to the async proxy before the warpgroup's wgmma read them.
-        ``row0`` / ``blk0``: the sequence's first row of ``mQ`` and first scale (varlen; else 0)."""
+        8 values; the codes are fenced to the async proxy before the warpgroup's wgmma read them."""
         mQ, q_amax, sQ, t = q_in
         runs = self.head_dim // Q_VEC  # per row
         per_thread = 64 * runs // self.threads_per_wg
         r0 = m0 + 64 * wg
         other = r0 ^ 64  # the block's other half
-        q_head = cute.domain_offset((row0, 0), mQ[None, None, bh])
+        q_head = mQ[None, None, bh]
         # the runs held at once: both halves at D <= 128; at D = 256 (O alone is 128 registers)
         # 8 at a time (16 spilled), the own half read again to quantize it
         held = cutlass.const_expr(2 * per_thread if per_thread <= 8 else 8)
@@ -809,7 +805,7 @@ class FP8AttentionFwdSm90:
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.barrier(barrier_id=_QUANT_BAR + wg, number_of_threads=self.threads_per_wg)
         if t == 0 and r0 % TILE_M == 0 and r0 < seqlen_q:
-            mQS[(bh, blk0 + r0 // TILE_M)] = scale
+            mQS[(bh, r0 // TILE_M)] = scale
         return scale
 
     @cute.jit

@@ -23,7 +23,6 @@ from .config import (
     TILE_N,
     V_KEY_PERM,
     V_PAD,
-    VARLEN_QUANTIZE_Q_MAX_D,
     AttnConfig,
     operands_unsupported,
     packed_prepass_cluster,
@@ -110,11 +109,9 @@ def build_kernel(config: AttnConfig, arch: str = _ARCH_DEFAULT, tvm_ffi: bool | 
     bh, bhkv = cute.sym_int(), cute.sym_int()
     i64 = cute.sym_int64
     q = fake(cutlass.Uint8, (sq, d, bh), stride=(d, 1, i64(divisibility=16)), assumed_align=16)
-    if config.quantize_q:  # Q in the output dtype, quantized by the kernel (varlen: packed as O)
-        qt = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}[config.out_dtype]
-        q = (fake(qt, (cute.sym_int(), d, bh), stride=(i64(divisibility=8), 1, cute.sym_int(divisibility=8)),
-                  assumed_align=16) if config.varlen else
-             fake(qt, (sq, d, bh), stride=(d, 1, i64(divisibility=8)), assumed_align=16))
+    if config.quantize_q:  # Q in the output dtype, quantized by the kernel
+        q = fake({"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}[config.out_dtype], (sq, d, bh),
+                 stride=(d, 1, i64(divisibility=8)), assumed_align=16)
     k = fake(cutlass.Uint8, (sk, d, bhkv), stride=(d, 1, i64(divisibility=16)), assumed_align=16)
     vt = fake(cutlass.Uint8, (d, skp, bhkv), stride=(i64(divisibility=16), 1, i64(divisibility=16)),
               assumed_align=16)
@@ -305,17 +302,14 @@ def _launch(fn, args, softmax_scale: float, ints, plan):
 # ----------------------------------------------------------------------------- packed sequences
 def fp8_attention_varlen_forward(q, q_scale, k, k_scale, v_t, v_scale, plan, total_q: int, max_q: int, *,
                                  causal: bool, softmax_scale: float, out_dtype: torch.dtype,
-                                 v_keys_permuted: bool = False, quantize_q: bool = False):
+                                 v_keys_permuted: bool = False):
     """The FP8 forward over packed sequences, on the padded-layout operands of
     :func:`lowprec.attention.packed.quantize_packed` (E4M3 as float8 or uint8) and the sequence plan
     of :func:`~lowprec.attention.packed.sequence_plan` (rows in any order: the grid walks them in
     that order, :func:`~lowprec.attention.packed.longest_first` balances it); ``max_q`` bounds the
     query lengths (the grid). Returns ``(out [total_q, H, D] out_dtype, lse [H, total_q] FP32 of the smoothed
-    scores)`` (FlashAttention's varlen layouts): every row of a sequence is written; no host sync.
-    ``quantize_q`` (D <= ``config.VARLEN_QUANTIZE_Q_MAX_D``): ``q`` is the packed float Q ``[total_q, H,
-    D]`` in ``out_dtype``, quantized by the kernel, which writes ``q_scale`` (the padded layout's)."""
-    h, d = (q.shape[1], q.shape[2]) if quantize_q else (q.shape[0], q.shape[2])
-    rq = q_scale.shape[1] * TILE_M
+    scores)`` (FlashAttention's varlen layouts): every row of a sequence is written; no host sync."""
+    h, rq, d = q.shape
     hkv, rk = k.shape[:2]
     out = torch.empty(total_q, h, d, dtype=out_dtype, device=q.device)
     lse = torch.empty(h, total_q, dtype=torch.float32, device=q.device)
@@ -323,11 +317,9 @@ def fp8_attention_varlen_forward(q, q_scale, k, k_scale, v_t, v_scale, plan, tot
         return out, lse
     u8 = torch.uint8
     fn = _kernel(d, causal, out_dtype, False, False, v_keys_permuted, OVERLAP, PINGPONG, 0, TWO_LEVEL_PV,
-                 CONSUMER_WGS, SKIP_UNIT_RESCALE, True, quantize_q)
+                 CONSUMER_WGS, SKIP_UNIT_RESCALE, True)
     args = (
-        # quantize_q: the packed float Q, viewed as O is
-        q.as_strided((total_q, d, h), (h * d, 1, d)) if quantize_q
-        else q.view(u8).as_strided((rq, d, h), (d, 1, rq * d)),
+        q.view(u8).as_strided((rq, d, h), (d, 1, rq * d)),
         k.view(u8).as_strided((rk, d, hkv), (d, 1, rk * d)),
         v_t.view(u8).as_strided((d, rk, hkv), (rk, 1, d * rk)),
         q_scale,
@@ -354,17 +346,13 @@ def attention_fp8_varlen_op(q, k, v, cu_q, cu_k, max_q: int, max_k: int, causal:
 
     plan = sequence_plan(cu_q, cu_k, q.shape[0], k.shape[0])
     qr, kr = (_rotate(q, True), _rotate(k, True)) if incoherent else (q, k)
-    quantize_q = False
     if packed_prepass_unsupported(qr, kr, v):
         x = quantize_packed(q, k, v, cu_q, cu_k, incoherent=incoherent, permute_v_keys=True)
     else:
-        # the forward quantizes Q itself where it can (Q in the output dtype: not the FP32 rotated Q)
-        quantize_q = QUANTIZE_Q_IN_KERNEL and not incoherent and q.shape[-1] <= VARLEN_QUANTIZE_Q_MAX_D
-        x = packed_prepass(qr, kr, v, plan, max_q, max_k, quantize_q=quantize_q)
-    out, lse = fp8_attention_varlen_forward(q if quantize_q else x.q, x.q_scale, x.k, x.k_scale, x.v_t, x.v_scale,
-                                            longest_first(plan), q.shape[0], max_q, causal=causal,
-                                            softmax_scale=scale, out_dtype=q.dtype, v_keys_permuted=True,
-                                            quantize_q=quantize_q)
+        x = packed_prepass(qr, kr, v, plan, max_q, max_k)
+    out, lse = fp8_attention_varlen_forward(x.q, x.q_scale, x.k, x.k_scale, x.v_t, x.v_scale, longest_first(plan),
+                                            q.shape[0], max_q, causal=causal, softmax_scale=scale, out_dtype=q.dtype,
+                                            v_keys_permuted=True)
     return out, lse, x.k_mean
 
 
@@ -536,25 +524,22 @@ def _launch_prepass_v(kind, v, v_t, scale, partials):
     kernel(v.view(-1, d), v_t, scale, partials.view(-1, d), s, b * h)
 
 
-def packed_prepass(q, k, v, plan, max_q: int, max_k: int, permute_v_keys: bool = True, quantize_q: bool = False):
+def packed_prepass(q, k, v, plan, max_q: int, max_k: int, permute_v_keys: bool = True):
     """:func:`lowprec.attention.packed.quantize_packed` (not incoherent) in three launches that read
     Q, K and V once each: contiguous packed ``[total, heads, D]`` bf16/fp16 inputs
     (``config.packed_prepass_unsupported`` holds), ``plan`` from
     :func:`~lowprec.attention.packed.sequence_plan`; ``max_q``, ``max_k`` bound the lengths (they
-    size the grids). Returns a ``PackedFP8Inputs`` (codes as float8). ``quantize_q``: the forward
-    quantizes Q itself: no Q launch, the result's ``q`` is None and its ``q_scale`` is left for the
-    forward to write."""
+    size the grids). Returns a ``PackedFP8Inputs`` (codes as float8)."""
     from ..packed import PackedFP8Inputs, padded_rows
 
     b = plan.shape[0]
     (tq, h, d), (tk, hkv) = q.shape, k.shape[:2]
     rq, rk = padded_rows(tq, b), padded_rows(tk, b)
     dev, f32 = q.device, torch.float32
-    nq = 0 if quantize_q else h * rq * d
-    codes = torch.empty(nq + 2 * hkv * rk * d, dtype=torch.uint8, device=dev)
-    q_codes = None if quantize_q else codes[:nq].view(h, rq, d)
-    k_codes = codes[nq:nq + hkv * rk * d].view(hkv, rk, d)
-    v_t = codes[nq + hkv * rk * d:].view(hkv, d, rk)
+    codes = torch.empty(h * rq * d + 2 * hkv * rk * d, dtype=torch.uint8, device=dev)
+    q_codes = codes[:h * rq * d].view(h, rq, d)
+    k_codes = codes[h * rq * d:h * rq * d + hkv * rk * d].view(hkv, rk, d)
+    v_t = codes[h * rq * d + hkv * rk * d:].view(hkv, d, rk)
     nstat, npart = b * hkv * d, prepass_partials_numel(b * h, d)
     stats = torch.empty(2 * nstat + 3 * npart + (h * rq + hkv * rk) // TILE_N, dtype=f32, device=dev)
     v_scale, k_mean = stats[:nstat].view(b, hkv, d), stats[nstat:2 * nstat].view(b, hkv, d)
@@ -566,18 +551,16 @@ def packed_prepass(q, k, v, plan, max_q: int, max_k: int, permute_v_keys: bool =
     with on_device(dev):
         if b:
             # Q: no statistic, CTAs of about two blocks each; K, V: one cluster per (sequence, head)
-            if not quantize_q:
-                _prepass_entry("q_packed", q.dtype, d, 1)(
-                    q.view(-1, d), q_codes.view(-1, d), q_scale.view(-1, 1), k_mean.view(-1, d), parts[0], seq_q, h,
-                    max(1, -(-max_q // (2 * TILE_N))))
+            _prepass_entry("q_packed", q.dtype, d, 1)(
+                q.view(-1, d), q_codes.view(-1, d), q_scale.view(-1, 1), k_mean.view(-1, d), parts[0], seq_q, h,
+                max(1, -(-max_q // (2 * TILE_N))))
             _prepass_entry("k_packed", k.dtype, d, k_cluster)(
                 k.view(-1, d), k_codes.view(-1, d), k_scale.view(-1, 1), k_mean.view(-1, d), parts[1], seq_k, hkv,
                 k_cluster)
             _prepass_entry("v_perm_packed" if permute_v_keys else "v_packed", v.dtype, d, k_cluster)(
                 v.view(-1, d), v_t.view(-1, rk), v_scale.view(-1, d), parts[2], seq_k, hkv)
     f8 = torch.float8_e4m3fn
-    return PackedFP8Inputs(None if quantize_q else q_codes.view(f8), q_scale, k_codes.view(f8), k_scale, v_t.view(f8),
-                           v_scale, k_mean)
+    return PackedFP8Inputs(q_codes.view(f8), q_scale, k_codes.view(f8), k_scale, v_t.view(f8), v_scale, k_mean)
 
 
 def prepass_partials_numel(heads: int, head_dim: int) -> int:
