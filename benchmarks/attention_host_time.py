@@ -20,14 +20,13 @@ def main():
     from lowprec.attention.sm90.interface import attention_prepass_k_op, attention_prepass_v_op
     x = quantize_qkv(q, k, v)
     fwd = torch.ops.lowprec.attention_fp8_forward
-    km = token_mean(k).unsqueeze(-2)
     rows = q.reshape(-1, 128 * 128)
     calls = {
         "quantize_q": lambda: quantize_q(q),
         "quantize_k": lambda: quantize_k(k),
         "quantize_v": lambda: quantize_v(v),
         "token_mean": lambda: token_mean(k),
-        "prepass_k op (direct)": lambda: attention_prepass_k_op(k, km),
+        "prepass_k op (direct)": lambda: attention_prepass_k_op(k),
         "prepass_v op (direct)": lambda: attention_prepass_v_op(v),
         "lowprec.quantize rowwise": lambda: lowprec.quantize(rows, "fp8_rowwise", check_finite=False),
         "lowprec.attention fp8": lambda: lowprec.attention(q, k, v, causal=True, quant="fp8"),
