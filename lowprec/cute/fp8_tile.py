@@ -15,12 +15,23 @@ from .fp8_block import LANES, THREADS, VEC, WARPS_PER_CTA
 @cute.jit
 def cta_max(amax, warp_max: cute.Tensor, tidx):
     """The maximum of every thread's ``amax`` in the CTA (``warp_max``: one smem slot per warp)."""
+    return group_max(amax, warp_max, tidx, WARPS_PER_CTA)
+
+
+@cute.jit
+def group_max(amax, warp_max: cute.Tensor, t, warps: cutlass.Constexpr, barrier_id: cutlass.Constexpr = None):
+    """The maximum of every thread's ``amax`` over a group of ``warps`` warps (``t``: the thread's
+    index in the group; ``warp_max``: one smem slot per warp of the group), synchronized by the
+    CTA barrier or, for a part of the CTA, by named barrier ``barrier_id``."""
     amax = cute.arch.warp_reduction_max(amax)
-    if tidx % 32 == 0:
-        warp_max[tidx // 32] = amax
-    cute.arch.sync_threads()
+    if t % 32 == 0:
+        warp_max[t // 32] = amax
+    if cutlass.const_expr(barrier_id is None):
+        cute.arch.sync_threads()
+    else:
+        cute.arch.barrier(barrier_id=barrier_id, number_of_threads=32 * warps)
     amax = warp_max[0]
-    for w in cutlass.range_constexpr(1, WARPS_PER_CTA):
+    for w in cutlass.range_constexpr(1, warps):
         amax = cute.arch.fmax(amax, warp_max[w])
     return amax
 

@@ -47,6 +47,7 @@ from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 from cutlass.tensor_utils import LayoutEnum
 
 from ...cute.fp8_block import scale_and_inverse
+from ...cute.fp8_tile import group_max
 from .config import P_SCALE, TILE_M, TILE_N, AttnConfig
 
 _LOG2E = math.log2(math.e)
@@ -785,19 +786,16 @@ class FP8AttentionFwdSm90:
             for i in cutlass.range_constexpr(held):
                 amax = cute.arch.fmax(amax, abs(vals[i].load().to(cutlass.Float32)).reduce(
                     cute.ReductionOp.MAX, cutlass.Float32(0.0), 0))
-        amax = cute.arch.warp_reduction_max(amax)
-        if t % 32 == 0:
-            q_amax[4 * wg + t // 32] = amax
-        cute.arch.barrier(barrier_id=_QUANT_BAR + wg, number_of_threads=self.threads_per_wg)
-        amax = q_amax[4 * wg]
-        for w in cutlass.range_constexpr(1, 4):
-            amax = cute.arch.fmax(amax, q_amax[4 * wg + w])
+        amax = group_max(amax, cute.make_tensor(q_amax.iterator + 4 * wg, cute.make_layout(4)), t, 4,
+                         _QUANT_BAR + wg)
         scale, inv = scale_and_inverse(amax)
-        for c in cutlass.range_constexpr(per_thread // min(held, per_thread)):
-            first = c * min(held, per_thread)
-            if cutlass.const_expr(held < 2 * per_thread):
+        # the own half: still in registers (held whole), or read again ``held`` runs at a time
+        chunk = cutlass.const_expr(per_thread if held == 2 * per_thread else held)
+        for c in cutlass.range_constexpr(per_thread // chunk):
+            first = c * chunk
+            if cutlass.const_expr(chunk == held):
                 vals = self._load_q_runs(q_head, r0, other, t, first, held, per_thread, seqlen_q)
-            for i in cutlass.range_constexpr(min(held, per_thread)):
+            for i in cutlass.range_constexpr(chunk):
                 u = t + (first + i) * self.threads_per_wg
                 codes = cute.make_rmem_tensor((1, Q_VEC), self.ab_dtype)
                 codes.store((vals[i].load().to(cutlass.Float32) * inv).to(self.ab_dtype))
