@@ -176,15 +176,21 @@ def _prepare_weights(w1, w2, quantized: bool, for_backward: bool) -> tuple:
     return w1q, w2q, w1t, w2t
 
 
-def _forward_core(x, topk_weights, w1, w2, routing: Routing, quantized: bool, activation: str) -> tuple:
+def _forward_core(x, topk_weights, w1, w2, routing: Routing, quantized: bool, activation: str,
+                  x_codes: QuantizedTensor | None = None) -> tuple:
     """The experts' forward with prepared weights: ``(y, x_saved, h_saved, row_w)``, the last three
-    what the backward needs (FP8 1x128 ``x`` and ``h`` when ``quantized``, else ``x`` and ``h``)."""
+    what the backward needs (FP8 1x128 ``x`` and ``h`` when ``quantized``, else ``x`` and ``h``).
+    ``x_codes``: the tokens already quantized (1x128, e.g. as they arrived from another rank),
+    computed on as they are; ``x`` then only stands for them (its dtype, autograd)."""
     dt = x.dtype
     ends = routing.group_ends
     # the combine weight of each packed row: padding rows (slot -1) index the 0 appended last
     row_w = F.pad(topk_weights.detach().reshape(-1).float(), (0, 1))[routing.row_slots]
     if quantized:
-        x_rows, x_saved, _ = pack_tokens(x, routing, _ACT_RECIPE)
+        if x_codes is None:
+            x_rows, x_saved, _ = pack_tokens(x, routing, _ACT_RECIPE)
+        else:
+            x_rows, x_saved = gather_rows(x_codes, routing), x_codes
         h = grouped_gemm(x_rows, w1, group_ends=ends, out_dtype=dt)
         a, h_saved = _quantized_activation(activation, h, row_w)
         o = grouped_gemm(a, w2, group_ends=ends, out_dtype=dt)
@@ -232,13 +238,15 @@ def _backward_core(dy, routing: Routing, x, h, w1, w2, row_w, quantized: bool, a
 
 
 class _ExpertsFunction(torch.autograd.Function):
-    """``y = experts(x)`` for a fixed routing; gradients for x, the combine weights, w1 and w2."""
+    """``y = experts(x)`` for a fixed routing; gradients for x, the combine weights, w1 and w2
+    (``x_codes``: see :func:`_forward_core`)."""
 
     @staticmethod
     def forward(ctx, x, topk_weights, w1, w2, routing: Routing, quantized: bool, activation: str,
-                for_backward: bool):
+                for_backward: bool, x_codes: QuantizedTensor | None = None):
         w1f, w2f, w1b, w2b = _prepare_weights(w1, w2, quantized, for_backward)
-        y, x_saved, h_saved, row_w = _forward_core(x, topk_weights, w1f, w2f, routing, quantized, activation)
+        y, x_saved, h_saved, row_w = _forward_core(x, topk_weights, w1f, w2f, routing, quantized, activation,
+                                                   x_codes)
         # the backward multiplies by the transposed weights only: keep those
         tensors, ctx.specs = flatten_all(x_saved, h_saved, w1f if w1b is None else w1b, w2f if w2b is None else w2b,
                                       row_w)
@@ -254,7 +262,7 @@ class _ExpertsFunction(torch.autograd.Function):
         x, h, w1, w2, row_w = unflatten_all(ctx.saved_tensors, ctx.specs)
         grads = _backward_core(dy, ctx.routing, x, h, w1, w2, row_w, ctx.quantized, ctx.activation, ctx.dtypes,
                                ctx.needs_input_grad[:4])
-        return *grads, None, None, None, None
+        return *grads, None, None, None, None, None
 
 
 def _check_float(name: str, t: torch.Tensor, dims: int, dtypes: tuple[torch.dtype, ...] | None = None) -> None:
@@ -294,11 +302,12 @@ def _check_options(recipe: str | None, activation: str, hidden_size: int, ffn_si
 
 
 def _apply_experts(x: torch.Tensor, routing: Routing, w1: torch.Tensor | QuantizedTensor,
-                   w2: torch.Tensor | QuantizedTensor, recipe: str | None, activation: str) -> torch.Tensor:
+                   w2: torch.Tensor | QuantizedTensor, recipe: str | None, activation: str,
+                   x_codes: QuantizedTensor | None = None) -> torch.Tensor:
     for_backward = torch.is_grad_enabled() and any(
         isinstance(t, torch.Tensor) and t.requires_grad for t in (x, routing.topk_weights, w1, w2))
     return _ExpertsFunction.apply(x, routing.topk_weights, w1, w2, routing, recipe is not None, activation,
-                                  for_backward)
+                                  for_backward, x_codes)
 
 
 def _check_experts_args(x, topk_weights, topk_ids, w1, w2, recipe: str | None, activation: str) -> None:

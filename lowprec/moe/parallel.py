@@ -6,8 +6,9 @@ in one process on the concatenation of the ranks' tokens (rank 0's first):
 
 - **dispatch**: with ``recipe="fp8_block"`` the tokens are quantized once (1x128, as the one-process
   MoE quantizes them) and travel as E4M3 codes plus their FP32 scales: about half the bytes of bf16;
-  the experts' rank rebuilds the same codes from them. Without a recipe (or with
-  ``fp8_dispatch=False``, the same result bits) the rows travel in ``x``'s dtype.
+  the experts' GEMMs take the received codes as they are (no dequantization, no second
+  quantization). Without a recipe (or with ``fp8_dispatch=False``, the same result bits) the rows
+  travel in ``x``'s dtype and are quantized on arrival.
 - **capacity** is global: an expert's rank ranks every slot routed to it by the one-process rule
   (:mod:`lowprec.moe.routing`: global slot number ``t·k + j`` over the concatenated batch), so the
   same slots are dropped.
@@ -31,12 +32,14 @@ from ..nn.functional import follow_autocast
 from ..quant import quantize
 from ..recipes import get_recipe
 from ..tensor import QuantizedTensor
+from .core import _apply_experts, _check_experts_args
 from .layer import MoE, _set_config, experts
-from .routing import DROP_POLICIES, _check_capacity_factor, expert_capacity, select_experts
+from .routing import DROP_POLICIES, _check_capacity_factor, dispatch, expert_capacity, select_experts
 
 __all__ = ["expert_parallel_experts", "ExpertParallelMoE"]
 
 _SCALE_BLOCK = 128
+_DISPATCH_RECIPE = "fp8_block1x128"  # what the experts quantize their input with
 
 
 def expert_parallel_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w1: torch.Tensor,
@@ -57,12 +60,22 @@ def expert_parallel_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_id
             compute on (else in ``x``'s dtype, quantized on arrival: the same codes, twice the bytes).
 
     Returns:
-        ``[T, H]`` in ``x``'s dtype, differentiable in ``x``, ``topk_weights``, ``w1`` and ``w2``.
+        ``[T, H]`` in ``x``'s dtype (the autocast dtype inside ``torch.autocast``, as
+        :func:`lowprec.moe.experts`), differentiable in ``x``, ``topk_weights``, ``w1`` and ``w2``.
     """
     world = dist.get_world_size(group)
     rank = dist.get_rank(group)
     _check_args(x, topk_weights, topk_ids, w1, num_experts, world, drop_policy)
     _check_capacity_factor(capacity_factor)
+    # cast here, not on arrival: the codes that travel are those the one-process MoE computes on
+    x, autocast_off = follow_autocast(x)
+    with autocast_off:
+        return _expert_parallel(x, topk_weights, topk_ids, w1, w2, num_experts, group, world, rank, recipe,
+                                capacity_factor, drop_policy, activation, fp8_dispatch)
+
+
+def _expert_parallel(x, topk_weights, topk_ids, w1, w2, num_experts, group, world, rank, recipe, capacity_factor,
+                     drop_policy, activation, fp8_dispatch) -> torch.Tensor:
     local_experts = num_experts // world
     tokens, k = topk_ids.shape
     device = x.device
@@ -90,18 +103,25 @@ def expert_parallel_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_id
     local_ids, slot_recv = meta_recv[:, 0], meta_recv[:, 1]
 
     weights_recv = _AllToAll.apply(topk_weights.reshape(-1)[order], send_splits, recv_splits, group)
-    if recipe is None or not fp8_dispatch:
-        x_recv = _AllToAll.apply(_GatherSlots.apply(x, order, k), send_splits, recv_splits, group)
-    else:
-        x_recv = _Dispatch.apply(x, order, k, send_splits, recv_splits, group)
-
-    # the dropped slots leave the batch (as in one process: the FP8 weight gradient quantizes
-    # blocks of 128 rows, which must hold the same rows)
+    # the dropped slots leave the batch before the rows travel on (as in one process: the FP8
+    # weight gradient quantizes blocks of 128 rows, which must hold the same rows)
     kept = torch.nonzero(_kept(local_ids, slot_recv, weights_recv.detach(), local_experts, capacity,
                                drop_policy)).flatten()
-    y_kept = experts(x_recv[kept], weights_recv[kept][:, None], local_ids[kept][:, None], w1, w2, recipe=recipe,
-                     capacity_factor=None, activation=activation, check_ids=False)
-    y_recv = y_kept.new_zeros(x_recv.shape[0], y_kept.shape[1]).index_copy(0, kept, y_kept)
+    kept_weights, kept_ids = weights_recv[kept][:, None], local_ids[kept][:, None]
+    if recipe is None or not fp8_dispatch:
+        x_recv = _AllToAll.apply(_GatherSlots.apply(x, order, k), send_splits, recv_splits, group)
+        y_kept = experts(x_recv[kept], kept_weights, kept_ids, w1, w2, recipe=recipe, capacity_factor=None,
+                         activation=activation, check_ids=False)
+    else:
+        # the kept rows' codes and scales, and a stand-in for them that carries their gradient
+        x_kept, codes, scales = _Dispatch.apply(x, order, k, send_splits, recv_splits, group, kept)
+        x_codes = QuantizedTensor(codes.view(torch.float8_e4m3fn), scales, get_recipe(_DISPATCH_RECIPE),
+                                  tuple(codes.shape), x.dtype)
+        _check_experts_args(x_kept, kept_weights, kept_ids, w1, w2, recipe, activation)
+        routing = dispatch(kept_weights, kept_ids, local_experts, capacity_factor=None, drop_policy=drop_policy,
+                           check_ids=False)
+        y_kept = _apply_experts(x_kept, routing, w1, w2, recipe, activation, x_codes)
+    y_recv = y_kept.new_zeros(sum(recv_splits), y_kept.shape[1]).index_copy(0, kept, y_kept)
     y_rows = _AllToAll.apply(y_recv, recv_splits, send_splits, group)
     return _sum_slots(y_rows, order, tokens, k)
 
@@ -187,32 +207,36 @@ class _GatherSlots(torch.autograd.Function):
 
 class _Dispatch(torch.autograd.Function):
     """Token rows to the experts' ranks as E4M3 codes plus FP32 1x128 scales (each token quantized
-    once, the rows gathered after); the gradient comes back in ``x``'s dtype, summed per token."""
+    once, the rows gathered after), the received rows at ``kept`` only. Returns ``(stand_in, codes,
+    scales)``: the experts compute on the codes and scales; ``stand_in`` (``[kept, H]`` in ``x``'s
+    dtype, a broadcast zero: no memory) carries their input gradient, which comes back in ``x``'s
+    dtype, summed per token."""
 
     @staticmethod
-    def forward(ctx, x, order, k, send_splits, recv_splits, group):
-        ctx.save_for_backward(order)
+    def forward(ctx, x, order, k, send_splits, recv_splits, group, kept):
+        ctx.save_for_backward(order, kept)
         ctx.splits, ctx.group, ctx.tokens, ctx.k = (send_splits, recv_splits), group, x.shape[0], k
         token_of_row = order // k
         if x.shape[0]:
-            q = quantize(x, "fp8_block1x128", check_finite=False)
+            q = quantize(x, _DISPATCH_RECIPE, check_finite=False)
             codes = q.data.view(torch.uint8)[token_of_row].contiguous()
             scales = q.scale[token_of_row].contiguous()
         else:  # no tokens here: empty rows of the right widths
             codes = torch.empty(0, x.shape[1], dtype=torch.uint8, device=x.device)
             scales = torch.empty(0, -(-x.shape[1] // _SCALE_BLOCK), dtype=torch.float32, device=x.device)
-        codes_recv = _exchange(codes, send_splits, recv_splits, group)
-        scales_recv = _exchange(scales, send_splits, recv_splits, group)
-        received = QuantizedTensor(codes_recv.view(torch.float8_e4m3fn), scales_recv, get_recipe("fp8_block1x128"),
-                                   tuple(codes_recv.shape), x.dtype)
-        return received.dequantize(torch.float32).to(x.dtype)
+        codes_kept = _exchange(codes, send_splits, recv_splits, group)[kept]
+        scales_kept = _exchange(scales, send_splits, recv_splits, group)[kept]
+        ctx.mark_non_differentiable(codes_kept, scales_kept)
+        stand_in = x.new_zeros(()).expand(kept.shape[0], x.shape[1])
+        return stand_in, codes_kept, scales_kept
 
     @staticmethod
-    def backward(ctx, grad):
-        (order,) = ctx.saved_tensors
+    def backward(ctx, grad, _codes_grad, _scales_grad):
+        order, kept = ctx.saved_tensors
         send_splits, recv_splits = ctx.splits
-        back = _exchange(grad, recv_splits, send_splits, ctx.group)
-        return _sum_slots(back, order, ctx.tokens, ctx.k), None, None, None, None, None
+        received = grad.new_zeros(sum(recv_splits), grad.shape[1]).index_copy(0, kept, grad)
+        back = _exchange(received, recv_splits, send_splits, ctx.group)
+        return _sum_slots(back, order, ctx.tokens, ctx.k), None, None, None, None, None, None
 
 
 class ExpertParallelMoE(nn.Module):

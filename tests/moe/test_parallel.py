@@ -98,6 +98,34 @@ def test_rows_sent_in_bf16_give_the_same_result(recipe):
                  nprocs=2, join=True)
 
 
+def _worker_no_requantization(rank, world, init_file):
+    place, tol = _init(rank, world, init_file, "gloo")
+    with rank_body():
+        import lowprec.moe.core as core
+
+        x, weights, ids, w1, w2, dy = _problem((30, 26))
+        y_ref = experts(x, weights, ids, w1, w2, capacity_factor=0.75)
+        lo, hi = (0, 30) if rank == 0 else (30, 56)
+        per = E // world
+
+        def no_requantization(*args, **kwargs):
+            raise AssertionError("the experts quantized rows that arrived as FP8 codes")
+
+        core.pack_tokens = no_requantization
+        y = expert_parallel_experts(x[lo:hi].requires_grad_(), weights[lo:hi], ids[lo:hi],
+                                    w1[rank * per:(rank + 1) * per], w2[rank * per:(rank + 1) * per], num_experts=E,
+                                    capacity_factor=0.75)
+        y.backward(dy[lo:hi])
+        torch.testing.assert_close(y.detach(), y_ref[lo:hi], **tol)
+
+
+def test_fp8_dispatch_computes_on_the_received_codes():
+    """The experts take the codes and scales that arrived (no dequantization and second
+    quantization on the experts' rank): the experts' own quantization is never called."""
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_worker_no_requantization, args=(2, os.path.join(tmp, "init")), nprocs=2, join=True)
+
+
 @gpu
 @needs_two_gpus
 @pytest.mark.parametrize("capacity_factor", [None, 0.75])
