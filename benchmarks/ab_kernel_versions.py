@@ -52,7 +52,7 @@ for m, n, k, per_col in shapes:
     outs = {}
     for name, fn in fns.items():
         sets[0][2].fill_(float("nan"))
-        gi._launch(fn, *sets[0], gi._dummy(sets[0][0].device))
+        gi._launch(fn, *sets[0], *gi._unused_args(sets[0][0].device))
         torch.cuda.synchronize()
         outs[name] = sets[0][2].clone()
     assert torch.equal(outs["old"], outs["new"]), (m, n, k)
@@ -60,7 +60,7 @@ for m, n, k, per_col in shapes:
     for order in (("old", "new"), ("new", "old"), ("old", "new"), ("new", "old")):
         for name in order:
             fn = fns[name]
-            t = _time_rot([lambda s=s, fn=fn: gi._launch(fn, *s, gi._dummy(s[0].device)) for s in sets], 50)
+            t = _time_rot([lambda s=s, fn=fn: gi._launch(fn, *s, *gi._unused_args(s[0].device)) for s in sets], 50)
             res[name].append(2 * m * n * k / t / 1e9)
     med = {nm: sorted(v)[1:3] for nm, v in res.items()}
     cells = [f"{nm} {sum(med[nm]) / 2:.0f} ({' '.join(f'{x:.0f}' for x in v)})" for nm, v in res.items()]

@@ -15,7 +15,7 @@ blocks of ``lowprec.cute``:
   block scales), as a list of ``TmaLoad`` issued by ``TmaRing.fill``.
 * warpgroups 1..2 (consumers, ``setmaxnreg`` 232; 240 with 1x128 B scales and a bias): each owns
   64 rows of each wave of the CTA tile (a wave: 64 rows per consumer warpgroup; 256-row tiles
-  have two, each with its own A box and smem buffer) and runs the ``PromotedMainloop``
+  have two, slices of the stage's one A box) and runs the ``PromotedMainloop``
   (``mainloop.py``): per K block a ``BlockMma`` batch into a fresh accumulator, the block's
   scales (``FragmentScales``), FP32 promotion (``promote``).
 * epilogue: optional bias, conversion, ``stmatrix`` to shared memory, TMA store
@@ -200,7 +200,9 @@ class BlockScaledGemmSm90:
         self.ab_stage = min(
             12, (SMEM_CAPACITY_SM90 - 2048 - epi_bytes) // ab_bytes_per_stage
         )
-        self.a_smem_layout_staged = self._ab_smem_layout(self.wave_m)  # one buffer per wave
+        # one buffer and one TMA box of all tile_m rows per stage; each wave reads its 64 x
+        # num_mma_wg rows as a slice (the swizzle atom's 8 rows divide a wave)
+        self.a_smem_layout_staged = self._ab_smem_layout(self.tile_m)
         self.b_smem_layout_staged = self._ab_smem_layout(self.tile_n)
         self.epi_smem_layout_staged = sm90_utils.make_smem_layout_epi(
             self.out_dtype, self.d_layout, self.epi_tile, self.epi_stage
@@ -261,7 +263,7 @@ class BlockScaledGemmSm90:
         g2s, g2s_mcast = cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp, cute.nvgpu.cpasync.CopyBulkTensorTileG2SMulticastOp
         a = cute.nvgpu.cpasync.make_tiled_tma_atom(
             g2s_mcast() if self.is_a_mcast else g2s(), mA, cute.slice_(self.a_smem_layout_staged, (None, None, 0)),
-            (self.wave_m, self.tile_k), num_multicast=self.num_mcast_ctas_a,
+            (self.tile_m, self.tile_k), num_multicast=self.num_mcast_ctas_a,
         )
         b = cute.nvgpu.cpasync.make_tiled_tma_atom(
             g2s_mcast() if self.is_b_mcast else g2s(), mB, cute.slice_(self.b_smem_layout_staged, (None, None, 0)),
@@ -299,8 +301,7 @@ class BlockScaledGemmSm90:
 
         fields = {
             "mainloop_pipeline_array_ptr": cute.struct.MemRange[cutlass.Int64, self.ab_stage * 2],
-            **{f"sA{w}": aligned(self.ab_dtype, cute.cosize(self.a_smem_layout_staged), self.buffer_align_bytes)
-               for w in range(self.waves)},
+            "sA": aligned(self.ab_dtype, cute.cosize(self.a_smem_layout_staged), self.buffer_align_bytes),
             "sB": aligned(self.ab_dtype, cute.cosize(self.b_smem_layout_staged), self.buffer_align_bytes),
             "sD": aligned(self.out_dtype, cute.cosize(self.epi_smem_layout_staged), self.buffer_align_bytes),
             "sSA": aligned(cutlass.Float32, cute.cosize(self.sa_smem_layout_staged), 128),
@@ -343,8 +344,8 @@ class BlockScaledGemmSm90:
         storage = SmemAllocator().allocate(self.shared_storage)
         ring = self._make_ring(storage, a_smem_layout_staged, b_smem_layout_staged, cta_layout_mnk)
         pipeline_init_arrive(cluster_shape_mn=self.cluster_shape_mn, is_relaxed=True)
-        sAs = [getattr(storage, f"sA{w}").get_tensor(a_smem_layout_staged.outer, swizzle=a_smem_layout_staged.inner)
-               for w in range(self.waves)]
+        sA = storage.sA.get_tensor(a_smem_layout_staged.outer, swizzle=a_smem_layout_staged.inner)
+        sAs = [cute.local_tile(sA, (self.wave_m, self.tile_k, self.ab_stage), (w, 0, 0)) for w in range(self.waves)]
         sB = storage.sB.get_tensor(b_smem_layout_staged.outer, swizzle=b_smem_layout_staged.inner)
         sD = storage.sD.get_tensor(epi_smem_layout_staged.outer, swizzle=epi_smem_layout_staged.inner)
         sa_layout, sb_layout = self._scale_smem_layouts()
@@ -367,7 +368,7 @@ class BlockScaledGemmSm90:
         if warp_group_idx == 0:
             cute.arch.setmaxregister_decrease(self.load_regs)
             if warp_idx == self.load_warp_id:
-                self._producer((tma_atom_a, tma_atom_b, tma_atom_sa, tma_atom_sb), mA, mB, mSA, gSB, sAs, sB, sSA,
+                self._producer((tma_atom_a, tma_atom_b, tma_atom_sa, tma_atom_sb), mA, mB, mSA, gSB, sA, sB, sSA,
                                sSB, ring, cta_layout_mnk, cluster_coord_mnk, sched_args)
         else:
             cute.arch.setmaxregister_increase(self.mma_regs)
@@ -378,7 +379,7 @@ class BlockScaledGemmSm90:
         """The A/B/scales ring: a stage holds one K block's tiles and scale boxes; released by
         every consumer warp of each CTA the stage's tiles were multicast to."""
         stage_bytes = (
-            cute.size_in_bytes(self.ab_dtype, cute.slice_(a_smem_layout_staged, (None, None, 0))) * self.waves
+            cute.size_in_bytes(self.ab_dtype, cute.slice_(a_smem_layout_staged, (None, None, 0)))
             + cute.size_in_bytes(self.ab_dtype, cute.slice_(b_smem_layout_staged, (None, None, 0)))
             + 4 * (self.sa_box_m + self.sb_box[0] * self.sb_box[1] * self.num_sb_boxes)
         )
@@ -398,7 +399,7 @@ class BlockScaledGemmSm90:
 
     # --- producer: TMA loads of A/B K blocks and their scales into the ring ---------------
     @cute.jit
-    def _producer(self, atoms, mA, mB, mSA, gSB, sAs, sB, sSA, sSB, ring, cta_layout_mnk, cluster_coord_mnk,
+    def _producer(self, atoms, mA, mB, mSA, gSB, sA, sB, sSA, sSB, ring, cta_layout_mnk, cluster_coord_mnk,
                   sched_args):
         tma_atom_a, tma_atom_b, tma_atom_sa, tma_atom_sb = atoms
         a_mcast_mask = 0
@@ -413,8 +414,8 @@ class BlockScaledGemmSm90:
         dense_parts = None
         if cutlass.const_expr(self.grouping is None):
             dense_parts = (
-                [tma_partition_tiles(tma_atom_a, sA, cute.local_tile(mA, (self.wave_m, self.tile_k), (None, None)),
-                                     *a_cta) for sA in sAs],
+                tma_partition_tiles(tma_atom_a, sA, cute.local_tile(mA, (self.tile_m, self.tile_k), (None, None)),
+                                    *a_cta),
                 tma_partition_tiles(tma_atom_b, sB, cute.local_tile(mB, (self.tile_n, self.tile_k), (None, None)),
                                     *b_cta),
                 tma_partition_tiles(tma_atom_sa, sSA, cute.local_tile(mSA, (self.tile_m, 1), (None, None))),
@@ -428,7 +429,7 @@ class BlockScaledGemmSm90:
                     loads = self._dense_loads(atoms, dense_parts, sb_parts, tile, a_mcast_mask, b_mcast_mask,
                                               cute.size(gSB, mode=[2]))
                 else:
-                    loads = self._grouped_loads(atoms, mA, mB, mSA, sAs[0], sB, sSA, sb_parts, tile, a_cta,
+                    loads = self._grouped_loads(atoms, mA, mB, mSA, sA, sB, sSA, sb_parts, tile, a_cta,
                                                 a_mcast_mask, sched.n_size)
                 for kk in range(tile.k_cnt):
                     ring.fill(state, loads, tile.k_first + kk)
@@ -447,7 +448,7 @@ class BlockScaledGemmSm90:
 
     def _dense_loads(self, atoms, dense_parts, sb_parts, tile, a_mcast_mask, b_mcast_mask, nsb_rows):
         tma_atom_a, tma_atom_b, tma_atom_sa, tma_atom_sb = atoms
-        a_parts, (tBsB, tBgB), (tSAsSA, tSAgSA) = dense_parts
+        (tAsA, tAgA), (tBsB, tBgB), (tSAsSA, tSAgSA) = dense_parts
         if cutlass.const_expr(self.b_scale_per_col):
             sb_rows = [tile.n_tile]
         else:
@@ -456,8 +457,7 @@ class BlockScaledGemmSm90:
         return [
             TmaLoad(tma_atom_sa, tSAgSA[(None, tile.m_tile, None)], tSAsSA),
             *self._sb_loads(tma_atom_sb, sb_parts, sb_rows),
-            *[TmaLoad(tma_atom_a, tAgA[(None, tile.m_tile * self.waves + w, None)], tAsA, mcast_mask=a_mcast_mask)
-              for w, (tAsA, tAgA) in enumerate(a_parts)],
+            TmaLoad(tma_atom_a, tAgA[(None, tile.m_tile, None)], tAsA, mcast_mask=a_mcast_mask),
             TmaLoad(tma_atom_b, tBgB[(None, tile.n_tile, None)], tBsB, mcast_mask=b_mcast_mask),
         ]
 
