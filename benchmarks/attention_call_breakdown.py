@@ -3,10 +3,12 @@
 the whole eager ``lowprec.attention(q, k, v, quant="fp8")``, its forward kernel alone as the call
 launches it (Q quantized inside, on the call's own K / Vᵀ codes), the same forward on Q codes from
 the pre-pass (Q not quantized inside), and the K and V pre-pass kernels alone.
-    python benchmarks/attention_call_breakdown.py
+    python benchmarks/attention_call_breakdown.py [--shapes 0,4]   (indices into SHAPES)
 """
 
 from __future__ import annotations
+
+import sys
 
 import torch
 from triton.testing import do_bench
@@ -32,7 +34,10 @@ def ms(fn):
 
 
 def main():
-    for b, h, hkv, s, d, causal in SHAPES:
+    shapes = SHAPES
+    if "--shapes" in sys.argv:
+        shapes = [SHAPES[int(i)] for i in sys.argv[sys.argv.index("--shapes") + 1].split(",")]
+    for b, h, hkv, s, d, causal in shapes:
         q = torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16)
         k = torch.randn(b, hkv, s, d, device="cuda", dtype=torch.bfloat16)
         v = torch.randn(b, hkv, s, d, device="cuda", dtype=torch.bfloat16)

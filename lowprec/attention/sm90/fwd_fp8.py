@@ -55,6 +55,7 @@ _LN2 = math.log(2.0)
 _LOG2_PSCALE = math.log2(P_SCALE)
 _SCHED_BAR = 2  # named barriers 2, 3: ping-pong turns of consumer warpgroups 0, 1
 _QUANT_BAR = 4  # named barriers 4..6: consumer warpgroup w's Q quantization (quantize_q)
+_QUANT_PAIR_BAR = 7  # quantize_q with two consumer warpgroups: both, whose rows are one Q-scale block
 Q_VEC = 8  # Q values per 16-byte load of the in-kernel Q quantization
 _C_MIN = 1e-30  # floor of the score scale: a zero scale (all-zero block) must not make -inf * 0
 _NACC = 4  # independent accumulation chains of the row max / row sum (8: 2-4% slower, NOTES.md)
@@ -767,41 +768,54 @@ class FP8AttentionFwdSm90:
         """quantize_q: warpgroup ``wg``'s 64 query rows (from ``r0 = m0 + 64 wg``) of head ``bh`` from
         the float Q into sQ as E4M3, with the scale the Q pre-pass gives their 128-row block (its
         amax over 448, ``scale_and_inverse``; rows past Sq count as zeros, as the recipe's partial
-        last block). The block's other 64 rows belong to another warpgroup, maybe of another CTA:
-        they are read for the amax only (from L2 mostly: that warpgroup reads them too). Returns
-        the scale (the block's first half also writes it to ``mQS``). Threads move 16-byte runs of
-        8 values; the codes are fenced to the async proxy before the warpgroup's wgmma read them."""
+        last block). With two consumer warpgroups the CTA's 128 rows are that block: the two take
+        the amax together (8 warps, one barrier) and read only their own rows. With three (192-row
+        tiles) the block's other 64 rows may belong to another CTA: each warpgroup reads them for
+        the amax only (from L2 mostly: their warpgroup reads them too). Returns the scale (the
+        block's first half also writes it to ``mQS``). Threads move 16-byte runs of 8 values; the
+        codes are fenced to the async proxy before the warpgroup's wgmma read them."""
         mQ, q_amax, sQ, t = q_in
+        paired = cutlass.const_expr(self.num_mma_wg == 2)
         runs = self.head_dim // Q_VEC  # per row
         per_thread = 64 * runs // self.threads_per_wg
         r0 = m0 + 64 * wg
         other = r0 ^ 64  # the block's other half
         q_head = mQ[None, None, bh]
-        # the runs held at once: both halves at D <= 128; at D = 256 (O alone is 128 registers)
-        # 8 at a time (16 spilled), the own half read again to quantize it
-        held = cutlass.const_expr(2 * per_thread if per_thread <= 8 else 8)
+        # the runs read for the amax: the own half (paired), else both (three warpgroups: D <= 128);
+        # held at once at D <= 128, else 8 at a time (D = 256: O alone is 128 registers; 16 spilled)
+        assert paired or per_thread <= 8
+        reads = cutlass.const_expr(per_thread if paired else 2 * per_thread)
+        held = cutlass.const_expr(reads if per_thread <= 8 else 8)
         amax = cutlass.Float32(0.0)
-        for c in cutlass.range_constexpr(2 * per_thread // held):
+        for c in cutlass.range_constexpr(reads // held):
             vals = self._load_q_runs(q_head, r0, other, t, c * held, held, per_thread, seqlen_q)
             for i in cutlass.range_constexpr(held):
                 amax = cute.arch.fmax(amax, abs(vals[i].load().to(cutlass.Float32)).reduce(
                     cute.ReductionOp.MAX, cutlass.Float32(0.0), 0))
-        amax = group_max(amax, cute.make_tensor(q_amax.iterator + 4 * wg, cute.make_layout(4)), t, 4,
-                         _QUANT_BAR + wg)
+        if cutlass.const_expr(paired):
+            amax = group_max(amax, cute.make_tensor(q_amax.iterator, cute.make_layout(8)),
+                             wg * self.threads_per_wg + t, 8, _QUANT_PAIR_BAR)
+        else:
+            amax = group_max(amax, cute.make_tensor(q_amax.iterator + 4 * wg, cute.make_layout(4)), t, 4,
+                             _QUANT_BAR + wg)
         scale, inv = scale_and_inverse(amax)
-        # the own half: still in registers (held whole), or read again ``held`` runs at a time
-        chunk = cutlass.const_expr(per_thread if held == 2 * per_thread else held)
-        for c in cutlass.range_constexpr(per_thread // chunk):
-            first = c * chunk
-            if cutlass.const_expr(chunk == held):
+        # the own half: all in registers, or (D = 256) ``held`` runs at a time, the last chunk read
+        # for the amax first (still in registers)
+        chunks = cutlass.const_expr(per_thread // held if held < per_thread else 1)
+        for c in cutlass.range_constexpr(chunks - 1, -1, -1):
+            first = c * held if chunks > 1 else 0
+            if cutlass.const_expr(c < chunks - 1):
                 vals = self._load_q_runs(q_head, r0, other, t, first, held, per_thread, seqlen_q)
-            for i in cutlass.range_constexpr(chunk):
+            for i in cutlass.range_constexpr(held if chunks > 1 else per_thread):
                 u = t + (first + i) * self.threads_per_wg
                 codes = cute.make_rmem_tensor((1, Q_VEC), self.ab_dtype)
                 codes.store((vals[i].load().to(cutlass.Float32) * inv).to(self.ab_dtype))
                 cute.autovec_copy(codes, cute.local_tile(sQ, (1, Q_VEC), (64 * wg + u // runs, u % runs)))
         cute.arch.fence_proxy("async.shared", space="cta")
-        cute.arch.barrier(barrier_id=_QUANT_BAR + wg, number_of_threads=self.threads_per_wg)
+        if cutlass.const_expr(paired):  # also: both have read q_amax before either writes it again
+            cute.arch.barrier(barrier_id=_QUANT_PAIR_BAR, number_of_threads=2 * self.threads_per_wg)
+        else:
+            cute.arch.barrier(barrier_id=_QUANT_BAR + wg, number_of_threads=self.threads_per_wg)
         if t == 0 and r0 % TILE_M == 0 and r0 < seqlen_q:
             mQS[(bh, r0 // TILE_M)] = scale
         return scale
