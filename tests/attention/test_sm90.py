@@ -62,7 +62,9 @@ def test_compiles_sm90a(config):
         assert_softmax_under_pv(sass)
     if config.quantize_q:  # Q by 16-byte loads, its codes into sQ by 8-byte stores, fenced; no Q TMA
         runs = 64 * config.head_dim // 8 // 128  # per thread and half block
-        assert sass.count("LDG.E.128") >= 2 * runs and sass.count("STS.64") >= runs
+        # three warpgroups read the block's other half too; two hold the block between them
+        halves = 2 if config.consumer_wgs == 3 else 1
+        assert sass.count("LDG.E.128") >= halves * runs and sass.count("STS.64") >= runs
         assert "FENCE.VIEW.ASYNC.S" in sass
         tma_q = sass_of(build_kernel(dataclasses.replace(config, quantize_q=False), "sm_90a", tvm_ffi=False))
         assert sass.count("UTMALDG.3D") < tma_q.count("UTMALDG.3D")  # no Q box (d256: two)
