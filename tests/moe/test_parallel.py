@@ -126,6 +126,33 @@ def test_fp8_dispatch_computes_on_the_received_codes():
         mp.spawn(_worker_no_requantization, args=(2, os.path.join(tmp, "init")), nprocs=2, join=True)
 
 
+def _worker_autocast(rank, world, init_file):
+    _init(rank, world, init_file, "gloo")
+    with rank_body():
+        x, weights, ids, w1, w2, dy = _problem((30, 26))
+        lo, hi = (0, 30) if rank == 0 else (30, 56)
+        per = E // world
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y_ref = experts(x, weights, ids, w1, w2)
+        for fp8_dispatch in (True, False):
+            xr = x[lo:hi].clone().requires_grad_()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                y = expert_parallel_experts(xr, weights[lo:hi], ids[lo:hi], w1[rank * per:(rank + 1) * per],
+                                            w2[rank * per:(rank + 1) * per], num_experts=E, fp8_dispatch=fp8_dispatch)
+            assert y.dtype == torch.bfloat16 and y_ref.dtype == torch.bfloat16
+            # the codes that travel are those of the bf16 tokens, as the one-process MoE's
+            torch.testing.assert_close(y, y_ref[lo:hi], rtol=2e-2, atol=2e-2)
+            y.float().backward(dy[lo:hi])
+            assert xr.grad.dtype == torch.float32
+
+
+def test_expert_parallel_follows_autocast():
+    """Inside torch.autocast, FP32 tokens are cast before they are quantized and sent: bf16 out,
+    as the one-process experts give under autocast; the gradient comes back in FP32."""
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_worker_autocast, args=(2, os.path.join(tmp, "init")), nprocs=2, join=True)
+
+
 @gpu
 @needs_two_gpus
 @pytest.mark.parametrize("capacity_factor", [None, 0.75])
