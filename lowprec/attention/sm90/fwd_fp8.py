@@ -165,13 +165,13 @@ class FP8AttentionFwdSm90:
     # ------------------------------------------------------------------ host side
     def _mma_qk(self):
         return sm90_utils.make_trivial_tiled_mma(
-            self.ab_dtype, self.ab_dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K,
+            self.ab_dtype, self.ab_dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K,
             self.acc_dtype, (self.num_mma_wg, 1, 1), tiler_mn=(64, self.tile_n),
         )
 
     def _mma_pv(self):
         return sm90_utils.make_trivial_tiled_mma(
-            self.ab_dtype, self.ab_dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K,
+            self.ab_dtype, self.ab_dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K,
             self.acc_dtype, (self.num_mma_wg, 1, 1), tiler_mn=(64, self.pv_n),
             a_source=warpgroup.OperandSource.RMEM,
         )

@@ -113,7 +113,7 @@ class WeightOnlySm90:
             return cute.make_tiled_mma(warp.MmaF16BF16Op(cutlass.BFloat16, cutlass.Float32, (16, 8, 16)),
                                        (4, 1, 1), permutation_mnk=(TILE_N, 8, 16))
         return sm90_utils.make_trivial_tiled_mma(
-            cutlass.BFloat16, cutlass.BFloat16, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K,
+            cutlass.BFloat16, cutlass.BFloat16, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K,
             cutlass.Float32, (1, 1, 1), tiler_mn=(64, self.tile_m), a_source=warpgroup.OperandSource.RMEM,
         )
 
