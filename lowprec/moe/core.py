@@ -333,10 +333,10 @@ def _needs_grad(*tensors) -> bool:
 
 @eager_under_compile
 def _dispatch_and_apply(x, topk_weights, topk_ids, w1, w2, recipe, capacity_factor, drop_policy, activation,
-                        check_ids) -> torch.Tensor:
+                        check_ids, x_codes: QuantizedTensor | None = None) -> torch.Tensor:
     routing = dispatch(topk_weights, topk_ids, w1.shape[0], capacity_factor=capacity_factor, drop_policy=drop_policy,
                        check_ids=check_ids)
-    return _apply_experts(x, routing, w1, w2, recipe, activation)
+    return _apply_experts(x, routing, w1, w2, recipe, activation, x_codes)
 
 
 @eager_under_compile

@@ -32,14 +32,13 @@ from ..nn.functional import follow_autocast
 from ..quant import quantize
 from ..recipes import get_recipe
 from ..tensor import QuantizedTensor
-from .core import _apply_experts, _check_experts_args
+from .core import _ACT_RECIPE, _check_experts_args, _dispatch_and_apply
 from .layer import MoE, _set_config, experts
-from .routing import DROP_POLICIES, _check_capacity_factor, dispatch, expert_capacity, select_experts
+from .routing import DROP_POLICIES, _check_capacity_factor, expert_capacity, select_experts
 
 __all__ = ["expert_parallel_experts", "ExpertParallelMoE"]
 
 _SCALE_BLOCK = 128
-_DISPATCH_RECIPE = "fp8_block1x128"  # what the experts quantize their input with
 
 
 def expert_parallel_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w1: torch.Tensor,
@@ -115,12 +114,11 @@ def _expert_parallel(x, topk_weights, topk_ids, w1, w2, num_experts, group, worl
     else:
         # the kept rows' codes and scales, and a stand-in for them that carries their gradient
         x_kept, codes, scales = _Dispatch.apply(x, order, k, send_splits, recv_splits, group, kept)
-        x_codes = QuantizedTensor(codes.view(torch.float8_e4m3fn), scales, get_recipe(_DISPATCH_RECIPE),
+        x_codes = QuantizedTensor(codes.view(torch.float8_e4m3fn), scales, get_recipe(_ACT_RECIPE),
                                   tuple(codes.shape), x.dtype)
         _check_experts_args(x_kept, kept_weights, kept_ids, w1, w2, recipe, activation)
-        routing = dispatch(kept_weights, kept_ids, local_experts, capacity_factor=None, drop_policy=drop_policy,
-                           check_ids=False)
-        y_kept = _apply_experts(x_kept, routing, w1, w2, recipe, activation, x_codes)
+        y_kept = _dispatch_and_apply(x_kept, kept_weights, kept_ids, w1, w2, recipe, None, drop_policy, activation,
+                                     False, x_codes)
     y_recv = y_kept.new_zeros(sum(recv_splits), y_kept.shape[1]).index_copy(0, kept, y_kept)
     y_rows = _AllToAll.apply(y_recv, recv_splits, send_splits, group)
     return _sum_slots(y_rows, order, tokens, k)
@@ -218,7 +216,7 @@ class _Dispatch(torch.autograd.Function):
         ctx.splits, ctx.group, ctx.tokens, ctx.k = (send_splits, recv_splits), group, x.shape[0], k
         token_of_row = order // k
         if x.shape[0]:
-            q = quantize(x, _DISPATCH_RECIPE, check_finite=False)
+            q = quantize(x, _ACT_RECIPE, check_finite=False)  # what the experts compute on
             codes = q.data.view(torch.uint8)[token_of_row].contiguous()
             scales = q.scale[token_of_row].contiguous()
         else:  # no tokens here: empty rows of the right widths
