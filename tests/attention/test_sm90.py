@@ -549,8 +549,8 @@ def test_fused_call_is_the_composed_steps(monkeypatch, case, q_in_kernel):
     """The one-pass host path of lowprec.attention (pre-pass + forward) gives the same bits as
     quantize_qkv followed by the forward kernel on Vᵀ with its keys permuted (which the fused
     V pre-pass writes directly), and is what lowprec.attention runs; with the forward quantizing
-    Q itself (dense grids: the 128-row blocks' other halves read from other warpgroups' and
-    CTAs' rows) as with the Q pre-pass kernel."""
+    Q itself (dense grids; a 128-row block's scale from both its halves, held by two warpgroups of
+    a CTA at d256, by warpgroups of two CTAs at 192-row tiles) as with the Q pre-pass kernel."""
     import lowprec
     from lowprec.attention.quantize import quantize_qkv
     from lowprec.attention.sm90 import interface

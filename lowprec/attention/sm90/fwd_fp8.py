@@ -801,13 +801,12 @@ class FP8AttentionFwdSm90:
         scale, inv = scale_and_inverse(amax)
         # the own half: all in registers, or (D = 256) ``held`` runs at a time, the last chunk read
         # for the amax first (still in registers)
-        chunks = cutlass.const_expr(per_thread // held if held < per_thread else 1)
-        for c in cutlass.range_constexpr(chunks - 1, -1, -1):
-            first = c * held if chunks > 1 else 0
-            if cutlass.const_expr(c < chunks - 1):
-                vals = self._load_q_runs(q_head, r0, other, t, first, held, per_thread, seqlen_q)
-            for i in cutlass.range_constexpr(held if chunks > 1 else per_thread):
-                u = t + (first + i) * self.threads_per_wg
+        step = cutlass.const_expr(min(held, per_thread))
+        for c in cutlass.range_constexpr(per_thread // step - 1, -1, -1):
+            if cutlass.const_expr(c < per_thread // step - 1):
+                vals = self._load_q_runs(q_head, r0, other, t, c * step, step, per_thread, seqlen_q)
+            for i in cutlass.range_constexpr(step):
+                u = t + (c * step + i) * self.threads_per_wg
                 codes = cute.make_rmem_tensor((1, Q_VEC), self.ab_dtype)
                 codes.store((vals[i].load().to(cutlass.Float32) * inv).to(self.ab_dtype))
                 cute.autovec_copy(codes, cute.local_tile(sQ, (1, Q_VEC), (64 * wg + u // runs, u % runs)))
