@@ -7,7 +7,8 @@ FP8 scheme (FA3 / SageAttention style), per (batch, head):
 - V: E4M3 with one FP32 scale per channel (over all tokens).
 - Online softmax over KV blocks of ``block`` tokens; P (in [0, 1]) is quantized to E4M3 with the
   static scale 448 (row max maps to 448) before P·V; each block's P·V is accumulated in fresh
-  FP32 and added into the FP32 output accumulator.
+  FP32 and added into the FP32 output accumulator. At head dims <= 128 the running max is lazy:
+  it moves only when a block's max passes it by more than a factor 4 of p, and P's scale is 112.
 - Optional incoherent processing (FA3): Q and K rotated by the same random ±1 · Hadamard matrix
   before quantization (:mod:`lowprec.attention.quantize`).
 
@@ -23,6 +24,7 @@ import math
 import torch
 
 from .quantize import ATTN_BLOCK, _rotate, quantize_qkv
+from .sm90.config import rescale_slack as kernel_rescale_slack
 
 __all__ = ["attention_reference", "fp8_forward_reference", "attention_backward_reference", "lse_correction",
            "combine_kv_splits", "ATTENTION_BLOCK"]
@@ -58,9 +60,14 @@ def _dequant_blocks(codes: torch.Tensor, scales: torch.Tensor, block: int) -> to
 
 
 def fp8_forward_reference(q, q_scale, k, k_scale, v_t, v_scale, causal: bool, scale: float,
-                          block: int = ATTN_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+                          block: int = ATTN_BLOCK,
+                          rescale_slack: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The FP8 forward kernel's math on its operands (the contract tensors of
     :class:`~lowprec.attention.quantize.FP8AttentionInputs`).
+
+    ``rescale_slack`` (lazy rescaling): a row's running max moves only when a block's max passes it
+    by more than a factor ``2**rescale_slack`` of p, and P is scaled by ``448 / 2**rescale_slack``;
+    ``None``: the shipped kernel's at this head dim (:func:`lowprec.attention.sm90.config.rescale_slack`).
 
     Returns ``(out [B, H, Sq, Dv] FP32, lse [B, H, Sq] FP32)``: the LSE of the scores as computed
     (of the smoothed K; no correction). Rows that see no key: 0 and −inf.
@@ -74,18 +81,23 @@ def fp8_forward_reference(q, q_scale, k, k_scale, v_t, v_scale, causal: bool, sc
     m = q_hat.new_full(q.shape[:-1], -math.inf)
     row_sum = q_hat.new_zeros(q.shape[:-1])
     acc = q_hat.new_zeros(*q.shape[:-1], v_codes.shape[-1])
+    if rescale_slack is None:
+        rescale_slack = kernel_rescale_slack(q.shape[-1])
+    p_scale = _P_SCALE / 2.0 ** rescale_slack
     for start in range(0, sk, block):
         cols = slice(start, min(start + block, sk))
         s = (q_hat @ k_hat[..., cols, :].transpose(-1, -2)) * scale
         if causal:
             s = s.masked_fill(~_causal_mask(sq, sk, slice(None), cols, q.device), -math.inf)
         m_new = torch.maximum(m, s.amax(dim=-1))
+        if rescale_slack:
+            m_new = torch.where(m_new > m + rescale_slack * math.log(2.0), m_new, m)
         m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
         p = torch.exp(s - m_safe[..., None])
         alpha = torch.exp(m - m_safe)
         row_sum = row_sum * alpha + p.sum(dim=-1)
-        p_q = (p * _P_SCALE).to(torch.float8_e4m3fn).float()
-        pv = (p_q @ v_codes[..., cols, :]) * (v_scale / _P_SCALE)
+        p_q = (p * p_scale).to(torch.float8_e4m3fn).float()
+        pv = (p_q @ v_codes[..., cols, :]) * (v_scale / p_scale)
         acc = acc * alpha[..., None] + pv
         m = m_new
     empty = row_sum == 0

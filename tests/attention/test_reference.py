@@ -66,6 +66,34 @@ def test_fp8_quantizes_p():
     assert 1e-4 < metrics.rel_l2(fp8, exact) < 0.08
 
 
+def test_fp8_lazy_rescaling():
+    """The running max moves only when a block's max passes it by more than a factor 2**slack of p;
+    P is scaled by 448 / 2**slack (never above 448). At head dims <= 128 that is the default."""
+    from lowprec.attention.reference import fp8_forward_reference
+    from lowprec.attention.sm90.config import RESCALE_SLACK, rescale_slack
+
+    assert rescale_slack(64) == rescale_slack(128) == RESCALE_SLACK == 2 and rescale_slack(256) == 0
+    f8 = torch.float8_e4m3fn
+    # one query, keys in blocks of 2 with scores (0, 0 | t, 0), V the identity: out[j] shows P8[j]
+    q, q_scale = torch.ones(1, 1, 1, 1).to(f8), torch.ones(1, 1, 1)
+    k = torch.tensor([0.0, 0.0, 1.0, 0.0]).view(1, 1, 4, 1).to(f8)
+    v_t, v_scale = torch.eye(4).view(1, 1, 4, 4).to(f8), torch.ones(1, 1, 4)
+
+    def run(t, slack):
+        out, lse = fp8_forward_reference(q, q_scale, k, torch.tensor([[[1.0, t]]]), v_t, v_scale, False, 1.0,
+                                         block=2, rescale_slack=slack)
+        torch.testing.assert_close(lse, torch.tensor([[[math.log(3 + math.exp(t))]]]))
+        return out.flatten()
+
+    # 8x (three powers of two) moves the max: P8 = 112 at the new max, the first block rescaled
+    torch.testing.assert_close(run(math.log(8), 2), torch.tensor([1 / 8, 1 / 8, 1, 1 / 8]) / 1.375)
+    # 3x does not: the stale max keeps the first block; key 2's p = 3 is cast as 336 -> E4M3 320
+    torch.testing.assert_close(run(math.log(3), 2), torch.tensor([1, 1, 320 / 112, 1]) / 6)
+    # without slack the max moves at once: key 3's p = 1/3 is cast as 149.3 -> E4M3 144
+    torch.testing.assert_close(run(math.log(3), 0), torch.tensor([1 / 3, 1 / 3, 1, 144 / 448]) / 2)
+    assert torch.equal(run(math.log(3), None), run(math.log(3), 2))  # head dim 1: the default is lazy
+
+
 def test_inputs_not_mutated_and_dtype_kept():
     q, k, v = (t.to(torch.bfloat16) for t in _qkv(sq=64, sk=64))
     before = [t.clone() for t in (q, k, v)]

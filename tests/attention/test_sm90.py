@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import lowprec
-from lowprec.attention.sm90.config import TILE_M, TILE_N
+from lowprec.attention.sm90.config import TILE_M, TILE_N, rescale_slack
 
 from ..hopper import gpu, needs_cutlass, needs_gpu
 
@@ -179,7 +179,8 @@ def quantize_inputs(q, k, v):
 
 
 def emulate(qc, qs, kc, ks, vt, vs, causal, scale, splits=1):
-    """The FP8 scheme from the codes (FP64 except the E4M3 cast of P), as reference._fp8; with
+    """The FP8 scheme from the codes (FP64 except the E4M3 cast of P; the running max lazy at the
+    shipped kernel's slack), as reference.fp8_forward_reference; with
     ``splits`` > 1 as the split-KV kernel runs it: each range of KV blocks its own online softmax
     (P's E4M3 scale follows that range's running max), then the combine."""
     B, H, Sq, D = qc.shape
@@ -195,6 +196,8 @@ def emulate(qc, qs, kc, ks, vt, vs, causal, scale, splits=1):
         i = torch.arange(Sq, device=qc.device)[:, None]
         j = torch.arange(Sk, device=qc.device)[None, :]
         s_all = s_all.masked_fill(j > i + Sk - Sq, -math.inf)
+    slack = rescale_slack(D)
+    p_scale = F8_MAX / 2.0 ** slack
     blocks = max(1, -(-Sk // BLOCK))
     per = -(-blocks // splits) * BLOCK  # keys per split
     outs, lses = [], []
@@ -205,12 +208,13 @@ def emulate(qc, qs, kc, ks, vt, vs, causal, scale, splits=1):
         for st in range(lo, min(lo + per, Sk), BLOCK):
             s = s_all[..., st:st + BLOCK]
             m_new = torch.maximum(m, s.amax(-1))
+            m_new = torch.where(m_new > m + slack * math.log(2.0), m_new, m)  # lazy rescaling
             m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
             p = torch.exp(s - m_safe[..., None])
             alpha = torch.exp(m - m_safe)
             rs = rs * alpha + p.sum(-1)
-            pq = (p * F8_MAX).float().to(F8).double()
-            acc = acc * alpha[..., None] + (pq @ vcodes[..., st:st + BLOCK, :]) * (vsc / F8_MAX)
+            pq = (p * p_scale).float().to(F8).double()
+            acc = acc * alpha[..., None] + (pq @ vcodes[..., st:st + BLOCK, :]) * (vsc / p_scale)
             m = m_new
         empty = rs == 0
         outs.append(torch.where(empty[..., None], 0.0, acc / torch.where(empty, 1.0, rs)[..., None]))

@@ -9,6 +9,9 @@ HEAD_DIMS = (64, 128, 256)  # head dims with a shipped kernel (all pass the GPU 
 TILE_M = 128  # query rows per q_scale (and per CTA of two consumer warpgroups; three take 192)
 TILE_N = 128  # keys per KV block; one k_scale per block; the online softmax steps by this
 P_SCALE = 448.0  # static scale of P (row max -> 448) before it is cast to E4M3
+# lazy rescaling: a row's running max (and O's scale) moves only when a block's max passes it by
+# more than this many powers of two; P is scaled by P_SCALE / 2**RESCALE_SLACK so it stays <= 448
+RESCALE_SLACK = 2
 OUT_DTYPES = ("bfloat16", "float16")
 V_PAD = 16  # v_t's key dimension is padded to a multiple of this (16-byte TMA strides)
 # optional v_t layout: stored key position p of each aligned 16 holds key V_KEY_PERM[p]
@@ -40,6 +43,9 @@ class AttnConfig:
     # per thread, which only fits in-MMA accumulation and the plain serial loop at D <= 128 (D = 256: 2)
     consumer_wgs: int = 3
     skip_unit_rescale: bool = True  # in-MMA: a warp skips O *= alpha when every alpha of its rows is 1
+    # in-MMA: the running max moves only past RESCALE_SLACK, so most blocks skip O *= alpha (+2-3%
+    # at d128); two-level kernels add O * alpha in one FFMA anyway
+    lazy_rescale: bool = True
     # packed variable-length sequences (``lowprec.attention.packed``): a sequence plan drives the grid
     varlen: bool = False
     # Q given in the output dtype, quantized by each consumer warpgroup (its 64 rows, with the
@@ -60,6 +66,7 @@ class AttnConfig:
             for flag in ("pack_gqa", "split_kv", "persistent"):
                 object.__setattr__(self, flag, False)
         object.__setattr__(self, "skip_unit_rescale", self.skip_unit_rescale and not self.two_level_pv)
+        object.__setattr__(self, "lazy_rescale", self.lazy_rescale and not self.two_level_pv)
         object.__setattr__(self, "overlap", overlap)
         object.__setattr__(self, "pingpong", self.pingpong and overlap)
 
@@ -76,9 +83,16 @@ class AttnConfig:
         tags = [("serial", not self.overlap), ("pp", self.pingpong), ("pack", self.pack_gqa),
                 ("split", self.split_kv), ("persist", self.persistent), ("vperm", self.v_keys_permuted),
                 ("inmma", not self.two_level_pv), ("wg3", self.consumer_wgs == 3),
-                ("skip1", self.skip_unit_rescale), ("varlen", self.varlen), ("qk", self.quantize_q)]
+                ("skip1", self.skip_unit_rescale), ("lazy", self.lazy_rescale), ("varlen", self.varlen),
+                ("qk", self.quantize_q)]
         return f"d{self.head_dim}{'_causal' if self.causal else ''}_{self.out_dtype}" + "".join(
             f"_{t}" for t, on in tags if on)
+
+
+def rescale_slack(head_dim: int) -> int:
+    """The shipped kernel's lazy-rescaling slack at this head dim (its P scale is 448 / 2**slack):
+    RESCALE_SLACK where it accumulates P.V in the wgmma (D <= 128), 0 for the two-level D = 256."""
+    return RESCALE_SLACK if AttnConfig(head_dim).lazy_rescale else 0
 
 
 def shipped_configs() -> tuple[AttnConfig, ...]:
@@ -103,6 +117,7 @@ def variant_configs() -> tuple[AttnConfig, ...]:
             out.append(AttnConfig(d, c, two_level_pv=False))
             if d <= 128:
                 out.append(AttnConfig(d, c, skip_unit_rescale=False))
+                out.append(AttnConfig(d, c, v_keys_permuted=True, lazy_rescale=False))
                 out.append(AttnConfig(d, c, consumer_wgs=2))
                 out.append(AttnConfig(d, c, consumer_wgs=2, two_level_pv=False))
                 out.append(AttnConfig(d, c, consumer_wgs=2, pack_gqa=True))

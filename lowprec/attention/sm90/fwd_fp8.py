@@ -48,7 +48,7 @@ from cutlass.tensor_utils import LayoutEnum
 
 from ...cute.fp8_block import scale_and_inverse
 from ...cute.fp8_tile import group_max
-from .config import P_SCALE, TILE_M, TILE_N, AttnConfig
+from .config import P_SCALE, RESCALE_SLACK, TILE_M, TILE_N, AttnConfig
 
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
@@ -150,6 +150,10 @@ class FP8AttentionFwdSm90:
         # exponentials' latency) with v_t permuted, else just before the P.V (NOTES.md, session 23:
         # 1.28 vs 1.32 ms and 1.34 vs 1.32 at d128)
         self.rescale_early = self.v_perm
+        # lazy rescaling (FlashAttention-4's): the running max moves only when a block's max passes
+        # it by more than RESCALE_SLACK powers of two, so P is scaled by 448 / 2**RESCALE_SLACK
+        self.lazy_rescale = config.lazy_rescale
+        self.log2_pscale = _LOG2_PSCALE - (RESCALE_SLACK if self.lazy_rescale else 0)
         # packed variable-length sequences (``lowprec.attention.packed``): grid (query blocks of the
         # longest sequence, heads, sequences), one row of the sequence plan per sequence; Q, K, Vᵀ
         # and their scales in the padded layout (each sequence from a multiple of 128 rows), O and
@@ -711,7 +715,7 @@ class FP8AttentionFwdSm90:
             inv[r] = cutlass.select_(empty, cutlass.Float32(0.0), cutlass.Float32(1.0) / s_safe)
             row = m0 + row_l[r]
             lse = (row_max[r] + cute.math.log2(s_safe, fastmath=False)
-                   - cutlass.Float32(_LOG2_PSCALE)) * cutlass.Float32(_LN2)
+                   - cutlass.Float32(self.log2_pscale)) * cutlass.Float32(_LN2)
             lse = cutlass.select_(empty, cutlass.Float32(-math.inf), lse)
             if quad == 0:
                 if row < seqlen_q:
@@ -963,9 +967,11 @@ class FP8AttentionFwdSm90:
             mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, offset=1))
             mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, offset=2))
             m_new = cute.arch.fmax(row_max[r], mx * c[r])
+            if cutlass.const_expr(self.lazy_rescale):
+                m_new = cutlass.select_(m_new > row_max[r] + cutlass.Float32(RESCALE_SLACK), m_new, row_max[r])
             m_safe = cutlass.select_(m_new == cutlass.Float32(-math.inf), cutlass.Float32(0.0), m_new)
             alpha[r] = _ex2(row_max[r] - m_safe)
-            neg[r] = cutlass.Float32(_LOG2_PSCALE) - m_safe
+            neg[r] = cutlass.Float32(self.log2_pscale) - m_safe
             row_max[r] = m_new
         for r in cutlass.range_constexpr(2):
             part = [None] * _NACC

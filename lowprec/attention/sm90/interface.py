@@ -45,6 +45,7 @@ PERSISTENT = False  # persistent CTAs walking the tiles longest-first (unmeasure
 TWO_LEVEL_PV = True  # AttnConfig.two_level_pv of launched kernels
 CONSUMER_WGS = 3  # AttnConfig.consumer_wgs of launched kernels (3 where it applies: D <= 128)
 SKIP_UNIT_RESCALE = True  # AttnConfig.skip_unit_rescale of launched kernels
+LAZY_RESCALE = True  # AttnConfig.lazy_rescale of launched kernels
 # lowprec.attention(q, k, v, quant="fp8") on float q: the forward quantizes Q itself (the Q
 # pre-pass's bits) where its grid is dense (no pack-GQA, no split-KV), instead of a Q pre-pass kernel
 QUANTIZE_Q_IN_KERNEL = True
@@ -147,14 +148,14 @@ def _get_compiled(config: AttnConfig, arch: str = _ARCH_DEFAULT):
 @functools.cache
 def _kernel(d: int, causal: bool, out_dtype: torch.dtype, pack: bool, split: bool, v_keys_permuted: bool,
             overlap: bool, pingpong: bool, persistent_sms: int, two_level_pv: bool, consumer_wgs: int,
-            skip_unit_rescale: bool, varlen: bool = False, quantize_q: bool = False):
+            skip_unit_rescale: bool, varlen: bool = False, quantize_q: bool = False, lazy_rescale: bool = True):
     """The launched kernel of one call's parameters (and the interface flags; ``persistent_sms``
     0: not persistent): a lookup on plain values, no config object built per call."""
     return ffi_entry(_get_compiled(AttnConfig(d, causal, _OUT[out_dtype], overlap, pingpong, pack, split,
                                               persistent=persistent_sms > 0, num_sms=persistent_sms or _NUM_SMS,
                                               v_keys_permuted=v_keys_permuted, two_level_pv=two_level_pv,
                                               consumer_wgs=consumer_wgs, skip_unit_rescale=skip_unit_rescale,
-                                              varlen=varlen, quantize_q=quantize_q)))
+                                              varlen=varlen, quantize_q=quantize_q, lazy_rescale=lazy_rescale)))
 
 
 def compile_only(config: AttnConfig | None = None, arch: str = _ARCH_DEFAULT):
@@ -228,7 +229,7 @@ def _forward(q, q_scale, k, k_scale, v_t, v_scale, causal: bool, softmax_scale: 
     splits = 1 if quantize_q else kv_splits(B, H, Hkv, Sq, Sk)
     fn = _kernel(D, causal, out_dtype, pack, splits > 1, v_keys_permuted, OVERLAP, PINGPONG,
                  _num_sms(q.device) if PERSISTENT else 0, TWO_LEVEL_PV, CONSUMER_WGS, SKIP_UNIT_RESCALE,
-                 False, quantize_q)
+                 False, quantize_q, LAZY_RESCALE)
     o_dst, l_dst = out, lse
     if splits > 1:
         o_dst = torch.empty(splits * B * qh, rows, D, dtype=torch.float32, device=q.device)
@@ -317,7 +318,7 @@ def fp8_attention_varlen_forward(q, q_scale, k, k_scale, v_t, v_scale, plan, tot
         return out, lse
     u8 = torch.uint8
     fn = _kernel(d, causal, out_dtype, False, False, v_keys_permuted, OVERLAP, PINGPONG, 0, TWO_LEVEL_PV,
-                 CONSUMER_WGS, SKIP_UNIT_RESCALE, True)
+                 CONSUMER_WGS, SKIP_UNIT_RESCALE, True, False, LAZY_RESCALE)
     args = (
         q.view(u8).as_strided((rq, d, h), (d, 1, rq * d)),
         k.view(u8).as_strided((rk, d, hkv), (d, 1, rk * d)),
