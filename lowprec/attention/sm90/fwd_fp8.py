@@ -2,8 +2,9 @@
 
     S = (Q_codes . K_codesᵀ) * q_scale[m-block] * k_scale[n-block] * softmax_scale
     online softmax over KV blocks of 128 (FP32, exp2 with the scale folded into one FFMA),
-    P8 = E4M3(448 * exp(S - m_running)),  blk = P8 . V_codes (fresh FP32 wgmma accumulator),
-    O_acc = O_acc * alpha + blk,  O = O_acc * v_scale[ch] / rowsum(448 * p),  LSE in FP32 (ln).
+    P8 = E4M3(448 / 2**slack * exp(S - m_running)) (slack 2 with the lazy running max of in-MMA
+    kernels, else 0),  blk = P8 . V_codes (fresh FP32 wgmma accumulator, or O's own in-MMA),
+    O_acc = O_acc * alpha + blk,  O = O_acc * v_scale[ch] / rowsum(P8 before the cast),  LSE in FP32 (ln).
 
 Layouts (see CONTRACT.md): Q [Sq, D, B*H], K [Sk, D, B*Hkv] (K-major along D), Vᵀ [D, Sk_pad,
 B*Hkv] (K-major along keys) as uint8 views of E4M3; scales q [B*H, ceil(Sq/128)],
