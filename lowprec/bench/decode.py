@@ -186,7 +186,7 @@ def decode_step(model, tokens: torch.Tensor, caches: list, pos: int) -> torch.Te
                                            enable_gqa=c.kv_heads != c.heads)
         x = x + block.o(a.transpose(1, 2).reshape(b, 1, -1))
         h = block.mlp_norm(x)
-        x = x + block.down(F.silu(block.gate(h)) * block.up(h))
+        x = x + block.mlp(h)
     return model.lm_head(model.norm(x))[:, 0]
 
 

@@ -2,9 +2,9 @@
 
 The model is written here (no ``transformers``): token embedding, per layer RMSNorm -> Q, K, V
 projections -> rotary embedding -> causal SDPA (grouped KV heads) -> output projection, RMSNorm ->
-SwiGLU MLP (gate, up, down), final RMSNorm, LM head. Every projection is an ``nn.Linear``, so
-``lowprec.convert`` swaps them; the LM head stays in its dtype for every implementation (as
-torchao's recipes leave it too).
+SwiGLU MLP (:class:`lowprec.nn.SwiGLUMLP`: gate_proj, up_proj, down_proj, as transformers' LlamaMLP),
+final RMSNorm, LM head. Every projection is an ``nn.Linear``, so ``lowprec.convert`` swaps them;
+the LM head stays in its dtype for every implementation (as torchao's recipes leave it too).
 
 Sizes (B·S = 8192 tokens per step): ``h1024`` (hidden 1024, 8 layers, 16 heads, FFN 2816, B8 S1024)
 and ``llama3-8b-2l`` (Llama-3-8B-shaped layers: hidden 4096, 32 heads / 8 KV heads, FFN 14336,
@@ -13,11 +13,13 @@ and ``llama3-8b-2l`` (Llama-3-8B-shaped layers: hidden 4096, 32 heads / 8 KV hea
 For each size, weights (``bf16``: bf16 parameters; ``fp32-autocast``: FP32 master weights under
 ``torch.autocast(bfloat16)``), implementation (``bf16``: ``nn.Linear``; ``lowprec``:
 ``lowprec.convert(model, "fp8_block")``, which keeps layers under 4096² weights in bf16 (the row's
-note says how many projections are FP8); ``torchao-tensorwise`` / ``torchao-rowwise``: torchao's
-float8 training, when it imports) and mode (``eager``; ``compiled``: ``torch.compile(model)``), one
-row: the median step time (forward, loss, backward, AdamW step (fused on CUDA); ``bench_ms``: the host syncs before
-each step, so host time that is not hidden behind the GPU counts), peak memory, and the ratio to the bf16
-implementation with the same weights and mode.
+note says how many projections are FP8) and fuses each SwiGLU MLP (:class:`lowprec.nn.FP8SwiGLUMLP`);
+``lowprec-unfused``, on request only: the same with ``fuse_mlp=False``, three FP8Linear layers;
+``torchao-tensorwise`` / ``torchao-rowwise``: torchao's float8 training, when it imports) and mode
+(``eager``; ``compiled``: ``torch.compile(model)``), one row: the median step time (forward, loss,
+backward, AdamW step (fused on CUDA); ``bench_ms``: the host syncs before each step, so host time
+that is not hidden behind the GPU counts), peak memory, and the ratio to the bf16 implementation
+with the same weights and mode.
 
 ``--train-steps N`` then trains the smallest size N steps on real text (the Python standard
 library's sources as bytes, :mod:`lowprec.bench.corpus`) with bf16 and with lowprec, same seed,
@@ -40,6 +42,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from ..nn import FP8Linear, FP8SwiGLUMLP, SwiGLUMLP
 
 __all__ = ["LlamaConfig", "Llama", "SIZES", "IMPLS", "make_model", "main"]
 
@@ -64,7 +68,8 @@ SIZES = {
     "h1024": LlamaConfig(hidden=1024, layers=8, heads=16, kv_heads=16, ffn=2816, batch=8, seq=1024),
     "llama3-8b-2l": LlamaConfig(hidden=4096, layers=2, heads=32, kv_heads=8, ffn=14336, batch=4, seq=2048),
 }
-IMPLS = ("bf16", "lowprec", "torchao-tensorwise", "torchao-rowwise")
+IMPLS = ("bf16", "lowprec", "torchao-tensorwise", "torchao-rowwise", "lowprec-unfused")
+DEFAULT_IMPLS = IMPLS[:4]
 WEIGHTS = ("bf16", "fp32-autocast")
 MODES = ("eager", "compiled")
 
@@ -102,9 +107,7 @@ class Block(nn.Module):
         self.k = nn.Linear(c.hidden, c.kv_heads * c.head_dim, bias=False)
         self.v = nn.Linear(c.hidden, c.kv_heads * c.head_dim, bias=False)
         self.o = nn.Linear(c.heads * c.head_dim, c.hidden, bias=False)
-        self.gate = nn.Linear(c.hidden, c.ffn, bias=False)
-        self.up = nn.Linear(c.hidden, c.ffn, bias=False)
-        self.down = nn.Linear(c.ffn, c.hidden, bias=False)
+        self.mlp = SwiGLUMLP(c.hidden, c.ffn)
 
     def forward(self, x, cos, sin):
         c = self.c
@@ -117,7 +120,7 @@ class Block(nn.Module):
         a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=c.kv_heads != c.heads)
         x = x + self.o(a.transpose(1, 2).reshape(b, s, -1))
         h = self.mlp_norm(x)
-        return x + self.down(F.silu(self.gate(h)) * self.up(h))
+        return x + self.mlp(h)
 
 
 class Llama(nn.Module):
@@ -157,10 +160,11 @@ def make_model(c: LlamaConfig, impl: str, weights: str, device="cuda", base: Lla
     model = copy.deepcopy(base) if base is not None else Llama(c)
     model = model.to(device=device, dtype=torch.bfloat16 if weights == "bf16" else torch.float32)
     model.cos, model.sin = model.cos.float(), model.sin.float()
-    if impl == "lowprec":
+    if impl.startswith("lowprec"):
         import lowprec
 
-        lowprec.convert(model, "fp8_block", filter_fn=_not_lm_head, min_weight_numel=min_weight_numel)
+        lowprec.convert(model, "fp8_block", filter_fn=_not_lm_head, min_weight_numel=min_weight_numel,
+                        fuse_mlp=impl == "lowprec")
     elif impl.startswith("torchao"):
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
@@ -211,7 +215,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m lowprec bench train", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", default=",".join(SIZES))
-    p.add_argument("--impls", default=",".join(IMPLS))
+    p.add_argument("--impls", default=",".join(DEFAULT_IMPLS))
     p.add_argument("--weights", default=",".join(WEIGHTS))
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--steps", type=int, default=20, help="timed steps per row (median)")
@@ -286,10 +290,11 @@ def main(argv: list[str] | None = None) -> int:
                         torch.cuda.reset_peak_memory_stats()
                         ms = bench_ms(functools.partial(step, tokens, targets), warmup=args.warmup, rep=args.steps)
                         row.update(step_ms=ms, peak_gib=torch.cuda.max_memory_allocated() / 2**30)
-                        if impl == "lowprec":  # convert keeps layers too small to gain in bf16
-                            fp8 = sum(type(m).__name__ == "FP8Linear" for m in model.modules())
-                            linears = fp8 + sum(type(m) is nn.Linear for m in model.modules()) - 1  # - LM head
-                            row["note"] = f"{fp8}/{linears} projections in FP8"
+                        if impl.startswith("lowprec"):  # convert keeps layers too small to gain in bf16
+                            fused = sum(isinstance(m, FP8SwiGLUMLP) for m in model.modules())
+                            fp8 = sum(isinstance(m, FP8Linear) for m in model.modules()) + 3 * fused
+                            linears = sum(type(m) in (nn.Linear, FP8Linear) for m in model.modules()) - 1  # - LM head
+                            row["note"] = f"{fp8}/{linears} projections in FP8 ({fused} fused SwiGLU MLPs)"
                         print(f"  {size} {weights} {mode} {impl}: {ms:.2f} ms", flush=True)
                     except Exception as err:  # a peer that cannot run this row: say so, go on
                         row["note"] = f"error: {type(err).__name__}: {str(err).splitlines()[0][:120]}"

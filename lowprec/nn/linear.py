@@ -19,6 +19,7 @@ from .buffers import QuantizedBuffersModule
 from .fsdp import GATHER_RECIPE, FP8AllGatherWeight
 from .functional import LinearRecipe, follow_autocast, fp8_linear, get_linear_recipe
 from .nvfp4 import NVFP4InferenceLinear
+from .swiglu import FP8SwiGLUMLP, swiglu_mlp_unsupported
 
 __all__ = ["FP8Linear", "FP8InferenceLinear", "convert", "MIN_TRAIN_WEIGHT_NUMEL", "enable_fp8_all_gather"]
 
@@ -229,7 +230,7 @@ def _swap(linear: nn.Linear, name: str, recipe: str, inference: bool, min_numel:
 
 
 def convert(model: nn.Module, recipe: str = "fp8_block", filter_fn: Callable[[str, nn.Module], bool] | None = None,
-            inference: bool = False, min_weight_numel: int | None = None) -> nn.Module:
+            inference: bool = False, min_weight_numel: int | None = None, fuse_mlp: bool = True) -> nn.Module:
     """Swap every ``nn.Linear`` in ``model`` (in place) for an FP8 layer and return the model.
 
     Args:
@@ -247,6 +248,14 @@ def convert(model: nn.Module, recipe: str = "fp8_block", filter_fn: Callable[[st
             smaller layers measured slower in FP8 (their step is bound by host time), 0 with
             ``inference=True`` (FP8 weights there also halve the memory). 0 converts every layer.
             A bare ``nn.Linear`` passed as ``model`` is converted whatever its size.
+
+        fuse_mlp: training with ``"fp8_block"``: SwiGLU MLPs (:class:`~lowprec.nn.SwiGLUMLP` and
+            transformers' ``LlamaMLP``, ``MistralMLP``, ``Qwen2MLP``, ``Qwen3MLP``: ``down_proj(
+            silu(gate_proj(x)) * up_proj(x))``) become :class:`~lowprec.nn.FP8SwiGLUMLP` (the same
+            three GEMMs in FP8, the activation fused with its quantizations; the same parameters),
+            when ``filter_fn`` accepts all three layers and the gate's weight has at least
+            ``min_weight_numel`` entries. Other recipes, ``inference=True`` or ``fuse_mlp=False``
+            turn such an MLP back into a plain one whose layers convert one by one.
 
     One log line (logger ``lowprec``, INFO) says how many layers were converted and which were
     kept for their size. Only exact ``nn.Linear`` instances are swapped (subclasses such as the attention output
@@ -281,10 +290,17 @@ def convert(model: nn.Module, recipe: str = "fp8_block", filter_fn: Callable[[st
     if _convertible(model):
         return model if filter_fn is not None and not filter_fn("", model) else _converted(model, "", recipe,
                                                                                             inference, 0, [])
+    fuse = fuse_mlp and not inference and recipe == "fp8_block"
+    if isinstance(model, FP8SwiGLUMLP) and not fuse:
+        model = model.unfused()
+    if swiglu_mlp_unsupported(model) is None and fuse and (filter_fn is None or _mlp_accepted("", model, filter_fn)):
+        return FP8SwiGLUMLP.from_mlp(model)
+    fused = _fuse_mlps(model, fuse, filter_fn, min_weight_numel)
     kept: list[str] = []
     done: dict[int, nn.Module] = {}  # id(module) -> what it became: shared modules stay shared
     for parent_name, parent in list(model.named_modules()):
-        if isinstance(parent, (MoE, FP8InferenceMoE)):  # the router is read as a weight, in FP32
+        # the router is read as a weight, in FP32; fused MLPs read their layers' weights
+        if isinstance(parent, (MoE, FP8InferenceMoE, FP8SwiGLUMLP)):
             continue
         for child_name, child in list(parent._modules.items()):  # named_children() skips repeats
             if child is None or not _convertible(child):
@@ -296,9 +312,34 @@ def convert(model: nn.Module, recipe: str = "fp8_block", filter_fn: Callable[[st
                                                                  kept)
             setattr(parent, child_name, done[id(child)])
     converted = sum(isinstance(m, (FP8Linear, FP8InferenceLinear, NVFP4InferenceLinear)) for m in done.values())
-    log.info("lowprec.convert: %d low-precision linear layers; %d kept in their dtype (fewer than %d weights)%s",
-             converted, len(kept), min_weight_numel, (": " + ", ".join(kept)) if kept else "")
+    log.info("lowprec.convert: %d fused FP8 SwiGLU MLPs; %d low-precision linear layers; %d kept in their dtype "
+             "(fewer than %d weights)%s", fused, converted, len(kept), min_weight_numel,
+             (": " + ", ".join(kept)) if kept else "")
     return model
+
+
+def _mlp_accepted(name: str, mlp: nn.Module, filter_fn: Callable[[str, nn.Module], bool]) -> bool:
+    prefix = f"{name}." if name else ""
+    return all(filter_fn(prefix + n, getattr(mlp, n)) for n in ("gate_proj", "up_proj", "down_proj"))
+
+
+def _fuse_mlps(model: nn.Module, fuse: bool, filter_fn, min_numel: int) -> int:
+    """Swap the SwiGLU MLPs of ``model`` for :class:`FP8SwiGLUMLP` (``fuse``), or fused ones back
+    to plain ones (not ``fuse``); returns how many are fused."""
+    fused = 0
+    for parent_name, parent in list(model.named_modules()):
+        for child_name, child in list(parent._modules.items()):
+            name = f"{parent_name}.{child_name}" if parent_name else child_name
+            if isinstance(child, FP8SwiGLUMLP):
+                if fuse:
+                    fused += 1
+                else:
+                    setattr(parent, child_name, child.unfused())
+            elif (fuse and swiglu_mlp_unsupported(child) is None and child.gate_proj.weight.numel() >= min_numel
+                  and (filter_fn is None or _mlp_accepted(name, child, filter_fn))):
+                setattr(parent, child_name, FP8SwiGLUMLP.from_mlp(child))
+                fused += 1
+    return fused
 
 
 def _convertible(module: nn.Module) -> bool:

@@ -18,7 +18,8 @@ from ..runtime import registry
 from .layouts import empty_mn_major_tma_aligned
 from .reference import quantize_reference
 
-__all__ = ["quantize_fp8", "quantize_dual_fp8", "quantize_128x128_t_fp8", "RECIPES"]
+__all__ = ["quantize_fp8", "quantize_dual_fp8", "quantize_128x128_t_fp8", "swiglu_dual_fp8", "swiglu_dual_codes",
+           "swiglu_values", "RECIPES", "SWIGLU_KINDS"]
 
 RECIPES = ("fp8_block1x128", "fp8_block128x128", "fp8_rowwise")  # of quantize_fp8 (exact FP32 scales)
 
@@ -112,3 +113,44 @@ def quantize_128x128_t_fp8(x: torch.Tensor, n: int) -> tuple[torch.Tensor, torch
 @quantize_128x128_t_fp8.register_fake
 def _(x, n):
     return _empty_128x128_t(x, n)
+
+
+# The dense SwiGLU MLP's fused activation quantizations (``lowprec.nn.swiglu``): the values in
+# FP32 from bf16 / fp16 inputs, as torch's CUDA kernels compute them, then ``quantize_dual``.
+SWIGLU_KINDS = {"swiglu": 2, "swiglu_dgate": 3, "swiglu_dup": 2}
+
+
+def swiglu_values(kind: str, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """FP32 ``silu(g) · u`` (``swiglu``: g, u), ``silu_backward(da · u, g)`` (``swiglu_dgate``:
+    g, u, da) or ``da · silu(g)`` (``swiglu_dup``: g, da)."""
+    g = inputs[0].float()
+    if kind == "swiglu":
+        return torch.nn.functional.silu(g) * inputs[1].float()
+    if kind == "swiglu_dup":
+        return inputs[1].float() * torch.nn.functional.silu(g)
+    return torch.ops.aten.silu_backward(inputs[2].float() * inputs[1].float(), g)
+
+
+def swiglu_dual_codes(kind: str, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """``quantize_dual``'s codes and scales of :func:`swiglu_values` (the kernel where it serves)."""
+    r = get_recipe("fp8_block1x128")
+
+    def reference():
+        values = swiglu_values(kind, inputs)
+        padded = torch.nn.functional.pad(values, (0, 0, 0, -(-values.shape[0] // 16) * 16 - values.shape[0]))
+        along_k, along_t = quantize_reference(values, r), quantize_reference(padded.t(), r)
+        return _fill(_empty_dual(values), (along_k.data, along_k.scale, along_t.data, along_t.scale))
+
+    return registry.run(f"quantize_{kind}_dual", inputs[0].device, inputs, reference)
+
+
+@torch.library.custom_op("lowprec::swiglu_dual_fp8", mutates_args=())
+def swiglu_dual_fp8(kind: str, inputs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                    torch.Tensor]:
+    """:func:`swiglu_dual_codes` as a custom op (``torch.compile``)."""
+    return swiglu_dual_codes(kind, tuple(inputs))
+
+
+@swiglu_dual_fp8.register_fake
+def _(kind, inputs):
+    return _empty_dual(inputs[0])

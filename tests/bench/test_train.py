@@ -9,7 +9,7 @@ import torch
 
 from lowprec.__main__ import BENCHES
 from lowprec.bench import train
-from lowprec.nn import FP8Linear
+from lowprec.nn import FP8Linear, FP8SwiGLUMLP
 
 TINY = train.LlamaConfig(hidden=128, layers=2, heads=4, kv_heads=2, ffn=256, vocab=64, batch=2, seq=32)
 
@@ -38,7 +38,11 @@ def test_lowprec_model_converts_every_projection_but_the_lm_head_and_trains(weig
     fp8 = train.make_model(TINY, "lowprec", weights, device="cpu", base=base, min_weight_numel=0)
     kinds = {name: type(m) for name, m in fp8.named_modules() if isinstance(m, (torch.nn.Linear, FP8Linear))}
     assert kinds.pop("lm_head") is torch.nn.Linear
-    assert len(kinds) == 7 * TINY.layers and set(kinds.values()) == {FP8Linear}
+    # Q, K, V, O as FP8Linear; the MLP fused (its three nn.Linear layers hold the parameters)
+    assert all(isinstance(b.mlp, FP8SwiGLUMLP) for b in fp8.blocks)
+    mlp = {n for n in kinds if ".mlp." in n}
+    assert len(mlp) == 3 * TINY.layers and {kinds[n] for n in mlp} == {torch.nn.Linear}
+    assert len(kinds) == 7 * TINY.layers and {kinds[n] for n in kinds if n not in mlp} == {FP8Linear}
     want = torch.bfloat16 if weights == "bf16" else torch.float32
     assert all(p.dtype == want for p in fp8.parameters())
     g = torch.Generator().manual_seed(0)

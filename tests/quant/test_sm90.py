@@ -10,16 +10,19 @@ from lowprec.quant import quantize_dual, quantize_with_transpose
 from lowprec.quant.sm90.interface import KERNELS, build_kernel
 from lowprec.runtime import cubin_arch, local_memory_ops, sass_of
 
+_SWIGLU = ("swiglu_dual", "swiglu_dgate_dual", "swiglu_dup_dual")  # bf16 / fp16 inputs only
 
-@pytest.mark.parametrize("kind", KERNELS)
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+
+@pytest.mark.parametrize("kind, dtype", [(k, d) for k in KERNELS for d in (torch.bfloat16, torch.float16, torch.float32)
+                                         if not (k in _SWIGLU and d == torch.float32)])
 def test_kernel_compiles_for_sm90a_with_wide_accesses_and_no_spills(kind, dtype):
     sass = sass_of(build_kernel(kind, dtype))
     assert cubin_arch(sass) == "sm_90a"
     assert local_memory_ops(sass) == 0
     # 16-byte loads (bf16/fp16: 8 elements; fp32: two per 8); the streaming kernels copy them
     # global -> shared asynchronously (cp.async: LDGSTS)
-    wide_load = r"LDGSTS\.E\.\w*\.?128" if kind in ("1x128", "dual", "rowwise_staged") else r"LDG\.E\.128"
+    streaming = kind in ("1x128", "dual", "rowwise_staged", *_SWIGLU)
+    wide_load = r"LDGSTS\.E\.\w*\.?128" if streaming else r"LDG\.E\.128"
     assert re.search(wide_load, sass)
     assert "F2FP" in sass  # packed cvt to e4m3
     assert "ACQBULK" in sass  # griddepcontrol.wait: safe under programmatic dependent launch
@@ -72,6 +75,29 @@ def test_1x128_matches_reference(shape, dtype, monkeypatch):
 def test_rowwise_matches_reference(shape, dtype, monkeypatch):
     x = _data(*shape, dtype, seed=sum(shape) + 3)
     _same(*_kernel_and_reference(lambda t: lowprec.quantize(t, "fp8_rowwise"), x, monkeypatch))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["swiglu", "swiglu_dgate", "swiglu_dup"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(1, 128), (300, 1040), (2000, 7168), (1000, 272)])
+def test_swiglu_dual_matches_reference(kind, shape, dtype, monkeypatch):
+    """The dense SwiGLU MLP's fused kernels: the FP32 values as torch's CUDA ops compute them, then
+    both quantizations, bit for bit (each input a column slice of a wider buffer, as GEMM outputs
+    may be)."""
+    from lowprec.quant.ops import SWIGLU_KINDS, swiglu_dual_codes
+
+    n = SWIGLU_KINDS[kind]
+    wide = _data(shape[0], shape[1] * n, dtype, seed=sum(shape) + n) * 4
+    inputs = tuple(wide[:, i * shape[1]:(i + 1) * shape[1]] for i in range(n))
+    monkeypatch.setenv("LOWPREC_BACKEND", "reference")
+    ref = swiglu_dual_codes(kind, inputs)
+    monkeypatch.setenv("LOWPREC_BACKEND", "kernel")
+    _poison_allocator()
+    got = swiglu_dual_codes(kind, inputs)
+    for a, b in zip(got, ref):
+        assert torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
+                           b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b)
 
 
 @pytest.mark.gpu

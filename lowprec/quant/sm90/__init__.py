@@ -10,3 +10,5 @@ register("quantize_dual", "sm_90a", f"{_interface}:quantize_dual_codes", config.
 register("quantize_with_transpose", "sm_90a", f"{_interface}:quantize_with_transpose_codes",
          config.transpose_unsupported)
 register("quantize_t_gathered", "sm_90a", f"{_interface}:quantize_t_gathered_codes", config.gathered_unsupported)
+for _kind in ("swiglu", "swiglu_dgate", "swiglu_dup"):
+    register(f"quantize_{_kind}_dual", "sm_90a", f"{_interface}:{_kind}_quantize_dual", config.swiglu_dual_unsupported)

@@ -55,3 +55,17 @@ def gathered_unsupported(rows: torch.Tensor, r, sources: torch.Tensor) -> str | 
     if r.block != (1, 128) or r.name != "fp8_block1x128":
         return f"recipe {r.name}: the gathering kernel quantizes 1x128 blocks"
     return rows_unsupported(rows)
+
+
+def swiglu_dual_unsupported(*inputs: torch.Tensor) -> str | None:
+    """The SwiGLU dual kernels: inputs of one shape [T, F] and one 16-bit dtype, rows readable."""
+    x = inputs[0]
+    if x.dtype not in (torch.bfloat16, torch.float16):
+        return f"dtype {x.dtype} (the SwiGLU kernels take bf16 / fp16)"
+    for t in inputs:
+        if t.shape != x.shape or t.dtype != x.dtype:
+            return "inputs of different shapes or dtypes"
+        reason = rows_unsupported(t)
+        if reason:
+            return reason
+    return None

@@ -362,15 +362,38 @@ def _dual_tile_coords(tile, tiles_r, tiles_c):
 
 
 @cute.jit
-def _prefetch_dual(mX: cute.Tensor, slots: cute.Tensor, tidx, tile, n_tiles, tiles_r, tiles_c, stage):
+def _prefetch_dual(mXs: list, slots: list, tidx, tile, n_tiles, tiles_r, tiles_c, stage):
     if tile < n_tiles:
         tile_r, tile_c = _dual_tile_coords(tile, tiles_r, tiles_c)
         col = tile_c * TILE + (tidx % LANES) * VEC
         first_row = tile_r * TILE + (tidx // LANES) * PASSES
-        for p in cutlass.range_constexpr(PASSES):
-            _prefetch_chunk(mX, slots, tidx, p, stage, first_row + p, col,
-                            first_row + p < mX.shape[0] and col < mX.shape[1])
+        for mX, sl in zip(mXs, slots):
+            for p in cutlass.range_constexpr(PASSES):
+                _prefetch_chunk(mX, sl, tidx, p, stage, first_row + p, col,
+                                first_row + p < mX.shape[0] and col < mX.shape[1])
     cute.arch.cp_async_commit_group()
+
+
+# What the dual kernel quantizes, from its inputs' chunks (FP32, each step rounded as torch
+# computes it on the GPU: silu(g) = g / (1 + expf(-g)), IEEE division; silu_backward's
+# ((dy · sigmoid) · fma(g, 1 - sigmoid, 1)) as nvcc contracts it): the input itself, or the dense
+# SwiGLU MLP's activation silu(g) · u and its gradients (inputs g, u, da / g, da).
+DUAL_OPS = {"copy": 1, "swiglu": 2, "swiglu_dgate": 3, "swiglu_dup": 2}
+
+
+@cute.jit
+def _dual_op(op: cutlass.Constexpr, xs: list):
+    if cutlass.const_expr(op == "copy"):
+        return xs[0]
+    g = xs[0]
+    e = cute.math.exp(-g)
+    if cutlass.const_expr(op == "swiglu"):
+        return (g / (Float32(1.0) + e)) * xs[1]
+    if cutlass.const_expr(op == "swiglu_dup"):
+        return xs[1] * (g / (Float32(1.0) + e))
+    sig = Float32(1.0) / (Float32(1.0) + e)
+    one = cute.full_like(g, 1.0)
+    return ((xs[2] * xs[1]) * sig) * cute.math.fma(g, one - sig, one)
 
 
 @cute.jit
@@ -398,13 +421,14 @@ def _alloc_col_partials(smem):
 
 
 @cute.jit
-def _dual_tile(slots: cute.Tensor, stage, mQ: cute.Tensor, mS: cute.Tensor, mQT: cute.Tensor, mST: cute.Tensor,
-               col_part: cute.Tensor, tile_t: cute.Tensor, tile_r, tile_c, tidx):
-    """Both quantizations of one 128x128 tile, the thread's 8x8 micro-tile in ``slots`` stage
-    ``stage``; stores past the outputs' ends are skipped. The micro-tile is read into registers
-    for the rows and read again, half at a time, for the columns (after the CTA barrier, so
-    those reads cannot be merged with the first): 64 values are never live next to the columns'
-    work (2 CTAs per SM without spills). Qᵀ goes through ``tile_t`` (a second barrier), so that
+def _dual_tile(slots: list, stage, mQ: cute.Tensor, mS: cute.Tensor, mQT: cute.Tensor, mST: cute.Tensor,
+               col_part: cute.Tensor, tile_t: cute.Tensor, tile_r, tile_c, tidx, op: cutlass.Constexpr):
+    """Both quantizations of one 128x128 tile of ``op`` of the inputs, the thread's 8x8 micro-tile
+    in ``slots`` stage ``stage``; stores past the outputs' ends are skipped. ``copy``: the micro-
+    tile is read into registers for the rows and read again, half at a time, for the columns
+    (after the CTA barrier, so those reads cannot be merged with the first): 64 values are never
+    live next to the columns' work (2 CTAs per SM without spills). The SwiGLU ops keep their 64
+    values (one CTA per SM). Qᵀ goes through ``tile_t`` (a second barrier), so that
     it leaves in 16-byte chunks, 8 lanes per 128-byte row: stored from registers, 8 bytes to 16
     rows per warp instruction, it ran 12 points of copy bandwidth slower (NOTES, session 10)."""
     rows, cols, t_pad = mQ.shape[0], mQ.shape[1], mQT.shape[1]
@@ -415,7 +439,7 @@ def _dual_tile(slots: cute.Tensor, stage, mQ: cute.Tensor, mS: cute.Tensor, mQT:
     # one view of the thread's 8 rows of Q (a local_tile per row, as store_row_chunk, adds 48 SASS)
     q_rows = cute.local_tile(mQ, (PASSES, VEC), (first_row // PASSES, col // VEC))
 
-    values = [_read_chunk(slots, tidx, p, stage) for p in range(PASSES)]
+    values = [_dual_op(op, [_read_chunk(sl, tidx, p, stage) for sl in slots]) for p in range(PASSES)]
     row_max = [abs(values[p]).reduce(cute.ReductionOp.MAX, Float32(0.0), 0) for p in range(PASSES)]
     # rows: 1x128 along the feature dim; lanes 2ρ, 2ρ + 1 of a row group own row ρ's scale
     scale, inv = scale_and_inverse(_row_max_scattered(row_max, lane))
@@ -459,11 +483,15 @@ def _dual_tile(slots: cute.Tensor, stage, mQ: cute.Tensor, mS: cute.Tensor, mQT:
                 st_cols[c, 0] = quad_scale[c]
     # column lane·8 + j's inverse sits in lane 2·lane + j / 4, entry j % 4
     for h in cutlass.range_constexpr(2):
-        half = [_read_half_chunk(slots, tidx, p, stage, h) for p in range(PASSES)]
+        if cutlass.const_expr(op == "copy"):
+            half = [_read_half_chunk(slots[0], tidx, p, stage, h) for p in range(PASSES)]
         for jj in cutlass.range_constexpr(VEC // 2):
             j = h * (VEC // 2) + jj
             inv_j = cute.arch.shuffle_sync(quad_inv[jj], offset=2 * lane + h)
-            stage_column(tile_t, column_codes(half, jj, inv_j), lane, rgrp, j)
+            if cutlass.const_expr(op == "copy"):
+                stage_column(tile_t, column_codes(half, jj, inv_j), lane, rgrp, j)
+            else:  # one CTA per SM: the computed values stay in registers, not computed twice
+                stage_column(tile_t, column_codes(values, j, inv_j), lane, rgrp, j)
     cute.arch.sync_threads()
     store_transposed(tile_t, mQT, tile_c * TILE, cols, tile_r * TILE, t_pad, tidx)
 
@@ -476,8 +504,9 @@ def _read_half_chunk(slots: cute.Tensor, tidx, chunk, stage, half):
 
 
 @cute.kernel
-def _quant_dual_kernel(mX: cute.Tensor, mQ_u8: cute.Tensor, mS: cute.Tensor, mQT_u8: cute.Tensor,
-                       mST: cute.Tensor):
+def _quant_dual_kernel(mX: cute.Tensor, mX2: cute.Tensor, mX3: cute.Tensor, mQ_u8: cute.Tensor, mS: cute.Tensor,
+                       mQT_u8: cute.Tensor, mST: cute.Tensor, op: cutlass.Constexpr):
+    """``op``'s inputs are the first ``DUAL_OPS[op]`` of mX, mX2, mX3 (all of one shape)."""
     tidx, _, _ = cute.arch.thread_idx()
     after_previous_grid()
     bidx, _, _ = cute.arch.block_idx()
@@ -487,37 +516,65 @@ def _quant_dual_kernel(mX: cute.Tensor, mQ_u8: cute.Tensor, mS: cute.Tensor, mQT
     smem = cutlass.memory.SmemAllocator()
     col_part = _alloc_col_partials(smem)
     tile_t = alloc_transposed_tile(smem)
-    slots = _alloc_slots(smem, mX.element_type, PASSES, 2)
+    inputs = [mX, mX2, mX3][:DUAL_OPS[op]]
+    slots = [_alloc_slots(smem, x.element_type, PASSES, 2) for x in inputs]
 
     tiles_r, tiles_c = mST.shape[1], mS.shape[1]
     n_tiles = tiles_r * tiles_c
-    _prefetch_dual(mX, slots, tidx, bidx, n_tiles, tiles_r, tiles_c, 0)
+    _prefetch_dual(inputs, slots, tidx, bidx, n_tiles, tiles_r, tiles_c, 0)
     for i in range((n_tiles - bidx + grid - 1) // grid):
         tile = bidx + i * grid
         stage = i % 2
         # the thread read its chunks of the other stage during the previous tile: refill them
-        _prefetch_dual(mX, slots, tidx, tile + grid, n_tiles, tiles_r, tiles_c, 1 - stage)
+        _prefetch_dual(inputs, slots, tidx, tile + grid, n_tiles, tiles_r, tiles_c, 1 - stage)
         cute.arch.cp_async_wait_group(1)
         tile_r, tile_c = _dual_tile_coords(tile, tiles_r, tiles_c)
-        _dual_tile(slots, stage, mQ, mS, mQT, mST, col_part, tile_t, tile_r, tile_c, tidx)
+        _dual_tile(slots, stage, mQ, mS, mQT, mST, col_part, tile_t, tile_r, tile_c, tidx, op)
 
 
-def dual_ctas_per_sm(input_bits: int) -> int:
+def dual_ctas_per_sm(input_bits: int, inputs: int = 1) -> int:
     """Resident CTAs per SM of the dual kernel (its registers are capped to match: 128 per thread
-    at 2 CTAs, no spills; the 80 of 3 CTAs spill). Two stages of 16-bit input (32 KB each), the
-    transposed tile (16 KB) and the column maxima (8 KB) fit twice in shared memory; FP32 stages
-    (64 KB each) once."""
-    return 2 if input_bits <= 16 else 1
+    at 2 CTAs, no spills; the 80 of 3 CTAs spill). Two stages of one 16-bit input (32 KB each),
+    the transposed tile (16 KB) and the column maxima (8 KB) fit twice in shared memory; FP32
+    stages (64 KB each) or the SwiGLU ops' two or three inputs once."""
+    return 2 if input_bits <= 16 and inputs == 1 else 1
+
+
+def _launch_dual(inputs: list, mQ_u8: cute.Tensor, mS: cute.Tensor, mQT_u8: cute.Tensor, mST: cute.Tensor,
+                 max_ctas: cutlass.Int32, stream, op: str):
+    grid = cutlass.min(mST.shape[1] * mS.shape[1], max_ctas)
+    padded = inputs + [inputs[0]] * (3 - len(inputs))  # unused kernel arguments
+    _quant_dual_kernel(*padded, mQ_u8, mS, mQT_u8, mST, op).launch(
+        grid=(grid, 1, 1), block=(THREADS, 1, 1), stream=stream, use_pdl=True,
+        min_blocks_per_mp=dual_ctas_per_sm(inputs[0].element_type.width, len(inputs)), preferred_smem_carveout=100)
 
 
 @cute.jit
 def quant_dual(mX: cute.Tensor, mQ_u8: cute.Tensor, mS: cute.Tensor, mQT_u8: cute.Tensor, mST: cute.Tensor,
                max_ctas: cutlass.Int32, stream):
     """``max_ctas``: the CTAs resident at once on the device (the grid of the persistent walk)."""
-    grid = cutlass.min(mST.shape[1] * mS.shape[1], max_ctas)
-    _quant_dual_kernel(mX, mQ_u8, mS, mQT_u8, mST).launch(
-        grid=(grid, 1, 1), block=(THREADS, 1, 1), stream=stream, use_pdl=True,
-        min_blocks_per_mp=dual_ctas_per_sm(mX.element_type.width), preferred_smem_carveout=100)
+    _launch_dual([mX], mQ_u8, mS, mQT_u8, mST, max_ctas, stream, "copy")
+
+
+@cute.jit
+def swiglu_dual(mG: cute.Tensor, mU: cute.Tensor, mQ_u8: cute.Tensor, mS: cute.Tensor, mQT_u8: cute.Tensor,
+                mST: cute.Tensor, max_ctas: cutlass.Int32, stream):
+    """Both quantizations of ``silu(g) · u`` (the dense SwiGLU MLP's activation)."""
+    _launch_dual([mG, mU], mQ_u8, mS, mQT_u8, mST, max_ctas, stream, "swiglu")
+
+
+@cute.jit
+def swiglu_dgate_dual(mG: cute.Tensor, mU: cute.Tensor, mDA: cute.Tensor, mQ_u8: cute.Tensor, mS: cute.Tensor,
+                      mQT_u8: cute.Tensor, mST: cute.Tensor, max_ctas: cutlass.Int32, stream):
+    """Both quantizations of the gate's gradient ``silu_backward(da · u, g)``."""
+    _launch_dual([mG, mU, mDA], mQ_u8, mS, mQT_u8, mST, max_ctas, stream, "swiglu_dgate")
+
+
+@cute.jit
+def swiglu_dup_dual(mG: cute.Tensor, mDA: cute.Tensor, mQ_u8: cute.Tensor, mS: cute.Tensor, mQT_u8: cute.Tensor,
+                    mST: cute.Tensor, max_ctas: cutlass.Int32, stream):
+    """Both quantizations of the up projection's gradient ``da · silu(g)``."""
+    _launch_dual([mG, mDA], mQ_u8, mS, mQT_u8, mST, max_ctas, stream, "swiglu_dup")
 
 
 # ---------------------------------------------------------------------------------------------

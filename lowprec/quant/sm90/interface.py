@@ -10,12 +10,16 @@ from ...runtime import ffi_entry, kernel_cache, on_device, sm_count
 from ..layouts import empty_mn_major_tma_aligned
 
 __all__ = ["quantize_1x128", "quantize_rowwise", "quantize_128x128", "quantize_128x128_t", "quantize_dual",
+           "swiglu_quantize_dual", "swiglu_dgate_quantize_dual", "swiglu_dup_quantize_dual",
            "quantize_t_gathered", "quantize_codes", "quantize_dual_codes", "quantize_with_transpose_codes",
            "quantize_t_gathered_codes", "build_kernel", "compile_kernel", "KERNELS", "fake_rows", "fake_scales",
            "cutlass_dtype"]
 
 ARCH = "sm_90a"
-KERNELS = ("1x128", "128x128", "128x128_t", "dual", "rowwise", "rowwise_staged", "t_gathered")
+KERNELS = ("1x128", "128x128", "128x128_t", "dual", "rowwise", "rowwise_staged", "t_gathered", "swiglu_dual",
+           "swiglu_dgate_dual", "swiglu_dup_dual")
+# inputs of each kernel of the dual family (the SwiGLU ones: gate, up and / or da, one shape)
+_DUAL_INPUTS = {"dual": 1, "swiglu_dual": 2, "swiglu_dgate_dual": 3, "swiglu_dup_dual": 2}
 
 
 def cutlass_dtype(dtype: torch.dtype):
@@ -59,9 +63,11 @@ def build_kernel(kind: str, dtype: torch.dtype, arch: str = ARCH):
     fn = {"1x128": fp8_quant.quant_1x128, "128x128": fp8_quant.quant_128x128,
           "128x128_t": fp8_quant.quant_128x128_t, "dual": fp8_quant.quant_dual,
           "rowwise": fp8_quant.quant_rowwise, "rowwise_staged": fp8_quant.quant_rowwise_staged,
-          "t_gathered": fp8_quant.quant_t_gathered}[kind]
-    if kind == "dual":
-        args = (x, q, fake_scales(), fake_rows(cutlass.Uint8), fake_scales(), cutlass.Int32(1))
+          "t_gathered": fp8_quant.quant_t_gathered, "swiglu_dual": fp8_quant.swiglu_dual,
+          "swiglu_dgate_dual": fp8_quant.swiglu_dgate_dual, "swiglu_dup_dual": fp8_quant.swiglu_dup_dual}[kind]
+    if kind in _DUAL_INPUTS:
+        inputs = [x] + [fake_rows(cutlass_dtype(dtype)) for _ in range(_DUAL_INPUTS[kind] - 1)]
+        args = (*inputs, q, fake_scales(), fake_rows(cutlass.Uint8), fake_scales(), cutlass.Int32(1))
     elif kind == "t_gathered":
         src = make_fake_tensor(cutlass.Int32, (cute.sym_int(),), stride=(1,), assumed_align=4)
         args = (x, src, q, fake_scales())
@@ -92,10 +98,10 @@ def _resident_ctas(device: torch.device, per_sm: int) -> int:
 def _ctas_per_sm(kind: str, dtype: torch.dtype) -> int:
     if kind == "1x128":
         return 6 if dtype.itemsize <= 2 else 3
-    if kind == "dual":
+    if kind in _DUAL_INPUTS:
         from .fp8_quant import dual_ctas_per_sm
 
-        return dual_ctas_per_sm(8 * dtype.itemsize)
+        return dual_ctas_per_sm(8 * dtype.itemsize, _DUAL_INPUTS[kind])
     return 2
 
 
@@ -163,6 +169,12 @@ def quantize_dual(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     """``x`` [T, K] -> 1x128 along K: (FP8 [T, K], scales [T, ceil(K/128)] MN-major), and 1x128
     along T of ``xᵀ`` zero-padded to ``T_pad = round_up(T, 16)``: (FP8 [K, T_pad], scales
     [K, ceil(T/128)] MN-major)."""
+    return _dual("dual", x)
+
+
+def _dual(kind: str, *inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A kernel of the dual family on ``inputs`` (one shape [T, K], rows 16-byte aligned)."""
+    x = inputs[0]
     t, k = x.shape
     t_pad = -(-t // 16) * 16
     q = torch.empty(t, k, dtype=torch.float8_e4m3fn, device=x.device)
@@ -171,9 +183,27 @@ def quantize_dual(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     st = empty_mn_major_tma_aligned(k, -(-t_pad // 128), x.device)
     if t:  # rows past T load as zeros, so the kernel writes the padding columns too
         with on_device(x.device):
-            compile_kernel("dual", x.dtype)(x, q.view(torch.uint8), s, qt.view(torch.uint8), st,
-                                            _resident_ctas(x.device, _ctas_per_sm("dual", x.dtype)))
+            compile_kernel(kind, x.dtype)(*inputs, q.view(torch.uint8), s, qt.view(torch.uint8), st,
+                                          _resident_ctas(x.device, _ctas_per_sm(kind, x.dtype)))
     return q, s, qt, st
+
+
+def swiglu_quantize_dual(gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                         torch.Tensor]:
+    """``quantize_dual(silu(gate) · up)`` in FP32 from ``gate``, ``up`` [T, F] (one dtype), one pass."""
+    return _dual("swiglu_dual", gate, up)
+
+
+def swiglu_dgate_quantize_dual(gate: torch.Tensor, up: torch.Tensor, da: torch.Tensor
+                               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``quantize_dual(silu_backward(da · up, gate))`` (the gate's gradient), one pass."""
+    return _dual("swiglu_dgate_dual", gate, up, da)
+
+
+def swiglu_dup_quantize_dual(gate: torch.Tensor, da: torch.Tensor
+                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``quantize_dual(da · silu(gate))`` (the up projection's gradient), one pass."""
+    return _dual("swiglu_dup_dual", gate, da)
 
 
 def quantize_t_gathered(x: torch.Tensor, src_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,214 @@
+"""The SwiGLU MLP ``down(silu(gate(x)) · up(x))`` (Llama's) in FP8, its activation fused with the
+quantizations around it.
+
+Every GEMM is an FP8 ``fp8_block`` GEMM, as with three :class:`~lowprec.nn.FP8Linear` layers; what
+changes is the work between them (on Hopper, one pass of the quantize kernels each):
+
+- ``x`` is quantized once (both orientations) for the gate and up GEMMs, not once per layer;
+- forward: ``A = silu(g) · u`` in FP32 from the two GEMM outputs, quantized along features (the
+  down GEMM's input) and along tokens (its weight gradient's) in one pass: ``A`` is never written
+  in 16 bits, and the separate silu, product and quantization passes go;
+- backward: the gate's gradient ``silu_backward(dA · u, g)`` and the up projection's ``dA ·
+  silu(g)`` come quantized in both orientations from ``g``, ``u`` and ``dA``, one pass each,
+  instead of two products, silu's backward and two quantizations.
+
+Saved for the backward: ``x`` and ``A`` in FP8 along tokens, ``g`` and ``u`` in the compute dtype,
+the transposed FP8 weights. The values are FP32 as torch's CUDA kernels compute them (the GPU
+kernels are bit-identical to :func:`lowprec.quant.ops.swiglu_values` then the quantizer), so the
+result differs from three FP8Linear layers only where those round ``silu(g) · u`` to 16 bits first.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..gemm import gemm
+from ..quant import quantize, quantize_dual
+from ..quant.ops import swiglu_dual_codes, swiglu_dual_fp8
+from ..recipes import LINEAR_RECIPES, get_recipe
+from ..tensor import QuantizedTensor, flatten_all, unflatten_all
+from .functional import follow_autocast
+from .weight_cache import quantize_weight
+
+__all__ = ["FP8SwiGLUMLP", "SwiGLUMLP", "fp8_swiglu_mlp", "SWIGLU_MLP_CLASSES"]
+
+_RECIPE = LINEAR_RECIPES["fp8_block"]
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_ALIGN = 16
+# modules convert() recognises as ``down_proj(act_fn(gate_proj(x)) * up_proj(x))`` with SiLU: the
+# transformers MLPs of that form, by class name (their forward is that line), and SwiGLUMLP
+SWIGLU_MLP_CLASSES = ("LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP", "SwiGLUMLP")
+
+
+def _swiglu_dual(kind: str, *inputs: torch.Tensor) -> tuple[QuantizedTensor, QuantizedTensor]:
+    """``quantize_dual`` (1x128 both ways) of the FP32 SwiGLU values ``kind`` of ``inputs``."""
+    args = tuple(t.contiguous() for t in inputs)
+    if torch.compiler.is_compiling():
+        q, s, qt, st = swiglu_dual_fp8(kind, list(args))
+    else:
+        q, s, qt, st = swiglu_dual_codes(kind, args)
+    r = get_recipe(_RECIPE.activation)
+    t, f = args[0].shape
+    return (QuantizedTensor._unchecked(q, s, r, (t, f), torch.float32),
+            QuantizedTensor._unchecked(qt, st, r, (f, qt.shape[1]), torch.float32))
+
+
+def _grad_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the GEMM stores a weight gradient in (FP32 for other master weights, then cast)."""
+    return dtype if dtype in _FLOAT_DTYPES else torch.float32
+
+
+class _FP8SwiGLU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x2, w_gate, w_up, w_down):
+        dt = x2.dtype
+        need_w = any(ctx.needs_input_grad[1:])
+        if need_w:
+            x_q, xt_q = quantize_dual(x2, _RECIPE.activation)
+        else:
+            x_q, xt_q = quantize(x2, _RECIPE.activation, check_finite=False), None
+        with_t = ctx.needs_input_grad[0] or need_w
+        wg, wg_t = quantize_weight(w_gate, _RECIPE.weight, with_transpose=with_t)
+        wu, wu_t = quantize_weight(w_up, _RECIPE.weight, with_transpose=with_t)
+        wd, wd_t = quantize_weight(w_down, _RECIPE.weight, with_transpose=with_t)
+        g = gemm(x_q, wg, out_dtype=dt)
+        u = gemm(x_q, wu, out_dtype=dt)
+        a, at = _swiglu_dual("swiglu", g, u)
+        y = gemm(a, wd, out_dtype=dt)
+        ctx.weight_dtypes = (w_gate.dtype, w_up.dtype, w_down.dtype)
+        tensors, ctx.specs = flatten_all(xt_q, at, g, u, wg_t, wu_t, wd_t)
+        ctx.save_for_backward(*tensors)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        xt_q, at, g, u, wg_t, wu_t, wd_t = unflatten_all(ctx.saved_tensors, ctx.specs)
+        dy = dy.contiguous()
+        need_x, need_g, need_u, need_d = ctx.needs_input_grad
+        dx = dwg = dwu = dwd = None
+        dy_q, dyt_q = quantize_dual(dy, _RECIPE.grad)
+        if need_d:
+            dwd = gemm(dyt_q, at, out_dtype=_grad_dtype(ctx.weight_dtypes[2])).to(ctx.weight_dtypes[2])
+        if need_x or need_g or need_u:
+            da = gemm(dy_q, wd_t, out_dtype=dy.dtype)
+            dg, dgt = _swiglu_dual("swiglu_dgate", g, u, da)
+            du, dut = _swiglu_dual("swiglu_dup", g, da)
+            if need_g:
+                dwg = gemm(dgt, xt_q, out_dtype=_grad_dtype(ctx.weight_dtypes[0])).to(ctx.weight_dtypes[0])
+            if need_u:
+                dwu = gemm(dut, xt_q, out_dtype=_grad_dtype(ctx.weight_dtypes[1])).to(ctx.weight_dtypes[1])
+            if need_x:
+                dx = gemm(dg, wg_t, out_dtype=dy.dtype)
+                dx += gemm(du, wu_t, out_dtype=dy.dtype)
+        return dx, dwg, dwu, dwd
+
+
+def _check(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> None:
+    if not isinstance(x, torch.Tensor) or x.dtype not in _FLOAT_DTYPES or x.dim() < 1:
+        raise ValueError(f"x: expected a float32 / bfloat16 / float16 tensor, got {getattr(x, 'dtype', type(x))}")
+    hidden = x.shape[-1]
+    for name, w in (("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)):
+        if not isinstance(w, torch.Tensor) or not w.is_floating_point() or w.dim() != 2:
+            raise ValueError(f"{name}: expected a 2-D float tensor, got {getattr(w, 'dtype', type(w))} "
+                             f"{tuple(getattr(w, 'shape', ()))}")
+        if w.device != x.device:
+            raise ValueError(f"{name}: on {w.device}, but x is on {x.device}")
+    ffn = w_gate.shape[0]
+    if w_gate.shape != (ffn, hidden) or w_up.shape != (ffn, hidden):
+        raise ValueError(f"w_gate, w_up: expected [F, H={hidden}] each, got {tuple(w_gate.shape)} and "
+                         f"{tuple(w_up.shape)}")
+    if w_down.shape != (hidden, ffn):
+        raise ValueError(f"w_down: expected [H={hidden}, F={ffn}], got {tuple(w_down.shape)}")
+    for name, size in (("hidden size", hidden), ("ffn size", ffn)):
+        if size % _ALIGN:
+            raise ValueError(f"{name}: must be a multiple of {_ALIGN} for the FP8 GEMM, got {size}")
+
+
+def fp8_swiglu_mlp(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+    """``silu(x · w_gateᵀ) · (x · w_upᵀ)`` times ``w_downᵀ``, every GEMM in FP8 (``fp8_block``),
+    the activation fused with its quantizations (module docstring). Differentiable in all four.
+
+    Args:
+        x: ``[..., H]`` float32 / bfloat16 / float16; the output has its dtype (inside
+            ``torch.autocast`` the autocast dtype, as ``nn.Linear``; gradients come back in each
+            input's dtype).
+        w_gate, w_up: ``[F, H]``; w_down: ``[H, F]`` (``nn.Linear`` weights; any float dtype, kept
+            as they are). H and F multiples of 16.
+    """
+    _check(x, w_gate, w_up, w_down)
+    x, autocast_off = follow_autocast(x)
+    with autocast_off:
+        x2 = x.reshape(-1, x.shape[-1])
+        if not x2.is_contiguous():
+            x2 = x2.contiguous()
+        y = _FP8SwiGLU.apply(x2, w_gate, w_up, w_down)
+    return y.view(*x.shape[:-1], y.shape[-1])
+
+
+class SwiGLUMLP(nn.Module):
+    """Llama's MLP in plain torch (``down_proj(silu(gate_proj(x)) * up_proj(x))``, no biases), with
+    transformers' parameter names: what :func:`lowprec.convert` turns into :class:`FP8SwiGLUMLP`."""
+
+    def __init__(self, hidden_size: int, ffn_size: int, device=None, dtype=None) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, ffn_size, bias=False, device=device, dtype=dtype)
+        self.up_proj = nn.Linear(hidden_size, ffn_size, bias=False, device=device, dtype=dtype)
+        self.down_proj = nn.Linear(ffn_size, hidden_size, bias=False, device=device, dtype=dtype)
+        self.act_fn = nn.SiLU()
+
+    @classmethod
+    def from_linears(cls, gate_proj: nn.Linear, up_proj: nn.Linear, down_proj: nn.Linear) -> SwiGLUMLP:
+        """The MLP of these layers (shared, not copied)."""
+        mlp = cls.__new__(cls)
+        nn.Module.__init__(mlp)
+        mlp.gate_proj, mlp.up_proj, mlp.down_proj, mlp.act_fn = gate_proj, up_proj, down_proj, nn.SiLU()
+        return mlp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+class FP8SwiGLUMLP(nn.Module):
+    """:class:`SwiGLUMLP` (or a transformers Llama-family MLP) computed by :func:`fp8_swiglu_mlp`.
+
+    Holds the original ``gate_proj``, ``up_proj``, ``down_proj`` ``nn.Linear`` modules (their
+    parameters, shared, not copied: optimizers and state dicts see the same names and tensors).
+    """
+
+    def __init__(self, gate_proj: nn.Linear, up_proj: nn.Linear, down_proj: nn.Linear) -> None:
+        super().__init__()
+        self.gate_proj, self.up_proj, self.down_proj = gate_proj, up_proj, down_proj
+        _check(torch.empty(0, gate_proj.in_features, device=gate_proj.weight.device), gate_proj.weight,
+               up_proj.weight, down_proj.weight)
+
+    @classmethod
+    def from_mlp(cls, mlp: nn.Module) -> FP8SwiGLUMLP:
+        reason = swiglu_mlp_unsupported(mlp)
+        if reason:
+            raise ValueError(f"mlp: {reason}")
+        return cls(mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return fp8_swiglu_mlp(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
+
+    def unfused(self) -> SwiGLUMLP:
+        """The same layers as a plain :class:`SwiGLUMLP`."""
+        return SwiGLUMLP.from_linears(self.gate_proj, self.up_proj, self.down_proj)
+
+
+def swiglu_mlp_unsupported(module: nn.Module) -> str | None:
+    """Why ``module`` is not a SwiGLU MLP :class:`FP8SwiGLUMLP` can take (None: it is)."""
+    if type(module).__name__ not in SWIGLU_MLP_CLASSES:
+        return f"{type(module).__name__} is not one of {SWIGLU_MLP_CLASSES}"
+    linears = [getattr(module, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
+    if any(type(m) is not nn.Linear or m.bias is not None for m in linears):
+        return "gate_proj, up_proj and down_proj must be nn.Linear layers without bias"
+    if not isinstance(getattr(module, "act_fn", None), nn.SiLU):
+        return f"act_fn must be nn.SiLU, got {type(getattr(module, 'act_fn', None)).__name__}"
+    gate, up, down = linears
+    if up.weight.shape != gate.weight.shape or down.weight.shape != gate.weight.shape[::-1]:
+        return "gate_proj / up_proj [F, H] and down_proj [H, F] shapes do not match"
+    if gate.in_features % _ALIGN or gate.out_features % _ALIGN:
+        return f"hidden and ffn sizes must be multiples of {_ALIGN}"
+    return None

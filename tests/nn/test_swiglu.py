@@ -1,0 +1,226 @@
+"""The fused FP8 SwiGLU MLP (lowprec.nn.swiglu): the same GEMMs as three FP8Linear layers, the
+activation fused with its quantizations; convert's recognition of SwiGLU MLPs."""
+
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+import lowprec
+from lowprec import metrics
+from lowprec.nn import FP8InferenceLinear, FP8Linear, FP8SwiGLUMLP, SwiGLUMLP, fp8_swiglu_mlp
+from lowprec.quant.ops import swiglu_values
+
+
+def _pair(hidden=256, ffn=384, dtype=torch.float32, seed=0):
+    """A fused MLP and three FP8Linear layers on copies of the same weights."""
+    torch.manual_seed(seed)
+    plain = SwiGLUMLP(hidden, ffn, dtype=dtype)
+    unfused = lowprec.convert(SwiGLUMLP(hidden, ffn, dtype=dtype), "fp8_block", min_weight_numel=0, fuse_mlp=False)
+    unfused.load_state_dict(plain.state_dict())
+    return lowprec.convert(plain, "fp8_block", min_weight_numel=0), unfused
+
+
+def test_fp32_equals_three_fp8_linear_layers_bit_for_bit():
+    """With FP32 activations the unfused layers also compute silu(g) · u in FP32: every output and
+    gradient is the same, so the fusion changes only where the work happens."""
+    fused, unfused = _pair()
+    assert isinstance(fused, FP8SwiGLUMLP) and isinstance(unfused.gate_proj, FP8Linear)
+    x = torch.randn(2, 150, 256, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_()
+    y, y2 = fused(x), unfused(x2)
+    assert torch.equal(y, y2)
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    y2.backward(dy)
+    assert torch.equal(x.grad, x2.grad)
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        assert torch.equal(getattr(fused, name).weight.grad, getattr(unfused, name).weight.grad)
+
+
+def test_bf16_close_to_exact_and_to_unfused():
+    fused, unfused = _pair(dtype=torch.bfloat16)
+    x = torch.randn(300, 256, dtype=torch.bfloat16)
+    w = [getattr(fused, n).weight.double() for n in ("gate_proj", "up_proj", "down_proj")]
+    xd = x.double()
+    exact = (torch.nn.functional.silu(xd @ w[0].T) * (xd @ w[1].T)) @ w[2].T
+    y = fused(x)
+    assert y.dtype == torch.bfloat16 and y.shape == (300, 256)
+    assert metrics.rel_l2(y, exact) < 0.08
+    # the unfused layers round silu(g) and the product to bf16 first: close, not equal
+    assert metrics.rel_l2(y, unfused(x)) < 0.03
+
+
+def test_gradients_close_to_exact():
+    fused, _ = _pair()
+    x = torch.randn(200, 256, dtype=torch.float64).float().requires_grad_()
+    ws = [getattr(fused, n).weight for n in ("gate_proj", "up_proj", "down_proj")]
+    exact_leaves = [t.detach().double().requires_grad_() for t in (x, *ws)]
+    xe, ge, ue, de = exact_leaves
+    ((torch.nn.functional.silu(xe @ ge.T) * (xe @ ue.T)) @ de.T).sum().backward()
+    fused(x).sum().backward()
+    for got, ref in zip((x, *ws), exact_leaves):
+        assert metrics.cos_sim(got.grad, ref.grad) > 0.99
+
+
+def test_swiglu_values_are_silu_times_up_and_its_gradients():
+    g, u, da = (torch.randn(64, 128, dtype=torch.bfloat16) for _ in range(3))
+    gf, uf = g.float().requires_grad_(), u.float().requires_grad_()
+    a = torch.nn.functional.silu(gf) * uf
+    a.backward(da.float())
+    assert torch.equal(swiglu_values("swiglu", (g, u)), a.detach())
+    torch.testing.assert_close(swiglu_values("swiglu_dgate", (g, u, da)), gf.grad, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(swiglu_values("swiglu_dup", (g, da)), uf.grad, rtol=1e-6, atol=1e-6)
+
+
+def test_autocast_follows_nn_linear():
+    """FP32 master weights under autocast: bf16 output, FP32 gradients, as nn.Linear."""
+    fused, _ = _pair()
+    x = torch.randn(64, 256, requires_grad=True)
+    with torch.autocast("cpu", torch.bfloat16):
+        y = fused(x)
+    assert y.dtype == torch.bfloat16
+    y.float().sum().backward()
+    assert x.grad.dtype == torch.float32 and fused.gate_proj.weight.grad.dtype == torch.float32
+
+
+def test_frozen_weights_and_no_grad():
+    fused, _ = _pair()
+    for p in fused.parameters():
+        p.requires_grad_(False)
+    x = torch.randn(32, 256, requires_grad=True)
+    fused(x).sum().backward()
+    assert x.grad is not None and fused.gate_proj.weight.grad is None
+    with torch.no_grad():
+        assert fused(x).shape == (32, 256)
+
+
+def test_inputs_not_mutated():
+    fused, _ = _pair()
+    x = torch.randn(40, 256)
+    before = x.clone(), [p.detach().clone() for p in fused.parameters()]
+    fused(x).sum().backward()
+    assert torch.equal(x, before[0])
+    assert all(torch.equal(p, q) for p, q in zip(fused.parameters(), before[1]))
+
+
+def test_errors_name_the_argument():
+    w = torch.randn(384, 256)
+    with pytest.raises(ValueError, match="w_down"):
+        fp8_swiglu_mlp(torch.randn(4, 256), w, w, torch.randn(384, 256))
+    with pytest.raises(ValueError, match="w_gate, w_up"):
+        fp8_swiglu_mlp(torch.randn(4, 256), w, torch.randn(385, 256), torch.randn(256, 384))
+    with pytest.raises(ValueError, match="hidden size"):
+        fp8_swiglu_mlp(torch.randn(4, 200), torch.randn(384, 200), torch.randn(384, 200), torch.randn(200, 384))
+    with pytest.raises(ValueError, match="x:"):
+        fp8_swiglu_mlp(torch.randint(0, 3, (4, 256)), w, w, torch.randn(256, 384))
+
+
+class LlamaMLP(nn.Module):
+    """transformers' LlamaMLP, as its forward reads."""
+
+    def __init__(self, hidden, ffn, bias=False, act=None):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, ffn, bias=bias)
+        self.up_proj = nn.Linear(hidden, ffn, bias=bias)
+        self.down_proj = nn.Linear(ffn, hidden, bias=bias)
+        self.act_fn = act or nn.SiLU()
+
+    def forward(self, x):
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    def __init__(self, mlp):
+        super().__init__()
+        self.norm = nn.LayerNorm(256)
+        self.mlp = mlp
+
+    def forward(self, x):
+        return x + self.mlp(self.norm(x))
+
+
+def test_convert_recognises_llama_mlps_and_keeps_parameters(caplog):
+    model = nn.Sequential(Block(LlamaMLP(256, 384)), Block(SwiGLUMLP(256, 384)))
+    params = {n: p for n, p in model.named_parameters()}
+    x = torch.randn(8, 256)
+    with caplog.at_level(logging.INFO, logger="lowprec"):
+        lowprec.convert(model, min_weight_numel=0)
+    assert "2 fused FP8 SwiGLU MLPs" in caplog.text
+    assert all(isinstance(b.mlp, FP8SwiGLUMLP) for b in model)
+    assert {n: p for n, p in model.named_parameters()} == params  # same names, same tensors
+    assert set(model.state_dict()) == set(params)
+    assert model(x).shape == (8, 256)
+
+
+def test_convert_leaves_other_mlps_to_the_linear_pass():
+    biased = Block(LlamaMLP(256, 384, bias=True))
+    gelu = Block(LlamaMLP(256, 384, act=nn.GELU()))
+    for block in (biased, gelu):
+        lowprec.convert(block, min_weight_numel=0)
+        assert type(block.mlp) is LlamaMLP and isinstance(block.mlp.gate_proj, FP8Linear)
+
+
+def test_convert_options_turn_fusion_off():
+    # below the size threshold: nothing converted
+    block = lowprec.convert(Block(SwiGLUMLP(256, 384)))
+    assert type(block.mlp) is SwiGLUMLP and type(block.mlp.gate_proj) is nn.Linear
+    # a filter rejecting one of the three layers: per-layer conversion of the accepted ones
+    block = lowprec.convert(Block(SwiGLUMLP(256, 384)), min_weight_numel=0,
+                            filter_fn=lambda name, m: not name.endswith("down_proj"))
+    assert type(block.mlp) is SwiGLUMLP and isinstance(block.mlp.gate_proj, FP8Linear)
+    assert type(block.mlp.down_proj) is nn.Linear
+    # another recipe or inference: a fused MLP is unfused, its layers converted one by one
+    block = lowprec.convert(Block(SwiGLUMLP(256, 384)), min_weight_numel=0)
+    lowprec.convert(block, "fp8_rowwise", min_weight_numel=0)
+    assert type(block.mlp) is SwiGLUMLP and block.mlp.gate_proj.recipe.name == "fp8_rowwise"
+    block = lowprec.convert(Block(SwiGLUMLP(256, 384)), min_weight_numel=0)
+    lowprec.convert(block, inference=True)
+    assert type(block.mlp) is SwiGLUMLP and isinstance(block.mlp.up_proj, FP8InferenceLinear)
+    # a bare MLP
+    assert isinstance(lowprec.convert(SwiGLUMLP(256, 384)), FP8SwiGLUMLP)
+    assert type(lowprec.convert(SwiGLUMLP(256, 384), fuse_mlp=False)) is SwiGLUMLP
+
+
+def test_compile_fullgraph_forward_and_backward():
+    fused, _ = _pair()
+    x = torch.randn(33, 256, requires_grad=True)
+    compiled = torch.compile(lambda t: fused(t).square().sum(), fullgraph=True, backend="aot_eager")
+    compiled(x).backward()
+    grads = [x.grad.clone()] + [p.grad.clone() for p in fused.parameters()]
+    x.grad = None
+    fused.zero_grad()
+    fused(x).square().sum().backward()
+    for got, want in zip(grads, [x.grad] + [p.grad for p in fused.parameters()]):
+        torch.testing.assert_close(got, want)
+
+
+@pytest.mark.gpu
+def test_gpu_kernels_match_the_reference_and_compiled_matches_eager(monkeypatch):
+    """On the GPU every step runs its kernel (LOWPREC_BACKEND=kernel: a failure raises): close to
+    the reference backend (the GEMM kernels and torch's matmul round differently), and inductor's
+    compiled step equals the eager one bit for bit."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    torch.manual_seed(7)
+    fused = lowprec.convert(SwiGLUMLP(512, 1408, device="cuda", dtype=torch.bfloat16), min_weight_numel=0)
+    x = torch.randn(2, 300, 512, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn_like(x)
+
+    def run(fn):
+        xl = x.clone().requires_grad_()
+        y = fn(xl)
+        y.backward(dy)
+        out = [y.detach(), xl.grad] + [p.grad.clone() for p in fused.parameters()]
+        fused.zero_grad()
+        return out
+
+    monkeypatch.setenv("LOWPREC_BACKEND", "reference")
+    ref = run(fused)
+    monkeypatch.setenv("LOWPREC_BACKEND", "kernel")
+    eager = run(fused)
+    compiled = run(torch.compile(fused))
+    for got, want, exact in zip(eager, ref, compiled):
+        assert metrics.rel_l2(got, want) < 0.02
+        assert torch.equal(exact, got)
