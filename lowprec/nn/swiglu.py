@@ -13,9 +13,9 @@ changes is the work between them (on Hopper, one pass of the quantize kernels ea
   instead of two products, silu's backward and two quantizations.
 
 Saved for the backward: ``x`` and ``A`` in FP8 along tokens, ``g`` and ``u`` in the compute dtype,
-the transposed FP8 weights. The values are FP32 as torch's CUDA kernels compute them (the GPU
-kernels are bit-identical to :func:`lowprec.quant.ops.swiglu_values` then the quantizer), so the
-result differs from three FP8Linear layers only where those round ``silu(g) · u`` to 16 bits first.
+the transposed FP8 weights. The SwiGLU values are FP32 (:func:`lowprec.quant.ops.swiglu_values`;
+the GPU kernels' sigmoid is approximate to a few ulp before the E4M3 cast), so the result differs
+from three FP8Linear layers where those round ``silu(g) · u`` to 16 bits first.
 """
 
 from __future__ import annotations

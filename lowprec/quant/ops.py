@@ -116,7 +116,9 @@ def _(x, n):
 
 
 # The dense SwiGLU MLP's fused activation quantizations (``lowprec.nn.swiglu``): the values in
-# FP32 from bf16 / fp16 inputs, as torch's CUDA kernels compute them, then ``quantize_dual``.
+# FP32 from bf16 / fp16 inputs, then ``quantize_dual``. The kernels' sigmoid is approximate (MUFU
+# ex2 and rcp, a few ulp): a code may sit one E4M3 step from the reference's where a value lies on
+# a rounding boundary.
 SWIGLU_KINDS = {"swiglu": 2, "swiglu_dgate": 3, "swiglu_dup": 2}
 
 
@@ -132,7 +134,8 @@ def swiglu_values(kind: str, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
 
 
 def swiglu_dual_codes(kind: str, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-    """``quantize_dual``'s codes and scales of :func:`swiglu_values` (the kernel where it serves)."""
+    """``quantize_dual``'s codes and scales of :func:`swiglu_values` (the kernel where it serves;
+    see the note above)."""
     r = get_recipe("fp8_block1x128")
 
     def reference():

@@ -82,9 +82,10 @@ def test_rowwise_matches_reference(shape, dtype, monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("shape", [(1, 128), (300, 1040), (2000, 7168), (1000, 272)])
 def test_swiglu_dual_matches_reference(kind, shape, dtype, monkeypatch):
-    """The dense SwiGLU MLP's fused kernels: the FP32 values as torch's CUDA ops compute them, then
-    both quantizations, bit for bit (each input a column slice of a wider buffer, as GEMM outputs
-    may be)."""
+    """The dense SwiGLU MLP's fused kernels against torch's FP32 values then both quantizations
+    (each input a column slice of a wider buffer, as GEMM outputs may be): the kernels' sigmoid is
+    a few ulp off (MUFU ex2 / rcp), so a code may move one E4M3 step where a value sits on a
+    rounding boundary, and a scale by an ulp where the block's maximum does."""
     from lowprec.quant.ops import SWIGLU_KINDS, swiglu_dual_codes
 
     n = SWIGLU_KINDS[kind]
@@ -95,9 +96,10 @@ def test_swiglu_dual_matches_reference(kind, shape, dtype, monkeypatch):
     monkeypatch.setenv("LOWPREC_BACKEND", "kernel")
     _poison_allocator()
     got = swiglu_dual_codes(kind, inputs)
-    for a, b in zip(got, ref):
-        assert torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
-                           b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b)
+    for codes, ref_codes, scales, ref_scales in ((got[0], ref[0], got[1], ref[1]), (got[2], ref[2], got[3], ref[3])):
+        torch.testing.assert_close(scales, ref_scales, rtol=1e-5, atol=0)
+        step = (codes.view(torch.int8).int() - ref_codes.view(torch.int8).int()).abs()
+        assert step.max() <= 1 and (step > 0).float().mean() < 1e-3
 
 
 @pytest.mark.gpu

@@ -374,11 +374,22 @@ def _prefetch_dual(mXs: list, slots: list, tidx, tile, n_tiles, tiles_r, tiles_c
     cute.arch.cp_async_commit_group()
 
 
-# What the dual kernel quantizes, from its inputs' chunks (FP32, each step rounded as torch
-# computes it on the GPU: silu(g) = g / (1 + expf(-g)), IEEE division; silu_backward's
-# ((dy · sigmoid) · fma(g, 1 - sigmoid, 1)) as nvcc contracts it): the input itself, or the dense
-# SwiGLU MLP's activation silu(g) · u and its gradients (inputs g, u, da / g, da).
+# What the dual kernel quantizes, from its inputs' chunks in FP32: the input itself, or the dense
+# SwiGLU MLP's activation silu(g) · u and its gradients (inputs g, u, da / g, da; torch's formulas,
+# silu_backward's ((dy · sigmoid) · fma(g, 1 - sigmoid, 1)) as nvcc contracts it). The sigmoid is
+# MUFU's ex2 and rcp (a few ulp from torch's expf and IEEE division, far inside E4M3's step):
+# 17-21% faster than the exact forms on the H100, where those made the kernels issue-bound (NOTES).
 DUAL_OPS = {"copy": 1, "swiglu": 2, "swiglu_dgate": 3, "swiglu_dup": 2}
+
+
+@cute.jit
+def _sigmoid_fast(g):
+    """1 / (1 + e^-g) by MUFU.EX2 and MUFU.RCP (a few ulp; the result is quantized to E4M3)."""
+    out = cute.make_rmem_tensor(g.shape, Float32)
+    out.store(g)
+    for i in cutlass.range_constexpr(cute.size(out)):
+        out[i] = cute.arch.rcp_approx(Float32(1.0) + cute.math.exp(-out[i], fastmath=True))
+    return out.load()
 
 
 @cute.jit
@@ -386,12 +397,11 @@ def _dual_op(op: cutlass.Constexpr, xs: list):
     if cutlass.const_expr(op == "copy"):
         return xs[0]
     g = xs[0]
-    e = cute.math.exp(-g)
+    sig = _sigmoid_fast(g)
     if cutlass.const_expr(op == "swiglu"):
-        return (g / (Float32(1.0) + e)) * xs[1]
+        return (g * sig) * xs[1]
     if cutlass.const_expr(op == "swiglu_dup"):
-        return xs[1] * (g / (Float32(1.0) + e))
-    sig = Float32(1.0) / (Float32(1.0) + e)
+        return xs[1] * (g * sig)
     one = cute.full_like(g, 1.0)
     return ((xs[2] * xs[1]) * sig) * cute.math.fma(g, one - sig, one)
 
