@@ -383,7 +383,8 @@ def enable_fp8_all_gather(module: nn.Module) -> int:
     under FSDP2 (each shard's E4M3 codes and scales): every :class:`~lowprec.nn.FP8Linear`
     weight with the ``fp8_block`` recipe and the expert weights ``w1``, ``w2`` of
     :class:`lowprec.moe.MoE` (``fp8_block``) - any module whose ``fp8_block_weights()`` names
-    them. Call before ``fully_shard``. Returns how many weights were wrapped.
+    them. Call before ``fully_shard``. Returns how many weights were wrapped. The layers of a fused
+    :class:`~lowprec.nn.FP8SwiGLUMLP` are not wrapped: they all-gather in their own dtype.
 
     Outside FSDP nothing changes: a wrapped weight behaves as the master weight, and the
     module's state dict holds the master weight itself (under FSDP, DTensors as usual:
