@@ -197,6 +197,21 @@ class FP8SwiGLUMLP(nn.Module):
         return SwiGLUMLP.from_linears(self.gate_proj, self.up_proj, self.down_proj)
 
 
+_SILU_PROBE = torch.linspace(-10.0, 10.0, 41)
+
+
+def _is_silu(act) -> bool:
+    """``act`` is a parameter-free module computing SiLU (``nn.SiLU``, transformers'
+    ``SiLUActivation``...): checked on a probe tensor, not by its type alone."""
+    if not isinstance(act, nn.Module) or any(True for _ in act.parameters()):
+        return False
+    try:
+        with torch.no_grad():
+            return torch.equal(act(_SILU_PROBE), torch.nn.functional.silu(_SILU_PROBE))
+    except Exception:  # an activation that cannot run on a CPU float tensor is not fused
+        return False
+
+
 def swiglu_mlp_unsupported(module: nn.Module) -> str | None:
     """Why ``module`` is not a SwiGLU MLP :class:`FP8SwiGLUMLP` can take (None: it is)."""
     if type(module).__name__ not in SWIGLU_MLP_CLASSES:
@@ -204,8 +219,8 @@ def swiglu_mlp_unsupported(module: nn.Module) -> str | None:
     linears = [getattr(module, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
     if any(type(m) is not nn.Linear or m.bias is not None for m in linears):
         return "gate_proj, up_proj and down_proj must be nn.Linear layers without bias"
-    if not isinstance(getattr(module, "act_fn", None), nn.SiLU):
-        return f"act_fn must be nn.SiLU, got {type(getattr(module, 'act_fn', None)).__name__}"
+    if not _is_silu(getattr(module, "act_fn", None)):
+        return f"act_fn must compute SiLU, got {type(getattr(module, 'act_fn', None)).__name__}"
     gate, up, down = linears
     if up.weight.shape != gate.weight.shape or down.weight.shape != gate.weight.shape[::-1]:
         return "gate_proj / up_proj [F, H] and down_proj [H, F] shapes do not match"

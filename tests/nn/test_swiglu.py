@@ -154,10 +154,23 @@ def test_convert_recognises_llama_mlps_and_keeps_parameters(caplog):
     assert model(x).shape == (8, 256)
 
 
+class SiLUActivation(nn.Module):
+    """transformers' own SiLU module (not an nn.SiLU)."""
+
+    def forward(self, x):
+        return nn.functional.silu(x)
+
+
+def test_convert_recognises_silu_by_what_it_computes():
+    block = lowprec.convert(Block(LlamaMLP(256, 384, act=SiLUActivation())), min_weight_numel=0)
+    assert isinstance(block.mlp, FP8SwiGLUMLP)
+
+
 def test_convert_leaves_other_mlps_to_the_linear_pass():
     biased = Block(LlamaMLP(256, 384, bias=True))
     gelu = Block(LlamaMLP(256, 384, act=nn.GELU()))
-    for block in (biased, gelu):
+    scaled = Block(LlamaMLP(256, 384, act=nn.Sequential(nn.SiLU(), nn.Linear(384, 384))))
+    for block in (biased, gelu, scaled):
         lowprec.convert(block, min_weight_numel=0)
         assert type(block.mlp) is LlamaMLP and isinstance(block.mlp.gate_proj, FP8Linear)
 
