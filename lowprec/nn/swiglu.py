@@ -68,10 +68,12 @@ class _FP8SwiGLU(torch.autograd.Function):
             x_q, xt_q = quantize_dual(x2, _RECIPE.activation)
         else:
             x_q, xt_q = quantize(x2, _RECIPE.activation, check_finite=False), None
-        with_t = ctx.needs_input_grad[0] or need_w
-        wg, wg_t = quantize_weight(w_gate, _RECIPE.weight, with_transpose=with_t)
-        wu, wu_t = quantize_weight(w_up, _RECIPE.weight, with_transpose=with_t)
-        wd, wd_t = quantize_weight(w_down, _RECIPE.weight, with_transpose=with_t)
+        # the transposed weights the backward multiplies by: dA = dY · W_down (any gradient but
+        # W_down's own), dX = dG · W_gate + dU · W_up
+        need_x = ctx.needs_input_grad[0]
+        wg, wg_t = quantize_weight(w_gate, _RECIPE.weight, with_transpose=need_x)
+        wu, wu_t = quantize_weight(w_up, _RECIPE.weight, with_transpose=need_x)
+        wd, wd_t = quantize_weight(w_down, _RECIPE.weight, with_transpose=any(ctx.needs_input_grad[:3]))
         g = gemm(x_q, wg, out_dtype=dt)
         u = gemm(x_q, wu, out_dtype=dt)
         a, at = _swiglu_dual("swiglu", g, u)
@@ -87,9 +89,11 @@ class _FP8SwiGLU(torch.autograd.Function):
         dy = dy.contiguous()
         need_x, need_g, need_u, need_d = ctx.needs_input_grad
         dx = dwg = dwu = dwd = None
-        dy_q, dyt_q = quantize_dual(dy, _RECIPE.grad)
         if need_d:
+            dy_q, dyt_q = quantize_dual(dy, _RECIPE.grad)
             dwd = gemm(dyt_q, at, out_dtype=_grad_dtype(ctx.weight_dtypes[2])).to(ctx.weight_dtypes[2])
+        else:
+            dy_q = quantize(dy, _RECIPE.grad, check_finite=False)
         if need_x or need_g or need_u:
             da = gemm(dy_q, wd_t, out_dtype=dy.dtype)
             dg, dgt = _swiglu_dual("swiglu_dgate", g, u, da)

@@ -1,6 +1,7 @@
 """The fused FP8 SwiGLU MLP (lowprec.nn.swiglu): the same GEMMs as three FP8Linear layers, the
 activation fused with its quantizations; convert's recognition of SwiGLU MLPs."""
 
+import itertools
 import logging
 
 import pytest
@@ -94,6 +95,27 @@ def test_frozen_weights_and_no_grad():
     assert x.grad is not None and fused.gate_proj.weight.grad is None
     with torch.no_grad():
         assert fused(x).shape == (32, 256)
+
+
+@pytest.mark.parametrize("needs", [m for m in itertools.product([False, True], repeat=4) if any(m)])
+def test_each_gradient_alone_equals_the_full_backward(needs, device):
+    """The backward computes only what is asked for (frozen weights, inputs without gradient):
+    each gradient it gives equals the one of the run that asks for all four."""
+    torch.manual_seed(5)
+    fused = lowprec.convert(SwiGLUMLP(256, 384, device=device), min_weight_numel=0)
+    x, dy = torch.randn(40, 256, device=device), torch.randn(40, 256, device=device)
+    full = x.clone().requires_grad_()
+    fused(full).backward(dy)
+    want = [full.grad] + [p.grad.clone() for p in fused.parameters()]
+    fused.zero_grad()
+    xl = x.clone().requires_grad_(needs[0])
+    for p, need in zip(fused.parameters(), needs[1:]):
+        p.requires_grad_(need)
+    fused(xl).backward(dy)
+    for need, got, ref in zip(needs, [xl.grad] + [p.grad for p in fused.parameters()], want):
+        assert (got is not None) == need
+        if need:
+            assert torch.equal(got, ref)
 
 
 def test_inputs_not_mutated():
