@@ -259,3 +259,34 @@ def test_gpu_kernels_match_the_reference_and_compiled_matches_eager(monkeypatch)
     for got, want, exact in zip(eager, ref, compiled):
         assert metrics.rel_l2(got, want) < 0.02
         assert torch.equal(exact, got)
+
+
+@pytest.mark.gpu
+def test_training_step_replays_from_cuda_graphs(monkeypatch):
+    """torch.compile(fullgraph=True, mode="reduce-overhead"): forward and backward of the fused
+    MLP replay from CUDA graphs (nothing reads back from the GPU), bit for bit the eager step for
+    every new batch."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setenv("LOWPREC_BACKEND", "kernel")
+    torch.manual_seed(8)
+    counters.clear()
+    fused = lowprec.convert(SwiGLUMLP(256, 512, device="cuda", dtype=torch.bfloat16), min_weight_numel=0)
+    compiled = torch.compile(fused, fullgraph=True, mode="reduce-overhead")
+    for step in range(4):
+        x = torch.randn(384, 256, device="cuda", dtype=torch.bfloat16)
+        dy = torch.randn_like(x)
+        results = []
+        for run, graphed in ((fused, False), (compiled, True)):
+            if graphed:
+                torch.compiler.cudagraph_mark_step_begin()
+            xl = x.clone().requires_grad_()
+            y = run(xl)
+            y.backward(dy)
+            results.append([y.detach().clone(), xl.grad] + [p.grad.clone() for p in fused.parameters()])
+            fused.zero_grad(set_to_none=True)
+        for got, want in zip(*results):
+            assert torch.equal(got, want), step
+    assert not counters["inductor"]["cudagraph_skips"]
