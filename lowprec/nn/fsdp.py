@@ -1,5 +1,5 @@
 """FP8 all-gather under FSDP2 (``fully_shard``) of the weights lowprec quantizes in 128x128 blocks
-(:class:`~lowprec.nn.FP8Linear`'s, the MoE's expert weights).
+(:class:`~lowprec.nn.FP8Linear`'s, the MoE's expert weights, :class:`~lowprec.nn.FP8SwiGLUMLP`'s layers).
 
 FSDP2 shards each weight along its rows and all-gathers the full weight before every forward
 and backward, in the weight's dtype. The layer then quantizes the gathered weight to E4M3 with

@@ -383,8 +383,8 @@ def enable_fp8_all_gather(module: nn.Module) -> int:
     under FSDP2 (each shard's E4M3 codes and scales): every :class:`~lowprec.nn.FP8Linear`
     weight with the ``fp8_block`` recipe and the expert weights ``w1``, ``w2`` of
     :class:`lowprec.moe.MoE` (``fp8_block``) - any module whose ``fp8_block_weights()`` names
-    them. Call before ``fully_shard``. Returns how many weights were wrapped. The layers of a fused
-    :class:`~lowprec.nn.FP8SwiGLUMLP` are not wrapped: they all-gather in their own dtype.
+    them (also dotted names of a child's: :class:`~lowprec.nn.FP8SwiGLUMLP`'s three layers). Call
+    before ``fully_shard``. Returns how many weights were wrapped.
 
     Outside FSDP nothing changes: a wrapped weight behaves as the master weight, and the
     module's state dict holds the master weight itself (under FSDP, DTensors as usual:
@@ -395,10 +395,12 @@ def enable_fp8_all_gather(module: nn.Module) -> int:
     count = 0
     for layer in module.modules():
         names = layer.fp8_block_weights() if hasattr(layer, "fp8_block_weights") else ()
-        fresh = [n for n in names if not isinstance(getattr(layer, n), FP8AllGatherWeight)]
+        fresh = [n for n in names if not isinstance(layer.get_parameter(n), FP8AllGatherWeight)]
         for name in fresh:
-            weight = getattr(layer, name)
-            setattr(layer, name, nn.Parameter(FP8AllGatherWeight(weight.data), requires_grad=weight.requires_grad))
+            owner_name, _, leaf = name.rpartition(".")
+            owner = layer.get_submodule(owner_name)
+            weight = getattr(owner, leaf)
+            setattr(owner, leaf, nn.Parameter(FP8AllGatherWeight(weight.data), requires_grad=weight.requires_grad))
         if fresh and len(fresh) == len(names):  # first time for this module
             layer.register_state_dict_post_hook(_master_weights_in_state_dict)
         count += len(fresh)

@@ -196,6 +196,10 @@ class FP8SwiGLUMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return fp8_swiglu_mlp(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
 
+    def fp8_block_weights(self) -> tuple[str, ...]:
+        """The parameters quantized in 128x128 blocks (:func:`~lowprec.nn.enable_fp8_all_gather`)."""
+        return ("gate_proj.weight", "up_proj.weight", "down_proj.weight")
+
     def unfused(self) -> SwiGLUMLP:
         """The same layers as a plain :class:`SwiGLUMLP`."""
         return SwiGLUMLP.from_linears(self.gate_proj, self.up_proj, self.down_proj)

@@ -172,6 +172,55 @@ def test_fp8_all_gather_on_nccl():
         mp.spawn(_fp8_gather_worker, args=(2, os.path.join(tmp, "init"), "nccl"), nprocs=2, join=True)
 
 
+def _fused_mlp_gather_worker(rank, world, init_file, backend="gloo"):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import lowprec
+    from lowprec.nn import FP8GatheredWeight, FP8SwiGLUMLP, SwiGLUMLP, enable_fp8_all_gather
+
+    device = _init_group(rank, world, init_file, backend)
+    with rank_body():
+        torch.manual_seed(0)
+        plain = lowprec.convert(SwiGLUMLP(128, 256), min_weight_numel=0).to(device)  # shards of 128 / 64 rows
+        assert isinstance(plain, FP8SwiGLUMLP)
+        fp8 = copy.deepcopy(plain)
+        assert enable_fp8_all_gather(fp8) == 3
+        mesh = init_device_mesh(device, (world,))
+        for model in (plain, fp8):
+            fully_shard(model, mesh=mesh)
+        seen = []
+        fp8.register_forward_pre_hook(lambda m, args: seen.extend(
+            type(getattr(m, n).weight) for n in ("gate_proj", "up_proj", "down_proj")))
+        opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (plain, fp8)]
+        g = torch.Generator().manual_seed(1)
+        for _ in range(3):
+            x = torch.randn(world * 16, 128, generator=g)[rank * 16:(rank + 1) * 16].to(device)
+            dy = torch.randn(world * 16, 128, generator=g)[rank * 16:(rank + 1) * 16].to(device)
+            ys, dxs = [], []
+            for model, opt in zip((plain, fp8), opts):
+                xr = x.clone().requires_grad_()
+                y = model(xr)
+                (y * dy).sum().backward()
+                opt.step()
+                opt.zero_grad()
+                ys.append(y)
+                dxs.append(xr.grad)
+            assert torch.equal(ys[0], ys[1]) and torch.equal(dxs[0], dxs[1])
+        # gate / up: 256 rows, shards of 128 (whole blocks, FP8); down: 128 rows, shards of 64 (plain)
+        assert seen[:3] == [FP8GatheredWeight, FP8GatheredWeight, nn.Parameter], seen
+        for name, value in plain.state_dict().items():
+            assert torch.equal(fp8.state_dict()[name].full_tensor(), value.full_tensor()), name
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_fp8_all_gather_of_a_fused_swiglu_mlp():
+    """enable_fp8_all_gather wraps FP8SwiGLUMLP's three weights (dotted names); training under
+    fully_shard is bit-identical to the plain all-gather's."""
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_fused_mlp_gather_worker, args=(2, os.path.join(tmp, "init")), nprocs=2, join=True)
+
+
 def test_fp8_all_gather_weights_outside_fsdp(tmp_path):
     """Without FSDP the wrapped weight trains as the master weight (same bits through AdamW, and
     under torch.compile), the state dict holds the plain master weight (lowprec.save / load round trip), and a gathered
