@@ -102,6 +102,26 @@ def test_fully_shard_on_nccl():
         mp.spawn(_worker, args=(2, os.path.join(tmp, "init"), "nccl"), nprocs=2, join=True)
 
 
+def _train_alike(plain, fp8, rank, world, device):
+    """Three AdamW steps of both sharded models on the rank's share of the same batches: outputs
+    and input gradients bit-identical at every step (the same codes and scales, gathered either way)."""
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (plain, fp8)]
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        x = torch.randn(world * 16, 128, generator=g)[rank * 16:(rank + 1) * 16].to(device)
+        dy = torch.randn(world * 16, 128, generator=g)[rank * 16:(rank + 1) * 16].to(device)
+        ys, dxs = [], []
+        for model, opt in zip((plain, fp8), opts):
+            xr = x.clone().requires_grad_()
+            y = model(xr)
+            (y * dy).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            ys.append(y)
+            dxs.append(xr.grad)
+        assert torch.equal(ys[0], ys[1]) and torch.equal(dxs[0], dxs[1])
+
+
 def _fp8_gather_worker(rank, world, init_file, backend="gloo"):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -131,22 +151,7 @@ def _fp8_gather_worker(rank, world, init_file, backend="gloo"):
         for layer in (fp8[0], fp8[2], fp8[4]):
             layer.register_forward_pre_hook(lambda m, args: seen.append(type(m.weight)))
         fp8[5].register_forward_pre_hook(lambda m, args: seen.extend([type(m.w1), type(m.w2)]))
-        opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (plain, fp8)]
-        g = torch.Generator().manual_seed(1)
-        for _ in range(3):
-            x = torch.randn(world * 16, 128, generator=g)[rank * 16:(rank + 1) * 16].to(device)
-            dy = torch.randn(world * 16, 128, generator=g)[rank * 16:(rank + 1) * 16].to(device)
-            ys, dxs = [], []
-            for model, opt in zip((plain, fp8), opts):
-                xr = x.clone().requires_grad_()
-                y = model(xr)
-                (y * dy).sum().backward()
-                opt.step()
-                opt.zero_grad()
-                ys.append(y)
-                dxs.append(xr.grad)
-            # the same codes and scales, gathered either way
-            assert torch.equal(ys[0], ys[1]) and torch.equal(dxs[0], dxs[1])
+        _train_alike(plain, fp8, rank, world, device)
         assert seen[:5] == [FP8GatheredWeight, FP8GatheredWeight, nn.Parameter, FP8GatheredWeight,
                             FP8GatheredWeight], seen
         for name, value in plain.state_dict().items():
@@ -192,21 +197,7 @@ def _fused_mlp_gather_worker(rank, world, init_file, backend="gloo"):
         seen = []
         fp8.register_forward_pre_hook(lambda m, args: seen.extend(
             type(getattr(m, n).weight) for n in ("gate_proj", "up_proj", "down_proj")))
-        opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (plain, fp8)]
-        g = torch.Generator().manual_seed(1)
-        for _ in range(3):
-            x = torch.randn(world * 16, 128, generator=g)[rank * 16:(rank + 1) * 16].to(device)
-            dy = torch.randn(world * 16, 128, generator=g)[rank * 16:(rank + 1) * 16].to(device)
-            ys, dxs = [], []
-            for model, opt in zip((plain, fp8), opts):
-                xr = x.clone().requires_grad_()
-                y = model(xr)
-                (y * dy).sum().backward()
-                opt.step()
-                opt.zero_grad()
-                ys.append(y)
-                dxs.append(xr.grad)
-            assert torch.equal(ys[0], ys[1]) and torch.equal(dxs[0], dxs[1])
+        _train_alike(plain, fp8, rank, world, device)
         # gate / up: 256 rows, shards of 128 (whole blocks, FP8); down: 128 rows, shards of 64 (plain)
         assert seen[:3] == [FP8GatheredWeight, FP8GatheredWeight, nn.Parameter], seen
         for name, value in plain.state_dict().items():
