@@ -24,34 +24,19 @@ import torch
 from torch import nn
 
 from ..gemm import gemm
-from ..quant import quantize, quantize_dual
-from ..quant.ops import swiglu_dual_codes, swiglu_dual_fp8
-from ..recipes import LINEAR_RECIPES, get_recipe
-from ..tensor import QuantizedTensor, flatten_all, unflatten_all
-from .functional import follow_autocast
+from ..quant import quantize, quantize_dual, swiglu_quantize_dual
+from ..recipes import LINEAR_RECIPES
+from ..tensor import flatten_all, unflatten_all
+from .functional import _FLOAT_DTYPES, follow_autocast
 from .weight_cache import quantize_weight
 
 __all__ = ["FP8SwiGLUMLP", "SwiGLUMLP", "fp8_swiglu_mlp", "SWIGLU_MLP_CLASSES"]
 
 _RECIPE = LINEAR_RECIPES["fp8_block"]
-_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _ALIGN = 16
 # modules convert() recognises as ``down_proj(act_fn(gate_proj(x)) * up_proj(x))`` with SiLU: the
 # transformers MLPs of that form, by class name (their forward is that line), and SwiGLUMLP
 SWIGLU_MLP_CLASSES = ("LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP", "SwiGLUMLP")
-
-
-def _swiglu_dual(kind: str, *inputs: torch.Tensor) -> tuple[QuantizedTensor, QuantizedTensor]:
-    """``quantize_dual`` (1x128 both ways) of the FP32 SwiGLU values ``kind`` of ``inputs``."""
-    args = tuple(t.contiguous() for t in inputs)
-    if torch.compiler.is_compiling():
-        q, s, qt, st = swiglu_dual_fp8(kind, list(args))
-    else:
-        q, s, qt, st = swiglu_dual_codes(kind, args)
-    r = get_recipe(_RECIPE.activation)
-    t, f = args[0].shape
-    return (QuantizedTensor._unchecked(q, s, r, (t, f), torch.float32),
-            QuantizedTensor._unchecked(qt, st, r, (f, qt.shape[1]), torch.float32))
 
 
 def _grad_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -76,7 +61,7 @@ class _FP8SwiGLU(torch.autograd.Function):
         wd, wd_t = quantize_weight(w_down, _RECIPE.weight, with_transpose=any(ctx.needs_input_grad[:3]))
         g = gemm(x_q, wg, out_dtype=dt)
         u = gemm(x_q, wu, out_dtype=dt)
-        a, at = _swiglu_dual("swiglu", g, u)
+        a, at = swiglu_quantize_dual("swiglu", g, u)
         y = gemm(a, wd, out_dtype=dt)
         ctx.weight_dtypes = (w_gate.dtype, w_up.dtype, w_down.dtype)
         tensors, ctx.specs = flatten_all(xt_q, at, g, u, wg_t, wu_t, wd_t)
@@ -96,8 +81,8 @@ class _FP8SwiGLU(torch.autograd.Function):
             dy_q = quantize(dy, _RECIPE.grad, check_finite=False)
         if need_x or need_g or need_u:
             da = gemm(dy_q, wd_t, out_dtype=dy.dtype)
-            dg, dgt = _swiglu_dual("swiglu_dgate", g, u, da)
-            du, dut = _swiglu_dual("swiglu_dup", g, da)
+            dg, dgt = swiglu_quantize_dual("swiglu_dgate", g, u, da)
+            du, dut = swiglu_quantize_dual("swiglu_dup", g, da)
             if need_g:
                 dwg = gemm(dgt, xt_q, out_dtype=_grad_dtype(ctx.weight_dtypes[0])).to(ctx.weight_dtypes[0])
             if need_u:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ..recipes import ScaleRecipe, get_recipe
@@ -10,7 +12,7 @@ from ..tensor import QuantizedTensor
 from . import ops
 from .reference import dequantize_reference, quantize_reference
 
-__all__ = ["quantize", "dequantize", "quantize_dual", "quantize_with_transpose"]
+__all__ = ["quantize", "dequantize", "quantize_dual", "quantize_with_transpose", "swiglu_quantize_dual"]
 
 registry.load_arch_packages(__name__, __path__)
 
@@ -106,9 +108,7 @@ def quantize_dual(x: torch.Tensor, recipe: str | ScaleRecipe = "fp8_block1x128")
     x2 = x.detach().reshape(-1, x.shape[-1])
     t = x2.shape[0]
     t_pad = -(-t // 16) * 16
-    def wrap(q, s, qt, st):
-        return (QuantizedTensor._unchecked(q, s, r, x2.shape, x.dtype),
-                QuantizedTensor._unchecked(qt, st, r, (x2.shape[1], t_pad), x.dtype))
+    wrap = functools.partial(_dual_tensors, r, x2.shape, x.dtype)
 
     def reference():
         padded = torch.nn.functional.pad(x2, (0, 0, 0, t_pad - t))
@@ -117,6 +117,25 @@ def quantize_dual(x: torch.Tensor, recipe: str | ScaleRecipe = "fp8_block1x128")
     if _traced_on_cuda(x) and r.name == "fp8_block1x128" and _custom_op_recipe(x2, r):
         return wrap(*ops.quantize_dual_fp8(x2))
     return registry.run("quantize_dual", x.device, (x2, r), reference, lambda kernel: wrap(*kernel(x2, r)))
+
+
+def _dual_tensors(r: ScaleRecipe, shape, dtype, q, s, qt, st) -> tuple[QuantizedTensor, QuantizedTensor]:
+    """``quantize_dual``'s two QuantizedTensors from the codes and scales of both orientations
+    (``[T, K]``, and ``[K, T_pad]`` along tokens)."""
+    return (QuantizedTensor._unchecked(q, s, r, shape, dtype),
+            QuantizedTensor._unchecked(qt, st, r, (shape[1], qt.shape[1]), dtype))
+
+
+def swiglu_quantize_dual(kind: str, *inputs: torch.Tensor) -> tuple[QuantizedTensor, QuantizedTensor]:
+    """``quantize_dual`` (``fp8_block1x128``) of the dense SwiGLU MLP's FP32 values ``kind`` of
+    ``inputs`` [T, F] (:func:`lowprec.quant.ops.swiglu_values`: ``"swiglu"`` of gate, up;
+    ``"swiglu_dgate"`` of gate, up, dA; ``"swiglu_dup"`` of gate, dA), computed and quantized in
+    one pass on Hopper (:mod:`lowprec.quant.ops` says how close the kernels are to the reference)."""
+    args = tuple(t.contiguous() for t in inputs)
+    wrap = functools.partial(_dual_tensors, get_recipe("fp8_block1x128"), args[0].shape, torch.float32)
+    if _traced_on_cuda(args[0]):
+        return wrap(*ops.swiglu_dual_fp8(kind, list(args)))
+    return wrap(*ops.swiglu_dual_codes(kind, args))
 
 
 def quantize_with_transpose(x: torch.Tensor, recipe: str | ScaleRecipe = "fp8_block128x128"

@@ -74,13 +74,15 @@ def quantize_dual_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torc
     """1x128 along K of ``x`` [T, K] and along T of ``x`` zero-padded to T_pad = round_up(T, 16),
     transposed: (codes [T, K], scales, codes [K, T_pad], scales)."""
     r = get_recipe("fp8_block1x128")
+    return registry.run("quantize_dual", x.device, (x.contiguous(), r), lambda: _dual_reference(x))
 
-    def reference():
-        padded = torch.nn.functional.pad(x, (0, 0, 0, -(-x.shape[0] // 16) * 16 - x.shape[0]))
-        along_k, along_t = quantize_reference(x, r), quantize_reference(padded.t(), r)
-        return _fill(_empty_dual(x), (along_k.data, along_k.scale, along_t.data, along_t.scale))
 
-    return registry.run("quantize_dual", x.device, (x.contiguous(), r), reference)
+def _dual_reference(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The reference quantizer's ``quantize_dual_fp8`` outputs for ``x`` [T, K], in the kernel's layouts."""
+    r = get_recipe("fp8_block1x128")
+    padded = torch.nn.functional.pad(x, (0, 0, 0, -(-x.shape[0] // 16) * 16 - x.shape[0]))
+    along_k, along_t = quantize_reference(x, r), quantize_reference(padded.t(), r)
+    return _fill(_empty_dual(x), (along_k.data, along_k.scale, along_t.data, along_t.scale))
 
 
 @quantize_dual_fp8.register_fake
@@ -136,15 +138,8 @@ def swiglu_values(kind: str, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
 def swiglu_dual_codes(kind: str, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
     """``quantize_dual``'s codes and scales of :func:`swiglu_values` (the kernel where it serves;
     see the note above)."""
-    r = get_recipe("fp8_block1x128")
-
-    def reference():
-        values = swiglu_values(kind, inputs)
-        padded = torch.nn.functional.pad(values, (0, 0, 0, -(-values.shape[0] // 16) * 16 - values.shape[0]))
-        along_k, along_t = quantize_reference(values, r), quantize_reference(padded.t(), r)
-        return _fill(_empty_dual(values), (along_k.data, along_k.scale, along_t.data, along_t.scale))
-
-    return registry.run(f"quantize_{kind}_dual", inputs[0].device, inputs, reference)
+    return registry.run(f"quantize_{kind}_dual", inputs[0].device, inputs,
+                        lambda: _dual_reference(swiglu_values(kind, inputs)))
 
 
 @torch.library.custom_op("lowprec::swiglu_dual_fp8", mutates_args=())
