@@ -5,7 +5,10 @@ bit-identical; TFLOPS in the benchmark's rot timing, four rounds in alternating 
 of the middle two first, then every round).
 
     git show REF:lowprec/gemm/sm90/blockscaled_gemm.py > lowprec/gemm/sm90/blockscaled_gemm_old_tmp.py
-    python benchmarks/ab_kernel_versions.py
+    python benchmarks/ab_kernel_versions.py [NAME ...]
+
+Each NAME adds a third (fourth...) version from ``blockscaled_gemm_NAME_tmp.py``, timed between
+old and new in the same rounds (e.g. a change in two steps).
 
 REF: HEAD, or the commit to compare with. Before session 18 the module was self-contained (only
 ``.config``); since then it imports ``.mainloop`` and ``lowprec.cute``, which the old copy shares
@@ -14,6 +17,7 @@ copy its files under new names instead. Session 18's refactor against the module
 ``git show c00e11c:lowprec/gemm/sm90/blockscaled_gemm.py``.
 """
 import importlib
+import os
 import sys
 
 import torch
@@ -23,7 +27,11 @@ from lowprec.gemm.sm90 import interface as gi
 
 pkg = importlib.import_module("lowprec.gemm.sm90")
 new = importlib.import_module("lowprec.gemm.sm90.blockscaled_gemm")
-old = importlib.import_module("lowprec.gemm.sm90.blockscaled_gemm_old_tmp")
+names = ["old", *[a for a in sys.argv[1:] if not a.startswith("--")], "new"]
+ROUNDS = int(os.environ.get("AB_ROUNDS", "4"))  # even; the middle two are averaged
+SHAPE_FILTER = os.environ.get("AB_SHAPES")  # e.g. "7168x16384,8192x8192": N x K of the shapes kept
+mods = {nm: new if nm == "new" else importlib.import_module(f"lowprec.gemm.sm90.blockscaled_gemm_{nm}_tmp")
+        for nm in names}
 
 def build(mod, cfg, per_col):
     sys.modules["lowprec.gemm.sm90.blockscaled_gemm"] = mod
@@ -35,8 +43,10 @@ shapes = [(4096, 2112, 7168, False), (4096, 24576, 1536, False), (4096, 32768, 5
           (4096, 4096, 7168, False), (4096, 7168, 2048, False), (8192, 8192, 8192, False), (4096, 4096, 16384, True),
           (128, 7168, 2048, False)]
 for m, n, k, per_col in shapes:
+    if SHAPE_FILTER and f"{n}x{k}" not in SHAPE_FILTER.split(","):
+        continue
     cfg = gi.choose_config(m, n, k, per_col)
-    fns = {"old": build(old, cfg, per_col), "new": build(new, cfg, per_col)}
+    fns = {nm: build(mod, cfg, per_col) for nm, mod in mods.items()}
     nsets = max(1, min(8, -(-160_000_000 // (m * k + n * k + 2 * m * n))))
     sets = []
     for _ in range(nsets):
@@ -55,13 +65,14 @@ for m, n, k, per_col in shapes:
         gi._launch(fn, *sets[0], *gi._unused_args(sets[0][0].device))
         torch.cuda.synchronize()
         outs[name] = sets[0][2].clone()
-    assert torch.equal(outs["old"], outs["new"]), (m, n, k)
-    res = {"old": [], "new": []}
-    for order in (("old", "new"), ("new", "old"), ("old", "new"), ("new", "old")):
+    for nm in names[1:]:
+        assert torch.equal(outs["old"], outs[nm]), (m, n, k, nm)
+    res = {nm: [] for nm in names}
+    for order in [names, names[::-1]] * (ROUNDS // 2):
         for name in order:
             fn = fns[name]
             t = _time_rot([lambda s=s, fn=fn: gi._launch(fn, *s, *gi._unused_args(s[0].device)) for s in sets], 50)
             res[name].append(2 * m * n * k / t / 1e9)
-    med = {nm: sorted(v)[1:3] for nm, v in res.items()}
+    med = {nm: sorted(v)[ROUNDS // 2 - 1:ROUNDS // 2 + 1] for nm, v in res.items()}
     cells = [f"{nm} {sum(med[nm]) / 2:.0f} ({' '.join(f'{x:.0f}' for x in v)})" for nm, v in res.items()]
     print(m, n, k, per_col, cfg, " | ".join(cells), flush=True)

@@ -493,7 +493,7 @@ class BlockScaledGemmSm90:
     @cute.jit
     def _consumer(self, mma_tidx, warp_idx, tiled_mma, sAs, sB, sD, mD, tma_atom_d, sSA, sSB, mBias, mD_raw, ring,
                   sched_args):
-        wg_in_mma = mma_tidx // self.threads_per_wg
+        wg_in_mma = cute.arch.make_warp_uniform(mma_tidx // self.threads_per_wg)
         mmas = [BlockMma.create(self._make_tiled_mma, tiled_mma, sA, sB, wg_in_mma * self.threads_per_wg)
                 for sA in sAs]
         # per-thread coordinates of the accumulator values inside a wave of the CTA tile
@@ -539,7 +539,7 @@ class BlockScaledGemmSm90:
         waves = [Wave(mma, scales.shifted(w * self.wave_m), acc) for w, (mma, acc) in enumerate(zip(mmas, accs))]
         return PromotedMainloop(ring, waves, slots if self.overlap else slots[:1],
                                 overlap=self.overlap, sb_from_smem=self.sb_from_smem, per_col=self.b_scale_per_col,
-                                n_straddle=self.n_straddle, tile_n=self.tile_n)
+                                n_straddle=self.n_straddle, tile_n=self.tile_n, stage_unroll=self.waves > 1)
 
     @cute.jit
     def _dense_epilogue(self, epi, accs, tile, n0, tCcC, mD, mBias, tiles_done):

@@ -21,6 +21,7 @@ import math
 
 import cutlass
 import cutlass.cute as cute
+import cutlass.pipeline as pipeline
 
 from ...cute.sm90.promote import promote_col_blocks, promote_per_col
 from ...cute.sm90.scales import FragmentScales, ScaleRegs
@@ -49,18 +50,20 @@ class PromotedMainloop(LoopInvariant):
     (one with several waves)."""
 
     def __init__(self, ring, waves: list, slots, *, overlap: bool, sb_from_smem: bool,
-                 per_col: bool, n_straddle: bool, tile_n: int):
+                 per_col: bool, n_straddle: bool, tile_n: int, stage_unroll: bool = False):
         assert len(waves) == 1 or not (overlap or sb_from_smem), "several waves: no overlap, scales in registers"
         self.ring, self.waves, self.slots = ring, waves, slots
         self.mma, self.scales, self.acc = waves[0].mma, waves[0].scales, waves[0].acc
         self.overlap, self.sb_from_smem, self.per_col = overlap, sb_from_smem, per_col
         self.n_straddle, self.tile_n = n_straddle, tile_n
+        self.stage_unroll = stage_unroll
 
     def shifted(self, dr):
         """The same loop, A's row scales read ``dr`` rows further into the stage's box."""
         return PromotedMainloop(self.ring, [Wave(w.mma, w.scales.shifted(dr), w.acc) for w in self.waves],
                                 self.slots, overlap=self.overlap, sb_from_smem=self.sb_from_smem,
-                                per_col=self.per_col, n_straddle=self.n_straddle, tile_n=self.tile_n)
+                                per_col=self.per_col, n_straddle=self.n_straddle, tile_n=self.tile_n,
+                                stage_unroll=self.stage_unroll)
 
     @cute.jit
     def run(self, n0, k_first, k_cnt, read_state, release_state):
@@ -84,20 +87,11 @@ class PromotedMainloop(LoopInvariant):
 
     @cute.jit
     def _run_at(self, split, k_first, k_cnt, read_state, release_state):
-        if cutlass.const_expr(len(self.waves) > 1):
-            s0 = self.slots[0]
+        if cutlass.const_expr(len(self.waves) > 1 and self.stage_unroll):
+            read_state, release_state = self._run_waves_unrolled(split, k_first, k_cnt, read_state, release_state)
+        elif cutlass.const_expr(len(self.waves) > 1):
             for k_tile in range(k_cnt):
-                self.ring.wait(read_state)
-                for w in cutlass.range_constexpr(len(self.waves)):
-                    wave = self.waves[w]
-                    # scales read before the wgmma batch: issued after it, the loads queue behind
-                    # its shared-memory operand reads and the promotion waits for them
-                    wave.scales.load(read_state.index, k_first + k_tile, s0.regs)
-                    wave.mma.issue(s0.blk, read_state.index)
-                    cute.nvgpu.warpgroup.wait_group(0)
-                    if cutlass.const_expr(w == len(self.waves) - 1):
-                        self.ring.release(read_state)
-                    self._promote(s0, split, wave.acc)
+                self._waves_block(read_state, k_first + k_tile, split)
                 read_state.advance()
                 release_state.advance()
         elif cutlass.const_expr(self.overlap):
@@ -113,6 +107,53 @@ class PromotedMainloop(LoopInvariant):
                 read_state.advance()
                 release_state.advance()
                 self._promote(s0, split)
+        return read_state, release_state
+
+    @cute.jit
+    def _waves_block(self, state, k, split):
+        """One K block of a several-wave tile from the stage of ``state``: per wave its scales,
+        its wgmma batch into the shared block accumulator, the wait, its promotion; the stage
+        is released before the last wave's promotion."""
+        s0 = self.slots[0]
+        self.ring.wait(state)
+        for w in cutlass.range_constexpr(len(self.waves)):
+            wave = self.waves[w]
+            # scales read before the wgmma batch: issued after it, the loads queue behind
+            # its shared-memory operand reads and the promotion waits for them
+            wave.scales.load(state.index, k, s0.regs)
+            wave.mma.issue(s0.blk, state.index)
+            cute.nvgpu.warpgroup.wait_group(0)
+            if cutlass.const_expr(w == len(self.waves) - 1):
+                self.ring.release(state)
+            self._promote(s0, split, wave.acc)
+
+    @cute.jit
+    def _run_waves_unrolled(self, split, k_first, k_cnt, read_state, release_state):
+        """The several-wave loop with the stage index a constant (DeepGEMM's K loop): blocks up
+        to the ring's wrap one at a time, then groups of ``num_stages`` blocks, stage s of a
+        group at stage s, so that every wgmma descriptor, scale and barrier address is the
+        loop-invariant base plus a constant; then the rest one at a time."""
+        stages = self.ring.num_stages
+        head = cutlass.min((stages - read_state.index) % stages, k_cnt)
+        for k_tile in range(head):
+            self._waves_block(read_state, k_first + k_tile, split)
+            read_state.advance()
+            release_state.advance()
+        groups = (k_cnt - head) // stages
+        for g in range(groups):
+            k0 = k_first + head + g * stages
+            for s in cutlass.range_constexpr(stages):
+                self._waves_block(pipeline.PipelineState(stages, read_state.count, s, read_state.phase), k0 + s,
+                                  split)
+            # a whole turn of the ring: the index is back at 0, the phase flipped
+            read_state = pipeline.PipelineState(stages, read_state.count + stages, read_state.index,
+                                                read_state.phase ^ 1)
+            release_state = pipeline.PipelineState(stages, release_state.count + stages, release_state.index,
+                                                   release_state.phase ^ 1)
+        for k_tile in range(head + groups * stages, k_cnt):
+            self._waves_block(read_state, k_first + k_tile, split)
+            read_state.advance()
+            release_state.advance()
         return read_state, release_state
 
     @cute.jit
