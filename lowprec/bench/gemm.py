@@ -256,7 +256,8 @@ def run(args=None):
     rows = []
     print("# TFLOPS; 'rot' = CUDA graph of back-to-back calls cycling over input sets larger than L2"
           " (pure GPU time, cold inputs, sustained load); 'eager' = one Python call per do_bench"
-          " iteration (L2 flushed: a 256 MB memset between calls); host_us = host time of one eager"
+          " iteration (L2 flushed: a 256 MB memset between calls), median of interleaved rounds as rot;"
+          " host_us = host time of one eager"
           " call (lowprec.gemm on QuantizedTensors; cuBLAS: torch scaled_mm), back-to-back calls")
     hdr = (f"{'M':>5} {'N':>6} {'K':>6} {'config':>16} {'lp_rot':>7} {'lp_eager':>8} {'cb8blk':>7}"
            f" {'cb8blk_e':>8} {'cb8row':>7} {'bf16':>7} {'vs_blk':>6} {'vs_blk_e':>8} {'vs_row':>6}"
@@ -280,27 +281,33 @@ def run(args=None):
         d = gemm_blockwise_fp8(a, sa, b, sb)
         torch.cuda.synchronize()
         compile_s = time.time() - t0
-        t_lp_eager = _bench(lambda a=a, sa=sa, b=b, sb=sb: gemm_blockwise_fp8(a, sa, b, sb), rep)
+        eager = {"lp": lambda a=a, sa=sa, b=b, sb=sb: gemm_blockwise_fp8(a, sa, b, sb)}
         lp_calls = [(lambda s=s_: gemm_blockwise_fp8(*s)) for s_ in sets]
         qa = lowprec.QuantizedTensor(a, sa, lowprec.get_recipe("fp8_block1x128"), a.shape, torch.bfloat16)
         qb = lowprec.QuantizedTensor(b, sb, lowprec.get_recipe("fp8_block128x128"), b.shape, torch.bfloat16)
         host_fns = [lambda qa=qa, qb=qb: lowprec.gemm(qa, qb)]
-        t_cb = t_cb_eager = host_cb = float("nan")
+        t_cb = host_cb = float("nan")
         d_cb = None
         timers = {"lp": _rot_timer(lp_calls)}
         if cublas_ok:
             d_cb = _cublas_blockwise_fn(a, sa, b, sb)()
             timers["cb"] = _rot_timer([_cublas_blockwise_fn(*s_) for s_ in sets])
-            t_cb_eager = _bench(_cublas_blockwise_fn(a, sa, b, sb), rep)
+            eager["cb"] = _cublas_blockwise_fn(a, sa, b, sb)
             host_fns.append(_cublas_blockwise_fn(a, sa, b, sb))
         host_lp, host_cb = (_host_us(host_fns) + [float("nan")])[:2]
-        t_dg_eager, dg_same = float("nan"), None
+        dg_same = None
         if have_dg:
             dg_calls = [deepgemm_call(*s_) for s_ in sets]
             dg_same = bool(torch.equal(dg_calls[0](), d))
             timers["dg"] = _rot_timer(dg_calls)
-            t_dg_eager = _bench(dg_calls[0], rep)
+            eager["dg"] = dg_calls[0]
         rounds = _interleaved_rounds(timers, rep)
+        # eager calls in interleaved rounds too: a single do_bench per library reads up to ~15%
+        # apart depending on which ran first (H100, session 33)
+        eager_rounds = _interleaved_rounds({nm: (lambda r, f=f: _bench(f, r)) for nm, f in eager.items()}, rep)
+        t_lp_eager = statistics.median(eager_rounds["lp"])
+        t_cb_eager = statistics.median(eager_rounds["cb"]) if "cb" in eager_rounds else float("nan")
+        t_dg_eager = statistics.median(eager_rounds["dg"]) if "dg" in eager_rounds else float("nan")
         lp_rounds, cb_rounds = rounds["lp"], rounds.get("cb", [])
         t_lp = statistics.median(lp_rounds)
         if cb_rounds:
@@ -334,6 +341,7 @@ def run(args=None):
             lowprec_ms_rounds=lp_rounds, cublas_fp8_blockwise_ms_rounds=cb_rounds,
             first_call_s=compile_s, lowprec_host_us=host_lp, cublas_fp8_blockwise_host_us=host_cb,
             deepgemm_ms=t_dg, deepgemm_eager_ms=t_dg_eager, deepgemm_ms_rounds=rounds.get("dg", []),
+            eager_ms_rounds=eager_rounds,
             deepgemm_tflops=tf(t_dg), deepgemm_bits_equal=dg_same,
             ratio_vs_best_peer=t_best / t_lp, ratio_vs_best_peer_eager=t_best_e / t_lp_eager,
         )
