@@ -469,7 +469,7 @@ class FP8AttentionFwdSm90:
         self, mtidx, mma_qk: cute.TiledMma, mma_pv: cute.TiledMma, sQ, sK, sV,
         pipe_q, pipe_k, pipe_v, mQS, mKS, mVS, mO, mLSE, softmax_scale_log2, pack_r, dims, q_in,
     ):
-        wg = mtidx // self.threads_per_wg
+        wg = cute.arch.make_warp_uniform(mtidx // self.threads_per_wg)
         # --- S = Q Kᵀ: operands from shared memory
         thr_qk_wg = mma_qk.get_slice(wg * self.threads_per_wg)
         tSrQ = mma_qk.make_fragment_A(thr_qk_wg.partition_A(sQ))
