@@ -539,7 +539,7 @@ class BlockScaledGemmSm90:
         waves = [Wave(mma, scales.shifted(w * self.wave_m), acc) for w, (mma, acc) in enumerate(zip(mmas, accs))]
         return PromotedMainloop(ring, waves, slots if self.overlap else slots[:1],
                                 overlap=self.overlap, sb_from_smem=self.sb_from_smem, per_col=self.b_scale_per_col,
-                                n_straddle=self.n_straddle, tile_n=self.tile_n, stage_unroll=self.waves > 1)
+                                n_straddle=self.n_straddle, tile_n=self.tile_n)
 
     @cute.jit
     def _dense_epilogue(self, epi, accs, tile, n0, tCcC, mD, mBias, tiles_done):

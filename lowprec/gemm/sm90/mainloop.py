@@ -4,7 +4,8 @@ accumulator, the block's scales, FP32 promotion into ``acc`` (composed of ``lowp
 A tile of several waves (a wave: the rows one pass of the tiled MMA covers; e.g. 256-row tiles of
 two 128-row waves) runs the waves of a K block one after the other into one block accumulator,
 each waited for and promoted into its own ``acc`` (DeepGEMM's 256-row tiles: the two consumer
-warpgroups' promotions interleave with each other's wgmmas). With one wave and ``overlap`` two
+warpgroups' promotions interleave with each other's wgmmas), its K loop unrolled over the ring's
+stages. With one wave and ``overlap`` two
 block accumulators alternate, so the wgmma batch of block k+1 runs while
 block k is promoted (``wait_group(1)``, operands pinned by ``fence_operand``); otherwise each
 block is waited for (``wait_group(0)``). ``sb_from_smem``: 1x128 B scales on tiles over 64
@@ -50,20 +51,18 @@ class PromotedMainloop(LoopInvariant):
     (one with several waves)."""
 
     def __init__(self, ring, waves: list, slots, *, overlap: bool, sb_from_smem: bool,
-                 per_col: bool, n_straddle: bool, tile_n: int, stage_unroll: bool = False):
+                 per_col: bool, n_straddle: bool, tile_n: int):
         assert len(waves) == 1 or not (overlap or sb_from_smem), "several waves: no overlap, scales in registers"
         self.ring, self.waves, self.slots = ring, waves, slots
         self.mma, self.scales, self.acc = waves[0].mma, waves[0].scales, waves[0].acc
         self.overlap, self.sb_from_smem, self.per_col = overlap, sb_from_smem, per_col
         self.n_straddle, self.tile_n = n_straddle, tile_n
-        self.stage_unroll = stage_unroll
 
     def shifted(self, dr):
         """The same loop, A's row scales read ``dr`` rows further into the stage's box."""
         return PromotedMainloop(self.ring, [Wave(w.mma, w.scales.shifted(dr), w.acc) for w in self.waves],
                                 self.slots, overlap=self.overlap, sb_from_smem=self.sb_from_smem,
-                                per_col=self.per_col, n_straddle=self.n_straddle, tile_n=self.tile_n,
-                                stage_unroll=self.stage_unroll)
+                                per_col=self.per_col, n_straddle=self.n_straddle, tile_n=self.tile_n)
 
     @cute.jit
     def run(self, n0, k_first, k_cnt, read_state, release_state):
@@ -87,13 +86,8 @@ class PromotedMainloop(LoopInvariant):
 
     @cute.jit
     def _run_at(self, split, k_first, k_cnt, read_state, release_state):
-        if cutlass.const_expr(len(self.waves) > 1 and self.stage_unroll):
-            read_state, release_state = self._run_waves_unrolled(split, k_first, k_cnt, read_state, release_state)
-        elif cutlass.const_expr(len(self.waves) > 1):
-            for k_tile in range(k_cnt):
-                self._waves_block(read_state, k_first + k_tile, split)
-                read_state.advance()
-                release_state.advance()
+        if cutlass.const_expr(len(self.waves) > 1):
+            read_state, release_state = self._run_waves(split, k_first, k_cnt, read_state, release_state)
         elif cutlass.const_expr(self.overlap):
             read_state, release_state = self._run_overlapped(split, k_first, k_cnt, read_state, release_state)
         else:
@@ -128,11 +122,12 @@ class PromotedMainloop(LoopInvariant):
             self._promote(s0, split, wave.acc)
 
     @cute.jit
-    def _run_waves_unrolled(self, split, k_first, k_cnt, read_state, release_state):
+    def _run_waves(self, split, k_first, k_cnt, read_state, release_state):
         """The several-wave loop with the stage index a constant (DeepGEMM's K loop): blocks up
         to the ring's wrap one at a time, then groups of ``num_stages`` blocks, stage s of a
         group at stage s, so that every wgmma descriptor, scale and barrier address is the
-        loop-invariant base plus a constant; then the rest one at a time."""
+        loop-invariant base plus a constant (+2-5.6% at the 256x128 shapes, NOTES session 33);
+        then the rest one at a time."""
         stages = self.ring.num_stages
         head = cutlass.min((stages - read_state.index) % stages, k_cnt)
         for k_tile in range(head):
