@@ -1,14 +1,15 @@
 """Same-run A/B of two versions of the dense GEMM kernel module: an old ``blockscaled_gemm.py`` (REF
 below) against the working tree's (new), on the M = 4096 ``bench gemm`` shapes, 8192³, a 1x128-B
 (weight-gradient) shape and a small-M shape, each with its heuristic config. Outputs are asserted
-bit-identical; TFLOPS in the benchmark's rot timing, four rounds in alternating order (the mean
-of the middle two first, then every round).
+bit-identical; TFLOPS in the benchmark's rot timing, ``AB_ROUNDS`` (default 4, even) rounds in
+alternating order (the mean of the middle two first, then every round); ``AB_SHAPES`` (e.g.
+``24576x1536,8192x8192``, N x K) keeps only those shapes.
 
     git show REF:lowprec/gemm/sm90/blockscaled_gemm.py > lowprec/gemm/sm90/blockscaled_gemm_old_tmp.py
     python benchmarks/ab_kernel_versions.py [NAME ...]
 
 Each NAME adds a third (fourth...) version from ``blockscaled_gemm_NAME_tmp.py``, timed between
-old and new in the same rounds (e.g. a change in two steps).
+old and new in the same rounds (e.g. a change in two steps; only ``*_old_tmp.py`` is git-ignored).
 
 REF: HEAD, or the commit to compare with. Before session 18 the module was self-contained (only
 ``.config``); since then it imports ``.mainloop`` and ``lowprec.cute``, which the old copy shares
@@ -27,9 +28,9 @@ from lowprec.gemm.sm90 import interface as gi
 
 pkg = importlib.import_module("lowprec.gemm.sm90")
 new = importlib.import_module("lowprec.gemm.sm90.blockscaled_gemm")
-names = ["old", *[a for a in sys.argv[1:] if not a.startswith("--")], "new"]
-ROUNDS = int(os.environ.get("AB_ROUNDS", "4"))  # even; the middle two are averaged
-SHAPE_FILTER = os.environ.get("AB_SHAPES")  # e.g. "7168x16384,8192x8192": N x K of the shapes kept
+names = ["old", *sys.argv[1:], "new"]
+ROUNDS = int(os.environ.get("AB_ROUNDS", "4"))
+SHAPE_FILTER = os.environ.get("AB_SHAPES")
 mods = {nm: new if nm == "new" else importlib.import_module(f"lowprec.gemm.sm90.blockscaled_gemm_{nm}_tmp")
         for nm in names}
 
