@@ -257,8 +257,8 @@ def run(args=None):
     print("# TFLOPS; 'rot' = CUDA graph of back-to-back calls cycling over input sets larger than L2"
           " (pure GPU time, cold inputs, sustained load); 'eager' = one Python call per do_bench"
           " iteration (L2 flushed: a 256 MB memset between calls), median of interleaved rounds as rot;"
-          " host_us = host time of one eager"
-          " call (lowprec.gemm on QuantizedTensors; cuBLAS: torch scaled_mm), back-to-back calls")
+          " host_us = host time of one eager call (lowprec.gemm on QuantizedTensors; cuBLAS: torch"
+          " scaled_mm), back-to-back calls")
     hdr = (f"{'M':>5} {'N':>6} {'K':>6} {'config':>16} {'lp_rot':>7} {'lp_eager':>8} {'cb8blk':>7}"
            f" {'cb8blk_e':>8} {'cb8row':>7} {'bf16':>7} {'vs_blk':>6} {'vs_blk_e':>8} {'vs_row':>6}"
            f" {'err':>8} {'err_cb':>8} {'lp_host_us':>10} {'cb_host_us':>10} {'dg':>7} {'dg_e':>7} {'vs_best':>7}"
@@ -305,9 +305,8 @@ def run(args=None):
         # eager calls in interleaved rounds too: a single do_bench per library reads up to ~15%
         # apart depending on which ran first (H100, session 33)
         eager_rounds = _interleaved_rounds({nm: (lambda r, f=f: _bench(f, r)) for nm, f in eager.items()}, rep)
-        t_lp_eager = statistics.median(eager_rounds["lp"])
-        t_cb_eager = statistics.median(eager_rounds["cb"]) if "cb" in eager_rounds else float("nan")
-        t_dg_eager = statistics.median(eager_rounds["dg"]) if "dg" in eager_rounds else float("nan")
+        t_lp_eager, t_cb_eager, t_dg_eager = (
+            statistics.median(eager_rounds[nm]) if nm in eager_rounds else float("nan") for nm in ("lp", "cb", "dg"))
         lp_rounds, cb_rounds = rounds["lp"], rounds.get("cb", [])
         t_lp = statistics.median(lp_rounds)
         if cb_rounds:
