@@ -391,6 +391,26 @@ def test_wide_tiles_bit_identical_to_128x128(out_dtype):
 
 @gpu
 @needs_gpu
+@pytest.mark.parametrize("k_blocks", [2, 7, 8])
+def test_two_wave_tiles_every_ring_phase(k_blocks):
+    """The 256-row K loop runs blocks one at a time up to the ring's wrap, then whole turns of
+    the ring with constant stages, then the rest: with several tiles per CTA and K-block counts
+    that are no multiple of the stage count, tiles start at every ring index. Same bits as
+    128x128 tiles."""
+    from lowprec.gemm.sm90.blockscaled_gemm import TileConfig
+    from lowprec.gemm.sm90.tune import parse_config
+
+    m, n, k = 4096, 2048 + 96, 128 * k_blocks - 48  # 16 x 17 tiles: 2-3 per CTA; a partial K block
+    a, sa, b, sb, ref = make_problem(m, n, k, "block")
+    base = _run(a, sa, b, sb, torch.bfloat16, config=TileConfig(tile_m=128, tile_n=128))
+    assert_close_bf16(base, ref)
+    for name in ("256x128_c1x2_n8", "256x128_c2x1_m1"):
+        d = _run(a, sa, b, sb, torch.bfloat16, config=parse_config(name))
+        assert torch.equal(d, base), f"{name}: bits differ from 128x128"
+
+
+@gpu
+@needs_gpu
 @pytest.mark.parametrize("b_kind", ["block", "col"])
 def test_split_k_configs(b_kind):
     from lowprec.gemm.sm90.blockscaled_gemm import TileConfig
