@@ -1,7 +1,7 @@
 # ruff: noqa: B023, E501  (scratch script: lambdas timed inside their own iteration)
 """Same-run A/B of one interface flag of the sm_90a FP8 attention kernel (kernel only, Vᵀ permuted
 as the fused call runs it), rounds interleaved, do_bench median with L2 flushed. Usage:
-    python benchmarks/attention_ab.py FLAG VALUE_A VALUE_B [--rounds N] [--decode] [--graph] [--full]
+    python benchmarks/attention_ab.py FLAG VALUE_A VALUE_B [--rounds N] [--decode] [--graph] [--full] [--shapes I,J]
 e.g. ``PV_ROWSUM 0 1``. Prints ms per shape and value, and the ratio. ``--full``: the whole
 ``lowprec.attention(q, k, v, quant="fp8")`` call (pre-pass kernels and forward) instead of the kernel."""
 
@@ -32,7 +32,10 @@ DECODE = [(1, 32, 8, 1, 8192, 128, False), (4, 32, 8, 1, 8192, 128, False), (1, 
 def main():
     flag, a, b = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     rounds = int(sys.argv[sys.argv.index("--rounds") + 1]) if "--rounds" in sys.argv else 3
-    for B, H, Hkv, Sq, Sk, D, causal in DECODE if "--decode" in sys.argv else SHAPES:
+    shapes = DECODE if "--decode" in sys.argv else SHAPES
+    if "--shapes" in sys.argv:  # indices into the list, e.g. --shapes 0,1,5
+        shapes = [shapes[int(i)] for i in sys.argv[sys.argv.index("--shapes") + 1].split(",")]
+    for B, H, Hkv, Sq, Sk, D, causal in shapes:
         q = torch.randn(B, H, Sq, D, device="cuda", dtype=torch.bfloat16)
         k = torch.randn(B, Hkv, Sk, D, device="cuda", dtype=torch.bfloat16)
         v = torch.randn(B, Hkv, Sk, D, device="cuda", dtype=torch.bfloat16)

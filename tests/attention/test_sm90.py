@@ -541,6 +541,32 @@ def test_kv_cache_call_is_the_composed_steps(case):
 @gpu
 @needs_gpu
 @pytest.mark.parametrize("q_in_kernel", [True, False], ids=["q-in-kernel", "q-prepass"])
+@pytest.mark.parametrize("case", [(2, 16, 16, 2048, 2048, 128, True), (1, 32, 8, 1536, 1536, 64, True),
+                                  (1, 20, 20, 1024, 1024, 256, False), (3, 16, 16, 768, 896, 128, False)],
+                         ids=lambda c: "B{}H{}kv{}q{}k{}d{}{}".format(*c[:6], "c" if c[6] else ""))
+def test_persistent_walk_gives_the_grid_bits(monkeypatch, case, q_in_kernel):
+    """PERSISTENT: the fused call with CTAs walking the tiles in zigzag rounds (several rounds, the
+    last one partial: 352 / 256 / 160 / 192 tiles over 132 CTAs) writes the one-tile-per-CTA
+    grid's bits, Q quantized by the forward or by its pre-pass (shapes the fused call takes:
+    whole 128-token blocks)."""
+    from lowprec.attention.sm90 import interface
+
+    monkeypatch.setattr(interface, "QUANTIZE_Q_IN_KERNEL", q_in_kernel)
+    b, h, hkv, sq, sk, d, causal = case
+    g = torch.Generator(device="cuda").manual_seed(3)
+    q, k, v = (torch.randn(b, n, s, d, device="cuda", generator=g).to(torch.bfloat16)
+               for n, s in ((h, sq), (hkv, sk), (hkv, sk)))
+    outs = []
+    for persistent in (False, True):
+        monkeypatch.setattr(interface, "PERSISTENT", persistent)
+        outs.append(interface._attention_fp8_qkv(q, k, v, causal, d ** -0.5))
+    for grid_t, persistent_t in zip(*outs):
+        assert torch.equal(grid_t, persistent_t)
+
+
+@gpu
+@needs_gpu
+@pytest.mark.parametrize("q_in_kernel", [True, False], ids=["q-in-kernel", "q-prepass"])
 @pytest.mark.parametrize("case", [(2, 4, 4, 256, 384, 128, False, torch.bfloat16),
                                   (1, 8, 2, 100, 256, 64, True, torch.float16),
                                   (2, 4, 1, 128, 128, 256, True, torch.bfloat16),

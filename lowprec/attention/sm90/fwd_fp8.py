@@ -134,9 +134,9 @@ class FP8AttentionFwdSm90:
         # split-KV (decode): grid z = splits x batch; split i takes KV blocks [i*per, (i+1)*per)
         # and writes FP32 partials (O normalized over its keys, its LSE); the host combines them
         self.split_kv = config.split_kv
-        # persistent: grid = min(tiles, SMs), each CTA walks tiles t, t + grid, ... (longest
-        # causal rows first); the next tile's Q/K/V loads run under this tile's last P.V and
-        # epilogue
+        # persistent: grid = min(tiles, SMs), each CTA walks one tile per round in zigzag order
+        # (_round_tile; longest causal rows first within a head); the next tile's Q/K/V loads
+        # run under this tile's last P.V and epilogue
         self.persistent = config.persistent
         # v_t stored with its keys permuted within each 16 (interface.permute_v_keys): P goes to
         # the A fragment without shuffles
@@ -328,12 +328,11 @@ class FP8AttentionFwdSm90:
                 state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
                 loads = (tma_q, tma_k, tma_v, mQ, mK, mVt, sQ, sK, sV, pipe_q, pipe_k, pipe_v)
                 if cutlass.const_expr(self.persistent):
-                    total = m_blocks * heads * zdim
-                    tile = cute.arch.block_idx()[0]
-                    while tile < total:
-                        q_state, state = self._produce_tile(
-                            loads, self._tile_info(self._linear_tile(tile, dims), dims), q_state, state)
-                        tile += cute.arch.grid_dim()[0]
+                    for r in cutlass.range(self._rounds(dims), unroll=1):
+                        tile = self._round_tile(r, dims)
+                        if tile < m_blocks * heads * zdim:
+                            q_state, state = self._produce_tile(
+                                loads, self._tile_info(self._linear_tile(tile, dims), dims), q_state, state)
                 else:
                     q_state, state = self._produce_tile(
                         loads, self._tile_info(self._grid_tile(dims), dims), q_state, state)
@@ -357,6 +356,23 @@ class FP8AttentionFwdSm90:
         if cutlass.const_expr(self.varlen):  # blocks past the sequence's end are empty
             return (cute.arch.grid_dim()[0] - 1 - bidx, head, zz)
         return (m_blocks - 1 - bidx, head, zz)
+
+    @cute.jit
+    def _rounds(self, dims):
+        """Persistent: rounds of ``grid`` tiles that cover the tile space."""
+        grid = cute.arch.grid_dim()[0]
+        return (dims[0] * dims[1] * dims[2] + grid - 1) // grid
+
+    @cute.jit
+    def _round_tile(self, r, dims):
+        """Persistent: this CTA's linear tile in round ``r``, CTAs in zigzag order (reversed in odd
+        rounds): a CTA that took one of the round's longest causal tiles takes one of the next
+        round's shortest (walking t, t + grid, ... gave a CTA the same m-block in every head
+        whenever the grid is a multiple of the m-blocks: 132 = 6 x 22 at S = 4096). Past the
+        last tile in the last round: no tile."""
+        grid = cute.arch.grid_dim()[0]
+        bid = cute.arch.block_idx()[0]
+        return r * grid + cutlass.select_(r % 2 == 0, bid, grid - 1 - bid)
 
     @cute.jit
     def _linear_tile(self, t, dims):
@@ -530,13 +546,12 @@ class FP8AttentionFwdSm90:
             if wg == 0:  # the first warpgroup issues first
                 cute.arch.barrier_arrive(barrier_id=_SCHED_BAR, number_of_threads=2 * self.threads_per_wg)
         if cutlass.const_expr(self.persistent):
-            total = dims[0] * dims[1] * dims[2]
-            tile = cute.arch.block_idx()[0]
-            while tile < total:
-                q_state, k_state, v_state = self._consume_tile(
-                    self._tile_info(self._linear_tile(tile, dims), dims), dims, wg, regs, qk, pv, gm, pipes,
-                    q_state, k_state, v_state)
-                tile += cute.arch.grid_dim()[0]
+            for r in cutlass.range(self._rounds(dims), unroll=1):
+                tile = self._round_tile(r, dims)
+                if tile < dims[0] * dims[1] * dims[2]:
+                    q_state, k_state, v_state = self._consume_tile(
+                        self._tile_info(self._linear_tile(tile, dims), dims), dims, wg, regs, qk, pv, gm, pipes,
+                        q_state, k_state, v_state)
         else:
             self._consume_tile(self._tile_info(self._grid_tile(dims), dims), dims, wg, regs,
                                qk, pv, gm, pipes, q_state, k_state, v_state)
