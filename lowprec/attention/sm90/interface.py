@@ -41,7 +41,7 @@ SPLIT_KV = False  # split the KV blocks over more CTAs when the grid is under a 
 # with the one-launch combine (NOTES.md, session 28); prefill grids under a wave are unmeasured
 SPLIT_KV_DECODE = True
 DECODE_MAX_SQ = 16
-PERSISTENT = False  # persistent CTAs walking the tiles longest-first (unmeasured)
+PERSISTENT = False  # persistent CTAs, a tile per round in zigzag order: -2% to +1% on the fused call (NOTES)
 TWO_LEVEL_PV = True  # AttnConfig.two_level_pv of launched kernels
 CONSUMER_WGS = 3  # AttnConfig.consumer_wgs of launched kernels (3 where it applies: D <= 128)
 SKIP_UNIT_RESCALE = True  # AttnConfig.skip_unit_rescale of launched kernels
