@@ -10,7 +10,7 @@ import cutlass.utils.hopper_helpers as sm90_utils
 
 from ..utils import LoopInvariant
 
-__all__ = ["add_col_vector", "store_direct", "TmaStoreEpilogue"]
+__all__ = ["add_col_vector", "store_direct", "TmaStoreEpilogue", "TmaStoreWarp"]
 
 
 @cute.jit
@@ -36,6 +36,16 @@ def store_direct(acc: cute.Tensor, coords: cute.Tensor, mD: cute.Tensor, row0, n
         col = n0 + coords[v][1]
         if r < rows and col < n_size:
             mD[(row0 + r, col)] = acc[v].to(mD.element_type)
+
+
+def _tile_slices(tma_atom, sD, epi_tile, gD_tile):
+    """(smem slices, gmem slices, count, gmem coordinate layout) of a tile stored ``epi_tile`` by
+    ``epi_tile`` through the staged buffers ``sD``."""
+    tDgD = cute.zipped_divide(gD_tile, epi_tile)
+    bSG_sD, bSG_gD = cute.nvgpu.cpasync.tma_partition(tma_atom, 0, cute.make_layout(1), cute.group_modes(sD, 0, 2),
+                                                      tDgD)
+    shape = tDgD.shape[1]
+    return bSG_sD, bSG_gD, cute.size(tDgD, mode=[1]), cute.make_layout(shape, stride=(shape[1], 1))
 
 
 class TmaStoreEpilogue(LoopInvariant):
@@ -80,13 +90,7 @@ class TmaStoreEpilogue(LoopInvariant):
         )
 
     def _slices(self, gD_tile):
-        """(smem slices, gmem slices, count, gmem coordinate layout) of a tile."""
-        tDgD = cute.zipped_divide(gD_tile, self.epi_tile)
-        bSG_sD, bSG_gD = cute.nvgpu.cpasync.tma_partition(
-            self.tma_atom, 0, cute.make_layout(1), cute.group_modes(self.sD, 0, 2), tDgD
-        )
-        shape = tDgD.shape[1]
-        return bSG_sD, bSG_gD, cute.size(tDgD, mode=[1]), cute.make_layout(shape, stride=(shape[1], 1))
+        return _tile_slices(self.tma_atom, self.sD, self.epi_tile, gD_tile)
 
     @cute.jit
     def _to_smem(self, wave: cutlass.Constexpr, epi_idx: cutlass.Constexpr, buffer):
@@ -135,6 +139,56 @@ class TmaStoreEpilogue(LoopInvariant):
                         self.store_pipeline.producer_commit()
                         self.store_pipeline.producer_acquire()
                     self.barrier.arrive_and_wait()
+
+    @cute.jit
+    def write_for_store_warp(self, slices: cutlass.Constexpr, free, full):
+        """The consumers' half of a tile that a :class:`TmaStoreWarp` stores: wait until the
+        buffers are ``free`` (the previous tile's stores have read them; issued a mainloop ago, so
+        at once), write the ``slices`` slices of every wave's accumulator, fence them to the
+        async proxy and signal ``full`` without waiting: no consumer waits for another one or
+        for the stores to be issued."""
+        free.arrive_and_wait()
+        for w in cutlass.range_constexpr(len(self.tRS_rAccs)):
+            for epi_idx in cutlass.range_constexpr(slices):
+                self._to_smem(w, epi_idx, w * slices + epi_idx)
+        cute.arch.fence_proxy("async.shared", space="cta")
+        full.arrive()
+
+    def tail(self):
+        """Wait for the last TMA stores (before the CTA exits)."""
+        self.store_pipeline.producer_tail()
+
+
+class TmaStoreWarp(LoopInvariant):
+    """A warp outside the consumer warpgroups that issues each tile's TMA stores: it frees the
+    staged smem buffers for the next tile once the previous tile's stores have read them
+    (``free``), waits until the consumers have written the tile (``full``) and stores it,
+    one buffer per slice, as :meth:`TmaStoreEpilogue.store` stages a whole tile. ``free`` and
+    ``full``: named barriers of the consumer threads and this warp (the consumers use
+    :meth:`TmaStoreEpilogue.write_for_store_warp`)."""
+
+    def __init__(self, **kw):
+        self.__dict__.update(kw)
+
+    @staticmethod
+    def create(sD, tma_atom, epi_tile, free, full):
+        store_pipeline = pipeline.PipelineTmaStore.create(
+            num_stages=1, producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32))
+        return TmaStoreWarp(sD=sD, tma_atom=tma_atom, epi_tile=epi_tile, free=free, full=full,
+                            store_pipeline=store_pipeline)
+
+    @cute.jit
+    def store(self, gD_tiles: list):
+        """One tile: ``gD_tiles``, one gmem tile per wave, from the buffers the consumers wrote."""
+        cute.arch.cp_async_bulk_wait_group(0, read=True)
+        self.free.arrive()
+        self.full.arrive_and_wait()
+        for w in cutlass.range_constexpr(len(gD_tiles)):
+            bSG_sD, bSG_gD, num, coords = _tile_slices(self.tma_atom, self.sD, self.epi_tile, gD_tiles[w])
+            for epi_idx in cutlass.range_constexpr(num):
+                cute.copy(self.tma_atom, bSG_sD[(None, w * num + epi_idx)],
+                          bSG_gD[(None, coords.get_hier_coord(epi_idx))])
+        self.store_pipeline.producer_commit()
 
     def tail(self):
         """Wait for the last TMA stores (before the CTA exits)."""

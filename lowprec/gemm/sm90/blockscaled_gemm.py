@@ -41,7 +41,7 @@ from cutlass.memory import SmemAllocator
 from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 from cutlass.tensor_utils import LayoutEnum
 
-from ...cute.sm90.epilogue import TmaStoreEpilogue, add_col_vector, store_direct
+from ...cute.sm90.epilogue import TmaStoreEpilogue, TmaStoreWarp, add_col_vector, store_direct
 from ...cute.sm90.mma import BlockMma
 from ...cute.sm90.scales import (
     FragmentScales,
@@ -131,6 +131,9 @@ class BlockScaledGemmSm90:
         self.epilog_sync_barrier = pipeline.NamedBarrier(
             barrier_id=1, num_threads=self.num_mma_threads
         )
+        # the handshake of a store warp apart (TmaStoreWarp) with the consumer threads
+        self.epi_free_barrier = pipeline.NamedBarrier(barrier_id=2, num_threads=self.num_mma_threads + 32)
+        self.epi_full_barrier = pipeline.NamedBarrier(barrier_id=3, num_threads=self.num_mma_threads + 32)
 
     @staticmethod
     def _check_options(config, b_scale_per_col, bias_dtype, grouping):
@@ -184,6 +187,14 @@ class BlockScaledGemmSm90:
         else:
             self.epi_stage = 4 * self.waves
         self.d_layout = LayoutEnum.ROW_MAJOR
+        # dense tiles staged whole: warp 1 (producer warpgroup, idle otherwise) issues the TMA
+        # stores, so a consumer warpgroup starts its next tile without waiting for the other one
+        # or for the stores (with the first consumer warp storing, its warpgroup's first wgmma
+        # of the next tile waited for it: ncu, NOTES session 34)
+        self.epi_slices = self.tile_n // epi_n
+        self.store_warp_apart = self.grouping is None and self.epi_slices * self.waves <= self.epi_stage
+        if self.store_warp_apart:
+            self.epi_store_warp_id = 1
 
         # scales ride in the same pipeline stage as their K block (TMA, 128-byte aligned slots):
         # A: tile_m row scales; B: tile_n column scales (1x128) or one 4-wide box of the
@@ -370,6 +381,9 @@ class BlockScaledGemmSm90:
             if warp_idx == self.load_warp_id:
                 self._producer((tma_atom_a, tma_atom_b, tma_atom_sa, tma_atom_sb), mA, mB, mSA, gSB, sA, sB, sSA,
                                sSB, ring, cta_layout_mnk, cluster_coord_mnk, sched_args)
+            if cutlass.const_expr(self.store_warp_apart):
+                if warp_idx == self.epi_store_warp_id:
+                    self._store_warp(sD, mD, tma_atom_d, sched_args)
         else:
             cute.arch.setmaxregister_increase(self.mma_regs)
             self._consumer(tidx - self.threads_per_wg, warp_idx, tiled_mma, sAs, sB, sD, mD, tma_atom_d, sSA, sSB,
@@ -519,14 +533,31 @@ class BlockScaledGemmSm90:
                     a.fill(0.0)
                 if cutlass.const_expr(self.grouping is None):
                     read_state, release_state = mainloop.run(n0, tile.k_first, tile.k_cnt, read_state, release_state)
-                    self._dense_epilogue(epi, accs, tile, n0, tCcC, mD, mBias, sched.num_tiles_executed)
+                    if cutlass.const_expr(self.bias_dtype is not None):
+                        for a in accs:
+                            add_col_vector(a, mBias, n0 + tCcC[0][1], cute.size(mD, mode=[1]))
+                    if cutlass.const_expr(self.store_warp_apart):
+                        epi.write_for_store_warp(self.epi_slices, self.epi_free_barrier, self.epi_full_barrier)
+                    else:
+                        epi.store(self._dense_gd_tiles(mD, tile), sched.num_tiles_executed)
                 else:
                     read_state, release_state = self._grouped_mainloop(mainloop, tile, n0, read_state, release_state)
                     done = self._grouped_epilogue(epi, acc, tile, n0, tCcC, mD, mD_raw, done)
                 sched.advance()
             else:
                 sched.next_group()
-        epi.tail()
+        if cutlass.const_expr(not self.store_warp_apart):
+            epi.tail()
+
+    @cute.jit
+    def _store_warp(self, sD, mD, tma_atom_d, sched_args):
+        """The store warp apart: the consumers' tile walk, storing each tile they write."""
+        store = TmaStoreWarp.create(sD, tma_atom_d, self.epi_tile, self.epi_free_barrier, self.epi_full_barrier)
+        sched = self._scheduler(sched_args)
+        while sched.is_valid():
+            store.store(self._dense_gd_tiles(mD, sched.work_tile()))
+            sched.advance()
+        store.tail()
 
     def _make_mainloop(self, ring, mmas, tCcC, accs, blk, blk2, sSA, sSB):
         n_cgroups = cute.size(blk) // 4  # accumulator value order: (2 cols, 2 rows (+8), tile_n/8 groups)
@@ -541,18 +572,13 @@ class BlockScaledGemmSm90:
                                 overlap=self.overlap, sb_from_smem=self.sb_from_smem, per_col=self.b_scale_per_col,
                                 n_straddle=self.n_straddle, tile_n=self.tile_n)
 
-    @cute.jit
-    def _dense_epilogue(self, epi, accs, tile, n0, tCcC, mD, mBias, tiles_done):
-        if cutlass.const_expr(self.bias_dtype is not None):
-            for acc in accs:
-                add_col_vector(acc, mBias, n0 + tCcC[0][1], cute.size(mD, mode=[1]))
+    def _dense_gd_tiles(self, mD, tile):
+        """A dense tile's gmem tiles, one per wave."""
         if cutlass.const_expr(self.split_k > 1):  # mD is (M, N, split_k) fp32 partials (one wave)
             gD = cute.local_tile(mD, (self.tile_m, self.tile_n), (None, None, None))
-            gD_tiles = [gD[(None, None, tile.coord[0], tile.coord[1], tile.coord[2])]]
-        else:
-            gD = cute.local_tile(mD, (self.wave_m, self.tile_n), (None, None))
-            gD_tiles = [gD[(None, None, tile.coord[0] * self.waves + w, tile.coord[1])] for w in range(self.waves)]
-        epi.store(gD_tiles, tiles_done)
+            return [gD[(None, None, tile.coord[0], tile.coord[1], tile.coord[2])]]
+        gD = cute.local_tile(mD, (self.wave_m, self.tile_n), (None, None))
+        return [gD[(None, None, tile.coord[0] * self.waves + w, tile.coord[1])] for w in range(self.waves)]
 
     @cute.jit
     def _grouped_mainloop(self, mainloop, tile, n0, read_state, release_state):
