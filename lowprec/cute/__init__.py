@@ -15,5 +15,7 @@ sm_90a (``lowprec.cute.sm90``):
                         into registers at the positions of a wgmma accumulator
     ``promote``         FP32 promotion ``acc += blk * row_scale * col_scale`` of a wgmma
                         accumulator (per-column and per-128-column-block scale forms)
-    ``epilogue``        bias, register -> smem -> TMA store, direct (masked) stores
+    ``epilogue``        bias, register -> smem -> TMA store, direct (masked) stores; a tile's
+                        TMA stores issued by a warp outside the consumer warpgroups
+                        (``TmaStoreWarp``: they never wait for each other or for the stores)
 """
