@@ -45,3 +45,22 @@ def test_fp8_rows_are_never_the_emulation(monkeypatch):
     monkeypatch.setenv("LOWPREC_BACKEND", "reference")
     assert "reference" in bench.fp8_kernel_status()
     assert bench.parse_args(["--no-fp8"]).no_fp8
+
+
+def test_rows_carry_both_timing_modes_and_their_own_ratios(monkeypatch):
+    """Each timed row has the synced and the queued time; each mode's ratio is over that mode's
+    fastest bf16 peer (a peer that wins one mode need not win the other); missing peers stay
+    notes."""
+    times = {("fp8", False): 1.0, ("fp8", True): 0.5, ("cudnn", False): 2.0, ("cudnn", True): 0.4}
+    fns = {"lowprec-fp8+quant": lambda: torch.zeros(1), "cudnn-sdpa-bf16": lambda: torch.ones(1)}
+    monkeypatch.setattr(bench, "_inputs", lambda s: (None, None, None))
+    monkeypatch.setattr(bench, "_peers", lambda s, q, k, v, reason: {**fns, "fa4-bf16": "missing: no flash_attn"})
+    monkeypatch.setattr(bench, "bench_ms", lambda fn, warmup, rep, queued=False: times[
+        ("fp8" if fn is fns["lowprec-fp8+quant"] else "cudnn", queued)])
+    args = bench.parse_args(["--no-accuracy", "--rep", "3"])
+    rows = {r["impl"]: r for r in bench.run_shape(bench.Shape("x", 1, 2, 2, 128, 128, 64, False), args, None)}
+    fp8, cudnn = rows["lowprec-fp8+quant"], rows["cudnn-sdpa-bf16"]
+    assert (fp8["ms"], fp8["ms_queued"], cudnn["ms"], cudnn["ms_queued"]) == (1.0, 0.5, 2.0, 0.4)
+    assert fp8["x_best_bf16"] == pytest.approx(2.0) and fp8["x_best_bf16_queued"] == pytest.approx(0.8)
+    assert cudnn["x_best_bf16"] == pytest.approx(1.0) and cudnn["x_best_bf16_queued"] == pytest.approx(1.0)
+    assert "tflops" not in rows["fa4-bf16"] and rows["fa4-bf16"]["note"].startswith("missing")
