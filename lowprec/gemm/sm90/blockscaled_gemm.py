@@ -20,8 +20,9 @@ blocks of ``lowprec.cute``:
   scales (``FragmentScales``), FP32 promotion (``promote``).
 * epilogue: optional bias, conversion, ``stmatrix`` to shared memory, TMA store
   (``TmaStoreEpilogue``: 16-bit outputs staged whole, one barrier pair per tile; fp32 through two
-  buffers, a pair per slice); grouped tiles that end inside the output store row by row from
-  registers (``store_direct``).
+  buffers, a pair per slice); dense tiles staged whole are stored by warp 1 of warpgroup 0
+  (``TmaStoreWarp``): the consumers write, arrive and go on; grouped tiles that end inside the
+  output store row by row from registers (``store_direct``).
 * schedules (``grouping``): None — the wheel's static persistent scheduler over (M tiles,
   N tiles, K splits) (``DenseTileScheduler``), grid = #SMs / cluster size, 2-CTA clusters
   multicast the shared operand, split-K writes fp32 partials; "contiguous" / "masked" /
