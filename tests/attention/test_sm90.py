@@ -479,6 +479,13 @@ def test_fused_call_constraints():
     assert "dtypes" in qkv_unsupported(*qkv(dtype=torch.float32), False, 0.1)
     q, k, v = qkv()
     assert "contiguous" in qkv_unsupported(q.transpose(1, 2), k, v, False, 0.1)
+    # called directly (not through the registry), the op refuses the shapes its buffers do not fit
+    # before any allocation or launch
+    from lowprec.attention.sm90.interface import attention_fp8_qkv_op
+
+    for bad, name in ((qkv(sk=200), "Sk=200"), (qkv(sq=200), "Sq=200")):
+        with pytest.raises(ValueError, match=name):
+            attention_fp8_qkv_op(*bad, False, 0.1)
 
 
 def test_kv_cache_call_constraints():

@@ -383,6 +383,9 @@ def _attention_fp8_qkv(q, k, v, causal: bool, scale: float):
     for Sq < 128)."""
     b, h, sq, d = q.shape
     hkv, sk = k.shape[1], k.shape[2]
+    if sk % TILE_N or (sq > TILE_M and sq % TILE_M):  # the scale buffers below are sized for these
+        raise ValueError(f"attention_fp8_qkv_op: Sk={sk} must be a multiple of {TILE_N} and Sq={sq} at most "
+                         f"{TILE_M} or a multiple of it (config.qkv_unsupported says which inputs it takes)")
     dev = q.device
     u8, f32 = torch.uint8, torch.float32
     quantize_q = quantizes_q(b, h, hkv, sq, sk)
