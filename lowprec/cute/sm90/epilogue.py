@@ -48,6 +48,16 @@ def _tile_slices(tma_atom, sD, epi_tile, gD_tile):
     return bSG_sD, bSG_gD, cute.size(tDgD, mode=[1]), cute.make_layout(shape, stride=(shape[1], 1))
 
 
+@cute.jit
+def _issue_whole(tma_atom, parts: list):
+    """The TMA stores of a tile staged whole: wave w's slices from buffers ``w * count ..``;
+    ``parts``: :func:`_tile_slices` of each wave's gmem tile."""
+    for w in cutlass.range_constexpr(len(parts)):
+        bSG_sD, bSG_gD, num, coords = parts[w]
+        for epi_idx in cutlass.range_constexpr(num):
+            cute.copy(tma_atom, bSG_sD[(None, w * num + epi_idx)], bSG_gD[(None, coords.get_hier_coord(epi_idx))])
+
+
 class TmaStoreEpilogue(LoopInvariant):
     """Accumulators -> out dtype -> smem (``stmatrix``) -> gmem (TMA store), ``epi_tile`` by
     ``epi_tile``, through ``epi_stage`` staged smem buffers. ``accs``: one accumulator per wave
@@ -113,17 +123,10 @@ class TmaStoreEpilogue(LoopInvariant):
             if self.warp_idx == self.store_warp:
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
             self.barrier.arrive_and_wait()
-            for w in cutlass.range_constexpr(waves):
-                for epi_idx in cutlass.range_constexpr(num):
-                    self._to_smem(w, epi_idx, w * num + epi_idx)
-            cute.arch.fence_proxy("async.shared", space="cta")
+            self._stage_whole(num)
             self.barrier.arrive_and_wait()
             if self.warp_idx == self.store_warp:
-                for w in cutlass.range_constexpr(waves):
-                    bSG_sD, bSG_gD, _, coords = parts[w]
-                    for epi_idx in cutlass.range_constexpr(num):
-                        cute.copy(self.tma_atom, bSG_sD[(None, w * num + epi_idx)],
-                                  bSG_gD[(None, coords.get_hier_coord(epi_idx))])
+                _issue_whole(self.tma_atom, parts)
                 self.store_pipeline.producer_commit()
         else:
             for w in cutlass.range_constexpr(waves):
@@ -148,11 +151,16 @@ class TmaStoreEpilogue(LoopInvariant):
         async proxy and signal ``full`` without waiting: no consumer waits for another one or
         for the stores to be issued."""
         free.arrive_and_wait()
+        self._stage_whole(slices)
+        full.arrive()
+
+    @cute.jit
+    def _stage_whole(self, slices: cutlass.Constexpr):
+        """Every wave's ``slices`` slices into buffers ``w * slices ..``, fenced to the async proxy."""
         for w in cutlass.range_constexpr(len(self.tRS_rAccs)):
             for epi_idx in cutlass.range_constexpr(slices):
                 self._to_smem(w, epi_idx, w * slices + epi_idx)
         cute.arch.fence_proxy("async.shared", space="cta")
-        full.arrive()
 
     def tail(self):
         """Wait for the last TMA stores (before the CTA exits)."""
@@ -183,11 +191,7 @@ class TmaStoreWarp(LoopInvariant):
         cute.arch.cp_async_bulk_wait_group(0, read=True)
         self.free.arrive()
         self.full.arrive_and_wait()
-        for w in cutlass.range_constexpr(len(gD_tiles)):
-            bSG_sD, bSG_gD, num, coords = _tile_slices(self.tma_atom, self.sD, self.epi_tile, gD_tiles[w])
-            for epi_idx in cutlass.range_constexpr(num):
-                cute.copy(self.tma_atom, bSG_sD[(None, w * num + epi_idx)],
-                          bSG_gD[(None, coords.get_hier_coord(epi_idx))])
+        _issue_whole(self.tma_atom, [_tile_slices(self.tma_atom, self.sD, self.epi_tile, g) for g in gD_tiles])
         self.store_pipeline.producer_commit()
 
     def tail(self):
