@@ -234,8 +234,20 @@ def _prepass_rows_unsupported(x) -> str | None:
 
 def prepass_k_unsupported(k) -> str | None:
     """Why ``interface.attention_prepass_k_op`` cannot smooth and quantize ``k`` (None: it can)."""
-    return _prepass_unsupported(k) or (f"Sk={k.shape[-2]} (the kernel takes whole 128-token blocks)"
-                                       if k.shape[-2] % TILE_N else None)
+    return _prepass_unsupported(k) or k_blocks_unsupported(k.shape[-2])
+
+
+def k_blocks_unsupported(sk: int) -> str | None:
+    """The K pre-pass's sequence rule (its scales: one per whole 128-token block)."""
+    return f"Sk={sk} (the kernel takes whole 128-token blocks)" if sk % TILE_N else None
+
+
+def q_blocks_unsupported(sq: int, ndim: int = 4) -> str | None:
+    """The Q pre-pass's sequence rule (its scales: one per 128-token block, or one shorter block;
+    ``ndim``: Q's, [B, H, S, D])."""
+    if ndim != 4 or sq == 0 or (sq > TILE_M and sq % TILE_M):
+        return f"Sq={sq} (the Q pre-pass takes whole {TILE_M}-token blocks or one shorter block)"
+    return None
 
 
 def prepass_v_unsupported(v) -> str | None:
@@ -248,8 +260,8 @@ def _q_prepass_unsupported(q) -> str | None:
     sq = q.shape[-2]
     if str(q.dtype).removeprefix("torch.") not in OUT_DTYPES:
         return f"q dtype {q.dtype} (the one-pass path takes {' or '.join(OUT_DTYPES)})"
-    if q.dim() != 4 or sq == 0 or (sq > TILE_M and sq % TILE_M):
-        return f"Sq={sq} (the Q pre-pass takes whole {TILE_M}-token blocks or one shorter block)"
+    if (why := q_blocks_unsupported(sq, q.dim())) is not None:
+        return why
     if not q.is_contiguous() or q.data_ptr() % 16:
         return "q must be contiguous and 16-byte aligned"
     return None

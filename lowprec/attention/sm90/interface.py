@@ -24,11 +24,13 @@ from .config import (
     V_KEY_PERM,
     V_PAD,
     AttnConfig,
+    k_blocks_unsupported,
     operands_unsupported,
     packed_prepass_cluster,
     packed_prepass_unsupported,
     prepass_cluster,
     prepass_ring_stages,
+    q_blocks_unsupported,
 )
 
 _ARCH_DEFAULT = "sm_90a"
@@ -383,9 +385,9 @@ def _attention_fp8_qkv(q, k, v, causal: bool, scale: float):
     for Sq < 128)."""
     b, h, sq, d = q.shape
     hkv, sk = k.shape[1], k.shape[2]
-    if sk % TILE_N or (sq > TILE_M and sq % TILE_M):  # the scale buffers below are sized for these
-        raise ValueError(f"attention_fp8_qkv_op: Sk={sk} must be a multiple of {TILE_N} and Sq={sq} at most "
-                         f"{TILE_M} or a multiple of it (config.qkv_unsupported says which inputs it takes)")
+    if (why := k_blocks_unsupported(sk) or (q_blocks_unsupported(sq) if sq else None)) is not None:
+        raise ValueError(f"attention_fp8_qkv_op: {why}; the scale buffers are sized for these "
+                         "(config.qkv_unsupported says which inputs it takes)")
     dev = q.device
     u8, f32 = torch.uint8, torch.float32
     quantize_q = quantizes_q(b, h, hkv, sq, sk)
