@@ -21,7 +21,7 @@ import torch
 
 from .common import cuda_graph_replay, save_results
 
-ROUNDS = 4  # timing rounds per library for lowprec and cuBLAS blockwise
+ROUNDS = 8  # timing rounds per library (4 rounds' medians swung by up to 7% under the power cap: session 35)
 DSV3_NK = [(2112, 7168), (24576, 1536), (32768, 512), (7168, 16384), (4096, 7168), (7168, 2048)]
 
 
@@ -39,6 +39,8 @@ def parse_args(argv=None):
     p.add_argument("--out", type=str, default=None, help="JSON path (default benchmarks/results/<gpu>.json)")
     p.add_argument("--no-error", action="store_true", help="skip the fp64 error check")
     p.add_argument("--rep", type=int, default=100, help="do_bench rep (ms)")
+    p.add_argument("--rounds", type=int, default=ROUNDS,
+                   help="interleaved timing rounds per library (the median is reported)")
     return p.parse_args(argv)
 
 
@@ -301,10 +303,11 @@ def run(args=None):
             dg_same = bool(torch.equal(dg_calls[0](), d))
             timers["dg"] = _rot_timer(dg_calls)
             eager["dg"] = dg_calls[0]
-        rounds = _interleaved_rounds(timers, rep)
+        rounds = _interleaved_rounds(timers, rep, args.rounds)
         # eager calls in interleaved rounds too: a single do_bench per library reads up to ~15%
         # apart depending on which ran first (H100, session 33)
-        eager_rounds = _interleaved_rounds({nm: (lambda r, f=f: _bench(f, r)) for nm, f in eager.items()}, rep)
+        eager_rounds = _interleaved_rounds({nm: (lambda r, f=f: _bench(f, r)) for nm, f in eager.items()}, rep,
+                                            args.rounds)
         t_lp_eager, t_cb_eager, t_dg_eager = (
             statistics.median(eager_rounds[nm]) if nm in eager_rounds else float("nan") for nm in ("lp", "cb", "dg"))
         lp_rounds, cb_rounds = rounds["lp"], rounds.get("cb", [])
@@ -381,7 +384,7 @@ def run(args=None):
         device=dev_name, num_sms=num_sms, torch=torch.__version__,
         cublas_blockwise_probe=dict(ok=cublas_ok, rel_err=cublas_probe_err, note=cublas_note),
         timing=("*_ms: CUDA graph of back-to-back calls cycling over input sets totalling >= 160 MB "
-                f"(> L2), do_bench median / calls (lowprec and cuBLAS blockwise: median of {ROUNDS} "
+                f"(> L2), do_bench median / calls (lowprec and cuBLAS blockwise: median of {args.rounds} "
                 "rounds each, interleaved, which one goes first alternating: *_ms_rounds); "
                 "*_eager_ms: do_bench median of single Python calls (L2 flushed); *_host_us: host time of "
                 "one eager call (lowprec.gemm on QuantizedTensors, cuBLAS scaled_mm), 100 back-to-back calls "

@@ -19,6 +19,7 @@ def test_registered_with_the_issue_shapes():
         assert [(n, k) for mm, n, k in shapes if mm == m] == bench.DSV3_NK
     args = bench.parse_args(["--shapes", "64,128,256", "--rep", "20", "--no-error"])
     assert args.shapes == "64,128,256" and args.rep == 20 and args.no_error
+    assert args.rounds == bench.ROUNDS and bench.parse_args(["--rounds", "8"]).rounds == 8
 
 
 def test_interleaved_rounds_alternate_who_goes_first():
