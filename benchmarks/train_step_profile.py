@@ -2,7 +2,7 @@
 implementation, CUDA kernels grouped by kind (FP8 GEMM, quantize, bf16 GEMM, attention,
 elementwise, optimizer...), ms per step.
 
-    python benchmarks/train_step_profile.py [--size llama3-8b-2l] [--impl lowprec] [--weights bf16]
+    python benchmarks/train_step_profile.py [--size llama3-8b-2l] [--impl lowprec] [--weights bf16] [--compiled]
 """
 import argparse
 import collections
@@ -31,10 +31,12 @@ def main():
     p.add_argument("--impl", default="lowprec")
     p.add_argument("--weights", default="bf16")
     p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--compiled", action="store_true", help="profile the torch.compile'd step")
+    p.add_argument("--top", type=int, default=25, help="kernels listed by name")
     args = p.parse_args()
     c = SIZES[args.size]
     model = make_model(c, args.impl, args.weights)
-    step = make_step(model, args.weights, compiled=False)
+    step = make_step(model, args.weights, compiled=args.compiled)
     gen = torch.Generator(device="cuda").manual_seed(0)
     tokens = torch.randint(0, c.vocab, (c.batch, c.seq), device="cuda", generator=gen)
     targets = torch.randint(0, c.vocab, (c.batch, c.seq), device="cuda", generator=gen)
@@ -50,10 +52,10 @@ def main():
         if e.device_type == torch.autograd.DeviceType.CUDA:
             by_kind[kind_of(e.name)] += e.device_time / 1e3 / args.steps
             by_name[e.name[:90]] += e.device_time / 1e3 / args.steps
-    print(f"{args.size} {args.impl} {args.weights}: GPU ms per step {sum(by_kind.values()):.1f}")
+    print(f"{args.size} {args.impl} {args.weights} {'compiled' if args.compiled else 'eager'}: GPU ms per step {sum(by_kind.values()):.1f}")
     for k, v in by_kind.most_common():
         print(f"  {k:12s} {v:7.2f}")
-    for k, v in by_name.most_common(25):
+    for k, v in by_name.most_common(args.top):
         print(f"    {v:7.2f}  {k}")
 
 
