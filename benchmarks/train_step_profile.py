@@ -52,7 +52,8 @@ def main():
         if e.device_type == torch.autograd.DeviceType.CUDA:
             by_kind[kind_of(e.name)] += e.device_time / 1e3 / args.steps
             by_name[e.name[:90]] += e.device_time / 1e3 / args.steps
-    print(f"{args.size} {args.impl} {args.weights} {'compiled' if args.compiled else 'eager'}: GPU ms per step {sum(by_kind.values()):.1f}")
+    mode = "compiled" if args.compiled else "eager"
+    print(f"{args.size} {args.impl} {args.weights} {mode}: GPU ms per step {sum(by_kind.values()):.1f}")
     for k, v in by_kind.most_common():
         print(f"  {k:12s} {v:7.2f}")
     for k, v in by_name.most_common(args.top):
