@@ -23,7 +23,7 @@ import sys
 
 import torch
 
-from lowprec.bench.gemm import _time_rot
+from lowprec.bench.gemm import _time_rot, rot_set_count
 from lowprec.gemm.sm90 import interface as gi
 
 pkg = importlib.import_module("lowprec.gemm.sm90")
@@ -48,7 +48,7 @@ for m, n, k, per_col in shapes:
         continue
     cfg = gi.choose_config(m, n, k, per_col)
     fns = {nm: build(mod, cfg, per_col) for nm, mod in mods.items()}
-    nsets = max(1, min(8, -(-160_000_000 // (m * k + n * k + 2 * m * n))))
+    nsets = rot_set_count(m, n, k)
     sets = []
     for _ in range(nsets):
         a = (torch.randn(m, k, device="cuda", generator=g) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)

@@ -16,7 +16,7 @@ import statistics
 
 import torch
 
-from lowprec.bench.gemm import DSV3_NK, _bench, _interleaved_rounds, _rand_fp8, _rand_scale, _rot_timer, deepgemm_call
+from lowprec.bench.gemm import DSV3_NK, _bench, _interleaved_rounds, _rot_timer, blockwise_input_sets, deepgemm_call
 from lowprec.gemm.sm90 import interface
 from lowprec.gemm.sm90.interface import choose_config, gemm_blockwise_fp8
 from lowprec.gemm.sm90.tune import parse_config
@@ -69,10 +69,7 @@ def main():
     gen = torch.Generator(device="cuda").manual_seed(0)
     for shape in args.shapes.split(";"):
         m, n, k = (int(v) for v in shape.split(","))
-        kb, nb = -(-k // 128), -(-n // 128)
-        nsets = max(1, min(8, -(-160_000_000 // (m * k + n * k + 2 * m * n))))
-        sets = [(_rand_fp8(m, k, gen), _rand_scale(m, kb, gen).t().contiguous().t(), _rand_fp8(n, k, gen),
-                 _rand_scale(nb, kb, gen)) for _ in range(nsets)]
+        sets = blockwise_input_sets(m, n, k, gen)
         pick = choose_config(m, n, k)
         cfgs = [pick] + [c for c in (parse_config(s) for s in args.configs.split(",")) if c != pick]
         timers, eager = {}, {}

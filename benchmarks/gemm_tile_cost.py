@@ -15,7 +15,7 @@ import statistics
 
 import torch
 
-from lowprec.bench.gemm import _deepgemm, _interleaved_rounds, _rand_fp8, _rand_scale, _rot_timer, deepgemm_call
+from lowprec.bench.gemm import _deepgemm, _interleaved_rounds, _rot_timer, blockwise_input_sets, deepgemm_call
 from lowprec.gemm.sm90.interface import gemm_blockwise_fp8
 from lowprec.gemm.sm90.tune import parse_config
 
@@ -34,12 +34,7 @@ def main():
     gen = torch.Generator(device="cuda").manual_seed(0)
     points = {}
     for k in (int(x) for x in args.ks.split(",")):
-        sets = []
-        for _ in range(max(1, min(8, -(-160_000_000 // (m * k + n * k + 2 * m * n))))):
-            a, b = _rand_fp8(m, k, gen), _rand_fp8(n, k, gen)
-            sa = _rand_scale(m, -(-k // 128), gen).t().contiguous().t()
-            sb = _rand_scale(-(-n // 128), -(-k // 128), gen)
-            sets.append((a, sa, b, sb))
+        sets = blockwise_input_sets(m, n, k, gen)
         calls = {"lowprec": [(lambda s=s: gemm_blockwise_fp8(*s, config=cfg)) for s in sets]}
         if _deepgemm() is not None:
             calls["deepgemm"] = [deepgemm_call(*s) for s in sets]

@@ -53,6 +53,23 @@ def _rand_scale(rows, cols, gen):
     return torch.rand(rows, cols, device="cuda", generator=gen) * 1e-3 + 1e-4
 
 
+def rot_set_count(m: int, n: int, k: int) -> int:
+    """How many input sets of an M x N x K GEMM (FP8 A and B, 16-bit D) a rot timer cycles over:
+    enough to total >= 160 MB (past the 50 MB L2), at most 8."""
+    return max(1, min(8, -(-160_000_000 // (m * k + n * k + 2 * m * n))))
+
+
+def blockwise_input_sets(m: int, n: int, k: int, gen) -> list[tuple]:
+    """``rot_set_count`` random sets ``(a, sa, b, sb)``: E4M3 A [M, K] and B [N, K], 1x128 A scales
+    MN-major (as cuBLAS wants them too), 128x128 B scales."""
+    kb, nb = -(-k // 128), -(-n // 128)
+    sets = []
+    for _ in range(rot_set_count(m, n, k)):
+        a, b = _rand_fp8(m, k, gen), _rand_fp8(n, k, gen)
+        sets.append((a, _rand_scale(m, kb, gen).t().contiguous().t(), b, _rand_scale(nb, kb, gen)))
+    return sets
+
+
 def _dequant(q, s, block_rows):
     r, k = q.shape
     s_full = s.double().repeat_interleave(block_rows, 0)[:r].repeat_interleave(128, 1)[:, :k]
@@ -267,15 +284,7 @@ def run(args=None):
            f" {'vs_best_e':>9}")
     print(hdr)
     for (m, n, k) in shapes:
-        kb, nb = -(-k // 128), -(-n // 128)
-        set_bytes = m * k + n * k + 2 * m * n
-        nsets = max(1, min(8, -(-160_000_000 // set_bytes)))
-        sets = []
-        for _ in range(nsets):
-            a, b = _rand_fp8(m, k, gen), _rand_fp8(n, k, gen)
-            sa = _rand_scale(m, kb, gen).t().contiguous().t()  # MN-major, as cuBLAS wants too
-            sb = _rand_scale(nb, kb, gen)
-            sets.append((a, sa, b, sb))
+        sets = blockwise_input_sets(m, n, k, gen)
         a, sa, b, sb = sets[0]
         flops = 2.0 * m * n * k
         cfg = choose_config(m, n, k, False, num_sms)
@@ -331,7 +340,7 @@ def run(args=None):
             del ref
         tf = lambda t, flops=flops: flops / (t * 1e-3) / 1e12  # noqa: E731
         row = dict(
-            m=m, n=n, k=k, config=str(cfg), input_sets=nsets,
+            m=m, n=n, k=k, config=str(cfg), input_sets=len(sets),
             lowprec_ms=t_lp, lowprec_eager_ms=t_lp_eager, cublas_fp8_blockwise_ms=t_cb,
             cublas_fp8_blockwise_eager_ms=t_cb_eager,
             cublas_fp8_rowwise_ms=t_row, cublas_bf16_ms=t_bf,

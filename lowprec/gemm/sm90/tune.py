@@ -32,7 +32,7 @@ def main(argv=None):
     import triton.testing
 
     from ...bench.common import cuda_graph_replay
-    from ...bench.gemm import _time_rot
+    from ...bench.gemm import _time_rot, rot_set_count
     from .interface import _shipped_configs, choose_config, gemm_blockwise_fp8
 
     p = argparse.ArgumentParser()
@@ -52,7 +52,7 @@ def main(argv=None):
     for s in args.shapes.split(";"):
         m, n, k = (int(v) for v in s.split(","))
         kb, nb = -(-k // 128), -(-n // 128)
-        nsets = max(1, min(8, -(-160_000_000 // (m * k + n * k + 2 * m * n)))) if args.rot else 1
+        nsets = rot_set_count(m, n, k) if args.rot else 1
         sets = []
         for _ in range(nsets):
             a = (torch.randn(m, k, device="cuda", generator=gen) * 50).to(torch.float8_e4m3fn)
