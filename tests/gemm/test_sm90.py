@@ -187,11 +187,30 @@ def test_compile_two_wave_tiles(name, out_dtype, bias_dtype):
 
 
 @needs_cutlass
+@pytest.mark.parametrize(
+    "name,out_dtype,bias_dtype",
+    [
+        ("256x112_c1x2_n8", torch.bfloat16, None),
+        ("256x112_c1x2_n8", torch.float32, torch.float32),  # fp32 out: a barrier pair per slice
+        ("256x112_c2x1_m1", torch.bfloat16, torch.bfloat16),
+        ("256x96_c1x2_n8", torch.float32, None),
+    ],
+)
+def test_compile_two_wave_tiles_per_col(name, out_dtype, bias_dtype):
+    """256-row tiles with 1x128 B scales (the weight-gradient kind; the column scales read once
+    per K block for both waves): up to 112 wide they fit the 240 registers without local memory."""
+    from lowprec.gemm.sm90.interface import compile_only
+    from lowprec.gemm.sm90.tune import parse_config
+
+    _check_sass(compile_only(parse_config(name), out_dtype=out_dtype, b_scale_per_col=True, bias_dtype=bias_dtype))
+
+
+@needs_cutlass
 def test_two_wave_tiles_reject_what_they_do_not_support():
     from lowprec.gemm.sm90.interface import compile_only
     from lowprec.gemm.sm90.tune import parse_config
 
-    for name, per_col in (("256x128_c1x1_m1", True), ("256x192_c1x1_m1", False), ("256x128_c1x1_m1_s2", False)):
+    for name, per_col in (("256x192_c1x1_m1", False), ("256x128_c1x1_m1_s2", True), ("256x128_c1x1_m1_s2", False)):
         with pytest.raises(ValueError, match="tile_m=256"):
             compile_only(parse_config(name), b_scale_per_col=per_col)
 
@@ -391,6 +410,25 @@ def test_wide_tiles_bit_identical_to_128x128(out_dtype):
 
 @gpu
 @needs_gpu
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+def test_per_col_two_wave_tiles_bit_identical_to_128x128(out_dtype):
+    """1x128 B scales on 256-row tiles (column scales read once per K block, kept for the second
+    wave): the same bits as the 128x128 tiles, with a bias and tails in M, N and K."""
+    from lowprec.gemm.sm90.blockscaled_gemm import TileConfig
+    from lowprec.gemm.sm90.tune import parse_config
+
+    m, n, k = 1000, 912, 4496
+    a, sa, b, sb, ref = make_problem(m, n, k, "col")
+    bias = torch.randn(n, device="cuda").to(torch.bfloat16)
+    base = _run(a, sa, b, sb, out_dtype, bias=bias, config=TileConfig(tile_m=128, tile_n=128))
+    (assert_close_fp32 if out_dtype == torch.float32 else assert_close_bf16)(base, ref + bias.double()[None, :])
+    for name in ("256x112_c1x2_n8", "256x112_c2x1_m1", "256x96_c1x2_n8", "256x64_c1x2_m1"):
+        d = _run(a, sa, b, sb, out_dtype, bias=bias, config=parse_config(name))
+        assert torch.equal(d, base), f"{name}: bits differ from 128x128"
+
+
+@gpu
+@needs_gpu
 @pytest.mark.parametrize("k_blocks", [2, 7, 8])
 def test_two_wave_tiles_every_ring_phase(k_blocks):
     """The 256-row K loop runs blocks one at a time up to the ring's wrap, then whole turns of
@@ -401,12 +439,13 @@ def test_two_wave_tiles_every_ring_phase(k_blocks):
     from lowprec.gemm.sm90.tune import parse_config
 
     m, n, k = 4096, 2048 + 96, 128 * k_blocks - 48  # 16 x 17 tiles: 2-3 per CTA; a partial K block
-    a, sa, b, sb, ref = make_problem(m, n, k, "block")
-    base = _run(a, sa, b, sb, torch.bfloat16, config=TileConfig(tile_m=128, tile_n=128))
-    assert_close_bf16(base, ref)
-    for name in ("256x128_c1x2_n8", "256x128_c2x1_m1"):
-        d = _run(a, sa, b, sb, torch.bfloat16, config=parse_config(name))
-        assert torch.equal(d, base), f"{name}: bits differ from 128x128"
+    for b_kind, names in (("block", ("256x128_c1x2_n8", "256x128_c2x1_m1")), ("col", ("256x112_c1x2_n8",))):
+        a, sa, b, sb, ref = make_problem(m, n, k, b_kind)
+        base = _run(a, sa, b, sb, torch.bfloat16, config=TileConfig(tile_m=128, tile_n=128))
+        assert_close_bf16(base, ref)
+        for name in names:
+            d = _run(a, sa, b, sb, torch.bfloat16, config=parse_config(name))
+            assert torch.equal(d, base), f"{name} ({b_kind}): bits differ from 128x128"
 
 
 @gpu
