@@ -160,11 +160,15 @@ def test_compile_variants(out_dtype, per_col, bias_dtype, tile_n):
 @needs_cutlass
 @pytest.mark.parametrize("bias_dtype", [torch.float32, torch.bfloat16])
 def test_compile_per_col_bias_at_large_m(bias_dtype):
-    """1x128 B scales with a bias in the config the heuristic picks at large M (2x1 clusters)."""
+    """1x128 B scales with a bias in the configs the heuristic picks at large M: 2x1 clusters of
+    128x128 below M = 4096, two-wave 256x112 tiles in 1x2 clusters from there."""
     from lowprec.gemm.sm90.interface import choose_config, compile_only
 
-    cfg = choose_config(8192, 4096, 16384, b_scale_per_col=True)
+    cfg = choose_config(2048, 4096, 16384, b_scale_per_col=True)
     assert cfg.cluster_m == 2, cfg
+    _check_sass(compile_only(cfg, out_dtype=torch.bfloat16, b_scale_per_col=True, bias_dtype=bias_dtype))
+    cfg = choose_config(8192, 4096, 16384, b_scale_per_col=True)
+    assert (cfg.tile_m, cfg.tile_n, cfg.cluster_n) == (256, 112, 2), cfg
     _check_sass(compile_only(cfg, out_dtype=torch.bfloat16, b_scale_per_col=True, bias_dtype=bias_dtype))
 
 
@@ -245,7 +249,7 @@ def test_heuristic_picks_shipped_configs():
 
 def test_heuristic_wide_tiles_follow_the_sweeps():
     """The large-M picks of NOTES session 24: 128x192 where it needs fewer waves (N = 2112),
-    256x128 from K = 1536 up, 128x128 at K = 512; 1x128 B scales keep 128x128."""
+    256x128 from K = 1536 up, 128x128 at K = 512; 1x128 B scales: 256x112 from M = 4096 (session 36)."""
     from lowprec.gemm.sm90.interface import choose_config
 
     picks = {(4096, 2112, 7168): (128, 192), (4096, 24576, 1536): (256, 128), (4096, 32768, 512): (128, 128),
@@ -253,7 +257,8 @@ def test_heuristic_wide_tiles_follow_the_sweeps():
     for (m, n, k), tile in picks.items():
         cfg = choose_config(m, n, k)
         assert (cfg.tile_m, cfg.tile_n) == tile and cfg.cluster_n == 2, (m, n, k, cfg)
-    assert choose_config(4096, 7168, 16384, b_scale_per_col=True).tile_m == 128
+    assert choose_config(4096, 7168, 16384, b_scale_per_col=True).tile_m == 256
+    assert choose_config(1024, 7168, 16384, b_scale_per_col=True).tile_m == 128
 
 
 def test_validation_errors_name_the_argument():
