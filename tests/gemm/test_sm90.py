@@ -160,11 +160,15 @@ def test_compile_variants(out_dtype, per_col, bias_dtype, tile_n):
 @needs_cutlass
 @pytest.mark.parametrize("bias_dtype", [torch.float32, torch.bfloat16])
 def test_compile_per_col_bias_at_large_m(bias_dtype):
-    """1x128 B scales with a bias in the config the heuristic picks at large M (2x1 clusters)."""
+    """1x128 B scales with a bias in the configs the heuristic picks at large M: 2x1 clusters of
+    128x128 below M = 4096, two-wave 256x112 tiles in 1x2 clusters from there."""
     from lowprec.gemm.sm90.interface import choose_config, compile_only
 
-    cfg = choose_config(8192, 4096, 16384, b_scale_per_col=True)
+    cfg = choose_config(2048, 4096, 16384, b_scale_per_col=True)
     assert cfg.cluster_m == 2, cfg
+    _check_sass(compile_only(cfg, out_dtype=torch.bfloat16, b_scale_per_col=True, bias_dtype=bias_dtype))
+    cfg = choose_config(8192, 4096, 16384, b_scale_per_col=True)
+    assert (cfg.tile_m, cfg.tile_n, cfg.cluster_n) == (256, 112, 2), cfg
     _check_sass(compile_only(cfg, out_dtype=torch.bfloat16, b_scale_per_col=True, bias_dtype=bias_dtype))
 
 
@@ -187,11 +191,30 @@ def test_compile_two_wave_tiles(name, out_dtype, bias_dtype):
 
 
 @needs_cutlass
+@pytest.mark.parametrize(
+    "name,out_dtype,bias_dtype",
+    [
+        ("256x112_c1x2_n8", torch.bfloat16, None),
+        ("256x112_c1x2_n8", torch.float32, torch.float32),  # fp32 out: a barrier pair per slice
+        ("256x112_c2x1_m1", torch.bfloat16, torch.bfloat16),
+        ("256x96_c1x2_n8", torch.float32, None),
+    ],
+)
+def test_compile_two_wave_tiles_per_col(name, out_dtype, bias_dtype):
+    """256-row tiles with 1x128 B scales (the weight-gradient kind; the column scales read once
+    per K block for both waves): up to 112 wide they fit the 240 registers without local memory."""
+    from lowprec.gemm.sm90.interface import compile_only
+    from lowprec.gemm.sm90.tune import parse_config
+
+    _check_sass(compile_only(parse_config(name), out_dtype=out_dtype, b_scale_per_col=True, bias_dtype=bias_dtype))
+
+
+@needs_cutlass
 def test_two_wave_tiles_reject_what_they_do_not_support():
     from lowprec.gemm.sm90.interface import compile_only
     from lowprec.gemm.sm90.tune import parse_config
 
-    for name, per_col in (("256x128_c1x1_m1", True), ("256x192_c1x1_m1", False), ("256x128_c1x1_m1_s2", False)):
+    for name, per_col in (("256x192_c1x1_m1", False), ("256x128_c1x1_m1_s2", True), ("256x128_c1x1_m1_s2", False)):
         with pytest.raises(ValueError, match="tile_m=256"):
             compile_only(parse_config(name), b_scale_per_col=per_col)
 
@@ -226,7 +249,7 @@ def test_heuristic_picks_shipped_configs():
 
 def test_heuristic_wide_tiles_follow_the_sweeps():
     """The large-M picks of NOTES session 24: 128x192 where it needs fewer waves (N = 2112),
-    256x128 from K = 1536 up, 128x128 at K = 512; 1x128 B scales keep 128x128."""
+    256x128 from K = 1536 up, 128x128 at K = 512; 1x128 B scales: 256x112 from M = 4096 (session 36)."""
     from lowprec.gemm.sm90.interface import choose_config
 
     picks = {(4096, 2112, 7168): (128, 192), (4096, 24576, 1536): (256, 128), (4096, 32768, 512): (128, 128),
@@ -234,7 +257,8 @@ def test_heuristic_wide_tiles_follow_the_sweeps():
     for (m, n, k), tile in picks.items():
         cfg = choose_config(m, n, k)
         assert (cfg.tile_m, cfg.tile_n) == tile and cfg.cluster_n == 2, (m, n, k, cfg)
-    assert choose_config(4096, 7168, 16384, b_scale_per_col=True).tile_m == 128
+    assert choose_config(4096, 7168, 16384, b_scale_per_col=True).tile_m == 256
+    assert choose_config(1024, 7168, 16384, b_scale_per_col=True).tile_m == 128
 
 
 def test_validation_errors_name_the_argument():
@@ -391,6 +415,25 @@ def test_wide_tiles_bit_identical_to_128x128(out_dtype):
 
 @gpu
 @needs_gpu
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+def test_per_col_two_wave_tiles_bit_identical_to_128x128(out_dtype):
+    """1x128 B scales on 256-row tiles (column scales read once per K block, kept for the second
+    wave): the same bits as the 128x128 tiles, with a bias and tails in M, N and K."""
+    from lowprec.gemm.sm90.blockscaled_gemm import TileConfig
+    from lowprec.gemm.sm90.tune import parse_config
+
+    m, n, k = 1000, 912, 4496
+    a, sa, b, sb, ref = make_problem(m, n, k, "col")
+    bias = torch.randn(n, device="cuda").to(torch.bfloat16)
+    base = _run(a, sa, b, sb, out_dtype, bias=bias, config=TileConfig(tile_m=128, tile_n=128))
+    (assert_close_fp32 if out_dtype == torch.float32 else assert_close_bf16)(base, ref + bias.double()[None, :])
+    for name in ("256x112_c1x2_n8", "256x112_c2x1_m1", "256x96_c1x2_n8", "256x64_c1x2_m1"):
+        d = _run(a, sa, b, sb, out_dtype, bias=bias, config=parse_config(name))
+        assert torch.equal(d, base), f"{name}: bits differ from 128x128"
+
+
+@gpu
+@needs_gpu
 @pytest.mark.parametrize("k_blocks", [2, 7, 8])
 def test_two_wave_tiles_every_ring_phase(k_blocks):
     """The 256-row K loop runs blocks one at a time up to the ring's wrap, then whole turns of
@@ -401,12 +444,13 @@ def test_two_wave_tiles_every_ring_phase(k_blocks):
     from lowprec.gemm.sm90.tune import parse_config
 
     m, n, k = 4096, 2048 + 96, 128 * k_blocks - 48  # 16 x 17 tiles: 2-3 per CTA; a partial K block
-    a, sa, b, sb, ref = make_problem(m, n, k, "block")
-    base = _run(a, sa, b, sb, torch.bfloat16, config=TileConfig(tile_m=128, tile_n=128))
-    assert_close_bf16(base, ref)
-    for name in ("256x128_c1x2_n8", "256x128_c2x1_m1"):
-        d = _run(a, sa, b, sb, torch.bfloat16, config=parse_config(name))
-        assert torch.equal(d, base), f"{name}: bits differ from 128x128"
+    for b_kind, names in (("block", ("256x128_c1x2_n8", "256x128_c2x1_m1")), ("col", ("256x112_c1x2_n8",))):
+        a, sa, b, sb, ref = make_problem(m, n, k, b_kind)
+        base = _run(a, sa, b, sb, torch.bfloat16, config=TileConfig(tile_m=128, tile_n=128))
+        assert_close_bf16(base, ref)
+        for name in names:
+            d = _run(a, sa, b, sb, torch.bfloat16, config=parse_config(name))
+            assert torch.equal(d, base), f"{name} ({b_kind}): bits differ from 128x128"
 
 
 @gpu

@@ -78,14 +78,15 @@ class FragmentScales(LoopInvariant):
         return self.s_col[0][(self.col0 + 8 * j + c, 0, stage)]
 
     @cute.jit
-    def load(self, stage, k, dst: ScaleRegs):
-        """Copy K block ``k``'s scales of the thread's rows and columns from ``stage`` to ``dst``."""
+    def load(self, stage, k, dst: ScaleRegs, cols: cutlass.Constexpr = True):
+        """Copy K block ``k``'s scales of the thread's rows and (``cols``) columns from ``stage`` to
+        ``dst``."""
         for r in cutlass.range_constexpr(2):
             dst.row[r] = self.row(stage, r)
-        if cutlass.const_expr(self.per_col):
+        if cutlass.const_expr(cols and self.per_col):
             for j in cutlass.range_constexpr(cute.size(dst.col) // 2):
                 for c in cutlass.range_constexpr(2):
                     dst.col[2 * j + c] = self.col(stage, j, c)
-        else:
+        elif cutlass.const_expr(cols):
             for i in cutlass.range_constexpr(len(self.s_col)):
                 dst.col[i] = self.s_col[i][(0, k % self.kbox, stage)]

@@ -119,7 +119,7 @@ class BlockScaledGemmSm90:
         # 1x128 B scales with a bias: the consumers need 8 more registers (232 left 23 LDL/STL
         # in 128x128 c2x1); 128 * 24 + 256 * 240 still fits the 64K register file
         # (NOTES, session 11)
-        wide = b_scale_per_col and bias_dtype is not None
+        wide = b_scale_per_col and (bias_dtype is not None or config.tile_m == 256)
         self.load_regs = 24 if wide else 40
         self.mma_regs = 240 if wide else 232
         self.buffer_align_bytes = 1024
@@ -140,9 +140,8 @@ class BlockScaledGemmSm90:
     def _check_options(config, b_scale_per_col, bias_dtype, grouping):
         if config.tile_m not in (64, 128, 256):
             raise ValueError(f"tile_m must be 64, 128 or 256, got {config.tile_m}")
-        if config.tile_m == 256 and (grouping is not None or b_scale_per_col or config.split_k > 1
-                                     or config.tile_n > 128):
-            raise ValueError("tile_m=256: dense GEMMs with 128x128 B scales, no split-K, tile_n <= 128")
+        if config.tile_m == 256 and (grouping is not None or config.split_k > 1 or config.tile_n > 128):
+            raise ValueError("tile_m=256: dense GEMMs, no split-K, tile_n <= 128")
         if not valid_tile_n(config.tile_n):
             raise ValueError(f"unsupported tile_n {config.tile_n}")
         if grouping not in (None, "contiguous", "masked", "kgrouped"):

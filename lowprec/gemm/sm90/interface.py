@@ -24,6 +24,7 @@ _TILE_N_CHOICES = (16, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176)
 _SPLIT_TILE_N = (64,)  # 64x128 split (fp32 partials) spills 4 bytes with mma_overlap
 _SPLITS = (2, 4, 8)
 _TILE_N_PER_COL_MAX = 128  # 1x128 B scales keep tile_n/4 column scales live in registers
+_PER_COL_TWO_WAVE_MIN_M = 4096  # 256x112 lost to 128x128 at M = 1024 (4 M tiles: too few)
 
 
 def _tile_config_cls():
@@ -42,6 +43,7 @@ def _shipped_configs():
     cfgs.append(TileConfig(tile_m=128, tile_n=128, cluster_m=2, raster_along_m=False, swizzle=4))
     cfgs.append(TileConfig(tile_m=128, tile_n=128, cluster_n=2))
     cfgs.append(TileConfig(tile_m=128, tile_n=128, cluster_n=2, swizzle=8))
+    cfgs.append(TileConfig(tile_m=256, tile_n=112, cluster_n=2, raster_along_m=False, swizzle=8))
     cfgs.extend(_wide_config(bm, bn) for bm, bn in _WIDE_TILES if (bm, bn) != (128, 128))
     # 64 < M <= 128: both M tiles of a 2-CTA cluster share the B tile
     cfgs.extend(TileConfig(tile_m=64, tile_n=bn, cluster_m=2) for bn in (16, 32, 64, 128))
@@ -130,8 +132,11 @@ def choose_config(m: int, n: int, k: int, b_scale_per_col: bool = False, num_sms
     tiles_n128 = -(-n // 128)
     if m >= 512 and tiles_m128 * tiles_n128 >= num_sms:
         if b_scale_per_col:
-            # weight-gradient GEMMs (1x128 B scales): rasterized along N in groups of 4 M tiles,
-            # +4-5% at M = 4096 (NOTES v8), still the best at 14336x4096x16384 (session 11)
+            # weight-gradient GEMMs (1x128 B scales). From M = 4096: two-wave 256x112 tiles in 2-CTA
+            # clusters along N, +3-14% over 128x128 on the Llama-3-8B wgrads (NOTES session 36);
+            # below, 128x128 rasterized along N in groups of 4 M tiles (NOTES v8, session 11)
+            if m >= _PER_COL_TWO_WAVE_MIN_M:
+                return TileConfig(tile_m=256, tile_n=112, cluster_n=2, raster_along_m=False, swizzle=8)
             return TileConfig(tile_m=128, tile_n=128, cluster_m=2, raster_along_m=False, swizzle=4)
         bm, bn = _wide_tile(m, n, k, num_sms)
         if (bm, bn) == (128, 128) and tiles_m128 >= 64 and tiles_n128 >= 32:

@@ -113,8 +113,10 @@ class PromotedMainloop(LoopInvariant):
         for w in cutlass.range_constexpr(len(self.waves)):
             wave = self.waves[w]
             # scales read before the wgmma batch: issued after it, the loads queue behind
-            # its shared-memory operand reads and the promotion waits for them
-            wave.scales.load(state.index, k, s0.regs)
+            # its shared-memory operand reads and the promotion waits for them. The waves share
+            # the tile's columns: 1x128 B scales (tile_n / 4 per thread) are read by the first
+            # wave only (they are what bounds that kind: NOTES, session 11)
+            wave.scales.load(state.index, k, s0.regs, cols=w == 0 or not self.per_col)
             wave.mma.issue(s0.blk, state.index)
             cute.nvgpu.warpgroup.wait_group(0)
             if cutlass.const_expr(w == len(self.waves) - 1):
