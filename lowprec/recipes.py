@@ -205,16 +205,29 @@ def get_recipe(recipe: str | ScaleRecipe, **options) -> ScaleRecipe:
 @dataclass(frozen=True)
 class LinearRecipe:
     """Which scale recipe each operand of a linear layer uses: the activation (forward input),
-    the weight, and the output gradient. Shared by ``lowprec.nn`` and the MoE's expert GEMMs."""
+    the weight, and the output gradient; ``activation_t``: the activation's copy along tokens that
+    the weight gradient reads (None: ``activation``). Shared by ``lowprec.nn`` and the MoE's
+    expert GEMMs."""
 
     name: str
     activation: str
     weight: str
     grad: str
+    activation_t: str | None = None
+
+    @property
+    def wgrad_activation(self) -> str:
+        """The recipe of the activation's transposed copy (the weight gradient's B operand)."""
+        return self.activation if self.activation_t is None else self.activation_t
 
 
 LINEAR_RECIPES = {
     "fp8_block": LinearRecipe("fp8_block", "fp8_block1x128", "fp8_block128x128", "fp8_block1x128"),
+    # fp8_block with the weight gradient's activation in 128x128 blocks (along tokens x features)
+    # instead of 1x128 along tokens: that GEMM then runs as the faster block kind (lowprec.gemm
+    # NOTES, session 36); the gradients keep 1x128, finer than per-tensor FP8 training everywhere
+    "fp8_block_wgrad2d": LinearRecipe("fp8_block_wgrad2d", "fp8_block1x128", "fp8_block128x128", "fp8_block1x128",
+                                      activation_t="fp8_block128x128"),
     "fp8_rowwise": LinearRecipe("fp8_rowwise", "fp8_rowwise", "fp8_rowwise", "fp8_rowwise"),
     "fp8_tensorwise": LinearRecipe("fp8_tensorwise", "fp8_tensorwise", "fp8_tensorwise", "fp8_tensorwise"),
 }

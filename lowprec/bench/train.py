@@ -15,19 +15,22 @@ For each size, weights (``bf16``: bf16 parameters; ``fp32-autocast``: FP32 maste
 ``lowprec.convert(model, "fp8_block")``, which keeps layers under 4096² weights in bf16 (the row's
 note says how many projections are FP8) and fuses each SwiGLU MLP (:class:`lowprec.nn.FP8SwiGLUMLP`);
 ``lowprec-unfused``, on request only: the same with ``fuse_mlp=False``, three FP8Linear layers;
+``lowprec-wgrad2d``, on request only: ``convert(model, "fp8_block_wgrad2d")``, the weight gradients
+reading the activations in 128x128 blocks;
 ``torchao-tensorwise`` / ``torchao-rowwise``: torchao's float8 training, when it imports) and mode
 (``eager``; ``compiled``: ``torch.compile(model)``), one row: the median step time (forward, loss,
 backward, AdamW step (fused on CUDA); ``bench_ms``: the host syncs before each step, so host time
 that is not hidden behind the GPU counts), peak memory, and the ratio to the bf16 implementation
 with the same weights and mode.
 
-``--train-steps N`` then trains the smallest size N steps on real text (the Python standard
-library's sources as bytes, :mod:`lowprec.bench.corpus`) with bf16 and with lowprec, same seed,
-initial weights and batches; the losses go to the results JSON (and, with matplotlib, a PNG).
+``--train-steps N`` then trains the first size N steps on real text (the Python standard
+library's sources as bytes, :mod:`lowprec.bench.corpus`) with each of ``--text-impls`` (bf16 and
+lowprec by default), same seed, initial weights and batches; the losses go to the results JSON
+(and, with matplotlib, a PNG).
 
     python -m lowprec bench train [--sizes h1024,llama3-8b-2l] [--impls bf16,lowprec,...]
         [--weights bf16,fp32-autocast] [--modes eager,compiled] [--steps 20] [--train-steps 300]
-        [--min-weight-numel N]
+        [--text-impls bf16,lowprec,...] [--min-weight-numel N]
 """
 
 from __future__ import annotations
@@ -68,7 +71,7 @@ SIZES = {
     "h1024": LlamaConfig(hidden=1024, layers=8, heads=16, kv_heads=16, ffn=2816, batch=8, seq=1024),
     "llama3-8b-2l": LlamaConfig(hidden=4096, layers=2, heads=32, kv_heads=8, ffn=14336, batch=4, seq=2048),
 }
-IMPLS = ("bf16", "lowprec", "torchao-tensorwise", "torchao-rowwise", "lowprec-unfused")
+IMPLS = ("bf16", "lowprec", "torchao-tensorwise", "torchao-rowwise", "lowprec-unfused", "lowprec-wgrad2d")
 DEFAULT_IMPLS = IMPLS[:4]
 WEIGHTS = ("bf16", "fp32-autocast")
 MODES = ("eager", "compiled")
@@ -163,8 +166,9 @@ def make_model(c: LlamaConfig, impl: str, weights: str, device="cuda", base: Lla
     if impl.startswith("lowprec"):
         import lowprec
 
-        lowprec.convert(model, "fp8_block", filter_fn=_not_lm_head, min_weight_numel=min_weight_numel,
-                        fuse_mlp=impl == "lowprec")
+        recipe = "fp8_block_wgrad2d" if impl == "lowprec-wgrad2d" else "fp8_block"
+        lowprec.convert(model, recipe, filter_fn=_not_lm_head, min_weight_numel=min_weight_numel,
+                        fuse_mlp=impl != "lowprec-unfused")
     elif impl.startswith("torchao"):
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
@@ -221,23 +225,26 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=20, help="timed steps per row (median)")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--train-steps", type=int, default=0, help="then train the first size this many steps on "
-                                                              "real text, bf16 vs lowprec (0: skip)")
+                                                              "real text, each of --text-impls (0: skip)")
+    p.add_argument("--text-impls", default="bf16,lowprec", help="the implementations of the real-text run")
     p.add_argument("--min-weight-numel", type=int, default=None,
                    help="lowprec.convert's threshold for the timed rows (default: convert's own; 0: every projection)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
-    for name, known in (("sizes", SIZES), ("impls", IMPLS), ("weights", WEIGHTS), ("modes", MODES)):
+    for name, known in (("sizes", SIZES), ("impls", IMPLS), ("weights", WEIGHTS), ("modes", MODES),
+                        ("text_impls", [i for i in IMPLS if not i.startswith("torchao")])):
         values = [v for v in getattr(args, name).split(",") if v]
         unknown = sorted(set(values) - set(known))
         if unknown:
-            p.error(f"--{name}: unknown {unknown}; known: {list(known)}")
+            p.error(f"--{name.replace('_', '-')}: unknown {unknown}; known: {list(known)}")
         setattr(args, name, values)
     return args
 
 
-def train_on_text(c: LlamaConfig, steps: int, device="cuda") -> dict:
-    """``steps`` steps of bf16 and of lowprec on the standard library's sources (bf16 weights,
-    eager, same seed / weights / batches): the loss of every step and the last-20 means."""
+def train_on_text(c: LlamaConfig, steps: int, device="cuda", impls=("bf16", "lowprec")) -> dict:
+    """``steps`` steps of each of ``impls`` (bf16 first) on the standard library's sources (bf16
+    weights, eager, same seed / weights / batches): the loss of every step, the last-20 means and
+    each FP8 implementation's relative gap to bf16's."""
     from .corpus import random_windows, stdlib_bytes
 
     data, _ = stdlib_bytes(device)
@@ -245,7 +252,7 @@ def train_on_text(c: LlamaConfig, steps: int, device="cuda") -> dict:
     torch.manual_seed(0)
     base = Llama(text)
     runs = {}
-    for impl in ("bf16", "lowprec"):
+    for impl in impls:
         # every projection in FP8, however small: this run is about FP8's numerics
         model = make_model(text, impl, "bf16", device, base=base, min_weight_numel=0)
         step = make_step(model, "bf16", compiled=False)
@@ -259,7 +266,7 @@ def train_on_text(c: LlamaConfig, steps: int, device="cuda") -> dict:
         runs[impl] = losses
     tail = {impl: sum(v[-20:]) / len(v[-20:]) for impl, v in runs.items()}
     return {"steps": steps, "losses": runs, "last20_mean": tail,
-            "relative_gap": tail["lowprec"] / tail["bf16"] - 1}
+            "relative_gap": {impl: tail[impl] / tail["bf16"] - 1 for impl in impls if impl != "bf16"}}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -314,9 +321,10 @@ def main(argv: list[str] | None = None) -> int:
     payload = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows,
                "sizes": {s: vars(SIZES[s]) for s in args.sizes}, "min_weight_numel": args.min_weight_numel}
     if args.train_steps:
-        payload["text"] = train_on_text(SIZES[args.sizes[0]], args.train_steps)
-        print(f"last-20 mean loss: {payload['text']['last20_mean']}, lowprec vs bf16 "
-              f"{payload['text']['relative_gap']:+.2%}")
+        impls = ["bf16"] + [i for i in args.text_impls if i != "bf16"]
+        payload["text"] = train_on_text(SIZES[args.sizes[0]], args.train_steps, impls=impls)
+        gaps = ", ".join(f"{impl} {gap:+.2%}" for impl, gap in payload["text"]["relative_gap"].items())
+        print(f"last-20 mean loss: {payload['text']['last20_mean']}; against bf16: {gaps}")
         _plot(payload["text"], gpu_slug(), args.out)
     path = save_results("train", payload, args.out)
     print(f"results: {path}")

@@ -47,7 +47,7 @@ class _FP8Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x2, weight, bias, recipe: LinearRecipe):
         if ctx.needs_input_grad[1]:
-            x_q, xt_q = quantize_dual(x2, recipe.activation)
+            x_q, xt_q = quantize_dual(x2, recipe.activation, recipe.wgrad_activation)
         else:
             x_q, xt_q = quantize(x2, recipe.activation, check_finite=False), None
         # the input gradient multiplies by the transposed weight: quantized now, with the weight
@@ -93,7 +93,9 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
             :func:`~lowprec.nn.reuse_quantized_weights` block).
         bias: optional ``[out_features]``.
         recipe: ``"fp8_block"`` (DeepSeek-V3: activations and gradients 1x128, weights 128x128),
-            ``"fp8_rowwise"`` or ``"fp8_tensorwise"``.
+            ``"fp8_block_wgrad2d"`` (the same, but the weight gradient reads the activation in
+            128x128 blocks: a faster GEMM, coarser scales there), ``"fp8_rowwise"`` or
+            ``"fp8_tensorwise"``.
     """
     r = get_linear_recipe(recipe)
     if not isinstance(x, torch.Tensor) or x.dtype not in _FLOAT_DTYPES:

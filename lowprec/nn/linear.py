@@ -19,6 +19,7 @@ from .buffers import QuantizedBuffersModule
 from .fsdp import GATHER_RECIPE, FP8AllGatherWeight
 from .functional import LinearRecipe, follow_autocast, fp8_linear, get_linear_recipe
 from .nvfp4 import NVFP4InferenceLinear
+from .swiglu import RECIPES as SWIGLU_RECIPES
 from .swiglu import FP8SwiGLUMLP, swiglu_mlp_unsupported
 
 __all__ = ["FP8Linear", "FP8InferenceLinear", "convert", "MIN_TRAIN_WEIGHT_NUMEL", "enable_fp8_all_gather"]
@@ -45,9 +46,10 @@ class FP8Linear(nn.Module):
 
     The master weight and bias keep their dtype and are ordinary parameters, so any optimizer
     works unchanged. ``recipe``: ``"fp8_block"`` (default; 1x128 activations and gradients,
-    128x128 weights, as DeepSeek-V3), ``"fp8_rowwise"``, ``"fp8_tensorwise"``. The weight is
-    quantized in every forward, or once per :func:`~lowprec.nn.reuse_quantized_weights` block
-    (gradient accumulation).
+    128x128 weights, as DeepSeek-V3), ``"fp8_block_wgrad2d"`` (the weight gradient reads the
+    activation in 128x128 blocks: :func:`~lowprec.nn.fp8_linear`), ``"fp8_rowwise"``,
+    ``"fp8_tensorwise"``. The weight is quantized in every forward, or once per
+    :func:`~lowprec.nn.reuse_quantized_weights` block (gradient accumulation).
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, recipe: str = "fp8_block",
@@ -236,7 +238,8 @@ def convert(model: nn.Module, recipe: str = "fp8_block", filter_fn: Callable[[st
     Args:
         model: any module; a bare ``nn.Linear`` (or :class:`~lowprec.moe.MoE`) is converted and
             returned.
-        recipe: ``"fp8_block"``, ``"fp8_rowwise"`` or ``"fp8_tensorwise"``; with ``inference=True``
+        recipe: ``"fp8_block"``, ``"fp8_block_wgrad2d"`` (:func:`~lowprec.nn.fp8_linear`),
+            ``"fp8_rowwise"`` or ``"fp8_tensorwise"``; with ``inference=True``
             also ``"nvfp4"``: :class:`~lowprec.nn.NVFP4InferenceLinear` layers (NVFP4 weights,
             activations in their dtype; their state dicts are ModelOpt's NVFP4 checkpoint layout).
         filter_fn: ``filter_fn(qualified_name, module) -> bool``; only layers it accepts are
@@ -249,9 +252,10 @@ def convert(model: nn.Module, recipe: str = "fp8_block", filter_fn: Callable[[st
             ``inference=True`` (FP8 weights there also halve the memory). 0 converts every layer.
             A bare ``nn.Linear`` passed as ``model`` is converted whatever its size.
 
-        fuse_mlp: training with ``"fp8_block"``: SwiGLU MLPs (:class:`~lowprec.nn.SwiGLUMLP` and
-            transformers' ``LlamaMLP``, ``MistralMLP``, ``Qwen2MLP``, ``Qwen3MLP``: ``down_proj(
-            silu(gate_proj(x)) * up_proj(x))``) become :class:`~lowprec.nn.FP8SwiGLUMLP` (the same
+        fuse_mlp: training with ``"fp8_block"`` or ``"fp8_block_wgrad2d"``: SwiGLU MLPs
+            (:class:`~lowprec.nn.SwiGLUMLP` and transformers' ``LlamaMLP``, ``MistralMLP``,
+            ``Qwen2MLP``, ``Qwen3MLP``: ``down_proj(silu(gate_proj(x)) * up_proj(x))``) become
+            :class:`~lowprec.nn.FP8SwiGLUMLP` (the same
             three GEMMs in FP8, the activation fused with its quantizations; the same parameters),
             when ``filter_fn`` accepts all three layers and the gate's weight has at least
             ``min_weight_numel`` entries. Other recipes, ``inference=True`` or ``fuse_mlp=False``
@@ -290,12 +294,12 @@ def convert(model: nn.Module, recipe: str = "fp8_block", filter_fn: Callable[[st
     if _convertible(model):
         return model if filter_fn is not None and not filter_fn("", model) else _converted(model, "", recipe,
                                                                                             inference, 0, [])
-    fuse = fuse_mlp and not inference and recipe == "fp8_block"
+    fuse = fuse_mlp and not inference and recipe in SWIGLU_RECIPES
     if isinstance(model, FP8SwiGLUMLP) and not fuse:
         model = model.unfused()
     if swiglu_mlp_unsupported(model) is None and fuse and (filter_fn is None or _mlp_accepted("", model, filter_fn)):
-        return FP8SwiGLUMLP.from_mlp(model)
-    fused = _fuse_mlps(model, fuse, filter_fn, min_weight_numel)
+        return FP8SwiGLUMLP.from_mlp(model, recipe)
+    fused = _fuse_mlps(model, fuse, filter_fn, min_weight_numel, recipe)
     kept: list[str] = []
     done: dict[int, nn.Module] = {}  # id(module) -> what it became: shared modules stay shared
     for parent_name, parent in list(model.named_modules()):
@@ -323,21 +327,22 @@ def _mlp_accepted(name: str, mlp: nn.Module, filter_fn: Callable[[str, nn.Module
     return all(filter_fn(prefix + n, getattr(mlp, n)) for n in ("gate_proj", "up_proj", "down_proj"))
 
 
-def _fuse_mlps(model: nn.Module, fuse: bool, filter_fn, min_numel: int) -> int:
-    """Swap the SwiGLU MLPs of ``model`` for :class:`FP8SwiGLUMLP` (``fuse``), or fused ones back
-    to plain ones (not ``fuse``); returns how many are fused."""
+def _fuse_mlps(model: nn.Module, fuse: bool, filter_fn, min_numel: int, recipe: str) -> int:
+    """Swap the SwiGLU MLPs of ``model`` for :class:`FP8SwiGLUMLP` of ``recipe`` (``fuse``; fused
+    ones take ``recipe``), or fused ones back to plain ones (not ``fuse``); returns how many are fused."""
     fused = 0
     for parent_name, parent in list(model.named_modules()):
         for child_name, child in list(parent._modules.items()):
             name = f"{parent_name}.{child_name}" if parent_name else child_name
             if isinstance(child, FP8SwiGLUMLP):
                 if fuse:
+                    child.recipe = recipe
                     fused += 1
                 else:
                     setattr(parent, child_name, child.unfused())
             elif (fuse and swiglu_mlp_unsupported(child) is None and child.gate_proj.weight.numel() >= min_numel
                   and (filter_fn is None or _mlp_accepted(name, child, filter_fn))):
-                setattr(parent, child_name, FP8SwiGLUMLP.from_mlp(child))
+                setattr(parent, child_name, FP8SwiGLUMLP.from_mlp(child, recipe))
                 fused += 1
     return fused
 

@@ -1,7 +1,8 @@
 """The SwiGLU MLP ``down(silu(gate(x)) · up(x))`` (Llama's) in FP8, its activation fused with the
 quantizations around it.
 
-Every GEMM is an FP8 ``fp8_block`` GEMM, as with three :class:`~lowprec.nn.FP8Linear` layers; what
+Every GEMM is an FP8 GEMM of the ``fp8_block`` recipe (or ``fp8_block_wgrad2d``: the weight
+gradients read ``x`` and ``A`` in 128x128 blocks), as with three :class:`~lowprec.nn.FP8Linear` layers; what
 changes is the work between them (on Hopper, one pass of the quantize kernels each):
 
 - ``x`` is quantized once (both orientations) for the gate and up GEMMs, not once per layer;
@@ -25,14 +26,14 @@ from torch import nn
 
 from ..gemm import gemm
 from ..quant import quantize, quantize_dual, swiglu_quantize_dual
-from ..recipes import LINEAR_RECIPES
+from ..recipes import LINEAR_RECIPES, LinearRecipe
 from ..tensor import flatten_all, unflatten_all
 from .functional import _FLOAT_DTYPES, follow_autocast
 from .weight_cache import quantize_weight
 
 __all__ = ["FP8SwiGLUMLP", "SwiGLUMLP", "fp8_swiglu_mlp", "SWIGLU_MLP_CLASSES"]
 
-_RECIPE = LINEAR_RECIPES["fp8_block"]
+RECIPES = ("fp8_block", "fp8_block_wgrad2d")  # the linear recipes the fused MLP computes
 _ALIGN = 16
 # modules convert() recognises as ``down_proj(act_fn(gate_proj(x)) * up_proj(x))`` with SiLU: the
 # transformers MLPs of that form, by class name (their forward is that line), and SwiGLUMLP
@@ -46,22 +47,23 @@ def _grad_dtype(dtype: torch.dtype) -> torch.dtype:
 
 class _FP8SwiGLU(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x2, w_gate, w_up, w_down):
+    def forward(ctx, x2, w_gate, w_up, w_down, recipe: LinearRecipe):
         dt = x2.dtype
-        need_w = any(ctx.needs_input_grad[1:])
+        need_w = any(ctx.needs_input_grad[1:4])
         if need_w:
-            x_q, xt_q = quantize_dual(x2, _RECIPE.activation)
+            x_q, xt_q = quantize_dual(x2, recipe.activation, recipe.wgrad_activation)
         else:
-            x_q, xt_q = quantize(x2, _RECIPE.activation, check_finite=False), None
+            x_q, xt_q = quantize(x2, recipe.activation, check_finite=False), None
         # the transposed weights the backward multiplies by: dA = dY · W_down (any gradient but
         # W_down's own), dX = dG · W_gate + dU · W_up
         need_x = ctx.needs_input_grad[0]
-        wg, wg_t = quantize_weight(w_gate, _RECIPE.weight, with_transpose=need_x)
-        wu, wu_t = quantize_weight(w_up, _RECIPE.weight, with_transpose=need_x)
-        wd, wd_t = quantize_weight(w_down, _RECIPE.weight, with_transpose=any(ctx.needs_input_grad[:3]))
+        wg, wg_t = quantize_weight(w_gate, recipe.weight, with_transpose=need_x)
+        wu, wu_t = quantize_weight(w_up, recipe.weight, with_transpose=need_x)
+        wd, wd_t = quantize_weight(w_down, recipe.weight, with_transpose=any(ctx.needs_input_grad[:3]))
         g = gemm(x_q, wg, out_dtype=dt)
         u = gemm(x_q, wu, out_dtype=dt)
-        a, at = swiglu_quantize_dual("swiglu", g, u)
+        a, at = swiglu_quantize_dual("swiglu", g, u, t_blocks=recipe.wgrad_activation == "fp8_block128x128")
+        ctx.recipe = recipe
         y = gemm(a, wd, out_dtype=dt)
         ctx.weight_dtypes = (w_gate.dtype, w_up.dtype, w_down.dtype)
         tensors, ctx.specs = flatten_all(xt_q, at, g, u, wg_t, wu_t, wd_t)
@@ -72,13 +74,13 @@ class _FP8SwiGLU(torch.autograd.Function):
     def backward(ctx, dy):
         xt_q, at, g, u, wg_t, wu_t, wd_t = unflatten_all(ctx.saved_tensors, ctx.specs)
         dy = dy.contiguous()
-        need_x, need_g, need_u, need_d = ctx.needs_input_grad
+        need_x, need_g, need_u, need_d = ctx.needs_input_grad[:4]
         dx = dwg = dwu = dwd = None
         if need_d:
-            dy_q, dyt_q = quantize_dual(dy, _RECIPE.grad)
+            dy_q, dyt_q = quantize_dual(dy, ctx.recipe.grad)
             dwd = gemm(dyt_q, at, out_dtype=_grad_dtype(ctx.weight_dtypes[2])).to(ctx.weight_dtypes[2])
         else:
-            dy_q = quantize(dy, _RECIPE.grad, check_finite=False)
+            dy_q = quantize(dy, ctx.recipe.grad, check_finite=False)
         if need_x or need_g or need_u:
             da = gemm(dy_q, wd_t, out_dtype=dy.dtype)
             dg, dgt = swiglu_quantize_dual("swiglu_dgate", g, u, da)
@@ -90,7 +92,7 @@ class _FP8SwiGLU(torch.autograd.Function):
             if need_x:
                 dx = gemm(dg, wg_t, out_dtype=dy.dtype)
                 dx += gemm(du, wu_t, out_dtype=dy.dtype)
-        return dx, dwg, dwu, dwd
+        return dx, dwg, dwu, dwd, None
 
 
 def _check(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> None:
@@ -114,9 +116,16 @@ def _check(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: to
             raise ValueError(f"{name}: must be a multiple of {_ALIGN} for the FP8 GEMM, got {size}")
 
 
-def fp8_swiglu_mlp(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
-    """``silu(x · w_gateᵀ) · (x · w_upᵀ)`` times ``w_downᵀ``, every GEMM in FP8 (``fp8_block``),
-    the activation fused with its quantizations (module docstring). Differentiable in all four.
+def _swiglu_recipe(recipe: str) -> LinearRecipe:
+    if recipe not in RECIPES:
+        raise ValueError(f"recipe: the fused SwiGLU MLP computes {RECIPES}, got {recipe!r}")
+    return LINEAR_RECIPES[recipe]
+
+
+def fp8_swiglu_mlp(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
+                   recipe: str = "fp8_block") -> torch.Tensor:
+    """``silu(x · w_gateᵀ) · (x · w_upᵀ)`` times ``w_downᵀ``, every GEMM in FP8, the activation
+    fused with its quantizations (module docstring). Differentiable in all four.
 
     Args:
         x: ``[..., H]`` float32 / bfloat16 / float16; the output has its dtype (inside
@@ -124,14 +133,16 @@ def fp8_swiglu_mlp(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_
             input's dtype).
         w_gate, w_up: ``[F, H]``; w_down: ``[H, F]`` (``nn.Linear`` weights; any float dtype, kept
             as they are). H and F multiples of 16.
+        recipe: ``"fp8_block"`` or ``"fp8_block_wgrad2d"`` (:func:`~lowprec.nn.fp8_linear`).
     """
+    r = _swiglu_recipe(recipe)
     _check(x, w_gate, w_up, w_down)
     x, autocast_off = follow_autocast(x)
     with autocast_off:
         x2 = x.reshape(-1, x.shape[-1])
         if not x2.is_contiguous():
             x2 = x2.contiguous()
-        y = _FP8SwiGLU.apply(x2, w_gate, w_up, w_down)
+        y = _FP8SwiGLU.apply(x2, w_gate, w_up, w_down, r)
     return y.view(*x.shape[:-1], y.shape[-1])
 
 
@@ -163,23 +174,29 @@ class FP8SwiGLUMLP(nn.Module):
 
     Holds the original ``gate_proj``, ``up_proj``, ``down_proj`` ``nn.Linear`` modules (their
     parameters, shared, not copied: optimizers and state dicts see the same names and tensors).
+    ``recipe``: ``"fp8_block"`` or ``"fp8_block_wgrad2d"``.
     """
 
-    def __init__(self, gate_proj: nn.Linear, up_proj: nn.Linear, down_proj: nn.Linear) -> None:
+    def __init__(self, gate_proj: nn.Linear, up_proj: nn.Linear, down_proj: nn.Linear,
+                 recipe: str = "fp8_block") -> None:
         super().__init__()
         self.gate_proj, self.up_proj, self.down_proj = gate_proj, up_proj, down_proj
+        self.recipe = _swiglu_recipe(recipe).name
         _check(torch.empty(0, gate_proj.in_features, device=gate_proj.weight.device), gate_proj.weight,
                up_proj.weight, down_proj.weight)
 
     @classmethod
-    def from_mlp(cls, mlp: nn.Module) -> FP8SwiGLUMLP:
+    def from_mlp(cls, mlp: nn.Module, recipe: str = "fp8_block") -> FP8SwiGLUMLP:
         reason = swiglu_mlp_unsupported(mlp)
         if reason:
             raise ValueError(f"mlp: {reason}")
-        return cls(mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+        return cls(mlp.gate_proj, mlp.up_proj, mlp.down_proj, recipe)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return fp8_swiglu_mlp(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
+        return fp8_swiglu_mlp(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight, self.recipe)
+
+    def extra_repr(self) -> str:
+        return f"recipe={self.recipe}"
 
     def fp8_block_weights(self) -> tuple[str, ...]:
         """The parameters quantized in 128x128 blocks (:func:`~lowprec.nn.enable_fp8_all_gather`)."""

@@ -93,49 +93,62 @@ def _wrap_kernel_output(x: torch.Tensor, r: ScaleRecipe, q: torch.Tensor, s: tor
     return QuantizedTensor._unchecked(q.view(x.shape), s, r, x.shape, x.dtype)
 
 
-def quantize_dual(x: torch.Tensor, recipe: str | ScaleRecipe = "fp8_block1x128") -> tuple[QuantizedTensor,
-                                                                                          QuantizedTensor]:
+def quantize_dual(x: torch.Tensor, recipe: str | ScaleRecipe = "fp8_block1x128",
+                  recipe_t: str | ScaleRecipe | None = None) -> tuple[QuantizedTensor, QuantizedTensor]:
     """Quantize ``x`` [..., K] (viewed as [T, K]) along both dims in one pass, for training.
 
-    Returns ``(quantize(x), quantize(x_padᵀ))`` where ``x_pad`` is ``x`` with zero rows appended up
-    to ``T_pad = round_up(T, 16)``: the first feeds the forward GEMM (blocks along K), the second
-    the weight-gradient GEMM (blocks along tokens; ``[K, T_pad]``, zero padding columns, so GEMMs
-    over tokens meet the kernels' multiple-of-16 rule). Inputs are assumed finite.
+    Returns ``(quantize(x, recipe), quantize(x_padᵀ, recipe_t))`` where ``x_pad`` is ``x`` with
+    zero rows appended up to ``T_pad = round_up(T, 16)``: the first feeds the forward GEMM (blocks
+    along K), the second the weight-gradient GEMM (``[K, T_pad]``, zero padding columns, so GEMMs
+    over tokens meet the kernels' multiple-of-16 rule). ``recipe_t`` defaults to ``recipe``;
+    ``"fp8_block128x128"`` with ``fp8_block1x128`` gives the weight gradient's activation square
+    blocks (the GEMM's faster block kind; one kernel pass on Hopper either way). Inputs are
+    assumed finite.
     """
     r = get_recipe(recipe)
+    r_t = r if recipe_t is None else get_recipe(recipe_t)
     if x.dim() < 2 or x.dtype not in _FLOAT_DTYPES:
         raise ValueError(f"x: expected a float tensor with ≥ 2 dims, got {x.dtype} {tuple(x.shape)}")
+    if r_t.element != r.element:
+        raise ValueError(f"recipe_t: expected the element format of recipe {r.name!r} ({r.element}), "
+                         f"got {r_t.name!r} ({r_t.element})")
     x2 = x.detach().reshape(-1, x.shape[-1])
     t = x2.shape[0]
     t_pad = -(-t // 16) * 16
-    wrap = functools.partial(_dual_tensors, r, x2.shape, x.dtype)
+    wrap = functools.partial(_dual_tensors, r, r_t, x2.shape, x.dtype)
 
     def reference():
         padded = torch.nn.functional.pad(x2, (0, 0, 0, t_pad - t))
-        return quantize_reference(x2, r), quantize_reference(padded.t(), r)
+        return quantize_reference(x2, r), quantize_reference(padded.t(), r_t)
 
-    if _traced_on_cuda(x) and r.name == "fp8_block1x128" and _custom_op_recipe(x2, r):
-        return wrap(*ops.quantize_dual_fp8(x2))
-    return registry.run("quantize_dual", x.device, (x2, r), reference, lambda kernel: wrap(*kernel(x2, r)))
+    if (_traced_on_cuda(x) and r.name == "fp8_block1x128" and r_t.name in ("fp8_block1x128", "fp8_block128x128")
+            and _custom_op_recipe(x2, r) and _custom_op_recipe(x2, r_t)):
+        return wrap(*ops.quantize_dual_fp8(x2, r_t.is_2d))
+    return registry.run("quantize_dual", x.device, (x2, r, r_t), reference, lambda kernel: wrap(*kernel(x2, r, r_t)))
 
 
-def _dual_tensors(r: ScaleRecipe, shape, dtype, q, s, qt, st) -> tuple[QuantizedTensor, QuantizedTensor]:
+def _dual_tensors(r: ScaleRecipe, r_t: ScaleRecipe, shape, dtype, q, s, qt, st
+                  ) -> tuple[QuantizedTensor, QuantizedTensor]:
     """``quantize_dual``'s two QuantizedTensors from the codes and scales of both orientations
     (``[T, K]``, and ``[K, T_pad]`` along tokens)."""
     return (QuantizedTensor._unchecked(q, s, r, shape, dtype),
-            QuantizedTensor._unchecked(qt, st, r, (shape[1], qt.shape[1]), dtype))
+            QuantizedTensor._unchecked(qt, st, r_t, (shape[1], qt.shape[1]), dtype))
 
 
-def swiglu_quantize_dual(kind: str, *inputs: torch.Tensor) -> tuple[QuantizedTensor, QuantizedTensor]:
+def swiglu_quantize_dual(kind: str, *inputs: torch.Tensor, t_blocks: bool = False
+                         ) -> tuple[QuantizedTensor, QuantizedTensor]:
     """``quantize_dual`` (``fp8_block1x128``) of the dense SwiGLU MLP's FP32 values ``kind`` of
     ``inputs`` [T, F] (:func:`lowprec.quant.ops.swiglu_values`: ``"swiglu"`` of gate, up;
     ``"swiglu_dgate"`` of gate, up, dA; ``"swiglu_dup"`` of gate, dA), computed and quantized in
-    one pass on Hopper (:mod:`lowprec.quant.ops` says how close the kernels are to the reference)."""
+    one pass on Hopper (:mod:`lowprec.quant.ops` says how close the kernels are to the reference).
+    ``t_blocks`` (``"swiglu"`` only): the transposed half in ``fp8_block128x128``."""
     args = tuple(t.contiguous() for t in inputs)
-    wrap = functools.partial(_dual_tensors, get_recipe("fp8_block1x128"), args[0].shape, torch.float32)
+    r = get_recipe("fp8_block1x128")
+    r_t = get_recipe("fp8_block128x128") if t_blocks else r
+    wrap = functools.partial(_dual_tensors, r, r_t, args[0].shape, torch.float32)
     if _traced_on_cuda(args[0]):
-        return wrap(*ops.swiglu_dual_fp8(kind, list(args)))
-    return wrap(*ops.swiglu_dual_codes(kind, args))
+        return wrap(*ops.swiglu_dual_fp8(kind, list(args), t_blocks))
+    return wrap(*ops.swiglu_dual_codes(kind, args, t_blocks))
 
 
 def quantize_with_transpose(x: torch.Tensor, recipe: str | ScaleRecipe = "fp8_block128x128"

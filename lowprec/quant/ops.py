@@ -61,33 +61,43 @@ def _(x, recipe):
     return _empty_codes_and_scales(x, recipe)
 
 
-def _empty_dual(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def _empty_dual(x: torch.Tensor, t_blocks: bool = False) -> tuple[torch.Tensor, ...]:
     t, k = x.shape
     t_pad = -(-t // 16) * 16
     q, s = _empty_codes_and_scales(x, "fp8_block1x128")
     qt = torch.empty(k, t_pad, dtype=torch.float8_e4m3fn, device=x.device)
-    return q, s, qt, empty_mn_major_tma_aligned(k, -(-t_pad // 128), x.device)
+    if t_blocks:
+        st = torch.empty(-(-k // 128), -(-t_pad // 128), dtype=torch.float32, device=x.device)
+    else:
+        st = empty_mn_major_tma_aligned(k, -(-t_pad // 128), x.device)
+    return q, s, qt, st
+
+
+def _t_recipe(t_blocks: bool) -> str:
+    return "fp8_block128x128" if t_blocks else "fp8_block1x128"
 
 
 @torch.library.custom_op("lowprec::quantize_dual_fp8", mutates_args=())
-def quantize_dual_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """1x128 along K of ``x`` [T, K] and along T of ``x`` zero-padded to T_pad = round_up(T, 16),
-    transposed: (codes [T, K], scales, codes [K, T_pad], scales)."""
-    r = get_recipe("fp8_block1x128")
-    return registry.run("quantize_dual", x.device, (x.contiguous(), r), lambda: _dual_reference(x))
+def quantize_dual_fp8(x: torch.Tensor, t_blocks: bool = False
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """1x128 along K of ``x`` [T, K] and along T (or 128x128 blocks with ``t_blocks``) of ``x``
+    zero-padded to T_pad = round_up(T, 16), transposed: (codes [T, K], scales, codes [K, T_pad],
+    scales)."""
+    args = (x.contiguous(), get_recipe("fp8_block1x128"), get_recipe(_t_recipe(t_blocks)))
+    return registry.run("quantize_dual", x.device, args, lambda: _dual_reference(x, t_blocks))
 
 
-def _dual_reference(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def _dual_reference(x: torch.Tensor, t_blocks: bool = False) -> tuple[torch.Tensor, ...]:
     """The reference quantizer's ``quantize_dual_fp8`` outputs for ``x`` [T, K], in the kernel's layouts."""
-    r = get_recipe("fp8_block1x128")
     padded = torch.nn.functional.pad(x, (0, 0, 0, -(-x.shape[0] // 16) * 16 - x.shape[0]))
-    along_k, along_t = quantize_reference(x, r), quantize_reference(padded.t(), r)
-    return _fill(_empty_dual(x), (along_k.data, along_k.scale, along_t.data, along_t.scale))
+    along_k = quantize_reference(x, get_recipe("fp8_block1x128"))
+    along_t = quantize_reference(padded.t(), get_recipe(_t_recipe(t_blocks)))
+    return _fill(_empty_dual(x, t_blocks), (along_k.data, along_k.scale, along_t.data, along_t.scale))
 
 
 @quantize_dual_fp8.register_fake
-def _(x):
-    return _empty_dual(x)
+def _(x, t_blocks=False):
+    return _empty_dual(x, t_blocks)
 
 
 def _empty_128x128_t(x: torch.Tensor, n: int) -> tuple[torch.Tensor, ...]:
@@ -135,20 +145,25 @@ def swiglu_values(kind: str, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
     return torch.ops.aten.silu_backward(inputs[2].float() * inputs[1].float(), g)
 
 
-def swiglu_dual_codes(kind: str, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+def swiglu_dual_codes(kind: str, inputs: tuple[torch.Tensor, ...], t_blocks: bool = False
+                      ) -> tuple[torch.Tensor, ...]:
     """``quantize_dual``'s codes and scales of :func:`swiglu_values` (the kernel where it serves;
-    see the note above)."""
-    return registry.run(f"quantize_{kind}_dual", inputs[0].device, inputs,
-                        lambda: _dual_reference(swiglu_values(kind, inputs)))
+    see the note above); ``t_blocks`` (``swiglu`` only): the transposed half in 128x128 blocks."""
+    if t_blocks and kind != "swiglu":
+        raise ValueError(f"t_blocks: only the activation (kind 'swiglu') is quantized in 128x128 blocks "
+                         f"for the weight gradient, got kind {kind!r}")
+    op = f"quantize_{kind}_dual_t128x128" if t_blocks else f"quantize_{kind}_dual"
+    return registry.run(op, inputs[0].device, inputs,
+                        lambda: _dual_reference(swiglu_values(kind, inputs), t_blocks))
 
 
 @torch.library.custom_op("lowprec::swiglu_dual_fp8", mutates_args=())
-def swiglu_dual_fp8(kind: str, inputs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
-                                                                    torch.Tensor]:
+def swiglu_dual_fp8(kind: str, inputs: list[torch.Tensor], t_blocks: bool = False
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`swiglu_dual_codes` as a custom op (``torch.compile``)."""
-    return swiglu_dual_codes(kind, tuple(inputs))
+    return swiglu_dual_codes(kind, tuple(inputs), t_blocks)
 
 
 @swiglu_dual_fp8.register_fake
-def _(kind, inputs):
-    return _empty_dual(inputs[0])
+def _(kind, inputs, t_blocks=False):
+    return _empty_dual(inputs[0], t_blocks)

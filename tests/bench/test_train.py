@@ -58,6 +58,12 @@ def test_lowprec_model_converts_every_projection_but_the_lm_head_and_trains(weig
     assert abs(losses["lowprec"][0] - losses["bf16"][0]) < 0.05 * losses["bf16"][0]
 
 
+def test_wgrad2d_model_fuses_the_mlps_with_its_recipe():
+    model = train.make_model(TINY, "lowprec-wgrad2d", "bf16", device="cpu", min_weight_numel=0)
+    assert all(b.mlp.recipe == "fp8_block_wgrad2d" for b in model.blocks)
+    assert {m.recipe.name for m in model.modules() if isinstance(m, FP8Linear)} == {"fp8_block_wgrad2d"}
+
+
 def test_lowprec_model_keeps_layers_too_small_to_gain():
     model = train.make_model(TINY, "lowprec", "bf16", device="cpu")
     assert not any(isinstance(m, FP8Linear) for m in model.modules())
@@ -67,8 +73,12 @@ def test_arguments():
     args = train.parse_args(["--sizes", "h1024", "--impls", "bf16,lowprec", "--modes", "eager"])
     assert (args.sizes, args.impls, args.modes, args.weights) == (["h1024"], ["bf16", "lowprec"], ["eager"],
                                                                   list(train.WEIGHTS))
+    assert args.text_impls == ["bf16", "lowprec"]
+    assert train.parse_args(["--text-impls", "bf16,lowprec-wgrad2d"]).text_impls == ["bf16", "lowprec-wgrad2d"]
     with pytest.raises(SystemExit):
         train.parse_args(["--impls", "fp4"])
+    with pytest.raises(SystemExit):
+        train.parse_args(["--text-impls", "torchao-tensorwise"])
     with pytest.raises(ValueError, match="impl"):
         train.make_model(TINY, "fp4", "bf16", device="cpu")
 

@@ -14,20 +14,22 @@ from lowprec.nn import FP8InferenceLinear, FP8Linear, FP8SwiGLUMLP, SwiGLUMLP, f
 from lowprec.quant.ops import swiglu_values
 
 
-def _pair(hidden=256, ffn=384, dtype=torch.float32, seed=0):
+def _pair(hidden=256, ffn=384, dtype=torch.float32, seed=0, recipe="fp8_block"):
     """A fused MLP and three FP8Linear layers on copies of the same weights."""
     torch.manual_seed(seed)
     plain = SwiGLUMLP(hidden, ffn, dtype=dtype)
-    unfused = lowprec.convert(SwiGLUMLP(hidden, ffn, dtype=dtype), "fp8_block", min_weight_numel=0, fuse_mlp=False)
+    unfused = lowprec.convert(SwiGLUMLP(hidden, ffn, dtype=dtype), recipe, min_weight_numel=0, fuse_mlp=False)
     unfused.load_state_dict(plain.state_dict())
-    return lowprec.convert(plain, "fp8_block", min_weight_numel=0), unfused
+    return lowprec.convert(plain, recipe, min_weight_numel=0), unfused
 
 
-def test_fp32_equals_three_fp8_linear_layers_bit_for_bit():
+@pytest.mark.parametrize("recipe", ["fp8_block", "fp8_block_wgrad2d"])
+def test_fp32_equals_three_fp8_linear_layers_bit_for_bit(recipe):
     """With FP32 activations the unfused layers also compute silu(g) · u in FP32: every output and
     gradient is the same, so the fusion changes only where the work happens."""
-    fused, unfused = _pair()
+    fused, unfused = _pair(recipe=recipe)
     assert isinstance(fused, FP8SwiGLUMLP) and isinstance(unfused.gate_proj, FP8Linear)
+    assert fused.recipe == recipe and unfused.gate_proj.recipe.name == recipe
     x = torch.randn(2, 150, 256, requires_grad=True)
     x2 = x.detach().clone().requires_grad_()
     y, y2 = fused(x), unfused(x2)
@@ -53,8 +55,28 @@ def test_bf16_close_to_exact_and_to_unfused():
     assert metrics.rel_l2(y, unfused(x)) < 0.03
 
 
-def test_gradients_close_to_exact():
-    fused, _ = _pair()
+def test_wgrad2d_changes_only_the_weight_gradients():
+    """``fp8_block_wgrad2d`` quantizes only the weight gradients' activations differently: the
+    output and the input gradient equal ``fp8_block``'s bit for bit, the weight gradients do not
+    (128x128 scales over tokens x features instead of 1x128 over tokens) but stay close."""
+    results = []
+    for recipe in ("fp8_block", "fp8_block_wgrad2d"):
+        fused, _ = _pair(recipe=recipe)
+        g = torch.Generator().manual_seed(3)
+        # rows of very different magnitudes: a 128x128 scale then differs from the rows' own
+        x = (torch.randn(300, 256, generator=g) * torch.exp(2 * torch.randn(300, 1, generator=g))).requires_grad_()
+        y = fused(x)
+        y.backward(torch.randn(y.shape, generator=g))
+        results.append([y, x.grad] + [p.grad for p in fused.parameters()])
+    (y, dx, *dws), (y2, dx2, *dws2) = results
+    assert torch.equal(y, y2) and torch.equal(dx, dx2)
+    for dw, dw2 in zip(dws, dws2):
+        assert not torch.equal(dw, dw2) and metrics.cos_sim(dw, dw2) > 0.99
+
+
+@pytest.mark.parametrize("recipe", ["fp8_block", "fp8_block_wgrad2d"])
+def test_gradients_close_to_exact(recipe):
+    fused, _ = _pair(recipe=recipe)
     x = torch.randn(200, 256, dtype=torch.float64).float().requires_grad_()
     ws = [getattr(fused, n).weight for n in ("gate_proj", "up_proj", "down_proj")]
     exact_leaves = [t.detach().double().requires_grad_() for t in (x, *ws)]
@@ -137,6 +159,8 @@ def test_errors_name_the_argument():
         fp8_swiglu_mlp(torch.randn(4, 200), torch.randn(384, 200), torch.randn(384, 200), torch.randn(200, 384))
     with pytest.raises(ValueError, match="x:"):
         fp8_swiglu_mlp(torch.randint(0, 3, (4, 256)), w, w, torch.randn(256, 384))
+    with pytest.raises(ValueError, match="recipe: the fused SwiGLU MLP computes"):
+        fp8_swiglu_mlp(torch.randn(4, 256), w, w, torch.randn(256, 384), recipe="fp8_rowwise")
 
 
 class LlamaMLP(nn.Module):
@@ -206,8 +230,11 @@ def test_convert_options_turn_fusion_off():
                             filter_fn=lambda name, m: not name.endswith("down_proj"))
     assert type(block.mlp) is SwiGLUMLP and isinstance(block.mlp.gate_proj, FP8Linear)
     assert type(block.mlp.down_proj) is nn.Linear
-    # another recipe or inference: a fused MLP is unfused, its layers converted one by one
+    # fp8_block_wgrad2d: a fused MLP takes it, as FP8Linear layers take a new recipe
     block = lowprec.convert(Block(SwiGLUMLP(256, 384)), min_weight_numel=0)
+    lowprec.convert(block, "fp8_block_wgrad2d", min_weight_numel=0)
+    assert isinstance(block.mlp, FP8SwiGLUMLP) and block.mlp.recipe == "fp8_block_wgrad2d"
+    # another recipe or inference: a fused MLP is unfused, its layers converted one by one
     lowprec.convert(block, "fp8_rowwise", min_weight_numel=0)
     assert type(block.mlp) is SwiGLUMLP and block.mlp.gate_proj.recipe.name == "fp8_rowwise"
     block = lowprec.convert(Block(SwiGLUMLP(256, 384)), min_weight_numel=0)
@@ -218,8 +245,9 @@ def test_convert_options_turn_fusion_off():
     assert type(lowprec.convert(SwiGLUMLP(256, 384), fuse_mlp=False)) is SwiGLUMLP
 
 
-def test_compile_fullgraph_forward_and_backward():
-    fused, _ = _pair()
+@pytest.mark.parametrize("recipe", ["fp8_block", "fp8_block_wgrad2d"])
+def test_compile_fullgraph_forward_and_backward(recipe):
+    fused, _ = _pair(recipe=recipe)
     x = torch.randn(33, 256, requires_grad=True)
     compiled = torch.compile(lambda t: fused(t).square().sum(), fullgraph=True, backend="aot_eager")
     compiled(x).backward()
@@ -232,14 +260,15 @@ def test_compile_fullgraph_forward_and_backward():
 
 
 @pytest.mark.gpu
-def test_gpu_kernels_match_the_reference_and_compiled_matches_eager(monkeypatch):
+@pytest.mark.parametrize("recipe", ["fp8_block", "fp8_block_wgrad2d"])
+def test_gpu_kernels_match_the_reference_and_compiled_matches_eager(recipe, monkeypatch):
     """On the GPU every step runs its kernel (LOWPREC_BACKEND=kernel: a failure raises): close to
     the reference backend (the GEMM kernels and torch's matmul round differently), and inductor's
     compiled step equals the eager one bit for bit."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     torch.manual_seed(7)
-    fused = lowprec.convert(SwiGLUMLP(512, 1408, device="cuda", dtype=torch.bfloat16), min_weight_numel=0)
+    fused = lowprec.convert(SwiGLUMLP(512, 1408, device="cuda", dtype=torch.bfloat16), recipe, min_weight_numel=0)
     x = torch.randn(2, 300, 512, device="cuda", dtype=torch.bfloat16)
     dy = torch.randn_like(x)
 

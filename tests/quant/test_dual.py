@@ -21,9 +21,30 @@ def test_dual_is_both_orientations(shape, device):
     assert torch.equal(deq[:, :t], ref_cols) and (deq[:, t:] == 0).all()
 
 
+@pytest.mark.parametrize("shape", [(1, 128), (37, 256), (3, 50, 384), (300, 96)])
+def test_dual_transpose_in_square_blocks(shape, device):
+    """``recipe_t="fp8_block128x128"``: the transposed half is the padded transpose quantized in
+    128x128 blocks (one scale per 128 features x 128 tokens), the other half unchanged."""
+    g = torch.Generator().manual_seed(sum(shape))
+    x = (torch.randn(*shape, generator=g) * torch.exp(torch.randn(*shape[:-1], 1, generator=g))).to(device,
+                                                                                                  torch.bfloat16)
+    rows_q, cols_q = quantize_dual(x, "fp8_block1x128", "fp8_block128x128")
+    x2 = x.reshape(-1, shape[-1])
+    t_pad = -(-x2.shape[0] // 16) * 16
+    padded = torch.nn.functional.pad(x2, (0, 0, 0, t_pad - x2.shape[0]))
+    ref_rows, ref_cols = lowprec.quantize(x2, "fp8_block1x128"), lowprec.quantize(padded.t(), "fp8_block128x128")
+    assert cols_q.recipe.name == "fp8_block128x128" and cols_q.shape == (shape[-1], t_pad)
+    assert cols_q.scale.shape == (-(-shape[-1] // 128), -(-t_pad // 128))
+    for got, want in ((rows_q, ref_rows), (cols_q, ref_cols)):
+        assert torch.equal(got.data.view(torch.uint8), want.data.view(torch.uint8))
+        assert torch.equal(got.scale, want.scale)
+
+
 def test_dual_other_recipes_and_errors():
     x = torch.randn(20, 64)
     rows_q, cols_q = quantize_dual(x, "fp8_rowwise")
     assert rows_q.scale.shape == (20, 1) and cols_q.shape == (64, 32) and cols_q.scale.shape == (64, 1)
     with pytest.raises(ValueError, match="≥ 2 dims"):
         quantize_dual(torch.randn(16))
+    with pytest.raises(ValueError, match="recipe_t: expected the element format"):
+        quantize_dual(x, "fp8_block1x128", "mxfp4")

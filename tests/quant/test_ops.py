@@ -20,14 +20,27 @@ def test_quantize_op(recipe, shape):
     assert torch.equal(q.view(torch.uint8), want.data.view(torch.uint8)) and torch.equal(s, want.scale)
 
 
+@pytest.mark.parametrize("t_blocks", [False, True])
 @pytest.mark.parametrize("tokens", [200, 7, 128])
-def test_dual_op(tokens):
+def test_dual_op(tokens, t_blocks):
     x = torch.randn(tokens, 256)
-    torch.library.opcheck(torch.ops.lowprec.quantize_dual_fp8.default, (x,), test_utils=OPCHECK_TESTS)
-    got = ops.quantize_dual_fp8(x)
-    want = lowprec.quant.quantize_dual(x)
+    torch.library.opcheck(torch.ops.lowprec.quantize_dual_fp8.default, (x, t_blocks), test_utils=OPCHECK_TESTS)
+    got = ops.quantize_dual_fp8(x, t_blocks)
+    want = lowprec.quant.quantize_dual(x, "fp8_block1x128", "fp8_block128x128" if t_blocks else None)
     for g, w in zip(got, (want[0].data, want[0].scale, want[1].data, want[1].scale)):
         assert g.shape == w.shape and torch.equal(g.float(), w.float())
+
+
+def test_swiglu_dual_op_with_square_block_transpose():
+    g, u = torch.randn(200, 256, dtype=torch.bfloat16), torch.randn(200, 256, dtype=torch.bfloat16)
+    torch.library.opcheck(torch.ops.lowprec.swiglu_dual_fp8.default, ("swiglu", [g, u], True),
+                          test_utils=OPCHECK_TESTS)
+    got = ops.swiglu_dual_fp8("swiglu", [g, u], True)
+    want = lowprec.quant.quantize_dual(ops.swiglu_values("swiglu", (g, u)), "fp8_block1x128", "fp8_block128x128")
+    for got_t, want_t in zip(got, (want[0].data, want[0].scale, want[1].data, want[1].scale)):
+        assert got_t.shape == want_t.shape and torch.equal(got_t.float(), want_t.float())
+    with pytest.raises(ValueError, match="t_blocks"):
+        ops.swiglu_dual_codes("swiglu_dup", (g, u), t_blocks=True)
 
 
 @pytest.mark.parametrize("stack", [(256, 256), (512, 128)])
@@ -62,8 +75,10 @@ def test_kernel_constraints_are_stated_by_the_hopper_config():
     assert "no quantize kernel" in quantize_unsupported(x, lowprec.get_recipe("mxfp8"))
     assert "dtype" in quantize_unsupported(x.double(), r1x128)
     assert "multiple of 16" in quantize_unsupported(x[:, :40], r1x128)
-    assert dual_unsupported(x, r1x128) is None
-    assert "1x128" in dual_unsupported(x, rowwise)  # the dual kernel writes 1x128 scales only
     r128 = lowprec.get_recipe("fp8_block128x128")
+    assert dual_unsupported(x, r1x128, r1x128) is None
+    assert dual_unsupported(x, r1x128, r128) is None  # the transpose in 128x128 blocks
+    assert "1x128" in dual_unsupported(x, rowwise, rowwise)  # along features: 1x128 scales only
+    assert "recipe_t" in dual_unsupported(x, r1x128, rowwise)
     assert transpose_unsupported(x.reshape(2, 16, 256), r128) is not None  # 16-row matrices in a batch
     assert transpose_unsupported(torch.randn(2, 128, 256), r128) is None

@@ -28,6 +28,18 @@ def test_kernel_compiles_for_sm90a_with_wide_accesses_and_no_spills(kind, dtype)
     assert "ACQBULK" in sass  # griddepcontrol.wait: safe under programmatic dependent launch
 
 
+@pytest.mark.parametrize("kind, dtype", [("dual", torch.bfloat16), ("dual", torch.float32),
+                                         ("swiglu_dual", torch.bfloat16)])
+def test_square_block_transpose_variant_compiles_without_spills(kind, dtype):
+    """The dual kernels with the transposed half in 128x128 blocks (``fp8_block_wgrad2d``): one
+    scale per tile, so fewer shuffles than the per-column variant, and still no local memory."""
+    sass = sass_of(build_kernel(kind, dtype, t_blocks=True))
+    assert cubin_arch(sass) == "sm_90a" and local_memory_ops(sass) == 0
+    assert sass.count("SHFL") < sass_of(build_kernel(kind, dtype)).count("SHFL")
+    with pytest.raises(ValueError, match="t_blocks"):
+        build_kernel("swiglu_dup_dual", torch.bfloat16, t_blocks=True)
+
+
 def _poison_allocator():
     """Leave NaN bytes in the caching allocator so an unwritten output element cannot pass."""
     torch.empty(64 << 20, dtype=torch.uint8, device="cuda").fill_(0x7F)
@@ -96,10 +108,32 @@ def test_swiglu_dual_matches_reference(kind, shape, dtype, monkeypatch):
     monkeypatch.setenv("LOWPREC_BACKEND", "kernel")
     _poison_allocator()
     got = swiglu_dual_codes(kind, inputs)
+    _near(got, ref)
+
+
+def _near(got, ref):
+    """The SwiGLU kernels' codes within one E4M3 step of the reference's, scales within an ulp."""
     for codes, ref_codes, scales, ref_scales in ((got[0], ref[0], got[1], ref[1]), (got[2], ref[2], got[3], ref[3])):
+        assert scales.shape == ref_scales.shape
         torch.testing.assert_close(scales, ref_scales, rtol=1e-5, atol=0)
         step = (codes.view(torch.int8).int() - ref_codes.view(torch.int8).int()).abs()
         assert step.max() <= 1 and (step > 0).float().mean() < 1e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(1, 128), (300, 1040), (2000, 7168), (1000, 272)])
+def test_swiglu_dual_with_square_block_transpose_matches_reference(shape, monkeypatch):
+    from lowprec.quant.ops import swiglu_dual_codes
+
+    wide = _data(shape[0], shape[1] * 2, torch.bfloat16, seed=sum(shape) + 7) * 4
+    inputs = (wide[:, :shape[1]], wide[:, shape[1]:])
+    monkeypatch.setenv("LOWPREC_BACKEND", "reference")
+    ref = swiglu_dual_codes("swiglu", inputs, t_blocks=True)
+    monkeypatch.setenv("LOWPREC_BACKEND", "kernel")
+    _poison_allocator()
+    got = swiglu_dual_codes("swiglu", inputs, t_blocks=True)
+    assert got[3].shape == (-(-shape[1] // 128), -(-shape[0] // 128))
+    _near(got, ref)
 
 
 @pytest.mark.gpu
@@ -116,6 +150,18 @@ def test_128x128_matches_reference(shape, dtype, monkeypatch):
 def test_dual_matches_reference(shape, dtype, monkeypatch):
     x = _data(*shape, dtype, seed=sum(shape) + 2)
     (rows, cols), (ref_rows, ref_cols) = _kernel_and_reference(quantize_dual, x, monkeypatch)
+    _same(rows, ref_rows)
+    _same(cols, ref_cols)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape", [(1, 128), (300, 1040), (4096, 4096), (1000, 272), (2000, 7168)])
+def test_dual_with_square_block_transpose_matches_reference(shape, dtype, monkeypatch):
+    x = _data(*shape, dtype, seed=sum(shape) + 5)
+    (rows, cols), (ref_rows, ref_cols) = _kernel_and_reference(
+        lambda t: quantize_dual(t, "fp8_block1x128", "fp8_block128x128"), x, monkeypatch)
+    assert cols.recipe.name == "fp8_block128x128"
     _same(rows, ref_rows)
     _same(cols, ref_cols)
 

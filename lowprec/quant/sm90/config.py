@@ -34,10 +34,12 @@ def quantize_unsupported(x: torch.Tensor, r) -> str | None:
     return _recipe_unsupported(x, r) or rows_unsupported(x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x)
 
 
-def dual_unsupported(x: torch.Tensor, r) -> str | None:
-    """``quantize_dual(x, r)``: ``x`` [T, K], both orientations in 1x128 blocks."""
+def dual_unsupported(x: torch.Tensor, r, r_t) -> str | None:
+    """``quantize_dual(x, r, r_t)``: ``x`` [T, K] in 1x128 blocks, ``xᵀ`` in 1x128 or 128x128."""
     if r.name != "fp8_block1x128" or r.scale_rounding != "exact":
         return f"recipe {r.name}: the dual kernel quantizes exact 1x128 blocks"
+    if r_t.name not in ("fp8_block1x128", "fp8_block128x128") or r_t.scale_rounding != "exact":
+        return f"recipe_t {r_t.name}: the dual kernel quantizes the transpose in exact 1x128 or 128x128 blocks"
     return rows_unsupported(x)
 
 
