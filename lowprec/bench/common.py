@@ -174,6 +174,15 @@ def gpu_slug() -> str:
     return re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name().lower()).strip("-")
 
 
+def load_results(op: str, path: str | None = None) -> dict | None:
+    """The saved section ``op`` of ``benchmarks/results/<gpu>.json`` (or ``path``); None if absent."""
+    path = path or os.path.join("benchmarks", "results", f"{gpu_slug()}.json")
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f).get(op)
+
+
 def save_results(op: str, payload: dict, path: str | None = None) -> str:
     """Merge ``payload`` under ``op`` into ``benchmarks/results/<gpu>.json`` (or ``path``)."""
     path = path or os.path.join("benchmarks", "results", f"{gpu_slug()}.json")

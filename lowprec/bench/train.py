@@ -21,7 +21,8 @@ reading the activations in 128x128 blocks;
 (``eager``; ``compiled``: ``torch.compile(model)``), one row: the median step time (forward, loss,
 backward, AdamW step (fused on CUDA); ``bench_ms``: the host syncs before each step, so host time
 that is not hidden behind the GPU counts), peak memory, and the ratio to the bf16 implementation
-with the same weights and mode.
+with the same weights and mode. Rows merge into the saved results: a row measured again replaces
+its old one, the others stay, each with the date it was measured.
 
 ``--train-steps N`` then trains the first size N steps on real text (the Python standard
 library's sources as bytes, :mod:`lowprec.bench.corpus`) with each of ``--text-impls`` (bf16 and
@@ -38,6 +39,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import datetime
 import functools
 import math
 from dataclasses import dataclass
@@ -273,9 +275,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench train needs a CUDA GPU")
-    from .common import bench_ms, gpu_slug, print_table, save_results
+    from .common import bench_ms, gpu_slug, load_results, print_table, save_results
 
     reasons = available_impls(args.impls)
+    today = datetime.date.today().isoformat()
     rows = []
     for size in args.sizes:
         c = SIZES[size]
@@ -286,7 +289,9 @@ def main(argv: list[str] | None = None) -> int:
         for weights in args.weights:
             for mode in args.modes:
                 for impl in args.impls:
-                    row = {"size": size, "weights": weights, "mode": mode, "impl": impl}
+                    row = {"size": size, "weights": weights, "mode": mode, "impl": impl, "date": today}
+                    if args.min_weight_numel is not None:
+                        row["min_weight_numel"] = args.min_weight_numel
                     model = step = None
                     if reasons[impl]:
                         rows.append({**row, "note": f"missing: {reasons[impl]}"})
@@ -319,16 +324,34 @@ def main(argv: list[str] | None = None) -> int:
                 [[r["size"], r["weights"], r["mode"], r["impl"], r.get("step_ms", "-"), r.get("x_bf16", "-"),
                   r.get("peak_gib", "-"), r.get("note", "")] for r in rows])
     payload = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows,
-               "sizes": {s: vars(SIZES[s]) for s in args.sizes}, "min_weight_numel": args.min_weight_numel}
+               "sizes": {s: vars(SIZES[s]) for s in args.sizes}}
     if args.train_steps:
         impls = ["bf16"] + [i for i in args.text_impls if i != "bf16"]
         payload["text"] = train_on_text(SIZES[args.sizes[0]], args.train_steps, impls=impls)
         gaps = ", ".join(f"{impl} {gap:+.2%}" for impl, gap in payload["text"]["relative_gap"].items())
         print(f"last-20 mean loss: {payload['text']['last20_mean']}; against bf16: {gaps}")
         _plot(payload["text"], gpu_slug(), args.out)
-    path = save_results("train", payload, args.out)
+    path = save_results("train", merged_with_saved(payload, load_results("train", args.out)), args.out)
     print(f"results: {path}")
     return 0
+
+
+def _row_key(row: dict) -> tuple:
+    return row["size"], row["weights"], row["mode"], row["impl"], row.get("min_weight_numel")
+
+
+def merged_with_saved(payload: dict, saved: dict | None) -> dict:
+    """This run's section over the saved one: a row measured now replaces the saved row of the same
+    size, weights, mode, implementation and ``--min-weight-numel``; the others stay (rows carry the
+    date they were measured), as do the saved sizes and the saved real-text run unless this run has
+    its own. The saved section's free-text ``note`` stays, for the rows it describes."""
+    if not saved:
+        return payload
+    fresh = {_row_key(r) for r in payload["rows"]}
+    merged = {**saved, **payload}
+    merged["rows"] = [r for r in saved.get("rows", []) if _row_key(r) not in fresh] + payload["rows"]
+    merged["sizes"] = {**saved.get("sizes", {}), **payload["sizes"]}
+    return merged
 
 
 def _plot(text: dict, slug: str, results_path: str | None = None) -> None:

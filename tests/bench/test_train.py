@@ -83,6 +83,22 @@ def test_arguments():
         train.make_model(TINY, "fp4", "bf16", device="cpu")
 
 
+def test_results_merge_into_the_saved_section():
+    """A run of one size and implementation replaces only its own rows; the other size's rows, the
+    saved loss run and the --min-weight-numel rows stay."""
+    row = lambda size, impl, ms, **kw: {"size": size, "weights": "bf16", "mode": "eager", "impl": impl,  # noqa: E731
+                                        "step_ms": ms, **kw}
+    saved = {"note": "old", "text": {"steps": 300}, "sizes": {"h1024": 1, "llama3-8b-2l": 2},
+             "rows": [row("h1024", "bf16", 30.0), row("llama3-8b-2l", "lowprec", 50.0),
+                      row("llama3-8b-2l", "lowprec", 47.0, min_weight_numel=0)]}
+    payload = {"device": "H100", "sizes": {"llama3-8b-2l": 2}, "rows": [row("llama3-8b-2l", "lowprec", 45.0)]}
+    merged = train.merged_with_saved(payload, saved)
+    assert merged["note"] == "old" and merged["text"] == {"steps": 300} and merged["device"] == "H100"
+    assert set(merged["sizes"]) == {"h1024", "llama3-8b-2l"}
+    assert sorted(r["step_ms"] for r in merged["rows"]) == [30.0, 45.0, 47.0]
+    assert train.merged_with_saved(payload, None) is payload
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the exit without a GPU")
 def test_exits_1_without_a_gpu():
     res = subprocess.run([sys.executable, "-m", "lowprec", "bench", "train"], capture_output=True, text=True)
