@@ -31,7 +31,7 @@ lowprec by default), same seed, initial weights and batches; the losses go to th
 
     python -m lowprec bench train [--sizes h1024,llama3-8b-2l] [--impls bf16,lowprec,...]
         [--weights bf16,fp32-autocast] [--modes eager,compiled] [--steps 20] [--train-steps 300]
-        [--text-impls bf16,lowprec,...] [--min-weight-numel N]
+        [--text-impls bf16,lowprec,...] [--text-seeds 1] [--min-weight-numel N]
 """
 
 from __future__ import annotations
@@ -229,6 +229,7 @@ def parse_args(argv=None):
     p.add_argument("--train-steps", type=int, default=0, help="then train the first size this many steps on "
                                                               "real text, each of --text-impls (0: skip)")
     p.add_argument("--text-impls", default="bf16,lowprec", help="the implementations of the real-text run")
+    p.add_argument("--text-seeds", type=int, default=1, help="seeds of the real-text run (initial weights, batches)")
     p.add_argument("--min-weight-numel", type=int, default=None,
                    help="lowprec.convert's threshold for the timed rows (default: convert's own; 0: every projection)")
     p.add_argument("--out", default=None)
@@ -240,35 +241,48 @@ def parse_args(argv=None):
         if unknown:
             p.error(f"--{name.replace('_', '-')}: unknown {unknown}; known: {list(known)}")
         setattr(args, name, values)
+    if args.text_seeds < 1:
+        p.error(f"--text-seeds: expected at least 1, got {args.text_seeds}")
     return args
 
 
-def train_on_text(c: LlamaConfig, steps: int, device="cuda", impls=("bf16", "lowprec")) -> dict:
+def train_on_text(c: LlamaConfig, steps: int, device="cuda", impls=("bf16", "lowprec"), seeds: int = 1) -> dict:
     """``steps`` steps of each of ``impls`` (bf16 first) on the standard library's sources (bf16
-    weights, eager, same seed / weights / batches): the loss of every step, the last-20 means and
-    each FP8 implementation's relative gap to bf16's."""
+    weights, eager; per seed the same initial weights and batches for every implementation).
+
+    Returns the first seed's loss of every step (``losses``), and over the seeds: the mean of the
+    last-20-step means (``last20_mean``) and each FP8 implementation's mean relative gap to bf16
+    (``relative_gap``; ``relative_gap_per_seed`` with several seeds). One seed's gap moves by ~1.7
+    points between identical runs (GPU nondeterminism; quant NOTES, session 36): compare recipes
+    over several seeds."""
     from .corpus import random_windows, stdlib_bytes
 
     data, _ = stdlib_bytes(device)
     text = LlamaConfig(c.hidden, c.layers, c.heads, c.kv_heads, c.ffn, vocab=256, batch=c.batch, seq=c.seq)
-    torch.manual_seed(0)
-    base = Llama(text)
-    runs = {}
-    for impl in impls:
-        # every projection in FP8, however small: this run is about FP8's numerics
-        model = make_model(text, impl, "bf16", device, base=base, min_weight_numel=0)
-        step = make_step(model, "bf16", compiled=False)
-        g = torch.Generator().manual_seed(0)
-        losses = []
-        for i in range(steps):
-            x, y = random_windows(data, text.batch, text.seq, g)
-            losses.append(step(x, y).item())
-            if i % 50 == 0:
-                print(f"  train {impl} step {i}: loss {losses[-1]:.4f}", flush=True)
-        runs[impl] = losses
-    tail = {impl: sum(v[-20:]) / len(v[-20:]) for impl, v in runs.items()}
-    return {"steps": steps, "losses": runs, "last20_mean": tail,
-            "relative_gap": {impl: tail[impl] / tail["bf16"] - 1 for impl in impls if impl != "bf16"}}
+    first, tails = {}, {impl: [] for impl in impls}
+    for seed in range(seeds):
+        torch.manual_seed(seed)
+        base = Llama(text)
+        for impl in impls:
+            # every projection in FP8, however small: this run is about FP8's numerics
+            model = make_model(text, impl, "bf16", device, base=base, min_weight_numel=0)
+            step = make_step(model, "bf16", compiled=False)
+            g = torch.Generator().manual_seed(seed)
+            losses = []
+            for i in range(steps):
+                x, y = random_windows(data, text.batch, text.seq, g)
+                losses.append(step(x, y).item())
+                if i % 50 == 0:
+                    print(f"  train seed {seed} {impl} step {i}: loss {losses[-1]:.4f}", flush=True)
+            first.setdefault(impl, losses)
+            tails[impl].append(sum(losses[-20:]) / len(losses[-20:]))
+    gaps = {impl: [t / b - 1 for t, b in zip(tails[impl], tails["bf16"])] for impl in impls if impl != "bf16"}
+    out = {"steps": steps, "seeds": seeds, "losses": first,
+           "last20_mean": {impl: sum(v) / seeds for impl, v in tails.items()},
+           "relative_gap": {impl: sum(v) / seeds for impl, v in gaps.items()}}
+    if seeds > 1:
+        out["relative_gap_per_seed"] = gaps
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -327,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
                "sizes": {s: vars(SIZES[s]) for s in args.sizes}}
     if args.train_steps:
         impls = ["bf16"] + [i for i in args.text_impls if i != "bf16"]
-        payload["text"] = train_on_text(SIZES[args.sizes[0]], args.train_steps, impls=impls)
+        payload["text"] = train_on_text(SIZES[args.sizes[0]], args.train_steps, impls=impls, seeds=args.text_seeds)
         gaps = ", ".join(f"{impl} {gap:+.2%}" for impl, gap in payload["text"]["relative_gap"].items())
         print(f"last-20 mean loss: {payload['text']['last20_mean']}; against bf16: {gaps}")
         _plot(payload["text"], gpu_slug(), args.out)

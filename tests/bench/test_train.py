@@ -83,6 +83,20 @@ def test_arguments():
         train.make_model(TINY, "fp4", "bf16", device="cpu")
 
 
+def test_text_run_over_seeds_on_the_cpu():
+    """Each seed trains every implementation from its own initial weights and batches; the gaps are
+    the seeds' mean, the plotted losses the first seed's."""
+    out = train.train_on_text(TINY, steps=2, device="cpu", impls=("bf16", "lowprec"), seeds=2)
+    assert out["seeds"] == 2 and len(out["losses"]["lowprec"]) == 2
+    per_seed = out["relative_gap_per_seed"]["lowprec"]
+    assert len(per_seed) == 2 and per_seed[0] != per_seed[1]
+    assert out["relative_gap"]["lowprec"] == pytest.approx(sum(per_seed) / 2)
+    first = out["losses"]
+    assert out["last20_mean"]["bf16"] != pytest.approx(sum(first["bf16"]) / 2)  # the mean of both seeds
+    with pytest.raises(SystemExit):
+        train.parse_args(["--text-seeds", "0"])
+
+
 def test_results_merge_into_the_saved_section():
     """A run of one size and implementation replaces only its own rows; the other size's rows, the
     saved loss run and the --min-weight-numel rows stay."""
