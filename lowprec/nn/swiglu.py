@@ -62,7 +62,7 @@ class _FP8SwiGLU(torch.autograd.Function):
         wd, wd_t = quantize_weight(w_down, recipe.weight, with_transpose=any(ctx.needs_input_grad[:3]))
         g = gemm(x_q, wg, out_dtype=dt)
         u = gemm(x_q, wu, out_dtype=dt)
-        a, at = swiglu_quantize_dual("swiglu", g, u, t_blocks=recipe.wgrad_activation == "fp8_block128x128")
+        a, at = swiglu_quantize_dual("swiglu", g, u, recipe_t=recipe.wgrad_activation)
         ctx.recipe = recipe
         y = gemm(a, wd, out_dtype=dt)
         ctx.weight_dtypes = (w_gate.dtype, w_up.dtype, w_down.dtype)

@@ -135,16 +135,20 @@ def _dual_tensors(r: ScaleRecipe, r_t: ScaleRecipe, shape, dtype, q, s, qt, st
             QuantizedTensor._unchecked(qt, st, r_t, (shape[1], qt.shape[1]), dtype))
 
 
-def swiglu_quantize_dual(kind: str, *inputs: torch.Tensor, t_blocks: bool = False
+def swiglu_quantize_dual(kind: str, *inputs: torch.Tensor, recipe_t: str | ScaleRecipe | None = None
                          ) -> tuple[QuantizedTensor, QuantizedTensor]:
     """``quantize_dual`` (``fp8_block1x128``) of the dense SwiGLU MLP's FP32 values ``kind`` of
     ``inputs`` [T, F] (:func:`lowprec.quant.ops.swiglu_values`: ``"swiglu"`` of gate, up;
     ``"swiglu_dgate"`` of gate, up, dA; ``"swiglu_dup"`` of gate, dA), computed and quantized in
     one pass on Hopper (:mod:`lowprec.quant.ops` says how close the kernels are to the reference).
-    ``t_blocks`` (``"swiglu"`` only): the transposed half in ``fp8_block128x128``."""
+    ``recipe_t``: the transposed half's, ``fp8_block1x128`` (None, the default) or
+    ``fp8_block128x128`` (``"swiglu"`` only), as :func:`quantize_dual`'s."""
     args = tuple(t.contiguous() for t in inputs)
     r = get_recipe("fp8_block1x128")
-    r_t = get_recipe("fp8_block128x128") if t_blocks else r
+    r_t = r if recipe_t is None else get_recipe(recipe_t)
+    if r_t.name not in (r.name, "fp8_block128x128"):
+        raise ValueError(f"recipe_t: expected fp8_block1x128 or fp8_block128x128, got {r_t.name!r}")
+    t_blocks = r_t.is_2d
     wrap = functools.partial(_dual_tensors, r, r_t, args[0].shape, torch.float32)
     if _traced_on_cuda(args[0]):
         return wrap(*ops.swiglu_dual_fp8(kind, list(args), t_blocks))

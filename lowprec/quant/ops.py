@@ -15,7 +15,7 @@ import torch
 
 from ..recipes import get_recipe
 from ..runtime import registry
-from .layouts import empty_mn_major_tma_aligned
+from .layouts import empty_dual_outputs, empty_mn_major_tma_aligned
 from .reference import quantize_reference
 
 __all__ = ["quantize_fp8", "quantize_dual_fp8", "quantize_128x128_t_fp8", "swiglu_dual_fp8", "swiglu_dual_codes",
@@ -62,15 +62,7 @@ def _(x, recipe):
 
 
 def _empty_dual(x: torch.Tensor, t_blocks: bool = False) -> tuple[torch.Tensor, ...]:
-    t, k = x.shape
-    t_pad = -(-t // 16) * 16
-    q, s = _empty_codes_and_scales(x, "fp8_block1x128")
-    qt = torch.empty(k, t_pad, dtype=torch.float8_e4m3fn, device=x.device)
-    if t_blocks:
-        st = torch.empty(-(-k // 128), -(-t_pad // 128), dtype=torch.float32, device=x.device)
-    else:
-        st = empty_mn_major_tma_aligned(k, -(-t_pad // 128), x.device)
-    return q, s, qt, st
+    return empty_dual_outputs(*x.shape, x.device, t_blocks)
 
 
 def _t_recipe(t_blocks: bool) -> str:

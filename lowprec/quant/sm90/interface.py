@@ -7,7 +7,7 @@ import functools
 import torch
 
 from ...runtime import ffi_entry, kernel_cache, on_device, sm_count
-from ..layouts import empty_mn_major_tma_aligned
+from ..layouts import empty_dual_outputs, empty_mn_major_tma_aligned
 
 __all__ = ["quantize_1x128", "quantize_rowwise", "quantize_128x128", "quantize_128x128_t", "quantize_dual",
            "swiglu_quantize_dual", "swiglu_quantize_dual_t_blocks", "swiglu_dgate_quantize_dual",
@@ -188,16 +188,8 @@ def _dual(kind: str, *inputs: torch.Tensor, t_blocks: bool = False
           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """A kernel of the dual family on ``inputs`` (one shape [T, K], rows 16-byte aligned)."""
     x = inputs[0]
-    t, k = x.shape
-    t_pad = -(-t // 16) * 16
-    q = torch.empty(t, k, dtype=torch.float8_e4m3fn, device=x.device)
-    s = empty_mn_major_tma_aligned(t, -(-k // 128), x.device)
-    qt = torch.empty(k, t_pad, dtype=torch.float8_e4m3fn, device=x.device)
-    if t_blocks:
-        st = torch.empty(-(-k // 128), -(-t_pad // 128), dtype=torch.float32, device=x.device)
-    else:
-        st = empty_mn_major_tma_aligned(k, -(-t_pad // 128), x.device)
-    if t:  # rows past T load as zeros, so the kernel writes the padding columns too
+    q, s, qt, st = empty_dual_outputs(*x.shape, x.device, t_blocks)
+    if x.shape[0]:  # rows past T load as zeros, so the kernel writes the padding columns too
         with on_device(x.device):
             compile_kernel(kind, x.dtype, ARCH, t_blocks)(*inputs, q.view(torch.uint8), s, qt.view(torch.uint8), st,
                                                          _resident_ctas(x.device, _ctas_per_sm(kind, x.dtype)))
