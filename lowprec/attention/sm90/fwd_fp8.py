@@ -57,6 +57,7 @@ _LOG2_PSCALE = math.log2(P_SCALE)
 _SCHED_BAR = 2  # named barriers 2, 3: ping-pong turns of consumer warpgroups 0, 1
 _QUANT_BAR = 4  # named barriers 4..6: consumer warpgroup w's Q quantization (quantize_q)
 _QUANT_PAIR_BAR = 7  # quantize_q with two consumer warpgroups: both, whose rows are one Q-scale block
+_VSCALE_BAR = 8  # named barriers 8..10: consumer warpgroup w's V scales in shared memory
 Q_VEC = 8  # Q values per 16-byte load of the in-kernel Q quantization
 _C_MIN = 1e-30  # floor of the score scale: a zero scale (all-zero block) must not make -inf * 0
 _NACC = 4  # independent accumulation chains of the row max / row sum (8: 2-4% slower, NOTES.md)
@@ -234,6 +235,7 @@ class FP8AttentionFwdSm90:
             mbar_v: cute.struct.MemRange[cutlass.Int64, self.stages * 2]
             sQ: cute.struct.Align[cute.struct.MemRange[f8, cute.cosize(sQ_layout)], 1024]
             q_amax: cute.struct.MemRange[cutlass.Float32, 4 * self.num_mma_wg]  # quantize_q: per warp
+            v_scales: cute.struct.MemRange[cutlass.Float32, self.num_mma_wg * self.head_dim]  # per warpgroup
             sK: cute.struct.Align[cute.struct.MemRange[f8, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[f8, cute.cosize(sV_layout)], 1024]
 
@@ -345,6 +347,7 @@ class FP8AttentionFwdSm90:
                 tidx - self.threads_per_wg, mma_qk, mma_pv, sQ, sK, sV, pipe_q, pipe_k, pipe_v,
                 mQS, mKS, mVS, mO, mLSE, softmax_scale_log2, pack_r, dims, (mQ, storage.q_amax.get_tensor(
                     cute.make_layout(4 * self.num_mma_wg))),
+                storage.v_scales.get_tensor(cute.make_layout((self.head_dim, self.num_mma_wg))),
             )
 
     # ------------------------------------------------------------------ tiles
@@ -483,7 +486,7 @@ class FP8AttentionFwdSm90:
     @cute.jit
     def _consumer(
         self, mtidx, mma_qk: cute.TiledMma, mma_pv: cute.TiledMma, sQ, sK, sV,
-        pipe_q, pipe_k, pipe_v, mQS, mKS, mVS, mO, mLSE, softmax_scale_log2, pack_r, dims, q_in,
+        pipe_q, pipe_k, pipe_v, mQS, mKS, mVS, mO, mLSE, softmax_scale_log2, pack_r, dims, q_in, sVS,
     ):
         wg = cute.arch.make_warp_uniform(mtidx // self.threads_per_wg)
         # --- S = Q Kᵀ: operands from shared memory
@@ -537,7 +540,8 @@ class FP8AttentionFwdSm90:
         regs = (acc_s, blk, acc_o, p_words, row_l, col_l, quad, tOcO[0][1], shuf)
         qk = (qk_zero, qk_acc, acc_s, tSrQ, tSrK)
         pv = (pv_zero if self.two_level else pv_acc, pv_acc, pv_dst, tOrP_w, tOrV)
-        gm = (mQS, mKS, mVS, mO, mLSE, softmax_scale_log2, pack_r, (*q_in, sQ, mtidx % self.threads_per_wg))
+        gm = (mQS, mKS, mVS, mO, mLSE, softmax_scale_log2, pack_r, (*q_in, sQ, mtidx % self.threads_per_wg),
+              sVS[(None, wg)])
         pipes = (pipe_q, pipe_k, pipe_v)
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
@@ -565,8 +569,12 @@ class FP8AttentionFwdSm90:
         seqlen_q, seqlen_k, q_row0, kb0, o_row0, vs_row = seq
         acc_s, blk, acc_o, p_words, row_l, col_l, quad, ocol_l, shuf = regs
         src_a, src_b, sender_odd, sel0, sel1 = shuf
-        mQS, mKS, mVS, mO, mLSE, softmax_scale_log2, pack_r, q_in = gm
+        mQS, mKS, mVS, mO, mLSE, softmax_scale_log2, pack_r, q_in, sVS = gm
         pipe_q, pipe_k, pipe_v = pipes
+        # this tile's V scales, loaded now and kept in shared memory for the epilogue: loaded there,
+        # their global latency sat between the last P.V and the first store (ncu, session 37)
+        vs_t = q_in[3]
+        vs_vals = self._load_v_scales(mVS, vs_row, vs_t)
         n_blk = cute.size(acc_o[0])
         for ch in cutlass.range_constexpr(self.pv_chunks):
             acc_o[ch].fill(0.0)
@@ -605,6 +613,7 @@ class FP8AttentionFwdSm90:
 
         if cutlass.const_expr(not self.quantize_q):
             pipe_q.consumer_wait(q_state)
+        self._store_v_scales(sVS, vs_vals, vs_t, wg)
         mask_args = (col_l, row_pos, seqlen_k, causal_off)
         alpha = cute.make_rmem_tensor((2,), cutlass.Float32)
         plain_serial = self.pv_chunks > 1 or (self.num_mma_wg == 3 and self.head_dim > 64)
@@ -720,7 +729,7 @@ class FP8AttentionFwdSm90:
         if cutlass.const_expr(self.varlen):
             # the sequence's fields read again: held through the KV loop they spill at D = 256
             _, _, seq = self._varlen_fields(cute.arch.block_idx()[2], bh_kv, dims)
-            seqlen_q, o_row0, vs_row = seq[0], seq[4], seq[5]
+            seqlen_q, o_row0 = seq[0], seq[4]
         inv = cute.make_rmem_tensor((2,), cutlass.Float32)
         for r in cutlass.range_constexpr(2):
             s = row_sum[r]
@@ -740,12 +749,12 @@ class FP8AttentionFwdSm90:
         # loads after stores to a maybe-aliasing pointer would each wait a full global latency
         # (measured: 16% of the kernel's warp time); O goes out as pairs of adjacent columns
         v_scales = cute.make_rmem_tensor((self.pv_chunks * n_blk // 2,), cutlass.Float32)
-        vs_row = mVS[(vs_row, None)]
+        cute.arch.barrier(barrier_id=_VSCALE_BAR + wg, number_of_threads=self.threads_per_wg)
         for ch in cutlass.range_constexpr(self.pv_chunks):
             for j in cutlass.range_constexpr(n_blk // 4):
                 col = ch * self.pv_n + ocol_l + 8 * j
                 pair = cute.make_rmem_tensor((2,), cutlass.Float32)
-                cute.autovec_copy(cute.local_tile(vs_row, (2,), (col // 2,)), pair)
+                cute.autovec_copy(cute.local_tile(sVS, (2,), (col // 2,)), pair)
                 for e in cutlass.range_constexpr(2):
                     v_scales[ch * n_blk // 2 + 2 * j + e] = pair[e]
         o_head = mO[(None, None, bh_out)]
@@ -777,6 +786,34 @@ class FP8AttentionFwdSm90:
                     if row < seqlen_q:
                         cute.autovec_copy(pair, cute.local_tile(o_head, (1, 2), (row, col // 2)))
         return q_state, k_state, v_state
+
+    @cute.jit
+    def _load_v_scales(self, mVS, vs_row, t):
+        """The V scales of row ``vs_row``, column t + 128 i for thread t (i < ceil(D / 128))."""
+        vals = cute.make_rmem_tensor(((self.head_dim + 127) // 128,), cutlass.Float32)
+        for i in cutlass.range_constexpr(cute.size(vals)):
+            col = t + self.threads_per_wg * i
+            if cutlass.const_expr(self.head_dim % self.threads_per_wg == 0):
+                vals[i] = mVS[(vs_row, col)]
+            else:
+                vals[i] = cutlass.Float32(0.0)
+                if col < self.head_dim:
+                    vals[i] = mVS[(vs_row, col)]
+        return vals
+
+    @cute.jit
+    def _store_v_scales(self, sVS, vals, t, wg):
+        """Thread t's V scales into this warpgroup's shared copy (read after the barrier of the
+        epilogue). Persistent: first wait until the whole warpgroup has read the previous tile's."""
+        if cutlass.const_expr(self.persistent):
+            cute.arch.barrier(barrier_id=_VSCALE_BAR + wg, number_of_threads=self.threads_per_wg)
+        for i in cutlass.range_constexpr(cute.size(vals)):
+            col = t + self.threads_per_wg * i
+            if cutlass.const_expr(self.head_dim % self.threads_per_wg == 0):
+                sVS[col] = vals[i]
+            else:
+                if col < self.head_dim:
+                    sVS[col] = vals[i]
 
     @cute.jit
     def _release_q(self, pipe_q, q_state):
