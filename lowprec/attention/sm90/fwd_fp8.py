@@ -49,6 +49,7 @@ from cutlass.tensor_utils import LayoutEnum
 
 from ...cute.fp8_block import scale_and_inverse
 from ...cute.fp8_tile import group_max
+from ...cute.sm90.epilogue import TmaStoreEpilogue
 from .config import P_SCALE, RESCALE_SLACK, TILE_M, TILE_N, AttnConfig
 
 _LOG2E = math.log2(math.e)
@@ -58,6 +59,8 @@ _SCHED_BAR = 2  # named barriers 2, 3: ping-pong turns of consumer warpgroups 0,
 _QUANT_BAR = 4  # named barriers 4..6: consumer warpgroup w's Q quantization (quantize_q)
 _QUANT_PAIR_BAR = 7  # quantize_q with two consumer warpgroups: both, whose rows are one Q-scale block
 _VSCALE_BAR = 8  # named barriers 8..10: consumer warpgroup w's V scales in shared memory
+_EPI_BAR = 11  # every consumer thread: O staged in shared memory for its TMA store
+_EPI_N = 32  # columns of O per TMA store slice (64-byte rows: the GEMM core's epilogue slices)
 Q_VEC = 8  # Q values per 16-byte load of the in-kernel Q quantization
 _C_MIN = 1e-30  # floor of the score scale: a zero scale (all-zero block) must not make -inf * 0
 _NACC = 4  # independent accumulation chains of the row max / row sum (8: 2-4% slower, NOTES.md)
@@ -167,6 +170,12 @@ class FP8AttentionFwdSm90:
         self.quantize_q = config.quantize_q
         if self.split_kv:
             self.out_dtype = cutlass.Float32
+        # O (16-bit, D <= 128, dense rows) through shared memory and TMA stores, the GEMM core's
+        # epilogue: 32 4-byte stores per thread queued on the LSU and drained at exit before (ncu,
+        # session 37); varlen rows end inside the tensor (a box would write the next sequence's),
+        # split-KV writes FP32 partials, D = 256 has no shared memory left for a 64 KB tile, packed
+        # GQA (decode: few rows per head) spilled 5 registers with it
+        self.tma_store_o = not (self.varlen or self.split_kv or self.pack_gqa) and self.pv_chunks == 1
 
     # ------------------------------------------------------------------ host side
     def _mma_qk(self):
@@ -227,6 +236,14 @@ class FP8AttentionFwdSm90:
             tma_q, tma_tensor_q = cpasync.make_tiled_tma_atom(g2s, mQ, sQ_layout, (self.tile_m, d))
         tma_v, tma_tensor_v = cpasync.make_tiled_tma_atom(
             g2s, mVt, cute.slice_(sV_layout, (None, None, 0)), (d, self.tile_n))
+        epi_tile = (self.tile_m, _EPI_N)
+        sO_layout = sm90_utils.make_smem_layout_epi(self.out_dtype, LayoutEnum.ROW_MAJOR, epi_tile, d // _EPI_N)
+        if cutlass.const_expr(self.tma_store_o):
+            tma_o, tma_tensor_o = cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileS2GOp(), mO, cute.slice_(sO_layout, (None, None, 0)), epi_tile)
+        else:  # O stored from registers: K's atom stands in, unused
+            tma_o, tma_tensor_o = tma_k, mO
+        o_elems = cute.cosize(sO_layout) if self.tma_store_o else 8
 
         @cute.struct
         class SharedStorage:
@@ -238,15 +255,16 @@ class FP8AttentionFwdSm90:
             v_scales: cute.struct.MemRange[cutlass.Float32, self.num_mma_wg * self.head_dim]  # per warpgroup
             sK: cute.struct.Align[cute.struct.MemRange[f8, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[f8, cute.cosize(sV_layout)], 1024]
+            sO: cute.struct.Align[cute.struct.MemRange[self.out_dtype, o_elems], 1024]
 
         self.shared_storage = SharedStorage
         seqlen_q = cute.size(mQ, mode=[0])
         batch_heads = cute.size(mO, mode=[2])  # x splits for split-KV partials
         m_blocks = (seqlen_q + self.tile_m - 1) // self.tile_m
         self.kernel(
-            tma_q, tma_tensor_q, tma_k, tma_tensor_k, tma_v, tma_tensor_v,
+            tma_q, tma_tensor_q, tma_k, tma_tensor_k, tma_v, tma_tensor_v, tma_o, tma_tensor_o,
             mQS, mKS, mVS, mO, mLSE, softmax_scale_log2, heads, heads_per_kv, pack_r, pack_sq, mPlan,
-            sQ_layout, sK_layout, sV_layout, self._mma_qk(), self._mma_pv(),
+            sQ_layout, sK_layout, sV_layout, sO_layout, self._mma_qk(), self._mma_pv(),
         ).launch(
             grid=self._grid(m_blocks, heads, batch_heads, mPlan, pack_sq),
             block=[self.threads_per_cta, 1, 1],
@@ -268,6 +286,7 @@ class FP8AttentionFwdSm90:
         tma_q: cute.CopyAtom, mQ: cute.Tensor,
         tma_k: cute.CopyAtom, mK: cute.Tensor,
         tma_v: cute.CopyAtom, mVt: cute.Tensor,
+        tma_o: cute.CopyAtom, mO_tma: cute.Tensor,
         mQS: cute.Tensor, mKS: cute.Tensor, mVS: cute.Tensor,
         mO: cute.Tensor, mLSE: cute.Tensor,
         softmax_scale_log2: cutlass.Float32,
@@ -279,6 +298,7 @@ class FP8AttentionFwdSm90:
         sQ_layout: cute.ComposedLayout,
         sK_layout: cute.ComposedLayout,
         sV_layout: cute.ComposedLayout,
+        sO_layout: cute.ComposedLayout,
         mma_qk: cute.TiledMma,
         mma_pv: cute.TiledMma,
     ):
@@ -298,6 +318,8 @@ class FP8AttentionFwdSm90:
                 cpasync.prefetch_descriptor(tma_q)
             cpasync.prefetch_descriptor(tma_k)
             cpasync.prefetch_descriptor(tma_v)
+            if cutlass.const_expr(self.tma_store_o):
+                cpasync.prefetch_descriptor(tma_o)
 
         smem = SmemAllocator()
         storage = smem.allocate(self.shared_storage)
@@ -348,6 +370,7 @@ class FP8AttentionFwdSm90:
                 mQS, mKS, mVS, mO, mLSE, softmax_scale_log2, pack_r, dims, (mQ, storage.q_amax.get_tensor(
                     cute.make_layout(4 * self.num_mma_wg))),
                 storage.v_scales.get_tensor(cute.make_layout((self.head_dim, self.num_mma_wg))),
+                (tma_o, mO_tma, storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner), warp_idx),
             )
 
     # ------------------------------------------------------------------ tiles
@@ -486,7 +509,7 @@ class FP8AttentionFwdSm90:
     @cute.jit
     def _consumer(
         self, mtidx, mma_qk: cute.TiledMma, mma_pv: cute.TiledMma, sQ, sK, sV,
-        pipe_q, pipe_k, pipe_v, mQS, mKS, mVS, mO, mLSE, softmax_scale_log2, pack_r, dims, q_in, sVS,
+        pipe_q, pipe_k, pipe_v, mQS, mKS, mVS, mO, mLSE, softmax_scale_log2, pack_r, dims, q_in, sVS, o_store,
     ):
         wg = cute.arch.make_warp_uniform(mtidx // self.threads_per_wg)
         # --- S = Q Kᵀ: operands from shared memory
@@ -540,8 +563,17 @@ class FP8AttentionFwdSm90:
         regs = (acc_s, blk, acc_o, p_words, row_l, col_l, quad, tOcO[0][1], shuf)
         qk = (qk_zero, qk_acc, acc_s, tSrQ, tSrK)
         pv = (pv_zero if self.two_level else pv_acc, pv_acc, pv_dst, tOrP_w, tOrV)
+        epi = None
+        if cutlass.const_expr(self.tma_store_o):
+            tma_o, mO_tma, sO, warp_idx = o_store
+            epi = TmaStoreEpilogue.create(
+                mma_pv, acc_o, sO, tma_o, mtidx, warp_idx, self.out_dtype, LayoutEnum.ROW_MAJOR,
+                (self.tile_m, _EPI_N), self.head_dim // _EPI_N, self.threads_per_wg // 32,
+                pipeline.NamedBarrier(barrier_id=_EPI_BAR, num_threads=self.num_mma_wg * self.threads_per_wg),
+                self.num_mma_wg * self.threads_per_wg)
+            mO = mO_tma
         gm = (mQS, mKS, mVS, mO, mLSE, softmax_scale_log2, pack_r, (*q_in, sQ, mtidx % self.threads_per_wg),
-              sVS[(None, wg)])
+              sVS[(None, wg)], epi)
         pipes = (pipe_q, pipe_k, pipe_v)
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
@@ -559,6 +591,8 @@ class FP8AttentionFwdSm90:
         else:
             self._consume_tile(self._tile_info(self._grid_tile(dims), dims), dims, wg, regs,
                                qk, pv, gm, pipes, q_state, k_state, v_state)
+        if cutlass.const_expr(self.tma_store_o):
+            epi.tail()
 
     @cute.jit
     def _consume_tile(self, info, dims, wg, regs, qk, pv, gm, pipes, q_state, k_state, v_state):
@@ -569,7 +603,7 @@ class FP8AttentionFwdSm90:
         seqlen_q, seqlen_k, q_row0, kb0, o_row0, vs_row = seq
         acc_s, blk, acc_o, p_words, row_l, col_l, quad, ocol_l, shuf = regs
         src_a, src_b, sender_odd, sel0, sel1 = shuf
-        mQS, mKS, mVS, mO, mLSE, softmax_scale_log2, pack_r, q_in, sVS = gm
+        mQS, mKS, mVS, mO, mLSE, softmax_scale_log2, pack_r, q_in, sVS, epi = gm
         pipe_q, pipe_k, pipe_v = pipes
         # this tile's V scales, loaded now and kept in shared memory for the epilogue: loaded there,
         # their global latency sat between the last P.V and the first store (ncu, session 37)
@@ -773,6 +807,16 @@ class FP8AttentionFwdSm90:
                                 o_pair[e] = (o_val * (v_scales[ch * n_blk // 2 + 2 * j + e] * inv[r])
                                              ).to(self.out_dtype)
                             cute.autovec_copy(o_pair, cute.local_tile(o_row, (2,), (col // 2,)))
+            return q_state, k_state, v_state
+        if cutlass.const_expr(self.tma_store_o):
+            # O scaled in place, then every warpgroup's rows staged and stored by TMA (rows past
+            # the tensor's end are clipped by the TMA unit)
+            for j in cutlass.range_constexpr(n_blk // 4):
+                for r in cutlass.range_constexpr(2):
+                    for e in cutlass.range_constexpr(2):
+                        v = e + 2 * r + 4 * j
+                        acc_o[0][v] = acc_o[0][v] * (v_scales[2 * j + e] * inv[r])
+            epi.store([cute.local_tile(o_head, (self.tile_m, self.head_dim), (m_block, 0))], 0)
             return q_state, k_state, v_state
         for ch in cutlass.range_constexpr(self.pv_chunks):
             for j in cutlass.range_constexpr(n_blk // 4):
