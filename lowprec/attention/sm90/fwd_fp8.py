@@ -24,8 +24,9 @@ causal rows first):
   first k-step) and ``O_acc = O_acc * alpha + blk`` (two-level accumulation), or into O itself
   after ``O_acc *= alpha`` (in-MMA: the default with three warpgroups, whose 160 registers do
   not hold a block accumulator).
-* epilogue: quad-reduced row sums, O scaled by v_scale / rowsum and cast, stored from registers;
-  LSE from the lanes that own a row.
+* epilogue: quad-reduced row sums, O scaled by v_scale / rowsum (the V scales loaded into shared
+  memory when the tile starts) and cast, staged in shared memory and stored by TMA (dense 16-bit
+  outputs at D <= 128; else stored from registers); LSE from the lanes that own a row.
 
 The GEMM core (``lowprec.gemm.sm90.blockscaled_gemm``) is the model for the TMA ring, the two
 MMA objects with ACCUMULATE fixed and the register budget split; once the shared building blocks
