@@ -21,7 +21,7 @@ from triton.testing import do_bench
 
 sys.path.insert(0, ".")
 from lowprec.attention.sm90 import interface  # noqa: E402
-from lowprec.attention.sm90.config import TILE_N  # noqa: E402
+from lowprec.attention.sm90.config import TILE_N, AttnConfig  # noqa: E402
 from lowprec.attention.sm90.interface import fp8_attention_forward, permute_v_keys  # noqa: E402
 from lowprec.bench.common import cuda_graph_replay  # noqa: E402
 from tests.attention.test_sm90 import quantize_inputs  # noqa: E402
@@ -48,8 +48,7 @@ def main():
     interface.PERSISTENT = "--persistent" in sys.argv
     B, H, Sq = 4, 32, 4096
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    cfg_tile_m = 192 if d <= 128 else 128
-    tiles = B * H * -(-Sq // cfg_tile_m)
+    tiles = B * H * -(-Sq // AttnConfig(head_dim=d, consumer_wgs=interface.CONSUMER_WGS).tile_m)
     points = []
     for sk in (128, 256, 512, 1024, 2048, 4096):
         q = torch.randn(B, H, Sq, d, device="cuda", dtype=torch.bfloat16)

@@ -780,9 +780,9 @@ class FP8AttentionFwdSm90:
             if quad == 0:
                 if row < seqlen_q:
                     mLSE[(o_row0 + row, bh_out)] = lse
-        # every V scale this lane needs (its columns 8j + {0,1}) is loaded before the first store:
-        # loads after stores to a maybe-aliasing pointer would each wait a full global latency
-        # (measured: 16% of the kernel's warp time); O goes out as pairs of adjacent columns
+        # every V scale this lane needs (its columns 8j + {0,1}) is read from the warpgroup's shared
+        # copy before the first store (loads after stores to a maybe-aliasing pointer would each
+        # wait out the store: 16% of the kernel's warp time when they were global loads)
         v_scales = cute.make_rmem_tensor((self.pv_chunks * n_blk // 2,), cutlass.Float32)
         cute.arch.barrier(barrier_id=_VSCALE_BAR + wg, number_of_threads=self.threads_per_wg)
         for ch in cutlass.range_constexpr(self.pv_chunks):
