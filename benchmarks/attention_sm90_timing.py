@@ -88,7 +88,7 @@ def main():
                 res[name] = do_bench(fn, warmup=100, rep=500, return_mode="median")
                 torch.cuda.synchronize()
                 print(f"{name} max|out - sdpa| {(out.float() - ref.float()).abs().max().item():.4f}")
-            interface.PERSISTENT, interface.TWO_LEVEL_PV, interface.PINGPONG = False, True, False
+            interface.PERSISTENT, interface.TWO_LEVEL_PV, interface.PINGPONG = None, True, False
         if "--wg2" in sys.argv and D <= 128:  # the two-warpgroup kernel (two-level, S-ahead loop)
             interface.CONSUMER_WGS = 2
             fn()

@@ -45,7 +45,7 @@ def sustained_clock(replay, seconds: float = 2.0) -> str:
 
 def main():
     d = int(sys.argv[sys.argv.index("--d") + 1]) if "--d" in sys.argv else 128
-    interface.PERSISTENT = "--persistent" in sys.argv
+    interface.PERSISTENT = "--persistent" in sys.argv  # the grid unless asked (the default walks at d128)
     B, H, Sq = 4, 32, 4096
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     tiles = B * H * -(-Sq // AttnConfig(head_dim=d, consumer_wgs=interface.CONSUMER_WGS).tile_m)

@@ -35,7 +35,7 @@ class AttnConfig:
     pingpong: bool = False  # consumer warpgroups issue their wgmma in turns (needs overlap); no gain
     pack_gqa: bool = False  # rows = (query head in its KV group, query) for Sq <= 128; decode 3.4x
     split_kv: bool = False  # KV blocks split over grid z; FP32 partials combined on the host; untimed
-    persistent: bool = False  # grid = min(tiles, num_sms), a tile per round in zigzag order; 0.98-1.01x (NOTES)
+    persistent: bool = False  # grid = min(tiles, num_sms), a tile per round in zigzag order (NOTES)
     num_sms: int = 132  # persistent grid size (H100 SXM)
     v_keys_permuted: bool = False  # v_t keys permuted within each 16 (V_KEY_PERM): no P shuffles; +1-4%
     two_level_pv: bool = True  # P.V into a fresh block accumulator added into O (else into O in the wgmma)
@@ -95,6 +95,11 @@ def rescale_slack(head_dim: int) -> int:
     return RESCALE_SLACK if AttnConfig(head_dim).lazy_rescale else 0
 
 
+# head dims whose dense grids walk persistently by default (interface.PERSISTENT): the fused
+# call measured -0.9% to -1.9% there (the kernel to -6%), +0.5-1.6% at d256 (NOTES, session 38)
+PERSISTENT_HEAD_DIMS = (128,)
+
+
 def shipped_configs() -> tuple[AttnConfig, ...]:
     return tuple(AttnConfig(d, c, o) for d in HEAD_DIMS for c in (False, True) for o in OUT_DTYPES)
 
@@ -114,6 +119,10 @@ def variant_configs() -> tuple[AttnConfig, ...]:
             out.append(AttnConfig(d, c, pack_gqa=True))
             out.append(AttnConfig(d, c, pack_gqa=True, split_kv=True))
             out.append(AttnConfig(d, c, persistent=True))
+            if d in PERSISTENT_HEAD_DIMS:  # what the interface launches there by default
+                out.append(AttnConfig(d, c, v_keys_permuted=True, persistent=True))
+                for o in OUT_DTYPES:
+                    out.append(AttnConfig(d, c, o, v_keys_permuted=True, quantize_q=True, persistent=True))
             out.append(AttnConfig(d, c, two_level_pv=False))
             if d <= 128:
                 out.append(AttnConfig(d, c, skip_unit_rescale=False))

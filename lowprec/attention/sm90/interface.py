@@ -18,6 +18,7 @@ import torch
 
 from ...runtime import ffi_entry, on_device
 from .config import (
+    PERSISTENT_HEAD_DIMS,
     PREPASS_MAX_CLUSTER,
     TILE_M,
     TILE_N,
@@ -43,7 +44,10 @@ SPLIT_KV = False  # split the KV blocks over more CTAs when the grid is under a 
 # with the one-launch combine (NOTES.md, session 28); prefill grids under a wave are unmeasured
 SPLIT_KV_DECODE = True
 DECODE_MAX_SQ = 16
-PERSISTENT = False  # persistent CTAs, a tile per round in zigzag order: -2% to +1% on the fused call (NOTES)
+# persistent CTAs, a tile per round in zigzag order. None: on dense grids (no pack-GQA, no split-KV)
+# at the head dims of PERSISTENT_HEAD_DIMS, where the fused call measured -0.9% to -1.9% (d256:
+# +1.6%; NOTES, session 38); True / False: everywhere / nowhere.
+PERSISTENT: bool | None = None
 TWO_LEVEL_PV = True  # AttnConfig.two_level_pv of launched kernels
 CONSUMER_WGS = 3  # AttnConfig.consumer_wgs of launched kernels (3 where it applies: D <= 128)
 SKIP_UNIT_RESCALE = True  # AttnConfig.skip_unit_rescale of launched kernels
@@ -229,8 +233,11 @@ def _forward(q, q_scale, k, k_scale, v_t, v_scale, causal: bool, softmax_scale: 
     # packed: q, out, lse of the r query heads of a KV head are one contiguous run of r * Sq rows
     qh, rows = (Hkv, r * Sq) if pack else (H, Sq)
     splits = 1 if quantize_q else kv_splits(B, H, Hkv, Sq, Sk)
+    persistent = PERSISTENT
+    if persistent is None:
+        persistent = D in PERSISTENT_HEAD_DIMS and not pack and splits == 1
     fn = _kernel(D, causal, out_dtype, pack, splits > 1, v_keys_permuted, OVERLAP, PINGPONG,
-                 _num_sms(q.device) if PERSISTENT else 0, TWO_LEVEL_PV, CONSUMER_WGS, SKIP_UNIT_RESCALE,
+                 _num_sms(q.device) if persistent else 0, TWO_LEVEL_PV, CONSUMER_WGS, SKIP_UNIT_RESCALE,
                  False, quantize_q, LAZY_RESCALE)
     o_dst, l_dst = out, lse
     if splits > 1:
