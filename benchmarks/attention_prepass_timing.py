@@ -2,11 +2,11 @@
 """Timing of the FP8 attention pre-pass (K smoothed, V transposed, the whole qkv pre-pass) and the
 eager ``lowprec.attention(..., quant="fp8")`` call, do_bench median (L2 flushed), bf16 inputs.
     python benchmarks/attention_prepass_timing.py [--pkg DIR] [--tag NAME] [--ring-kb N,...]
-        [--target-ctas N,...]
+        [--target-ctas N,...] [--fix-target N]
 ``--pkg DIR`` imports lowprec from DIR (an older tree, for an A/B in one run); ``--ring-kb`` /
 ``--target-ctas``: time the K and V kernels with each ring size (``config.PREPASS_RING_BYTES``) /
 launch size the cluster rule aims at (``config.PREPASS_TARGET_CTAS``), rounds interleaved, bits
-compared."""
+compared; ``--fix-target N``: the launch size for a ring sweep."""
 
 from __future__ import annotations
 
@@ -72,6 +72,10 @@ def sweep(knob: str, values, rounds=3):
 
 
 def main():
+    if "--fix-target" in sys.argv:  # a ring sweep at another launch size
+        from lowprec.attention.sm90 import config
+        n = int(sys.argv[sys.argv.index("--fix-target") + 1])
+        config.PREPASS_TARGET_CTAS = (n, n // 2)
     for flag, knob in (("--ring-kb", "ring"), ("--target-ctas", "ctas")):
         if flag in sys.argv:
             return sweep(knob, [int(x) for x in sys.argv[sys.argv.index(flag) + 1].split(",")])
