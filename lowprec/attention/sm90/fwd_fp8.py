@@ -792,6 +792,13 @@ class FP8AttentionFwdSm90:
                 cute.autovec_copy(cute.local_tile(sVS, (2,), (col // 2,)), pair)
                 for e in cutlass.range_constexpr(2):
                     v_scales[ch * n_blk // 2 + 2 * j + e] = pair[e]
+        # O in place: each value times its channel's V scale over its row's sum
+        for ch in cutlass.range_constexpr(self.pv_chunks):
+            for j in cutlass.range_constexpr(n_blk // 4):
+                for r in cutlass.range_constexpr(2):
+                    for e in cutlass.range_constexpr(2):
+                        v = e + 2 * r + 4 * j
+                        acc_o[ch][v] = acc_o[ch][v] * (v_scales[ch * n_blk // 2 + 2 * j + e] * inv[r])
         o_head = mO[(None, None, bh_out)]
         if cutlass.const_expr(self.varlen):
             # a run-time row stride (H * D): one row view per row, each store a constant offset
@@ -804,19 +811,12 @@ class FP8AttentionFwdSm90:
                             col = ch * self.pv_n + ocol_l + 8 * j
                             o_pair = cute.make_rmem_tensor((2,), self.out_dtype)
                             for e in cutlass.range_constexpr(2):
-                                o_val = acc_o[ch][e + 2 * r + 4 * j]
-                                o_pair[e] = (o_val * (v_scales[ch * n_blk // 2 + 2 * j + e] * inv[r])
-                                             ).to(self.out_dtype)
+                                o_pair[e] = acc_o[ch][e + 2 * r + 4 * j].to(self.out_dtype)
                             cute.autovec_copy(o_pair, cute.local_tile(o_row, (2,), (col // 2,)))
             return q_state, k_state, v_state
         if cutlass.const_expr(self.tma_store_o):
-            # O scaled in place, then every warpgroup's rows staged and stored by TMA (rows past
-            # the tensor's end are clipped by the TMA unit)
-            for j in cutlass.range_constexpr(n_blk // 4):
-                for r in cutlass.range_constexpr(2):
-                    for e in cutlass.range_constexpr(2):
-                        v = e + 2 * r + 4 * j
-                        acc_o[0][v] = acc_o[0][v] * (v_scales[2 * j + e] * inv[r])
+            # every warpgroup's rows staged and stored by TMA (rows past the tensor's end are
+            # clipped by the TMA unit)
             epi.store([cute.local_tile(o_head, (self.tile_m, self.head_dim), (m_block, 0))], 0)
             return q_state, k_state, v_state
         for ch in cutlass.range_constexpr(self.pv_chunks):
@@ -825,8 +825,7 @@ class FP8AttentionFwdSm90:
                 for r in cutlass.range_constexpr(2):
                     pair = cute.make_rmem_tensor((1, 2), self.out_dtype)
                     for e in cutlass.range_constexpr(2):
-                        o_val = acc_o[ch][e + 2 * r + 4 * j]
-                        pair[e] = (o_val * (v_scales[ch * n_blk // 2 + 2 * j + e] * inv[r])).to(self.out_dtype)
+                        pair[e] = acc_o[ch][e + 2 * r + 4 * j].to(self.out_dtype)
                     row = m0 + row_l[r]
                     if row < seqlen_q:
                         cute.autovec_copy(pair, cute.local_tile(o_head, (1, 2), (row, col // 2)))
