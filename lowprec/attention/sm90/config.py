@@ -120,8 +120,9 @@ def variant_configs() -> tuple[AttnConfig, ...]:
             out.append(AttnConfig(d, c, pack_gqa=True, split_kv=True))
             out.append(AttnConfig(d, c, persistent=True))
             if d in PERSISTENT_HEAD_DIMS:  # what the interface launches there by default
-                out.append(AttnConfig(d, c, v_keys_permuted=True, persistent=True))
                 for o in OUT_DTYPES:
+                    out.append(AttnConfig(d, c, o, persistent=True))
+                    out.append(AttnConfig(d, c, o, v_keys_permuted=True, persistent=True))
                     out.append(AttnConfig(d, c, o, v_keys_permuted=True, quantize_q=True, persistent=True))
             out.append(AttnConfig(d, c, two_level_pv=False))
             if d <= 128:
