@@ -49,7 +49,8 @@ def main():
         times = {a: [], b: []}
         for _ in range(rounds):
             for val in (a, b):
-                setattr(interface, flag, val if getattr(interface, flag) is None else type(getattr(interface, flag))(val))
+                current = getattr(interface, flag)  # None: a rule; the A/B forces the value
+                setattr(interface, flag, val if current is None else type(current)(val))
                 fn()
                 times[val].append(do_bench(cuda_graph_replay(fn) if "--graph" in sys.argv else fn, warmup=50, rep=300,
                                            return_mode="median"))
