@@ -403,27 +403,29 @@ def _attention_fp8_qkv(q, k, v, causal: bool, scale: float):
     # the codes of Q, K and Vᵀ in one buffer, their scales in another (fewer host ops per call)
     nq, nk, nv = 0 if quantize_q else b * h * sq * d, b * hkv * sk * d, b * hkv * d * sk_pad
     codes = torch.empty(nq + nk + nv, dtype=u8, device=dev)
-    k_codes = codes.as_strided((b, hkv, sk, d), (hkv * sk * d, sk * d, d, 1), nq)
-    v_t = codes.as_strided((b, hkv, d, sk_pad), (hkv * d * sk_pad, d * sk_pad, sk_pad, 1), nq + nk)
     # the FP32 outputs and workspaces in one buffer, those the kernels read or write by 16 bytes
     # first: Vᵀ's scales, K's mean, the partials of K and of V, then the Q and K scales
     q_scales = sq // q_block
     nvs, nqs, nks = b * hkv * d, b * h * q_scales, b * hkv * (sk // TILE_N)
     npart = prepass_partials_numel(b * hkv, d)
     scales = torch.empty(2 * nvs + 2 * npart + nqs + nks, dtype=f32, device=dev)
-    v_scale = scales.as_strided((b, hkv, d), (hkv * d, d, 1))
-    k_mean = scales.as_strided((b, hkv, d), (hkv * d, d, 1), nvs)
-    k_part, v_part = scales[2 * nvs:2 * nvs + npart], scales[2 * nvs + npart:2 * nvs + 2 * npart]
     q_off = 2 * nvs + 2 * npart
-    q_scale = scales.as_strided((b, h, q_scales), (h * q_scales, q_scales, 1), q_off)
-    k_scale = scales.as_strided((b, hkv, sk // TILE_N), (hkv * (sk // TILE_N), sk // TILE_N, 1), q_off + nqs)
+    # each kernel is launched as soon as its views exist: the GPU starts on K while the host
+    # prepares the rest (in a lone call, the host time before the first launch is exposed)
     with on_device(dev):
+        k_codes = codes.as_strided((b, hkv, sk, d), (hkv * sk * d, sk * d, d, 1), nq)
+        k_scale = scales.as_strided((b, hkv, sk // TILE_N), (hkv * (sk // TILE_N), sk // TILE_N, 1), q_off + nqs)
+        k_mean = scales.as_strided((b, hkv, d), (hkv * d, d, 1), nvs)
+        _launch_prepass_k(k, k_codes, k_scale.view(-1, 1), k_mean.view(-1, d), scales[2 * nvs:2 * nvs + npart])
+        v_t = codes.as_strided((b, hkv, d, sk_pad), (hkv * d * sk_pad, d * sk_pad, sk_pad, 1), nq + nk)
+        v_scale = scales.as_strided((b, hkv, d), (hkv * d, d, 1))
+        _launch_prepass_v("v_perm", v, v_t.view(-1, sk_pad), v_scale.view(-1, d),
+                          scales[2 * nvs + npart:2 * nvs + 2 * npart])
+        q_scale = scales.as_strided((b, h, q_scales), (h * q_scales, q_scales, 1), q_off)
         if not quantize_q:
             q_codes = codes.as_strided((b, h, sq, d), (h * sq * d, sq * d, d, 1))
             _q_prepass_kernel(q.dtype, q_block * d)(q.view(-1, q_block * d), q_codes.view(-1, q_block * d),
                                                     q_scale.view(-1, 1))
-        _launch_prepass_k(k, k_codes, k_scale.view(-1, 1), k_mean.view(-1, d), k_part)
-        _launch_prepass_v("v_perm", v, v_t.view(-1, sk_pad), v_scale.view(-1, d), v_part)
         out, lse = _forward(q if quantize_q else q_codes, q_scale, k_codes, k_scale, v_t, v_scale, causal, scale,
                             q.dtype, v_keys_permuted=True, quantize_q=quantize_q)
     return out, lse, k_mean, q_scale
