@@ -37,8 +37,10 @@ def main():
     args = p.parse_args()
     sys.path.insert(0, args.old)
     old_wo = importlib.import_module("lowprec_old.gemm.sm90.weight_only_interface")
-    # the packed layout is the same in both trees: both launchers take the same packed weights
+    old_pack = importlib.import_module("lowprec_old.gemm.weight_only")
     impls = {"A": old_wo, "B": new_wo}
+    # each tree packs with its own packer: the packed layout may differ between them
+    packers = {"A": (old_pack.pack_nvfp4, old_pack.pack_fp8), "B": (pack_nvfp4, pack_fp8)}
     splits = [None] if args.splits == "auto" else [int(v) for v in args.splits.split(",")]
     choose = {name: wo.choose_split for name, wo in impls.items()}
     ratios = {"A": [], "B": []}
@@ -47,15 +49,18 @@ def main():
         q = quantize(w, get_recipe("nvfp4" if args.fmt == "nvfp4" else "fp8_block128x128"))
         per_weight = 0.5625 if args.fmt == "nvfp4" else 1.0
         copies = max(2, math.ceil(ROTATE_BYTES / (n * k * per_weight)))
-        if args.fmt == "nvfp4":
-            packs = [pack_nvfp4(q.data.clone(), q.scale.clone(), q.global_scale) for _ in range(copies)]
-        else:
-            packs = [pack_fp8(q.data.clone(), q.scale.clone()) for _ in range(copies)]
+        packs = {}
+        for name, (p_nvfp4, p_fp8) in packers.items():
+            if args.fmt == "nvfp4":
+                packs[name] = [p_nvfp4(q.data.clone(), q.scale.clone(), q.global_scale) for _ in range(copies)]
+            else:
+                packs[name] = [p_fp8(q.data.clone(), q.scale.clone()) for _ in range(copies)]
         runs = {name: getattr(wo, f"weight_only_{args.fmt}") for name, wo in impls.items()}
         bf16 = [w.clone() for _ in range(max(1, math.ceil(ROTATE_BYTES / (n * k * 2))))]
         for m in [int(v) for v in args.ms.split(",")]:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            torch.testing.assert_close(runs["A"](x, packs[0]), runs["B"](x, packs[0]), rtol=0, atol=0)  # same bits
+            # same bits from both trees
+            torch.testing.assert_close(runs["A"](x, packs["A"][0]), runs["B"](x, packs["B"][0]), rtol=0, atol=0)
             t_bf16 = bench_graph_ms(lambda x=x, ws=bf16: [x @ b.t() for b in ws]) * 1e3 / len(bf16)
             for sp in splits:
                 times = {"A": [], "B": []}
@@ -63,7 +68,7 @@ def main():
                     for name, wo in impls.items():
                         wo.choose_split = choose[name] if sp is None else (lambda *a, sp=sp: sp)
                         times[name].append(bench_graph_ms(
-                            lambda x=x, run=runs[name], ps=packs: [run(x, pk) for pk in ps]) * 1e3 / copies)
+                            lambda x=x, run=runs[name], ps=packs[name]: [run(x, pk) for pk in ps]) * 1e3 / copies)
                 a, b = sorted(times["A"])[len(times["A"]) // 2], sorted(times["B"])[len(times["B"]) // 2]
                 if sp is None:
                     ratios["A"].append(t_bf16 / a)

@@ -21,9 +21,11 @@ zero-padded to multiples of ``TILE_N`` rows and ``CHUNK_K`` columns, is cut into
   ``r1 = r0 + 8``, columns
   ``c = 16 s + 2 (lane % 4) + {0, 1}`` and ``c + 8``: pairs ``a0 = (r0, c..c+1)``, ``a1 = (r1,
   c..c+1)``, ``a2 = (r0, c+8..c+9)``, ``a3 = (r1, c+8..c+9)``. A code's magnitude bits
-  ``(m, e0, e1)`` and sign sit where the decode wants them: pair ``j`` < 3 at bits
-  ``{6, 7, 8, 15} - 3 j`` (first column) and ``+ 16`` (second column), pair 3 at ``{10, 11, 13,
-  14}`` and ``+ 16``; one shift and one mask then put a pair's two codes in bf16 position.
+  ``(m, e0, e1)`` and sign sit where the decode wants them: pairs 0, 1, 2 at bits ``{6, 7, 8, 15}``
+  rotated right by 0, 4 and 10 (first column) and 16 further, mod 32 (second column): one rotate
+  and one mask put a pair's two codes in bf16 position; pair 3 in the 8 bits left, ``{0, 1, 26,
+  9}`` and 16 further, put in place by two rotates and two masks (``_PAIR_BITS``; no four
+  rotations of the target bits tile a word, so one pair must be assembled from two).
 * bytes ``[4096, 4608)``: scales, one 16-byte record per quad of lanes (they share their rows):
   E4M3 bytes at ``4096 + 16 (t // 4) + 4 i + {0, 1, 2, 3}`` = the scales of (k-step ``2i``, row
   ``r0``), (``2i``, ``r1``), (``2i + 1``, ``r0``), (``2i + 1``, ``r1``).
@@ -65,8 +67,16 @@ FP8_CHUNK_BYTES = TILE_N * CHUNK_K  # 8192 = 32 rows of 256 bytes
 FP8_SCALE_BLOCK = 128
 _THREADS = TILE_N * 2  # one consumer warpgroup
 _KSTEPS = CHUNK_K // 16
-# bit positions of one pair's (m, e0, e1, sign) for its first code; the second code is at +16
-_PAIR_BITS = ((6, 7, 8, 15), (3, 4, 5, 12), (0, 1, 2, 9), (10, 11, 13, 14))
+# bit positions of one pair's (m, e0, e1, sign) for its first code; the second code is 16 further
+# (mod 32). Pairs 0, 1, 2 are the decode's target bits rotated right by 0, 4 and 10 (one rotate
+# and one mask each); pair 3 takes the 8 bits left: rotated by 6 (m, e0, sign) and by 14 (e1)
+_PAIR_BITS = ((6, 7, 8, 15), (2, 3, 4, 11), (28, 29, 30, 5), (0, 1, 26, 9))
+# the decode of a packed word w (32 bits): pair j = rotl(w, PAIR_ROT[j]) & PAIR_MASK, pair 3 =
+# (rotl(w, 6) & PAIR3_MASKS[0]) | (rotl(w, 14) & PAIR3_MASKS[1])
+PAIR_ROT = (0, 4, 10)
+PAIR_MASK = 0x81C081C0
+PAIR3_ROT = (6, 14)
+PAIR3_MASKS = (0x80C080C0, 0x01000100)
 # where the decode puts them: a bf16 with exponent e1 e0 and mantissa msb m (value code * 2^-126)
 _BF16_BITS = (6, 7, 8, 15)
 # the decoded pair times the scale times 2^116 is code * scale * 2^-10: the epilogue multiplies
@@ -200,7 +210,7 @@ def unpack_nvfp4(packed: PackedNVFP4, weight_2d: bool = False) -> tuple[torch.Te
         for half in range(2):
             code = torch.zeros_like(words)
             for bit, pos in enumerate(bits):
-                code |= ((words >> (pos + 16 * half)) & 1) << bit
+                code |= ((words >> ((pos + 16 * half) % 32)) & 1) << bit
             codes[:, :, row, c + half] = code.to(torch.uint8)
     records = chunks[..., CODE_BYTES:].reshape(n_tiles, k_chunks, _THREADS // 4, _KSTEPS, 2)
     scales = torch.zeros(n_tiles, k_chunks, TILE_N, _KSTEPS, dtype=torch.uint8, device=device)
@@ -222,7 +232,7 @@ def _pair_luts(device) -> torch.Tensor:
         for half in range(2):
             code = (byte >> (4 * half)) & 0xF
             for bit, pos in enumerate(bits):
-                luts[j] |= ((code >> bit) & 1) << (pos + 16 * half)
+                luts[j] |= ((code >> bit) & 1) << ((pos + 16 * half) % 32)
     return luts.to(device)
 
 
@@ -238,6 +248,11 @@ def _bytes_to_words(b: torch.Tensor) -> torch.Tensor:
     return b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16) | (b[..., 3] << 24)
 
 
+def _rotl32(words: torch.Tensor, r: int) -> torch.Tensor:
+    """int64 holding uint32 words, rotated left by ``r`` bits within 32."""
+    return ((words << r) | (words >> (32 - r))) & 0xFFFFFFFF if r else words
+
+
 def _bf16_of_bits(bits: torch.Tensor) -> torch.Tensor:
     """uint16 values (int64) -> float64 of those bf16 bit patterns."""
     return (bits.to(torch.int32) << 16).view(torch.float32).to(torch.float64)
@@ -251,9 +266,8 @@ def decoded_tile_emulated(packed: PackedNVFP4, n_tile: int, k_chunk: int) -> tor
     chunk = packed.data.view(packed.n_tiles, packed.k_chunks, CHUNK_BYTES)[n_tile, k_chunk]
     words = _bytes_to_words(chunk[:CODE_BYTES]).view(2, _THREADS, 4).permute(1, 0, 2).reshape(_THREADS, _KSTEPS)
     scw = _bytes_to_words(chunk[CODE_BYTES:]).view(_THREADS // 4, 4).repeat_interleave(4, dim=0)
-    mask = 0x81C081C0
-    pairs = [words & mask, (words << 3) & mask, (words << 6) & mask,
-             ((words >> 4) & 0x00C000C0) | ((words >> 5) & 0x01000100) | ((words << 1) & 0x80008000)]
+    pairs = [_rotl32(words, r) & PAIR_MASK for r in PAIR_ROT]
+    pairs.append((_rotl32(words, PAIR3_ROT[0]) & PAIR3_MASKS[0]) | (_rotl32(words, PAIR3_ROT[1]) & PAIR3_MASKS[1]))
     # scale word i: bytes (2i, r0), (2i, r1), (2i+1, r0), (2i+1, r1); k-step s takes half s % 2
     s = torch.arange(_KSTEPS)
     half16 = (scw[:, s // 2] >> (16 * (s % 2))) & 0xFFFF  # [threads, 8]: bytes (r0, r1)

@@ -50,6 +50,10 @@ from ..weight_only import (
     DECODE_EXP,
     FP8_CHUNK_BYTES,
     FP8_SCALE_BLOCK,
+    PAIR3_MASKS,
+    PAIR3_ROT,
+    PAIR_MASK,
+    PAIR_ROT,
     ROW_BYTES,
     SPLITS,
     TILE_MS,
@@ -61,7 +65,11 @@ _HANDOFF_BAR = 1  # named barrier of the two consumer warpgroups
 FORMATS = ("nvfp4", "fp8")
 _CHUNK_BYTES = {"nvfp4": CHUNK_BYTES, "fp8": FP8_CHUNK_BYTES}
 _BF16X2_2POW112 = 0x77807780  # bf16 2^112 in both halves
-_PAIR_MASK = 0x81C081C0 - (1 << 32)  # as a signed 32-bit immediate
+
+
+def _as_i32(v: int) -> int:
+    """A 32-bit pattern as a signed 32-bit immediate."""
+    return v - (1 << 32) if v >= 1 << 31 else v
 
 
 @dsl_user_op
@@ -70,6 +78,26 @@ def _mul_bf16x2(a, b, *, loc=None, ip=None):
     return cutlass.Int32(llvm.inline_asm(
         T.i32(), [cutlass.Int32(a).ir_value(loc=loc, ip=ip), cutlass.Int32(b).ir_value(loc=loc, ip=ip)],
         "mul.rn.bf16x2 $0, $1, $2;", "=r,r,r", loc=loc, ip=ip))
+
+
+@dsl_user_op
+def _rotl(w, r: int, *, loc=None, ip=None):
+    """``w`` rotated left by the constant ``r`` bits (``shf.l.wrap``; 0: ``w``)."""
+    if r == 0:
+        return cutlass.Int32(w)
+    return cutlass.Int32(llvm.inline_asm(
+        T.i32(), [cutlass.Int32(w).ir_value(loc=loc, ip=ip)],
+        f"shf.l.wrap.b32 $0, $1, $1, {r};", "=r,r", loc=loc, ip=ip))
+
+
+@dsl_user_op
+def _mul_bf16x2_by_half(a, b, hi: bool, *, loc=None, ip=None):
+    """``a`` times half ``hi`` of ``b`` broadcast to both halves (bf16x2, round to nearest)."""
+    pick = "{o, s}" if hi else "{s, o}"
+    return cutlass.Int32(llvm.inline_asm(
+        T.i32(), [cutlass.Int32(a).ir_value(loc=loc, ip=ip), cutlass.Int32(b).ir_value(loc=loc, ip=ip)],
+        f"{{ .reg .b16 s, o; .reg .b32 ss; mov.b32 {pick}, $2; mov.b32 ss, {{s, s}}; "
+        "mul.rn.bf16x2 $0, $1, ss; }", "=r,r,r", loc=loc, ip=ip))
 
 
 @dsl_user_op
@@ -327,13 +355,23 @@ class WeightOnlySm90:
         acc = cute.make_rmem_tensor(thr.partition_shape_C((TILE_N, self.tile_m)), cutlass.Float32)
         acc.fill(0.0)
         codes, scw, sCodes, sScales = self._nvfp4_views(sW)
+        # the x fragments' ldmatrix addresses, swizzled once: a stage is a whole number of swizzle
+        # atoms, so stage s's address is stage 0's plus s stage strides (no XOR per load)
+        x_addr = []
+        for j in cutlass.range_constexpr(4):
+            raw = tXsX[(None, None, 4 * wg + j, 0)].iterator.toint()
+            x_addr.append(raw ^ ((raw >> 3) & 0x70))
+        stage_bytes = cute.cosize(cute.slice_(sX.layout, (None, None, 0))) * 2
+        x_frag = cute.make_layout(((8, 1), 1), stride=((1, 0), 0))
         state = ring.consumer_state()
         for _ in cutlass.range(kc_count, unroll=1):
             ring.wait(state)
             cute.autovec_copy(sCodes[(None, wg, t, state.index)], codes)
             cute.autovec_copy(sScales[(None, wg, t // 4, state.index)], scw)
             for j in cutlass.range_constexpr(4):
-                cute.copy(copy_b, tXsX[(None, None, 4 * wg + j, state.index)], tXrB[(None, None, j)])
+                src = cute.make_tensor(cute.make_ptr(cutlass.BFloat16, x_addr[j] + state.index * stage_bytes,
+                                                     cute.AddressSpace.smem, assumed_align=16), x_frag)
+                cute.copy(copy_b, src, tXrB[(None, None, j)])
             for j in cutlass.range_constexpr(4):
                 self._decode_nvfp4(codes[j], scw[j // 2], j % 2, a_words, j)
             for j in cutlass.range_constexpr(4):
@@ -406,16 +444,17 @@ class WeightOnlySm90:
     def _decode_nvfp4(self, w, sc_word, hi: cutlass.Constexpr, a_words, s: cutlass.Constexpr):
         """A fragment words 4s..4s+3 (pairs a0..a3) of k-step slot ``s`` from code word ``w``."""
         h = _e4m3x2_to_f16x2(sc_word, hi)  # (scale of row r0, of row r1) as f16
-        s2 = ((h >> 3) & cutlass.Int32(0x1FFF1FFF)) + cutlass.Int32(0x72007200)  # bf16 scale * 2^116
-        s_r0 = cutlass.Int32(cute.arch.prmt(s2, s2, cutlass.Int32(0x1010)))
-        s_r1 = cutlass.Int32(cute.arch.prmt(s2, s2, cutlass.Int32(0x3232)))
-        mask = cutlass.Int32(_PAIR_MASK)
-        p3 = (((w >> 4) & cutlass.Int32(0x00C000C0)) | ((w >> 5) & cutlass.Int32(0x01000100))
-              | ((w << 1) & cutlass.Int32(-0x80000000 + 0x8000)))
-        a_words[4 * s + 0] = _mul_bf16x2(w & mask, s_r0)
-        a_words[4 * s + 1] = _mul_bf16x2((w << 3) & mask, s_r1)
-        a_words[4 * s + 2] = _mul_bf16x2((w << 6) & mask, s_r0)
-        a_words[4 * s + 3] = _mul_bf16x2(p3, s_r1)
+        # bf16 scale * 2^116. No mask after the shift: an E4M3 value's f16 has its low 3 bits zero
+        # and the scales are >= 0 (pack_nvfp4 checks), so nothing crosses from one half into the other
+        s2 = (h >> 3) + cutlass.Int32(0x72007200)
+        # the packed layout's rotations (lowprec.gemm.weight_only._PAIR_BITS): pairs 0-2 one rotate
+        # and one mask each, pair 3 two of each
+        mask = cutlass.Int32(_as_i32(PAIR_MASK))
+        p3 = ((_rotl(w, PAIR3_ROT[0]) & cutlass.Int32(_as_i32(PAIR3_MASKS[0])))
+              | (_rotl(w, PAIR3_ROT[1]) & cutlass.Int32(_as_i32(PAIR3_MASKS[1]))))
+        for j in cutlass.range_constexpr(3):
+            a_words[4 * s + j] = _mul_bf16x2_by_half(_rotl(w, PAIR_ROT[j]) & mask, s2, j % 2 == 1)
+        a_words[4 * s + 3] = _mul_bf16x2_by_half(p3, s2, True)
 
     @cute.jit
     def _epilogue(self, wg, t, mma, acc, mY, mBias, mScale, mWork, has_bias, n_tile, split, m_tile):
