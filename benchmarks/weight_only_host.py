@@ -65,7 +65,8 @@ def main():
         y = torch.empty(1, 4096, device=dev, dtype=torch.bfloat16)
         work = wo._workspace(dev, splits * 4096)
         scale = packed.global_scale.view(1, 1)
-        bare = (lambda: fn(x, packed.tiles, y, wo._unused(dev), scale, work, 0))  # noqa: E731
+        unused = wo._unused(dev)
+        bare = (lambda: fn(x, packed.tiles, y, unused, scale, work, unused.view(torch.int32), 1, 0))  # noqa: E731
         print(f"nvfp4      bare FFI launch     {per_call_us(bare, args.calls):6.1f} us")
         print(f"           torch.empty         "
               f"{per_call_us(lambda: torch.empty(1, 4096, device=dev, dtype=torch.bfloat16), args.calls):6.1f} us")

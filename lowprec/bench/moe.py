@@ -31,8 +31,9 @@ power cap, with the SM clock and power ``nvidia-smi`` reads meanwhile.
 ``--decode T1,T2,...`` instead times inference steps of the whole layer (router included, no
 gradients) at those token counts, per config (its T unused): ``FP8InferenceMoE`` eager and under
 ``torch.compile(fullgraph=True, mode="reduce-overhead")`` (one custom op, captured into CUDA
-graphs) vs the bf16 MoE eager and replayed from a CUDA graph; host synced before each call, so
-host time counts. Saved under ``moe_decode``.
+graphs), ``NVFP4InferenceMoE`` (grouped weight-only GEMMs) eager and replayed from a CUDA graph,
+vs the bf16 MoE eager and replayed from a CUDA graph; host synced before each call, so host time
+counts. Saved under ``moe_decode``.
 
 ``--train T1,T2,...`` instead times training steps of the ``MoE`` module (router included, forward
 and backward into every parameter) at those token counts: eager, under
@@ -61,7 +62,18 @@ from torch._dynamo.utils import counters
 
 from ..gemm import grouped_gemm
 from ..metrics import rel_l2
-from ..moe import FP8InferenceMoE, MoE, Routing, dispatch, experts, gather_rows, pack, select_experts, unpack
+from ..moe import (
+    FP8InferenceMoE,
+    MoE,
+    NVFP4InferenceMoE,
+    Routing,
+    dispatch,
+    experts,
+    gather_rows,
+    pack,
+    select_experts,
+    unpack,
+)
 from ..nn import reuse_quantized_weights
 from ..quant import quantize
 from ..tensor import QuantizedTensor
@@ -484,6 +496,7 @@ def run_decode(args: argparse.Namespace) -> dict:
     for num_experts, hidden, ffn, top_k, _ in args.configs:
         moe = MoE(hidden, ffn, num_experts, top_k, device="cuda", dtype=torch.bfloat16)
         layer = FP8InferenceMoE.from_moe(moe)
+        nvfp4 = NVFP4InferenceMoE.from_moe(moe)
         compiled = torch.compile(layer, fullgraph=True, mode="reduce-overhead")
         name = f"E{num_experts} H{hidden} F{ffn} k{top_k}"
         for tokens in args.decode:
@@ -492,36 +505,44 @@ def run_decode(args: argparse.Namespace) -> dict:
             with torch.no_grad():
                 bf16 = functools.partial(bf16_layer, x, moe.router.weight, top_k, moe.w1, moe.w2)
                 calls = {"fp8_eager": functools.partial(layer, x), "fp8_compiled": functools.partial(compiled, x),
-                         "bf16_eager": bf16}
-                try:
-                    calls["bf16_graph"] = cuda_graph_replay(bf16)
-                except Exception as err:  # noqa: BLE001 - reported as n/a
-                    failures["bf16_graph"] = f"{type(err).__name__}: {err}"
+                         "nvfp4_eager": functools.partial(nvfp4, x), "bf16_eager": bf16}
+                for graphed, fn in (("nvfp4_graph", calls["nvfp4_eager"]), ("bf16_graph", bf16)):
+                    try:
+                        calls[graphed] = cuda_graph_replay(fn)
+                    except Exception as err:  # noqa: BLE001 - reported as n/a
+                        failures[graphed] = f"{type(err).__name__}: {err}"
                 ms = {n: _measure(f"decode {n}", fn, args.budget_ms, failures)[0] for n, fn in calls.items()}
                 queued = {n: _queued(fn, ms[n]) for n, fn in calls.items()}
                 same = torch.equal(compiled(x).clone(), layer(x)) if not failures else None
-            ms.setdefault("bf16_graph", math.nan)
-            queued.setdefault("bf16_graph", math.nan)
+            for graphed in ("nvfp4_graph", "bf16_graph"):
+                ms.setdefault(graphed, math.nan)
+                queued.setdefault(graphed, math.nan)
             record = {"E": num_experts, "H": hidden, "F": ffn, "top_k": top_k, "T": tokens, "ms": ms,
                       "queued_ms": queued, "compiled_equals_eager": same,
                       "speedup_compiled_vs_bf16_graph": _ratio(ms["bf16_graph"], ms["fp8_compiled"]),
                       "speedup_compiled_vs_bf16_graph_queued": _ratio(queued["bf16_graph"], queued["fp8_compiled"]),
+                      "speedup_nvfp4_graph_vs_bf16_graph": _ratio(ms["bf16_graph"], ms["nvfp4_graph"]),
+                      "speedup_nvfp4_graph_vs_bf16_graph_queued": _ratio(queued["bf16_graph"], queued["nvfp4_graph"]),
                       "failures": failures}
             records.append(record)
             rows.append([name, tokens, ms["fp8_eager"], ms["fp8_compiled"], ms["bf16_eager"], ms["bf16_graph"],
                          queued["fp8_compiled"], queued["bf16_graph"], _ratio(ms["bf16_eager"], ms["fp8_eager"]),
                          record["speedup_compiled_vs_bf16_graph"], record["speedup_compiled_vs_bf16_graph_queued"],
-                         same])
+                         same, ms["nvfp4_eager"], ms["nvfp4_graph"], queued["nvfp4_graph"],
+                         record["speedup_nvfp4_graph_vs_bf16_graph"],
+                         record["speedup_nvfp4_graph_vs_bf16_graph_queued"]])
             for what, why in failures.items():
                 print(f"# {name} T{tokens}: {what} n/a ({why})")
-        del moe, layer, compiled
+        del moe, layer, nvfp4, compiled
         torch.cuda.empty_cache()
     print("\nMoE layer inference step (router included, no grad), ms: lowprec FP8InferenceMoE eager and "
           "compiled (fullgraph, reduce-overhead: CUDA graphs) vs the bf16 MoE on torch._grouped_mm eager and "
           "replayed from a CUDA graph; host synced before each call, 'q': queued (no host sync between calls, "
-          "as the layers of a model step); x = bf16 ms / lowprec ms (eager / eager, compiled / graph)")
+          "as the layers of a model step); x = bf16 ms / lowprec ms (eager / eager, compiled / graph); "
+          "NVFP4InferenceMoE eager and replayed from a CUDA graph, x nvfp4 = bf16 graph / nvfp4 graph")
     print_table(["config", "T", "fp8 eager", "fp8 compiled", "bf16 eager", "bf16 graph", "fp8 compiled q",
-                 "bf16 graph q", "x eager", "x compiled", "x compiled q", "compiled == eager"],
+                 "bf16 graph q", "x eager", "x compiled", "x compiled q", "compiled == eager", "nvfp4 eager",
+                 "nvfp4 graph", "nvfp4 graph q", "x nvfp4", "x nvfp4 q"],
                 [[_cell(c) for c in r] for r in rows])
     return _save_steps("moe_decode", dev, records, args)
 

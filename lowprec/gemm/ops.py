@@ -17,9 +17,16 @@ from ..recipes import ScaleRecipe, get_recipe
 from ..runtime import registry
 from ..tensor import QuantizedTensor
 from .reference import gemm_reference
-from .weight_only import PackedFP8, PackedNVFP4, unpack_fp8, unpack_nvfp4
+from .weight_only import (
+    PackedFP8,
+    PackedNVFP4,
+    PackedNVFP4Experts,
+    grouped_weight_only_reference,
+    unpack_fp8,
+    unpack_nvfp4,
+)
 
-__all__ = ["gemm_op", "gemm_dispatch", "weight_only_op", "weight_only"]
+__all__ = ["gemm_op", "gemm_dispatch", "weight_only_op", "weight_only", "grouped_weight_only"]
 
 
 def gemm_dispatch(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype,
@@ -92,3 +99,23 @@ def weight_only_op(x: torch.Tensor, packed_data: torch.Tensor, packed_scale: tor
 @weight_only_op.register_fake
 def _(x, packed_data, packed_scale, fmt, n, k, bias):
     return x.new_empty((x.shape[0], n))
+
+
+def grouped_weight_only(x: torch.Tensor, packed: PackedNVFP4Experts, group_ends: torch.Tensor) -> torch.Tensor:
+    """Grouped weight-only GEMM: ``x [R, K]`` with expert ``e``'s rows at
+    ``group_ends[e-1]:group_ends[e]`` (int32 ``[E]``, cumulative, as :func:`lowprec.grouped_gemm`
+    takes them) -> ``[R, N]`` in ``x``'s dtype, each expert's rows times its dequantized NVFP4
+    weight; rows after ``group_ends[-1]`` are zero. On Hopper (bf16 ``x``) one launch of the
+    grouped weight-only kernel, no host sync; elsewhere the reference (which reads ``group_ends``
+    back to the host)."""
+    if not isinstance(packed, PackedNVFP4Experts):
+        raise TypeError(f"packed: expected a PackedNVFP4Experts (pack_nvfp4_experts), got {type(packed).__name__}")
+    if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != packed.k or not x.is_floating_point():
+        raise ValueError(f"x: expected a float tensor [R, K={packed.k}], got {getattr(x, 'dtype', type(x))} "
+                         f"{tuple(getattr(x, 'shape', ()))}")
+    if not isinstance(group_ends, torch.Tensor) or group_ends.dtype != torch.int32 \
+            or group_ends.shape != (packed.experts,):
+        raise ValueError(f"group_ends: expected int32 [E={packed.experts}], got "
+                         f"{getattr(group_ends, 'dtype', type(group_ends))} {tuple(getattr(group_ends, 'shape', ()))}")
+    return registry.run("grouped_weight_only_nvfp4", x.device, (x, packed, group_ends),
+                        lambda: grouped_weight_only_reference(x, packed, group_ends))

@@ -52,8 +52,9 @@ from ..formats import E4M3, pack_fp4, unpack_fp4
 from ..formats import decode as decode_format
 
 __all__ = ["TILE_N", "TILE_MS", "SPLITS", "CHUNK_K", "CHUNK_BYTES", "FP8_CHUNK_BYTES", "PackedNVFP4", "PackedFP8",
-           "pack_nvfp4", "pack_fp8", "unpack_nvfp4", "unpack_fp8", "unpack_codes_emulated", "unpack_fp8_emulated",
-           "decoded_tile_emulated", "weight_only_reference"]
+           "PackedNVFP4Experts", "pack_nvfp4", "pack_nvfp4_experts", "pack_fp8", "unpack_nvfp4", "unpack_fp8",
+           "unpack_codes_emulated", "unpack_fp8_emulated", "decoded_tile_emulated", "weight_only_reference",
+           "grouped_weight_only_reference"]
 
 TILE_N = 64  # rows of W per CTA (one consumer warpgroup)
 TILE_MS = (8, 16, 32, 64, 128)  # tokens per CTA (the wgmma N); larger M takes several M tiles
@@ -113,6 +114,50 @@ class PackedNVFP4(_Tiled):
     global_scale: torch.Tensor  # float32 [1]
     n: int
     k: int
+
+
+@dataclass(frozen=True)
+class PackedNVFP4Experts(_Tiled):
+    """The NVFP4 weights of ``E`` experts of one shape ``[n, k]``, each in the kernel's layout,
+    stacked: expert ``e``'s :class:`PackedNVFP4` is rows ``[e, e + 1) * rows per expert`` of
+    ``data`` with global scale ``global_scale[e]`` (:meth:`expert`)."""
+
+    data: torch.Tensor  # uint8 [E * n_tiles * k_chunks * 18, 256]
+    global_scale: torch.Tensor  # float32 [E]
+    n: int
+    k: int
+
+    @property
+    def experts(self) -> int:
+        return self.global_scale.shape[0]
+
+    @functools.cached_property
+    def tiles(self) -> torch.Tensor:
+        """``data`` as the grouped kernel reads it: ``[E * n_tiles, rows of a tile's chunks, ROW_BYTES]``."""
+        return self.data.view(self.experts * self.n_tiles, -1, ROW_BYTES)
+
+    def expert(self, e: int) -> PackedNVFP4:
+        """Expert ``e``'s weight (views)."""
+        rows = self.data.shape[0] // self.experts
+        return PackedNVFP4(self.data[e * rows:(e + 1) * rows], self.global_scale[e:e + 1], self.n, self.k)
+
+
+def pack_nvfp4_experts(weight: torch.Tensor, weight_scale: torch.Tensor, weight_scale_2: torch.Tensor,
+                       weight_2d: bool = False) -> PackedNVFP4Experts:
+    """:func:`pack_nvfp4` for ``E`` experts at once: ``weight`` uint8 ``[E, N, K / 2]``,
+    ``weight_scale`` float8_e4m3fn ``[E, N, K / 16]`` (``[E, N / 16, K / 16]`` with ``weight_2d``),
+    ``weight_scale_2`` FP32 ``[E]`` (each checked as :func:`pack_nvfp4` checks one)."""
+    for name, t, dims in (("weight", weight, 3), ("weight_scale", weight_scale, 3),
+                          ("weight_scale_2", weight_scale_2, 1)):
+        if not isinstance(t, torch.Tensor) or t.dim() != dims or t.shape[0] != weight.shape[0]:
+            raise ValueError(f"{name}: expected a {dims}-d tensor with one entry per expert along dim 0 "
+                             f"(E = {getattr(weight, 'shape', (None,))[0]}), got "
+                             f"{getattr(t, 'dtype', type(t))} {tuple(getattr(t, 'shape', ()))}")
+    if weight.shape[0] == 0:
+        raise ValueError("weight: no experts (E = 0)")
+    packs = [pack_nvfp4(weight[e], weight_scale[e], weight_scale_2[e], weight_2d) for e in range(weight.shape[0])]
+    return PackedNVFP4Experts(torch.cat([p.data for p in packs]), torch.cat([p.global_scale for p in packs]),
+                              packs[0].n, packs[0].k)
 
 
 def _thread_coords(device):
@@ -361,6 +406,18 @@ def unpack_fp8_emulated(packed: PackedFP8) -> torch.Tensor:
     w = _bf16_of_bits(((f16 >> 3) & 0x0FFF) | (f16 & 0x8000)) * 2.0 ** 112
     scale = packed.scale.double().cpu().repeat_interleave(FP8_SCALE_BLOCK, 0).repeat_interleave(FP8_SCALE_BLOCK, 1)
     return w * scale[: packed.n, : packed.k]
+
+
+def grouped_weight_only_reference(x: torch.Tensor, packed: PackedNVFP4Experts, group_ends: torch.Tensor
+                                  ) -> torch.Tensor:
+    """Expert ``e``'s rows of ``x`` (``group_ends[e-1]:group_ends[e]``) times its dequantized
+    weight, in FP32, cast to ``x``'s dtype; rows after ``group_ends[-1]`` are zero."""
+    y = torch.zeros(x.shape[0], packed.n, dtype=x.dtype, device=x.device)
+    ends = [0] + [int(v) for v in group_ends.tolist()]
+    for e in range(packed.experts):
+        if ends[e + 1] > ends[e]:
+            y[ends[e]:ends[e + 1]] = weight_only_reference(x[ends[e]:ends[e + 1]], packed.expert(e))
+    return y
 
 
 def weight_only_reference(x: torch.Tensor, packed: PackedNVFP4 | PackedFP8, bias: torch.Tensor | None = None

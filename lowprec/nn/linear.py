@@ -271,7 +271,8 @@ def convert(model: nn.Module, recipe: str = "fp8_block", filter_fn: Callable[[st
     Mixture-of-experts layers (:class:`lowprec.moe.MoE`) train in FP8 already (their own
     ``recipe``) and their router is never quantized: training conversion leaves them as they
     are; ``inference=True`` makes each a :class:`lowprec.moe.FP8InferenceMoE` (expert weights in
-    128x128 FP8 blocks, whatever ``recipe`` says).
+    128x128 FP8 blocks, for every FP8 ``recipe``) or, with ``"nvfp4"``, a
+    :class:`lowprec.moe.NVFP4InferenceMoE` (NVFP4 expert weights, tokens in their dtype).
 
     Converting again: :class:`FP8Linear` layers take the new ``recipe`` (the same master
     weights); :class:`FP8InferenceLinear` layers of another recipe stay as they are, with one log
@@ -279,7 +280,7 @@ def convert(model: nn.Module, recipe: str = "fp8_block", filter_fn: Callable[[st
     referenced several times (``self.b = self.a``) is converted once, by its first name, and
     stays shared.
     """
-    from ..moe import FP8InferenceMoE, MoE  # lowprec.moe imports lowprec.nn
+    from ..moe import FP8InferenceMoE, MoE, NVFP4InferenceMoE  # lowprec.moe imports lowprec.nn
 
     if recipe == _NVFP4:
         if not inference:
@@ -304,7 +305,7 @@ def convert(model: nn.Module, recipe: str = "fp8_block", filter_fn: Callable[[st
     done: dict[int, nn.Module] = {}  # id(module) -> what it became: shared modules stay shared
     for parent_name, parent in list(model.named_modules()):
         # the router is read as a weight, in FP32; fused MLPs read their layers' weights
-        if isinstance(parent, (MoE, FP8InferenceMoE, FP8SwiGLUMLP)):
+        if isinstance(parent, (MoE, FP8InferenceMoE, NVFP4InferenceMoE, FP8SwiGLUMLP)):
             continue
         for child_name, child in list(parent._modules.items()):  # named_children() skips repeats
             if child is None or not _convertible(child):
@@ -355,12 +356,14 @@ def _convertible(module: nn.Module) -> bool:
 
 def _converted(module: nn.Module, name: str, recipe: str, inference: bool, min_numel: int, kept: list) -> nn.Module:
     """What :func:`convert` makes of one :func:`_convertible` module (itself where nothing applies)."""
-    from ..moe import FP8InferenceMoE, MoE
+    from ..moe import FP8InferenceMoE, MoE, NVFP4InferenceMoE
 
     if type(module) is nn.Linear:
         return _swap(module, name, recipe, inference, min_numel, kept)
     if isinstance(module, MoE):
-        return FP8InferenceMoE.from_moe(module) if inference else module
+        if not inference:
+            return module
+        return NVFP4InferenceMoE.from_moe(module) if recipe == _NVFP4 else FP8InferenceMoE.from_moe(module)
     if isinstance(module, FP8Linear):
         if inference:
             if recipe == _NVFP4:  # from the master weights

@@ -10,8 +10,10 @@ from lowprec.gemm.weight_only import (
     CHUNK_BYTES,
     SPLITS,
     decoded_tile_emulated,
+    grouped_weight_only_reference,
     pack_fp8,
     pack_nvfp4,
+    pack_nvfp4_experts,
     unpack_codes_emulated,
     unpack_fp8_emulated,
     weight_only_reference,
@@ -118,6 +120,89 @@ def test_pack_fp8_rejects_bad_tensors(bad, match):
         pack_fp8(**args)
 
 
+# ----------------------------------------------------------------------------- grouped (CPU)
+def _experts(e: int, n: int, k: int, device="cpu", zero_expert=None):
+    qs = [_nvfp4(n, k, device=device, zero_rows=range(n) if i == zero_expert else ()) for i in range(e)]
+    packed = pack_nvfp4_experts(torch.stack([q.data for q in qs]), torch.stack([q.scale for q in qs]),
+                                torch.stack([q.global_scale.reshape(()) for q in qs]).float())
+    return packed, [_exact_dequant(q, False) for q in qs]
+
+
+def _group_ends(counts, device="cpu"):
+    return torch.tensor(counts, dtype=torch.int32, device=device).cumsum(0).to(torch.int32)
+
+
+def test_pack_experts_is_each_expert_packed():
+    qs = [_nvfp4(200, 272) for _ in range(3)]
+    packed = pack_nvfp4_experts(torch.stack([q.data for q in qs]), torch.stack([q.scale for q in qs]),
+                                torch.stack([q.global_scale.reshape(()) for q in qs]).float())
+    assert packed.experts == 3 and packed.tiles.shape[0] == 3 * packed.n_tiles
+    for e, q in enumerate(qs):
+        one = pack_nvfp4(q.data, q.scale, q.global_scale)
+        assert torch.equal(packed.expert(e).data, one.data)
+        assert torch.equal(packed.expert(e).global_scale, one.global_scale)
+
+
+@pytest.mark.parametrize("bad,match", [
+    ({"weight": torch.zeros(2, 64, 32, dtype=torch.uint8)[0]}, "weight: expected a 3-d"),
+    ({"weight_scale_2": torch.ones(3)}, "weight_scale_2: expected a 1-d tensor with one entry per expert"),
+    ({"weight": torch.zeros(0, 64, 32, dtype=torch.uint8), "weight_scale": torch.zeros(0, 64, 4).to(
+        torch.float8_e4m3fn), "weight_scale_2": torch.ones(0)}, "no experts"),
+])
+def test_pack_experts_rejects_bad_tensors(bad, match):
+    args = {"weight": torch.zeros(2, 64, 32, dtype=torch.uint8),
+            "weight_scale": torch.zeros(2, 64, 4).to(torch.float8_e4m3fn), "weight_scale_2": torch.ones(2)}
+    args.update(bad)
+    with pytest.raises(ValueError, match=match):
+        pack_nvfp4_experts(**args)
+
+
+def test_grouped_reference_is_each_experts_product():
+    packed, dequant = _experts(4, 72, 160, zero_expert=2)
+    counts = [3, 0, 5, 2]
+    x = torch.randn(12, 160)  # 10 routed rows, 2 rows past the last group
+    y = grouped_weight_only_reference(x, packed, _group_ends(counts))
+    start = 0
+    for e, c in enumerate(counts):
+        expect = (x[start:start + c].double() @ dequant[e].t()).float()
+        torch.testing.assert_close(y[start:start + c], expect, rtol=1e-5, atol=1e-5)
+        start += c
+    assert torch.equal(y[10:], torch.zeros(2, 72))
+
+
+@pytest.mark.parametrize("experts", [1, 3, 8, 64, 256])
+def test_grouped_grid_holds_every_nonempty_tile(experts):
+    """The grid the launcher sizes from R and E alone has room for the non-empty tiles of any
+    split of R rows over the experts (random, one-expert and spread-out splits)."""
+    from lowprec.gemm.sm90.weight_only_interface import grouped_tiles
+
+    gen = torch.Generator().manual_seed(experts)
+    for rows in (1, 2, 7, 8, 9, 64, 100, 1000, 4096):
+        tile_m, z_tiles = grouped_tiles(rows, experts)
+        splits = [torch.multinomial(torch.ones(experts), rows, replacement=True, generator=gen).bincount(
+            minlength=experts)]
+        splits.append(torch.zeros(experts, dtype=torch.long).index_fill_(0, torch.tensor([0]), rows))
+        spread = torch.full((experts,), rows // experts)
+        spread[: rows % experts] += 1
+        splits.append(spread)
+        for counts in splits:
+            assert int(counts.sum()) == rows
+            needed = int(((counts + tile_m - 1) // tile_m).sum())
+            assert needed <= z_tiles, (rows, experts, tile_m, needed, z_tiles)
+
+
+def test_grouped_op_rejects_bad_arguments():
+    from lowprec.gemm.ops import grouped_weight_only
+
+    packed, _ = _experts(2, 64, 128)
+    with pytest.raises(ValueError, match="group_ends: expected int32"):
+        grouped_weight_only(torch.randn(4, 128), packed, torch.tensor([2, 4]))
+    with pytest.raises(ValueError, match="x: expected a float tensor"):
+        grouped_weight_only(torch.randn(4, 64), packed, _group_ends([2, 2]))
+    with pytest.raises(TypeError, match="packed: expected a PackedNVFP4Experts"):
+        grouped_weight_only(torch.randn(4, 128), packed.expert(0), _group_ends([2, 2]))
+
+
 # ----------------------------------------------------------------------------- compile (CI)
 def _shipped():
     from lowprec.gemm.sm90.weight_only_interface import SHIPPED
@@ -126,12 +211,12 @@ def _shipped():
 
 
 @needs_cutlass
-@pytest.mark.parametrize("fmt,tile_m,splits", _shipped())
-def test_compile_sm90(fmt, tile_m, splits):
+@pytest.mark.parametrize("fmt,tile_m,splits,grouped", _shipped())
+def test_compile_sm90(fmt, tile_m, splits, grouped):
     from lowprec.gemm.sm90.weight_only_interface import build_kernel, warp_mma_for
     from lowprec.runtime.compile import local_memory_ops, nvdisasm_path, sass_of
 
-    compiled = build_kernel(fmt, tile_m, splits)
+    compiled = build_kernel(fmt, tile_m, splits, grouped=grouped)
     if nvdisasm_path() is None:
         pytest.skip("nvdisasm not found: compiled, SASS not checked")
     sass = sass_of(compiled)
@@ -145,6 +230,8 @@ def test_compile_sm90(fmt, tile_m, splits):
         assert sass.count("HMUL2.BF16") >= 32, "expected one bf16x2 scale multiply per A register"
         assert sass.count("LDS.128") >= 3, "expected 16-byte shared loads of the codes and scales"
     assert "ACQBULK" in sass, "no griddepcontrol.wait: programmatic dependent launch is unsafe"
+    if grouped:  # each warp finds its CTA's expert tile: a warp scan and a ballot
+        assert sass.count("SHFL.UP") >= 5 and "VOTE" in sass, "expected the warp scan over the experts' tiles"
     if splits > 1:
         assert "UCGABAR_ARV" in sass and "UCGABAR_WAIT" in sass, "no cluster barrier before the split-K reduction"
     assert local_memory_ops(sass) == 0
@@ -305,3 +392,70 @@ def test_layer_compiled_equals_eager_with_the_kernel(layer_kind):
         eager = layer(x)
         compiled = torch.compile(layer, fullgraph=True)(x)
     assert torch.equal(compiled, eager)
+
+
+def _grouped_gpu_case(counts, n, k, extra_rows=0, zero_expert=None):
+    packed, dequant = _experts(len(counts), n, k, device="cuda", zero_expert=zero_expert)
+    x = torch.randn(sum(counts) + extra_rows, k, device="cuda", dtype=torch.bfloat16)
+    return x, packed, dequant, _group_ends(counts, "cuda")
+
+
+def _check_grouped(y, x, dequant, counts):
+    start = 0
+    for e, c in enumerate(counts):
+        if c:
+            expect = x[start:start + c].double() @ dequant[e].cuda().t()
+            err = (y[start:start + c].double() - expect).abs()
+            bound = 2.0 ** -8 * expect.abs() + 1e-4 * expect.abs().max()
+            assert torch.all(err <= bound), (e, (err - bound).max().item())
+        start += c
+    assert torch.all(y[start:] == 0), "rows after the last group must be zero"
+
+
+@gpu
+@needs_gpu
+@pytest.mark.parametrize("counts,n,k,extra", [
+    ([1, 0, 0, 1, 0, 1, 1, 0], 3072, 4096, 0),  # decode: a token's top-4 over 8 experts
+    ([0, 2, 0, 0, 5, 1, 0, 0, 0, 0, 0, 3], 200, 272, 3),  # tails in N and K, rows after the last group
+    ([40, 0, 7, 130], 512, 1024, 0),  # several token tiles in one expert
+    ([0, 0, 0], 128, 256, 4),  # no routed rows at all
+    ([17] * 64, 256, 512, 0),  # many experts, a full warp scan
+])
+def test_grouped_kernel_matches_reference(counts, n, k, extra):
+    from lowprec.gemm.sm90.weight_only_interface import grouped_weight_only_nvfp4
+
+    x, packed, dequant, ends = _grouped_gpu_case(counts, n, k, extra, zero_expert=1)
+    y = grouped_weight_only_nvfp4(x, packed, ends)
+    _check_grouped(y, x, dequant, counts)
+    assert torch.equal(grouped_weight_only_nvfp4(x, packed, ends), y), "not deterministic"
+
+
+@gpu
+@needs_gpu
+@pytest.mark.parametrize("splits", SPLITS)
+def test_grouped_kernel_every_split(monkeypatch, splits):
+    from lowprec.gemm.sm90 import weight_only_interface as wo
+
+    monkeypatch.setattr(wo, "choose_split", lambda *args: splits)
+    counts = [3, 0, 9, 1]
+    x, packed, dequant, ends = _grouped_gpu_case(counts, 200, 1296, 2)
+    _check_grouped(wo.grouped_weight_only_nvfp4(x, packed, ends), x, dequant, counts)
+
+
+@gpu
+@needs_gpu
+def test_grouped_kernel_cuda_graph_follows_the_group_ends():
+    """Captured once, the launch reads the group ends at run time: a new routing in the same
+    buffer gives that routing's result."""
+    from lowprec.gemm.sm90.weight_only_interface import grouped_weight_only_nvfp4
+
+    x, packed, dequant, ends = _grouped_gpu_case([2, 0, 3, 3], 256, 512)
+    grouped_weight_only_nvfp4(x, packed, ends)  # scratch buffers exist before capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = grouped_weight_only_nvfp4(x, packed, ends)
+    for counts in ([2, 0, 3, 3], [0, 8, 0, 0], [1, 1, 1, 5]):
+        ends.copy_(_group_ends(counts, "cuda"))
+        graph.replay()
+        torch.cuda.synchronize()
+        _check_grouped(y, x, dequant, counts)

@@ -13,3 +13,5 @@ register("weight_only_nvfp4", "sm_90a", f"{__name__}.weight_only_interface:weigh
          config.weight_only_unsupported)
 register("weight_only_fp8", "sm_90a", f"{__name__}.weight_only_interface:weight_only_fp8",
          config.weight_only_unsupported)
+register("grouped_weight_only_nvfp4", "sm_90a", f"{__name__}.weight_only_interface:grouped_weight_only_nvfp4",
+         config.grouped_weight_only_unsupported)

@@ -153,3 +153,20 @@ def weight_only_unsupported(x, packed, bias) -> str | None:
     if bias is not None and (bias.dtype != torch.bfloat16 or bias.shape != (packed.n,) or bias.stride(0) != 1):
         return f"bias: expected bfloat16 [{packed.n}] contiguous, got {bias.dtype} {tuple(bias.shape)}"
     return None
+
+
+def grouped_weight_only_unsupported(x, packed, group_ends) -> str | None:
+    """Why the grouped weight-only kernel (``packed`` a ``PackedNVFP4Experts``) cannot take ``x``
+    [R, K] with ``group_ends`` (None: it can)."""
+    if x.dtype != torch.bfloat16:
+        return f"x dtype {x.dtype} (the kernel decodes the weight to bf16: it takes bfloat16 activations)"
+    if x.dim() != 2 or x.shape[1] != packed.k:
+        return f"x shape {tuple(x.shape)} (expected [R, {packed.k}])"
+    if x.shape[0] == 0:
+        return "R=0: nothing to compute"
+    if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
+        return "x: the kernel's TMA needs unit stride along K and 16-byte aligned rows"
+    if packed.data.device != x.device or group_ends.device != x.device:
+        return (f"the packed weights ({packed.data.device}) and group_ends ({group_ends.device}) must be on x's "
+                f"{x.device}")
+    return None

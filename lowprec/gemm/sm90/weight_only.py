@@ -117,7 +117,8 @@ class WeightOnlySm90:
     ``splits`` (split-K: the cluster size along grid y) and ``warp_mma`` (NVFP4: the products on
     warp-level ``mma.sync`` m16n8k16 instead of wgmma; see ``_mainloop_warp``)."""
 
-    def __init__(self, fmt: str, tile_m: int, stages: int, ctas_per_sm: int, splits: int, warp_mma: bool = False):
+    def __init__(self, fmt: str, tile_m: int, stages: int, ctas_per_sm: int, splits: int, warp_mma: bool = False,
+                 grouped: bool = False):
         if fmt not in FORMATS:
             raise ValueError(f"fmt: expected one of {FORMATS}, got {fmt!r}")
         self.fmt, self.chunk_bytes = fmt, _CHUNK_BYTES[fmt]
@@ -128,8 +129,10 @@ class WeightOnlySm90:
             raise ValueError(f"splits: expected one of {SPLITS}, got {splits}")
         if warp_mma and fmt != "nvfp4":
             raise ValueError("warp_mma: NVFP4 only")
+        if grouped and fmt != "nvfp4":
+            raise ValueError("grouped: NVFP4 only")
         self.tile_m, self.stages, self.ctas_per_sm, self.splits = tile_m, stages, ctas_per_sm, splits
-        self.warp_mma = warp_mma
+        self.warp_mma, self.grouped = warp_mma, grouped
         # warps 0-7: two consumer warpgroups, each the full 64 rows over half of every chunk's
         # k-steps (warpgroup w: k-steps 4w..4w+3) into its own accumulator; warp 8: producer
         self.wg_threads = 128
@@ -157,8 +160,10 @@ class WeightOnlySm90:
         mW_raw: cute.Tensor,  # (n_tiles, k_chunks * rows per chunk, 256) uint8: the packed weight
         mY: cute.Tensor,  # (M, N) bf16
         mBias: cute.Tensor,  # (N,) bf16 (read only with has_bias)
-        mScale: cute.Tensor,  # fp32: NVFP4 (1, 1) the global scale; FP8 (ceil(N/128), k_chunks) block scales
+        mScale: cute.Tensor,  # fp32: NVFP4 (experts, 1) the global scales; FP8 (ceil(N/128), k_chunks) block scales
         mWork: cute.Tensor,  # (>= splits * M * N,) fp32: split-K partials
+        mGroupEnds: cute.Tensor,  # (experts,) int32, grouped: expert e owns rows [ends[e-1], ends[e]) of x and y
+        group_tiles: cutlass.Int32,  # grouped: the grid's token tiles, at least the experts' tiles together
         has_bias: cutlass.Int32,
         stream,
     ):
@@ -183,11 +188,14 @@ class WeightOnlySm90:
         self.shared_storage = SharedStorage
         m, n = cute.size(mY, mode=[0]), cute.size(mY, mode=[1])
         k_chunks = cute.size(mW, mode=[0]) // self.chunk_rows
+        z_tiles = (m + self.tile_m - 1) // self.tile_m
+        if cutlass.const_expr(self.grouped):
+            z_tiles = group_tiles
         self.kernel(
-            tma_x, tma_tensor_x, tma_w, tma_tensor_w, mY, mBias, mScale, mWork, has_bias, k_chunks,
-            sX_layout, sW_layout, self._mma(),
+            tma_x, tma_tensor_x, tma_w, tma_tensor_w, mY, mBias, mScale, mWork, mGroupEnds, has_bias,
+            k_chunks, sX_layout, sW_layout, self._mma(),
         ).launch(
-            grid=((n + TILE_N - 1) // TILE_N, self.splits, (m + self.tile_m - 1) // self.tile_m),
+            grid=((n + TILE_N - 1) // TILE_N, self.splits, z_tiles),
             block=[self.consumer_threads + 32, 1, 1],
             cluster=(1, self.splits, 1),
             min_blocks_per_mp=self.ctas_per_sm,
@@ -202,12 +210,78 @@ class WeightOnlySm90:
         tma_x: cute.CopyAtom, mX: cute.Tensor,
         tma_w: cute.CopyAtom, mW: cute.Tensor,
         mY: cute.Tensor, mBias: cute.Tensor, mScale: cute.Tensor, mWork: cute.Tensor,
+        mGroupEnds: cute.Tensor,
         has_bias: cutlass.Int32, k_chunks: cutlass.Int32,
         sX_layout: cute.ComposedLayout, sW_layout: cute.Layout, mma: cute.TiledMma,
     ):
+        n_tile, split, z = cute.arch.block_idx()
+        if cutlass.const_expr(self.grouped):
+            # the group ends come from the previous kernel (the routing): wait for it first, and
+            # read no weight of an expert that got no tokens
+            cute.arch.griddepcontrol_wait()
+            expert, m_tile, found = self._group_tile(mGroupEnds, z)
+            row_start = cutlass.Int32(0)
+            if expert > 0:
+                row_start = mGroupEnds[expert - 1]
+            row_end = mGroupEnds[expert]
+            if found:
+                self._tile(tma_x, mX, tma_w, mW, mY, mBias, mScale, mWork, has_bias, k_chunks, sX_layout, sW_layout,
+                           mma, n_tile, split, expert, m_tile, row_start, row_end)
+        else:
+            self._tile(tma_x, mX, tma_w, mW, mY, mBias, mScale, mWork, has_bias, k_chunks, sX_layout, sW_layout,
+                       mma, n_tile, split, 0, z, cutlass.Int32(0), cute.size(mY, mode=[0]))
+
+    @cute.jit
+    def _group_tile(self, mGroupEnds, z):
+        """Grouped: the ``z``-th non-empty token tile over the experts in order, as (expert, tile
+        within it, whether it exists). Each warp finds it alone (same answer): lane l sums the
+        tiles of a contiguous range of experts, a warp scan of those sums finds the lane whose
+        range holds tile ``z``, and that lane's walk finds the expert."""
+        experts = cute.size(mGroupEnds)
+        lane = cute.arch.lane_idx()
+        per_lane = (experts + 31) // 32
+        first = lane * per_lane
+        own = cutlass.Int32(0)
+        for i in cutlass.range(per_lane, unroll=1):
+            e = first + i
+            if e < experts:
+                own = own + (self._rows_of(mGroupEnds, e) + self.tile_m - 1) // self.tile_m
+        total = own
+        for off in cutlass.range_constexpr(5):
+            v = cute.arch.shuffle_sync_up(total, 1 << off)
+            if lane >= (1 << off):
+                total = total + v
+        before = total - own
+        mine = (before <= z) & (z < total)
+        holder = cute.arch.vote_ballot_sync(mine)
+        expert, m_tile = cutlass.Int32(0), cutlass.Int32(0)
+        if mine:  # this lane's range holds tile z: walk it
+            seen = before
+            for i in cutlass.range(per_lane, unroll=1):
+                e = first + i
+                if e < experts:
+                    tiles = (self._rows_of(mGroupEnds, e) + self.tile_m - 1) // self.tile_m
+                    if (seen <= z) & (z < seen + tiles):
+                        expert, m_tile = e, z - seen
+                    seen = seen + tiles
+        src = cutlass.Int32(31) - cutlass.Int32(cute.arch.clz(holder))
+        src = cutlass.max(src, 0)
+        return cute.arch.shuffle_sync(expert, src), cute.arch.shuffle_sync(m_tile, src), holder != 0
+
+    @cute.jit
+    def _rows_of(self, mGroupEnds, e):
+        start = cutlass.Int32(0)
+        if e > 0:
+            start = mGroupEnds[e - 1]
+        return mGroupEnds[e] - start
+
+    @cute.jit
+    def _tile(self, tma_x, mX, tma_w, mW, mY, mBias, mScale, mWork, has_bias, k_chunks, sX_layout, sW_layout, mma,
+              n_tile, split, expert, m_tile, row_start, row_end):
+        """One CTA's output tile: W rows ``n_tile`` of ``expert``, token rows ``row_start + m_tile *
+        tile_m`` on (below ``row_end``), K chunks of split ``split``."""
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        n_tile, split, m_tile = cute.arch.block_idx()
         # balanced split: every split gets floor or ceil of k_chunks / splits (>= 1: splits <= k_chunks)
         kc_first = split * k_chunks // self.splits
         kc_count = (split + 1) * k_chunks // self.splits - kc_first
@@ -225,9 +299,12 @@ class WeightOnlySm90:
 
         if warp_idx == self.producer_warp:
             tXsX, tXgX = tma_partition_tiles(
-                tma_x, sX, cute.local_tile(mX, (self.tile_m, CHUNK_K), (m_tile, None)))
+                tma_x, sX, cute.local_tile(cute.domain_offset((row_start, 0), mX), (self.tile_m, CHUNK_K),
+                                           (m_tile, None)))
+            # a grouped weight stacks the experts' tiles: expert e's are e * (tiles per expert) on
+            w_tile = n_tile + expert * ((cute.size(mY, mode=[1]) + TILE_N - 1) // TILE_N)
             tWsW, tWgW = tma_partition_tiles(
-                tma_w, sW, cute.local_tile(mW[(None, None, n_tile)], (self.chunk_rows, ROW_BYTES), (None, 0)))
+                tma_w, sW, cute.local_tile(mW[(None, None, w_tile)], (self.chunk_rows, ROW_BYTES), (None, 0)))
             # programmatic dependent launch: the weights are constants, so the first stages'
             # weight loads go out while the previous kernel drains; x (its output, maybe) and
             # every global write wait for it
@@ -274,7 +351,8 @@ class WeightOnlySm90:
                 for i in cutlass.range_constexpr(cute.size(acc)):
                     acc[i] = acc[i] + sAcc[i, t]
             cute.arch.griddepcontrol_wait()  # before the first global write (returns at once by now)
-            self._epilogue(wg, t, mma, acc, mY, mBias, mScale, mWork, has_bias, n_tile, split, m_tile)
+            self._epilogue(wg, t, mma, acc, mY, mBias, mScale, mWork, has_bias, n_tile, split, expert,
+                           row_start + m_tile * self.tile_m, row_end)
 
     @cute.jit
     def _mainloop(self, wg, t, mma, sX, sW, ring, kc_count, mScale, n_tile, kc_first):
@@ -457,27 +535,28 @@ class WeightOnlySm90:
         a_words[4 * s + 3] = _mul_bf16x2_by_half(p3, s2, True)
 
     @cute.jit
-    def _epilogue(self, wg, t, mma, acc, mY, mBias, mScale, mWork, has_bias, n_tile, split, m_tile):
-        """Warpgroup 0 holds the tile's sums; with split-K both warpgroups reduce."""
+    def _epilogue(self, wg, t, mma, acc, mY, mBias, mScale, mWork, has_bias, n_tile, split, expert, m0, row_end):
+        """Warpgroup 0 holds the tile's sums (token rows ``m0`` on, below ``row_end``); with
+        split-K both warpgroups reduce."""
         m, n = cute.size(mY, mode=[0]), cute.size(mY, mode=[1])
         tidx = wg * self.wg_threads + t
         thr = mma.get_slice(t)
         coords = thr.partition_C(cute.make_identity_tensor((TILE_N, self.tile_m)))
-        n0, m0 = n_tile * TILE_N, m_tile * self.tile_m
+        n0 = n_tile * TILE_N
         scale = cutlass.Float32(1.0)  # FP8: the block scales were applied per chunk
         if cutlass.const_expr(self.fmt == "nvfp4"):
-            scale = mScale[0, 0] * cutlass.Float32(2.0 ** DECODE_EXP)
+            scale = mScale[expert, 0] * cutlass.Float32(2.0 ** DECODE_EXP)
         if cutlass.const_expr(self.splits == 1):
             if wg == 0:
                 for i in cutlass.range_constexpr(cute.size(acc)):
                     row, col = n0 + coords[i][0], m0 + coords[i][1]
-                    if row < n and col < m:
+                    if row < n and col < row_end:
                         mY[col, row] = self._out(acc[i] * scale, mBias, has_bias, row)
         else:
             if wg == 0:
                 for i in cutlass.range_constexpr(cute.size(acc)):
                     row, col = n0 + coords[i][0], m0 + coords[i][1]
-                    if row < n and col < m:
+                    if row < n and col < row_end:
                         mWork[(split * m + col) * n + row] = acc[i]
             # barrier.cluster.arrive releases and .wait acquires at cluster scope: every split's
             # partial is visible to every CTA of the tile's cluster after it
@@ -485,7 +564,7 @@ class WeightOnlySm90:
             cute.arch.cluster_wait()
             # split s writes the tile's outputs s * 128 + [0, 128), + 128 * splits, ... (consecutive
             # threads, consecutive rows), each the sum of the partials in split order
-            cols = cutlass.min(self.tile_m, m - m0)
+            cols = cutlass.min(self.tile_m, row_end - m0)
             step = self.consumer_threads * self.splits
             for e in cutlass.range(split * self.consumer_threads + tidx, TILE_N * cols, step, unroll=1):
                 row, col = n0 + e % TILE_N, m0 + e // TILE_N

@@ -8,10 +8,20 @@ import functools
 import torch
 
 from ...runtime import ffi_entry, kernel_cache, on_device, sm_count
-from ..weight_only import CHUNK_BYTES, CHUNK_K, FP8_CHUNK_BYTES, ROW_BYTES, SPLITS, TILE_MS, PackedFP8, PackedNVFP4
+from ..weight_only import (
+    CHUNK_BYTES,
+    CHUNK_K,
+    FP8_CHUNK_BYTES,
+    ROW_BYTES,
+    SPLITS,
+    TILE_MS,
+    PackedFP8,
+    PackedNVFP4,
+    PackedNVFP4Experts,
+)
 
 __all__ = ["SHIPPED", "FP8_TILE_MS", "choose_tile_m", "ctas_per_sm", "warp_mma_for", "stages_for", "choose_split",
-           "build_kernel", "compile_kernel", "weight_only_nvfp4", "weight_only_fp8"]
+           "build_kernel", "compile_kernel", "weight_only_nvfp4", "weight_only_fp8", "grouped_weight_only_nvfp4"]
 
 ARCH = "sm_90a"
 _SMEM_PER_SM = 200 * 1024  # for the rings (the accumulator hand-off takes up to 32 KB more)
@@ -21,9 +31,9 @@ WARP_MMA_MAX_TILE_M = 8
 # FP8 keeps two chunk accumulators besides the sum (promotion): 64 tokens is its widest tile
 FP8_TILE_MS = tuple(t for t in TILE_MS if t <= 64)
 _CHUNK_BYTES = {"nvfp4": CHUNK_BYTES, "fp8": FP8_CHUNK_BYTES}
-# every (format, tile_m, splits) the launcher can pick: CI compiles them all
-SHIPPED = tuple(("nvfp4", tm, sp) for tm in TILE_MS for sp in SPLITS) + tuple(
-    ("fp8", tm, sp) for tm in FP8_TILE_MS for sp in SPLITS)
+# every (format, tile_m, splits, grouped) the launcher can pick: CI compiles them all
+SHIPPED = tuple(("nvfp4", tm, sp, grouped) for grouped in (False, True) for tm in TILE_MS for sp in SPLITS) + tuple(
+    ("fp8", tm, sp, False) for tm in FP8_TILE_MS for sp in SPLITS)
 
 
 def choose_tile_m(m: int) -> int:
@@ -56,9 +66,9 @@ def choose_split(tiles: int, k_chunks: int, num_sms: int) -> int:
     return SPLITS[-1]
 
 
-def build_kernel(fmt: str, tile_m: int, splits: int, arch: str = ARCH):
-    """Compile the ``fmt`` kernel for ``tile_m`` tokens and ``splits`` on fake tensors (no GPU
-    needed), uncached."""
+def build_kernel(fmt: str, tile_m: int, splits: int, arch: str = ARCH, grouped: bool = False):
+    """Compile the ``fmt`` kernel for ``tile_m`` tokens and ``splits`` (``grouped``: the experts'
+    weights stacked, token rows per expert) on fake tensors (no GPU needed), uncached."""
     import cutlass
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
@@ -76,19 +86,21 @@ def build_kernel(fmt: str, tile_m: int, splits: int, arch: str = ARCH):
     scale = make_fake_tensor(cutlass.Float32, (cute.sym_int(), cute.sym_int()), stride=(cute.sym_int64(), 1),
                              assumed_align=4)
     work = make_fake_tensor(cutlass.Float32, (cute.sym_int(),), stride=(1,), assumed_align=4)
+    group_ends = make_fake_tensor(cutlass.Int32, (cute.sym_int(),), stride=(1,), assumed_align=4)
     kernel = WeightOnlySm90(fmt, tile_m, stages_for(fmt, tile_m), ctas_per_sm(tile_m), splits,
-                            warp_mma_for(fmt, tile_m))
-    return compile_for_arch(kernel, x, w, y, bias, scale, work, cutlass.Int32(0),
+                            warp_mma_for(fmt, tile_m), grouped)
+    return compile_for_arch(kernel, x, w, y, bias, scale, work, group_ends, cutlass.Int32(1), cutlass.Int32(0),
                             make_fake_stream(use_tvm_ffi_env_stream=True), arch=arch, tvm_ffi=True)
 
 
 @functools.cache
-def compile_kernel(fmt: str, tile_m: int, splits: int, arch: str = ARCH):
-    """The launchable kernel, compiled once per (fmt, tile_m, splits, arch) through the kernel cache."""
+def compile_kernel(fmt: str, tile_m: int, splits: int, arch: str = ARCH, grouped: bool = False):
+    """The launchable kernel, compiled once per (fmt, tile_m, splits, arch, grouped) through the kernel cache."""
     return ffi_entry(kernel_cache.get(f"weight_only_{fmt}", {"tile_m": tile_m, "stages": stages_for(fmt, tile_m),
                                                              "ctas_per_sm": ctas_per_sm(tile_m), "splits": splits,
-                                                             "warp_mma": warp_mma_for(fmt, tile_m)},
-                                      arch, lambda: build_kernel(fmt, tile_m, splits, arch)))
+                                                             "warp_mma": warp_mma_for(fmt, tile_m),
+                                                             "grouped": grouped},
+                                      arch, lambda: build_kernel(fmt, tile_m, splits, arch, grouped)))
 
 
 _WORKSPACE: dict = {}  # (device, stream) -> FP32 split-K partials
@@ -110,7 +122,7 @@ def _workspace(device: torch.device, floats: int) -> torch.Tensor:
     return work
 
 
-_UNUSED: dict = {}  # device -> a one-value tensor for the bias / workspace arguments a launch does not read
+_UNUSED: dict = {}  # device -> a small tensor for the bias / workspace / group arguments a launch does not read
 
 
 def _unused(device: torch.device) -> torch.Tensor:
@@ -140,7 +152,36 @@ def _launch(fmt: str, x: torch.Tensor, packed, scale: torch.Tensor, bias: torch.
     splits = choose_split(packed.n_tiles * -(-m // tile_m), packed.k_chunks, sm_count(device))
     work = _workspace(device, splits * m * n) if splits > 1 else _unused(device).view(torch.float32)
     has_bias = bias is not None
+    unused = _unused(device)
     with on_device(device):
-        compile_kernel(fmt, tile_m, splits)(x, packed.tiles, y, bias if has_bias else _unused(device), scale, work,
-                                            int(has_bias))
+        compile_kernel(fmt, tile_m, splits)(x, packed.tiles, y, bias if has_bias else unused, scale, work,
+                                            unused.view(torch.int32), 1, int(has_bias))
+    return y
+
+
+def grouped_tiles(rows: int, experts: int) -> tuple[int, int]:
+    """Grouped: ``(tile_m, grid token tiles)`` for ``rows`` rows over ``experts`` experts. The tile
+    fits the mean rows of an expert that has any; the grid holds every non-empty tile however the
+    rows fall: an expert of ``r`` rows has ``ceil(r / tile_m)``, so the ``busy`` = ``min(experts,
+    rows)`` experts that can have rows have at most ``(rows + busy (tile_m - 1)) / tile_m``."""
+    busy = min(experts, rows)
+    tile_m = choose_tile_m(-(-rows // busy))
+    return tile_m, (rows + busy * (tile_m - 1)) // tile_m
+
+
+def grouped_weight_only_nvfp4(x: torch.Tensor, packed: PackedNVFP4Experts, group_ends: torch.Tensor) -> torch.Tensor:
+    """``x`` bf16 ``[R, K]`` with expert ``e``'s rows at ``group_ends[e-1]:group_ends[e]`` (int32
+    ``[E]``, non-decreasing, at most ``R``, on the GPU: read by the kernel, never by the host) ->
+    ``[R, N]``, each expert's rows times its weight; rows after ``group_ends[-1]`` are zero. One
+    launch; the CTAs past the experts' tiles, and so every expert without rows, read no weight."""
+    rows, n, device = x.shape[0], packed.n, x.device
+    y = torch.zeros(rows, n, dtype=torch.bfloat16, device=device)
+    if rows == 0 or n == 0:
+        return y
+    tile_m, z_tiles = grouped_tiles(rows, packed.experts)
+    splits = choose_split(packed.n_tiles * z_tiles, packed.k_chunks, sm_count(device))
+    work = _workspace(device, splits * rows * n) if splits > 1 else _unused(device).view(torch.float32)
+    with on_device(device):
+        compile_kernel("nvfp4", tile_m, splits, grouped=True)(
+            x, packed.tiles, y, _unused(device), packed.global_scale.view(-1, 1), work, group_ends, z_tiles, 0)
     return y

@@ -1,0 +1,188 @@
+"""NVFP4 experts for inference: :class:`NVFP4InferenceMoE`, the MoE with 4.5-bit expert weights and
+activations kept in their dtype (weight-only), for decode-sized batches on Hopper."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..gemm.ops import grouped_weight_only
+from ..gemm.weight_only import CHUNK_BYTES, ROW_BYTES, PackedNVFP4, PackedNVFP4Experts, pack_nvfp4_experts, unpack_nvfp4
+from ..nn.buffers import QuantizedBuffersModule
+from ..nn.functional import follow_autocast
+from ..quant import quantize
+from ..recipes import get_recipe
+from ..runtime import eager_under_compile
+from .core import _X_DTYPES, _activation
+from .packing import gather_rows, unpack
+from .routing import Routing, route
+
+__all__ = ["NVFP4InferenceMoE"]
+
+_PROJECTIONS = ("w1", "w2")
+
+
+class NVFP4InferenceMoE(QuantizedBuffersModule):
+    """Inference :class:`~lowprec.moe.MoE` with NVFP4 expert weights (E2M1 codes, an E4M3 scale per
+    16 weights of a row, an FP32 global scale per expert matrix: about 0.28x the bytes of bf16
+    experts) and tokens kept in their dtype.
+
+    Build it from a trained layer with :meth:`from_moe` or :func:`lowprec.convert` (``"nvfp4"``,
+    ``inference=True``). The forward routes as :class:`~lowprec.moe.MoE` does (router in FP32, the
+    same top-k, capacity and packed order), then runs each expert's ``W1`` and ``W2`` on its rows
+    with the grouped weight-only GEMM (on Hopper with bf16 tokens: one launch per projection, the
+    4.5-bit weights of the experts that got tokens read once and decoded to bf16 in registers, no
+    host sync, CUDA-graph capturable; elsewhere the dequantized reference), the gated activation
+    in FP32 times the combine weight, and the combine back to tokens. Under ``torch.compile`` the
+    forward runs eagerly (a graph break).
+
+    State dict (ModelOpt's NVFP4 layout, stacked over the experts): ``w1`` uint8 ``[E, 2F, H / 2]``
+    (two E2M1 codes per byte, element ``2i`` in the low nibble), ``w1_scale`` float8_e4m3fn
+    ``[E, 2F, H / 16]``, ``w1_scale_2`` FP32 ``[E]``, the same for ``w2`` (``[E, H, F / 2]``), and
+    the ``router``'s weight. In memory the weights are held once, in the kernel's layout.
+    Arguments as :class:`~lowprec.moe.MoE`'s (no ``recipe``); H and F multiples of 16.
+    """
+
+    _quantized = ("w1_packed", "w1_scale_2", "w2_packed", "w2_scale_2")
+
+    def __init__(self, hidden_size: int, ffn_size: int, num_experts: int, top_k: int,
+                 capacity_factor: float | None = None, activation: str = "swiglu", score_func: str = "softmax",
+                 renormalize: bool = True, drop_policy: str = "probs", device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None) -> None:
+        from .layer import _set_config
+
+        super().__init__()
+        _set_config(self, hidden_size, ffn_size, num_experts, top_k, capacity_factor, activation, "fp8_block",
+                    score_func, renormalize, drop_policy)
+        self.router = nn.Linear(hidden_size, num_experts, bias=False, device=device, dtype=dtype)
+        for name, (rows, cols) in zip(_PROJECTIONS, self._shapes()):
+            grid = PackedNVFP4(torch.empty(0), torch.empty(0), rows, cols)
+            packed_rows = num_experts * grid.n_tiles * grid.k_chunks * CHUNK_BYTES // ROW_BYTES
+            # zero weights: zero codes under zero scales (state_dict() rebuilds the ModelOpt tensors)
+            self.register_buffer(f"{name}_packed", torch.zeros(packed_rows, ROW_BYTES, dtype=torch.uint8,
+                                                               device=device), persistent=False)
+            self.register_buffer(f"{name}_scale_2", torch.ones(num_experts, dtype=torch.float32, device=device))
+
+    def _shapes(self) -> tuple[tuple[int, int], tuple[int, int]]:
+        return (2 * self.ffn_size, self.hidden_size), (self.hidden_size, self.ffn_size)
+
+    @classmethod
+    def from_moe(cls, moe: nn.Module) -> NVFP4InferenceMoE:
+        """Quantize ``moe``'s expert weights to NVFP4 once (a :class:`~lowprec.moe.MoE`); the router
+        is copied."""
+        from .layer import MoE
+
+        if not isinstance(moe, MoE):
+            raise TypeError(f"moe: expected a lowprec.moe.MoE, got {type(moe).__name__}")
+        layer = cls(moe.hidden_size, moe.ffn_size, moe.num_experts, moe.top_k, moe.capacity_factor, moe.activation,
+                    moe.score_func, moe.renormalize, moe.drop_policy, moe.router.weight.device,
+                    moe.router.weight.dtype)
+        recipe = get_recipe("nvfp4")
+        with torch.no_grad():
+            layer.router.weight.copy_(moe.router.weight)
+            for name in _PROJECTIONS:
+                qs = [quantize(w, recipe) for w in getattr(moe, name).detach()]
+                layer.set_weights(name, torch.stack([q.data for q in qs]), torch.stack([q.scale for q in qs]),
+                                  torch.stack([q.global_scale.reshape(()) for q in qs]).float())
+        return layer
+
+    def set_weights(self, name: str, weight: torch.Tensor, weight_scale: torch.Tensor,
+                    weight_scale_2: torch.Tensor) -> None:
+        """Take projection ``name``'s (``"w1"`` or ``"w2"``) NVFP4 tensors in ModelOpt's layout,
+        stacked over the experts (validated by the packing), on the layer's device."""
+        if name not in _PROJECTIONS:
+            raise ValueError(f"name: expected one of {_PROJECTIONS}, got {name!r}")
+        rows, cols = self._shapes()[_PROJECTIONS.index(name)]
+        e = self.num_experts
+        for key, t, dtype, shape in ((name, weight, torch.uint8, (e, rows, cols // 2)),
+                                     (f"{name}_scale", weight_scale, torch.float8_e4m3fn, (e, rows, cols // 16)),
+                                     (f"{name}_scale_2", weight_scale_2, torch.float32, (e,))):
+            if not isinstance(t, torch.Tensor) or t.dtype != dtype or tuple(t.shape) != shape:
+                raise ValueError(f"{key}: expected {dtype} {shape}, got {getattr(t, 'dtype', type(t))} "
+                                 f"{tuple(getattr(t, 'shape', ()))}")
+        device = self.w1_packed.device
+        packed = pack_nvfp4_experts(weight.to(device), weight_scale.to(device), weight_scale_2.to(device))
+        setattr(self, f"{name}_packed", packed.data)
+        setattr(self, f"{name}_scale_2", packed.global_scale)
+
+    def packed_weights(self) -> tuple[PackedNVFP4Experts, PackedNVFP4Experts]:
+        """``(W1, W2)`` in the grouped kernel's layout (views of the buffers, made again only when a
+        buffer is replaced)."""
+        key = tuple(getattr(self, f"{name}_{part}") for name in _PROJECTIONS for part in ("packed", "scale_2"))
+        cached = self.__dict__.get("_packed_views")
+        if cached is None or any(a is not b for a, b in zip(cached[0], key)):
+            views = tuple(PackedNVFP4Experts(key[2 * i], key[2 * i + 1], *shape)
+                          for i, shape in enumerate(self._shapes()))
+            cached = self.__dict__["_packed_views"] = (key, views)
+        return cached[1]
+
+    def forward(self, x: torch.Tensor, return_routing: bool = False) -> torch.Tensor | tuple[torch.Tensor, Routing]:
+        """``x [..., H]`` to ``[..., H]`` in ``x``'s dtype (the autocast dtype inside
+        ``torch.autocast``); with ``return_routing`` also the :class:`Routing`."""
+        if not isinstance(x, torch.Tensor) or x.dtype not in _X_DTYPES or x.dim() < 1 \
+                or x.shape[-1] != self.hidden_size:
+            raise ValueError(f"x: expected a float32/bfloat16/float16 tensor [..., H={self.hidden_size}], got "
+                             f"{getattr(x, 'dtype', type(x))} {tuple(getattr(x, 'shape', ()))}")
+        tokens, autocast_off = follow_autocast(x.reshape(-1, self.hidden_size))
+        with autocast_off:
+            y, routing = _nvfp4_experts(self, tokens)
+        y = y.reshape(x.shape)
+        return (y, routing) if return_routing else y
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        for name, packed in zip(_PROJECTIONS, self.packed_weights()):
+            weight, weight_scale = _unpacked(packed)
+            destination[prefix + name] = weight
+            destination[prefix + f"{name}_scale"] = weight_scale
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        keys = [f"{name}{part}" for name in _PROJECTIONS for part in ("", "_scale")]
+        taken = {key: state_dict.pop(prefix + key, None) for key in keys}
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+        for key, t in taken.items():
+            if t is not None:
+                state_dict[prefix + key] = t
+        for name in _PROJECTIONS:
+            weight, weight_scale = taken[name], taken[f"{name}_scale"]
+            if weight is None or weight_scale is None:
+                if strict:
+                    missing_keys.extend(prefix + k for k, t in ((name, weight), (f"{name}_scale", weight_scale))
+                                        if t is None)
+                continue
+            global_scale = state_dict.get(prefix + f"{name}_scale_2", getattr(self, f"{name}_scale_2"))
+            try:
+                self.set_weights(name, weight, weight_scale, global_scale.float())
+            except ValueError as err:
+                error_msgs.append(f"{prefix}{err}")
+
+    def extra_repr(self) -> str:
+        return (f"hidden_size={self.hidden_size}, ffn_size={self.ffn_size}, num_experts={self.num_experts}, "
+                f"top_k={self.top_k}, capacity_factor={self.capacity_factor}, drop_policy={self.drop_policy!r}, "
+                f"activation={self.activation!r}, score_func={self.score_func!r}, renormalize={self.renormalize}, "
+                "nvfp4")
+
+
+def _unpacked(packed: PackedNVFP4Experts) -> tuple[torch.Tensor, torch.Tensor]:
+    """ModelOpt-layout ``(weight, weight_scale)`` stacked over the experts."""
+    parts = [unpack_nvfp4(packed.expert(e)) for e in range(packed.experts)]
+    return torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts])
+
+
+@eager_under_compile
+def _nvfp4_experts(layer: NVFP4InferenceMoE, tokens: torch.Tensor) -> tuple[torch.Tensor, Routing]:
+    """Route ``tokens`` ``[T, H]`` and apply the NVFP4 experts: ``(y [T, H], routing)``."""
+    dt = tokens.dtype
+    logits = F.linear(tokens.float(), layer.router.weight.float())
+    routing = route(logits, layer.top_k, score_func=layer.score_func, renormalize=layer.renormalize,
+                    capacity_factor=layer.capacity_factor, drop_policy=layer.drop_policy)
+    w1, w2 = layer.packed_weights()
+    ends = routing.group_ends
+    # the combine weight of each packed row: padding rows (slot -1) index the 0 appended last
+    row_w = F.pad(routing.topk_weights.detach().reshape(-1).float(), (0, 1))[routing.row_slots]
+    h = grouped_weight_only(gather_rows(tokens, routing), w1, ends)
+    a = (_activation(layer.activation, h.float()) * row_w[:, None]).to(dt)
+    return unpack(grouped_weight_only(a, w2, ends), routing, out_dtype=dt), routing

@@ -1,0 +1,133 @@
+"""NVFP4InferenceMoE: the MoE with NVFP4 expert weights (CPU: the reference path, the state dict,
+convert; GPU: the grouped weight-only kernel against that reference)."""
+
+import pytest
+import torch
+
+import lowprec
+from lowprec.moe import MoE, NVFP4InferenceMoE
+from lowprec.recipes import get_recipe
+
+needs_gpu = pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)),
+                               reason="needs an sm_90 GPU")
+
+
+def _moe(hidden=64, ffn=32, experts=4, top_k=2, capacity_factor=None, device="cpu", seed=0, **kw):
+    torch.manual_seed(seed)
+    return MoE(hidden, ffn, experts, top_k, capacity_factor=capacity_factor, recipe=None, device=device, **kw)
+
+
+def _dequantized_moe(moe: MoE) -> MoE:
+    """``moe`` with its expert weights replaced by their NVFP4 values: what the layer computes with."""
+    ref = MoE(moe.hidden_size, moe.ffn_size, moe.num_experts, moe.top_k, capacity_factor=moe.capacity_factor,
+              recipe=None, activation=moe.activation, drop_policy=moe.drop_policy, device=moe.w1.device)
+    ref.load_state_dict(moe.state_dict())
+    recipe = get_recipe("nvfp4")
+    with torch.no_grad():
+        for name in ("w1", "w2"):
+            getattr(ref, name).copy_(torch.stack([lowprec.quantize(w, recipe).dequantize(torch.float32)
+                                                  for w in getattr(moe, name)]))
+    return ref
+
+
+@pytest.mark.parametrize("capacity_factor,activation", [(None, "swiglu"), (0.7, "swiglu"), (None, "geglu")])
+def test_matches_the_moe_with_dequantized_weights(capacity_factor, activation):
+    moe = _moe(capacity_factor=capacity_factor, activation=activation)
+    layer = NVFP4InferenceMoE.from_moe(moe)
+    x = torch.randn(3, 5, 64)
+    y, routing = layer(x, return_routing=True)
+    ref, ref_routing = _dequantized_moe(moe)(x, return_routing=True)
+    assert torch.equal(routing.topk_ids, ref_routing.topk_ids)
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-6)
+    assert y.shape == x.shape and y.dtype == x.dtype
+
+
+def test_state_dict_roundtrip_in_modelopt_layout(tmp_path):
+    layer = NVFP4InferenceMoE.from_moe(_moe())
+    sd = layer.state_dict()
+    assert sd["w1"].dtype == torch.uint8 and sd["w1"].shape == (4, 64, 32)
+    assert sd["w1_scale"].dtype == torch.float8_e4m3fn and sd["w1_scale"].shape == (4, 64, 4)
+    assert sd["w2"].shape == (4, 64, 16) and sd["w2_scale_2"].shape == (4,)
+    assert "w1_packed" not in sd
+    lowprec.save(sd, tmp_path / "moe.safetensors")
+    loaded = NVFP4InferenceMoE(64, 32, 4, 2)
+    loaded.load_state_dict(lowprec.load(tmp_path / "moe.safetensors"))
+    x = torch.randn(6, 64)
+    assert torch.equal(loaded(x), layer(x))
+
+
+def test_load_rejects_missing_and_wrong_tensors():
+    sd = NVFP4InferenceMoE.from_moe(_moe()).state_dict()
+    layer = NVFP4InferenceMoE(64, 32, 4, 2)
+    with pytest.raises(RuntimeError, match="w2_scale"):
+        layer.load_state_dict({k: v for k, v in sd.items() if k != "w2_scale"})
+    with pytest.raises(RuntimeError, match=r"w1: expected torch.uint8 \(4, 64, 32\), got torch.uint8 \(4, 32, 32\)"):
+        layer.load_state_dict({**sd, "w1": sd["w1"][:, :32]})
+    with pytest.raises(RuntimeError, match="w2_scale_2"):
+        layer.load_state_dict({**sd, "w2_scale_2": torch.ones(4, dtype=torch.float64)})
+
+
+def test_convert_makes_nvfp4_experts():
+    moe = _moe()
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), moe)
+    x = torch.randn(4, 64)
+    expect = NVFP4InferenceMoE.from_moe(moe)(model[0](x))
+    lowprec.convert(model, "nvfp4", inference=True)
+    assert isinstance(model[1], NVFP4InferenceMoE) and type(model[0]).__name__ == "NVFP4InferenceLinear"
+    assert torch.equal(model[1].router.weight, moe.router.weight)
+    assert torch.equal(model[1](model[0](x)), NVFP4InferenceMoE.from_moe(moe)(model[0](x)))
+    assert expect.shape == x.shape
+
+
+def test_errors():
+    with pytest.raises(TypeError, match="moe: expected a lowprec.moe.MoE"):
+        NVFP4InferenceMoE.from_moe(torch.nn.Linear(4, 4))
+    with pytest.raises(ValueError, match="hidden_size"):
+        NVFP4InferenceMoE(40, 32, 4, 2)  # not a multiple of 16
+    layer = NVFP4InferenceMoE(64, 32, 4, 2)
+    with pytest.raises(ValueError, match=r"x: expected a float32/bfloat16/float16 tensor \[..., H=64\]"):
+        layer(torch.randn(3, 32))
+    with pytest.raises(ValueError, match="name: expected one of"):
+        layer.set_weights("w3", *[torch.zeros(1)] * 3)
+    with pytest.raises(ValueError, match="w2_scale_2: expected torch.float32"):
+        layer.set_weights("w2", torch.zeros(4, 64, 16, dtype=torch.uint8),
+                          torch.zeros(4, 64, 2).to(torch.float8_e4m3fn), torch.ones(3))
+
+
+def test_casts_keep_the_nvfp4_buffers():
+    layer = NVFP4InferenceMoE.from_moe(_moe()).to(torch.bfloat16)
+    assert layer.w1_packed.dtype == torch.uint8 and layer.w1_scale_2.dtype == torch.float32
+    assert layer.router.weight.dtype == torch.bfloat16
+    assert layer(torch.randn(2, 64, dtype=torch.bfloat16)).dtype == torch.bfloat16
+
+
+def test_empty_batch():
+    layer = NVFP4InferenceMoE.from_moe(_moe())
+    assert layer(torch.randn(0, 64)).shape == (0, 64)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("tokens,experts,top_k,capacity_factor", [
+    (1, 64, 8, None), (4, 64, 8, None), (16, 8, 2, None), (200, 16, 4, None), (32, 8, 2, 0.5),
+])
+def test_kernel_layer_matches_the_reference_path(tokens, experts, top_k, capacity_factor, monkeypatch):
+    """bf16 tokens on the grouped kernel (``LOWPREC_BACKEND=kernel``: no fallback) against the same
+    layer's reference path on the CPU, and CUDA-graph replay equal to eager."""
+    moe = _moe(hidden=1024, ffn=512, experts=experts, top_k=top_k, capacity_factor=capacity_factor)
+    cpu_layer = NVFP4InferenceMoE.from_moe(moe).to(torch.bfloat16)
+    layer = NVFP4InferenceMoE.from_moe(moe).to(device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(tokens, 1024, dtype=torch.bfloat16)
+    ref = cpu_layer(x)
+    monkeypatch.setenv("LOWPREC_BACKEND", "kernel")
+    y = layer(x.cuda())
+    # the same routing; bf16 GEMM outputs on both paths (the kernel's FP32 sums, then one rounding)
+    err = (y.float().cpu() - ref.float()).norm() / ref.float().norm()
+    assert err < 1e-2, err.item()
+    xg = x.cuda()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        yg = layer(xg)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(yg, y)
