@@ -101,13 +101,15 @@ def _(x, packed_data, packed_scale, fmt, n, k, bias):
     return x.new_empty((x.shape[0], n))
 
 
-def grouped_weight_only(x: torch.Tensor, packed: PackedNVFP4Experts, group_ends: torch.Tensor) -> torch.Tensor:
+def grouped_weight_only(x: torch.Tensor, packed: PackedNVFP4Experts, group_ends: torch.Tensor,
+                        zero_tail: bool = True) -> torch.Tensor:
     """Grouped weight-only GEMM: ``x [R, K]`` with expert ``e``'s rows at
     ``group_ends[e-1]:group_ends[e]`` (int32 ``[E]``, cumulative, as :func:`lowprec.grouped_gemm`
     takes them) -> ``[R, N]`` in ``x``'s dtype, each expert's rows times its dequantized NVFP4
-    weight; rows after ``group_ends[-1]`` are zero. On Hopper (bf16 ``x``) one launch of the
-    grouped weight-only kernel, no host sync; elsewhere the reference (which reads ``group_ends``
-    back to the host)."""
+    weight; rows after ``group_ends[-1]`` are zero (``zero_tail=False``: left unwritten, for a
+    caller that knows there are none or never reads them). On Hopper (bf16 ``x``) one launch of
+    the grouped weight-only kernel, no host sync; elsewhere the reference (which reads
+    ``group_ends`` back to the host)."""
     if not isinstance(packed, PackedNVFP4Experts):
         raise TypeError(f"packed: expected a PackedNVFP4Experts (pack_nvfp4_experts), got {type(packed).__name__}")
     if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != packed.k or not x.is_floating_point():
@@ -117,5 +119,5 @@ def grouped_weight_only(x: torch.Tensor, packed: PackedNVFP4Experts, group_ends:
             or group_ends.shape != (packed.experts,):
         raise ValueError(f"group_ends: expected int32 [E={packed.experts}], got "
                          f"{getattr(group_ends, 'dtype', type(group_ends))} {tuple(getattr(group_ends, 'shape', ()))}")
-    return registry.run("grouped_weight_only_nvfp4", x.device, (x, packed, group_ends),
+    return registry.run("grouped_weight_only_nvfp4", x.device, (x, packed, group_ends, zero_tail),
                         lambda: grouped_weight_only_reference(x, packed, group_ends))

@@ -18,7 +18,7 @@ from .core import _X_DTYPES, _activation
 from .packing import gather_rows, unpack
 from .routing import Routing, route
 
-__all__ = ["NVFP4InferenceMoE"]
+__all__ = ["NVFP4InferenceMoE", "nvfp4_moe_layer"]
 
 _PROJECTIONS = ("w1", "w2")
 
@@ -34,8 +34,12 @@ class NVFP4InferenceMoE(QuantizedBuffersModule):
     with the grouped weight-only GEMM (on Hopper with bf16 tokens: one launch per projection, the
     4.5-bit weights of the experts that got tokens read once and decoded to bf16 in registers, no
     host sync, CUDA-graph capturable; elsewhere the dequantized reference), the gated activation
-    in FP32 times the combine weight, and the combine back to tokens. Under ``torch.compile`` the
-    forward runs eagerly (a graph break).
+    in FP32 times the combine weight, and the combine back to tokens. Under ``torch.compile`` a
+    call without ``return_routing`` is one custom op (``lowprec::nvfp4_moe_layer``, run eagerly
+    inside, the eager result bit for bit): ``fullgraph=True`` holds and ``mode="reduce-overhead"``
+    captures it into CUDA graphs. The forward is differentiable in neither ``x`` nor the router:
+    an ``x`` that requires a gradient (with grad mode on) is refused rather than silently cut from
+    the graph (:class:`~lowprec.moe.FP8InferenceMoE` is differentiable in ``x``).
 
     State dict (ModelOpt's NVFP4 layout, stacked over the experts): ``w1`` uint8 ``[E, 2F, H / 2]``
     (two E2M1 codes per byte, element ``2i`` in the low nibble), ``w1_scale`` float8_e4m3fn
@@ -124,11 +128,22 @@ class NVFP4InferenceMoE(QuantizedBuffersModule):
                 or x.shape[-1] != self.hidden_size:
             raise ValueError(f"x: expected a float32/bfloat16/float16 tensor [..., H={self.hidden_size}], got "
                              f"{getattr(x, 'dtype', type(x))} {tuple(getattr(x, 'shape', ()))}")
+        if torch.is_grad_enabled() and x.requires_grad:
+            raise RuntimeError("x: NVFP4InferenceMoE is not differentiable in x; call it under torch.no_grad() "
+                               "or torch.inference_mode(), or use FP8InferenceMoE, which is")
         tokens, autocast_off = follow_autocast(x.reshape(-1, self.hidden_size))
+        router_weight = self.router.weight.detach()  # the router is a constant here, as the experts
         with autocast_off:
-            y, routing = _nvfp4_experts(self, tokens)
+            if torch.compiler.is_compiling() and not return_routing:
+                return nvfp4_moe_layer(tokens, router_weight, self.w1_packed, self.w1_scale_2, self.w2_packed,
+                                       self.w2_scale_2, self.ffn_size, *self._config()).reshape(x.shape)
+            y, routing = _nvfp4_experts(tokens, router_weight, *self.packed_weights(), *self._config())
         y = y.reshape(x.shape)
         return (y, routing) if return_routing else y
+
+    def _config(self) -> tuple:
+        return (self.top_k, self.score_func, self.renormalize, self.capacity_factor, self.drop_policy,
+                self.activation)
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         for name, packed in zip(_PROJECTIONS, self.packed_weights()):
@@ -173,16 +188,39 @@ def _unpacked(packed: PackedNVFP4Experts) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @eager_under_compile
-def _nvfp4_experts(layer: NVFP4InferenceMoE, tokens: torch.Tensor) -> tuple[torch.Tensor, Routing]:
+def _nvfp4_experts(tokens: torch.Tensor, router_weight: torch.Tensor, w1: PackedNVFP4Experts,
+                   w2: PackedNVFP4Experts, top_k: int, score_func: str, renormalize: bool,
+                   capacity_factor: float | None, drop_policy: str, activation: str) -> tuple[torch.Tensor, Routing]:
     """Route ``tokens`` ``[T, H]`` and apply the NVFP4 experts: ``(y [T, H], routing)``."""
     dt = tokens.dtype
-    logits = F.linear(tokens.float(), layer.router.weight.float())
-    routing = route(logits, layer.top_k, score_func=layer.score_func, renormalize=layer.renormalize,
-                    capacity_factor=layer.capacity_factor, drop_policy=layer.drop_policy)
-    w1, w2 = layer.packed_weights()
+    logits = F.linear(tokens.float(), router_weight.float())
+    routing = route(logits, top_k, score_func=score_func, renormalize=renormalize, capacity_factor=capacity_factor,
+                    drop_policy=drop_policy)
     ends = routing.group_ends
     # the combine weight of each packed row: padding rows (slot -1) index the 0 appended last
     row_w = F.pad(routing.topk_weights.detach().reshape(-1).float(), (0, 1))[routing.row_slots]
-    h = grouped_weight_only(gather_rows(tokens, routing), w1, ends)
-    a = (_activation(layer.activation, h.float()) * row_w[:, None]).to(dt)
-    return unpack(grouped_weight_only(a, w2, ends), routing, out_dtype=dt), routing
+    # without a capacity every row is routed: no padding rows to zero
+    padded = routing.capacity is not None
+    h = grouped_weight_only(gather_rows(tokens, routing), w1, ends, zero_tail=padded)
+    a = (_activation(activation, h.float()) * row_w[:, None]).to(dt)
+    return unpack(grouped_weight_only(a, w2, ends, zero_tail=padded), routing, out_dtype=dt), routing
+
+
+@torch.library.custom_op("lowprec::nvfp4_moe_layer", mutates_args=())
+def nvfp4_moe_layer(tokens: torch.Tensor, router_weight: torch.Tensor, w1_packed: torch.Tensor,
+                    w1_scale_2: torch.Tensor, w2_packed: torch.Tensor, w2_scale_2: torch.Tensor, ffn_size: int,
+                    top_k: int, score_func: str, renormalize: bool, capacity_factor: float | None, drop_policy: str,
+                    activation: str) -> torch.Tensor:
+    """:class:`NVFP4InferenceMoE`'s forward on its buffers (``tokens`` ``[T, H]`` -> ``[T, H]``)."""
+    hidden = tokens.shape[1]
+    w1 = PackedNVFP4Experts(w1_packed, w1_scale_2, 2 * ffn_size, hidden)
+    w2 = PackedNVFP4Experts(w2_packed, w2_scale_2, hidden, ffn_size)
+    with torch.no_grad():
+        return _nvfp4_experts(tokens, router_weight, w1, w2, top_k, score_func, renormalize, capacity_factor,
+                              drop_policy, activation)[0]
+
+
+@nvfp4_moe_layer.register_fake
+def _(tokens, router_weight, w1_packed, w1_scale_2, w2_packed, w2_scale_2, ffn_size, top_k, score_func, renormalize,
+      capacity_factor, drop_policy, activation):
+    return torch.empty_like(tokens)

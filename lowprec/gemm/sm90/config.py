@@ -155,7 +155,7 @@ def weight_only_unsupported(x, packed, bias) -> str | None:
     return None
 
 
-def grouped_weight_only_unsupported(x, packed, group_ends) -> str | None:
+def grouped_weight_only_unsupported(x, packed, group_ends, zero_tail=True) -> str | None:
     """Why the grouped weight-only kernel (``packed`` a ``PackedNVFP4Experts``) cannot take ``x``
     [R, K] with ``group_ends`` (None: it can)."""
     if x.dtype != torch.bfloat16:

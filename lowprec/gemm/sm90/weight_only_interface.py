@@ -169,13 +169,15 @@ def grouped_tiles(rows: int, experts: int) -> tuple[int, int]:
     return tile_m, (rows + busy * (tile_m - 1)) // tile_m
 
 
-def grouped_weight_only_nvfp4(x: torch.Tensor, packed: PackedNVFP4Experts, group_ends: torch.Tensor) -> torch.Tensor:
+def grouped_weight_only_nvfp4(x: torch.Tensor, packed: PackedNVFP4Experts, group_ends: torch.Tensor,
+                              zero_tail: bool = True) -> torch.Tensor:
     """``x`` bf16 ``[R, K]`` with expert ``e``'s rows at ``group_ends[e-1]:group_ends[e]`` (int32
     ``[E]``, non-decreasing, at most ``R``, on the GPU: read by the kernel, never by the host) ->
-    ``[R, N]``, each expert's rows times its weight; rows after ``group_ends[-1]`` are zero. One
-    launch; the CTAs past the experts' tiles, and so every expert without rows, read no weight."""
+    ``[R, N]``, each expert's rows times its weight; rows after ``group_ends[-1]`` are zero
+    (``zero_tail``; else not written). One launch; the CTAs past the experts' tiles, and so every
+    expert without rows, read no weight."""
     rows, n, device = x.shape[0], packed.n, x.device
-    y = torch.zeros(rows, n, dtype=torch.bfloat16, device=device)
+    y = (torch.zeros if zero_tail else torch.empty)(rows, n, dtype=torch.bfloat16, device=device)
     if rows == 0 or n == 0:
         return y
     tile_m, z_tiles = grouped_tiles(rows, packed.experts)
