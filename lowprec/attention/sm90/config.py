@@ -91,7 +91,9 @@ class AttnConfig:
 
 def rescale_slack(head_dim: int) -> int:
     """The shipped kernel's lazy-rescaling slack at this head dim (its P scale is 448 / 2**slack):
-    RESCALE_SLACK where it accumulates P.V in the wgmma (D <= 128), 0 for the two-level D = 256."""
+    RESCALE_SLACK where it accumulates P.V in the wgmma (D <= 128), 0 for the two-level D = 256.
+    Packed GQA decode (at most 128 packed rows) runs the two-warpgroup, two-level kernel: slack 0
+    there; the reference keeps this head dim's value (same scheme, P scaled 4x lower)."""
     return RESCALE_SLACK if AttnConfig(head_dim).lazy_rescale else 0
 
 
@@ -131,6 +133,12 @@ def variant_configs() -> tuple[AttnConfig, ...]:
                 out.append(AttnConfig(d, c, consumer_wgs=2))
                 out.append(AttnConfig(d, c, consumer_wgs=2, two_level_pv=False))
                 out.append(AttnConfig(d, c, consumer_wgs=2, pack_gqa=True))
+                # what the interface launches for packed GQA rows up to 128 (decode)
+                for o in OUT_DTYPES:
+                    for split in (False, True):
+                        for vperm in (False, True):
+                            out.append(AttnConfig(d, c, o, pack_gqa=True, split_kv=split, v_keys_permuted=vperm,
+                                                  consumer_wgs=2))
             if d <= OVERLAP_MAX_D:
                 out.append(AttnConfig(d, c, consumer_wgs=2, pingpong=True))
                 out.append(AttnConfig(d, c, consumer_wgs=2, pingpong=True, persistent=True))

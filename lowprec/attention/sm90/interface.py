@@ -50,6 +50,9 @@ DECODE_MAX_SQ = 16
 PERSISTENT: bool | None = None
 TWO_LEVEL_PV = True  # AttnConfig.two_level_pv of launched kernels
 CONSUMER_WGS = 3  # AttnConfig.consumer_wgs of launched kernels (3 where it applies: D <= 128)
+# packed GQA rows of a KV head up to this many (decode): two warpgroups, a 128-row tile, since a
+# 192-row tile would leave a warpgroup without rows (B64 H32/8 decode -16%, B4 -10%; NOTES, session 40)
+PACKED_TWO_WGS_MAX_ROWS = 128
 SKIP_UNIT_RESCALE = True  # AttnConfig.skip_unit_rescale of launched kernels
 LAZY_RESCALE = True  # AttnConfig.lazy_rescale of launched kernels
 # lowprec.attention(q, k, v, quant="fp8") on float q: the forward quantizes Q itself (the Q
@@ -236,8 +239,9 @@ def _forward(q, q_scale, k, k_scale, v_t, v_scale, causal: bool, softmax_scale: 
     persistent = PERSISTENT
     if persistent is None:
         persistent = D in PERSISTENT_HEAD_DIMS and not pack and splits == 1
+    wgs = min(CONSUMER_WGS, 2) if pack and rows <= PACKED_TWO_WGS_MAX_ROWS else CONSUMER_WGS
     fn = _kernel(D, causal, out_dtype, pack, splits > 1, v_keys_permuted, OVERLAP, PINGPONG,
-                 _num_sms(q.device) if persistent else 0, TWO_LEVEL_PV, CONSUMER_WGS, SKIP_UNIT_RESCALE,
+                 _num_sms(q.device) if persistent else 0, TWO_LEVEL_PV, wgs, SKIP_UNIT_RESCALE,
                  False, quantize_q, LAZY_RESCALE)
     o_dst, l_dst = out, lse
     if splits > 1:
