@@ -23,7 +23,7 @@ import torch
 
 from ..runtime import backend_mode, kernel_failed, registry, warn_once
 from .quantize import quantize_qkv, token_mean
-from .reference import attention_backward_reference, fp8_forward_reference, lse_correction
+from .reference import attention_backward_reference, dense_rescale_slack, fp8_forward_reference, lse_correction
 
 __all__ = ["attention_fp8", "attention_fp8_call", "attention_fp8_forward", "attention_fp8_forward_call",
            "forward_dispatch", "attention_backward", "exact_cuda"]
@@ -37,7 +37,8 @@ def forward_dispatch(q, q_scale, k, k_scale, v_t, v_scale, causal: bool, scale: 
                      out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """The FP8 forward on the kernel's operands: the kernel where it applies, else the emulation."""
     def reference():
-        out, lse = fp8_forward_reference(q, q_scale, k, k_scale, v_t, v_scale, causal, scale)
+        out, lse = fp8_forward_reference(q, q_scale, k, k_scale, v_t, v_scale, causal, scale,
+                                         rescale_slack=dense_rescale_slack(q, k))
         return out.to(out_dtype), lse
 
     args = (q, q_scale, k, k_scale, v_t, v_scale, causal, scale, out_dtype)

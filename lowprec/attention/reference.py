@@ -27,7 +27,7 @@ from .quantize import ATTN_BLOCK, _rotate, quantize_qkv
 from .sm90.config import rescale_slack as kernel_rescale_slack
 
 __all__ = ["attention_reference", "fp8_forward_reference", "attention_backward_reference", "lse_correction",
-           "combine_kv_splits", "ATTENTION_BLOCK"]
+           "combine_kv_splits", "dense_rescale_slack", "ATTENTION_BLOCK"]
 
 ATTENTION_BLOCK = ATTN_BLOCK
 _P_SCALE = 448.0
@@ -59,6 +59,11 @@ def _dequant_blocks(codes: torch.Tensor, scales: torch.Tensor, block: int) -> to
     return codes.float() * scales.repeat_interleave(block, dim=-1)[..., :s, None]
 
 
+def dense_rescale_slack(q: torch.Tensor, k: torch.Tensor) -> int:
+    """The dense FP8 forward's slack for ``q [B, H, Sq, D]`` and ``k [B, Hkv, Sk, D]``."""
+    return kernel_rescale_slack(q.shape[-1], q.shape[1] // max(k.shape[1], 1), q.shape[2])
+
+
 def fp8_forward_reference(q, q_scale, k, k_scale, v_t, v_scale, causal: bool, scale: float,
                           block: int = ATTN_BLOCK,
                           rescale_slack: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -67,7 +72,8 @@ def fp8_forward_reference(q, q_scale, k, k_scale, v_t, v_scale, causal: bool, sc
 
     ``rescale_slack`` (lazy rescaling): a row's running max moves only when a block's max passes it
     by more than a factor ``2**rescale_slack`` of p, and P is scaled by ``448 / 2**rescale_slack``;
-    ``None``: the shipped kernel's at this head dim (:func:`lowprec.attention.sm90.config.rescale_slack`).
+    ``None``: the shipped kernel's at this head dim (:func:`lowprec.attention.sm90.config.rescale_slack`;
+    the dense forward's packed GQA decode runs another: its callers pass it).
 
     Returns ``(out [B, H, Sq, Dv] FP32, lse [B, H, Sq] FP32)``: the LSE of the scores as computed
     (of the smoothed K; no correction). Rows that see no key: 0 and −inf.
@@ -124,7 +130,8 @@ def attention_reference(q, k, v, causal: bool, scale: float, quant: str | None,
     if block != ATTN_BLOCK:
         raise ValueError(f"block: the FP8 scheme quantizes in blocks of {ATTN_BLOCK} tokens, got {block}")
     x = quantize_qkv(q, k, v, incoherent=incoherent)
-    out, lse = fp8_forward_reference(x.q, x.q_scale, x.k, x.k_scale, x.v_t, x.v_scale, causal, scale, block)
+    out, lse = fp8_forward_reference(x.q, x.q_scale, x.k, x.k_scale, x.v_t, x.v_scale, causal, scale, block,
+                                     dense_rescale_slack(x.q, x.k))
     # undo the smoothing shift (-inf stays -inf: the mean of no keys is 0)
     lse = lse + lse_correction(q, x.k_mean, scale, incoherent)
     return out.to(q.dtype), lse

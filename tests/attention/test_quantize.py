@@ -9,7 +9,7 @@ import lowprec
 from lowprec import metrics
 from lowprec.attention import ATTN_QK_RECIPE, quantize_kv_cache, quantize_qkv
 from lowprec.attention.quantize import hadamard_rotation
-from lowprec.attention.reference import attention_reference, fp8_forward_reference, lse_correction
+from lowprec.attention.reference import attention_reference, dense_rescale_slack, fp8_forward_reference, lse_correction
 
 
 def _qkv(b=2, h=4, hkv=2, sq=200, sk=300, d=64, dv=None, seed=0, k_offset=0.0, dtype=torch.float32):
@@ -142,7 +142,10 @@ def test_kv_cache_inputs_are_taken_as_quantized():
     out, lse = lowprec.attention(q, k_q, v_q, quant="fp8", return_lse=True)
     x = quantize_qkv(q, k, v, smooth=False)
     assert torch.equal(k_q.data.view(torch.uint8), x.k.view(torch.uint8))
-    o2, l2 = fp8_forward_reference(x.q, x.q_scale, x.k, x.k_scale, x.v_t, x.v_scale, False, 0.125)
+    # GQA at 3 queries: the packed two-warpgroup launch, whose P scale the reference is given
+    o2, l2 = fp8_forward_reference(x.q, x.q_scale, x.k, x.k_scale, x.v_t, x.v_scale, False, 0.125,
+                                   rescale_slack=dense_rescale_slack(x.q, x.k))
+    assert dense_rescale_slack(x.q, x.k) == 0
     assert torch.equal(out, o2) and torch.equal(lse, l2)
     # a quantized input stands for its dequantized value
     kd, vd = k_q.dequantize(torch.float32), v_q.dequantize(torch.float32).transpose(-1, -2)

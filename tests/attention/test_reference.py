@@ -73,6 +73,9 @@ def test_fp8_lazy_rescaling():
     from lowprec.attention.sm90.config import RESCALE_SLACK, rescale_slack
 
     assert rescale_slack(64) == rescale_slack(128) == RESCALE_SLACK == 2 and rescale_slack(256) == 0
+    # packed GQA decode (at most 128 packed rows) runs the two-level kernel; more rows, MHA: the default
+    assert rescale_slack(128, 4, 1) == rescale_slack(64, 8, 16) == 0
+    assert rescale_slack(128, 8, 32) == rescale_slack(128, 1, 1) == rescale_slack(128, 4, 200) == 2
     f8 = torch.float8_e4m3fn
     # one query, keys in blocks of 2 with scores (0, 0 | t, 0), V the identity: out[j] shows P8[j]
     q, q_scale = torch.ones(1, 1, 1, 1).to(f8), torch.ones(1, 1, 1)

@@ -196,7 +196,7 @@ def emulate(qc, qs, kc, ks, vt, vs, causal, scale, splits=1):
         i = torch.arange(Sq, device=qc.device)[:, None]
         j = torch.arange(Sk, device=qc.device)[None, :]
         s_all = s_all.masked_fill(j > i + Sk - Sq, -math.inf)
-    slack = rescale_slack(D)
+    slack = rescale_slack(D, H // Hkv, Sq)
     p_scale = F8_MAX / 2.0 ** slack
     blocks = max(1, -(-Sk // BLOCK))
     per = -(-blocks // splits) * BLOCK  # keys per split

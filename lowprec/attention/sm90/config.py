@@ -89,11 +89,24 @@ class AttnConfig:
             f"_{t}" for t, on in tags if on)
 
 
-def rescale_slack(head_dim: int) -> int:
-    """The shipped kernel's lazy-rescaling slack at this head dim (its P scale is 448 / 2**slack):
-    RESCALE_SLACK where it accumulates P.V in the wgmma (D <= 128), 0 for the two-level D = 256.
-    Packed GQA decode (at most 128 packed rows) runs the two-warpgroup, two-level kernel: slack 0
-    there; the reference keeps this head dim's value (same scheme, P scaled 4x lower)."""
+# packed GQA rows of a KV head up to this many (decode): the interface launches two warpgroups, a
+# 128-row tile, since a 192-row tile would leave a warpgroup without rows (NOTES, session 40)
+PACKED_TWO_WGS_MAX_ROWS = 128
+
+
+def packed_two_wgs(group: int, sq: int) -> bool:
+    """Whether a call whose KV heads each serve ``group`` query heads of ``sq`` queries packs them
+    into at most :data:`PACKED_TWO_WGS_MAX_ROWS` rows (the interface's default launch)."""
+    return group > 1 and sq <= TILE_M and group * sq <= PACKED_TWO_WGS_MAX_ROWS
+
+
+def rescale_slack(head_dim: int, group: int = 1, sq: int | None = None) -> int:
+    """The shipped kernel's lazy-rescaling slack (its P scale is 448 / 2**slack): RESCALE_SLACK
+    where it accumulates P.V in the wgmma (D <= 128, three warpgroups), 0 for the two-level kernels
+    (D = 256; packed GQA decode, :func:`packed_two_wgs` of ``group`` query heads per KV head and
+    ``sq`` queries, which runs two warpgroups)."""
+    if sq is not None and packed_two_wgs(group, sq):
+        return 0
     return RESCALE_SLACK if AttnConfig(head_dim).lazy_rescale else 0
 
 
