@@ -63,7 +63,8 @@ def run_on(device: torch.device) -> None:
 
 
 def moe_on(device: torch.device) -> None:
-    """An FP8 MoE layer's forward next to the same layer unquantized (FP32), then its FP8 inference form."""
+    """An FP8 MoE layer's forward next to the same layer unquantized (FP32), then its FP8 and NVFP4
+    inference forms."""
     torch.manual_seed(0)
     hidden, ffn, experts, top_k, tokens = 512, 256, 8, 2, 512
     layer = MoE(hidden, ffn, experts, top_k, capacity_factor=1.0, device=device)
@@ -83,8 +84,14 @@ def moe_on(device: torch.device) -> None:
         inference = convert(layer, inference=True)
         fp8_bytes = sum(b.nbytes for b in inference.buffers())
         same = torch.equal(inference(x), y)
+        nvfp4 = convert(exact, "nvfp4", inference=True)
+        nvfp4_bytes = sum(b.nbytes for name, b in nvfp4.named_buffers())
+        y4 = nvfp4(x)
     print(f"FP8InferenceMoE (convert(layer, inference=True)): FP32 expert weights {expert_bytes / 2**20:.1f} -> "
           f"{fp8_bytes / 2**20:.1f} MiB, output {'identical' if same else 'DIFFERENT'} to the training layer's")
+    print(f"NVFP4InferenceMoE (convert(layer, 'nvfp4', inference=True)): {nvfp4_bytes / 2**20:.2f} MiB of expert "
+          f"weights and scales; vs the FP32 layer: cos-sim {metrics.cos_sim(y4, ref):.5f}, "
+          f"rel L2 {metrics.rel_l2(y4, ref):.2e}")
 
 
 def main() -> None:

@@ -26,6 +26,10 @@ its N side (``tile_m`` = 8..128), so one token costs one 8-wide wgmma column, no
   split order (deterministic) and writes them.
 * programmatic dependent launch: the first stages' weight loads go out before the previous
   kernel on the stream has finished (weights are constants); ``x`` and every global write wait.
+* grouped (NVFP4 experts, ``grouped=True``): the experts' packed weights stacked, ``x`` and ``y``
+  the MoE's expert-contiguous rows with ``group_ends``. Grid z counts token tiles; each warp finds
+  its CTA's (expert, tile) from ``group_ends`` (a warp scan of per-lane tile counts, a ballot), CTAs
+  past the last tile return; the wait for the previous grid comes first (it writes the ends).
 """
 
 from __future__ import annotations
