@@ -414,6 +414,9 @@ def grouped_weight_only_reference(x: torch.Tensor, packed: PackedNVFP4Experts, g
     weight, in FP32, cast to ``x``'s dtype; rows after ``group_ends[-1]`` are zero."""
     y = torch.zeros(x.shape[0], packed.n, dtype=x.dtype, device=x.device)
     ends = [0] + [int(v) for v in group_ends.tolist()]
+    if any(b < a for a, b in zip(ends, ends[1:])) or ends[-1] > x.shape[0]:
+        raise ValueError(f"group_ends: expected non-decreasing cumulative row counts at most R={x.shape[0]}, "
+                         f"got {ends[1:]}")
     for e in range(packed.experts):
         if ends[e + 1] > ends[e]:
             y[ends[e]:ends[e + 1]] = weight_only_reference(x[ends[e]:ends[e + 1]], packed.expert(e))

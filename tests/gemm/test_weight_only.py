@@ -199,6 +199,10 @@ def test_grouped_op_rejects_bad_arguments():
         grouped_weight_only(torch.randn(4, 128), packed, torch.tensor([2, 4]))
     with pytest.raises(ValueError, match="x: expected a float tensor"):
         grouped_weight_only(torch.randn(4, 64), packed, _group_ends([2, 2]))
+    with pytest.raises(ValueError, match="group_ends: expected non-decreasing"):
+        grouped_weight_only(torch.randn(4, 128), packed, _group_ends([3, -1]))
+    with pytest.raises(ValueError, match="at most R=4"):
+        grouped_weight_only(torch.randn(4, 128), packed, _group_ends([3, 2]))
     with pytest.raises(TypeError, match="packed: expected a PackedNVFP4Experts"):
         grouped_weight_only(torch.randn(4, 128), packed.expert(0), _group_ends([2, 2]))
 

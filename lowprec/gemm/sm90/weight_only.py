@@ -227,7 +227,8 @@ class WeightOnlySm90:
             row_start = cutlass.Int32(0)
             if expert > 0:
                 row_start = mGroupEnds[expert - 1]
-            row_end = mGroupEnds[expert]
+            # bounded by y's rows: ends past them (bad input) cannot make a store out of bounds
+            row_end = cutlass.min(mGroupEnds[expert], cute.size(mY, mode=[0]))
             if found:
                 self._tile(tma_x, mX, tma_w, mW, mY, mBias, mScale, mWork, has_bias, k_chunks, sX_layout, sW_layout,
                            mma, n_tile, split, expert, m_tile, row_start, row_end)
@@ -277,7 +278,7 @@ class WeightOnlySm90:
         start = cutlass.Int32(0)
         if e > 0:
             start = mGroupEnds[e - 1]
-        return mGroupEnds[e] - start
+        return cutlass.max(mGroupEnds[e] - start, 0)  # decreasing ends (bad input): no rows
 
     @cute.jit
     def _tile(self, tma_x, mX, tma_w, mW, mY, mBias, mScale, mWork, has_bias, k_chunks, sX_layout, sW_layout, mma,
