@@ -3,6 +3,8 @@ activations kept in their dtype (weight-only), for decode-sized batches on Hoppe
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -29,7 +31,8 @@ class NVFP4InferenceMoE(QuantizedBuffersModule):
     experts) and tokens kept in their dtype.
 
     Build it from a trained layer with :meth:`from_moe` or :func:`lowprec.convert` (``"nvfp4"``,
-    ``inference=True``). The forward routes as :class:`~lowprec.moe.MoE` does (router in FP32, the
+    ``inference=True``), or from a ModelOpt NVFP4 checkpoint's expert tensors with
+    :meth:`from_modelopt` (taken as they are). The forward routes as :class:`~lowprec.moe.MoE` does (router in FP32, the
     same top-k, capacity and packed order), then runs each expert's ``W1`` and ``W2`` on its rows
     with the grouped weight-only GEMM (on Hopper with bf16 tokens: one launch per projection, the
     4.5-bit weights of the experts that got tokens read once and decoded to bf16 in registers, no
@@ -89,6 +92,50 @@ class NVFP4InferenceMoE(QuantizedBuffersModule):
                 qs = [quantize(w, recipe) for w in getattr(moe, name).detach()]
                 layer.set_weights(name, torch.stack([q.data for q in qs]), torch.stack([q.scale for q in qs]),
                                   torch.stack([q.global_scale.reshape(()) for q in qs]).float())
+        return layer
+
+    @classmethod
+    def from_modelopt(cls, router_weight: torch.Tensor, gate: Sequence[Sequence[torch.Tensor]],
+                      up: Sequence[Sequence[torch.Tensor]], down: Sequence[Sequence[torch.Tensor]], top_k: int,
+                      **options) -> NVFP4InferenceMoE:
+        """A layer of a ModelOpt NVFP4 checkpoint's experts, taken as they are (no requantization).
+
+        ``gate``, ``up``, ``down``: per expert, that projection's ``(weight, weight_scale,
+        weight_scale_2)`` as ModelOpt exports each linear (uint8 ``[out, in / 2]``, float8_e4m3fn
+        ``[out, in / 16]``, an FP32 scalar or ``[1]``); e.g. Mixtral's ``w1`` / ``w3`` / ``w2``, or
+        DeepSeek's and Qwen's ``gate_proj`` / ``up_proj`` / ``down_proj``. ``router_weight``:
+        ``[E, H]`` (the gate's weight, any float dtype; the router's dtype). The layer keeps one
+        global scale per expert's ``W1 = [gate; up]``: a gate and an up with different
+        ``weight_scale_2`` are refused (ModelOpt exports the pair with one). ``options``: the
+        other :class:`NVFP4InferenceMoE` arguments (``capacity_factor``, ``activation``,
+        ``score_func``, ``renormalize``, ``drop_policy``).
+        """
+        experts = len(gate)
+        if not (len(up) == len(down) == experts) or experts == 0:
+            raise ValueError(f"gate, up, down: expected one (weight, weight_scale, weight_scale_2) per expert for the "
+                             f"same experts, got {len(gate)}, {len(up)} and {len(down)}")
+        if not isinstance(router_weight, torch.Tensor) or router_weight.dim() != 2 \
+                or router_weight.shape[0] != experts:
+            raise ValueError(f"router_weight: expected [E={experts}, H], got "
+                             f"{tuple(getattr(router_weight, 'shape', ()))}")
+        for name, parts in (("gate", gate), ("up", up), ("down", down)):
+            for e, p in enumerate(parts):
+                if len(p) != 3:
+                    raise ValueError(f"{name}[{e}]: expected (weight, weight_scale, weight_scale_2), got {len(p)} "
+                                     f"tensors")
+        for e, (g, u) in enumerate(zip(gate, up)):
+            if not torch.equal(g[2].reshape(()).float().cpu(), u[2].reshape(()).float().cpu()):
+                raise ValueError(f"gate[{e}], up[{e}]: different weight_scale_2 ({g[2].item()} and {u[2].item()}); "
+                                 "the layer keeps one global scale per expert's [gate; up]")
+        hidden, ffn = router_weight.shape[1], gate[0][0].shape[0]
+        layer = cls(hidden, ffn, experts, top_k, device=gate[0][0].device, dtype=router_weight.dtype, **options)
+        with torch.no_grad():
+            layer.router.weight.copy_(router_weight)
+        w1 = [torch.cat([g[i], u[i]]) for g, u in zip(gate, up) for i in (0, 1)]
+        layer.set_weights("w1", torch.stack(w1[0::2]), torch.stack(w1[1::2]),
+                          torch.stack([g[2].reshape(()).float() for g in gate]))
+        layer.set_weights("w2", torch.stack([d[0] for d in down]), torch.stack([d[1] for d in down]),
+                          torch.stack([d[2].reshape(()).float() for d in down]))
         return layer
 
     def set_weights(self, name: str, weight: torch.Tensor, weight_scale: torch.Tensor,

@@ -80,6 +80,47 @@ def test_convert_makes_nvfp4_experts():
     assert not torch.equal(model[1](model[0](x)), expect)  # the linear before it is NVFP4 now too
 
 
+def _modelopt_experts(moe: MoE):
+    """Per expert, ModelOpt-style (weight, weight_scale, weight_scale_2) of gate, up and down; gate
+    and up quantized together (one global scale), as ModelOpt exports the pair."""
+    recipe = get_recipe("nvfp4")
+    gate, up, down = [], [], []
+    for w1, w2 in zip(moe.w1.detach(), moe.w2.detach()):
+        q1, q2 = lowprec.quantize(w1, recipe), lowprec.quantize(w2, recipe)
+        f = moe.ffn_size
+        gate.append((q1.data[:f], q1.scale[:f], q1.global_scale.reshape(1)))
+        up.append((q1.data[f:], q1.scale[f:], q1.global_scale.reshape(1)))
+        down.append((q2.data, q2.scale, q2.global_scale.reshape(1)))
+    return gate, up, down
+
+
+def test_from_modelopt_takes_the_tensors_as_they_are():
+    moe = _moe()
+    gate, up, down = _modelopt_experts(moe)
+    layer = NVFP4InferenceMoE.from_modelopt(moe.router.weight.detach(), gate, up, down, top_k=2)
+    expect = NVFP4InferenceMoE.from_moe(moe)
+    x = torch.randn(9, 64)
+    assert torch.equal(layer(x), expect(x))
+    sd = layer.state_dict()
+    assert torch.equal(sd["w1"][1, 32:], up[1][0]) and torch.equal(sd["w2_scale"][3], down[3][1])
+
+
+def test_from_modelopt_errors():
+    moe = _moe()
+    gate, up, down = _modelopt_experts(moe)
+    router = moe.router.weight.detach()
+    with pytest.raises(ValueError, match="gate, up, down: expected one"):
+        NVFP4InferenceMoE.from_modelopt(router, gate, up[:3], down, top_k=2)
+    with pytest.raises(ValueError, match=r"router_weight: expected \[E=4, H\]"):
+        NVFP4InferenceMoE.from_modelopt(router[:3], gate, up, down, top_k=2)
+    up[2] = (up[2][0], up[2][1], up[2][2] * 2)
+    with pytest.raises(ValueError, match=r"gate\[2\], up\[2\]: different weight_scale_2"):
+        NVFP4InferenceMoE.from_modelopt(router, gate, up, down, top_k=2)
+    down[0] = down[0][:2]
+    with pytest.raises(ValueError, match=r"down\[0\]: expected \(weight, weight_scale, weight_scale_2\)"):
+        NVFP4InferenceMoE.from_modelopt(router, gate, up, down, top_k=2)
+
+
 def test_errors():
     with pytest.raises(TypeError, match="moe: expected a lowprec.moe.MoE"):
         NVFP4InferenceMoE.from_moe(torch.nn.Linear(4, 4))
