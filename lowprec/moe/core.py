@@ -159,6 +159,12 @@ def _wgrad_fp8(routing: Routing, dy: torch.Tensor, a: torch.Tensor, dh: torch.Te
             if need else None for need, dtype in zip(needs, dtypes)]
 
 
+def packed_row_weights(topk_weights: torch.Tensor, routing: Routing) -> torch.Tensor:
+    """The FP32 combine weight of each packed row (no autograd); padding rows (slot -1) index the
+    0 appended last."""
+    return F.pad(topk_weights.detach().reshape(-1).float(), (0, 1))[routing.row_slots]
+
+
 def _store_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype the K-grouped kernel stores a ``dtype`` gradient in (FP32 where it cannot store ``dtype``)."""
     return dtype if dtype in (torch.bfloat16, torch.float16, torch.float32) else torch.float32
@@ -184,8 +190,7 @@ def _forward_core(x, topk_weights, w1, w2, routing: Routing, quantized: bool, ac
     computed on as they are; ``x`` then only stands for them (its dtype, autograd)."""
     dt = x.dtype
     ends = routing.group_ends
-    # the combine weight of each packed row: padding rows (slot -1) index the 0 appended last
-    row_w = F.pad(topk_weights.detach().reshape(-1).float(), (0, 1))[routing.row_slots]
+    row_w = packed_row_weights(topk_weights, routing)
     if quantized:
         if x_codes is None:
             x_rows, x_saved, _ = pack_tokens(x, routing, _ACT_RECIPE)

@@ -16,7 +16,7 @@ from ..nn.functional import follow_autocast
 from ..quant import quantize
 from ..recipes import get_recipe
 from ..runtime import eager_under_compile
-from .core import _X_DTYPES, _activation
+from .core import _X_DTYPES, _activation, packed_row_weights
 from .packing import gather_rows, unpack
 from .routing import Routing, route
 
@@ -244,8 +244,7 @@ def _nvfp4_experts(tokens: torch.Tensor, router_weight: torch.Tensor, w1: Packed
     routing = route(logits, top_k, score_func=score_func, renormalize=renormalize, capacity_factor=capacity_factor,
                     drop_policy=drop_policy)
     ends = routing.group_ends
-    # the combine weight of each packed row: padding rows (slot -1) index the 0 appended last
-    row_w = F.pad(routing.topk_weights.detach().reshape(-1).float(), (0, 1))[routing.row_slots]
+    row_w = packed_row_weights(routing.topk_weights, routing)
     # without a capacity every row is routed: no padding rows to zero
     padded = routing.capacity is not None
     h = grouped_weight_only(gather_rows(tokens, routing), w1, ends, zero_tail=padded)

@@ -135,19 +135,27 @@ def wgrad_unsupported(a, b, group_ends, out_dtype) -> str | None:
 WEIGHT_ONLY_FP8_MAX_M = 64  # the FP8 kernel's widest token tile (two chunk accumulators besides the sum)
 
 
-def weight_only_unsupported(x, packed, bias) -> str | None:
-    """Why the weight-only kernel (``weight_only_interface``: ``packed`` a ``PackedNVFP4`` or a
-    ``PackedFP8``) cannot take ``x`` [M, K] (None: it can)."""
+def _weight_only_x_unsupported(x, packed, rows: str) -> str | None:
+    """The checks of ``x`` [rows, K] that the dense and the grouped weight-only kernels share."""
     if x.dtype != torch.bfloat16:
         return f"x dtype {x.dtype} (the kernel decodes the weight to bf16: it takes bfloat16 activations)"
     if x.dim() != 2 or x.shape[1] != packed.k:
-        return f"x shape {tuple(x.shape)} (expected [M, {packed.k}])"
+        return f"x shape {tuple(x.shape)} (expected [{rows}, {packed.k}])"
     if x.shape[0] == 0:
-        return "M=0: nothing to compute"
-    if type(packed).__name__ == "PackedFP8" and x.shape[0] > WEIGHT_ONLY_FP8_MAX_M:
-        return f"M={x.shape[0]} > {WEIGHT_ONLY_FP8_MAX_M} (the FP8 weight-only kernel's widest tile)"
+        return f"{rows}=0: nothing to compute"
     if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
         return "x: the kernel's TMA needs unit stride along K and 16-byte aligned rows"
+    return None
+
+
+def weight_only_unsupported(x, packed, bias) -> str | None:
+    """Why the weight-only kernel (``weight_only_interface``: ``packed`` a ``PackedNVFP4`` or a
+    ``PackedFP8``) cannot take ``x`` [M, K] (None: it can)."""
+    why = _weight_only_x_unsupported(x, packed, "M")
+    if why is not None:
+        return why
+    if type(packed).__name__ == "PackedFP8" and x.shape[0] > WEIGHT_ONLY_FP8_MAX_M:
+        return f"M={x.shape[0]} > {WEIGHT_ONLY_FP8_MAX_M} (the FP8 weight-only kernel's widest tile)"
     if packed.data.device != x.device:
         return f"the packed weight is on {packed.data.device}, x on {x.device}"
     if bias is not None and (bias.dtype != torch.bfloat16 or bias.shape != (packed.n,) or bias.stride(0) != 1):
@@ -158,14 +166,9 @@ def weight_only_unsupported(x, packed, bias) -> str | None:
 def grouped_weight_only_unsupported(x, packed, group_ends, zero_tail=True) -> str | None:
     """Why the grouped weight-only kernel (``packed`` a ``PackedNVFP4Experts``) cannot take ``x``
     [R, K] with ``group_ends`` (None: it can)."""
-    if x.dtype != torch.bfloat16:
-        return f"x dtype {x.dtype} (the kernel decodes the weight to bf16: it takes bfloat16 activations)"
-    if x.dim() != 2 or x.shape[1] != packed.k:
-        return f"x shape {tuple(x.shape)} (expected [R, {packed.k}])"
-    if x.shape[0] == 0:
-        return "R=0: nothing to compute"
-    if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
-        return "x: the kernel's TMA needs unit stride along K and 16-byte aligned rows"
+    why = _weight_only_x_unsupported(x, packed, "R")
+    if why is not None:
+        return why
     if packed.data.device != x.device or group_ends.device != x.device:
         return (f"the packed weights ({packed.data.device}) and group_ends ({group_ends.device}) must be on x's "
                 f"{x.device}")
