@@ -57,7 +57,9 @@ class AttnConfig:
             raise ValueError("quantize_q: dense grids only (no pack_gqa, split_kv or varlen)")
         # one key per generated kernel: overlap (and ping-pong, which needs it) only where it fits
         overlap = self.overlap and self.head_dim <= (OVERLAP_MAX_D if self.two_level_pv else OVERLAP_MAX_D_IN_MMA)
-        wgs = 3 if self.consumer_wgs == 3 and self.head_dim <= 128 else 2
+        # one warpgroup (a 64-row tile): packed GQA decode only, where the packed rows fit it
+        wgs = 1 if self.consumer_wgs == 1 and self.pack_gqa else (
+            3 if self.consumer_wgs == 3 and self.head_dim <= 128 else 2)
         if wgs == 3:
             object.__setattr__(self, "two_level_pv", False)
             overlap = False
@@ -68,7 +70,7 @@ class AttnConfig:
         object.__setattr__(self, "skip_unit_rescale", self.skip_unit_rescale and not self.two_level_pv)
         object.__setattr__(self, "lazy_rescale", self.lazy_rescale and not self.two_level_pv)
         object.__setattr__(self, "overlap", overlap)
-        object.__setattr__(self, "pingpong", self.pingpong and overlap)
+        object.__setattr__(self, "pingpong", self.pingpong and overlap and wgs > 1)
 
     @property
     def tile_m(self) -> int:
@@ -82,7 +84,7 @@ class AttnConfig:
     def __str__(self) -> str:
         tags = [("serial", not self.overlap), ("pp", self.pingpong), ("pack", self.pack_gqa),
                 ("split", self.split_kv), ("persist", self.persistent), ("vperm", self.v_keys_permuted),
-                ("inmma", not self.two_level_pv), ("wg3", self.consumer_wgs == 3),
+                ("inmma", not self.two_level_pv), ("wg3", self.consumer_wgs == 3), ("wg1", self.consumer_wgs == 1),
                 ("skip1", self.skip_unit_rescale), ("lazy", self.lazy_rescale), ("varlen", self.varlen),
                 ("qk", self.quantize_q)]
         return f"d{self.head_dim}{'_causal' if self.causal else ''}_{self.out_dtype}" + "".join(
@@ -90,8 +92,20 @@ class AttnConfig:
 
 
 # packed GQA rows of a KV head up to this many (decode): the interface launches two warpgroups, a
-# 128-row tile, since a 192-row tile would leave a warpgroup without rows (NOTES, session 40)
+# 128-row tile, since a 192-row tile would leave a warpgroup without rows (NOTES, session 40) ...
 PACKED_TWO_WGS_MAX_ROWS = 128
+# ... and up to this many one warpgroup, a 64-row tile: half the softmax per KV block again
+# (B64 H32/8 decode -25%, B1-B8 -11..-18%; NOTES, session 41)
+PACKED_ONE_WG_MAX_ROWS = 64
+
+
+def packed_wgs(group: int, sq: int) -> int | None:
+    """Consumer warpgroups the interface launches for packed GQA (``group`` query heads of ``sq``
+    queries per KV head): 1 up to :data:`PACKED_ONE_WG_MAX_ROWS` packed rows, 2 up to
+    :data:`PACKED_TWO_WGS_MAX_ROWS`; None past them (the shipped default)."""
+    if not packed_two_wgs(group, sq):
+        return None
+    return 1 if group * sq <= PACKED_ONE_WG_MAX_ROWS else 2
 
 
 def packed_two_wgs(group: int, sq: int) -> bool:
@@ -104,7 +118,7 @@ def rescale_slack(head_dim: int, group: int = 1, sq: int | None = None) -> int:
     """The shipped kernel's lazy-rescaling slack (its P scale is 448 / 2**slack): RESCALE_SLACK
     where it accumulates P.V in the wgmma (D <= 128, three warpgroups), 0 for the two-level kernels
     (D = 256; packed GQA decode, :func:`packed_two_wgs` of ``group`` query heads per KV head and
-    ``sq`` queries, which runs two warpgroups)."""
+    ``sq`` queries, which runs one or two warpgroups)."""
     if sq is not None and packed_two_wgs(group, sq):
         return 0
     return RESCALE_SLACK if AttnConfig(head_dim).lazy_rescale else 0
@@ -146,12 +160,13 @@ def variant_configs() -> tuple[AttnConfig, ...]:
                 out.append(AttnConfig(d, c, consumer_wgs=2))
                 out.append(AttnConfig(d, c, consumer_wgs=2, two_level_pv=False))
                 out.append(AttnConfig(d, c, consumer_wgs=2, pack_gqa=True))
-                # what the interface launches for packed GQA rows up to 128 (decode)
-                for o in OUT_DTYPES:
-                    for split in (False, True):
-                        for vperm in (False, True):
-                            out.append(AttnConfig(d, c, o, pack_gqa=True, split_kv=split, v_keys_permuted=vperm,
-                                                  consumer_wgs=2))
+                # what the interface launches for packed GQA rows up to 64 / 128 (decode)
+                for wgs in (1, 2):
+                    for o in OUT_DTYPES:
+                        for split in (False, True):
+                            for vperm in (False, True):
+                                out.append(AttnConfig(d, c, o, pack_gqa=True, split_kv=split, v_keys_permuted=vperm,
+                                                      consumer_wgs=wgs))
             if d <= OVERLAP_MAX_D:
                 out.append(AttnConfig(d, c, consumer_wgs=2, pingpong=True))
                 out.append(AttnConfig(d, c, consumer_wgs=2, pingpong=True, persistent=True))

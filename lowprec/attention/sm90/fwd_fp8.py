@@ -124,7 +124,7 @@ class FP8AttentionFwdSm90:
         self.threads_per_wg = 128
         self.threads_per_cta = (1 + self.num_mma_wg) * self.threads_per_wg
         self.load_regs = 24
-        self.mma_regs = 240 if self.num_mma_wg == 2 else 160
+        self.mma_regs = 160 if self.num_mma_wg == 3 else 240
         # P.V in N chunks of at most 128 columns: one fresh 64-register block accumulator
         self.pv_n = min(self.head_dim, 128)
         self.pv_chunks = self.head_dim // self.pv_n

@@ -29,7 +29,7 @@ from .config import (
     operands_unsupported,
     packed_prepass_cluster,
     packed_prepass_unsupported,
-    packed_two_wgs,
+    packed_wgs,
     prepass_cluster,
     prepass_ring_stages,
     q_blocks_unsupported,
@@ -50,8 +50,8 @@ DECODE_MAX_SQ = 16
 # +1.6%; NOTES, session 38); True / False: everywhere / nowhere.
 PERSISTENT: bool | None = None
 TWO_LEVEL_PV = True  # AttnConfig.two_level_pv of launched kernels
-# AttnConfig.consumer_wgs of launched kernels (3 where it applies: D <= 128; packed GQA decode of at
-# most config.PACKED_TWO_WGS_MAX_ROWS rows: 2, B64 H32/8 decode -16%, B4 -10%, NOTES session 40)
+# AttnConfig.consumer_wgs of launched kernels (3 where it applies: D <= 128); packed GQA decode
+# launches fewer, config.packed_wgs (NOTES, sessions 40 and 41)
 CONSUMER_WGS = 3
 SKIP_UNIT_RESCALE = True  # AttnConfig.skip_unit_rescale of launched kernels
 LAZY_RESCALE = True  # AttnConfig.lazy_rescale of launched kernels
@@ -239,7 +239,8 @@ def _forward(q, q_scale, k, k_scale, v_t, v_scale, causal: bool, softmax_scale: 
     persistent = PERSISTENT
     if persistent is None:
         persistent = D in PERSISTENT_HEAD_DIMS and not pack and splits == 1
-    wgs = min(CONSUMER_WGS, 2) if pack and packed_two_wgs(r, Sq) else CONSUMER_WGS
+    packed = packed_wgs(r, Sq) if pack else None
+    wgs = CONSUMER_WGS if packed is None else min(CONSUMER_WGS, packed)
     fn = _kernel(D, causal, out_dtype, pack, splits > 1, v_keys_permuted, OVERLAP, PINGPONG,
                  _num_sms(q.device) if persistent else 0, TWO_LEVEL_PV, wgs, SKIP_UNIT_RESCALE,
                  False, quantize_q, LAZY_RESCALE)
