@@ -235,6 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     path = save_results("attention", {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                                       "fp8_missing": fp8_reason, "rows": rows,
                                       "timing": "ms: synced per run; ms_queued: queued back to back; "
-                                                "both L2 flushed, median"}, args.out)
+                                                "both L2 flushed, median"}, args.out,
+                        merge_rows_by="shape" if args.only else None)
     print(f"results: {path}")
     return 0

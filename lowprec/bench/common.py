@@ -183,14 +183,22 @@ def load_results(op: str, path: str | None = None) -> dict | None:
         return json.load(f).get(op)
 
 
-def save_results(op: str, payload: dict, path: str | None = None) -> str:
-    """Merge ``payload`` under ``op`` into ``benchmarks/results/<gpu>.json`` (or ``path``)."""
+def save_results(op: str, payload: dict, path: str | None = None, merge_rows_by: str | None = None) -> str:
+    """Merge ``payload`` under ``op`` into ``benchmarks/results/<gpu>.json`` (or ``path``).
+
+    ``merge_rows_by``: a row key (e.g. ``"shape"``) for a run over part of the rows: the file's
+    other rows (and its other ``op`` fields) stay, rows whose key this run measured are replaced."""
     path = path or os.path.join("benchmarks", "results", f"{gpu_slug()}.json")
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     data = {}
     if os.path.exists(path):
         with open(path) as f:
             data = json.load(f)
+    previous = data.get(op)
+    if merge_rows_by is not None and isinstance(previous, dict):
+        measured = {row[merge_rows_by] for row in payload["rows"]}
+        kept = [row for row in previous.get("rows", []) if row.get(merge_rows_by) not in measured]
+        payload = {**previous, **payload, "rows": kept + payload["rows"]}
     data[op] = payload
     with open(path, "w") as f:
         json.dump(data, f, indent=1, sort_keys=True)
