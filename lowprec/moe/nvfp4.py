@@ -16,8 +16,8 @@ from ..nn.functional import follow_autocast
 from ..quant import quantize
 from ..recipes import get_recipe
 from ..runtime import eager_under_compile
-from .core import _X_DTYPES, _activation, packed_row_weights
-from .packing import gather_rows, unpack
+from .core import _X_DTYPES, gated_activation
+from .packing import unpack
 from .routing import Routing, route
 
 __all__ = ["NVFP4InferenceMoE", "nvfp4_moe_layer"]
@@ -37,7 +37,8 @@ class NVFP4InferenceMoE(QuantizedBuffersModule):
     with the grouped weight-only GEMM (on Hopper with bf16 tokens: one launch per projection, the
     4.5-bit weights of the experts that got tokens read once and decoded to bf16 in registers, no
     host sync, CUDA-graph capturable; elsewhere the dequantized reference), the gated activation
-    in FP32 times the combine weight, and the combine back to tokens. Under ``torch.compile`` a
+    in FP32 rounded once to the tokens' dtype, and the combine back to tokens (each row times its
+    combine weight in FP32). Under ``torch.compile`` a
     call without ``return_routing`` is one custom op (``lowprec::nvfp4_moe_layer``, run eagerly
     inside, the eager result bit for bit): ``fullgraph=True`` holds and ``mode="reduce-overhead"``
     captures it into CUDA graphs. The forward is differentiable in neither ``x`` nor the router:
@@ -244,12 +245,14 @@ def _nvfp4_experts(tokens: torch.Tensor, router_weight: torch.Tensor, w1: Packed
     routing = route(logits, top_k, score_func=score_func, renormalize=renormalize, capacity_factor=capacity_factor,
                     drop_policy=drop_policy)
     ends = routing.group_ends
-    row_w = packed_row_weights(routing.topk_weights, routing)
-    # without a capacity every row is routed: no padding rows to zero
-    padded = routing.capacity is not None
-    h = grouped_weight_only(gather_rows(tokens, routing), w1, ends, zero_tail=padded)
-    a = (_activation(activation, h.float()) * row_w[:, None]).to(dt)
-    return unpack(grouped_weight_only(a, w2, ends, zero_tail=padded), routing, out_dtype=dt), routing
+    # packed row -> its token. Padding rows (slot -1, all after the routed rows) read the last token
+    # and are left unwritten by the GEMMs: only the combine could read them, and it selects past them.
+    x_rows = tokens[routing.row_slots // routing.top_k]
+    h = grouped_weight_only(x_rows, w1, ends, zero_tail=False)
+    y_rows = grouped_weight_only(gated_activation(activation, h), w2, ends, zero_tail=False)
+    # the combine weights in the combine (FP32, each product rounded before its add), not in the activation:
+    # two fewer elementwise passes at decode sizes
+    return unpack(y_rows, routing, routing.topk_weights.detach(), out_dtype=dt), routing
 
 
 @torch.library.custom_op("lowprec::nvfp4_moe_layer", mutates_args=())

@@ -1,5 +1,6 @@
 """The MoE layer's fused SwiGLU + 1x128 quantization on Hopper, and the layer forward with the fused
-kernels (token packing with the tokens' own codes, SwiGLU, unpack) against the unfused torch steps.
+kernels (token packing with the tokens' own codes, SwiGLU, unpack) against the unfused torch steps;
+the unquantized SwiGLU (``gated_activation``, NVFP4 experts' rows) against the torch ops.
 
 Compiles for sm_90a on any machine (``tests/moe/test_kernels_sm90.py`` compiles every entry of
 ``KERNELS``); on the GPU the kernel must match the torch ops bit for bit.
@@ -10,15 +11,32 @@ import torch
 
 import lowprec
 from lowprec.moe import core, experts, gather_rows
-from lowprec.moe.core import _quantized_activation
-from lowprec.moe.sm90.config import swiglu_unsupported
+from lowprec.moe.core import _quantized_activation, gated_activation
+from lowprec.moe.sm90.config import swiglu_rows_unsupported, swiglu_unsupported
 from lowprec.moe.sm90.interface import KERNELS
 
 from ..quant.test_sm90 import _poison_allocator
 
 
 def test_swiglu_kernels_are_shipped_and_compiled_in_ci():
-    assert {"swiglu_1x128", "swiglu_h_1x128"} <= set(KERNELS)
+    assert {"swiglu_1x128", "swiglu_h_1x128", "swiglu_rows"} <= set(KERNELS)
+
+
+def test_unquantized_swiglu_kernel_eligibility():
+    h = torch.randn(8, 512, dtype=torch.bfloat16)
+    assert swiglu_rows_unsupported(h) is None
+    assert "multiple of 16" in swiglu_rows_unsupported(h[:, :48])
+    assert "dtype" in swiglu_rows_unsupported(h.double())
+    assert "contiguous" in swiglu_rows_unsupported(h[:, :256].t().contiguous().t())
+
+
+@pytest.mark.parametrize("activation", ["swiglu", "geglu"])
+def test_gated_activation_is_the_fp32_activation_rounded_once(activation, monkeypatch):
+    monkeypatch.setenv("LOWPREC_BACKEND", "auto")
+    h = torch.randn(6, 96, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    a = gated_activation(activation, h)
+    assert a.dtype == h.dtype and a.shape == (6, 48)
+    assert torch.equal(a, core._activation(activation, h.float()).to(torch.bfloat16))
 
 
 def test_swiglu_kernel_eligibility():
@@ -154,3 +172,32 @@ def test_layer_forward_and_gradients_unchanged_by_the_fused_kernels(ffn, capacit
     unfused = run()
     for name, a, b in zip(("y", "dx", "dweights", "dw1", "dw2"), fused, unfused):
         assert torch.equal(a, b), name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("shape", [(1, 16), (8, 768), (300, 1040), (64, 2048), (3, 4096)])
+def test_unquantized_swiglu_kernel_matches_torch(shape, dtype, monkeypatch):
+    rows, ffn = shape
+    h = _h(rows, ffn, dtype, seed=rows + ffn)
+    expected = core._activation("swiglu", h.float()).to(dtype)
+    monkeypatch.setenv("LOWPREC_BACKEND", "kernel")
+    _poison_allocator()
+    a = gated_activation("swiglu", h)
+    assert a.dtype == dtype and a.shape == (rows, ffn)
+    assert torch.equal(a.view(torch.uint8) if dtype != torch.float32 else a.view(torch.int32),
+                       expected.view(torch.uint8) if dtype != torch.float32 else expected.view(torch.int32))
+
+
+@pytest.mark.gpu
+def test_unquantized_swiglu_kernel_every_bf16_gate(monkeypatch):
+    bits = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16)
+    gates = bits.view(torch.bfloat16).cuda()
+    gates = gates[torch.isfinite(gates)]
+    h = torch.empty(gates.numel(), 32, dtype=torch.bfloat16, device="cuda")
+    h[:, :16] = gates[:, None]
+    h[:, 16:] = torch.randn(gates.numel(), 16, device="cuda", generator=torch.Generator(device="cuda").manual_seed(4))
+    expected = core._activation("swiglu", h.float()).to(torch.bfloat16)
+    monkeypatch.setenv("LOWPREC_BACKEND", "kernel")
+    a = gated_activation("swiglu", h)
+    assert torch.equal(a.view(torch.int16), expected.view(torch.int16))

@@ -9,4 +9,5 @@ register("moe_dispatch", "sm_90a", f"{_interface}:dispatch_plan", config.dispatc
 register("moe_pack", "sm_90a", f"{_interface}:pack_1x128", config.pack_unsupported)
 register("moe_unpack", "sm_90a", f"{_interface}:unpack_rows", config.unpack_unsupported)
 register("swiglu_quantize", "sm_90a", f"{_interface}:swiglu_1x128", config.swiglu_unsupported)
+register("moe_swiglu", "sm_90a", f"{_interface}:swiglu_rows", config.swiglu_rows_unsupported)
 register("swiglu_backward", "sm_90a", f"{_interface}:swiglu_backward_1x128", config.swiglu_backward_unsupported)

@@ -55,6 +55,13 @@ def swiglu_unsupported(h: torch.Tensor, row_weights: torch.Tensor) -> str | None
     return rows_unsupported(h)
 
 
+def swiglu_rows_unsupported(h: torch.Tensor) -> str | None:
+    """SwiGLU of ``h = [gate | up]`` [R, 2F] in ``h``'s dtype."""
+    if h.dim() != 2 or h.shape[1] % 32:
+        return f"h: expected [R, 2F] with F a multiple of 16, got {tuple(h.shape)}"
+    return rows_unsupported(h)
+
+
 def swiglu_backward_unsupported(h, da: torch.Tensor, row_weights: torch.Tensor) -> str | None:
     """SwiGLU's backward from the saved FP8 ``h`` (a QuantizedTensor [R, 2F]) and ``da`` [R, F]."""
     f = da.shape[1]

@@ -14,11 +14,11 @@ from ...runtime import ffi_entry, kernel_cache, on_device
 from .config import THREADS
 
 __all__ = ["ARCH", "KERNELS", "build_dispatch_kernel", "build_kernel", "build_unpack_kernel", "dispatch_plan",
-           "pack_1x128", "swiglu_1x128", "swiglu_backward_1x128", "unpack_rows"]
+           "pack_1x128", "swiglu_1x128", "swiglu_backward_1x128", "swiglu_rows", "unpack_rows"]
 
 ARCH = "sm_90a"
 KERNELS = ("pack_1x128", "pack_tokens_1x128", "swiglu_1x128", "swiglu_h_1x128", "swiglu_backward_1x128",
-           "swiglu_backward")
+           "swiglu_backward", "swiglu_rows")
 
 
 def build_dispatch_kernel(num_experts: int, arch: str = ARCH):
@@ -69,7 +69,8 @@ def dispatch_plan(ids: torch.Tensor, num_experts: int, capacity: int | None
 
 def build_kernel(kind: str, dtype: torch.dtype, arch: str = ARCH):
     """Compile one pack / SwiGLU kernel for ``dtype`` inputs on fake tensors (no GPU needed), uncached.
-    SwiGLU's backward: ``dtype`` is da's (h is FP8; dh and a are FP32)."""
+    SwiGLU's backward: ``dtype`` is da's (h is FP8; dh and a are FP32); ``swiglu_rows``: h's and
+    the output's."""
     if kind not in KERNELS:
         raise ValueError(f"kind: expected one of {KERNELS}, got {kind!r}")
     import cutlass
@@ -84,8 +85,10 @@ def build_kernel(kind: str, dtype: torch.dtype, arch: str = ARCH):
     fn = {"pack_1x128": pack.pack_1x128, "pack_tokens_1x128": pack.pack_tokens_1x128,
           "swiglu_1x128": swiglu.swiglu_1x128, "swiglu_h_1x128": swiglu.swiglu_h_1x128,
           "swiglu_backward_1x128": swiglu_backward.swiglu_backward_1x128,
-          "swiglu_backward": swiglu_backward.swiglu_backward}[kind]
-    if kind.startswith("swiglu_backward"):
+          "swiglu_backward": swiglu_backward.swiglu_backward, "swiglu_rows": swiglu.swiglu_rows}[kind]
+    if kind == "swiglu_rows":
+        args = (x, fake_rows(cutlass_dtype(dtype)))
+    elif kind.startswith("swiglu_backward"):
         dh_q = (fake_rows(cutlass.Uint8), fake_scales()) if kind == "swiglu_backward_1x128" else ()
         args = (q, fake_scales(), x, row_weights, *dh_q, fake_rows(cutlass.Float32), fake_rows(cutlass.Float32),
                 fake_scales())
@@ -156,6 +159,17 @@ def swiglu_1x128(h: torch.Tensor, row_weights: torch.Tensor
             else:
                 compile_kernel("swiglu_1x128", h.dtype)(h, row_weights, q.view(torch.uint8), s)
     return q, s, hq, hs
+
+
+def swiglu_rows(h: torch.Tensor) -> torch.Tensor:
+    """``h = [gate | up]`` [R, 2F] -> ``silu(gate) · up`` [R, F] in ``h``'s dtype (FP32 steps as
+    torch on the GPU, one rounding); F a multiple of 16, rows contiguous."""
+    r, two_f = h.shape
+    a = torch.empty(r, two_f // 2, dtype=h.dtype, device=h.device)
+    if r and two_f:
+        with on_device(h.device):
+            compile_kernel("swiglu_rows", h.dtype)(h, a)
+    return a
 
 
 def swiglu_backward_1x128(h, da: torch.Tensor, row_weights: torch.Tensor

@@ -1,4 +1,5 @@
-"""The MoE layer's SwiGLU fused with 1x128 FP8 quantization (CuTe DSL)."""
+"""The MoE layer's SwiGLU (CuTe DSL): fused with 1x128 FP8 quantization (training, FP8 experts), or
+in the rows' own dtype (NVFP4 experts, whose second GEMM takes bf16 rows)."""
 
 from __future__ import annotations
 
@@ -73,3 +74,36 @@ def swiglu_1x128(mH: cute.Tensor, mW: cute.Tensor, mQ_u8: cute.Tensor, mS: cute.
 def swiglu_h_1x128(mH: cute.Tensor, mW: cute.Tensor, mQ_u8: cute.Tensor, mS: cute.Tensor, mHQ_u8: cute.Tensor,
                    mHS: cute.Tensor, stream):
     _launch_swiglu(mH, mW, mQ_u8, mS, mHQ_u8, mHS, True, stream)
+
+
+ROWS_VEC = 8  # columns per thread of the unquantized form: one 16-byte load of bf16 gate and of up
+ROWS_THREADS = 128
+
+
+# SwiGLU in the rows' dtype: a = silu(gate) · up in FP32, each step as torch computes it on the GPU
+# (h.float(), silu, the product), rounded once to h's dtype. Grid: one CTA row per packed row,
+# 128 threads per 1024 columns; each thread reads 8 gate and 8 up values (F a multiple of 16).
+@cute.kernel
+def _swiglu_rows_kernel(mH: cute.Tensor, mA: cute.Tensor):
+    tidx, _, _ = cute.arch.thread_idx()
+    after_previous_grid()
+    row, chunk, _ = cute.arch.block_idx()
+    ffn = mA.shape[1]
+    col = (chunk * ROWS_THREADS + tidx) * ROWS_VEC
+    if col < ffn:
+        gate = cute.make_rmem_tensor((1, ROWS_VEC), mH.element_type)
+        up = cute.make_rmem_tensor((1, ROWS_VEC), mH.element_type)
+        cute.autovec_copy(cute.local_tile(mH, (1, ROWS_VEC), (row, col // ROWS_VEC)), gate)
+        cute.autovec_copy(cute.local_tile(mH, (1, ROWS_VEC), (row, (ffn + col) // ROWS_VEC)), up)
+        g = gate.load().to(Float32)
+        u = up.load().to(Float32)
+        out = cute.make_rmem_tensor((1, ROWS_VEC), mA.element_type)
+        out.store((g / (Float32(1.0) + cute.math.exp(-g)) * u).to(mA.element_type))
+        cute.autovec_copy(out, cute.local_tile(mA, (1, ROWS_VEC), (row, col // ROWS_VEC)))
+
+
+@cute.jit
+def swiglu_rows(mH: cute.Tensor, mA: cute.Tensor, stream):
+    chunks = (mA.shape[1] // ROWS_VEC + ROWS_THREADS - 1) // ROWS_THREADS
+    _swiglu_rows_kernel(mH, mA).launch(grid=(mA.shape[0], chunks, 1), block=(ROWS_THREADS, 1, 1), stream=stream,
+                                       use_pdl=True)
