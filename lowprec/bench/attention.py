@@ -55,6 +55,7 @@ SHAPES = [
     Shape("s16k-causal", 1, 32, 32, 16384, 16384, 128, True),
     Shape("b16-s1k-causal", 16, 32, 32, 1024, 1024, 128, True),
     Shape("decode", 64, 32, 8, 1, 8192, 128, False),
+    Shape("decode-mha", 8, 32, 32, 1, 8192, 128, False),  # not the issue's: MHA decode (no GQA packing)
 ]
 QUICK = ("d128", "d128-causal", "decode")
 BF16_PEERS = ("cudnn-sdpa-bf16", "sdpa-flash-bf16", "fa4-bf16")

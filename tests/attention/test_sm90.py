@@ -141,6 +141,41 @@ def test_quantize_q_configs():
             AttnConfig(128, quantize_q=True, **{flag: True})
 
 
+@pytest.mark.parametrize("b,h,hkv,sq,sk,d,quantize_q,expected", [
+    (64, 32, 8, 1, 8192, 128, False, (True, 1, True)),  # packed GQA decode, 32 rows: one warpgroup
+    (4, 32, 8, 32, 8192, 128, False, (True, 2, True)),  # 128 packed rows: two
+    (4, 32, 8, 64, 8192, 128, False, (True, 3, False)),  # 256 packed rows: the default (in-MMA)
+    (2, 32, 32, 1, 16384, 128, False, (False, 1, False)),  # MHA decode: one warpgroup, P.V in the wgmma
+    (2, 32, 32, 16, 16384, 64, False, (False, 1, False)),
+    (2, 32, 32, 17, 16384, 128, False, (False, 3, False)),  # past decode sizes
+    (2, 16, 16, 1, 4096, 256, False, (False, 2, True)),  # D = 256: its default (two warpgroups)
+    (64, 32, 32, 1, 8192, 128, True, (False, 3, False)),  # Q quantized inside: its 128-row blocks
+])
+def test_launched_warpgroups(b, h, hkv, sq, sk, d, quantize_q, expected, monkeypatch):
+    """Which kernel ``_forward`` launches per shape: (packed, consumer warpgroups, two-level P.V)."""
+    from lowprec.attention.sm90 import interface
+    from lowprec.attention.sm90.config import RESCALE_SLACK, AttnConfig, rescale_slack
+
+    launched = []
+    monkeypatch.setattr(interface, "_kernel", lambda *args: launched.append(args))
+    monkeypatch.setattr(interface, "_launch", lambda *args: None)
+    monkeypatch.setattr(interface, "_combine_entry", lambda *args: lambda *a: None)
+    u8 = torch.uint8
+    q = torch.empty(b, h, sq, d, dtype=torch.bfloat16 if quantize_q else u8, device="meta")
+    k = torch.empty(b, hkv, sk, d, dtype=u8, device="meta")
+    v_t = torch.empty(b, hkv, d, sk, dtype=u8, device="meta")
+    scales = torch.empty(b * h, device="meta"), torch.empty(b * hkv * (sk // 128), device="meta")
+    interface._forward(q, scales[0], k, scales[1], v_t, torch.empty(b * hkv * d, device="meta"), True, 0.1,
+                       torch.bfloat16, quantize_q=quantize_q)
+    (args,) = launched
+    pack, persistent_sms = args[3], args[8]
+    config = AttnConfig(d, pack_gqa=pack, two_level_pv=args[9], consumer_wgs=args[10], quantize_q=args[13])
+    assert (pack, config.consumer_wgs, config.two_level_pv) == expected
+    assert not (persistent_sms and config.consumer_wgs == 1)
+    # the slack the reference and the emulation take is the launched kernel's
+    assert rescale_slack(d, h // hkv, sq) == (RESCALE_SLACK if config.lazy_rescale else 0)
+
+
 def test_prepass_cluster_sizes():
     from lowprec.attention.sm90.config import prepass_cluster
 
@@ -275,6 +310,9 @@ CASES = [
     (1, 2, 1, 384, 384, 256, True),
     (2, 4, 2, 1, 1000, 128, False),  # decode
     (2, 4, 2, 16, 1000, 128, True),
+    (2, 4, 4, 1, 1000, 128, False),  # MHA decode: one warpgroup, split keys
+    (1, 4, 4, 16, 3000, 64, True),
+    (64, 8, 8, 3, 700, 128, True),  # MHA decode on a grid of a wave or more: one warpgroup, no split
     (1, 2, 2, 5, 3, 64, True),
 ]
 
@@ -314,6 +352,7 @@ VARIANT_CASES = [
     (1, 4, 4, 384, 384, 128, True),
     (1, 4, 2, 16, 4000, 128, True),  # split-KV: 8 splits of 4 blocks
     (1, 2, 2, 3, 2500, 256, False),
+    (2, 4, 4, 2, 3000, 128, False),  # MHA decode
 ]
 
 
@@ -324,7 +363,7 @@ VARIANT_CASES = [
                                    ("CONSUMER_WGS", "PINGPONG", "PERSISTENT"),
                                    ("CONSUMER_WGS", "OVERLAP"), ("V_KEY_PERM",), ("TWO_LEVEL_PV",),
                                    ("CONSUMER_WGS", "TWO_LEVEL_PV"), ("CONSUMER_WGS", "TWO_LEVEL_PV", "PINGPONG"),
-                                   ("CONSUMER_WGS", "PACK_GQA")],
+                                   ("CONSUMER_WGS", "PACK_GQA"), ("UNPACKED_DECODE_ONE_WG",)],
                          ids="+".join)
 @pytest.mark.parametrize("case", VARIANT_CASES,
                          ids=lambda c: "B{}H{}kv{}q{}k{}d{}{}".format(*c[:6], "c" if c[6] else ""))

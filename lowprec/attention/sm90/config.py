@@ -57,8 +57,9 @@ class AttnConfig:
             raise ValueError("quantize_q: dense grids only (no pack_gqa, split_kv or varlen)")
         # one key per generated kernel: overlap (and ping-pong, which needs it) only where it fits
         overlap = self.overlap and self.head_dim <= (OVERLAP_MAX_D if self.two_level_pv else OVERLAP_MAX_D_IN_MMA)
-        # one warpgroup (a 64-row tile): packed GQA decode only, where the packed rows fit it
-        wgs = 1 if self.consumer_wgs == 1 and self.pack_gqa else (
+        # one warpgroup (a 64-row tile): decode, where the rows fit it (not with Q quantized inside,
+        # whose 128-row scale blocks span two warpgroups)
+        wgs = 1 if self.consumer_wgs == 1 and not self.quantize_q else (
             3 if self.consumer_wgs == 3 and self.head_dim <= 128 else 2)
         if wgs == 3:
             object.__setattr__(self, "two_level_pv", False)
@@ -106,6 +107,19 @@ def packed_wgs(group: int, sq: int) -> int | None:
     if not packed_two_wgs(group, sq):
         return None
     return 1 if group * sq <= PACKED_ONE_WG_MAX_ROWS else 2
+
+
+# unpacked decode (MHA, or GQA with packing off): up to this many queries per head run one
+# warpgroup, their 64-row tile otherwise a third of a 192-row one; with P.V in the wgmma as the
+# three-warpgroup kernel (so the same lazy-rescaling slack) where that fits, D <= 128
+UNPACKED_ONE_WG_MAX_SQ = 16
+UNPACKED_ONE_WG_MAX_D = 128
+
+
+def unpacked_one_wg(head_dim: int, sq: int) -> bool:
+    """Whether the interface launches one consumer warpgroup (P.V in the wgmma) for an unpacked
+    grid of ``sq`` queries per head whose Q it does not quantize itself."""
+    return sq <= UNPACKED_ONE_WG_MAX_SQ and head_dim <= UNPACKED_ONE_WG_MAX_D
 
 
 def packed_two_wgs(group: int, sq: int) -> bool:
@@ -160,13 +174,17 @@ def variant_configs() -> tuple[AttnConfig, ...]:
                 out.append(AttnConfig(d, c, consumer_wgs=2))
                 out.append(AttnConfig(d, c, consumer_wgs=2, two_level_pv=False))
                 out.append(AttnConfig(d, c, consumer_wgs=2, pack_gqa=True))
-                # what the interface launches for packed GQA rows up to 64 / 128 (decode)
-                for wgs in (1, 2):
-                    for o in OUT_DTYPES:
-                        for split in (False, True):
-                            for vperm in (False, True):
+                # what the interface launches for packed GQA rows up to 64 / 128 (decode), and for
+                # unpacked decode
+                for o in OUT_DTYPES:
+                    for split in (False, True):
+                        for vperm in (False, True):
+                            for wgs in (1, 2):
                                 out.append(AttnConfig(d, c, o, pack_gqa=True, split_kv=split, v_keys_permuted=vperm,
                                                       consumer_wgs=wgs))
+                            if d <= UNPACKED_ONE_WG_MAX_D:
+                                out.append(AttnConfig(d, c, o, split_kv=split, v_keys_permuted=vperm, consumer_wgs=1,
+                                                      two_level_pv=False))
             if d <= OVERLAP_MAX_D:
                 out.append(AttnConfig(d, c, consumer_wgs=2, pingpong=True))
                 out.append(AttnConfig(d, c, consumer_wgs=2, pingpong=True, persistent=True))

@@ -33,6 +33,7 @@ from .config import (
     prepass_cluster,
     prepass_ring_stages,
     q_blocks_unsupported,
+    unpacked_one_wg,
 )
 
 _ARCH_DEFAULT = "sm_90a"
@@ -51,8 +52,10 @@ DECODE_MAX_SQ = 16
 PERSISTENT: bool | None = None
 TWO_LEVEL_PV = True  # AttnConfig.two_level_pv of launched kernels
 # AttnConfig.consumer_wgs of launched kernels (3 where it applies: D <= 128); packed GQA decode
-# launches fewer, config.packed_wgs (NOTES, sessions 40 and 41)
+# launches fewer, config.packed_wgs (NOTES, sessions 40 and 41) ...
 CONSUMER_WGS = 3
+# ... and unpacked decode one (config.unpacked_one_wg; NOTES, session 41)
+UNPACKED_DECODE_ONE_WG = True
 SKIP_UNIT_RESCALE = True  # AttnConfig.skip_unit_rescale of launched kernels
 LAZY_RESCALE = True  # AttnConfig.lazy_rescale of launched kernels
 # lowprec.attention(q, k, v, quant="fp8") on float q: the forward quantizes Q itself (the Q
@@ -236,13 +239,19 @@ def _forward(q, q_scale, k, k_scale, v_t, v_scale, causal: bool, softmax_scale: 
     # packed: q, out, lse of the r query heads of a KV head are one contiguous run of r * Sq rows
     qh, rows = (Hkv, r * Sq) if pack else (H, Sq)
     splits = 1 if quantize_q else kv_splits(B, H, Hkv, Sq, Sk)
+    two_level = TWO_LEVEL_PV
+    if pack:
+        packed = packed_wgs(r, Sq)
+        wgs = CONSUMER_WGS if packed is None else min(CONSUMER_WGS, packed)
+    elif UNPACKED_DECODE_ONE_WG and not quantize_q and unpacked_one_wg(D, Sq):
+        wgs, two_level = 1, False
+    else:
+        wgs = CONSUMER_WGS
     persistent = PERSISTENT
     if persistent is None:
-        persistent = D in PERSISTENT_HEAD_DIMS and not pack and splits == 1
-    packed = packed_wgs(r, Sq) if pack else None
-    wgs = CONSUMER_WGS if packed is None else min(CONSUMER_WGS, packed)
+        persistent = D in PERSISTENT_HEAD_DIMS and not pack and splits == 1 and wgs > 1
     fn = _kernel(D, causal, out_dtype, pack, splits > 1, v_keys_permuted, OVERLAP, PINGPONG,
-                 _num_sms(q.device) if persistent else 0, TWO_LEVEL_PV, wgs, SKIP_UNIT_RESCALE,
+                 _num_sms(q.device) if persistent else 0, two_level, wgs, SKIP_UNIT_RESCALE,
                  False, quantize_q, LAZY_RESCALE)
     o_dst, l_dst = out, lse
     if splits > 1:
