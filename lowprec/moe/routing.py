@@ -153,13 +153,22 @@ def select_experts(logits: torch.Tensor, top_k: int, *, score_func: str = "softm
     if score_func not in SCORE_FUNCS:
         raise ValueError(f"score_func: expected one of {SCORE_FUNCS}, got {score_func!r}")
     scores = logits.float().softmax(dim=-1) if score_func == "softmax" else logits.float().sigmoid()
-    # torch.topk leaves the order of equal scores unspecified; a stable sort fixes it: lower id first
-    ids = torch.sort(scores.detach(), dim=-1, descending=True, stable=True).indices[:, :top_k]
+    ids = _topk_ids(scores.detach(), top_k)
     weights = scores.gather(-1, ids)
     if renormalize:
         # sigmoid scores may all underflow to 0: keep the weights finite
         weights = weights / weights.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
     return weights, ids
+
+
+def _topk_ids(scores: torch.Tensor, top_k: int) -> torch.Tensor:
+    """Each row's ``top_k`` expert ids by descending score, equal scores lower id first (on Hopper
+    one kernel, the same ids)."""
+    from ..runtime import registry
+
+    # torch.topk leaves the order of equal scores unspecified; a stable sort fixes it: lower id first
+    return registry.run("moe_topk", scores.device, (scores, top_k),
+                        lambda: torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :top_k])
 
 
 @eager_under_compile

@@ -20,7 +20,7 @@ def probe_op(monkeypatch):
 def test_every_op_has_its_hopper_kernel_registered():
     ops = {"gemm", "grouped_gemm", "grouped_gemm_wgrad", "quantize", "quantize_dual", "quantize_with_transpose",
            "quantize_t_gathered", "moe_dispatch", "moe_pack", "moe_unpack", "swiglu_quantize", "swiglu_backward",
-           "moe_swiglu"}
+           "moe_swiglu", "moe_topk"}
     for op in ops:
         kernel = registry.registered(op)["sm_90a"]
         assert callable(kernel.load()), op  # the target exists (importing it needs no GPU)

@@ -15,6 +15,17 @@ UNPACK_DTYPES = INPUT_DTYPES  # rows and output dtypes of the unpack kernel
 PACK_RECIPE = "fp8_block1x128"
 
 
+def topk_unsupported(scores: torch.Tensor, top_k: int) -> str | None:
+    """The top-k ids of router ``scores`` [T, E]."""
+    if scores.dtype != torch.float32 or scores.dim() != 2 or not scores.is_contiguous():
+        return f"scores: the kernel takes contiguous float32 [T, E], got {scores.dtype} {tuple(scores.shape)}"
+    if scores.shape[1] > MAX_EXPERTS:
+        return f"E={scores.shape[1]} experts (the kernels take up to {MAX_EXPERTS})"
+    if not 1 <= top_k <= scores.shape[1]:
+        return f"top_k={top_k} outside [1, E={scores.shape[1]}]"
+    return None
+
+
 def dispatch_unsupported(ids: torch.Tensor, num_experts: int, capacity: int | None) -> str | None:
     """The dispatch plan of expert ids ``ids`` [T·k]."""
     if num_experts > MAX_EXPERTS:

@@ -1,4 +1,4 @@
-"""Host side of the MoE kernels (dispatch plan, pack, SwiGLU and its backward, unpack): compile
+"""Host side of the MoE kernels (top-k ids, dispatch plan, pack, SwiGLU and its backward, unpack): compile
 cache and launch. What they take is stated in :mod:`.config`; the registry checks it before a
 call, so these functions assume valid arguments."""
 
@@ -14,11 +14,43 @@ from ...runtime import ffi_entry, kernel_cache, on_device
 from .config import THREADS
 
 __all__ = ["ARCH", "KERNELS", "build_dispatch_kernel", "build_kernel", "build_unpack_kernel", "dispatch_plan",
-           "pack_1x128", "swiglu_1x128", "swiglu_backward_1x128", "swiglu_rows", "unpack_rows"]
+           "pack_1x128", "swiglu_1x128", "swiglu_backward_1x128", "swiglu_rows", "topk_ids", "unpack_rows",
+           "build_topk_kernel"]
 
 ARCH = "sm_90a"
 KERNELS = ("pack_1x128", "pack_tokens_1x128", "swiglu_1x128", "swiglu_h_1x128", "swiglu_backward_1x128",
            "swiglu_backward", "swiglu_rows")
+
+
+def build_topk_kernel(num_experts: int, top_k: int, arch: str = ARCH):
+    """Compile the top-k ids kernel for ``num_experts`` scores and ``top_k`` ids per row (both
+    static: the rounds and the per-lane scores unroll) on fake tensors, uncached."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
+
+    from ...runtime import compile_for_arch
+    from . import topk
+
+    rows = cute.sym_int()
+    bits = make_fake_tensor(cutlass.Int32, (rows, num_experts), stride=(num_experts, 1), assumed_align=4)
+    ids = make_fake_tensor(cutlass.Int64, (rows, top_k), stride=(top_k, 1), assumed_align=8)
+    return compile_for_arch(topk.topk_ids, bits, ids, num_experts, make_fake_stream(use_tvm_ffi_env_stream=True),
+                            arch=arch, tvm_ffi=True)
+
+
+def topk_ids(scores: torch.Tensor, top_k: int) -> torch.Tensor:
+    """``scores`` FP32 ``[T, E]`` contiguous -> int64 ``[T, top_k]``: each row's expert ids by
+    descending score, equal scores lower id first, NaN first (``torch.sort(..., descending=True,
+    stable=True)``'s order)."""
+    t, e = scores.shape
+    ids = torch.empty(t, top_k, dtype=torch.int64, device=scores.device)
+    if t:
+        kernel = kernel_cache.get("moe_topk_ids", {"num_experts": e, "top_k": top_k}, ARCH,
+                                  lambda: build_topk_kernel(e, top_k))
+        with on_device(scores.device):
+            kernel(scores.view(torch.int32), ids)
+    return ids
 
 
 def build_dispatch_kernel(num_experts: int, arch: str = ARCH):
