@@ -49,7 +49,10 @@ def test_each_sequence_has_the_dense_kernels_bits(case, causal, monkeypatch):
     from lowprec.attention.sm90 import interface
     from lowprec.attention.sm90.interface import fp8_attention_forward, fp8_attention_varlen_forward
 
-    monkeypatch.setattr(interface, "SPLIT_KV_DECODE", False)  # the varlen kernel never splits KV
+    # the dense kernels the varlen one mirrors: no split KV, no packed GQA heads (packed decode rows run
+    # the two-level kernel, whose P scale differs: config.rescale_slack)
+    monkeypatch.setattr(interface, "SPLIT_KV_DECODE", False)
+    monkeypatch.setattr(interface, "PACK_GQA", False)
 
     lq, lk, h, hkv, d = case
     q, k, v, cq, ck = _packed(lq, lk, h, hkv, d)
