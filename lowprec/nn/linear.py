@@ -273,6 +273,9 @@ def convert(model: nn.Module, recipe: str = "fp8_block", filter_fn: Callable[[st
     are; ``inference=True`` makes each a :class:`lowprec.moe.FP8InferenceMoE` (expert weights in
     128x128 FP8 blocks, for every FP8 ``recipe``) or, with ``"nvfp4"``, a
     :class:`lowprec.moe.NVFP4InferenceMoE` (NVFP4 expert weights, tokens in their dtype).
+    transformers' sparse MoE blocks (Mixtral, Qwen3-MoE; transformers 5's layout, see
+    :mod:`lowprec.moe.hf`) become such a :class:`~lowprec.moe.MoE` first, on the block's own
+    parameters (``fp8_block`` experts for training; the state dict takes lowprec's names).
 
     Converting again: :class:`FP8Linear` layers take the new ``recipe`` (the same master
     weights); :class:`FP8InferenceLinear` layers of another recipe stay as they are, with one log
@@ -317,8 +320,9 @@ def convert(model: nn.Module, recipe: str = "fp8_block", filter_fn: Callable[[st
                                                                  kept)
             setattr(parent, child_name, done[id(child)])
     converted = sum(isinstance(m, (FP8Linear, FP8InferenceLinear, NVFP4InferenceLinear)) for m in done.values())
-    log.info("lowprec.convert: %d fused FP8 SwiGLU MLPs; %d low-precision linear layers; %d kept in their dtype "
-             "(fewer than %d weights)%s", fused, converted, len(kept), min_weight_numel,
+    moes = sum(isinstance(m, (MoE, FP8InferenceMoE, NVFP4InferenceMoE)) for m in done.values())
+    log.info("lowprec.convert: %d fused FP8 SwiGLU MLPs; %d low-precision linear layers; %d MoE layers; %d kept in "
+             "their dtype (fewer than %d weights)%s", fused, converted, moes, len(kept), min_weight_numel,
              (": " + ", ".join(kept)) if kept else "")
     return model
 
@@ -350,16 +354,21 @@ def _fuse_mlps(model: nn.Module, fuse: bool, filter_fn, min_numel: int, recipe: 
 
 def _convertible(module: nn.Module) -> bool:
     from ..moe import MoE
+    from ..moe.hf import hf_moe_unsupported
 
-    return type(module) is nn.Linear or isinstance(module, (MoE, FP8Linear, FP8InferenceLinear))
+    return (type(module) is nn.Linear or isinstance(module, (MoE, FP8Linear, FP8InferenceLinear))
+            or hf_moe_unsupported(module) is None)
 
 
 def _converted(module: nn.Module, name: str, recipe: str, inference: bool, min_numel: int, kept: list) -> nn.Module:
     """What :func:`convert` makes of one :func:`_convertible` module (itself where nothing applies)."""
     from ..moe import FP8InferenceMoE, MoE, NVFP4InferenceMoE
+    from ..moe.hf import hf_moe_unsupported, moe_from_hf
 
     if type(module) is nn.Linear:
         return _swap(module, name, recipe, inference, min_numel, kept)
+    if hf_moe_unsupported(module) is None:  # a transformers MoE block: lowprec's MoE on its parameters
+        module = moe_from_hf(module)
     if isinstance(module, MoE):
         if not inference:
             return module

@@ -386,7 +386,7 @@ def test_convert_keeps_small_layers_for_training_by_default(caplog):
     with caplog.at_level(logging.INFO, logger="lowprec"):
         convert(model)
     assert all(type(m) is nn.Linear for m in model)
-    assert "0 low-precision linear layers; 2 kept" in caplog.text and "0 (64x128)" in caplog.text
+    assert "0 low-precision linear layers; 0 MoE layers; 2 kept" in caplog.text and "0 (64x128)" in caplog.text
     convert(model, min_weight_numel=64 * 128)
     assert type(model[0]) is FP8Linear and type(model[1]) is FP8Linear
     assert all(isinstance(m, FP8InferenceLinear)

@@ -1,0 +1,173 @@
+"""transformers' sparse MoE blocks through ``lowprec.convert`` (``lowprec.moe.hf``): stand-ins with
+transformers 5's layout and forward (CI has no transformers), and the real classes when installed."""
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import lowprec
+from lowprec import metrics
+from lowprec.moe import FP8InferenceMoE, MoE, NVFP4InferenceMoE
+from lowprec.moe.hf import hf_moe_unsupported, moe_from_hf
+
+
+class _Router(nn.Module):
+    def __init__(self, experts, hidden, top_k, norm_topk_prob):
+        super().__init__()
+        self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
+        self.weight = nn.Parameter(torch.randn(experts, hidden) / hidden**0.5)
+
+    def forward(self, x):
+        probs = F.linear(x, self.weight).float().softmax(dim=-1)
+        top, ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            top = top / top.sum(dim=-1, keepdim=True)
+        return top, ids
+
+
+class _Experts(nn.Module):
+    def __init__(self, experts, hidden, ffn):
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.randn(experts, 2 * ffn, hidden) / hidden**0.5)
+        self.down_proj = nn.Parameter(torch.randn(experts, hidden, ffn) / ffn**0.5)
+        self.act_fn = nn.SiLU()
+
+    def forward(self, x, ids, weights):
+        out = torch.zeros_like(x)
+        for t in range(x.shape[0]):
+            for j in range(ids.shape[1]):
+                e = int(ids[t, j])
+                gate, up = F.linear(x[t], self.gate_up_proj[e]).chunk(2)
+                out[t] += weights[t, j] * F.linear(self.act_fn(gate) * up, self.down_proj[e])
+        return out
+
+
+class Qwen3MoeSparseMoeBlock(nn.Module):
+    """transformers 5's block: ``gate`` (the router) and ``experts`` (stacked weights)."""
+
+    def __init__(self, experts=8, hidden=128, ffn=64, top_k=2, norm_topk_prob=True):
+        super().__init__()
+        self.gate = _Router(experts, hidden, top_k, norm_topk_prob)
+        self.experts = _Experts(experts, hidden, ffn)
+
+    def forward(self, x):
+        flat = x.reshape(-1, x.shape[-1])
+        weights, ids = self.gate(flat)
+        return self.experts(flat, ids, weights).reshape(x.shape)
+
+
+class MixtralSparseMoeBlock(Qwen3MoeSparseMoeBlock):
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        del self.gate.norm_topk_prob  # Mixtral always renormalizes
+        self.gate.norm_topk_prob = True
+        self.jitter_noise = 0.0
+
+
+@pytest.mark.parametrize("cls,norm", [(Qwen3MoeSparseMoeBlock, True), (Qwen3MoeSparseMoeBlock, False),
+                                      (MixtralSparseMoeBlock, True)])
+def test_the_lowprec_moe_computes_the_block(cls, norm):
+    torch.manual_seed(0)
+    block = cls(norm_topk_prob=norm) if cls is Qwen3MoeSparseMoeBlock else cls()
+    moe = moe_from_hf(block, recipe=None)
+    assert moe.w1 is block.experts.gate_up_proj and moe.w2 is block.experts.down_proj
+    assert moe.router.weight is block.gate.weight and moe.renormalize == norm and moe.top_k == 2
+    x = torch.randn(3, 5, 128)
+    torch.testing.assert_close(moe(x), block(x), rtol=1e-5, atol=1e-6)
+
+
+class _TwoBlocks(nn.Module):
+    """Both blocks on the same tokens (chained, the second's routing would follow the first's error)."""
+
+    def __init__(self):
+        super().__init__()
+        self.qwen, self.mixtral = Qwen3MoeSparseMoeBlock(), MixtralSparseMoeBlock()
+
+    def forward(self, x):
+        return self.qwen(x) + self.mixtral(x)
+
+
+def test_convert_swaps_the_blocks(caplog):
+    torch.manual_seed(0)
+    x = torch.randn(64, 128)
+    model = _TwoBlocks()
+    expected = model(x)
+    with caplog.at_level(logging.INFO, logger="lowprec"):
+        lowprec.convert(model)
+    assert isinstance(model.qwen, MoE) and isinstance(model.mixtral, MoE) and model.qwen.recipe == "fp8_block"
+    assert "2 MoE layers" in caplog.text
+    # the formats' error on random weights (measured: FP8 0.998, NVFP4 0.985 per block, the same routing)
+    assert metrics.cos_sim(model(x), expected) > 0.99
+    for recipe, cls, cos in (("fp8_block", FP8InferenceMoE, 0.99), ("nvfp4", NVFP4InferenceMoE, 0.98)):
+        torch.manual_seed(0)
+        model = _TwoBlocks()
+        expected = model(x)
+        lowprec.convert(model, recipe, inference=True)
+        assert isinstance(model.qwen, cls) and isinstance(model.mixtral, cls)
+        with torch.no_grad():
+            assert metrics.cos_sim(model(x), expected) > cos, recipe
+
+
+def test_convert_filter_and_a_bare_block():
+    torch.manual_seed(0)
+    model = nn.Sequential(Qwen3MoeSparseMoeBlock(), Qwen3MoeSparseMoeBlock())
+    lowprec.convert(model, filter_fn=lambda name, m: name != "1")
+    assert isinstance(model[0], MoE) and isinstance(model[1], Qwen3MoeSparseMoeBlock)
+    assert isinstance(lowprec.convert(Qwen3MoeSparseMoeBlock(), inference=True), FP8InferenceMoE)
+
+
+def test_blocks_it_does_not_take_stay_as_they_are():
+    block = MixtralSparseMoeBlock()
+    block.jitter_noise = 0.1
+    assert "jitter" in hf_moe_unsupported(block)
+    block = Qwen3MoeSparseMoeBlock()
+    block.experts.act_fn = nn.GELU()
+    assert "activation GELU" in hf_moe_unsupported(block)
+    block = Qwen3MoeSparseMoeBlock()
+    block.experts.gate_up_proj_bias = nn.Parameter(torch.zeros(8, 128))
+    assert "biases" in hf_moe_unsupported(block)
+    block = Qwen3MoeSparseMoeBlock()
+    block.experts.down_proj = nn.Parameter(torch.zeros(8, 128, 32))
+    assert "do not match" in hf_moe_unsupported(block)
+    block = Qwen3MoeSparseMoeBlock()
+    del block.experts.gate_up_proj  # transformers 4: a module list of per-expert MLPs
+    block.experts.experts = nn.ModuleList([nn.Linear(4, 4)])
+    assert "transformers 5's layout" in hf_moe_unsupported(block)
+    model = nn.Sequential(block)
+    lowprec.convert(model)
+    assert model[0] is block
+    assert "not one of" in hf_moe_unsupported(nn.Linear(4, 4))
+    with pytest.raises(ValueError, match="block: .*transformers 5"):
+        moe_from_hf(block)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_real_transformers_models(family):
+    """A tiny transformers model of each family: its MoE blocks become lowprec layers computing them."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    common = dict(vocab_size=64, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=64)
+    if family == "qwen3_moe":
+        config = transformers.Qwen3MoeConfig(**common, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
+                                             norm_topk_prob=False, head_dim=32)
+        model = transformers.Qwen3MoeForCausalLM(config)
+    else:
+        config = transformers.MixtralConfig(**common, num_local_experts=8, num_experts_per_tok=2)
+        model = transformers.MixtralForCausalLM(config)
+    model.eval()
+    blocks = [m for m in model.modules() if type(m).__name__ in ("Qwen3MoeSparseMoeBlock", "MixtralSparseMoeBlock")]
+    assert len(blocks) == 2 and all(hf_moe_unsupported(b) is None for b in blocks)
+    x = torch.randn(2, 7, 128)
+    for block in blocks:
+        torch.testing.assert_close(moe_from_hf(block, recipe=None)(x), block(x), rtol=1e-5, atol=1e-5)
+    ids = torch.randint(0, 64, (2, 9))
+    with torch.no_grad():
+        expected = model(ids).logits
+        lowprec.convert(model, "nvfp4", inference=True, filter_fn=lambda name, m: hf_moe_unsupported(m) is None)
+        got = model(ids).logits
+    assert sum(isinstance(m, NVFP4InferenceMoE) for m in model.modules()) == 2
+    assert metrics.cos_sim(got, expected) > 0.99
