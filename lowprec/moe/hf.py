@@ -17,8 +17,9 @@ from __future__ import annotations
 
 from torch import nn
 
+from ..nn.swiglu import _is_silu
+
 HF_MOE_BLOCKS = ("MixtralSparseMoeBlock", "Qwen3MoeSparseMoeBlock")
-_SILU = ("SiLU", "SiLUActivation")
 
 
 def hf_moe_unsupported(block: nn.Module) -> str | None:
@@ -39,7 +40,7 @@ def hf_moe_unsupported(block: nn.Module) -> str | None:
                 f"match the router's [E={e}, H={h}]")
     if any(getattr(experts, name, None) is not None for name in ("gate_up_proj_bias", "down_proj_bias")):
         return "expert biases are not supported"
-    if type(getattr(experts, "act_fn", None)).__name__ not in _SILU:
+    if not _is_silu(getattr(experts, "act_fn", None)):
         return f"activation {type(getattr(experts, 'act_fn', None)).__name__}: only SiLU (SwiGLU experts)"
     if not isinstance(getattr(gate, "top_k", None), int):
         return "gate.top_k missing"

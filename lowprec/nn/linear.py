@@ -254,7 +254,8 @@ def convert(model: nn.Module, recipe: str = "fp8_block", filter_fn: Callable[[st
 
         fuse_mlp: training with ``"fp8_block"`` or ``"fp8_block_wgrad2d"``: SwiGLU MLPs
             (:class:`~lowprec.nn.SwiGLUMLP` and transformers' ``LlamaMLP``, ``MistralMLP``,
-            ``Qwen2MLP``, ``Qwen3MLP``: ``down_proj(silu(gate_proj(x)) * up_proj(x))``) become
+            ``Qwen2MLP``, ``Qwen3MLP`` and the MoE models' dense / shared-expert MLPs of the same form,
+            ``nn.swiglu.SWIGLU_MLP_CLASSES``: ``down_proj(silu(gate_proj(x)) * up_proj(x))``) become
             :class:`~lowprec.nn.FP8SwiGLUMLP` (the same
             three GEMMs in FP8, the activation fused with its quantizations; the same parameters),
             when ``filter_fn`` accepts all three layers and the gate's weight has at least

@@ -37,7 +37,8 @@ RECIPES = ("fp8_block", "fp8_block_wgrad2d")  # the linear recipes the fused MLP
 _ALIGN = 16
 # modules convert() recognises as ``down_proj(act_fn(gate_proj(x)) * up_proj(x))`` with SiLU: the
 # transformers MLPs of that form, by class name (their forward is that line), and SwiGLUMLP
-SWIGLU_MLP_CLASSES = ("LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP", "SwiGLUMLP")
+SWIGLU_MLP_CLASSES = ("LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP", "Qwen2MoeMLP", "Qwen3MoeMLP", "Qwen3NextMLP",
+                      "DeepseekV3MLP", "OlmoeMLP", "SwiGLUMLP")
 
 
 def _grad_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -171,3 +171,26 @@ def test_real_transformers_models(family):
         got = model(ids).logits
     assert sum(isinstance(m, NVFP4InferenceMoE) for m in model.modules()) == 2
     assert metrics.cos_sim(got, expected) > 0.99
+
+
+def test_real_deepseek_v3_dense_and_shared_expert_mlps_are_fused():
+    """DeepSeek-V3's routed experts are not taken (group-limited sigmoid routing); its dense and
+    shared-expert MLPs are SwiGLU MLPs that training conversion fuses."""
+    transformers = pytest.importorskip("transformers")
+    from lowprec.nn import FP8SwiGLUMLP
+
+    torch.manual_seed(0)
+    config = transformers.DeepseekV3Config(vocab_size=64, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                           num_attention_heads=4, num_key_value_heads=4, moe_intermediate_size=64,
+                                           n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=2,
+                                           topk_group=1, first_k_dense_replace=1, q_lora_rank=64, kv_lora_rank=32,
+                                           qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=32,
+                                           max_position_embeddings=64)
+    model = transformers.DeepseekV3ForCausalLM(config)
+    lowprec.convert(model, min_weight_numel=0)
+    fused = [n for n, m in model.named_modules() if isinstance(m, FP8SwiGLUMLP)]
+    assert fused == ["model.layers.0.mlp", "model.layers.1.mlp.shared_experts"]
+    assert type(model.model.layers[1].mlp).__name__ == "DeepseekV3MoE"
+    loss = model(torch.randint(0, 64, (2, 9)), labels=torch.randint(0, 64, (2, 9))).loss
+    loss.backward()
+    assert torch.isfinite(loss)
