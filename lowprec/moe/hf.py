@@ -1,4 +1,7 @@
-"""transformers' sparse MoE blocks as lowprec MoE layers, for :func:`lowprec.convert`.
+"""transformers' MoE models on lowprec: the sparse MoE blocks as lowprec MoE layers (for
+:func:`lowprec.convert`), and lowprec's FP8 experts as a transformers experts implementation.
+
+**Blocks** (:func:`moe_from_hf`).
 
 Taken: the blocks whose forward is "router, softmax over the experts, top-k (renormalized or not),
 SwiGLU experts, weighted sum" with transformers 5's tensor layout, by class name (``HF_MOE_BLOCKS``;
@@ -11,15 +14,45 @@ The lowprec layer computes the same function with its own rounding: router logit
 block computes them in the model's dtype, then the softmax in FP32), equal scores lower id first
 (``torch.topk`` leaves their order open), the combine in FP32. A token whose top-k scores nearly tie
 may route differently.
+
+**Experts implementation** (:func:`register_transformers_experts`): transformers 5 dispatches every
+MoE model's experts module (Mixtral, Qwen2/3-MoE, Qwen3-Next, DeepSeek-V3, OLMoE, ...) through its
+``ExpertsInterface``; registered there, ``"lowprec_fp8"`` runs the experts as
+:func:`lowprec.moe.experts` (``fp8_block``: 1x128 tokens, 128x128 weights, FP32 accumulation, forward
+and backward) while the model's own router chooses the experts and their weights, as it always does.
 """
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from ..nn.swiglu import _is_silu
 
 HF_MOE_BLOCKS = ("MixtralSparseMoeBlock", "Qwen3MoeSparseMoeBlock")
+
+
+def experts_module_unsupported(experts: nn.Module | None) -> str | None:
+    """Why lowprec cannot compute a transformers experts module (None: it can): parameters
+    ``gate_up_proj`` [E, 2F, H] (gate rows first) and ``down_proj`` [E, H, F], SiLU, no biases,
+    not transposed, no post-expert norm, not expert-parallel."""
+    gate_up, down = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
+    if not all(isinstance(t, nn.Parameter) for t in (gate_up, down)) or gate_up.dim() != 3 or down.dim() != 3:
+        return ("expected transformers 5's layout: parameters experts.gate_up_proj [E, 2F, H], "
+                "experts.down_proj [E, H, F]")
+    e, h, f = down.shape
+    if tuple(gate_up.shape) != (e, 2 * f, h):
+        return f"expert weights gate_up_proj {tuple(gate_up.shape)} and down_proj {tuple(down.shape)} do not match"
+    if getattr(experts, "has_bias", False) or any(getattr(experts, name, None) is not None
+                                                  for name in ("gate_up_proj_bias", "down_proj_bias")):
+        return "expert biases are not supported"
+    for flag, ok in (("is_transposed", False), ("is_concatenated", True), ("has_gate", True),
+                     ("has_post_expert_norm", False), ("_is_expert_parallel", False)):
+        if getattr(experts, flag, ok) != ok:
+            return f"experts with {flag}={not ok} are not supported"
+    if not _is_silu(getattr(experts, "act_fn", None)):
+        return f"activation {type(getattr(experts, 'act_fn', None)).__name__}: only SiLU (SwiGLU experts)"
+    return None
 
 
 def hf_moe_unsupported(block: nn.Module) -> str | None:
@@ -28,20 +61,13 @@ def hf_moe_unsupported(block: nn.Module) -> str | None:
         return f"{type(block).__name__} is not one of {HF_MOE_BLOCKS}"
     gate, experts = getattr(block, "gate", None), getattr(block, "experts", None)
     router = getattr(gate, "weight", None)
-    gate_up, down = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
-    if not all(isinstance(t, nn.Parameter) for t in (router, gate_up, down)) or router.dim() != 2 \
-            or gate_up.dim() != 3 or down.dim() != 3:
-        return ("expected transformers 5's layout: parameters gate.weight [E, H], experts.gate_up_proj "
-                "[E, 2F, H], experts.down_proj [E, H, F]")
+    if not isinstance(router, nn.Parameter) or router.dim() != 2:
+        return "expected transformers 5's layout: parameter gate.weight [E, H]"
+    if (why := experts_module_unsupported(experts)) is not None:
+        return why
     e, h = router.shape
-    f = down.shape[2]
-    if tuple(gate_up.shape) != (e, 2 * f, h) or tuple(down.shape) != (e, h, f):
-        return (f"expert weights gate_up_proj {tuple(gate_up.shape)} and down_proj {tuple(down.shape)} do not "
-                f"match the router's [E={e}, H={h}]")
-    if any(getattr(experts, name, None) is not None for name in ("gate_up_proj_bias", "down_proj_bias")):
-        return "expert biases are not supported"
-    if not _is_silu(getattr(experts, "act_fn", None)):
-        return f"activation {type(getattr(experts, 'act_fn', None)).__name__}: only SiLU (SwiGLU experts)"
+    if tuple(experts.down_proj.shape[:2]) != (e, h):
+        return f"expert weights down_proj {tuple(experts.down_proj.shape)} do not match the router's [E={e}, H={h}]"
     if not isinstance(getattr(gate, "top_k", None), int):
         return "gate.top_k missing"
     if getattr(block, "jitter_noise", 0):
@@ -64,3 +90,41 @@ def moe_from_hf(block: nn.Module, recipe: str | None = "fp8_block") -> nn.Module
     moe.router.weight = gate.weight
     moe.w1, moe.w2 = experts.gate_up_proj, experts.down_proj
     return moe
+
+
+EXPERTS_IMPLEMENTATION = "lowprec_fp8"
+
+
+def register_transformers_experts() -> str:
+    """Register lowprec's FP8 experts with transformers (>= 5) as ``"lowprec_fp8"`` and return the name.
+
+    Then ``model.set_experts_implementation("lowprec_fp8")`` (or ``from_pretrained(...,
+    experts_implementation="lowprec_fp8")``) runs each MoE block's experts with
+    :func:`lowprec.moe.experts` (``fp8_block``) on the experts module's own parameters; the model's
+    router is untouched. Trains (gradients for the tokens, the combine weights and both projections).
+    For inference, run under :func:`lowprec.nn.reuse_quantized_weights` so each expert weight is
+    quantized once, not per call. An experts module lowprec cannot compute
+    (:func:`experts_module_unsupported`) raises with the reason at its first call.
+    """
+    try:
+        from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+    except ImportError as err:
+        raise ImportError("register_transformers_experts: needs transformers >= 5 (its ExpertsInterface)") from err
+    ALL_EXPERTS_FUNCTIONS.register(EXPERTS_IMPLEMENTATION, transformers_experts_forward)
+    return EXPERTS_IMPLEMENTATION
+
+
+def transformers_experts_forward(module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                                 top_k_weights: torch.Tensor) -> torch.Tensor:
+    """The ``"lowprec_fp8"`` experts implementation: transformers' experts forward signature
+    (``hidden_states`` [T, H], the router's ``top_k_index`` and ``top_k_weights`` [T, k])."""
+    from .layer import experts
+
+    checked = module.__dict__.get("_lowprec_unsupported")  # the module's layout does not change
+    if checked is None:
+        checked = module.__dict__["_lowprec_unsupported"] = (experts_module_unsupported(module),)
+    if checked[0] is not None:
+        raise ValueError(f"experts_implementation={EXPERTS_IMPLEMENTATION!r}: {type(module).__name__}: {checked[0]}")
+    # the ids come from the router's top-k over E experts: no range check (a host sync)
+    return experts(hidden_states, top_k_weights, top_k_index, module.gate_up_proj, module.down_proj,
+                   recipe="fp8_block", activation="swiglu", check_ids=False)

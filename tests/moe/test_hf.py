@@ -194,3 +194,58 @@ def test_real_deepseek_v3_dense_and_shared_expert_mlps_are_fused():
     loss = model(torch.randint(0, 64, (2, 9)), labels=torch.randint(0, 64, (2, 9))).loss
     loss.backward()
     assert torch.isfinite(loss)
+
+
+def test_experts_implementation_computes_the_experts_module():
+    from lowprec.moe.hf import transformers_experts_forward
+
+    torch.manual_seed(0)
+    module = _Experts(8, 128, 64)
+    x = torch.randn(40, 128)
+    weights, ids = torch.rand(40, 2), torch.stack([torch.randperm(8)[:2] for _ in range(40)])
+    y = transformers_experts_forward(module, x, ids, weights)
+    assert metrics.cos_sim(y, module(x, ids, weights)) > 0.99  # FP8 (1x128 tokens, 128x128 weights)
+    (y * torch.randn_like(y)).sum().backward()
+    assert module.gate_up_proj.grad is not None and module.down_proj.grad is not None
+    module.is_transposed = True
+    module.__dict__.pop("_lowprec_unsupported")
+    with pytest.raises(ValueError, match="lowprec_fp8.*is_transposed=True"):
+        transformers_experts_forward(module, x, ids, weights)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "deepseek_v3"])
+def test_real_transformers_models_on_the_lowprec_experts(family, monkeypatch):
+    """``set_experts_implementation("lowprec_fp8")`` on tiny transformers models: the experts run on
+    lowprec (each MoE layer's call counted), logits at FP8's distance, gradients for the experts."""
+    transformers = pytest.importorskip("transformers")
+    from lowprec.moe import layer as moe_layer
+
+    name = lowprec.moe.register_transformers_experts()
+    torch.manual_seed(0)
+    common = dict(vocab_size=64, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=4, max_position_embeddings=64)
+    if family == "qwen3_moe":
+        model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+            **common, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, head_dim=32))
+    elif family == "mixtral":
+        model = transformers.MixtralForCausalLM(transformers.MixtralConfig(**common, num_local_experts=8,
+                                                                           num_experts_per_tok=2))
+    else:
+        model = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(
+            **common, moe_intermediate_size=64, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
+            n_group=2, topk_group=1, first_k_dense_replace=0, q_lora_rank=64, kv_lora_rank=32, qk_rope_head_dim=16,
+            qk_nope_head_dim=16, v_head_dim=32))
+    ids = torch.randint(0, 64, (2, 9))
+    with torch.no_grad():
+        expected = model(ids).logits
+    calls = []
+    experts = moe_layer.experts
+    monkeypatch.setattr(moe_layer, "experts", lambda *a, **k: calls.append(1) or experts(*a, **k))
+    model.set_experts_implementation(name)
+    out = model(ids, labels=ids)
+    assert len(calls) == 2
+    assert metrics.cos_sim(out.logits, expected) > 0.99
+    out.loss.backward()
+    grads = [p.grad for n, p in model.named_parameters() if n.endswith(("mlp.experts.gate_up_proj",
+                                                                       "mlp.experts.down_proj"))]
+    assert len(grads) == 4 and all(g is not None and torch.isfinite(g).all() for g in grads)
