@@ -15,11 +15,12 @@ block computes them in the model's dtype, then the softmax in FP32), equal score
 (``torch.topk`` leaves their order open), the combine in FP32. A token whose top-k scores nearly tie
 may route differently.
 
-**Experts implementation** (:func:`register_transformers_experts`): transformers 5 dispatches every
+**Experts implementations** (:func:`register_transformers_experts`): transformers 5 dispatches every
 MoE model's experts module (Mixtral, Qwen2/3-MoE, Qwen3-Next, DeepSeek-V3, OLMoE, ...) through its
 ``ExpertsInterface``; registered there, ``"lowprec_fp8"`` runs the experts as
 :func:`lowprec.moe.experts` (``fp8_block``: 1x128 tokens, 128x128 weights, FP32 accumulation, forward
-and backward) while the model's own router chooses the experts and their weights, as it always does.
+and backward) and ``"lowprec_nvfp4"`` on NVFP4 weights for inference, while the model's own router
+chooses the experts and their weights, as it always does.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import torch
 from torch import nn
 
 from ..nn.swiglu import _is_silu
+from ..runtime import eager_under_compile
 
 HF_MOE_BLOCKS = ("MixtralSparseMoeBlock", "Qwen3MoeSparseMoeBlock")
 
@@ -92,26 +94,41 @@ def moe_from_hf(block: nn.Module, recipe: str | None = "fp8_block") -> nn.Module
     return moe
 
 
-EXPERTS_IMPLEMENTATION = "lowprec_fp8"
+EXPERTS_IMPLEMENTATIONS = {"fp8": "lowprec_fp8", "nvfp4": "lowprec_nvfp4"}
 
 
-def register_transformers_experts() -> str:
-    """Register lowprec's FP8 experts with transformers (>= 5) as ``"lowprec_fp8"`` and return the name.
+def register_transformers_experts(fmt: str = "fp8") -> str:
+    """Register lowprec's experts with transformers (>= 5) and return the name for ``fmt``.
 
-    Then ``model.set_experts_implementation("lowprec_fp8")`` (or ``from_pretrained(...,
-    experts_implementation="lowprec_fp8")``) runs each MoE block's experts with
-    :func:`lowprec.moe.experts` (``fp8_block``) on the experts module's own parameters; the model's
-    router is untouched. Trains (gradients for the tokens, the combine weights and both projections).
-    For inference, run under :func:`lowprec.nn.reuse_quantized_weights` so each expert weight is
-    quantized once, not per call. An experts module lowprec cannot compute
-    (:func:`experts_module_unsupported`) raises with the reason at its first call.
+    Both are registered: ``"lowprec_fp8"`` (``fmt="fp8"``) runs each MoE block's experts with
+    :func:`lowprec.moe.experts` (``fp8_block``) on the experts module's own parameters, forward and
+    backward (gradients for the tokens, the combine weights and both projections); for inference,
+    run under :func:`lowprec.nn.reuse_quantized_weights` so each expert weight is quantized once, not
+    per call. ``"lowprec_nvfp4"`` (``fmt="nvfp4"``, inference only: gradients are refused) quantizes
+    each module's expert weights to NVFP4 once (again after an in-place update) and runs the
+    grouped weight-only NVFP4 GEMMs, tokens in their dtype (the decode path of
+    :class:`~lowprec.moe.NVFP4InferenceMoE`); it keeps that copy beside the module's bf16 weights.
+    Either way the model's router is untouched. Use with ``model.set_experts_implementation(name)``
+    or ``from_pretrained(..., experts_implementation=name)``. An experts module lowprec cannot
+    compute (:func:`experts_module_unsupported`) raises with the reason at its first call.
     """
+    if fmt not in EXPERTS_IMPLEMENTATIONS:
+        raise ValueError(f"fmt: expected one of {tuple(EXPERTS_IMPLEMENTATIONS)}, got {fmt!r}")
     try:
         from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
     except ImportError as err:
         raise ImportError("register_transformers_experts: needs transformers >= 5 (its ExpertsInterface)") from err
-    ALL_EXPERTS_FUNCTIONS.register(EXPERTS_IMPLEMENTATION, transformers_experts_forward)
-    return EXPERTS_IMPLEMENTATION
+    ALL_EXPERTS_FUNCTIONS.register(EXPERTS_IMPLEMENTATIONS["fp8"], transformers_experts_forward)
+    ALL_EXPERTS_FUNCTIONS.register(EXPERTS_IMPLEMENTATIONS["nvfp4"], transformers_nvfp4_experts_forward)
+    return EXPERTS_IMPLEMENTATIONS[fmt]
+
+
+def _check_module(module: nn.Module, name: str) -> None:
+    checked = module.__dict__.get("_lowprec_unsupported")  # the module's layout does not change
+    if checked is None:
+        checked = module.__dict__["_lowprec_unsupported"] = (experts_module_unsupported(module),)
+    if checked[0] is not None:
+        raise ValueError(f"experts_implementation={name!r}: {type(module).__name__}: {checked[0]}")
 
 
 def transformers_experts_forward(module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
@@ -120,11 +137,47 @@ def transformers_experts_forward(module: nn.Module, hidden_states: torch.Tensor,
     (``hidden_states`` [T, H], the router's ``top_k_index`` and ``top_k_weights`` [T, k])."""
     from .layer import experts
 
-    checked = module.__dict__.get("_lowprec_unsupported")  # the module's layout does not change
-    if checked is None:
-        checked = module.__dict__["_lowprec_unsupported"] = (experts_module_unsupported(module),)
-    if checked[0] is not None:
-        raise ValueError(f"experts_implementation={EXPERTS_IMPLEMENTATION!r}: {type(module).__name__}: {checked[0]}")
+    _check_module(module, EXPERTS_IMPLEMENTATIONS["fp8"])
     # the ids come from the router's top-k over E experts: no range check (a host sync)
     return experts(hidden_states, top_k_weights, top_k_index, module.gate_up_proj, module.down_proj,
                    recipe="fp8_block", activation="swiglu", check_ids=False)
+
+
+def _nvfp4_weights(module: nn.Module) -> tuple:
+    """The module's expert weights packed in NVFP4, made again when either changed (its storage or
+    version counter)."""
+    from ..gemm.weight_only import pack_nvfp4_experts
+    from ..quant import quantize
+    from ..recipes import get_recipe
+
+    params = (module.gate_up_proj, module.down_proj)
+    key = tuple((p.data_ptr(), p._version, tuple(p.shape)) for p in params)
+    cached = module.__dict__.get("_lowprec_nvfp4")
+    if cached is None or cached[0] != key:
+        recipe = get_recipe("nvfp4")
+        packs = []
+        with torch.no_grad():
+            for p in params:
+                qs = [quantize(w, recipe) for w in p.detach()]
+                packs.append(pack_nvfp4_experts(torch.stack([q.data for q in qs]), torch.stack([q.scale for q in qs]),
+                                                torch.stack([q.global_scale.reshape(()) for q in qs]).float()))
+        cached = module.__dict__["_lowprec_nvfp4"] = (key, tuple(packs))
+    return cached[1]
+
+
+@eager_under_compile
+def transformers_nvfp4_experts_forward(module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                                       top_k_weights: torch.Tensor) -> torch.Tensor:
+    """The ``"lowprec_nvfp4"`` experts implementation (inference; transformers' experts signature)."""
+    from .nvfp4 import nvfp4_apply
+    from .routing import dispatch
+
+    name = EXPERTS_IMPLEMENTATIONS["nvfp4"]
+    _check_module(module, name)
+    if torch.is_grad_enabled() and (hidden_states.requires_grad or top_k_weights.requires_grad
+                                    or module.gate_up_proj.requires_grad or module.down_proj.requires_grad):
+        raise RuntimeError(f"experts_implementation={name!r} is for inference (no gradients): run under "
+                           "torch.no_grad() / torch.inference_mode() (generate does), or use 'lowprec_fp8' to train")
+    w1, w2 = _nvfp4_weights(module)
+    routing = dispatch(top_k_weights.detach().float(), top_k_index, module.gate_up_proj.shape[0], check_ids=False)
+    return nvfp4_apply(hidden_states, routing, w1, w2, "swiglu")

@@ -240,10 +240,16 @@ def _nvfp4_experts(tokens: torch.Tensor, router_weight: torch.Tensor, w1: Packed
                    w2: PackedNVFP4Experts, top_k: int, score_func: str, renormalize: bool,
                    capacity_factor: float | None, drop_policy: str, activation: str) -> tuple[torch.Tensor, Routing]:
     """Route ``tokens`` ``[T, H]`` and apply the NVFP4 experts: ``(y [T, H], routing)``."""
-    dt = tokens.dtype
     logits = F.linear(tokens.float(), router_weight.float())
     routing = route(logits, top_k, score_func=score_func, renormalize=renormalize, capacity_factor=capacity_factor,
                     drop_policy=drop_policy)
+    return nvfp4_apply(tokens, routing, w1, w2, activation), routing
+
+
+def nvfp4_apply(tokens: torch.Tensor, routing: Routing, w1: PackedNVFP4Experts, w2: PackedNVFP4Experts,
+                activation: str) -> torch.Tensor:
+    """The NVFP4 experts on routed ``tokens`` ``[T, H]`` -> ``[T, H]`` in their dtype (no autograd)."""
+    dt = tokens.dtype
     ends = routing.group_ends
     # packed row -> its token. Padding rows (slot -1, all after the routed rows) read the last token
     # and are left unwritten by the GEMMs: only the combine could read them, and it selects past them.
@@ -252,7 +258,7 @@ def _nvfp4_experts(tokens: torch.Tensor, router_weight: torch.Tensor, w1: Packed
     y_rows = grouped_weight_only(gated_activation(activation, h), w2, ends, zero_tail=False)
     # the combine weights in the combine (FP32, each product rounded before its add), not in the activation:
     # two fewer elementwise passes at decode sizes
-    return unpack(y_rows, routing, routing.topk_weights.detach(), out_dtype=dt), routing
+    return unpack(y_rows, routing, routing.topk_weights.detach(), out_dtype=dt)
 
 
 @torch.library.custom_op("lowprec::nvfp4_moe_layer", mutates_args=())

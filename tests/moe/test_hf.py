@@ -249,3 +249,53 @@ def test_real_transformers_models_on_the_lowprec_experts(family, monkeypatch):
     grads = [p.grad for n, p in model.named_parameters() if n.endswith(("mlp.experts.gate_up_proj",
                                                                        "mlp.experts.down_proj"))]
     assert len(grads) == 4 and all(g is not None and torch.isfinite(g).all() for g in grads)
+
+
+def test_nvfp4_experts_implementation_packs_once_and_refuses_gradients():
+    from lowprec.moe import hf
+
+    torch.manual_seed(0)
+    module = _Experts(8, 128, 64)
+    x = torch.randn(40, 128)
+    weights, ids = torch.rand(40, 2), torch.stack([torch.randperm(8)[:2] for _ in range(40)])
+    with torch.no_grad():
+        y = hf.transformers_nvfp4_experts_forward(module, x, ids, weights)
+        packed = module.__dict__["_lowprec_nvfp4"][1]
+        assert metrics.cos_sim(y, module(x, ids, weights)) > 0.98  # NVFP4 weights (measured 0.985 per block)
+        assert torch.equal(hf.transformers_nvfp4_experts_forward(module, x, ids, weights), y)
+        assert module.__dict__["_lowprec_nvfp4"][1] is packed  # packed once
+        module.down_proj.mul_(2)  # an in-place update: packed again
+        y2 = hf.transformers_nvfp4_experts_forward(module, x, ids, weights)
+        assert module.__dict__["_lowprec_nvfp4"][1] is not packed
+        torch.testing.assert_close(y2, 2 * y, rtol=0, atol=0)  # x2 is exact in NVFP4's scales
+    with pytest.raises(RuntimeError, match="lowprec_nvfp4.*inference"):
+        hf.transformers_nvfp4_experts_forward(module, x, ids, weights)
+    with pytest.raises(ValueError, match="fmt"):
+        lowprec.moe.register_transformers_experts("int4")
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_real_transformers_models_on_the_nvfp4_experts(family):
+    transformers = pytest.importorskip("transformers")
+    name = lowprec.moe.register_transformers_experts("nvfp4")
+    assert name == "lowprec_nvfp4"
+    torch.manual_seed(0)
+    common = dict(vocab_size=64, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=4, max_position_embeddings=64)
+    if family == "qwen3_moe":
+        model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+            **common, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, head_dim=32))
+    else:
+        model = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(
+            **common, moe_intermediate_size=64, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
+            n_group=2, topk_group=1, first_k_dense_replace=0, q_lora_rank=64, kv_lora_rank=32, qk_rope_head_dim=16,
+            qk_nope_head_dim=16, v_head_dim=32))
+    model.eval()
+    ids = torch.randint(0, 64, (2, 9))
+    with torch.no_grad():
+        expected = model(ids).logits
+        model.set_experts_implementation(name)
+        got = model(ids).logits
+    packed = [m for m in model.modules() if "_lowprec_nvfp4" in m.__dict__]
+    assert len(packed) == 2
+    assert metrics.cos_sim(got, expected) > 0.98
