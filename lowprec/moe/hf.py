@@ -32,12 +32,14 @@ from ..nn.swiglu import _is_silu
 from ..runtime import eager_under_compile
 
 HF_MOE_BLOCKS = ("MixtralSparseMoeBlock", "Qwen3MoeSparseMoeBlock")
+_SILU_CLASSES = ("SiLU", "SiLUActivation")
 
 
-def experts_module_unsupported(experts: nn.Module | None) -> str | None:
+def experts_module_unsupported(experts: nn.Module | None, probe: bool = True) -> str | None:
     """Why lowprec cannot compute a transformers experts module (None: it can): parameters
     ``gate_up_proj`` [E, 2F, H] (gate rows first) and ``down_proj`` [E, H, F], SiLU, no biases,
-    not transposed, no post-expert norm, not expert-parallel."""
+    not transposed, no post-expert norm, not expert-parallel. ``probe=False``: SiLU known by its
+    class (``nn.SiLU``, transformers' ``SiLUActivation``), not by running it (for a traced call)."""
     gate_up, down = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
     if not all(isinstance(t, nn.Parameter) for t in (gate_up, down)) or gate_up.dim() != 3 or down.dim() != 3:
         return ("expected transformers 5's layout: parameters experts.gate_up_proj [E, 2F, H], "
@@ -52,8 +54,9 @@ def experts_module_unsupported(experts: nn.Module | None) -> str | None:
                      ("has_post_expert_norm", False), ("_is_expert_parallel", False)):
         if getattr(experts, flag, ok) != ok:
             return f"experts with {flag}={not ok} are not supported"
-    if not _is_silu(getattr(experts, "act_fn", None)):
-        return f"activation {type(getattr(experts, 'act_fn', None)).__name__}: only SiLU (SwiGLU experts)"
+    act = getattr(experts, "act_fn", None)
+    if not (_is_silu(act) if probe else type(act).__name__ in _SILU_CLASSES):
+        return f"activation {type(act).__name__}: only SiLU (SwiGLU experts)"
     return None
 
 
@@ -126,7 +129,9 @@ def register_transformers_experts(fmt: str = "fp8") -> str:
 def _check_module(module: nn.Module, name: str) -> None:
     checked = module.__dict__.get("_lowprec_unsupported")  # the module's layout does not change
     if checked is None:
-        checked = module.__dict__["_lowprec_unsupported"] = (experts_module_unsupported(module),)
+        # traced (torch.compile before any eager call): no probe, whose result depends on data
+        checked = (experts_module_unsupported(module, probe=not torch.compiler.is_compiling()),)
+        module.__dict__["_lowprec_unsupported"] = checked
     if checked[0] is not None:
         raise ValueError(f"experts_implementation={name!r}: {type(module).__name__}: {checked[0]}")
 

@@ -299,3 +299,37 @@ def test_real_transformers_models_on_the_nvfp4_experts(family):
     packed = [m for m in model.modules() if "_lowprec_nvfp4" in m.__dict__]
     assert len(packed) == 2
     assert metrics.cos_sim(got, expected) > 0.98
+
+
+def test_experts_implementation_traces_with_fullgraph():
+    """The first call traced by torch.compile (no eager call before): the layout check must not run
+    the activation on data (a data-dependent branch breaks fullgraph)."""
+    from lowprec.moe.hf import transformers_experts_forward
+
+    torch.manual_seed(0)
+    module = _Experts(8, 128, 64)
+    x = torch.randn(16, 128)
+    weights, ids = torch.rand(16, 2), torch.stack([torch.randperm(8)[:2] for _ in range(16)])
+    torch._dynamo.reset()
+    compiled = torch.compile(transformers_experts_forward, fullgraph=True)
+    y = compiled(module, x, ids, weights)
+    module.__dict__.pop("_lowprec_unsupported")
+    torch.testing.assert_close(y, transformers_experts_forward(module, x, ids, weights))
+
+
+def test_real_transformers_model_compiled_training_step():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    common = dict(vocab_size=64, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=4, max_position_embeddings=64)
+    model = transformers.MixtralForCausalLM(transformers.MixtralConfig(**common, num_local_experts=8,
+                                                                       num_experts_per_tok=2))
+    model.set_experts_implementation(lowprec.moe.register_transformers_experts())
+    ids = torch.randint(0, 64, (2, 9))
+    torch._dynamo.reset()
+    loss = torch.compile(model, fullgraph=True)(ids, labels=ids).loss
+    loss.backward()
+    for m in model.modules():
+        m.__dict__.pop("_lowprec_unsupported", None)
+    torch.testing.assert_close(loss, model(ids, labels=ids).loss, rtol=1e-4, atol=1e-4)
+    assert torch.isfinite(model.model.layers[0].mlp.experts.gate_up_proj.grad).all()
