@@ -152,21 +152,14 @@ def _nvfp4_weights(module: nn.Module) -> tuple:
     """The module's expert weights packed in NVFP4, made again when either changed (its storage or
     version counter)."""
     from ..gemm.weight_only import pack_nvfp4_experts
-    from ..quant import quantize
-    from ..recipes import get_recipe
+    from .nvfp4 import quantize_nvfp4_experts
 
     params = (module.gate_up_proj, module.down_proj)
     key = tuple((p.data_ptr(), p._version, tuple(p.shape)) for p in params)
     cached = module.__dict__.get("_lowprec_nvfp4")
     if cached is None or cached[0] != key:
-        recipe = get_recipe("nvfp4")
-        packs = []
-        with torch.no_grad():
-            for p in params:
-                qs = [quantize(w, recipe) for w in p.detach()]
-                packs.append(pack_nvfp4_experts(torch.stack([q.data for q in qs]), torch.stack([q.scale for q in qs]),
-                                                torch.stack([q.global_scale.reshape(()) for q in qs]).float()))
-        cached = module.__dict__["_lowprec_nvfp4"] = (key, tuple(packs))
+        packs = tuple(pack_nvfp4_experts(*quantize_nvfp4_experts(p)) for p in params)
+        cached = module.__dict__["_lowprec_nvfp4"] = (key, packs)
     return cached[1]
 
 

@@ -86,13 +86,10 @@ class NVFP4InferenceMoE(QuantizedBuffersModule):
         layer = cls(moe.hidden_size, moe.ffn_size, moe.num_experts, moe.top_k, moe.capacity_factor, moe.activation,
                     moe.score_func, moe.renormalize, moe.drop_policy, moe.router.weight.device,
                     moe.router.weight.dtype)
-        recipe = get_recipe("nvfp4")
         with torch.no_grad():
             layer.router.weight.copy_(moe.router.weight)
             for name in _PROJECTIONS:
-                qs = [quantize(w, recipe) for w in getattr(moe, name).detach()]
-                layer.set_weights(name, torch.stack([q.data for q in qs]), torch.stack([q.scale for q in qs]),
-                                  torch.stack([q.global_scale.reshape(()) for q in qs]).float())
+                layer.set_weights(name, *quantize_nvfp4_experts(getattr(moe, name)))
         return layer
 
     @classmethod
@@ -227,6 +224,17 @@ class NVFP4InferenceMoE(QuantizedBuffersModule):
                 f"top_k={self.top_k}, capacity_factor={self.capacity_factor}, drop_policy={self.drop_policy!r}, "
                 f"activation={self.activation!r}, score_func={self.score_func!r}, renormalize={self.renormalize}, "
                 "nvfp4")
+
+
+def quantize_nvfp4_experts(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each expert's matrix of ``w`` ``[E, N, K]`` quantized to NVFP4, as ModelOpt's tensors stacked
+    over the experts: ``(weight, weight_scale, weight_scale_2)`` (what ``set_weights`` and
+    ``pack_nvfp4_experts`` take)."""
+    recipe = get_recipe("nvfp4")
+    with torch.no_grad():
+        qs = [quantize(m, recipe) for m in w.detach()]
+    return (torch.stack([q.data for q in qs]), torch.stack([q.scale for q in qs]),
+            torch.stack([q.global_scale.reshape(()) for q in qs]).float())
 
 
 def _unpacked(packed: PackedNVFP4Experts) -> tuple[torch.Tensor, torch.Tensor]:
