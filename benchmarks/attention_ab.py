@@ -27,7 +27,8 @@ SHAPES = SHAPES + SHORT
 # decode (--decode): Sq 1..16 over long KV at batches under a wave, where split-KV applies
 DECODE = [(1, 32, 8, 1, 8192, 128, False), (4, 32, 8, 1, 8192, 128, False), (1, 32, 8, 16, 32768, 128, True),
           (8, 32, 8, 4, 16384, 128, True), (2, 32, 32, 1, 16384, 128, False), (64, 32, 8, 1, 8192, 128, False),
-          (8, 32, 32, 1, 8192, 128, False), (64, 32, 32, 1, 4096, 128, False), (1, 32, 32, 16, 16384, 64, True)]
+          (8, 32, 32, 1, 8192, 128, False), (64, 32, 32, 1, 4096, 128, False), (1, 32, 32, 16, 16384, 64, True),
+          (8, 16, 16, 1, 8192, 256, False), (2, 16, 16, 1, 16384, 256, False), (1, 16, 16, 16, 16384, 256, True)]
 
 
 def main():

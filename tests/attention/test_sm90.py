@@ -148,7 +148,7 @@ def test_quantize_q_configs():
     (2, 32, 32, 1, 16384, 128, False, (False, 1, False)),  # MHA decode: one warpgroup, P.V in the wgmma
     (2, 32, 32, 16, 16384, 64, False, (False, 1, False)),
     (2, 32, 32, 17, 16384, 128, False, (False, 3, False)),  # past decode sizes
-    (2, 16, 16, 1, 4096, 256, False, (False, 2, True)),  # D = 256: its default (two warpgroups)
+    (2, 16, 16, 1, 4096, 256, False, (False, 1, True)),  # D = 256: one warpgroup, two-level as its default
     (64, 32, 32, 1, 8192, 128, True, (False, 3, False)),  # Q quantized inside: its 128-row blocks
 ])
 def test_launched_warpgroups(b, h, hkv, sq, sk, d, quantize_q, expected, monkeypatch):
@@ -313,6 +313,8 @@ CASES = [
     (2, 4, 4, 1, 1000, 128, False),  # MHA decode: one warpgroup, split keys
     (1, 4, 4, 16, 3000, 64, True),
     (64, 8, 8, 3, 700, 128, True),  # MHA decode on a grid of a wave or more: one warpgroup, no split
+    (2, 4, 4, 1, 3000, 256, False),  # MHA decode at D = 256: one warpgroup, two-level, split keys
+    (1, 4, 4, 16, 1500, 256, True),
     (1, 2, 2, 5, 3, 64, True),
 ]
 

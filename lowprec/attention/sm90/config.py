@@ -110,16 +110,16 @@ def packed_wgs(group: int, sq: int) -> int | None:
 
 
 # unpacked decode (MHA, or GQA with packing off): up to this many queries per head run one
-# warpgroup, their 64-row tile otherwise a third of a 192-row one; with P.V in the wgmma as the
-# three-warpgroup kernel (so the same lazy-rescaling slack) where that fits, D <= 128
+# warpgroup, their 64-row tile otherwise a third of a 192-row one (half of a 128-row one at D = 256);
+# P.V accumulated as the head dim's dense kernel does (in the wgmma at D <= 128, two-level at 256),
+# so the same lazy-rescaling slack
 UNPACKED_ONE_WG_MAX_SQ = 16
-UNPACKED_ONE_WG_MAX_D = 128
 
 
 def unpacked_one_wg(head_dim: int, sq: int) -> bool:
-    """Whether the interface launches one consumer warpgroup (P.V in the wgmma) for an unpacked
-    grid of ``sq`` queries per head whose Q it does not quantize itself."""
-    return sq <= UNPACKED_ONE_WG_MAX_SQ and head_dim <= UNPACKED_ONE_WG_MAX_D
+    """Whether the interface launches one consumer warpgroup for an unpacked grid of ``sq`` queries
+    per head whose Q it does not quantize itself."""
+    return sq <= UNPACKED_ONE_WG_MAX_SQ
 
 
 def packed_two_wgs(group: int, sq: int) -> bool:
@@ -182,9 +182,13 @@ def variant_configs() -> tuple[AttnConfig, ...]:
                             for wgs in (1, 2):
                                 out.append(AttnConfig(d, c, o, pack_gqa=True, split_kv=split, v_keys_permuted=vperm,
                                                       consumer_wgs=wgs))
-                            if d <= UNPACKED_ONE_WG_MAX_D:
-                                out.append(AttnConfig(d, c, o, split_kv=split, v_keys_permuted=vperm, consumer_wgs=1,
-                                                      two_level_pv=False))
+                            out.append(AttnConfig(d, c, o, split_kv=split, v_keys_permuted=vperm, consumer_wgs=1,
+                                                  two_level_pv=False))
+            else:  # D = 256: unpacked decode on one warpgroup, two-level as its dense kernel
+                for o in OUT_DTYPES:
+                    for split in (False, True):
+                        for vperm in (False, True):
+                            out.append(AttnConfig(d, c, o, split_kv=split, v_keys_permuted=vperm, consumer_wgs=1))
             if d <= OVERLAP_MAX_D:
                 out.append(AttnConfig(d, c, consumer_wgs=2, pingpong=True))
                 out.append(AttnConfig(d, c, consumer_wgs=2, pingpong=True, persistent=True))

@@ -244,7 +244,8 @@ def _forward(q, q_scale, k, k_scale, v_t, v_scale, causal: bool, softmax_scale: 
         packed = packed_wgs(r, Sq)
         wgs = CONSUMER_WGS if packed is None else min(CONSUMER_WGS, packed)
     elif UNPACKED_DECODE_ONE_WG and not quantize_q and unpacked_one_wg(D, Sq):
-        wgs, two_level = 1, False
+        # P.V accumulated as the head dim's default kernel does: the reference's rescale slack
+        wgs, two_level = 1, AttnConfig(D).two_level_pv
     else:
         wgs = CONSUMER_WGS
     persistent = PERSISTENT
