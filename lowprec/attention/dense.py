@@ -110,13 +110,26 @@ def _fp8_quantized_inputs(q, k, v, causal: bool, scale: float, incoherent: bool,
     if plain:
         raise ValueError(f"{plain[0]}: requires grad, but other inputs are QuantizedTensors; gradients through "
                          "FP8 attention need q, k, v as tensors")
-    from .quantize import quantize_k, quantize_q
+    from .quantize import quantize_k
 
     if isinstance(k, QuantizedTensor):
         (kc, ks), k_mean = qk_from_quantized(k, "k"), None
     else:
         kc, ks, k_mean = quantize_k(k)
     vt, vs = v_from_quantized(v) if isinstance(v, QuantizedTensor) else quantize_v(v)
+    out, lse = fp8_over_kv_operands(q, kc, ks, vt, vs, causal, scale)
+    if k_mean is not None and return_lse:
+        q_exact = q.dequantize(torch.float32) if isinstance(q, QuantizedTensor) else q
+        lse = lse + lse_correction(q_exact, k_mean, scale)
+    return out, lse
+
+
+def fp8_over_kv_operands(q, kc, ks, vt, vs, causal: bool, scale: float):
+    """The FP8 forward of a float (or quantized) Q over K / Vᵀ already in the kernel's operands
+    (an FP8 KV cache; K, Vᵀ and K's scales may be length-Sk views of longer buffers). Returns
+    ``(out, lse)``, the LSE of the scores as the operands give them."""
+    from .quantize import quantize_q
+
     out_dtype = q.dtype if q.dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64) else torch.float32
 
     def composed():
@@ -124,10 +137,6 @@ def _fp8_quantized_inputs(q, k, v, causal: bool, scale: float, incoherent: bool,
         return ops.attention_fp8_forward_call(qc, qs, kc, ks, vt, vs, causal, scale, out_dtype)
 
     if isinstance(q, QuantizedTensor) or torch.compiler.is_compiling():
-        out, lse = composed()
-    else:  # an FP8 KV cache in eager: on Hopper one lean host pass (Q pre-pass + forward)
-        out, lse = registry.run("attention_fp8_q", q.device, (q, kc, ks, vt, vs, causal, scale), composed)
-    if k_mean is not None and return_lse:
-        q_exact = q.dequantize(torch.float32) if isinstance(q, QuantizedTensor) else q
-        lse = lse + lse_correction(q_exact, k_mean, scale)
-    return out, lse
+        return composed()
+    # eager: on Hopper one lean host pass (Q pre-pass + forward)
+    return registry.run("attention_fp8_q", q.device, (q, kc, ks, vt, vs, causal, scale), composed)

@@ -164,7 +164,7 @@ def test_launched_warpgroups(b, h, hkv, sq, sk, d, quantize_q, expected, monkeyp
     q = torch.empty(b, h, sq, d, dtype=torch.bfloat16 if quantize_q else u8, device="meta")
     k = torch.empty(b, hkv, sk, d, dtype=u8, device="meta")
     v_t = torch.empty(b, hkv, d, sk, dtype=u8, device="meta")
-    scales = torch.empty(b * h, device="meta"), torch.empty(b * hkv * (sk // 128), device="meta")
+    scales = torch.empty(b * h, device="meta"), torch.empty(b, hkv, sk // 128, device="meta")
     interface._forward(q, scales[0], k, scales[1], v_t, torch.empty(b * hkv * d, device="meta"), True, 0.1,
                        torch.bfloat16, quantize_q=quantize_q)
     (args,) = launched

@@ -196,6 +196,17 @@ def variant_configs() -> tuple[AttnConfig, ...]:
     return tuple(dict.fromkeys(out))
 
 
+def head_stride(t) -> int | None:
+    """The stride between consecutive (batch, head) pairs of a ``[B, H, ...]`` tensor, as the
+    kernels index them (one mode of ``B * H``); None when it is not one stride."""
+    b, h = t.shape[:2]
+    if b == 1 or t.stride(0) == h * t.stride(1):
+        return t.stride(1) if h > 1 else t.stride(0) if b > 1 else t.stride(1)
+    if h == 1:
+        return t.stride(0)
+    return None
+
+
 def operands_unsupported(q, q_scale, k, k_scale, v_t, v_scale) -> str | None:
     """What is wrong with the forward's operands (CONTRACT.md), None if nothing: the message
     ``interface.fp8_attention_forward`` raises. ``q_scale=None``: Q is a float tensor the caller
@@ -219,9 +230,16 @@ def operands_unsupported(q, q_scale, k, k_scale, v_t, v_scale) -> str | None:
     if tuple(v_t.shape) != (b, hkv, d, sk_pad):
         return (f"v_t and k do not match: v_t must be [B, Hkv, D, round_up(Sk, {V_PAD})]={(b, hkv, d, sk_pad)}, "
                 f"got {tuple(v_t.shape)}")
-    for name, t in (("q", q), ("k", k), ("v_t", v_t)):
-        if not t.is_contiguous():
-            return f"{name} must be contiguous"
+    if not q.is_contiguous():
+        return "q must be contiguous"
+    # K, Vᵀ and K's scales may be length-Sk views of longer buffers (a growing KV cache): rows
+    # contiguous, 16-byte aligned, one stride between consecutive (batch, KV head) pairs
+    if (k.stride(3) != 1 or k.stride(2) != d or head_stride(k) is None or head_stride(k) % 16
+            or k.data_ptr() % 16):
+        return "k must be contiguous, or a view of [B, Hkv, >= Sk, D] rows (16-byte aligned heads)"
+    if v_t.stride(3) != 1 or v_t.stride(2) % 16 or head_stride(v_t) is None or head_stride(v_t) % 16 \
+            or v_t.data_ptr() % 16:
+        return "v_t must be contiguous, or a view of [B, Hkv, D, >= round_up(Sk, 16)] rows (16-byte aligned)"
     scales = [("k_scale", k_scale, (b, hkv, -(-sk // TILE_N)), "[B, Hkv, ceil(Sk/128)]"),
               ("v_scale", v_scale, (b, hkv, d), "[B, Hkv, D]")]
     if q_scale is not None:
@@ -230,10 +248,36 @@ def operands_unsupported(q, q_scale, k, k_scale, v_t, v_scale) -> str | None:
         if tuple(t.shape) != shape:
             return f"{name} must be {what}"
     for name, t, _, _ in scales:
-        if t.dtype != torch.float32 or not t.is_contiguous():
-            return f"{name} must be contiguous float32"
+        if t.dtype != torch.float32:
+            return f"{name} must be float32"
+        views = name == "k_scale" and t.stride(2) == 1 and head_stride(t) is not None
+        if not (t.is_contiguous() or views):
+            views_note = " or a view of [B, Hkv, >= ceil(Sk/128)]" if name == "k_scale" else ""
+            return f"{name} must be contiguous{views_note}"
     if any(t.device != q.device for t in (k, v_t, *(t for _, t, _, _ in scales))):
         return "all tensors must be on q's device"
+    return None
+
+
+KV_APPEND_DTYPES = ("bfloat16", "float16", "float32")
+KV_APPEND_MAX_D = 256  # one thread per column pair, 128 threads
+
+
+def kv_append_unsupported(k, v, tail, amax, k_codes, k_scale, v_t, v_inv, saturated, start: int) -> str | None:
+    """Why ``interface.kv_append_op`` (one launch of an FP8 KV cache's append) cannot take these
+    inputs (None: it can); the cache then appends in torch ops. The cache's own buffers are
+    contiguous by construction; the new tokens may be any view with contiguous, 4-byte aligned rows."""
+    d = k.shape[-1]
+    if str(k.dtype).removeprefix("torch.") not in KV_APPEND_DTYPES or v.dtype != k.dtype:
+        return f"dtype {k.dtype} (the append kernel reads {', '.join(KV_APPEND_DTYPES)})"
+    if d > KV_APPEND_MAX_D or 256 % d:
+        return f"head dim {d} (the append kernel takes D dividing {KV_APPEND_MAX_D})"
+    if start % 128 + k.shape[2] > 128:
+        return "the new tokens cross a 128-token block (the append kernel fills one block)"
+    item = k.element_size()
+    for t in (k, v):
+        if t.stride(-1) != 1 or any(s * item % 4 for s in t.stride()[:-1]) or t.data_ptr() % 4:
+            return "new tokens whose rows are not contiguous and 4-byte aligned"
     return None
 
 

@@ -25,6 +25,7 @@ from .config import (
     V_KEY_PERM,
     V_PAD,
     AttnConfig,
+    head_stride,
     k_blocks_unsupported,
     operands_unsupported,
     packed_prepass_cluster,
@@ -259,13 +260,14 @@ def _forward(q, q_scale, k, k_scale, v_t, v_scale, causal: bool, softmax_scale: 
         o_dst = torch.empty(splits * B * qh, rows, D, dtype=torch.float32, device=q.device)
         l_dst = torch.empty(splits * B * qh, rows, dtype=torch.float32, device=q.device)
     skp = v_t.shape[-1]
-    # the kernel's views: [rows, D, heads] of contiguous [heads, rows, D] buffers, one op each
+    # the kernel's views: [rows, D, heads] of [heads, rows, D] buffers, one op each (K, Vᵀ and K's
+    # scales may be views of a longer cache: their head strides as given)
     args = (
         q.as_strided((rows, D, B * qh), (D, 1, rows * D)),
-        k.as_strided((Sk, D, B * Hkv), (D, 1, Sk * D)),
-        v_t.as_strided((D, skp, B * Hkv), (skp, 1, D * skp)),
+        k.as_strided((Sk, D, B * Hkv), (D, 1, head_stride(k))),
+        v_t.as_strided((D, skp, B * Hkv), (v_t.stride(2), 1, head_stride(v_t))),
         q_scale.view(B * H, -1),
-        k_scale.view(B * Hkv, -1),
+        k_scale.as_strided((B * Hkv, k_scale.shape[-1]), (head_stride(k_scale), 1)),
         v_scale.view(B * Hkv, D),
         o_dst.as_strided((rows, D, o_dst.numel() // (rows * D)), (D, 1, rows * D)),
         l_dst.as_strided((rows, l_dst.numel() // rows), (1, rows)),
@@ -303,6 +305,55 @@ def _combine_entry(head_dim: int, out_dtype: torch.dtype):
 
     return ffi_entry(kernel_cache.get("attention_split_combine", {"head_dim": head_dim, "out": _OUT[out_dtype]},
                                       _ARCH_DEFAULT, lambda: build_combine_kernel(head_dim, out_dtype)))
+
+
+def build_kv_append_kernel(dtype: torch.dtype, head_dim: int, arch: str = _ARCH_DEFAULT):
+    """Compile the FP8 KV cache's append (``kv_append.kv_append``) on fake tensors (no GPU needed)."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
+
+    from ...quant.sm90.interface import cutlass_dtype
+    from ...runtime import compile_for_arch
+    from .kv_append import kv_append
+
+    b, hkv, d = cute.sym_int(), cute.sym_int(), head_dim
+    i64 = cute.sym_int64
+
+    def heads(elem, inner: tuple, inner_stride: tuple, align: int, div: int = 1):
+        return make_fake_tensor(elem, (b, hkv, *inner), stride=(i64(divisibility=div), i64(divisibility=div),
+                                                                 *inner_stride), assumed_align=align)
+
+    x = cutlass_dtype(dtype)
+    new_k = heads(x, (cute.sym_int(), d), (i64(divisibility=2), 1), 4, 2)
+    new_v = heads(x, (cute.sym_int(), d), (i64(divisibility=2), 1), 4, 2)
+    tail = heads(x, (128, d), (d, 1), 16, 2)
+    amax = make_fake_tensor(cutlass.Float32, (b, hkv), stride=(i64(), i64()), assumed_align=4)
+    k = heads(cutlass.Uint8, (cute.sym_int(), d), (d, 1), 16, 16)
+    k_scale = heads(cutlass.Float32, (cute.sym_int(),), (1,), 4)
+    v_t = heads(cutlass.Uint8, (d, cute.sym_int()), (i64(divisibility=16), 1), 16, 16)
+    v_inv = heads(cutlass.Float32, (d,), (1,), 8, 2)
+    saturated = make_fake_tensor(cutlass.Int64, (1,), stride=(1,), assumed_align=8)
+    return compile_for_arch(kv_append, new_k, new_v, tail, amax, k, k_scale, v_t, v_inv, saturated, cutlass.Int32(0),
+                            cutlass.Int32(1), head_dim, make_fake_stream(use_tvm_ffi_env_stream=True), arch=arch,
+                            tvm_ffi=True)
+
+
+@functools.cache
+def _kv_append_entry(dtype: torch.dtype, head_dim: int):
+    from ...runtime import kernel_cache
+
+    return ffi_entry(kernel_cache.get("attention_kv_append", {"dtype": str(dtype).removeprefix("torch."),
+                                                              "head_dim": head_dim},
+                                      _ARCH_DEFAULT, lambda: build_kv_append_kernel(dtype, head_dim)))
+
+
+def kv_append_op(k, v, tail, amax, k_codes, k_scale, v_t, v_inv, saturated, start: int) -> None:
+    """One launch of the FP8 KV cache's append (``kv_append.py``); the caller
+    (:meth:`lowprec.attention.FP8KVCache.append`) has checked :func:`config.kv_append_unsupported`."""
+    with on_device(k.device):
+        _kv_append_entry(k.dtype, k.shape[-1])(k, v, tail, amax, k_codes, k_scale, v_t, v_inv, saturated, start,
+                                               k.shape[2])
 
 
 @functools.cache

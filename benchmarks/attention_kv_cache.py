@@ -1,0 +1,126 @@
+# ruff: noqa: B023  (scratch script: step closures timed inside their own iteration)
+"""A decode loop's attention on a growing cache: per step, append one token's K and V, then attend
+(eager, as a generation loop calls it). Compared in the same run:
+
+- ``fp8 cache``: :class:`lowprec.attention.FP8KVCache` (append quantizes the new token and the
+  partial K block; attend reads the buffers in place);
+- ``fp8 requantized``: the whole cache quantized again each step (``quantize_kv_cache`` then
+  ``lowprec.attention``), what a loop had to do before the growing cache;
+- ``bf16 cache``: a preallocated bf16 cache written in place, ``F.scaled_dot_product_attention``
+  (flash backend) on its length-L views (GQA through ``enable_gqa``). SDPA's default backend here,
+  cuDNN, builds an execution plan for every new length (~50 ms a step in a growing loop).
+
+    python benchmarks/attention_kv_cache.py [--shapes B,H,Hkv,Sk,D;...] [--steps 64]
+
+Each row: µs per step, the mean over ``--steps`` steps queued back to back (CUDA events around the
+loop; the host runs ahead as it does in a generation loop) after a warm-up, and synced (the host
+waits for each step: its host time shows). Prints the ratios to the bf16 cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import lowprec
+from lowprec.attention import FP8KVCache, quantize_kv_cache
+from lowprec.bench.common import print_table
+
+
+def _loop_us(step, steps: int, synced: bool) -> float:
+    for i in range(3):
+        step(i)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for i in range(steps):
+        step(i)
+        if synced:
+            torch.cuda.synchronize()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / steps
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--shapes", default="1,32,8,8192,128;8,32,8,8192,128;64,32,8,8192,128;8,32,32,8192,128")
+    p.add_argument("--steps", type=int, default=64)
+    p.add_argument("--profile", action="store_true", help="also print torch.profiler's table of 20 fp8 cache steps")
+    args = p.parse_args()
+    rows = []
+    for spec in args.shapes.split(";"):
+        b, h, hkv, sk, d = (int(x) for x in spec.split(","))
+        steps = args.steps
+        max_len = sk + 4 * (steps + 3) + 16
+        g = torch.Generator(device="cuda").manual_seed(0)
+        k = torch.randn(b, hkv, sk, d, device="cuda", generator=g).to(torch.bfloat16)
+        v = torch.randn(b, hkv, sk, d, device="cuda", generator=g).to(torch.bfloat16)
+        new_k = torch.randn(b, hkv, max_len - sk, d, device="cuda", generator=g).to(torch.bfloat16)
+        new_v = torch.randn_like(new_k)
+        q = torch.randn(b, h, 1, d, device="cuda", generator=g).to(torch.bfloat16)
+
+        for synced in (False, True):
+            cache = FP8KVCache(b, hkv, max_len, d, device="cuda")
+            cache.append(k, v)
+
+            def fp8_step(i):
+                cache.append(new_k[:, :, i:i + 1], new_v[:, :, i:i + 1])
+                return cache.attend(q)
+
+            k_bf = torch.zeros(b, hkv, max_len, d, device="cuda", dtype=torch.bfloat16)
+            v_bf = torch.zeros_like(k_bf)
+            k_bf[:, :, :sk] = k
+            v_bf[:, :, :sk] = v
+            length = [sk]
+
+            def bf16_step(i):
+                n = length[0]
+                k_bf[:, :, n:n + 1] = new_k[:, :, i:i + 1]
+                v_bf[:, :, n:n + 1] = new_v[:, :, i:i + 1]
+                length[0] = n + 1
+                # the flash backend: cuDNN's (the default here) builds a plan per new length
+                with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                    return F.scaled_dot_product_attention(q, k_bf[:, :, :n + 1], v_bf[:, :, :n + 1],
+                                                          enable_gqa=hkv != h)
+
+            k_re, v_re = k_bf.clone(), v_bf.clone()
+            re_length = [sk]
+
+            def requant_step(i):
+                n = re_length[0]
+                k_re[:, :, n:n + 1] = new_k[:, :, i:i + 1]
+                v_re[:, :, n:n + 1] = new_v[:, :, i:i + 1]
+                re_length[0] = n + 1
+                kq, vq = quantize_kv_cache(k_re[:, :, :n + 1], v_re[:, :, :n + 1])
+                return lowprec.attention(q, kq, vq, quant="fp8")
+
+            times = {name: _loop_us(fn, steps, synced) for name, fn in
+                     (("bf16 cache", bf16_step), ("fp8 cache", fp8_step), ("fp8 requantized", requant_step))}
+            for name, us in times.items():
+                rows.append((f"B{b} H{h}/{hkv} Sk{sk} d{d}", "synced" if synced else "queued", name, f"{us:.1f}",
+                             f"{times['bf16 cache'] / us:.2f}"))
+        if args.profile:
+            from torch.profiler import ProfilerActivity, profile
+
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                for i in range(20):
+                    fp8_step(i)
+                torch.cuda.synchronize()
+            print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=25))
+        # accuracy of the last step against exact attention on the same tokens (bf16 cache's values)
+        n = cache.length
+        exact = F.scaled_dot_product_attention(q.float(), k_bf[:, :, :n].float(), v_bf[:, :, :n].float(),
+                                               enable_gqa=hkv != h)
+        out = cache.attend(q)
+        cos = F.cosine_similarity(out.float().flatten(), exact.flatten(), dim=0).item()
+        rows.append((f"B{b} H{h}/{hkv} Sk{sk} d{d}", "-", f"fp8 cache cos vs exact {cos:.5f}", "-", "-"))
+    print(f"# {torch.cuda.get_device_name()}: one decode step (append 1 token + attend), µs per step")
+    print_table(["shape", "mode", "cache", "µs/step", "x bf16 cache"], rows)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,237 @@
+"""An FP8 KV cache that grows: decode steps append keys and values, attention reads them in place.
+
+:func:`~lowprec.attention.quantize_kv_cache` quantizes a whole cache at once (V per channel over the
+whole sequence), so a generation loop would have to quantize it again at every step.
+:class:`FP8KVCache` keeps the FP8 kernel's operands in buffers of ``max_len`` tokens and quantizes
+only what each step adds:
+
+- **K**: E4M3 codes with one FP32 scale per 128 tokens (per batch row and KV head), not smoothed,
+  as ``quantize_kv_cache``. The last, partial block's tokens are also kept in the cache's float
+  dtype and that block is quantized again at each append, so K's codes and scales are bit for bit
+  those ``quantize_kv_cache`` gives the same tokens.
+- **V**: Vᵀ codes, one FP32 scale per channel **fixed when the cache is first filled**: the
+  channel's amax over the first append times ``v_headroom``, over 448 (or the ``v_scale`` given).
+  E4M3 is a floating-point format, so the headroom costs no relative precision above the format's
+  subnormals (2⁻⁶ of the range); later values past ``448 · scale`` saturate, and
+  :attr:`FP8KVCache.saturated` counts those clipped by more than E4M3's rounding (past
+  ``464 · scale``) on the device (no host sync). With the scale of the whole
+  sequence (``v_headroom=1`` and one append, or that scale passed in) the codes are
+  ``quantize_kv_cache``'s.
+
+:meth:`FP8KVCache.attend` runs the FP8 forward over the first :attr:`~FP8KVCache.length` tokens
+without copying them (on Hopper the sm_90a kernel reads the buffers as strided views; elsewhere the
+FP8 scheme's emulation). The length is a host integer: each call is an eager call (a CUDA graph
+captures one length).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..quant.reference import ieee_div, scale_from_amax
+from ..recipes import get_recipe
+from ..runtime import registry
+from .dense import fp8_over_kv_operands
+from .quantize import ATTN_BLOCK, V_PAD, _blocks
+
+__all__ = ["FP8KVCache"]
+
+_E4M3_MAX = 448.0
+# past this (448 plus half of E4M3's top step, 32) a value is clipped by more than its rounding
+_SATURATES_PAST = 464.0
+_ROWWISE = get_recipe("fp8_rowwise")
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+
+
+class FP8KVCache:
+    """A growing FP8 KV cache for :func:`lowprec.attention`'s FP8 scheme (decode).
+
+    Args:
+        batch, kv_heads, max_len, head_dim: the cache's ``[B, Hkv, max_len, D]`` extent (K and V
+            share ``D``).
+        dtype: the float dtype of the appended keys and values (the partial K block is kept in it).
+        device: where the buffers live.
+        v_headroom: V's per-channel scale is the first append's channel amax times this, over 448
+            (≥ 1; a power of two keeps the scale the plain amax scale times it exactly).
+        v_scale: ``[B, Hkv, D]`` FP32 V scales to use instead (e.g. from a calibration run: the
+            choice when the cache starts from a short prompt or empty).
+
+    Example (a decode loop)::
+
+        cache = FP8KVCache(B, Hkv, 8192, 128, device="cuda")
+        cache.append(k_prompt, v_prompt)               # [B, Hkv, S, D]
+        out = cache.attend(q_prompt, causal=True)
+        for step in range(n):
+            cache.append(k_new, v_new)                 # [B, Hkv, 1, D]
+            out = cache.attend(q_new, causal=True)     # [B, H, 1, D]
+    """
+
+    def __init__(self, batch: int, kv_heads: int, max_len: int, head_dim: int, *,
+                 dtype: torch.dtype = torch.bfloat16, device: torch.device | str | None = None,
+                 v_headroom: float = 4.0, v_scale: torch.Tensor | None = None):
+        for name, value, low in (("batch", batch, 1), ("kv_heads", kv_heads, 1), ("max_len", max_len, 1),
+                                 ("head_dim", head_dim, 1)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ValueError(f"{name}: expected an int ≥ {low}, got {value!r}")
+        if head_dim % 16:
+            raise ValueError(f"head_dim: expected a multiple of 16 (16-byte FP8 rows), got {head_dim}")
+        if dtype not in _FLOATS:
+            raise ValueError(f"dtype: expected one of {_FLOATS}, got {dtype}")
+        if not isinstance(v_headroom, (int, float)) or not math.isfinite(v_headroom) or v_headroom < 1:
+            raise ValueError(f"v_headroom: expected a finite number ≥ 1, got {v_headroom!r}")
+        device = torch.empty(0, device=device).device  # "cuda" -> "cuda:0", as tensors report it
+        self.batch, self.kv_heads, self.max_len, self.head_dim = batch, kv_heads, max_len, head_dim
+        self.dtype, self.device, self.v_headroom = dtype, device, float(v_headroom)
+        u8 = torch.uint8
+        blocks, padded = -(-max_len // ATTN_BLOCK), -(-max_len // V_PAD) * V_PAD
+        # zero codes are 0: the keys past the length that a view's padding reads are zeros
+        self._k = torch.zeros(batch, kv_heads, max_len, head_dim, dtype=u8, device=device)
+        self._k_scale = torch.ones(batch, kv_heads, blocks, dtype=torch.float32, device=device)
+        self._k_tail = torch.zeros(batch, kv_heads, ATTN_BLOCK, head_dim, dtype=dtype, device=device)
+        self._k_tail_amax = torch.zeros(batch, kv_heads, dtype=torch.float32, device=device)
+        self._v_t = torch.zeros(batch, kv_heads, head_dim, padded, dtype=u8, device=device)
+        self._v_scale = torch.ones(batch, kv_heads, head_dim, dtype=torch.float32, device=device)
+        self._v_inv = torch.ones_like(self._v_scale)
+        self._v_scale_set = False
+        #: V values clipped by more than E4M3's rounding (past ``464 · scale``) since the cache was
+        #: created or reset; int64, on the device
+        self.saturated = torch.zeros((), dtype=torch.int64, device=device)
+        self._length = 0
+        if v_scale is not None:
+            self.set_v_scale(v_scale)
+
+    @property
+    def length(self) -> int:
+        """How many tokens the cache holds."""
+        return self._length
+
+    @property
+    def v_scale(self) -> torch.Tensor:
+        """V's per-channel scales ``[B, Hkv, D]`` (ones until the first append sets them)."""
+        return self._v_scale
+
+    def set_v_scale(self, v_scale: torch.Tensor) -> None:
+        """Fix V's per-channel scales ``[B, Hkv, D]`` (positive, finite) before any token is added."""
+        if self._length:
+            raise ValueError("v_scale: the cache already holds tokens quantized with its scales; reset() it first")
+        shape = (self.batch, self.kv_heads, self.head_dim)
+        if not isinstance(v_scale, torch.Tensor) or tuple(v_scale.shape) != shape or not v_scale.is_floating_point():
+            raise ValueError(f"v_scale: expected a float tensor of shape {shape}, got "
+                             f"{getattr(v_scale, 'dtype', type(v_scale))} {tuple(getattr(v_scale, 'shape', ()))}")
+        v_scale = v_scale.to(device=self.device, dtype=torch.float32)
+        if not bool(torch.isfinite(v_scale).all() and (v_scale > 0).all()):
+            raise ValueError("v_scale: expected positive finite scales")
+        self._v_scale.copy_(v_scale)
+        self._v_inv.copy_(ieee_div(torch.ones_like(v_scale), v_scale))
+        self._v_scale_set = True
+
+    def reset(self) -> None:
+        """Empty the cache (its buffers stay allocated; V's scales are chosen again at the next
+        append unless :meth:`set_v_scale` fixes them)."""
+        self._length = 0
+        self._v_t.zero_()
+        self._v_scale_set = False
+        self.saturated.zero_()
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Add ``t`` tokens: ``k``, ``v`` ``[B, Hkv, t, D]`` of the cache's dtype and device.
+
+        The caller's tensors are read, never modified."""
+        self._check_kv(k, v)
+        t = k.shape[2]
+        if t == 0:
+            return
+        start, end = self._length, self._length + t
+        if not self._v_scale_set:
+            amax = v.float().abs().amax(dim=2)  # [B, Hkv, D]
+            self._v_scale.copy_(scale_from_amax(amax * self.v_headroom, _ROWWISE))
+            self._v_inv.copy_(ieee_div(torch.ones_like(self._v_scale), self._v_scale))
+            self._v_scale_set = True
+        # a decode step on Hopper: one kernel (sm90/kv_append.py), the same bits as the torch ops
+        buffers = (self._k_tail, self._k_tail_amax, self._k, self._k_scale, self._v_t, self._v_inv,
+                   self.saturated.view(1))
+        registry.run("attention_kv_append", self.device, (k, v, *buffers, start),
+                     lambda: self._append_torch(k, v, start, end))
+        self._length = end
+
+    def _append_torch(self, k: torch.Tensor, v: torch.Tensor, start: int, end: int) -> None:
+        self._append_k(k, start, end)
+        scaled = v.float() * self._v_inv[:, :, None, :]
+        self.saturated += (scaled.abs() > _SATURATES_PAST).sum()
+        codes = scaled.clamp(-_E4M3_MAX, _E4M3_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
+        self._v_t[..., start:end] = codes.transpose(-1, -2)
+
+    def _append_k(self, k: torch.Tensor, start: int, end: int) -> None:
+        # from the first token of the block being filled: its earlier tokens (kept in float) then k
+        first = start - start % ATTN_BLOCK
+        kept = start - first
+        tokens = torch.cat([self._k_tail[:, :, :kept], k], dim=2) if kept else k
+        full = (end - first) // ATTN_BLOCK * ATTN_BLOCK  # tokens in complete blocks: final
+        if full:
+            codes, scales = _blocks(tokens[:, :, :full])
+            self._k[:, :, first:first + full] = codes.view(torch.uint8)
+            self._k_scale[:, :, first // ATTN_BLOCK:(first + full) // ATTN_BLOCK] = scales
+        if end - first > full:  # the partial block (a decode step's whole work): a few torch ops
+            part = tokens[:, :, full:]
+            # [B, Hkv], kept as the kernel keeps it; NaN ignored as the quantizers do
+            self._k_tail_amax.copy_(part.float().abs().nan_to_num(nan=0.0, posinf=torch.inf).amax(dim=(2, 3)))
+            scale = scale_from_amax(self._k_tail_amax, _ROWWISE)
+            inv = ieee_div(torch.ones_like(scale), scale)[:, :, None, None]
+            codes = (part.float() * inv).clamp(-_E4M3_MAX, _E4M3_MAX).to(torch.float8_e4m3fn)
+            self._k[:, :, first + full:end] = codes.view(torch.uint8)
+            self._k_scale[:, :, (first + full) // ATTN_BLOCK] = scale
+            self._k_tail[:, :, :end - first - full] = part
+
+    def _check_kv(self, k, v) -> None:
+        for name, t in (("k", k), ("v", v)):
+            if not isinstance(t, torch.Tensor) or t.dim() != 4:
+                raise ValueError(f"{name}: expected a [B, Hkv, t, D] tensor, got {type(t).__name__} "
+                                 f"{tuple(getattr(t, 'shape', ()))}")
+            lead = (self.batch, self.kv_heads)
+            if tuple(t.shape[:2]) != lead or t.shape[3] != self.head_dim:
+                raise ValueError(f"{name}: expected [B={self.batch}, Hkv={self.kv_heads}, t, D={self.head_dim}], "
+                                 f"got {tuple(t.shape)}")
+            if t.dtype != self.dtype:
+                raise ValueError(f"{name}: expected {self.dtype} (the cache's dtype), got {t.dtype}")
+            if t.device != self.device:
+                raise ValueError(f"{name}: on {t.device}, but the cache is on {self.device}")
+        if k.shape[2] != v.shape[2]:
+            raise ValueError(f"v: expected as many tokens as k ({k.shape[2]}), got {v.shape[2]}")
+        if self._length + k.shape[2] > self.max_len:
+            raise ValueError(f"k: {k.shape[2]} more tokens overflow the cache: it holds {self._length} of "
+                             f"max_len={self.max_len}")
+
+    def operands(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The FP8 forward's K-side operands over the current length, as views of the buffers:
+        ``(k [B, Hkv, L, D] E4M3, k_scale [B, Hkv, ceil(L/128)], v_t [B, Hkv, D, round_up(L, 16)] E4M3,
+        v_scale [B, Hkv, D])`` (``sm90/CONTRACT.md``)."""
+        n = self._length
+        f8 = torch.float8_e4m3fn
+        return (self._k[:, :, :n].view(f8), self._k_scale[:, :, :-(-n // ATTN_BLOCK)],
+                self._v_t[..., :-(-n // V_PAD) * V_PAD].view(f8), self._v_scale)
+
+    def attend(self, q: torch.Tensor, causal: bool = False, scale: float | None = None, return_lse: bool = False):
+        """FP8 attention of ``q`` ``[B, H, Sq, D]`` (``H`` a multiple of the KV heads) over the
+        cached tokens, as ``lowprec.attention(q, k, v, causal, scale, quant="fp8")`` on them
+        (``causal``: the queries are the last ``Sq`` positions). Q is quantized per call. Returns
+        ``out`` in q's dtype (and the LSE ``[B, H, Sq]`` FP32 with ``return_lse``). No gradients."""
+        if not isinstance(q, torch.Tensor) or not q.is_floating_point() or q.dim() != 4:
+            raise ValueError(f"q: expected a 4-D float tensor [B, H, Sq, D], got "
+                             f"{getattr(q, 'dtype', type(q))} {tuple(getattr(q, 'shape', ()))}")
+        b, h, _, d = q.shape
+        if b != self.batch or d != self.head_dim or h % self.kv_heads:
+            raise ValueError(f"q: expected [B={self.batch}, H a multiple of {self.kv_heads}, Sq, D={self.head_dim}], "
+                             f"got {tuple(q.shape)}")
+        if q.device != self.device:
+            raise ValueError(f"q: on {q.device}, but the cache is on {self.device}")
+        if q.requires_grad and torch.is_grad_enabled():
+            raise ValueError("q: requires grad, but attention over an FP8 KV cache has no gradients")
+        scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+        out, lse = fp8_over_kv_operands(q, *self.operands(), bool(causal), scale)
+        return (out, lse) if return_lse else out
+
+    def __repr__(self) -> str:
+        return (f"FP8KVCache(batch={self.batch}, kv_heads={self.kv_heads}, length={self._length}, "
+                f"max_len={self.max_len}, head_dim={self.head_dim}, dtype={self.dtype}, device={self.device})")

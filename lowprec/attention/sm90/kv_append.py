@@ -1,0 +1,111 @@
+"""One decode step's append to an FP8 KV cache (CuTe DSL, sm_90a): one launch.
+
+In torch ops an append was ~25 small kernels, ~550 µs of host time per step on the lent machine's
+host against ~100 µs for a bf16 cache's whole step (``benchmarks/attention_kv_cache.py``). Here one
+CTA per (batch row, KV head) does what :meth:`lowprec.attention.FP8KVCache.append` computes when
+the new tokens stay inside the 128-token block being filled:
+
+- K: the block's amax so far (kept with its tokens, in the cache's float dtype) and the new tokens':
+  the block's scale, the new tokens' codes, and the kept tokens' codes again only when the amax
+  grew (a growing set's maximum moves ~ln 128 ≈ 5 times per block for random data); the new tokens
+  copied into the kept ones;
+- V: the new tokens times the channel's fixed inverse scale, saturated to E4M3, written into Vᵀ's
+  columns; the values clipped by more than E4M3's rounding (past 464) counted with one 64-bit
+  reduction per warp.
+
+The arithmetic is the torch path's (``scale_and_inverse``: amax / 448, all-zero blocks 1; codes
+``x · (1 / scale)`` rounded to nearest and saturated), so the bits are the same.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32
+
+from ...cute.fp8_block import as_fp8, scale_and_inverse
+from ...cute.fp8_tile import group_max
+
+THREADS = 256  # D / 2 threads per row (one per column pair), the rest of the CTA on further rows
+BLOCK = 128  # tokens per K scale
+SATURATES_PAST = 464.0
+
+
+@cute.jit
+def _load_pair(row: cute.Tensor, pair):
+    frag = cute.make_rmem_tensor((2,), row.element_type)
+    cute.autovec_copy(cute.local_tile(row, (2,), (pair,)), frag)
+    return frag.load().to(Float32)
+
+
+@cute.jit
+def _store_codes(row: cute.Tensor, values, pair):
+    codes = cute.make_rmem_tensor((2,), cutlass.Float8E4M3FN)
+    codes.store(values.to(cutlass.Float8E4M3FN))
+    cute.autovec_copy(codes, cute.local_tile(row, (2,), (pair,)))
+
+
+@cute.kernel
+def _kv_append_kernel(mKn: cute.Tensor, mVn: cute.Tensor, mTail: cute.Tensor, mAmax: cute.Tensor, mK_u8: cute.Tensor,
+                      mKs: cute.Tensor, mVt_u8: cute.Tensor, mVinv: cute.Tensor, mSat: cute.Tensor,
+                      start: cutlass.Int32, count: cutlass.Int32, d: cutlass.Constexpr):
+    tidx, _, _ = cute.arch.thread_idx()
+    head, batch, _ = cute.arch.block_idx()
+    mK, mVt = as_fp8(mK_u8), as_fp8(mVt_u8)
+    smem = cutlass.memory.SmemAllocator()
+    warp_max = smem.allocate_tensor(Float32, cute.make_layout(THREADS // 32), byte_alignment=16)
+    pairs = d // 2
+    groups = THREADS // pairs  # rows handled at once
+    pair, group = tidx % pairs, tidx // pairs
+    first = start - start % BLOCK
+    kept = start - first
+    # K: the block's amax so far (kept beside its tokens) and the new tokens'
+    old = Float32(0.0)
+    if kept > 0:
+        old = mAmax[batch, head]
+    amax = old
+    for r in cutlass.range(group, count, groups, unroll=1):
+        x = _load_pair(mKn[batch, head, r, None], pair)
+        amax = cute.arch.fmax(amax, abs(x).reduce(cute.ReductionOp.MAX, Float32(0.0), 0))
+    amax = group_max(amax, warp_max, tidx, THREADS // 32)
+    scale, inv = scale_and_inverse(amax)
+    if tidx == 0:
+        mAmax[batch, head] = amax
+        mKs[batch, head, first // BLOCK] = scale
+    if amax > old:  # the scale moved (uniform over the CTA): the kept tokens' codes too
+        for r in cutlass.range(group, kept, groups, unroll=1):
+            _store_codes(mK[batch, head, first + r, None], _load_pair(mTail[batch, head, r, None], pair) * inv, pair)
+    saturated = cutlass.Int64(0)
+    for r in cutlass.range(group, count, groups, unroll=1):
+        src = mKn[batch, head, r, None]
+        values = cute.make_rmem_tensor((2,), mTail.element_type)
+        cute.autovec_copy(cute.local_tile(src, (2,), (pair,)), values)
+        _store_codes(mK[batch, head, start + r, None], values.load().to(Float32) * inv, pair)
+        cute.autovec_copy(values, cute.local_tile(mTail[batch, head, kept + r, None], (2,), (pair,)))
+        # V: the new token at the channel's fixed scale, into Vᵀ's column start + r
+        inv_v = cute.make_rmem_tensor((2,), Float32)
+        cute.autovec_copy(cute.local_tile(mVinv[batch, head, None], (2,), (pair,)), inv_v)
+        scaled = cute.make_rmem_tensor((2,), Float32)
+        scaled.store(_load_pair(mVn[batch, head, r, None], pair) * inv_v.load())
+        codes = cute.make_rmem_tensor((2,), cutlass.Float8E4M3FN)
+        codes.store(scaled.load().to(cutlass.Float8E4M3FN))
+        for j in cutlass.range_constexpr(2):
+            mVt[batch, head, pair * 2 + j, start + r] = codes[j]
+            if abs(scaled[j]) > Float32(SATURATES_PAST):
+                saturated = saturated + cutlass.Int64(1)
+    saturated = cute.arch.warp_reduction_sum(saturated)
+    if tidx % 32 == 0 and saturated > cutlass.Int64(0):
+        cute.arch.red(mSat.iterator, saturated, op="add", dtype="u64", sem="relaxed", scope="gpu")
+
+
+@cute.jit
+def kv_append(mKn: cute.Tensor, mVn: cute.Tensor, mTail: cute.Tensor, mAmax: cute.Tensor, mK: cute.Tensor,
+              mKs: cute.Tensor, mVt: cute.Tensor, mVinv: cute.Tensor, mSat: cute.Tensor, start: cutlass.Int32,
+              count: cutlass.Int32, d: cutlass.Constexpr, stream):
+    """Append ``count`` tokens (``mKn``, ``mVn`` [B, Hkv, count, D], any strides, rows contiguous)
+    at position ``start`` of the cache (``mK`` [B, Hkv, max_len, D] and ``mVt`` [B, Hkv, D, padded]
+    E4M3 codes, ``mKs`` [B, Hkv, blocks] K scales, ``mTail`` [B, Hkv, 128, D] the block's kept
+    tokens and ``mAmax`` [B, Hkv] their amax, ``mVinv`` [B, Hkv, D] V's inverse scales, ``mSat``
+    [1] int64 the saturation count); ``start % 128 + count <= 128``, D even and at most 256."""
+    _kv_append_kernel(mKn, mVn, mTail, mAmax, mK, mKs, mVt, mVinv, mSat, start, count, d).launch(
+        grid=(mK.shape[1], mK.shape[0], 1), block=(THREADS, 1, 1), stream=stream)

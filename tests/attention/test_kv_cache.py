@@ -1,0 +1,272 @@
+"""FP8KVCache: a growing FP8 KV cache (CPU: the format and the semantics; GPU: the sm_90a kernel
+reading the cache's buffers as strided views)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import lowprec
+from lowprec.attention import FP8KVCache, quantize_kv_cache
+
+from ..hopper import gpu, needs_cutlass, needs_gpu
+
+BF16 = torch.bfloat16
+
+
+def _kv(b, hkv, s, d, device="cpu", seed=0):
+    g = torch.Generator(device=device).manual_seed(seed)
+    k = (torch.randn(b, hkv, s, d, generator=g, device=device) + 0.5).to(BF16)
+    v = torch.randn(b, hkv, s, d, generator=g, device=device).to(BF16)
+    return k, v
+
+
+def _fill(cache, k, v, cuts):
+    for lo, hi in zip(cuts[:-1], cuts[1:], strict=True):
+        cache.append(k[:, :, lo:hi], v[:, :, lo:hi])
+
+
+CUTS = [[0, 300], [0, 1, 2, 127, 128, 129, 300], [0, 5, 130, 131, 256, 300], list(range(0, 301, 7)) + [300]]
+
+
+@pytest.mark.parametrize("cuts", CUTS, ids=lambda c: f"{len(c) - 1}appends")
+@pytest.mark.parametrize("d", [64, 128])
+def test_codes_are_quantize_kv_cache_bits(cuts, d):
+    """However the tokens arrive, K's codes and scales are quantize_kv_cache's, and so are V's given
+    its scales (the partial K block is quantized again as it fills)."""
+    b, hkv, s = 2, 3, 300
+    k, v = _kv(b, hkv, s, d)
+    kq, vq = quantize_kv_cache(k, v)
+    cache = FP8KVCache(b, hkv, 512, d, v_scale=vq.scale.reshape(b, hkv, d))
+    _fill(cache, k, v, sorted(set(cuts)))
+    kc, ks, vt, vs = cache.operands()
+    assert cache.length == s
+    assert torch.equal(kc.view(torch.uint8), kq.data.view(torch.uint8))
+    assert torch.equal(ks, kq.scale.reshape(b, hkv, -1))
+    assert vt.shape[-1] == 304 and torch.equal(vt[..., :s].view(torch.uint8), vq.data.view(torch.uint8))
+    assert (vt[..., s:].view(torch.uint8) == 0).all()  # padded keys read zeros
+    assert torch.equal(vs, vq.scale.reshape(b, hkv, d))
+    assert cache.saturated.item() == 0
+
+
+def test_first_append_sets_v_scales_with_headroom():
+    k, v = _kv(1, 2, 200, 64)
+    _, vq = quantize_kv_cache(k, v)
+    exact = FP8KVCache(1, 2, 256, 64, v_headroom=1)
+    exact.append(k, v)
+    assert torch.equal(exact.operands()[2][..., :200].view(torch.uint8), vq.data.view(torch.uint8))
+    roomy = FP8KVCache(1, 2, 256, 64)  # headroom 4, a power of two: the scale times 4 exactly
+    roomy.append(k, v)
+    assert torch.equal(roomy.v_scale, exact.v_scale * 4)
+
+
+def test_values_past_the_headroom_saturate_and_are_counted():
+    k, v = _kv(1, 1, 130, 64)
+    cache = FP8KVCache(1, 1, 256, 64, v_headroom=2)
+    cache.append(k[:, :, :128], v[:, :, :128])
+    assert cache.saturated.item() == 0
+    big = v[:, :, 128:].clone()
+    big[0, 0, 0, :3] = v[..., :128, :3].abs().amax(dim=2)[0, 0] * 3  # past 2x the first amax
+    big[0, 0, 1, 3] = v[..., :128, 3].abs().amax() * 1.5  # within the headroom
+    before = big.clone()
+    cache.append(k[:, :, 128:], big)
+    assert torch.equal(big, before)  # the caller's tensor is untouched
+    assert cache.saturated.item() == 3
+    vt = cache.operands()[2].float()
+    assert torch.isfinite(vt).all() and (vt[0, 0, :3, 128].abs() == 448).all()
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("b,h,hkv,sq,d", [(2, 4, 2, 1, 64), (1, 4, 4, 3, 128), (2, 8, 2, 16, 64)])
+def test_attend_is_attention_on_the_same_codes(b, h, hkv, sq, d, causal):
+    """attend == lowprec.attention(q, *quantize_kv_cache(k, v), quant="fp8") on the same tokens."""
+    k, v = _kv(b, hkv, 300, d)
+    kq, vq = quantize_kv_cache(k, v)
+    cache = FP8KVCache(b, hkv, 400, d, v_scale=vq.scale.reshape(b, hkv, d))
+    _fill(cache, k, v, [0, 200, 299, 300])
+    q = torch.randn(b, h, sq, d).to(BF16)
+    out, lse = cache.attend(q, causal=causal, return_lse=True)
+    ref, ref_lse = lowprec.attention(q, kq, vq, causal=causal, quant="fp8", return_lse=True)
+    assert out.dtype == BF16 and torch.equal(out, ref) and torch.equal(lse, ref_lse)
+    exact = lowprec.attention(q.float(), k.float(), v.float(), causal=causal)
+    assert torch.nn.functional.cosine_similarity(out.float().flatten(), exact.flatten(), dim=0) > 0.995
+
+
+def test_empty_cache_and_reset():
+    cache = FP8KVCache(1, 2, 64, 64)
+    q = torch.randn(1, 2, 1, 64).to(BF16)
+    out, lse = cache.attend(q, return_lse=True)
+    assert (out == 0).all() and torch.isneginf(lse).all()
+    k, v = _kv(1, 2, 40, 64)
+    cache.append(k, v)
+    first = cache.attend(q)
+    cache.reset()
+    assert cache.length == 0 and (cache.operands()[2].numel() == 0)
+    cache.append(k, v)
+    assert torch.equal(cache.attend(q), first)
+
+
+def test_bad_input_is_named():
+    cache = FP8KVCache(2, 2, 128, 64)
+    k, v = _kv(2, 2, 100, 64)
+    with pytest.raises(ValueError, match="k: expected torch.bfloat16"):
+        cache.append(k.float(), v)
+    with pytest.raises(ValueError, match=r"v: expected \[B=2, Hkv=2, t, D=64\]"):
+        cache.append(k, v[:1])
+    with pytest.raises(ValueError, match="v: expected as many tokens"):
+        cache.append(k, v[:, :, :5])
+    cache.append(k, v)
+    with pytest.raises(ValueError, match="overflow the cache: it holds 100 of max_len=128"):
+        cache.append(k, v)
+    assert cache.length == 100  # a refused append changes nothing
+    with pytest.raises(ValueError, match="v_scale: the cache already holds tokens"):
+        cache.set_v_scale(torch.ones(2, 2, 64))
+    with pytest.raises(ValueError, match="q: expected"):
+        cache.attend(torch.randn(2, 3, 1, 64).to(BF16))
+    with pytest.raises(ValueError, match="q: requires grad"):
+        cache.attend(torch.randn(2, 2, 1, 64, requires_grad=True))
+    with pytest.raises(ValueError, match="head_dim: expected a multiple of 16"):
+        FP8KVCache(1, 1, 8, 40)
+    with pytest.raises(ValueError, match="v_headroom"):
+        FP8KVCache(1, 1, 8, 64, v_headroom=0.5)
+    with pytest.raises(ValueError, match="v_scale: expected positive"):
+        FP8KVCache(1, 1, 8, 64, v_scale=torch.zeros(1, 1, 64))
+    with pytest.raises(ValueError, match="max_len"):
+        FP8KVCache(1, 1, 0, 64)
+
+
+def test_kernel_operands_may_be_views_of_longer_buffers():
+    """The sm_90a forward's checks take the cache's length-L views (one stride per (batch, head)
+    pair, rows contiguous) and still refuse layouts the kernel cannot index."""
+    from lowprec.attention.sm90.config import head_stride, operands_unsupported
+
+    f8 = torch.float8_e4m3fn
+    cache = FP8KVCache(2, 2, 512, 128)
+    cache.append(*_kv(2, 2, 200, 128))
+    kc, ks, vt, vs = cache.operands()
+    q = torch.zeros(2, 4, 1, 128).to(f8)
+    qs = torch.ones(2, 4, 1)
+    assert head_stride(kc) == 512 * 128 and head_stride(vt) == 128 * 512
+    assert operands_unsupported(q, qs, kc, ks, vt, vs) is None
+    k_heads_apart = torch.zeros(2, 4, 200, 128, dtype=f8)[:, :2]  # batch stride != Hkv x head stride
+    assert head_stride(k_heads_apart) is None
+    assert "k must be" in operands_unsupported(q, qs, k_heads_apart, ks, vt, vs)
+    assert "v_t must be" in operands_unsupported(q, qs, kc, ks, vt.transpose(0, 1), vs)
+
+
+@needs_cutlass
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_append_kernel_compiles_sm90a(dtype, d):
+    """The decode-step append kernel compiles for sm_90a: E4M3 conversions, one 64-bit reduction
+    for the saturation count, no local memory."""
+    from lowprec.attention.sm90.interface import build_kv_append_kernel
+    from lowprec.runtime.compile import local_memory_ops, nvdisasm_path, sass_of
+
+    compiled = build_kv_append_kernel(dtype, d, "sm_90a")
+    assert "cvt.rn.satfinite.e4m3x2.f32" in compiled.__ptx__
+    assert "red.relaxed.gpu.global.add.u64" in compiled.__ptx__
+    if nvdisasm_path() is None:
+        pytest.skip("nvdisasm not found")
+    sass = sass_of(compiled)
+    assert "F2FP" in sass and local_memory_ops(sass) == 0
+
+
+def test_append_kernel_constraints():
+    """Which appends the kernel takes; the others go through torch ops (same bits)."""
+    from lowprec.attention.sm90.config import kv_append_unsupported
+
+    cache = FP8KVCache(2, 2, 512, 128)
+    bufs = (cache._k_tail, cache._k_tail_amax, cache._k, cache._k_scale, cache._v_t, cache._v_inv, cache.saturated)
+    k, v = _kv(2, 2, 200, 128)
+    assert kv_append_unsupported(k[:, :, :1], v[:, :, :1], *bufs, 127) is None
+    assert kv_append_unsupported(k[:, :, :1], v[:, :, :1], *bufs, 128) is None
+    assert "cross a 128-token block" in kv_append_unsupported(k[:, :, :2], v[:, :, :2], *bufs, 127)
+    assert "cross a 128-token block" in kv_append_unsupported(k, v, *bufs, 0)  # a prefill
+    assert kv_append_unsupported(k[:, :, :128], v[:, :, :128], *bufs, 0) is None
+    token_major = torch.randn(2, 3, 2, 128).to(BF16).transpose(1, 2)  # [B, t, Hkv, D] viewed as [B, Hkv, t, D]
+    assert kv_append_unsupported(token_major, token_major, *bufs, 5) is None
+    assert "not contiguous" in kv_append_unsupported(k[:, :, :1, ::2], v[:, :, :1, ::2], *bufs, 5)
+
+
+@gpu
+@needs_gpu
+@pytest.mark.parametrize("dtype,d", [(BF16, 128), (torch.float16, 64), (torch.float32, 256)])
+def test_append_kernel_is_the_torch_ops(dtype, d, monkeypatch):
+    """A decode loop through the append kernel leaves the bits of the torch ops (and of
+    quantize_kv_cache on the same tokens): codes, scales, kept tokens, saturation count."""
+    b, hkv, sk = 3, 2, 700
+    g = torch.Generator(device="cuda").manual_seed(1)
+    k = (torch.randn(b, hkv, sk, d, device="cuda", generator=g) + 0.5).to(dtype)
+    v = torch.randn(b, hkv, sk, d, device="cuda", generator=g).to(dtype)
+    v[0, 1, 600:, 3] *= 10  # past the headroom: saturated
+    cuts = [0, 300, 301, 383, 384, 385, 400, 511, 512, 600] + list(range(601, sk + 1))
+    caches = []
+    for backend in ("kernel", "reference"):
+        monkeypatch.setenv("LOWPREC_BACKEND", "auto")
+        cache = FP8KVCache(b, hkv, 1024, d, dtype=dtype, device="cuda", v_headroom=2)
+        _fill(cache, k, v, cuts[:2])  # a prefill: several blocks, torch ops and the quantize kernel
+        monkeypatch.setenv("LOWPREC_BACKEND", backend)  # "kernel": every later append on the kernel, or raise
+        _fill(cache, k, v, cuts[1:])
+        caches.append(cache)
+    fast, slow = caches
+    for name, x, y in zip(("k", "k_scale", "v_t", "v_scale"), fast.operands(), slow.operands(), strict=True):
+        x, y = (t.view(torch.uint8) if t.dtype != torch.float32 else t for t in (x, y))
+        bad = (x != y).nonzero()
+        assert not len(bad), (name, len(bad), bad[:4].tolist(), x[tuple(bad[0])].item(), y[tuple(bad[0])].item())
+    assert fast.saturated.item() == slow.saturated.item() > 0
+    kq, _ = quantize_kv_cache(k, v)
+    assert torch.equal(fast.operands()[0].view(torch.uint8), kq.data.view(torch.uint8))
+
+
+@gpu
+@needs_gpu
+@pytest.mark.parametrize("b,h,hkv,sq,d,causal", [
+    (4, 32, 8, 1, 128, False),     # packed GQA decode, split keys
+    (2, 16, 16, 1, 128, False),    # MHA decode: one warpgroup
+    (2, 8, 8, 4, 256, True),       # d256 MHA decode
+    (1, 8, 2, 16, 64, True),
+    (64, 8, 8, 1, 128, False),     # a wave of heads: no split
+    (1, 4, 2, 333, 128, True),     # a prefill chunk over the cache
+])
+def test_kernel_reads_the_cache_in_place(b, h, hkv, sq, d, causal):
+    """On sm_90a attend gives the kernel's bits on contiguous copies of the same operands (the
+    views are read in place), within the scheme's error of exact attention."""
+    from lowprec.attention.quantize import quantize_q
+    from lowprec.attention.sm90.interface import fp8_attention_forward
+
+    sk = 3000
+    k, v = _kv(b, hkv, sk, d, device="cuda")
+    cache = FP8KVCache(b, hkv, 4096, d, device="cuda")
+    _fill(cache, k, v, [0, sk - 200, sk - 70, sk - 1, sk])
+    q = torch.randn(b, h, sq, d, device="cuda").to(BF16)
+    out, lse = cache.attend(q, causal=causal, return_lse=True)
+    kc, ks, vt, vs = cache.operands()
+    qc, qs = quantize_q(q)
+    ref, ref_lse = fp8_attention_forward(qc, qs, kc.contiguous(), ks.contiguous(), vt.contiguous(), vs,
+                                         causal=causal, softmax_scale=d ** -0.5, out_dtype=BF16)
+    assert torch.equal(out, ref) and torch.equal(lse, ref_lse)
+    exact = lowprec.attention(q.float(), k.float(), v.float(), causal=causal)
+    cos = torch.nn.functional.cosine_similarity(out.float().flatten(), exact.flatten(), dim=0)
+    assert cos > 0.995, cos.item()
+    assert cache.saturated.item() == 0 and math.isfinite(out.float().abs().max().item())
+
+
+@gpu
+@needs_gpu
+def test_a_decode_step_replays_from_a_cuda_graph():
+    """One length's attend captured in a CUDA graph replays the eager bits for new queries."""
+    k, v = _kv(2, 2, 1000, 128, device="cuda")
+    cache = FP8KVCache(2, 2, 2048, 128, device="cuda")
+    cache.append(k, v)
+    q = torch.randn(2, 8, 1, 128, device="cuda").to(BF16)
+    cache.attend(q)  # compile and warm up outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = cache.attend(q)
+    q.copy_(torch.randn_like(q))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, cache.attend(q))
