@@ -50,6 +50,7 @@ def main():
     p.add_argument("--shapes", default="1,32,8,8192,128;8,32,8,8192,128;64,32,8,8192,128;8,32,32,8192,128")
     p.add_argument("--steps", type=int, default=64)
     p.add_argument("--profile", action="store_true", help="also print torch.profiler's table of 20 fp8 cache steps")
+    p.add_argument("--host-profile", action="store_true", help="also print cProfile's top functions over 200 fp8 steps")
     args = p.parse_args()
     rows = []
     for spec in args.shapes.split(";"):
@@ -111,6 +112,24 @@ def main():
                     fp8_step(i)
                 torch.cuda.synchronize()
             print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=25))
+        if args.host_profile:
+            import cProfile
+            import pstats
+
+            cache.reset()
+            cache.append(k, v)
+            prof = cProfile.Profile()
+            prof.enable()
+            for i in range(200):
+                fp8_step(i % steps)
+            prof.disable()
+            torch.cuda.synchronize()
+            pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+        if args.profile or args.host_profile:  # the cache again as the timed loops left it (warm-up, steps)
+            cache.reset()
+            cache.append(k, v)
+            for i in [0, 1, 2, *range(steps)]:
+                fp8_step(i)
         # accuracy of the last step against exact attention on the same tokens (bf16 cache's values)
         n = cache.length
         exact = F.scaled_dot_product_attention(q.float(), k_bf[:, :, :n].float(), v_bf[:, :, :n].float(),
