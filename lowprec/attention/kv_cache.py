@@ -87,17 +87,21 @@ class FP8KVCache:
         u8 = torch.uint8
         blocks, padded = -(-max_len // ATTN_BLOCK), -(-max_len // V_PAD) * V_PAD
         # zero codes are 0: the keys past the length that a view's padding reads are zeros
-        self._k = torch.zeros(batch, kv_heads, max_len, head_dim, dtype=u8, device=device)
+        # codes as E4M3 (the forward's operands, sliced per call) and as bytes (what kernels write)
+        self._k = torch.zeros(batch, kv_heads, max_len, head_dim, dtype=torch.float8_e4m3fn, device=device)
+        self._k_u8 = self._k.view(u8)
         self._k_scale = torch.ones(batch, kv_heads, blocks, dtype=torch.float32, device=device)
         self._k_tail = torch.zeros(batch, kv_heads, ATTN_BLOCK, head_dim, dtype=dtype, device=device)
         self._k_tail_amax = torch.zeros(batch, kv_heads, dtype=torch.float32, device=device)
-        self._v_t = torch.zeros(batch, kv_heads, head_dim, padded, dtype=u8, device=device)
+        self._v_t = torch.zeros(batch, kv_heads, head_dim, padded, dtype=torch.float8_e4m3fn, device=device)
+        self._v_t_u8 = self._v_t.view(u8)
         self._v_scale = torch.ones(batch, kv_heads, head_dim, dtype=torch.float32, device=device)
         self._v_inv = torch.ones_like(self._v_scale)
         self._v_scale_set = False
         #: V values clipped by more than E4M3's rounding (past ``464 · scale``) since the cache was
         #: created or reset; int64, on the device
         self.saturated = torch.zeros((), dtype=torch.int64, device=device)
+        self._saturated_1 = self.saturated.view(1)
         self._length = 0
         if v_scale is not None:
             self.set_v_scale(v_scale)
@@ -131,7 +135,7 @@ class FP8KVCache:
         """Empty the cache (its buffers stay allocated; V's scales are chosen again at the next
         append unless :meth:`set_v_scale` fixes them)."""
         self._length = 0
-        self._v_t.zero_()
+        self._v_t_u8.zero_()
         self._v_scale_set = False
         self.saturated.zero_()
 
@@ -150,8 +154,8 @@ class FP8KVCache:
             self._v_inv.copy_(ieee_div(torch.ones_like(self._v_scale), self._v_scale))
             self._v_scale_set = True
         # a decode step on Hopper: one kernel (sm90/kv_append.py), the same bits as the torch ops
-        buffers = (self._k_tail, self._k_tail_amax, self._k, self._k_scale, self._v_t, self._v_inv,
-                   self.saturated.view(1))
+        buffers = (self._k_tail, self._k_tail_amax, self._k_u8, self._k_scale, self._v_t_u8, self._v_inv,
+                   self._saturated_1)
         registry.run("attention_kv_append", self.device, (k, v, *buffers, start),
                      lambda: self._append_torch(k, v, start, end))
         self._length = end
@@ -161,7 +165,7 @@ class FP8KVCache:
         scaled = v.float() * self._v_inv[:, :, None, :]
         self.saturated += (scaled.abs() > _SATURATES_PAST).sum()
         codes = scaled.clamp(-_E4M3_MAX, _E4M3_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
-        self._v_t[..., start:end] = codes.transpose(-1, -2)
+        self._v_t_u8[..., start:end] = codes.transpose(-1, -2)
 
     def _append_k(self, k: torch.Tensor, start: int, end: int) -> None:
         # from the first token of the block being filled: its earlier tokens (kept in float) then k
@@ -171,7 +175,7 @@ class FP8KVCache:
         full = (end - first) // ATTN_BLOCK * ATTN_BLOCK  # tokens in complete blocks: final
         if full:
             codes, scales = _blocks(tokens[:, :, :full])
-            self._k[:, :, first:first + full] = codes.view(torch.uint8)
+            self._k_u8[:, :, first:first + full] = codes.view(torch.uint8)
             self._k_scale[:, :, first // ATTN_BLOCK:(first + full) // ATTN_BLOCK] = scales
         if end - first > full:  # the partial block (a decode step's whole work): a few torch ops
             part = tokens[:, :, full:]
@@ -180,7 +184,7 @@ class FP8KVCache:
             scale = scale_from_amax(self._k_tail_amax, _ROWWISE)
             inv = ieee_div(torch.ones_like(scale), scale)[:, :, None, None]
             codes = (part.float() * inv).clamp(-_E4M3_MAX, _E4M3_MAX).to(torch.float8_e4m3fn)
-            self._k[:, :, first + full:end] = codes.view(torch.uint8)
+            self._k_u8[:, :, first + full:end] = codes.view(torch.uint8)
             self._k_scale[:, :, (first + full) // ATTN_BLOCK] = scale
             self._k_tail[:, :, :end - first - full] = part
 
@@ -208,9 +212,8 @@ class FP8KVCache:
         ``(k [B, Hkv, L, D] E4M3, k_scale [B, Hkv, ceil(L/128)], v_t [B, Hkv, D, round_up(L, 16)] E4M3,
         v_scale [B, Hkv, D])`` (``sm90/CONTRACT.md``)."""
         n = self._length
-        f8 = torch.float8_e4m3fn
-        return (self._k[:, :, :n].view(f8), self._k_scale[:, :, :-(-n // ATTN_BLOCK)],
-                self._v_t[..., :-(-n // V_PAD) * V_PAD].view(f8), self._v_scale)
+        return (self._k[:, :, :n], self._k_scale[:, :, :-(-n // ATTN_BLOCK)], self._v_t[..., :-(-n // V_PAD) * V_PAD],
+                self._v_scale)
 
     def attend(self, q: torch.Tensor, causal: bool = False, scale: float | None = None, return_lse: bool = False):
         """FP8 attention of ``q`` ``[B, H, Sq, D]`` (``H`` a multiple of the KV heads) over the

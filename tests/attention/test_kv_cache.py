@@ -179,7 +179,8 @@ def test_append_kernel_constraints():
     from lowprec.attention.sm90.config import kv_append_unsupported
 
     cache = FP8KVCache(2, 2, 512, 128)
-    bufs = (cache._k_tail, cache._k_tail_amax, cache._k, cache._k_scale, cache._v_t, cache._v_inv, cache.saturated)
+    bufs = (cache._k_tail, cache._k_tail_amax, cache._k_u8, cache._k_scale, cache._v_t_u8, cache._v_inv,
+            cache.saturated)
     k, v = _kv(2, 2, 200, 128)
     assert kv_append_unsupported(k[:, :, :1], v[:, :, :1], *bufs, 127) is None
     assert kv_append_unsupported(k[:, :, :1], v[:, :, :1], *bufs, 128) is None

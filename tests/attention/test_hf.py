@@ -1,0 +1,93 @@
+"""``"lowprec_fp8"`` as a transformers attention implementation (``lowprec.attention.hf``): the
+function on stand-in inputs (CI has no transformers), and tiny real models when transformers is
+installed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import lowprec
+from lowprec.attention import register_transformers_attention
+from lowprec.attention.hf import _sdpa_reason, transformers_attention_forward
+
+from ..hopper import gpu
+
+
+class _Attention(torch.nn.Module):
+    is_causal = True
+
+
+def _qkv(b=2, h=4, hkv=2, s=96, d=64, dtype=torch.float32, device="cpu"):
+    g = torch.Generator(device=device).manual_seed(0)
+    return tuple(torch.randn(b, n, s, d, generator=g, device=device).to(dtype) for n in (h, hkv, hkv))
+
+
+@pytest.mark.parametrize("is_causal", [None, True, False])
+def test_the_fp8_forward_in_transformers_layout(is_causal):
+    """No mask: lowprec.attention(quant="fp8") on the grouped heads as given, causal from the call or
+    the module, returned [B, S, H, D] as transformers' implementations return it."""
+    q, k, v = _qkv()
+    out, weights = transformers_attention_forward(_Attention(), q, k, v, None, scaling=0.1, is_causal=is_causal)
+    ref = lowprec.attention(q, k, v, causal=is_causal is not False, scale=0.1, quant="fp8")
+    assert weights is None and out.shape == (2, 96, 4, 64) and out.is_contiguous()
+    assert torch.equal(out, ref.transpose(1, 2))
+
+
+def test_gradients_flow_through_the_fp8_forward():
+    q, k, v = (t.requires_grad_() for t in _qkv(s=40))
+    out, _ = transformers_attention_forward(_Attention(), q, k, v, None)
+    out.square().sum().backward()
+    assert all(t.grad is not None and torch.isfinite(t.grad).all() for t in (q, k, v))
+
+
+def test_the_calls_it_leaves_to_sdpa():
+    q, k, v = _qkv(s=32)
+    m = _Attention()
+    assert _sdpa_reason(m, q, k, v, None, 0.0, {}) is None
+    assert "attention mask" in _sdpa_reason(m, q, k, v, torch.ones(2, 1, 32, 32, dtype=torch.bool), 0.0, {})
+    assert "dropout" in _sdpa_reason(m, q, k, v, None, 0.1, {})
+    assert "softcap" in _sdpa_reason(m, q, k, v, None, 0.0, {"softcap": 30.0})
+    assert "decode" in _sdpa_reason(m, q[:, :, :1], k, v, None, 0.0, {})
+    assert "decode" in _sdpa_reason(m, q[:, :, :8], k, v, None, 0.0, {})
+    assert "chunked prefill" in _sdpa_reason(m, q[:, :, :20], k, v, None, 0.0, {})
+    assert _sdpa_reason(m, q[:, :, :1], k[:, :, :1], v[:, :, :1], None, 0.0, {}) is None  # a one-token prompt
+
+
+def _tiny_llama(attn_implementation, device, dtype):
+    transformers = pytest.importorskip("transformers", minversion="5.0")
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                                      attn_implementation=attn_implementation)
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config).to(device=device, dtype=dtype)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=gpu)])
+def test_a_real_llama_on_lowprec_fp8(device):
+    """A tiny transformers Llama on "lowprec_fp8": logits within the FP8 scheme's error of sdpa's,
+    padded batches through sdpa (the same logits), training gradients, generation."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    name = register_transformers_attention()
+    model = _tiny_llama("sdpa", device, dtype)
+    ids = torch.randint(0, 256, (2, 256), device=device)
+    with torch.no_grad():
+        ref = model(ids).logits.float()
+        model.set_attn_implementation(name)
+        out = model(ids).logits.float()
+        assert F.cosine_similarity(out.flatten(), ref.flatten(), dim=0) > 0.99
+        mask = torch.ones_like(ids)
+        mask[0, :17] = 0  # left padding: a mask tensor, so sdpa runs
+        padded = model(ids, attention_mask=mask).logits
+        model.set_attn_implementation("sdpa")
+        assert torch.equal(padded, model(ids, attention_mask=mask).logits)
+    model.set_attn_implementation(name)
+    model(ids, labels=ids).loss.backward()
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    assert grads and all(torch.isfinite(g).all() for g in grads)
+    with torch.no_grad():  # prefill on the FP8 forward, decode steps on sdpa over transformers' cache
+        generated = model.generate(ids[:, :64], max_new_tokens=4, do_sample=False)
+    assert generated.shape == (2, 68)
