@@ -14,7 +14,10 @@
 
 Each row: µs per step, the mean over ``--steps`` steps queued back to back (CUDA events around the
 loop; the host runs ahead as it does in a generation loop) after a warm-up, and synced (the host
-waits for each step: its host time shows). Prints the ratios to the bf16 cache.
+waits for each step: its host time shows). Prints the ratios to the bf16 cache (eager, queued).
+Then ``graph`` rows: one CUDA graph per cache replayed once per step (``FP8KVCache.decode_step``,
+lengths on the device, against a bf16 static cache: the token written at a device position, SDPA
+over the whole buffer with a mask of the live positions, as transformers' StaticCache runs).
 """
 
 from __future__ import annotations
@@ -43,6 +46,56 @@ def _loop_us(step, steps: int, synced: bool) -> float:
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) * 1e3 / steps
+
+
+def _replay_us(graph, steps: int) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(steps):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / steps
+
+
+def _graph_rows(b, h, hkv, sk, d, steps, k, v, new_k, new_v, q, bf16_eager_us):
+    """One CUDA graph per cache replayed ``steps`` times, each replay one decode step at the next
+    length: FP8KVCache.decode_step (lengths on the device) against a bf16 static cache (the
+    transformers StaticCache way: the token written at a device position, SDPA over the whole
+    buffer with a mask of the live positions)."""
+    max_len = sk + 2 * steps + 8
+    cache = FP8KVCache(b, hkv, max_len, d, device="cuda")
+    cache.append(k, v)
+    k_in, v_in = new_k[:, :, :1].clone(), new_v[:, :, :1].clone()
+    cache.decode_step(q, k_in, v_in)  # compiles, outside the capture
+    fp8_graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(fp8_graph):
+        cache.decode_step(q, k_in, v_in)
+
+    k_bf = torch.zeros(b, hkv, max_len, d, device="cuda", dtype=torch.bfloat16)
+    v_bf = torch.zeros_like(k_bf)
+    k_bf[:, :, :sk], v_bf[:, :, :sk] = k, v
+    pos = torch.full((1,), sk, device="cuda", dtype=torch.long)
+    keys = torch.arange(max_len, device="cuda")
+
+    def bf16_step():
+        k_bf.index_copy_(2, pos, k_in)
+        v_bf.index_copy_(2, pos, v_in)
+        mask = (keys <= pos)[None, None, None, :]
+        # a KV head's query heads as its rows (transformers' decode packing): no K / V repeat
+        out = F.scaled_dot_product_attention(q.view(b, hkv, h // hkv, d), k_bf, v_bf, attn_mask=mask)
+        pos.add_(1)
+        return out
+
+    bf16_step()  # warm-up outside the capture
+    bf16_graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(bf16_graph):
+        bf16_step()
+    bf16_us, fp8_us = _replay_us(bf16_graph, steps), _replay_us(fp8_graph, steps)
+    shape = f"B{b} H{h}/{hkv} Sk{sk} d{d}"
+    return [(shape, "graph", "bf16 static cache (masked SDPA)", f"{bf16_us:.1f}", f"{bf16_eager_us / bf16_us:.2f}"),
+            (shape, "graph", "fp8 cache decode_step", f"{fp8_us:.1f}", f"{bf16_eager_us / fp8_us:.2f}"),
+            (shape, "graph", "fp8 decode_step x bf16 static graph", "-", f"{bf16_us / fp8_us:.2f}")]
 
 
 def main():
@@ -101,9 +154,12 @@ def main():
 
             times = {name: _loop_us(fn, steps, synced) for name, fn in
                      (("bf16 cache", bf16_step), ("fp8 cache", fp8_step), ("fp8 requantized", requant_step))}
+            if not synced:
+                bf16_queued_us = times["bf16 cache"]
             for name, us in times.items():
                 rows.append((f"B{b} H{h}/{hkv} Sk{sk} d{d}", "synced" if synced else "queued", name, f"{us:.1f}",
                              f"{times['bf16 cache'] / us:.2f}"))
+        rows.extend(_graph_rows(b, h, hkv, sk, d, steps, k, v, new_k, new_v, q, bf16_queued_us))
         if args.profile:
             from torch.profiler import ProfilerActivity, profile
 

@@ -10,6 +10,8 @@ from ..runtime import backend_mode, registry
 from ..tensor import QuantizedTensor
 from . import ops
 from .quantize import (
+    ATTN_BLOCK,
+    V_PAD,
     qk_from_quantized,
     quantize_v,
     v_from_quantized,
@@ -124,10 +126,13 @@ def _fp8_quantized_inputs(q, k, v, causal: bool, scale: float, incoherent: bool,
     return out, lse
 
 
-def fp8_over_kv_operands(q, kc, ks, vt, vs, causal: bool, scale: float):
+def fp8_over_kv_operands(q, kc, ks, vt, vs, causal: bool, scale: float, kv_lengths: torch.Tensor | None = None):
     """The FP8 forward of a float (or quantized) Q over K / Vᵀ already in the kernel's operands
     (an FP8 KV cache; K, Vᵀ and K's scales may be length-Sk views of longer buffers). Returns
-    ``(out, lse)``, the LSE of the scores as the operands give them."""
+    ``(out, lse)``, the LSE of the scores as the operands give them. ``kv_lengths``: the cache's
+    ``[B, 8]`` int32 plan of device-side lengths (field 5), the operands its whole buffers: on
+    sm_90a the decode kernels read the lengths (CUDA graphs); else they are read back (a sync) and
+    each row attends over its own."""
     from .quantize import quantize_q
 
     out_dtype = q.dtype if q.dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64) else torch.float32
@@ -136,6 +141,16 @@ def fp8_over_kv_operands(q, kc, ks, vt, vs, causal: bool, scale: float):
         qc, qs = qk_from_quantized(q, "q") if isinstance(q, QuantizedTensor) else quantize_q(q)
         return ops.attention_fp8_forward_call(qc, qs, kc, ks, vt, vs, causal, scale, out_dtype)
 
+    if kv_lengths is not None:
+        def per_row():  # the host path: each row over its own length
+            rows = []
+            for b, n in enumerate(kv_lengths[:, 5].tolist()):
+                ops_b = (kc[b:b + 1, :, :n], ks[b:b + 1, :, :-(-n // ATTN_BLOCK)],
+                         vt[b:b + 1, ..., :-(-n // V_PAD) * V_PAD], vs[b:b + 1])
+                rows.append(fp8_over_kv_operands(q[b:b + 1], *ops_b, causal, scale))
+            return torch.cat([r[0] for r in rows]), torch.cat([r[1] for r in rows])
+
+        return registry.run("attention_fp8_q", q.device, (q, kc, ks, vt, vs, causal, scale, kv_lengths), per_row)
     if isinstance(q, QuantizedTensor) or torch.compiler.is_compiling():
         return composed()
     # eager: on Hopper one lean host pass (Q pre-pass + forward)

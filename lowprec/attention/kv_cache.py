@@ -98,18 +98,33 @@ class FP8KVCache:
         self._v_scale = torch.ones(batch, kv_heads, head_dim, dtype=torch.float32, device=device)
         self._v_inv = torch.ones_like(self._v_scale)
         self._v_scale_set = False
+        # on the device: [values saturated, row-tokens dropped past max_len]
+        self._counts = torch.zeros(2, dtype=torch.int64, device=device)
         #: V values clipped by more than E4M3's rounding (past ``464 · scale``) since the cache was
         #: created or reset; int64, on the device
-        self.saturated = torch.zeros((), dtype=torch.int64, device=device)
-        self._saturated_1 = self.saturated.view(1)
-        self._length = 0
+        self.saturated = self._counts[0]
+        #: tokens a replayed :meth:`decode_step` could not store, past ``max_len`` (summed over the
+        #: batch rows; nothing else is written for them); int64, on the device
+        self.dropped = self._counts[1]
+        # each batch row's length on the device, field 5 of a [B, 8] plan (the varlen kernels' Sk
+        # field): the kernels read it, so a CUDA graph of decode_step replays at any length
+        self._plan = torch.zeros(batch, 8, dtype=torch.int32, device=device)
+        self._length: int | None = 0  # None: known only on the device (after a captured decode_step)
         if v_scale is not None:
             self.set_v_scale(v_scale)
 
     @property
     def length(self) -> int:
-        """How many tokens the cache holds."""
+        """How many tokens the cache holds (after :meth:`decode_step` ran in a CUDA graph, read
+        from the device once: a sync)."""
+        if self._length is None:
+            self._length = int(self._plan[0, 5])
         return self._length
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        """Each batch row's length, int32 ``[B]`` on the device (what the kernels read)."""
+        return self._plan[:, 5]
 
     @property
     def v_scale(self) -> torch.Tensor:
@@ -118,7 +133,7 @@ class FP8KVCache:
 
     def set_v_scale(self, v_scale: torch.Tensor) -> None:
         """Fix V's per-channel scales ``[B, Hkv, D]`` (positive, finite) before any token is added."""
-        if self._length:
+        if self.length:
             raise ValueError("v_scale: the cache already holds tokens quantized with its scales; reset() it first")
         shape = (self.batch, self.kv_heads, self.head_dim)
         if not isinstance(v_scale, torch.Tensor) or tuple(v_scale.shape) != shape or not v_scale.is_floating_point():
@@ -135,9 +150,10 @@ class FP8KVCache:
         """Empty the cache (its buffers stay allocated; V's scales are chosen again at the next
         append unless :meth:`set_v_scale` fixes them)."""
         self._length = 0
+        self._plan.zero_()
         self._v_t_u8.zero_()
         self._v_scale_set = False
-        self.saturated.zero_()
+        self._counts.zero_()
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Add ``t`` tokens: ``k``, ``v`` ``[B, Hkv, t, D]`` of the cache's dtype and device.
@@ -147,18 +163,59 @@ class FP8KVCache:
         t = k.shape[2]
         if t == 0:
             return
-        start, end = self._length, self._length + t
+        start, end = self.length, self.length + t
+        if end > self.max_len:
+            raise ValueError(f"k: {t} more tokens overflow the cache: it holds {start} of max_len={self.max_len}")
         if not self._v_scale_set:
             amax = v.float().abs().amax(dim=2)  # [B, Hkv, D]
             self._v_scale.copy_(scale_from_amax(amax * self.v_headroom, _ROWWISE))
             self._v_inv.copy_(ieee_div(torch.ones_like(self._v_scale), self._v_scale))
             self._v_scale_set = True
         # a decode step on Hopper: one kernel (sm90/kv_append.py), the same bits as the torch ops
-        buffers = (self._k_tail, self._k_tail_amax, self._k_u8, self._k_scale, self._v_t_u8, self._v_inv,
-                   self._saturated_1)
-        registry.run("attention_kv_append", self.device, (k, v, *buffers, start),
+        registry.run("attention_kv_append", self.device, (k, v, *self._buffers(), start),
                      lambda: self._append_torch(k, v, start, end))
+        self._plan[:, 5] = end
         self._length = end
+
+    def _buffers(self) -> tuple[torch.Tensor, ...]:
+        """The append kernel's cache arguments after the new tokens."""
+        return (self._k_tail, self._k_tail_amax, self._k_u8, self._k_scale, self._v_t_u8, self._v_inv, self._counts,
+                self._plan)
+
+    def decode_step(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
+                    scale: float | None = None) -> torch.Tensor:
+        """One decode step, capturable in a CUDA graph that then replays at every length: append one
+        token (``k``, ``v`` ``[B, Hkv, 1, D]``) and attend with its query (``q`` ``[B, H, 1, D]``).
+
+        On Hopper the kernels read the length from the device (:attr:`lengths`) and advance it: each
+        replay computes ``append(k, v); attend(q)`` with no host value of the length (the append's
+        bits exactly; the attention's split of the keys is chosen for ``max_len``, so its bits may
+        differ from ``attend``'s in the last places). V's scales must be set (by an earlier append,
+        or ``v_scale``). A replay past ``max_len`` stores nothing and counts the token in
+        :attr:`dropped`; its output then attends over the tokens held. Elsewhere: :meth:`append`
+        then :meth:`attend`."""
+        self._check_kv(k, v, check_length=False)
+        if k.shape[2] != 1:
+            raise ValueError(f"k: decode_step appends one token per row, got {k.shape[2]}")
+        if not self._v_scale_set:
+            raise ValueError("v_scale: decode_step needs V's scales: append a prompt first, or pass v_scale")
+        self._check_q(q)
+        if q.shape[2] != 1:
+            raise ValueError(f"q: decode_step attends with one query per row, got {q.shape[2]}")
+        if self._length is not None and self._length + 1 > self.max_len:
+            raise ValueError(f"k: 1 more token overflows the cache: it holds {self._length} of max_len={self.max_len}")
+        if self.device.type != "cuda" or registry.why_no_kernel("attention_kv_append", self.device, k, v,
+                                                                *self._buffers(), None) is not None:
+            self.append(k, v)
+            return self.attend(q, causal, scale)
+        registry.run("attention_kv_append", self.device, (k, v, *self._buffers(), None),
+                     lambda: self._append_torch(k, v, self.length, self.length + 1))
+        self._plan[:, 5].add_(1).clamp_(max=self.max_len)
+        self._length = None if torch.cuda.is_current_stream_capturing() or self._length is None else self._length + 1
+        scale = 1.0 / math.sqrt(self.head_dim) if scale is None else float(scale)
+        out, _ = fp8_over_kv_operands(q, self._k, self._k_scale, self._v_t, self._v_scale, False, scale,
+                                      kv_lengths=self._plan)
+        return out
 
     def _append_torch(self, k: torch.Tensor, v: torch.Tensor, start: int, end: int) -> None:
         self._append_k(k, start, end)
@@ -188,7 +245,7 @@ class FP8KVCache:
             self._k_scale[:, :, (first + full) // ATTN_BLOCK] = scale
             self._k_tail[:, :, :end - first - full] = part
 
-    def _check_kv(self, k, v) -> None:
+    def _check_kv(self, k, v, check_length: bool = True) -> None:
         for name, t in (("k", k), ("v", v)):
             if not isinstance(t, torch.Tensor) or t.dim() != 4:
                 raise ValueError(f"{name}: expected a [B, Hkv, t, D] tensor, got {type(t).__name__} "
@@ -203,15 +260,15 @@ class FP8KVCache:
                 raise ValueError(f"{name}: on {t.device}, but the cache is on {self.device}")
         if k.shape[2] != v.shape[2]:
             raise ValueError(f"v: expected as many tokens as k ({k.shape[2]}), got {v.shape[2]}")
-        if self._length + k.shape[2] > self.max_len:
-            raise ValueError(f"k: {k.shape[2]} more tokens overflow the cache: it holds {self._length} of "
+        if check_length and self.length + k.shape[2] > self.max_len:
+            raise ValueError(f"k: {k.shape[2]} more tokens overflow the cache: it holds {self.length} of "
                              f"max_len={self.max_len}")
 
     def operands(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """The FP8 forward's K-side operands over the current length, as views of the buffers:
         ``(k [B, Hkv, L, D] E4M3, k_scale [B, Hkv, ceil(L/128)], v_t [B, Hkv, D, round_up(L, 16)] E4M3,
         v_scale [B, Hkv, D])`` (``sm90/CONTRACT.md``)."""
-        n = self._length
+        n = self.length
         return (self._k[:, :, :n], self._k_scale[:, :, :-(-n // ATTN_BLOCK)], self._v_t[..., :-(-n // V_PAD) * V_PAD],
                 self._v_scale)
 
@@ -220,6 +277,12 @@ class FP8KVCache:
         cached tokens, as ``lowprec.attention(q, k, v, causal, scale, quant="fp8")`` on them
         (``causal``: the queries are the last ``Sq`` positions). Q is quantized per call. Returns
         ``out`` in q's dtype (and the LSE ``[B, H, Sq]`` FP32 with ``return_lse``). No gradients."""
+        self._check_q(q)
+        scale = 1.0 / math.sqrt(self.head_dim) if scale is None else float(scale)
+        out, lse = fp8_over_kv_operands(q, *self.operands(), bool(causal), scale)
+        return (out, lse) if return_lse else out
+
+    def _check_q(self, q) -> None:
         if not isinstance(q, torch.Tensor) or not q.is_floating_point() or q.dim() != 4:
             raise ValueError(f"q: expected a 4-D float tensor [B, H, Sq, D], got "
                              f"{getattr(q, 'dtype', type(q))} {tuple(getattr(q, 'shape', ()))}")
@@ -231,10 +294,8 @@ class FP8KVCache:
             raise ValueError(f"q: on {q.device}, but the cache is on {self.device}")
         if q.requires_grad and torch.is_grad_enabled():
             raise ValueError("q: requires grad, but attention over an FP8 KV cache has no gradients")
-        scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-        out, lse = fp8_over_kv_operands(q, *self.operands(), bool(causal), scale)
-        return (out, lse) if return_lse else out
 
     def __repr__(self) -> str:
-        return (f"FP8KVCache(batch={self.batch}, kv_heads={self.kv_heads}, length={self._length}, "
+        length = "on the device" if self._length is None else self._length
+        return (f"FP8KVCache(batch={self.batch}, kv_heads={self.kv_heads}, length={length}, "
                 f"max_len={self.max_len}, head_dim={self.head_dim}, dtype={self.dtype}, device={self.device})")

@@ -179,8 +179,7 @@ def test_append_kernel_constraints():
     from lowprec.attention.sm90.config import kv_append_unsupported
 
     cache = FP8KVCache(2, 2, 512, 128)
-    bufs = (cache._k_tail, cache._k_tail_amax, cache._k_u8, cache._k_scale, cache._v_t_u8, cache._v_inv,
-            cache.saturated)
+    bufs = cache._buffers()
     k, v = _kv(2, 2, 200, 128)
     assert kv_append_unsupported(k[:, :, :1], v[:, :, :1], *bufs, 127) is None
     assert kv_append_unsupported(k[:, :, :1], v[:, :, :1], *bufs, 128) is None
@@ -190,6 +189,48 @@ def test_append_kernel_constraints():
     token_major = torch.randn(2, 3, 2, 128).to(BF16).transpose(1, 2)  # [B, t, Hkv, D] viewed as [B, Hkv, t, D]
     assert kv_append_unsupported(token_major, token_major, *bufs, 5) is None
     assert "not contiguous" in kv_append_unsupported(k[:, :, :1, ::2], v[:, :, :1, ::2], *bufs, 5)
+    assert kv_append_unsupported(k[:, :, :1], v[:, :, :1], *bufs, None) is None  # decode_step: one token
+    assert "known only on the device" in kv_append_unsupported(k[:, :, :2], v[:, :, :2], *bufs, None)
+
+
+def test_decode_step_is_append_then_attend():
+    """decode_step (here: no kernels, so append then attend) and the host path of the device-side
+    lengths (each row over its own length, read back) give attend's bits."""
+    from lowprec.attention.dense import fp8_over_kv_operands
+
+    k, v = _kv(2, 2, 300, 64)
+    q = torch.randn(2, 4, 1, 64).to(BF16)
+    a, b = FP8KVCache(2, 2, 512, 64), FP8KVCache(2, 2, 512, 64)
+    for cache in (a, b):
+        cache.append(k[:, :, :290], v[:, :, :290])
+    for i in range(290, 300):
+        out = a.decode_step(q, k[:, :, i:i + 1], v[:, :, i:i + 1])
+        b.append(k[:, :, i:i + 1], v[:, :, i:i + 1])
+        assert torch.equal(out, b.attend(q))
+    assert a.length == 300 and a.lengths.tolist() == [300, 300]
+    full = fp8_over_kv_operands(q, a._k, a._k_scale, a._v_t, a._v_scale, False, 0.125, kv_lengths=a._plan)
+    assert torch.equal(full[0], b.attend(q))
+    with pytest.raises(ValueError, match="one token per row"):
+        a.decode_step(q, k[:, :, :2], v[:, :, :2])
+    with pytest.raises(ValueError, match="one query per row"):
+        a.decode_step(torch.randn(2, 4, 2, 64).to(BF16), k[:, :, :1], v[:, :, :1])
+    with pytest.raises(ValueError, match="v_scale: decode_step needs"):
+        FP8KVCache(2, 2, 512, 64).decode_step(q, k[:, :, :1], v[:, :, :1])
+
+
+@needs_cutlass
+@pytest.mark.parametrize("config", __import__("lowprec.attention.sm90.config", fromlist=["x"]).kv_lengths_configs(),
+                         ids=str)
+def test_device_length_configs_compile_sm90a(config):
+    """The decode kernels that read each row's length from the device (decode_step) compile with
+    no local memory."""
+    from lowprec.attention.sm90.interface import build_kernel
+    from lowprec.runtime.compile import local_memory_ops, nvdisasm_path, sass_of
+
+    compiled = build_kernel(config, "sm_90a", tvm_ffi=False)
+    if nvdisasm_path() is None:
+        pytest.skip("nvdisasm not found")
+    assert local_memory_ops(sass_of(compiled)) == 0
 
 
 @gpu
@@ -271,3 +312,39 @@ def test_a_decode_step_replays_from_a_cuda_graph():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, cache.attend(q))
+
+
+@gpu
+@needs_gpu
+@pytest.mark.parametrize("b,h,hkv,d", [(4, 32, 8, 128), (2, 16, 16, 128), (2, 8, 8, 256), (1, 8, 2, 64),
+                                       (64, 8, 8, 128)])
+def test_decode_step_replays_from_one_cuda_graph(b, h, hkv, d):
+    """One CUDA graph of decode_step captured at one length replays 150 steps (across 128-token
+    blocks): each replay gives the bits of an eager decode_step on a twin cache, and attend's
+    result within the FP8 scheme's last places; past max_len tokens are dropped and counted."""
+    sk, steps, max_len = 2940, 150, 3085  # 2940 % 128 = 124: a block boundary after 4 steps
+    k, v = _kv(b, hkv, sk + steps, d, device="cuda")
+    qs = torch.randn(steps, b, h, 1, d, device="cuda").to(BF16)
+    cache, twin = (FP8KVCache(b, hkv, max_len, d, device="cuda") for _ in range(2))
+    for c in (cache, twin):
+        c.append(k[:, :, :sk], v[:, :, :sk])
+    q_in, k_in, v_in = qs[0].clone(), k[:, :, sk:sk + 1].clone(), v[:, :, sk:sk + 1].clone()
+    assert torch.equal(cache.decode_step(q_in, k_in, v_in), twin.decode_step(q_in, k_in, v_in))  # compiles
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = cache.decode_step(q_in, k_in, v_in)
+    for i in range(1, steps):
+        q_in.copy_(qs[i])
+        k_in.copy_(k[:, :, sk + i:sk + i + 1])
+        v_in.copy_(v[:, :, sk + i:sk + i + 1])
+        graph.replay()
+        if sk + i < max_len:
+            assert torch.equal(out, twin.decode_step(q_in, k_in, v_in)), i
+        if i % 37 == 0 and sk + i < max_len:
+            ref = twin.attend(q_in)
+            assert torch.nn.functional.cosine_similarity(out.float().flatten(), ref.float().flatten(), dim=0) > 0.9999
+    assert cache.length == twin.length == max_len
+    assert cache.dropped.item() == b * (sk + steps - max_len)
+    for x, y in zip(cache.operands(), twin.operands(), strict=True):
+        assert torch.equal(x.view(torch.uint8) if x.dtype != torch.float32 else x,
+                           y.view(torch.uint8) if y.dtype != torch.float32 else y)

@@ -51,10 +51,15 @@ class AttnConfig:
     # Q given in the output dtype, quantized by each consumer warpgroup (its 64 rows, with the
     # scale of their 128-row block): no Q pre-pass; dense grids only (no pack-GQA, split-KV, varlen)
     quantize_q: bool = False
+    # an FP8 KV cache's live lengths on the device: each batch row's Sk from field 5 of the plan
+    # argument (varlen's Sk field), at most the K buffer's extent (CUDA graphs across decode steps)
+    kv_lengths: bool = False
 
     def __post_init__(self):
         if self.quantize_q and (self.pack_gqa or self.split_kv or self.varlen):
             raise ValueError("quantize_q: dense grids only (no pack_gqa, split_kv or varlen)")
+        if self.kv_lengths and (self.varlen or self.quantize_q or self.persistent):
+            raise ValueError("kv_lengths: dense grids with a Q pre-pass only (no varlen, quantize_q or persistent)")
         # one key per generated kernel: overlap (and ping-pong, which needs it) only where it fits
         overlap = self.overlap and self.head_dim <= (OVERLAP_MAX_D if self.two_level_pv else OVERLAP_MAX_D_IN_MMA)
         # one warpgroup (a 64-row tile): decode, where the rows fit it (not with Q quantized inside,
@@ -87,7 +92,7 @@ class AttnConfig:
                 ("split", self.split_kv), ("persist", self.persistent), ("vperm", self.v_keys_permuted),
                 ("inmma", not self.two_level_pv), ("wg3", self.consumer_wgs == 3), ("wg1", self.consumer_wgs == 1),
                 ("skip1", self.skip_unit_rescale), ("lazy", self.lazy_rescale), ("varlen", self.varlen),
-                ("qk", self.quantize_q)]
+                ("qk", self.quantize_q), ("kvlen", self.kv_lengths)]
         return f"d{self.head_dim}{'_causal' if self.causal else ''}_{self.out_dtype}" + "".join(
             f"_{t}" for t, on in tags if on)
 
@@ -145,6 +150,22 @@ PERSISTENT_HEAD_DIMS = (128,)
 
 def shipped_configs() -> tuple[AttnConfig, ...]:
     return tuple(AttnConfig(d, c, o) for d in HEAD_DIMS for c in (False, True) for o in OUT_DTYPES)
+
+
+def kv_lengths_configs() -> tuple[AttnConfig, ...]:
+    """What ``FP8KVCache.decode_step`` launches (device-side lengths; one query per row, so not
+    causal; Vᵀ as the cache stores it): packed GQA rows on one or two warpgroups and unpacked rows
+    on one, each with and without split keys."""
+    out = []
+    for d in HEAD_DIMS:
+        for o in OUT_DTYPES:
+            for split in (False, True):
+                for wgs in (1, 2):
+                    out.append(AttnConfig(d, False, o, pack_gqa=True, split_kv=split, consumer_wgs=wgs,
+                                          kv_lengths=True))
+                out.append(AttnConfig(d, False, o, split_kv=split, consumer_wgs=1,
+                                      two_level_pv=AttnConfig(d).two_level_pv, kv_lengths=True))
+    return tuple(out)
 
 
 def variant_configs() -> tuple[AttnConfig, ...]:
@@ -263,7 +284,8 @@ KV_APPEND_DTYPES = ("bfloat16", "float16", "float32")
 KV_APPEND_MAX_D = 256  # one thread per column pair, 128 threads
 
 
-def kv_append_unsupported(k, v, tail, amax, k_codes, k_scale, v_t, v_inv, saturated, start: int) -> str | None:
+def kv_append_unsupported(k, v, tail, amax, k_codes, k_scale, v_t, v_inv, counts, plan,
+                          start: int | None) -> str | None:
     """Why ``interface.kv_append_op`` (one launch of an FP8 KV cache's append) cannot take these
     inputs (None: it can); the cache then appends in torch ops. The cache's own buffers are
     contiguous by construction; the new tokens may be any view with contiguous, 4-byte aligned rows."""
@@ -272,7 +294,9 @@ def kv_append_unsupported(k, v, tail, amax, k_codes, k_scale, v_t, v_inv, satura
         return f"dtype {k.dtype} (the append kernel reads {', '.join(KV_APPEND_DTYPES)})"
     if d > KV_APPEND_MAX_D or 256 % d:
         return f"head dim {d} (the append kernel takes D dividing {KV_APPEND_MAX_D})"
-    if start % 128 + k.shape[2] > 128:
+    if start is None and k.shape[2] != 1:
+        return "several tokens at a length known only on the device (the append kernel fills one block)"
+    if start is not None and start % 128 + k.shape[2] > 128:
         return "the new tokens cross a 128-token block (the append kernel fills one block)"
     item = k.element_size()
     for t in (k, v):
@@ -379,9 +403,15 @@ def _q_prepass_unsupported(q) -> str | None:
     return None
 
 
-def q_unsupported(q, k, k_scale, v_t, v_scale, causal: bool, scale: float) -> str | None:
+KV_LENGTHS_MAX_SQ = 16  # device-side cache lengths: decode grids only (the compiled configurations)
+
+
+def q_unsupported(q, k, k_scale, v_t, v_scale, causal: bool, scale: float, kv_lengths=None) -> str | None:
     """Why ``interface.attention_fp8_q_op`` (float Q quantized per call over an FP8 K / Vᵀ cache, in
-    one host pass) cannot take these inputs (None: it can); the caller then composes the steps."""
+    one host pass) cannot take these inputs (None: it can); the caller then composes the steps.
+    ``kv_lengths``: the cache's ``[B, 8]`` int32 plan of device-side lengths (decode only)."""
+    if kv_lengths is not None and q.shape[2] > KV_LENGTHS_MAX_SQ:
+        return f"device-side cache lengths serve decode (Sq <= {KV_LENGTHS_MAX_SQ}), got Sq={q.shape[2]}"
     return (_q_prepass_unsupported(q) or attention_unsupported(q, None, k, None, v_t, None, causal, scale, q.dtype)
             or operands_unsupported(q, None, k, k_scale, v_t, v_scale))
 

@@ -169,6 +169,7 @@ class FP8AttentionFwdSm90:
         # quantizes its own 64 rows into sQ with the Q pre-pass's recipe (one scale per 128 rows,
         # written to q_scale): no Q pre-pass. Else Q comes in E4M3 by TMA.
         self.quantize_q = config.quantize_q
+        self.kv_lengths = config.kv_lengths
         if self.split_kv:
             self.out_dtype = cutlass.Float32
         # O (16-bit, D <= 128, dense rows) through shared memory and TMA stores, the GEMM core's
@@ -433,6 +434,8 @@ class FP8AttentionFwdSm90:
             if cutlass.const_expr(self.split_kv):
                 bh_out = (zz // nb) * (nb * heads) + bh
             bh_kv = batch * (heads // heads_per_kv) + head // heads_per_kv
+            if cutlass.const_expr(self.kv_lengths):  # this row's live cache length, within the buffer
+                seqlen_k = cutlass.min(mPlan[(batch, 5)], seqlen_k)
             seq = (seqlen_q, seqlen_k, 0, 0, 0, bh_kv)
         n_blocks_k = (seqlen_k + self.tile_n - 1) // self.tile_n
         m0 = m_block * self.tile_m

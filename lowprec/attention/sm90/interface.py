@@ -161,14 +161,16 @@ def _get_compiled(config: AttnConfig, arch: str = _ARCH_DEFAULT):
 @functools.cache
 def _kernel(d: int, causal: bool, out_dtype: torch.dtype, pack: bool, split: bool, v_keys_permuted: bool,
             overlap: bool, pingpong: bool, persistent_sms: int, two_level_pv: bool, consumer_wgs: int,
-            skip_unit_rescale: bool, varlen: bool = False, quantize_q: bool = False, lazy_rescale: bool = True):
+            skip_unit_rescale: bool, varlen: bool = False, quantize_q: bool = False, lazy_rescale: bool = True,
+            kv_lengths: bool = False):
     """The launched kernel of one call's parameters (and the interface flags; ``persistent_sms``
     0: not persistent): a lookup on plain values, no config object built per call."""
     return ffi_entry(_get_compiled(AttnConfig(d, causal, _OUT[out_dtype], overlap, pingpong, pack, split,
                                               persistent=persistent_sms > 0, num_sms=persistent_sms or _NUM_SMS,
                                               v_keys_permuted=v_keys_permuted, two_level_pv=two_level_pv,
                                               consumer_wgs=consumer_wgs, skip_unit_rescale=skip_unit_rescale,
-                                              varlen=varlen, quantize_q=quantize_q, lazy_rescale=lazy_rescale)))
+                                              varlen=varlen, quantize_q=quantize_q, lazy_rescale=lazy_rescale,
+                                              kv_lengths=kv_lengths)))
 
 
 def compile_only(config: AttnConfig | None = None, arch: str = _ARCH_DEFAULT):
@@ -220,10 +222,14 @@ def fp8_attention_forward(q, q_scale, k, k_scale, v_t, v_scale, *, causal: bool,
 
 
 def _forward(q, q_scale, k, k_scale, v_t, v_scale, causal: bool, softmax_scale: float, out_dtype: torch.dtype,
-             out: torch.Tensor | None = None, v_keys_permuted: bool = False, quantize_q: bool = False):
+             out: torch.Tensor | None = None, v_keys_permuted: bool = False, quantize_q: bool = False,
+             kv_lengths: torch.Tensor | None = None):
     """The launch of :func:`fp8_attention_forward` on valid operands, FP8 codes as uint8, on the
     current device. ``quantize_q``: ``q`` is the float Q (the output dtype), quantized by the kernel
-    as the Q pre-pass would (it writes ``q_scale``); the caller has checked :func:`quantizes_q`."""
+    as the Q pre-pass would (it writes ``q_scale``); the caller has checked :func:`quantizes_q`.
+    ``kv_lengths``: an FP8 KV cache's ``[B, 8]`` int32 plan whose field 5 is each batch row's live
+    length on the device (K, Vᵀ and K's scales are the whole buffers; the host picks the splits
+    from their extent): no host value of the length, so CUDA graphs replay it at any length."""
     B, H, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
     if out is None:
@@ -252,9 +258,11 @@ def _forward(q, q_scale, k, k_scale, v_t, v_scale, causal: bool, softmax_scale: 
     persistent = PERSISTENT
     if persistent is None:
         persistent = D in PERSISTENT_HEAD_DIMS and not pack and splits == 1 and wgs > 1
+    if kv_lengths is not None:
+        persistent = False
     fn = _kernel(D, causal, out_dtype, pack, splits > 1, v_keys_permuted, OVERLAP, PINGPONG,
                  _num_sms(q.device) if persistent else 0, two_level, wgs, SKIP_UNIT_RESCALE,
-                 False, quantize_q, LAZY_RESCALE)
+                 False, quantize_q, LAZY_RESCALE, kv_lengths is not None)
     o_dst, l_dst = out, lse
     if splits > 1:
         o_dst = torch.empty(splits * B * qh, rows, D, dtype=torch.float32, device=q.device)
@@ -272,7 +280,8 @@ def _forward(q, q_scale, k, k_scale, v_t, v_scale, causal: bool, softmax_scale: 
         o_dst.as_strided((rows, D, o_dst.numel() // (rows * D)), (D, 1, rows * D)),
         l_dst.as_strided((rows, l_dst.numel() // rows), (1, rows)),
     )
-    _launch(fn, args, softmax_scale, (Hkv, 1, r, Sq) if pack else (H, r, 1, Sq), _no_plan(q.device))
+    plan = _no_plan(q.device) if kv_lengths is None else kv_lengths
+    _launch(fn, args, softmax_scale, (Hkv, 1, r, Sq) if pack else (H, r, 1, Sq), plan)
     if splits > 1:  # combine: lse = logsumexp_i lse_i, O = sum_i exp(lse_i - lse) O_i
         _combine_entry(D, out_dtype)(o_dst.view(splits, -1, D), l_dst.view(splits, -1), out.view(-1, D), lse.view(-1),
                                      splits)
@@ -333,8 +342,9 @@ def build_kv_append_kernel(dtype: torch.dtype, head_dim: int, arch: str = _ARCH_
     k_scale = heads(cutlass.Float32, (cute.sym_int(),), (1,), 4)
     v_t = heads(cutlass.Uint8, (d, cute.sym_int()), (i64(divisibility=16), 1), 16, 16)
     v_inv = heads(cutlass.Float32, (d,), (1,), 8, 2)
-    saturated = make_fake_tensor(cutlass.Int64, (1,), stride=(1,), assumed_align=8)
-    return compile_for_arch(kv_append, new_k, new_v, tail, amax, k, k_scale, v_t, v_inv, saturated, cutlass.Int32(0),
+    counts = make_fake_tensor(cutlass.Int64, (2,), stride=(1,), assumed_align=16)
+    plan = make_fake_tensor(cutlass.Int32, (b, 8), stride=(8, 1), assumed_align=16)
+    return compile_for_arch(kv_append, new_k, new_v, tail, amax, k, k_scale, v_t, v_inv, counts, plan,
                             cutlass.Int32(1), head_dim, make_fake_stream(use_tvm_ffi_env_stream=True), arch=arch,
                             tvm_ffi=True)
 
@@ -348,11 +358,12 @@ def _kv_append_entry(dtype: torch.dtype, head_dim: int):
                                       _ARCH_DEFAULT, lambda: build_kv_append_kernel(dtype, head_dim)))
 
 
-def kv_append_op(k, v, tail, amax, k_codes, k_scale, v_t, v_inv, saturated, start: int) -> None:
-    """One launch of the FP8 KV cache's append (``kv_append.py``); the caller
+def kv_append_op(k, v, tail, amax, k_codes, k_scale, v_t, v_inv, counts, plan, start: int | None) -> None:
+    """One launch of the FP8 KV cache's append (``kv_append.py``) at the lengths in ``plan``'s field
+    5 (``start``: their host value where known, else None); the caller
     (:meth:`lowprec.attention.FP8KVCache.append`) has checked :func:`config.kv_append_unsupported`."""
     with on_device(k.device):
-        _kv_append_entry(k.dtype, k.shape[-1])(k, v, tail, amax, k_codes, k_scale, v_t, v_inv, saturated, start,
+        _kv_append_entry(k.dtype, k.shape[-1])(k, v, tail, amax, k_codes, k_scale, v_t, v_inv, counts, plan,
                                                k.shape[2])
 
 
@@ -498,13 +509,15 @@ def _attention_fp8_qkv(q, k, v, causal: bool, scale: float):
 
 
 def attention_fp8_q_op(q: torch.Tensor, k: torch.Tensor, k_scale: torch.Tensor, v_t: torch.Tensor,
-                       v_scale: torch.Tensor, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                       v_scale: torch.Tensor, causal: bool, scale: float,
+                       kv_lengths: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``lowprec.attention(q, k_cache, v_cache, quant="fp8")`` on sm_90a in one lean host pass: float
     Q quantized per call (the Q pre-pass kernel, the bits of
     :func:`~lowprec.attention.quantize.quantize_q`) and the forward on the FP8 cache's operands
     (``k`` [B, Hkv, Sk, D] E4M3 with ``k_scale`` [B, Hkv, ceil(Sk/128)], ``v_t`` [B, Hkv, D,
     round_up(Sk, 16)] E4M3 with ``v_scale`` [B, Hkv, D]: CONTRACT.md). The registry's constraints
-    (``config.q_unsupported``) hold. Returns ``(out in q's dtype, lse FP32)``."""
+    (``config.q_unsupported``) hold. ``kv_lengths``: the cache's plan of device-side lengths (the
+    operands are then its whole buffers; see :func:`_forward`). Returns ``(out in q's dtype, lse FP32)``."""
     b, h, sq, d = q.shape
     q_block = TILE_M if sq % TILE_M == 0 else sq
     q_kernel = _q_prepass_kernel(q.dtype, q_block * d)
@@ -513,7 +526,8 @@ def attention_fp8_q_op(q: torch.Tensor, k: torch.Tensor, k_scale: torch.Tensor, 
     q_scale = torch.empty(b, h, sq // q_block, dtype=torch.float32, device=q.device)
     with on_device(q.device):
         q_kernel(q.view(-1, q_block * d), q_codes.view(-1, q_block * d), q_scale.view(-1, 1))
-        return _forward(q_codes, q_scale, k.view(u8), k_scale, v_t.view(u8), v_scale, causal, scale, q.dtype)
+        return _forward(q_codes, q_scale, k.view(u8), k_scale, v_t.view(u8), v_scale, causal, scale, q.dtype,
+                        kv_lengths=kv_lengths)
 
 
 @functools.cache

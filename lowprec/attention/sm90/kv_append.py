@@ -47,10 +47,21 @@ def _store_codes(row: cute.Tensor, values, pair):
 
 @cute.kernel
 def _kv_append_kernel(mKn: cute.Tensor, mVn: cute.Tensor, mTail: cute.Tensor, mAmax: cute.Tensor, mK_u8: cute.Tensor,
-                      mKs: cute.Tensor, mVt_u8: cute.Tensor, mVinv: cute.Tensor, mSat: cute.Tensor,
-                      start: cutlass.Int32, count: cutlass.Int32, d: cutlass.Constexpr):
+                      mKs: cute.Tensor, mVt_u8: cute.Tensor, mVinv: cute.Tensor, mCounts: cute.Tensor,
+                      mPlan: cute.Tensor, count: cutlass.Int32, d: cutlass.Constexpr):
     tidx, _, _ = cute.arch.thread_idx()
     head, batch, _ = cute.arch.block_idx()
+    start = mPlan[batch, 5]  # the row's length (the cache updates it after this launch)
+    if start + count <= mK_u8.shape[2]:
+        _append_row(mKn, mVn, mTail, mAmax, mK_u8, mKs, mVt_u8, mVinv, mCounts, start, count, batch, head, tidx, d)
+    elif tidx == 0 and head == 0:  # past max_len (a replayed graph): nothing written, counted
+        cute.arch.red(mCounts.iterator + 1, cutlass.Int64(count), op="add", dtype="u64", sem="relaxed",
+                      scope="gpu")
+
+
+@cute.jit
+def _append_row(mKn, mVn, mTail, mAmax, mK_u8, mKs, mVt_u8, mVinv, mCounts, start, count, batch, head, tidx,
+                d: cutlass.Constexpr):
     mK, mVt = as_fp8(mK_u8), as_fp8(mVt_u8)
     smem = cutlass.memory.SmemAllocator()
     warp_max = smem.allocate_tensor(Float32, cute.make_layout(THREADS // 32), byte_alignment=16)
@@ -95,17 +106,18 @@ def _kv_append_kernel(mKn: cute.Tensor, mVn: cute.Tensor, mTail: cute.Tensor, mA
                 saturated = saturated + cutlass.Int64(1)
     saturated = cute.arch.warp_reduction_sum(saturated)
     if tidx % 32 == 0 and saturated > cutlass.Int64(0):
-        cute.arch.red(mSat.iterator, saturated, op="add", dtype="u64", sem="relaxed", scope="gpu")
+        cute.arch.red(mCounts.iterator, saturated, op="add", dtype="u64", sem="relaxed", scope="gpu")
 
 
 @cute.jit
 def kv_append(mKn: cute.Tensor, mVn: cute.Tensor, mTail: cute.Tensor, mAmax: cute.Tensor, mK: cute.Tensor,
-              mKs: cute.Tensor, mVt: cute.Tensor, mVinv: cute.Tensor, mSat: cute.Tensor, start: cutlass.Int32,
+              mKs: cute.Tensor, mVt: cute.Tensor, mVinv: cute.Tensor, mCounts: cute.Tensor, mPlan: cute.Tensor,
               count: cutlass.Int32, d: cutlass.Constexpr, stream):
     """Append ``count`` tokens (``mKn``, ``mVn`` [B, Hkv, count, D], any strides, rows contiguous)
-    at position ``start`` of the cache (``mK`` [B, Hkv, max_len, D] and ``mVt`` [B, Hkv, D, padded]
-    E4M3 codes, ``mKs`` [B, Hkv, blocks] K scales, ``mTail`` [B, Hkv, 128, D] the block's kept
-    tokens and ``mAmax`` [B, Hkv] their amax, ``mVinv`` [B, Hkv, D] V's inverse scales, ``mSat``
-    [1] int64 the saturation count); ``start % 128 + count <= 128``, D even and at most 256."""
-    _kv_append_kernel(mKn, mVn, mTail, mAmax, mK, mKs, mVt, mVinv, mSat, start, count, d).launch(
+    at each batch row's length (field 5 of ``mPlan`` [B, 8] int32, read on the device) in the cache
+    (``mK`` [B, Hkv, max_len, D] and ``mVt`` [B, Hkv, D, padded] E4M3 codes, ``mKs`` [B, Hkv,
+    blocks] K scales, ``mTail`` [B, Hkv, 128, D] the block's kept tokens and ``mAmax`` [B, Hkv]
+    their amax, ``mVinv`` [B, Hkv, D] V's inverse scales, ``mCounts`` [2] int64: values saturated,
+    tokens dropped past ``max_len``); ``length % 128 + count <= 128``, D dividing 256."""
+    _kv_append_kernel(mKn, mVn, mTail, mAmax, mK, mKs, mVt, mVinv, mCounts, mPlan, count, d).launch(
         grid=(mK.shape[1], mK.shape[0], 1), block=(THREADS, 1, 1), stream=stream)
