@@ -68,6 +68,7 @@ def _tiny_llama(attn_implementation, device, dtype):
 def test_a_real_llama_on_lowprec_fp8(device):
     """A tiny transformers Llama on "lowprec_fp8": logits within the FP8 scheme's error of sdpa's,
     padded batches through sdpa (the same logits), training gradients, generation."""
+    pytest.importorskip("transformers", minversion="5.0")
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("needs a GPU")
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
