@@ -164,8 +164,6 @@ class FP8KVCache:
         if t == 0:
             return
         start, end = self.length, self.length + t
-        if end > self.max_len:
-            raise ValueError(f"k: {t} more tokens overflow the cache: it holds {start} of max_len={self.max_len}")
         if not self._v_scale_set:
             amax = v.float().abs().amax(dim=2)  # [B, Hkv, D]
             self._v_scale.copy_(scale_from_amax(amax * self.v_headroom, _ROWWISE))
@@ -178,11 +176,11 @@ class FP8KVCache:
         self._length = end
 
     def _buffers(self) -> tuple[torch.Tensor, ...]:
-        """The append kernel's cache arguments after the new tokens."""
+        """The append kernel's arguments that follow the new tokens' ``k`` and ``v``."""
         return (self._k_tail, self._k_tail_amax, self._k_u8, self._k_scale, self._v_t_u8, self._v_inv, self._counts,
                 self._plan)
 
-    def decode_step(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
+    def decode_step(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     scale: float | None = None) -> torch.Tensor:
         """One decode step, capturable in a CUDA graph that then replays at every length: append one
         token (``k``, ``v`` ``[B, Hkv, 1, D]``) and attend with its query (``q`` ``[B, H, 1, D]``).
@@ -207,7 +205,7 @@ class FP8KVCache:
         if self.device.type != "cuda" or registry.why_no_kernel("attention_kv_append", self.device, k, v,
                                                                 *self._buffers(), None) is not None:
             self.append(k, v)
-            return self.attend(q, causal, scale)
+            return self.attend(q, scale=scale)
         registry.run("attention_kv_append", self.device, (k, v, *self._buffers(), None),
                      lambda: self._append_torch(k, v, self.length, self.length + 1))
         self._plan[:, 5].add_(1).clamp_(max=self.max_len)
