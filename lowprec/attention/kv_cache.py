@@ -20,8 +20,9 @@ only what each step adds:
 
 :meth:`FP8KVCache.attend` runs the FP8 forward over the first :attr:`~FP8KVCache.length` tokens
 without copying them (on Hopper the sm_90a kernel reads the buffers as strided views; elsewhere the
-FP8 scheme's emulation). The length is a host integer: each call is an eager call (a CUDA graph
-captures one length).
+FP8 scheme's emulation); its length is a host integer, so a CUDA graph of ``append`` + ``attend``
+captures one length. :meth:`FP8KVCache.decode_step` (one token and its query per row) keeps every
+length on the device instead: one graph of it replays at each next length.
 """
 
 from __future__ import annotations
