@@ -32,7 +32,9 @@ def test_the_fp8_forward_in_transformers_layout(is_causal):
     out, weights = transformers_attention_forward(_Attention(), q, k, v, None, scaling=0.1, is_causal=is_causal)
     ref = lowprec.attention(q, k, v, causal=is_causal is not False, scale=0.1, quant="fp8")
     assert weights is None and out.shape == (2, 96, 4, 64) and out.is_contiguous()
-    assert torch.equal(out, ref.transpose(1, 2))
+    # not torch.equal: one CI run saw the two CPU emulation calls differ in low bits (not
+    # reproduced in nine reruns); a wrong causal flag, scale or layout moves the output by far more
+    torch.testing.assert_close(out, ref.transpose(1, 2), rtol=1e-5, atol=1e-6)
 
 
 def test_gradients_flow_through_the_fp8_forward():
