@@ -48,6 +48,16 @@ def _loop_us(step, steps: int, synced: bool) -> float:
     return start.elapsed_time(end) * 1e3 / steps
 
 
+def _write_token(k_buf, v_buf, length: list, new_k, new_v, i: int) -> int:
+    """Token ``i`` of the new ones written at position ``length[0]`` of a bf16 cache, which grows by
+    one; returns that position."""
+    n = length[0]
+    k_buf[:, :, n:n + 1] = new_k[:, :, i:i + 1]
+    v_buf[:, :, n:n + 1] = new_v[:, :, i:i + 1]
+    length[0] = n + 1
+    return n
+
+
 def _replay_us(graph, steps: int) -> float:
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
@@ -132,10 +142,7 @@ def main():
             length = [sk]
 
             def bf16_step(i):
-                n = length[0]
-                k_bf[:, :, n:n + 1] = new_k[:, :, i:i + 1]
-                v_bf[:, :, n:n + 1] = new_v[:, :, i:i + 1]
-                length[0] = n + 1
+                n = _write_token(k_bf, v_bf, length, new_k, new_v, i)
                 # the flash backend: cuDNN's (the default here) builds a plan per new length
                 with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
                     return F.scaled_dot_product_attention(q, k_bf[:, :, :n + 1], v_bf[:, :, :n + 1],
@@ -145,10 +152,7 @@ def main():
             re_length = [sk]
 
             def requant_step(i):
-                n = re_length[0]
-                k_re[:, :, n:n + 1] = new_k[:, :, i:i + 1]
-                v_re[:, :, n:n + 1] = new_v[:, :, i:i + 1]
-                re_length[0] = n + 1
+                n = _write_token(k_re, v_re, re_length, new_k, new_v, i)
                 kq, vq = quantize_kv_cache(k_re[:, :, :n + 1], v_re[:, :, :n + 1])
                 return lowprec.attention(q, kq, vq, quant="fp8")
 

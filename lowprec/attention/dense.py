@@ -10,8 +10,7 @@ from ..runtime import backend_mode, registry
 from ..tensor import QuantizedTensor
 from . import ops
 from .quantize import (
-    ATTN_BLOCK,
-    V_PAD,
+    kv_views,
     qk_from_quantized,
     quantize_v,
     v_from_quantized,
@@ -145,9 +144,9 @@ def fp8_over_kv_operands(q, kc, ks, vt, vs, causal: bool, scale: float, kv_lengt
         def per_row():  # the host path: each row over its own length
             rows = []
             for b, n in enumerate(kv_lengths[:, 5].tolist()):
-                ops_b = (kc[b:b + 1, :, :n], ks[b:b + 1, :, :-(-n // ATTN_BLOCK)],
-                         vt[b:b + 1, ..., :-(-n // V_PAD) * V_PAD], vs[b:b + 1])
-                rows.append(fp8_over_kv_operands(q[b:b + 1], *ops_b, causal, scale))
+                row = slice(b, b + 1)
+                rows.append(fp8_over_kv_operands(q[row], *kv_views(kc[row], ks[row], vt[row], n), vs[row], causal,
+                                                 scale))
             return torch.cat([r[0] for r in rows]), torch.cat([r[1] for r in rows])
 
         return registry.run("attention_fp8_q", q.device, (q, kc, ks, vt, vs, causal, scale, kv_lengths), per_row)

@@ -35,7 +35,7 @@ from ..quant.reference import ieee_div, scale_from_amax
 from ..recipes import get_recipe
 from ..runtime import registry
 from .dense import fp8_over_kv_operands
-from .quantize import ATTN_BLOCK, V_PAD, _blocks
+from .quantize import ATTN_BLOCK, V_PAD, _blocks, kv_views
 
 __all__ = ["FP8KVCache"]
 
@@ -143,8 +143,11 @@ class FP8KVCache:
         v_scale = v_scale.to(device=self.device, dtype=torch.float32)
         if not bool(torch.isfinite(v_scale).all() and (v_scale > 0).all()):
             raise ValueError("v_scale: expected positive finite scales")
+        self._fix_v_scale(v_scale)
+
+    def _fix_v_scale(self, v_scale: torch.Tensor) -> None:
         self._v_scale.copy_(v_scale)
-        self._v_inv.copy_(ieee_div(torch.ones_like(v_scale), v_scale))
+        self._v_inv.copy_(ieee_div(torch.ones_like(self._v_scale), self._v_scale))
         self._v_scale_set = True
 
     def reset(self) -> None:
@@ -167,9 +170,7 @@ class FP8KVCache:
         start, end = self.length, self.length + t
         if not self._v_scale_set:
             amax = v.float().abs().amax(dim=2)  # [B, Hkv, D]
-            self._v_scale.copy_(scale_from_amax(amax * self.v_headroom, _ROWWISE))
-            self._v_inv.copy_(ieee_div(torch.ones_like(self._v_scale), self._v_scale))
-            self._v_scale_set = True
+            self._fix_v_scale(scale_from_amax(amax * self.v_headroom, _ROWWISE))
         # a decode step on Hopper: one kernel (sm90/kv_append.py), the same bits as the torch ops
         registry.run("attention_kv_append", self.device, (k, v, *self._buffers(), start),
                      lambda: self._append_torch(k, v, start, end))
@@ -191,8 +192,8 @@ class FP8KVCache:
         bits exactly; the attention's split of the keys is chosen for ``max_len``, so its bits may
         differ from ``attend``'s in the last places). V's scales must be set (by an earlier append,
         or ``v_scale``). A replay past ``max_len`` stores nothing and counts the token in
-        :attr:`dropped`; its output then attends over the tokens held. Elsewhere: :meth:`append`
-        then :meth:`attend`."""
+        :attr:`dropped`; its output then attends over the tokens held. Elsewhere the same steps in
+        torch ops and the emulation, reading the length back (a sync)."""
         self._check_kv(k, v, check_length=False)
         if k.shape[2] != 1:
             raise ValueError(f"k: decode_step appends one token per row, got {k.shape[2]}")
@@ -203,14 +204,11 @@ class FP8KVCache:
             raise ValueError(f"q: decode_step attends with one query per row, got {q.shape[2]}")
         if self._length is not None and self._length + 1 > self.max_len:
             raise ValueError(f"k: 1 more token overflows the cache: it holds {self._length} of max_len={self.max_len}")
-        if self.device.type != "cuda" or registry.why_no_kernel("attention_kv_append", self.device, k, v,
-                                                                *self._buffers(), None) is not None:
-            self.append(k, v)
-            return self.attend(q, scale=scale)
         registry.run("attention_kv_append", self.device, (k, v, *self._buffers(), None),
                      lambda: self._append_torch(k, v, self.length, self.length + 1))
         self._plan[:, 5].add_(1).clamp_(max=self.max_len)
-        self._length = None if torch.cuda.is_current_stream_capturing() or self._length is None else self._length + 1
+        capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        self._length = None if capturing or self._length is None else self._length + 1
         scale = 1.0 / math.sqrt(self.head_dim) if scale is None else float(scale)
         out, _ = fp8_over_kv_operands(q, self._k, self._k_scale, self._v_t, self._v_scale, False, scale,
                                       kv_lengths=self._plan)
@@ -229,19 +227,17 @@ class FP8KVCache:
         kept = start - first
         tokens = torch.cat([self._k_tail[:, :, :kept], k], dim=2) if kept else k
         full = (end - first) // ATTN_BLOCK * ATTN_BLOCK  # tokens in complete blocks: final
-        if full:
-            codes, scales = _blocks(tokens[:, :, :full])
-            self._k_u8[:, :, first:first + full] = codes.view(torch.uint8)
-            self._k_scale[:, :, first // ATTN_BLOCK:(first + full) // ATTN_BLOCK] = scales
-        if end - first > full:  # the partial block (a decode step's whole work): a few torch ops
+        # the complete blocks, then the partial one (its own 128-token block), as quantize_kv_cache
+        for lo, hi in ((0, full), (full, end - first)):
+            if hi > lo:
+                codes, scales = _blocks(tokens[:, :, lo:hi])
+                self._k_u8[:, :, first + lo:first + hi] = codes.view(torch.uint8)
+                b0 = (first + lo) // ATTN_BLOCK
+                self._k_scale[:, :, b0:b0 + scales.shape[-1]] = scales
+        if end - first > full:
             part = tokens[:, :, full:]
-            # [B, Hkv], kept as the kernel keeps it; NaN ignored as the quantizers do
+            # kept for the next append, as the kernel keeps it (NaN ignored, as the quantizers do)
             self._k_tail_amax.copy_(part.float().abs().nan_to_num(nan=0.0, posinf=torch.inf).amax(dim=(2, 3)))
-            scale = scale_from_amax(self._k_tail_amax, _ROWWISE)
-            inv = ieee_div(torch.ones_like(scale), scale)[:, :, None, None]
-            codes = (part.float() * inv).clamp(-_E4M3_MAX, _E4M3_MAX).to(torch.float8_e4m3fn)
-            self._k_u8[:, :, first + full:end] = codes.view(torch.uint8)
-            self._k_scale[:, :, (first + full) // ATTN_BLOCK] = scale
             self._k_tail[:, :, :end - first - full] = part
 
     def _check_kv(self, k, v, check_length: bool = True) -> None:
@@ -267,9 +263,7 @@ class FP8KVCache:
         """The FP8 forward's K-side operands over the current length, as views of the buffers:
         ``(k [B, Hkv, L, D] E4M3, k_scale [B, Hkv, ceil(L/128)], v_t [B, Hkv, D, round_up(L, 16)] E4M3,
         v_scale [B, Hkv, D])`` (``sm90/CONTRACT.md``)."""
-        n = self.length
-        return (self._k[:, :, :n], self._k_scale[:, :, :-(-n // ATTN_BLOCK)], self._v_t[..., :-(-n // V_PAD) * V_PAD],
-                self._v_scale)
+        return (*kv_views(self._k, self._k_scale, self._v_t, self.length), self._v_scale)
 
     def attend(self, q: torch.Tensor, causal: bool = False, scale: float | None = None, return_lse: bool = False):
         """FP8 attention of ``q`` ``[B, H, Sq, D]`` (``H`` a multiple of the KV heads) over the

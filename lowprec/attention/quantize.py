@@ -187,6 +187,14 @@ def qk_from_quantized(x: QuantizedTensor, name: str) -> tuple[torch.Tensor, torc
     return x.data, x.scale.reshape(*x.shape[:2], -1)
 
 
+def kv_views(k: torch.Tensor, k_scale: torch.Tensor, v_t: torch.Tensor, length: int
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The first ``length`` tokens of a K / Vᵀ cache's buffers as the forward's operands (views, no
+    copy): ``k[..., :L, :]``, ``k_scale[..., :ceil(L/128)]``, ``v_t[..., :round_up(L, 16)]``."""
+    return (k[:, :, :length], k_scale[:, :, :-(-length // ATTN_BLOCK)],
+            v_t[..., :-(-length // V_PAD) * V_PAD])
+
+
 def v_from_quantized(x: QuantizedTensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(v_t, v_scale)`` of a Vᵀ QuantizedTensor in ``fp8_rowwise``: codes padded to a multiple of 16
     tokens (a copy of the FP8 codes only when Sk is not), no requantization."""

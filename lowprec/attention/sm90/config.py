@@ -221,11 +221,9 @@ def head_stride(t) -> int | None:
     """The stride between consecutive (batch, head) pairs of a ``[B, H, ...]`` tensor, as the
     kernels index them (one mode of ``B * H``); None when it is not one stride."""
     b, h = t.shape[:2]
-    if b == 1 or t.stride(0) == h * t.stride(1):
-        return t.stride(1) if h > 1 else t.stride(0) if b > 1 else t.stride(1)
     if h == 1:
-        return t.stride(0)
-    return None
+        return t.stride(0) if b > 1 else t.stride(1)
+    return t.stride(1) if b == 1 or t.stride(0) == h * t.stride(1) else None
 
 
 def operands_unsupported(q, q_scale, k, k_scale, v_t, v_scale) -> str | None:
@@ -281,7 +279,7 @@ def operands_unsupported(q, q_scale, k, k_scale, v_t, v_scale) -> str | None:
 
 
 KV_APPEND_DTYPES = ("bfloat16", "float16", "float32")
-KV_APPEND_MAX_D = 256  # one thread per column pair, 128 threads
+KV_APPEND_MAX_D = 256  # D / 2 threads per row (one per column pair) in a CTA of 256
 
 
 def kv_append_unsupported(k, v, tail, amax, k_codes, k_scale, v_t, v_inv, counts, plan,
