@@ -23,6 +23,10 @@ without copying them (on Hopper the sm_90a kernel reads the buffers as strided v
 FP8 scheme's emulation); its length is a host integer, so a CUDA graph of ``append`` + ``attend``
 captures one length. :meth:`FP8KVCache.decode_step` (one token and its query per row) keeps every
 length on the device instead: one graph of it replays at each next length.
+
+Rows may hold different lengths (a batch of prompts of different lengths): ``append(k, v,
+lengths=...)`` takes each row's count from right-padded tokens; later appends and decode steps add
+to each row at its own length, and ``attend`` has each row attend over its own keys.
 """
 
 from __future__ import annotations
@@ -67,6 +71,11 @@ class FP8KVCache:
         for step in range(n):
             cache.append(k_new, v_new)                 # [B, Hkv, 1, D]
             out = cache.attend(q_new, causal=True)     # [B, H, 1, D]
+
+    Prompts of different lengths, right-padded to the longest::
+
+        cache.append(k_padded, v_padded, lengths=prompt_lengths)   # row b keeps its first lengths[b]
+        out = cache.decode_step(q_new, k_new, v_new)               # each row at its own length
     """
 
     def __init__(self, batch: int, kv_heads: int, max_len: int, head_dim: int, *,
@@ -110,22 +119,32 @@ class FP8KVCache:
         # each batch row's length on the device, field 5 of a [B, 8] plan (the varlen kernels' Sk
         # field): the kernels read it, so a CUDA graph of decode_step replays at any length
         self._plan = torch.zeros(batch, 8, dtype=torch.int32, device=device)
-        self._length: int | None = 0  # None: known only on the device (after a captured decode_step)
+        # each row's length on the host; None: known only on the device (after a captured decode_step)
+        self._lengths: list[int] | None = [0] * batch
         if v_scale is not None:
             self.set_v_scale(v_scale)
 
     @property
     def length(self) -> int:
-        """How many tokens the cache holds (after :meth:`decode_step` ran in a CUDA graph, read
-        from the device once: a sync)."""
-        if self._length is None:
-            self._length = int(self._plan[0, 5])
-        return self._length
+        """How many tokens the cache holds: the longest row's count (every row's unless
+        :meth:`append` was given ``lengths``). After :meth:`decode_step` ran in a CUDA graph it is
+        read from the device once (a sync)."""
+        return max(self._host_lengths())
 
     @property
     def lengths(self) -> torch.Tensor:
         """Each batch row's length, int32 ``[B]`` on the device (what the kernels read)."""
         return self._plan[:, 5]
+
+    @property
+    def ragged(self) -> bool:
+        """Whether the rows hold different lengths (a sync after a captured :meth:`decode_step`)."""
+        return len(set(self._host_lengths())) > 1
+
+    def _host_lengths(self) -> list[int]:
+        if self._lengths is None:
+            self._lengths = self._plan[:, 5].tolist()
+        return self._lengths
 
     @property
     def v_scale(self) -> torch.Tensor:
@@ -153,29 +172,78 @@ class FP8KVCache:
     def reset(self) -> None:
         """Empty the cache (its buffers stay allocated; V's scales are chosen again at the next
         append unless :meth:`set_v_scale` fixes them)."""
-        self._length = 0
+        self._lengths = [0] * self.batch
         self._plan.zero_()
         self._v_t_u8.zero_()
         self._v_scale_set = False
         self._counts.zero_()
 
-    def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Add ``t`` tokens: ``k``, ``v`` ``[B, Hkv, t, D]`` of the cache's dtype and device.
+    def append(self, k: torch.Tensor, v: torch.Tensor, lengths=None) -> None:
+        """Add ``t`` tokens to each row: ``k``, ``v`` ``[B, Hkv, t, D]`` of the cache's dtype and
+        device, each row after its own last token.
 
-        The caller's tensors are read, never modified."""
+        ``lengths``: ``B`` token counts (a sequence of ints or an integer tensor; each ``0..t``):
+        row ``b`` adds only its first ``lengths[b]`` tokens, the rest being padding (prompts of
+        different lengths, right-padded). V's scales, when this append sets them, come from those
+        tokens only. The caller's tensors are read, never modified."""
         self._check_kv(k, v)
         t = k.shape[2]
-        if t == 0:
+        counts = self._counts_of(lengths, t)
+        starts = self._host_lengths()
+        for b, (start, n) in enumerate(zip(starts, counts, strict=True)):
+            if start + n > self.max_len:
+                raise ValueError(f"k: {n} more tokens overflow the cache: row {b} holds {start} of "
+                                 f"max_len={self.max_len}")
+        if not any(counts):
             return
-        start, end = self.length, self.length + t
         if not self._v_scale_set:
-            amax = v.float().abs().amax(dim=2)  # [B, Hkv, D]
-            self._fix_v_scale(scale_from_amax(amax * self.v_headroom, _ROWWISE))
-        # a decode step on Hopper: one kernel (sm90/kv_append.py), the same bits as the torch ops
-        registry.run("attention_kv_append", self.device, (k, v, *self._buffers(), start),
-                     lambda: self._append_torch(k, v, start, end))
-        self._plan[:, 5] = end
-        self._length = end
+            self._fix_v_scale(scale_from_amax(self._v_amax(v, counts) * self.v_headroom, _ROWWISE))
+        if len(set(starts)) == 1 and len(set(counts)) == 1:
+            start, end = starts[0], starts[0] + t
+            # a decode step on Hopper: one kernel (sm90/kv_append.py), the same bits as the torch ops
+            registry.run("attention_kv_append", self.device, (k, v, *self._buffers(), start),
+                         lambda: self._append_torch(k, v, start, end))
+        elif t == 1 and len(set(counts)) == 1:  # one token at each row's own length (on the device)
+            registry.run("attention_kv_append", self.device, (k, v, *self._buffers(), None),
+                         lambda: self._append_rows(k, v, starts, counts))
+        else:
+            self._append_rows(k, v, starts, counts)
+        self._lengths = [s + n for s, n in zip(starts, counts, strict=True)]
+        self._plan[:, 5] = torch.tensor(self._lengths, dtype=torch.int32)
+
+    def _counts_of(self, lengths, t: int) -> list[int]:
+        """The tokens each row adds: ``t`` each, or ``lengths`` checked."""
+        if lengths is None:
+            return [t] * self.batch
+        if isinstance(lengths, torch.Tensor):
+            if lengths.is_floating_point() or lengths.is_complex() or lengths.dim() != 1:
+                raise ValueError(f"lengths: expected a 1-D integer tensor of {self.batch} counts, got "
+                                 f"{lengths.dtype} {tuple(lengths.shape)}")
+            lengths = lengths.tolist()
+        try:
+            counts = [int(n) for n in lengths]
+            exact = all(int(n) == n and not isinstance(n, bool) for n in lengths)
+        except (TypeError, ValueError):
+            raise ValueError(f"lengths: expected {self.batch} integer counts, got {lengths!r}") from None
+        if len(counts) != self.batch or not exact or any(n < 0 or n > t for n in counts):
+            raise ValueError(f"lengths: expected {self.batch} integer counts in 0..{t} (the tokens given per row), "
+                             f"got {lengths!r}")
+        return counts
+
+    def _v_amax(self, v: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """V's channel amax ``[B, Hkv, D]`` over each row's first ``counts[b]`` tokens."""
+        mag = v.float().abs()
+        if min(counts) < v.shape[2]:
+            live = torch.arange(v.shape[2], device=v.device) < torch.tensor(counts, device=v.device)[:, None]
+            mag = mag * live[:, None, :, None]
+        return mag.amax(dim=2)
+
+    def _append_rows(self, k: torch.Tensor, v: torch.Tensor, starts: list[int], counts: list[int]) -> None:
+        """The torch append, row by row (rows at different lengths or adding different counts)."""
+        for b, (start, n) in enumerate(zip(starts, counts, strict=True)):
+            if n:
+                row = slice(b, b + 1)
+                self._append_torch(k[row, :, :n], v[row, :, :n], start, start + n, row)
 
     def _buffers(self) -> tuple[torch.Tensor, ...]:
         """The append kernel's arguments that follow the new tokens' ``k`` and ``v``."""
@@ -194,7 +262,7 @@ class FP8KVCache:
         or ``v_scale``). A replay past ``max_len`` stores nothing and counts the token in
         :attr:`dropped`; its output then attends over the tokens held. Elsewhere the same steps in
         torch ops and the emulation, reading the length back (a sync)."""
-        self._check_kv(k, v, check_length=False)
+        self._check_kv(k, v)
         if k.shape[2] != 1:
             raise ValueError(f"k: decode_step appends one token per row, got {k.shape[2]}")
         if not self._v_scale_set:
@@ -202,45 +270,48 @@ class FP8KVCache:
         self._check_q(q)
         if q.shape[2] != 1:
             raise ValueError(f"q: decode_step attends with one query per row, got {q.shape[2]}")
-        if self._length is not None and self._length + 1 > self.max_len:
-            raise ValueError(f"k: 1 more token overflows the cache: it holds {self._length} of max_len={self.max_len}")
+        if self._lengths is not None and max(self._lengths) + 1 > self.max_len:
+            raise ValueError(f"k: 1 more token overflows the cache: it holds {max(self._lengths)} of "
+                             f"max_len={self.max_len}")
         registry.run("attention_kv_append", self.device, (k, v, *self._buffers(), None),
-                     lambda: self._append_torch(k, v, self.length, self.length + 1))
+                     lambda: self._append_rows(k, v, self._host_lengths(), [1] * self.batch))
         self._plan[:, 5].add_(1).clamp_(max=self.max_len)
         capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-        self._length = None if capturing or self._length is None else self._length + 1
+        self._lengths = None if capturing or self._lengths is None else [n + 1 for n in self._lengths]
         scale = 1.0 / math.sqrt(self.head_dim) if scale is None else float(scale)
         out, _ = fp8_over_kv_operands(q, self._k, self._k_scale, self._v_t, self._v_scale, False, scale,
                                       kv_lengths=self._plan)
         return out
 
-    def _append_torch(self, k: torch.Tensor, v: torch.Tensor, start: int, end: int) -> None:
-        self._append_k(k, start, end)
-        scaled = v.float() * self._v_inv[:, :, None, :]
+    def _append_torch(self, k: torch.Tensor, v: torch.Tensor, start: int, end: int,
+                      rows: slice = slice(None)) -> None:
+        """The append of ``k``, ``v`` at ``start`` to the batch ``rows`` (all: every row) in torch ops."""
+        self._append_k(k, start, end, rows)
+        scaled = v.float() * self._v_inv[rows, :, None, :]
         self.saturated += (scaled.abs() > _SATURATES_PAST).sum()
         codes = scaled.clamp(-_E4M3_MAX, _E4M3_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
-        self._v_t_u8[..., start:end] = codes.transpose(-1, -2)
+        self._v_t_u8[rows, ..., start:end] = codes.transpose(-1, -2)
 
-    def _append_k(self, k: torch.Tensor, start: int, end: int) -> None:
+    def _append_k(self, k: torch.Tensor, start: int, end: int, rows: slice) -> None:
         # from the first token of the block being filled: its earlier tokens (kept in float) then k
         first = start - start % ATTN_BLOCK
         kept = start - first
-        tokens = torch.cat([self._k_tail[:, :, :kept], k], dim=2) if kept else k
+        tokens = torch.cat([self._k_tail[rows, :, :kept], k], dim=2) if kept else k
         full = (end - first) // ATTN_BLOCK * ATTN_BLOCK  # tokens in complete blocks: final
         # the complete blocks, then the partial one (its own 128-token block), as quantize_kv_cache
         for lo, hi in ((0, full), (full, end - first)):
             if hi > lo:
                 codes, scales = _blocks(tokens[:, :, lo:hi])
-                self._k_u8[:, :, first + lo:first + hi] = codes.view(torch.uint8)
+                self._k_u8[rows, :, first + lo:first + hi] = codes.view(torch.uint8)
                 b0 = (first + lo) // ATTN_BLOCK
-                self._k_scale[:, :, b0:b0 + scales.shape[-1]] = scales
+                self._k_scale[rows, :, b0:b0 + scales.shape[-1]] = scales
         if end - first > full:
             part = tokens[:, :, full:]
             # kept for the next append, as the kernel keeps it (NaN ignored, as the quantizers do)
-            self._k_tail_amax.copy_(part.float().abs().nan_to_num(nan=0.0, posinf=torch.inf).amax(dim=(2, 3)))
-            self._k_tail[:, :, :end - first - full] = part
+            self._k_tail_amax[rows] = part.float().abs().nan_to_num(nan=0.0, posinf=torch.inf).amax(dim=(2, 3))
+            self._k_tail[rows, :, :end - first - full] = part
 
-    def _check_kv(self, k, v, check_length: bool = True) -> None:
+    def _check_kv(self, k, v) -> None:
         for name, t in (("k", k), ("v", v)):
             if not isinstance(t, torch.Tensor) or t.dim() != 4:
                 raise ValueError(f"{name}: expected a [B, Hkv, t, D] tensor, got {type(t).__name__} "
@@ -255,24 +326,29 @@ class FP8KVCache:
                 raise ValueError(f"{name}: on {t.device}, but the cache is on {self.device}")
         if k.shape[2] != v.shape[2]:
             raise ValueError(f"v: expected as many tokens as k ({k.shape[2]}), got {v.shape[2]}")
-        if check_length and self.length + k.shape[2] > self.max_len:
-            raise ValueError(f"k: {k.shape[2]} more tokens overflow the cache: it holds {self.length} of "
-                             f"max_len={self.max_len}")
 
     def operands(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """The FP8 forward's K-side operands over the current length, as views of the buffers:
         ``(k [B, Hkv, L, D] E4M3, k_scale [B, Hkv, ceil(L/128)], v_t [B, Hkv, D, round_up(L, 16)] E4M3,
-        v_scale [B, Hkv, D])`` (``sm90/CONTRACT.md``)."""
+        v_scale [B, Hkv, D])`` (``sm90/CONTRACT.md``). With rows of different lengths ``L`` is the
+        longest; row ``b``'s tokens past ``lengths[b]`` are not its keys (:meth:`attend` knows)."""
         return (*kv_views(self._k, self._k_scale, self._v_t, self.length), self._v_scale)
 
     def attend(self, q: torch.Tensor, causal: bool = False, scale: float | None = None, return_lse: bool = False):
         """FP8 attention of ``q`` ``[B, H, Sq, D]`` (``H`` a multiple of the KV heads) over the
         cached tokens, as ``lowprec.attention(q, k, v, causal, scale, quant="fp8")`` on them
         (``causal``: the queries are the last ``Sq`` positions). Q is quantized per call. Returns
-        ``out`` in q's dtype (and the LSE ``[B, H, Sq]`` FP32 with ``return_lse``). No gradients."""
+        ``out`` in q's dtype (and the LSE ``[B, H, Sq]`` FP32 with ``return_lse``). No gradients.
+        With rows of different lengths each row attends over its own tokens (its queries the last
+        ``Sq`` positions of them when ``causal``)."""
         self._check_q(q)
         scale = 1.0 / math.sqrt(self.head_dim) if scale is None else float(scale)
-        out, lse = fp8_over_kv_operands(q, *self.operands(), bool(causal), scale)
+        causal = bool(causal) and q.shape[2] > 1  # one query sees every key
+        if self.ragged:  # the lengths on the device: the decode kernels read them, else row by row
+            out, lse = fp8_over_kv_operands(q, self._k, self._k_scale, self._v_t, self._v_scale, causal, scale,
+                                            kv_lengths=self._plan)
+        else:
+            out, lse = fp8_over_kv_operands(q, *self.operands(), causal, scale)
         return (out, lse) if return_lse else out
 
     def _check_q(self, q) -> None:
@@ -289,6 +365,6 @@ class FP8KVCache:
             raise ValueError("q: requires grad, but attention over an FP8 KV cache has no gradients")
 
     def __repr__(self) -> str:
-        length = "on the device" if self._length is None else self._length
+        length = "on the device" if self._lengths is None else (self._lengths if self.ragged else self.length)
         return (f"FP8KVCache(batch={self.batch}, kv_heads={self.kv_heads}, length={length}, "
                 f"max_len={self.max_len}, head_dim={self.head_dim}, dtype={self.dtype}, device={self.device})")

@@ -126,7 +126,7 @@ def test_bad_input_is_named():
     with pytest.raises(ValueError, match="v: expected as many tokens"):
         cache.append(k, v[:, :, :5])
     cache.append(k, v)
-    with pytest.raises(ValueError, match="overflow the cache: it holds 100 of max_len=128"):
+    with pytest.raises(ValueError, match="overflow the cache: row 0 holds 100 of max_len=128"):
         cache.append(k, v)
     assert cache.length == 100  # a refused append changes nothing
     with pytest.raises(ValueError, match="v_scale: the cache already holds tokens"):
@@ -143,6 +143,81 @@ def test_bad_input_is_named():
         FP8KVCache(1, 1, 8, 64, v_scale=torch.zeros(1, 1, 64))
     with pytest.raises(ValueError, match="max_len"):
         FP8KVCache(1, 1, 0, 64)
+
+
+class _RowCaches:
+    """One single-row cache per batch row, fed each row's live tokens: what a ragged cache's rows
+    must equal."""
+
+    def __init__(self, like: FP8KVCache):
+        self.rows = [FP8KVCache(1, like.kv_heads, like.max_len, like.head_dim, dtype=like.dtype, device=like.device)
+                     for _ in range(like.batch)]
+
+    def append(self, k, v, counts):
+        for b, (row, n) in enumerate(zip(self.rows, counts, strict=True)):
+            row.append(k[b:b + 1, :, :n], v[b:b + 1, :, :n])
+
+    def check_operands(self, cache):
+        assert cache.lengths.tolist() == [r.length for r in self.rows]
+        for b, row in enumerate(self.rows):
+            n = row.length
+            whole = (cache._k[b:b + 1, :, :n], cache._k_scale[b:b + 1, :, :-(-n // 128)],
+                     cache._v_t[b:b + 1, ..., :n], cache._v_scale[b:b + 1])
+            own = row.operands()
+            for name, x, y in zip(("k", "k_scale", "v_t", "v_scale"), whole, (*own[:2], own[2][..., :n], own[3]),
+                                  strict=True):
+                x, y = (t.view(torch.uint8) if t.dtype != torch.float32 else t for t in (x, y))
+                assert torch.equal(x, y), (b, name)
+
+    def attend(self, q, causal=False):
+        return torch.cat([row.attend(q[b:b + 1], causal=causal) for b, row in enumerate(self.rows)])
+
+
+def test_rows_of_different_lengths_are_each_their_own_cache():
+    """Ragged rows (prompts of different lengths, right-padded): codes, scales and attention of
+    each row equal those of a one-row cache fed that row's tokens, through ragged prefills, appends
+    at each row's own length and decode steps."""
+    b, hkv, d = 3, 2, 64
+    k, v = _kv(b, hkv, 400, d)
+    cache = FP8KVCache(b, hkv, 512, d)
+    rows = _RowCaches(cache)
+    cache.append(k[:, :, :300], v[:, :, :300], lengths=[300, 5, 130])
+    rows.append(k[:, :, :300], v[:, :, :300], [300, 5, 130])
+    assert cache.ragged and cache.length == 300 and "length=[300, 5, 130]" in repr(cache)
+    rows.check_operands(cache)  # V's scales from each row's live tokens only
+    steps = [(slice(300, 301), None), (slice(301, 304), None), (slice(304, 310), torch.tensor([0, 6, 2])),
+             (slice(310, 311), [1, 1, 1])]
+    for sl, lengths in steps:
+        cache.append(k[:, :, sl], v[:, :, sl], lengths=lengths)
+        counts = [sl.stop - sl.start] * b if lengths is None else list(map(int, lengths))
+        rows.append(k[:, :, sl], v[:, :, sl], counts)
+        rows.check_operands(cache)
+    for sq, causal in ((1, False), (1, True), (3, True), (3, False)):
+        q = torch.randn(b, 4, sq, d).to(BF16)
+        _close(cache.attend(q, causal=causal), rows.attend(q, causal=causal))
+    q = torch.randn(b, 4, 1, d).to(BF16)
+    out = cache.decode_step(q, k[:, :, 311:312], v[:, :, 311:312])
+    rows.append(k[:, :, 311:312], v[:, :, 311:312], [1] * b)
+    rows.check_operands(cache)
+    _close(out, rows.attend(q))
+    assert cache.lengths.tolist() == [306, 17, 138]
+    cache.append(k[:, :, :4], v[:, :, :4], lengths=[0, 0, 0])  # nothing to add
+    assert cache.lengths.tolist() == [306, 17, 138]
+
+
+def test_ragged_lengths_are_checked():
+    cache = FP8KVCache(2, 2, 128, 64)
+    k, v = _kv(2, 2, 100, 64)
+    for bad in ([1], [1, 2, 3], [-1, 2], [1, 101], [1.5, 2], torch.tensor([1.0, 2.0]), "ab"):
+        with pytest.raises(ValueError, match="lengths: expected"):
+            cache.append(k, v, lengths=bad)
+    cache.append(k, v, lengths=[100, 10])
+    with pytest.raises(ValueError, match="overflow the cache: row 0 holds 100 of max_len=128"):
+        cache.append(k[:, :, :29], v[:, :, :29], lengths=[29, 29])
+    cache.append(k[:, :, :29], v[:, :, :29], lengths=[28, 29])
+    assert cache.lengths.tolist() == [128, 39] and cache.length == 128
+    with pytest.raises(ValueError, match="1 more token overflows the cache: it holds 128"):
+        cache.decode_step(torch.randn(2, 2, 1, 64).to(BF16), k[:, :, :1], v[:, :, :1])
 
 
 def test_kernel_operands_may_be_views_of_longer_buffers():
@@ -386,3 +461,52 @@ def test_decode_step_over_a_short_length_in_a_long_buffer(b, h, hkv, d, length, 
         cos = torch.nn.functional.cosine_similarity(out.float().flatten(), host_length.float().flatten(), dim=0)
         assert cos > 0.9995, (i, cos.item())
     assert cache.length == length + steps and cache.lengths.tolist() == [length + steps] * b
+
+
+@gpu
+@needs_gpu
+@pytest.mark.parametrize("b,h,hkv,d", [(3, 32, 8, 128), (3, 16, 16, 128), (2, 8, 8, 256), (3, 8, 2, 64)])
+def test_ragged_rows_on_the_kernels(b, h, hkv, d, monkeypatch):
+    """Ragged rows on sm_90a: one-token appends on the append kernel (each row at its own length,
+    read on the device) leave the bits of one-row caches fed each row's tokens; attend (the decode
+    kernels over the device lengths, or row by row) and a CUDA graph of decode_step match them."""
+    lengths, max_len = [2900, 7, 1000][:b], 4096
+    k, v = _kv(b, hkv, 3100, d, device="cuda")
+    cache = FP8KVCache(b, hkv, max_len, d, device="cuda")
+    rows = _RowCaches(cache)
+    cache.append(k[:, :, :3000], v[:, :, :3000], lengths=lengths)
+    rows.append(k[:, :, :3000], v[:, :, :3000], lengths)
+    monkeypatch.setenv("LOWPREC_BACKEND", "kernel")  # the kernels or raise
+    for i in range(3000, 3006):
+        cache.append(k[:, :, i:i + 1], v[:, :, i:i + 1])
+        rows.append(k[:, :, i:i + 1], v[:, :, i:i + 1], [1] * b)
+    rows.check_operands(cache)
+
+    def close(x, y):
+        cos = torch.nn.functional.cosine_similarity(x.float().flatten(), y.float().flatten(), dim=0)
+        assert cos > 0.9995, cos.item()
+
+    for sq in (1, 4):
+        q = torch.randn(b, h, sq, d, device="cuda").to(BF16)
+        close(cache.attend(q), rows.attend(q))
+    monkeypatch.setenv("LOWPREC_BACKEND", "auto")
+    q = torch.randn(b, h, 4, d, device="cuda").to(BF16)
+    assert torch.equal(cache.attend(q, causal=True), rows.attend(q, causal=True))  # row by row: the same launches
+    q_in, k_in, v_in = (torch.empty_like(x[:, :, :1]) for x in (q, k, v))
+    q_in.copy_(q[:, :, :1])
+    k_in.copy_(k[:, :, 3006:3007])
+    v_in.copy_(v[:, :, 3006:3007])
+    cache.decode_step(q_in, k_in, v_in)  # compiles outside the capture
+    rows.append(k_in, v_in, [1] * b)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = cache.decode_step(q_in, k_in, v_in)
+    for i in range(3007, 3012):
+        q_in.copy_(torch.randn_like(q_in))
+        k_in.copy_(k[:, :, i:i + 1])
+        v_in.copy_(v[:, :, i:i + 1])
+        graph.replay()
+        rows.append(k_in, v_in, [1] * b)
+        close(out, rows.attend(q_in))
+    rows.check_operands(cache)
+    assert cache.lengths.tolist() == [n + 12 for n in lengths]

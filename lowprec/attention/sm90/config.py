@@ -410,6 +410,8 @@ def q_unsupported(q, k, k_scale, v_t, v_scale, causal: bool, scale: float, kv_le
     ``kv_lengths``: the cache's ``[B, 8]`` int32 plan of device-side lengths (decode only)."""
     if kv_lengths is not None and q.shape[2] > KV_LENGTHS_MAX_SQ:
         return f"device-side cache lengths serve decode (Sq <= {KV_LENGTHS_MAX_SQ}), got Sq={q.shape[2]}"
+    if kv_lengths is not None and causal:
+        return "device-side cache lengths with causal queries (their decode grids are not causal)"
     return (_q_prepass_unsupported(q) or attention_unsupported(q, None, k, None, v_t, None, causal, scale, q.dtype)
             or operands_unsupported(q, None, k, k_scale, v_t, v_scale))
 
