@@ -6,9 +6,11 @@
   and the smoothing correction of the LSE. Differentiable: its backward is exact attention's,
   from the FP8 forward's ``out`` and (unsmoothed) ``lse``, as FlashAttention's backward computes it.
   The LSE output is not differentiable (as with the aten flash attention op).
-- ``lowprec::attention_backward``: ``(dq, dk, dv)`` from ``(dout, q, k, v, out, lse)``: PyTorch's
-  flash attention backward (``aten._scaled_dot_product_flash_attention_backward``) on CUDA for
-  fp16/bf16, else plain torch (:func:`~lowprec.attention.reference.attention_backward_reference`).
+- ``lowprec::attention_backward``: ``(dq, dk, dv)`` from ``(dout, q, k, v, out, lse)``: on CUDA for
+  fp16/bf16 PyTorch's cuDNN attention backward (``aten._scaled_dot_product_cudnn_attention_backward``,
+  SDPA's own backward on Hopper; grouped heads as they are) where its causal mask is ours (``Sq ==
+  Sk`` or not causal), else its flash attention backward; elsewhere plain torch
+  (:func:`~lowprec.attention.reference.attention_backward_reference`).
 
 All shapes are static and nothing reads values back to the host: ``torch.compile(fullgraph=True)``
 traces the ops whole, CUDA graphs capture them. Eager calls (:func:`attention_fp8_call`) run the
@@ -71,6 +73,10 @@ def _attention_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bo
                    incoherent: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The pre-pass and forward: on Hopper one host pass over all kernels
     (``attention_fp8_qkv``), else (or incoherent) step by step, each on its kernel or reference."""
+    # the one-pass kernels read contiguous [B, H, S, D]; transformers passes transposed views of
+    # [B, S, H, D]: a copy each costs less than the composed steps
+    q, k, v = (t.contiguous() for t in (q, k, v))
+
     def composed():
         x = quantize_qkv(q, k, v, incoherent=incoherent)
         out, lse = forward_dispatch(x.q, x.q_scale, x.k, x.k_scale, x.v_t, x.v_scale, causal, scale, q.dtype)
@@ -147,7 +153,7 @@ def attention_fp8_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal
     return _attention_fp8(q, k, v, causal, scale, incoherent)
 
 
-# --- the backward: PyTorch's flash attention backward, or plain torch -----------------------------
+# --- the backward: PyTorch's cuDNN or flash attention backward, or plain torch -------------------
 
 def _flash_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """The aten flash attention ops take these inputs (fp16/bf16 on CUDA, D = Dv ≤ 256, D % 8 == 0)."""
@@ -190,6 +196,28 @@ def _flash_backward(dout, q, k, v, out, lse, causal, scale):
     return (dq, *fold_kv_heads(dk, dv, k.shape[1]))
 
 
+# (dtype, D, grouped heads) the cuDNN backward refused once: the flash backward serves them
+_CUDNN_REFUSED: set[tuple] = set()
+
+
+def _cudnn_ok(q: torch.Tensor, k: torch.Tensor, causal: bool) -> bool:
+    """The cuDNN backward computes our gradients here: its causal mask is top-left aligned, ours
+    bottom-right, so they agree (and no row is left without keys) when ``Sq == Sk``."""
+    key = (q.dtype, q.shape[-1], q.shape[1] != k.shape[1])
+    return ((not causal or q.shape[-2] == k.shape[-2]) and key not in _CUDNN_REFUSED
+            and torch.backends.cuda.cudnn_sdp_enabled())
+
+
+def _cudnn_backward(dout, q, k, v, out, lse, causal, scale):
+    b, h, sq, _ = q.shape
+    unused_rng = torch.empty((), dtype=torch.int64, device=q.device)  # dropout 0: the philox state is not read
+    # None: no bias, not nested (cuDNN's LSE is ours, natural log, with a trailing unit dim)
+    return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+        dout.to(q.dtype).contiguous(), q.contiguous(), k.contiguous(), v.contiguous(), out.to(q.dtype).contiguous(),
+        lse.float().reshape(b, h, sq, 1).contiguous(), unused_rng, unused_rng, None, None, None, sq, k.shape[-2],
+        0.0, causal, scale=scale)
+
+
 @torch.library.custom_op("lowprec::attention_backward", mutates_args=())
 def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                        lse: torch.Tensor, causal: bool, scale: float
@@ -198,6 +226,13 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     if q.shape[-2] == 0 or k.shape[-2] == 0:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     if _flash_ok(q, k, v):
+        if _cudnn_ok(q, k, causal):
+            try:
+                return tuple(t.contiguous() for t in _cudnn_backward(dout, q, k, v, out, lse, causal, scale))
+            except RuntimeError as err:  # a configuration cuDNN does not build: flash from now on
+                _CUDNN_REFUSED.add((q.dtype, q.shape[-1], q.shape[1] != k.shape[1]))
+                warn_once(f"lowprec: the cuDNN attention backward refused {q.dtype} D={q.shape[-1]} "
+                          f"({type(err).__name__}: {str(err).splitlines()[0][:200]}); using the flash backward")
         try:
             return tuple(t.contiguous() for t in _flash_backward(dout, q, k, v, out, lse, causal, scale))
         except Exception as err:

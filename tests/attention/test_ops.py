@@ -200,6 +200,44 @@ def test_fp8_backward_on_cuda_uses_flash_and_is_close(causal, sq, sk, hkv):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("causal,sq,sk,hkv,d", [(True, 300, 300, 2, 128), (False, 256, 200, 8, 128),
+                                                (True, 256, 256, 8, 64), (True, 128, 128, 4, 256)])
+def test_the_cudnn_backward_is_the_flash_backward(causal, sq, sk, hkv, d):
+    """Where the cuDNN backward serves (Sq == Sk or not causal) its gradients are the flash
+    backward's and the plain-torch one's on the same saved tensors (GQA heads not expanded)."""
+    from lowprec.attention.reference import lse_correction
+
+    q, k, v = (t.to("cuda", torch.bfloat16) for t in _qkv(b=2, h=8, hkv=hkv, sq=sq, sk=sk, d=d, k_offset=2.0))
+    dout = torch.randn(q.shape, device="cuda", dtype=torch.bfloat16)
+    out, lse = lowprec.attention(q, k, v, causal=causal, quant="fp8", return_lse=True)
+    mean = k.float().mean(-2)
+    ks = (k.float() - mean[:, :, None]).to(k.dtype)
+    lse_s = lse - lse_correction(q, mean, d ** -0.5)
+    assert ops._cudnn_ok(q, ks, causal)
+    cudnn = ops._cudnn_backward(dout, q, ks, v, out, lse_s, causal, d ** -0.5)
+    flash = ops._flash_backward(dout, q, ks, v, out, lse_s, causal, d ** -0.5)
+    plain = attention_backward_reference(dout, q, ks, v, out, lse_s, causal, d ** -0.5)
+    for a, b, c in zip(cudnn, flash, plain, strict=True):
+        assert a.shape == b.shape and metrics.cos_sim(a, b) > 0.9999 and metrics.cos_sim(a, c) > 0.9999
+    got = ops.attention_backward(dout, q, ks, v, out, lse_s, causal, d ** -0.5)
+    assert ops._cudnn_ok(q, ks, causal)  # the op took it (a refusal would be remembered)
+    assert all(metrics.cos_sim(a, b) > 0.99999 for a, b in zip(got, cudnn, strict=True))
+
+
+@pytest.mark.gpu
+def test_transposed_views_take_the_one_pass_kernels(monkeypatch):
+    """Q, K, V as transformers passes them (transposed views of [B, S, H, D]) run the one-pass
+    kernels on copies (under LOWPREC_BACKEND=kernel a reference step would raise), the bits of
+    contiguous inputs."""
+    q, k, v = (t.to("cuda", torch.bfloat16) for t in _qkv(b=2, h=8, hkv=2, sq=256, sk=256, d=128))
+    views = [t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v)]
+    assert not any(t.is_contiguous() for t in views)
+    monkeypatch.setenv("LOWPREC_BACKEND", "kernel")
+    assert torch.equal(lowprec.attention(*views, causal=True, quant="fp8"), lowprec.attention(q, k, v, causal=True,
+                                                                                              quant="fp8"))
+
+
+@pytest.mark.gpu
 def test_fp8_cuda_graph_capture_and_compile():
     q, k, v = (t.to("cuda", torch.bfloat16) for t in _qkv(b=1, h=4, hkv=2, sq=256, sk=256, d=128))
     eager = lowprec.attention(q, k, v, causal=True, quant="fp8")
