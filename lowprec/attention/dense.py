@@ -57,8 +57,9 @@ def attention(q, k, v, causal: bool = False, scale: float | None = None, quant: 
     Exact attention (``quant=None``) on CUDA runs PyTorch's fused kernels
     (``F.scaled_dot_product_attention``; with ``return_lse`` the flash attention op), forward and
     backward; elsewhere the FP32 reference. ``quant="fp8"`` is differentiable: the backward is
-    exact attention's gradient from the FP8 forward's output and LSE (PyTorch's flash attention
-    backward on CUDA for fp16/bf16, plain torch elsewhere).
+    exact attention's gradient from the FP8 forward's output and LSE (on CUDA for fp16/bf16
+    PyTorch's cuDNN attention backward where ``Sq == Sk`` or not causal, its flash attention
+    backward otherwise; plain torch elsewhere).
 
     Decode (``Sq`` of 1..16 new queries over a long ``Sk``) is this same call: with ``causal`` the
     queries are the last rows of the prefill (bottom-right). Packed variable-length batches:
