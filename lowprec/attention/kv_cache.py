@@ -184,8 +184,9 @@ class FP8KVCache:
 
         ``lengths``: ``B`` token counts (a sequence of ints or an integer tensor; each ``0..t``):
         row ``b`` adds only its first ``lengths[b]`` tokens, the rest being padding (prompts of
-        different lengths, right-padded). V's scales, when this append sets them, come from those
-        tokens only. The caller's tensors are read, never modified."""
+        different lengths, right-padded; never read into the cache). V's scales, when this append
+        sets them, come from those tokens only (a row given none takes the other rows' amax). The
+        caller's tensors are read, never modified."""
         self._check_kv(k, v)
         t = k.shape[2]
         counts = self._counts_of(lengths, t)
@@ -231,12 +232,15 @@ class FP8KVCache:
         return counts
 
     def _v_amax(self, v: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """V's channel amax ``[B, Hkv, D]`` over each row's first ``counts[b]`` tokens."""
+        """V's channel amax ``[B, Hkv, D]`` over each row's first ``counts[b]`` tokens; a row given
+        none takes the other rows' (per KV head and channel)."""
         mag = v.float().abs()
-        if min(counts) < v.shape[2]:
-            live = torch.arange(v.shape[2], device=v.device) < torch.tensor(counts, device=v.device)[:, None]
-            mag = mag * live[:, None, :, None]
-        return mag.amax(dim=2)
+        if min(counts) == v.shape[2]:
+            return mag.amax(dim=2)
+        live = torch.arange(v.shape[2], device=v.device) < torch.tensor(counts, device=v.device)[:, None]
+        amax = torch.where(live[:, None, :, None], mag, 0.0).amax(dim=2)  # padding may hold anything
+        empty = torch.tensor([n == 0 for n in counts], device=v.device)[:, None, None]
+        return torch.where(empty, amax.amax(dim=0, keepdim=True), amax)
 
     def _append_rows(self, k: torch.Tensor, v: torch.Tensor, starts: list[int], counts: list[int]) -> None:
         """The torch append, row by row (rows at different lengths or adding different counts)."""

@@ -205,6 +205,24 @@ def test_rows_of_different_lengths_are_each_their_own_cache():
     assert cache.lengths.tolist() == [306, 17, 138]
 
 
+def test_ragged_padding_is_never_read():
+    """Padding past each row's length (here NaN and huge values) does not reach the codes or V's
+    scales; a row given no token at the first append takes the other rows' V amax."""
+    k, v = _kv(3, 2, 50, 64)
+    k2, v2 = k.clone(), v.clone()
+    k2[0, :, 20:], v2[0, :, 20:] = float("nan"), 1e4
+    k2[1], v2[1] = float("nan"), float("nan")
+    a, b = FP8KVCache(3, 2, 128, 64), FP8KVCache(3, 2, 128, 64)
+    a.append(k2, v2, lengths=[20, 0, 50])
+    b.append(k, v, lengths=[20, 0, 50])
+    assert torch.equal(a.v_scale, b.v_scale) and torch.isfinite(a.v_scale).all()
+    assert torch.equal(a.v_scale[1], torch.maximum(a.v_scale[0], a.v_scale[2]))
+    for x, y in zip(a.operands(), b.operands(), strict=True):
+        assert torch.equal(x.view(torch.uint8) if x.dtype != torch.float32 else x,
+                           y.view(torch.uint8) if y.dtype != torch.float32 else y)
+    assert not k2.isfinite().all()  # the caller's tensors untouched
+
+
 def test_ragged_lengths_are_checked():
     cache = FP8KVCache(2, 2, 128, 64)
     k, v = _kv(2, 2, 100, 64)
