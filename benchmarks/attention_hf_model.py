@@ -5,8 +5,11 @@ by ``lowprec.convert`` (``fp8_block``; ``inference=True`` for prefill), eager.
 Rows: prefill (a no-grad forward of the whole batch: logits included) and a training step
 (forward, cross-entropy, backward; no optimizer). Synced ms per call, median of ``--reps`` after
 warm-up; the FP8 forward's attention calls are counted so that none silently runs SDPA.
+``--decode``: eager decode steps (one token per row, after a prompt of S tokens) on
+``lowprec.attention.fp8_cache`` + ``"lowprec_fp8"`` against transformers' ``DynamicCache`` +
+``"sdpa"``, bf16 linears, and the caches' KV bytes.
 
-    python benchmarks/attention_hf_model.py --shapes 1x16384,4x4096,16x1024
+    python benchmarks/attention_hf_model.py --shapes 1x16384,4x4096,16x1024 --decode 8x8192,32x4096
 """
 
 from __future__ import annotations
@@ -43,14 +46,17 @@ def main():
     p.add_argument("--shapes", default="1x16384,4x4096,16x1024", help="BxS, comma separated")
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--decode", default="", help="BxS prompts for the decode rows, comma separated")
     args = p.parse_args()
     fp8_attn = register_transformers_attention()
     cfg = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
                       num_hidden_layers=args.layers, vocab_size=32000, max_position_embeddings=32768)
     torch.manual_seed(0)
     base = LlamaForCausalLM(cfg).to("cuda", torch.bfloat16)
+    if args.decode:
+        _decode_rows(base, cfg, args.decode, args.reps, fp8_attn)
     models = {}
-    for linear in ("bf16", "fp8"):
+    for linear in ("bf16", "fp8") if args.shapes else ():
         for mode in ("prefill", "train"):
             m = copy.deepcopy(base)
             if linear == "fp8":
@@ -59,7 +65,7 @@ def main():
     print(f"{torch.cuda.get_device_name()}, Llama-3-8B-shaped layers x{args.layers}, bf16 weights, eager, synced ms")
     print("| B x S | linears | step | sdpa | lowprec_fp8 | ratio |")
     print("|---|---|---|---|---|---|")
-    for shape in args.shapes.split(","):
+    for shape in filter(None, args.shapes.split(",")):
         b, s = map(int, shape.split("x"))
         ids = torch.randint(0, cfg.vocab_size, (b, s), device="cuda")
         for (linear, mode), m in models.items():
@@ -81,6 +87,43 @@ def main():
             m.zero_grad(set_to_none=True)
             print(f"| {b} x {s} | {linear} | {mode} | {row['sdpa']:.2f} | {row[fp8_attn]:.2f} | "
                   f"{row['sdpa'] / row[fp8_attn]:.3f}x |", flush=True)
+
+
+def _decode_rows(model, cfg, shapes: str, reps: int, fp8_attn: str) -> None:
+    from transformers import DynamicCache
+
+    from lowprec.attention import fp8_cache
+
+    print("| B x prompt | cache | decode step ms | KV MB | ratio |")
+    print("|---|---|---|---|---|")
+    for shape in shapes.split(","):
+        b, s = map(int, shape.split("x"))
+        ids = torch.randint(0, cfg.vocab_size, (b, s + reps + 8), device="cuda")
+        row = {}
+        for label, impl, make in (("bf16 DynamicCache, sdpa", "sdpa", DynamicCache),
+                                  ("fp8_cache, lowprec_fp8", fp8_attn, lambda n=s + reps + 8: fp8_cache(n))):
+            model.set_attn_implementation(impl)
+            cache = make()
+            with torch.no_grad(), warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)
+                model(ids[:, :s], past_key_values=cache, use_cache=True)
+                times = []
+                for i in range(s, s + reps + 8):
+                    torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    model(ids[:, i:i + 1], past_key_values=cache, use_cache=True)
+                    torch.cuda.synchronize()
+                    times.append((time.perf_counter() - t0) * 1e3)
+            ms = statistics.median(times[8:])
+            if impl == "sdpa":
+                kv = sum(t.nbytes for layer in cache.layers for t in (layer.keys, layer.values))
+            else:
+                kv = sum(t.nbytes for layer in cache.layers for t in (layer.fp8._k, layer.fp8._v_t, layer.fp8._k_scale))
+            row[label] = ms
+            ratio = row["bf16 DynamicCache, sdpa"] / ms
+            print(f"| {b} x {s} | {label} | {ms:.3f} | {kv / 1e6:.0f} | {ratio:.3f}x |", flush=True)
+            del cache
+            torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

@@ -16,16 +16,29 @@ plain causal pattern), dropout, a softcap, chunked prefill over a cache (``1 < q
 decode over transformers' bf16 cache (its whole K and V would be quantized again at every step:
 :class:`lowprec.attention.FP8KVCache` keeps a cache in FP8), and on CUDA inputs the kernel does not
 read (dtype other than bf16 / fp16, head dims other than 64 / 128 / 256, ``Dv != D``).
+
+Generation on an FP8 KV cache: :func:`fp8_cache` is a transformers ``Cache`` whose layers are
+:class:`lowprec.attention.FP8KVCache` objects (each step's keys and values quantized once as they
+are appended, attention reading the FP8 cache in place), for ``"lowprec_fp8"`` models::
+
+    out = model.generate(ids, past_key_values=fp8_cache(max_len=4096), max_new_tokens=256)
+
+Calls with an attention mask (padded batches) attend over the cache dequantized to the model's
+dtype with ``sdpa`` (correct, slower; one warning).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
 from ..runtime import warn_once
 from .dense import attention
+from .kv_cache import FP8KVCache
 
-__all__ = ["ATTENTION_IMPLEMENTATION", "register_transformers_attention", "transformers_attention_forward"]
+__all__ = ["ATTENTION_IMPLEMENTATION", "register_transformers_attention", "transformers_attention_forward",
+           "fp8_cache"]
 
 ATTENTION_IMPLEMENTATION = "lowprec_fp8"
 _KERNEL_DTYPES = (torch.bfloat16, torch.float16)
@@ -75,6 +88,9 @@ def transformers_attention_forward(module: torch.nn.Module, query: torch.Tensor,
     """The ``"lowprec_fp8"`` attention implementation, with transformers' signature: ``query``
     ``[B, H, S, D]``, ``key`` / ``value`` ``[B, Hkv, S, D]`` (grouped heads are not repeated).
     Returns ``(attn_output [B, S, H, D], None)`` (no attention weights)."""
+    cache = getattr(key, _FP8_CACHE_ATTR, None)
+    if cache is not None:
+        return _attend_fp8_cache(cache, module, query, attention_mask, dropout, scaling, is_causal, kwargs)
     why = _sdpa_reason(module, query, key, value, attention_mask, dropout, kwargs)
     if why is not None:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -85,3 +101,103 @@ def transformers_attention_forward(module: torch.nn.Module, query: torch.Tensor,
     causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
     out = attention(query, key, value, causal=bool(causal) and query.shape[2] > 1, scale=scaling, quant="fp8")
     return out.transpose(1, 2).contiguous(), None
+
+
+# the attribute on the key tensor an FP8 cache layer returns, naming its FP8KVCache
+_FP8_CACHE_ATTR = "_lowprec_fp8_kv_cache"
+
+
+def _attend_fp8_cache(cache: FP8KVCache, module, query, attention_mask, dropout, scaling, is_causal, kwargs):
+    """Attention of ``query`` over an FP8 cache layer: the FP8 forward reading it in place, or (a
+    mask, dropout or a softcap) ``sdpa`` over its dequantized keys and values."""
+    causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
+    if attention_mask is None and not dropout and kwargs.get("softcap") is None:
+        out = cache.attend(query, causal=bool(causal) and query.shape[2] > 1, scale=scaling)
+        return out.transpose(1, 2).contiguous(), None
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    warn_once("lowprec: fp8_cache: calls with an attention mask, dropout or a softcap attend over the cache "
+              "dequantized, with 'sdpa'")
+    key, value = cache.dequantize()
+    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                  is_causal=is_causal, **kwargs)
+
+
+def fp8_cache(max_len: int, *, v_headroom: float = 4.0):
+    """A transformers (>= 5) ``Cache`` keeping every layer's keys and values in FP8: one
+    :class:`~lowprec.attention.FP8KVCache` of ``max_len`` tokens per layer, made at the layer's
+    first update (its batch, KV heads, head dim, dtype and device from the keys; V's scales from
+    the prompt times ``v_headroom``). For models on ``"lowprec_fp8"``
+    (:func:`register_transformers_attention`); pass it as ``past_key_values`` to ``generate`` or a
+    forward. Greedy and sampled generation; beam search and cropping are not supported."""
+    if not isinstance(max_len, int) or isinstance(max_len, bool) or max_len < 1:
+        raise ValueError(f"max_len: expected an int ≥ 1, got {max_len!r}")
+    layer_class, cache_class = _fp8_cache_classes()
+    return cache_class(functools.partial(layer_class, max_len, v_headroom))
+
+
+@functools.cache
+def _fp8_cache_classes():
+    try:
+        from transformers.cache_utils import Cache, CacheLayerMixin
+    except ImportError as err:
+        raise ImportError("fp8_cache: needs transformers >= 5 (its Cache layers)") from err
+
+    class FP8CacheLayer(CacheLayerMixin):
+        """One model layer's FP8KVCache (transformers' cache-layer interface)."""
+
+        is_compileable = False
+        is_sliding = False
+        is_croppable = False
+
+        def __init__(self, max_len: int, v_headroom: float):
+            super().__init__()
+            self.max_len, self.v_headroom = max_len, v_headroom
+            self.fp8: FP8KVCache | None = None
+
+        def lazy_initialization(self, key_states, value_states):
+            b, hkv, _, d = key_states.shape
+            self.dtype, self.device = key_states.dtype, key_states.device
+            self.fp8 = FP8KVCache(b, hkv, self.max_len, d, dtype=key_states.dtype, device=key_states.device,
+                                  v_headroom=self.v_headroom)
+            self.is_initialized = True
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+            self.fp8.append(key_states, value_states)
+            # what attention receives: the FP8 codes as [B, Hkv, L, D] views, the key naming the cache
+            k, _, v_t, _ = self.fp8.operands()
+            keys = k.view(k.shape)
+            setattr(keys, _FP8_CACHE_ATTR, self.fp8)
+            return keys, v_t.transpose(-1, -2)[..., :k.shape[2], :]
+
+        def get_seq_length(self) -> int:
+            return self.fp8.length if self.is_initialized else 0
+
+        def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+            return self.get_seq_length() + query_length, 0
+
+        def get_max_length(self) -> int:
+            return self.max_len
+
+        def get_max_cache_shape(self) -> int:
+            return self.max_len
+
+        def reset(self) -> None:
+            if self.is_initialized:
+                self.fp8.reset()
+
+        def _unsupported(self, *args, **kwargs):
+            raise NotImplementedError("fp8_cache: beam search, cropping and batch reordering are not supported "
+                                      "(an FP8KVCache only grows)")
+
+        reorder_cache = crop = batch_repeat_interleave = batch_select_indices = offload = prefetch = _unsupported
+
+    class FP8Cache(Cache):
+        """transformers' ``Cache`` over one FP8KVCache per layer (see :func:`fp8_cache`)."""
+
+        def __init__(self, make_layer):
+            super().__init__(layer_class_to_replicate=make_layer)
+
+    return FP8CacheLayer, FP8Cache

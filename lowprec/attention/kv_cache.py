@@ -338,6 +338,15 @@ class FP8KVCache:
         longest; row ``b``'s tokens past ``lengths[b]`` are not its keys (:meth:`attend` knows)."""
         return (*kv_views(self._k, self._k_scale, self._v_t, self.length), self._v_scale)
 
+    def dequantize(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The cached keys and values ``[B, Hkv, L, D]`` decoded from their codes, in the cache's
+        dtype (a copy; ``L`` as in :meth:`operands`)."""
+        k, k_scale, v_t, v_scale = self.operands()
+        n = k.shape[2]
+        keys = k.float() * k_scale.repeat_interleave(ATTN_BLOCK, dim=-1)[..., :n, None]
+        values = (v_t[..., :n].float() * v_scale[..., None]).transpose(-1, -2)
+        return keys.to(self.dtype), values.to(self.dtype)
+
     def attend(self, q: torch.Tensor, causal: bool = False, scale: float | None = None, return_lse: bool = False):
         """FP8 attention of ``q`` ``[B, H, Sq, D]`` (``H`` a multiple of the KV heads) over the
         cached tokens, as ``lowprec.attention(q, k, v, causal, scale, quant="fp8")`` on them

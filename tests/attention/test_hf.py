@@ -94,3 +94,63 @@ def test_a_real_llama_on_lowprec_fp8(device):
     with torch.no_grad():  # prefill on the FP8 forward, decode steps on sdpa over transformers' cache
         generated = model.generate(ids[:, :64], max_new_tokens=4, do_sample=False)
     assert generated.shape == (2, 68)
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")  # newer transformers call past_key_values "cache"
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=gpu)])
+def test_generation_on_an_fp8_cache(device):
+    """fp8_cache: a tiny Llama's prefill and decode steps over FP8KVCache layers (codes read in
+    place) stay within the FP8 scheme's error of sdpa over transformers' bf16 cache; generate runs
+    (greedy); a masked (padded) batch attends over the dequantized cache with sdpa."""
+    transformers = pytest.importorskip("transformers", minversion="5.0")
+    from lowprec.attention import FP8KVCache, fp8_cache
+
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    name = register_transformers_attention()
+    model = _tiny_llama(name, device, dtype)
+    ids = torch.randint(0, 256, (2, 200), device=device)
+
+    def cos(a, b):
+        return F.cosine_similarity(a.float().flatten(), b.float().flatten(), dim=0).item()
+
+    with torch.no_grad():
+        fp8, bf16 = fp8_cache(300), transformers.DynamicCache()
+        got = model(ids[:, :190], past_key_values=fp8, use_cache=True).logits
+        model.set_attn_implementation("sdpa")
+        ref = model(ids[:, :190], past_key_values=bf16, use_cache=True).logits
+        assert cos(got, ref) > 0.99 and fp8.get_seq_length() == 190
+        for i in range(190, 200):  # decode steps: one query over each cache
+            model.set_attn_implementation(name)
+            got = model(ids[:, i:i + 1], past_key_values=fp8, use_cache=True).logits
+            model.set_attn_implementation("sdpa")
+            ref = model(ids[:, i:i + 1], past_key_values=bf16, use_cache=True).logits
+            assert cos(got, ref) > 0.99, i
+        assert fp8.get_seq_length() == 200 and isinstance(fp8.layers[0].fp8, FP8KVCache)
+        model.set_attn_implementation(name)
+        generated = model.generate(ids[:, :64], past_key_values=fp8_cache(128), max_new_tokens=6, do_sample=False)
+        assert generated.shape == (2, 70)
+        mask = torch.ones_like(ids[:, :64])
+        mask[0, :9] = 0
+        with pytest.warns(RuntimeWarning, match="dequantized"):
+            padded = model(ids[:, :64], attention_mask=mask, past_key_values=fp8_cache(128), use_cache=True).logits
+        model.set_attn_implementation("sdpa")
+        ref = model(ids[:, :64], attention_mask=mask).logits
+        assert cos(padded[1], ref[1]) > 0.99 and cos(padded[0, 9:], ref[0, 9:]) > 0.99
+
+
+def test_fp8_cache_refuses_what_it_cannot_do():
+    transformers = pytest.importorskip("transformers", minversion="5.0")
+    from lowprec.attention import fp8_cache
+
+    with pytest.raises(ValueError, match="max_len"):
+        fp8_cache(0)
+    cache = fp8_cache(64)
+    k = torch.randn(1, 2, 8, 64)
+    cache.update(k, k.clone(), 0)
+    assert cache.get_seq_length() == 8 and isinstance(cache, transformers.Cache)
+    for call in (lambda: cache.crop(4), lambda: cache.reorder_cache(torch.tensor([0])),
+                 lambda: cache.batch_repeat_interleave(2)):
+        with pytest.raises(NotImplementedError, match="fp8_cache"):
+            call()

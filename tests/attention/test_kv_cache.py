@@ -223,6 +223,21 @@ def test_ragged_padding_is_never_read():
     assert not k2.isfinite().all()  # the caller's tensors untouched
 
 
+def test_dequantize_decodes_the_codes():
+    """dequantize: each code times its scale (K per 128 tokens, V per channel), within E4M3's
+    rounding of the appended tokens."""
+    k, v = _kv(2, 2, 300, 64)
+    cache = FP8KVCache(2, 2, 512, 64)
+    _fill(cache, k, v, [0, 130, 131, 300])
+    keys, values = cache.dequantize()
+    kc, ks, vt, vs = cache.operands()
+    assert keys.shape == values.shape == (2, 2, 300, 64) and keys.dtype == values.dtype == BF16
+    assert torch.equal(keys[:, :, 128:256], (kc[:, :, 128:256].float() * ks[:, :, 1, None, None]).to(BF16))
+    assert torch.equal(values[:, :, 7], (vt[..., 7].float() * vs).to(BF16))
+    for got, want in ((keys, k), (values, v)):
+        assert ((got.float() - want.float()).abs() <= want.float().abs() / 16 + 4e-2).all()
+
+
 def test_ragged_lengths_are_checked():
     cache = FP8KVCache(2, 2, 128, 64)
     k, v = _kv(2, 2, 100, 64)
