@@ -210,7 +210,10 @@ class FP8KVCache:
         else:
             self._append_rows(k, v, starts, counts)
         self._lengths = [s + n for s, n in zip(starts, counts, strict=True)]
-        self._plan[:, 5] = torch.tensor(self._lengths, dtype=torch.int32)
+        if len(set(counts)) == 1:
+            self._plan[:, 5] += counts[0]  # one kernel: no host-to-device copy in a decode loop
+        else:
+            self._plan[:, 5] = torch.tensor(self._lengths, dtype=torch.int32)
 
     def _counts_of(self, lengths, t: int) -> list[int]:
         """The tokens each row adds: ``t`` each, or ``lengths`` checked."""
