@@ -6,25 +6,12 @@ whose op takes the grouped heads as they are). Synced ms, median; gradients comp
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-
-def _ms(fn, reps=10):
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        out.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(out)
+from lowprec.bench.common import synced_wall_ms
 
 
 def _one_shape(b: int, h: int, hkv: int, s: int, d: int) -> None:
@@ -46,8 +33,8 @@ def _one_shape(b: int, h: int, hkv: int, s: int, d: int) -> None:
     for name, backends in (("default", None), ("cudnn", [SDPBackend.CUDNN_ATTENTION]),
                            ("flash", [SDPBackend.FLASH_ATTENTION]), ("efficient", [SDPBackend.EFFICIENT_ATTENTION])):
         try:
-            f = _ms(lambda backends=backends: sdpa(backends))
-            fb = _ms(lambda backends=backends: torch.autograd.grad(sdpa(backends), (q, k, v), dout))
+            f = synced_wall_ms(lambda backends=backends: sdpa(backends))
+            fb = synced_wall_ms(lambda backends=backends: torch.autograd.grad(sdpa(backends), (q, k, v), dout))
             print(f"  sdpa {name:9s} fwd {f:7.2f}  fwd+bwd {fb:7.2f}  bwd {fb - f:7.2f}")
         except RuntimeError as err:
             print(f"  sdpa {name:9s} unavailable: {str(err).splitlines()[0][:100]}")
@@ -56,7 +43,7 @@ def _one_shape(b: int, h: int, hkv: int, s: int, d: int) -> None:
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention(
         qd, kd.repeat_interleave(r, 1), vd.repeat_interleave(r, 1), 0.0, True, False, scale=scale)[:2]
     ref = attention_backward(dout, qd, kd, vd, out, lse, True, scale)
-    shipped = _ms(lambda: attention_backward(dout, qd, kd, vd, out, lse, True, scale))
+    shipped = synced_wall_ms(lambda: attention_backward(dout, qd, kd, vd, out, lse, True, scale))
     print(f"  lowprec attention_backward (flash, K/V expanded): {shipped:7.2f}")
     try:
         res = torch.ops.aten._scaled_dot_product_cudnn_attention(qd, kd, vd, None, True, 0.0, True, False,
@@ -74,7 +61,7 @@ def _one_shape(b: int, h: int, hkv: int, s: int, d: int) -> None:
         for n_, x, y in zip("qkv", cudnn_bwd(), ref, strict=True):
             cos = F.cosine_similarity(x.float().flatten(), y.float().flatten(), dim=0).item()
             print(f"    d{n_} {tuple(x.shape)} cos to flash's {cos:.6f}")
-        print(f"  cudnn backward on lowprec's out / lse, grouped heads: {_ms(cudnn_bwd):7.2f}")
+        print(f"  cudnn backward on lowprec's out / lse, grouped heads: {synced_wall_ms(cudnn_bwd):7.2f}")
     except RuntimeError as err:
         print(f"  cudnn backward unavailable: {str(err).splitlines()[0][:160]}")
 

@@ -22,18 +22,7 @@ import warnings
 
 import torch
 
-
-def _timed(fn, reps: int) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+from lowprec.bench.common import synced_wall_ms
 
 
 def main():
@@ -80,7 +69,7 @@ def main():
                 m.set_attn_implementation(impl)
                 with warnings.catch_warnings(record=True) as caught:
                     warnings.simplefilter("always")
-                    row[impl] = _timed(step, args.reps)
+                    row[impl] = synced_wall_ms(step, reps=args.reps)
                 fell_back = [str(w.message) for w in caught if "lowprec_fp8" in str(w.message)]
                 if fell_back:
                     raise SystemExit(f"{shape} {linear} {mode}: lowprec_fp8 ran sdpa: {fell_back[0]}")

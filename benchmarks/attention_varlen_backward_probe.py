@@ -4,24 +4,10 @@ flash backward lowprec calls (GQA heads expanded). Gradients compared, synced ms
 
 from __future__ import annotations
 
-import statistics
-import time
-
 import torch
 import torch.nn.functional as F
 
-
-def _ms(fn, reps=10):
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        out.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(out)
+from lowprec.bench.common import synced_wall_ms
 
 
 def main():
@@ -41,7 +27,7 @@ def main():
     out, lse = res[0], res[1]
     print(f"flash varlen fwd: out {tuple(out.shape)}, lse {tuple(lse.shape)} {lse.dtype}")
     ref = _flash_varlen_backward(dout, q, k, v, out, lse, cu, cu, mx, mx, True, scale)
-    shipped = _ms(lambda: _flash_varlen_backward(dout, q, k, v, out, lse, cu, cu, mx, mx, True, scale))
+    shipped = synced_wall_ms(lambda: _flash_varlen_backward(dout, q, k, v, out, lse, cu, cu, mx, mx, True, scale))
     print(f"lowprec varlen backward (flash, K/V expanded): {shipped:.2f} ms")
     for dtype in (torch.int32, torch.int64):
         try:
@@ -66,7 +52,7 @@ def main():
                     cos = [F.cosine_similarity(a.float().flatten(), b.float().flatten(), dim=0).item()
                            for a, b in zip(got, ref, strict=True)]
                     print(f"  cudnn nested bwd, {name}: cos dq/dk/dv {cos[0]:.6f} {cos[1]:.6f} {cos[2]:.6f}; "
-                          f"{_ms(bwd):.2f} ms")
+                          f"{synced_wall_ms(bwd):.2f} ms")
                 except RuntimeError as err:
                     print(f"  cudnn nested bwd, {name}: {str(err).splitlines()[0][:200]}")
         except RuntimeError as err:

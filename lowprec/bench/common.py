@@ -51,6 +51,21 @@ def bench_ms(fn, warmup: int = 10, rep: int = 50, queued: bool = False, before=N
     return statistics.median(start.elapsed_time(end) for start, end in events)
 
 
+def synced_wall_ms(fn, warmup: int = 3, reps: int = 10) -> float:
+    """Median wall-clock milliseconds of ``fn()`` with the device synchronized before and after
+    each call: what one eager call costs a caller that waits for it (host time included)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
 def back_to_back_us(fn, calls: int = 50, reps: int = 5, warmup: int = 20) -> float:
     """Microseconds per call of ``calls`` back-to-back eager calls, waiting for the GPU at the end
     of each batch (median of ``reps``): the host time where the GPU keeps up, else the GPU's."""
