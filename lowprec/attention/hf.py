@@ -14,7 +14,7 @@ The calls the FP8 forward does not compute run transformers' own ``sdpa`` implem
 warning per reason: an attention mask (padding, sliding windows: transformers passes no mask for a
 plain causal pattern), dropout, a softcap, chunked prefill over a cache (``1 < q_len != kv_len``),
 decode over transformers' bf16 cache (its whole K and V would be quantized again at every step:
-:class:`lowprec.attention.FP8KVCache` keeps a cache in FP8), and on CUDA inputs the kernel does not
+:func:`fp8_cache` below keeps the cache in FP8), and on CUDA inputs the kernel does not
 read (dtype other than bf16 / fp16, head dims other than 64 / 128 / 256, ``Dv != D``).
 
 Generation on an FP8 KV cache: :func:`fp8_cache` is a transformers ``Cache`` whose layers are
@@ -70,7 +70,7 @@ def _sdpa_reason(module, query, key, value, attention_mask, dropout: float, kwar
         return "a logit softcap"
     if q_len == 1 < kv_len or (q_len <= 16 and q_len < kv_len):
         return ("decode over transformers' bf16 KV cache (the FP8 forward would quantize the whole cache at every "
-                "step; lowprec.attention.FP8KVCache keeps a cache in FP8)")
+                "step; past_key_values=lowprec.attention.fp8_cache(max_len) keeps it in FP8)")
     if q_len != kv_len:
         return "queries over a longer cache (chunked prefill)"
     if query.is_cuda:
