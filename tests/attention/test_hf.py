@@ -4,6 +4,9 @@ installed."""
 
 from __future__ import annotations
 
+import sys
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -154,3 +157,47 @@ def test_fp8_cache_refuses_what_it_cannot_do():
                  lambda: cache.batch_repeat_interleave(2)):
         with pytest.raises(NotImplementedError, match="fp8_cache"):
             call()
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+@pytest.mark.parametrize("arch", ["Qwen3", "Mistral", "Mistral-sliding"])
+def test_fp8_cache_in_other_architectures(arch):
+    """fp8_cache in other transformers decoders: Qwen3 (Q / K norms before the cache) and Mistral
+    (a sliding window gives a mask: those calls attend over the dequantized cache): prefill and a
+    decode step within the FP8 scheme's error of sdpa, and generate runs."""
+    transformers = pytest.importorskip("transformers", minversion="5.0")
+    from lowprec.attention import fp8_cache
+
+    family = arch.split("-")[0]
+    extra = {"sliding_window": 48} if arch.endswith("sliding") else {}
+    name = register_transformers_attention()
+    config = getattr(transformers, f"{family}Config")(
+        vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=64, attn_implementation=name, **extra)
+    torch.manual_seed(0)
+    model = getattr(transformers, f"{family}ForCausalLM")(config)
+    ids = torch.randint(0, 256, (2, 101))
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # the masked calls' sdpa notice
+        cache = fp8_cache(128)
+        got = torch.cat([model(ids[:, :100], past_key_values=cache, use_cache=True).logits,
+                         model(ids[:, 100:], past_key_values=cache, use_cache=True).logits], dim=1)
+        assert model.generate(ids[:, :20], past_key_values=fp8_cache(32), max_new_tokens=4,
+                              do_sample=False).shape == (2, 24)
+        model.set_attn_implementation("sdpa")
+        ref = model(ids).logits
+    assert F.cosine_similarity(got.flatten(), ref.flatten(), dim=0) > 0.99
+
+
+def test_fp8_cache_names_what_it_needs(monkeypatch):
+    """Without transformers (as in CI), fp8_cache says what it needs."""
+    from lowprec.attention import hf
+
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    monkeypatch.setitem(sys.modules, "transformers.cache_utils", None)
+    hf._fp8_cache_classes.cache_clear()
+    try:
+        with pytest.raises(ImportError, match="fp8_cache: needs transformers >= 5"):
+            hf.fp8_cache(16)
+    finally:
+        hf._fp8_cache_classes.cache_clear()
