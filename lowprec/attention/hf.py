@@ -98,9 +98,14 @@ def transformers_attention_forward(module: torch.nn.Module, query: torch.Tensor,
         warn_once(f"lowprec: attn_implementation={ATTENTION_IMPLEMENTATION!r}: {why}; those calls run 'sdpa'")
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
-    causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
-    out = attention(query, key, value, causal=bool(causal) and query.shape[2] > 1, scale=scaling, quant="fp8")
+    out = attention(query, key, value, causal=_causal(module, is_causal, query), scale=scaling, quant="fp8")
     return out.transpose(1, 2).contiguous(), None
+
+
+def _causal(module, is_causal: bool | None, query: torch.Tensor) -> bool:
+    """The call's causal flag (else the module's); one query sees every key."""
+    causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
+    return bool(causal) and query.shape[2] > 1
 
 
 # the attribute on the key tensor an FP8 cache layer returns, naming its FP8KVCache
@@ -110,9 +115,8 @@ _FP8_CACHE_ATTR = "_lowprec_fp8_kv_cache"
 def _attend_fp8_cache(cache: FP8KVCache, module, query, attention_mask, dropout, scaling, is_causal, kwargs):
     """Attention of ``query`` over an FP8 cache layer: the FP8 forward reading it in place, or (a
     mask, dropout or a softcap) ``sdpa`` over its dequantized keys and values."""
-    causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
     if attention_mask is None and not dropout and kwargs.get("softcap") is None:
-        out = cache.attend(query, causal=bool(causal) and query.shape[2] > 1, scale=scaling)
+        out = cache.attend(query, causal=_causal(module, is_causal, query), scale=scaling)
         return out.transpose(1, 2).contiguous(), None
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 

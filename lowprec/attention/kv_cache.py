@@ -40,6 +40,7 @@ from ..recipes import get_recipe
 from ..runtime import registry
 from .dense import fp8_over_kv_operands
 from .quantize import ATTN_BLOCK, V_PAD, _blocks, kv_views
+from .reference import _dequant_blocks
 
 __all__ = ["FP8KVCache"]
 
@@ -199,18 +200,19 @@ class FP8KVCache:
             return
         if not self._v_scale_set:
             self._fix_v_scale(scale_from_amax(self._v_amax(v, counts) * self.v_headroom, _ROWWISE))
-        if len(set(starts)) == 1 and len(set(counts)) == 1:
+        same_count = len(set(counts)) == 1
+        if same_count and len(set(starts)) == 1:
             start, end = starts[0], starts[0] + t
             # a decode step on Hopper: one kernel (sm90/kv_append.py), the same bits as the torch ops
             registry.run("attention_kv_append", self.device, (k, v, *self._buffers(), start),
                          lambda: self._append_torch(k, v, start, end))
-        elif t == 1 and len(set(counts)) == 1:  # one token at each row's own length (on the device)
+        elif t == 1 and same_count:  # one token at each row's own length (on the device)
             registry.run("attention_kv_append", self.device, (k, v, *self._buffers(), None),
                          lambda: self._append_rows(k, v, starts, counts))
         else:
             self._append_rows(k, v, starts, counts)
         self._lengths = [s + n for s, n in zip(starts, counts, strict=True)]
-        if len(set(counts)) == 1:
+        if same_count:
             self._plan[:, 5] += counts[0]  # one kernel: no host-to-device copy in a decode loop
         else:
             self._plan[:, 5] = torch.tensor(self._lengths, dtype=torch.int32)
@@ -345,9 +347,8 @@ class FP8KVCache:
         """The cached keys and values ``[B, Hkv, L, D]`` decoded from their codes, in the cache's
         dtype (a copy; ``L`` as in :meth:`operands`)."""
         k, k_scale, v_t, v_scale = self.operands()
-        n = k.shape[2]
-        keys = k.float() * k_scale.repeat_interleave(ATTN_BLOCK, dim=-1)[..., :n, None]
-        values = (v_t[..., :n].float() * v_scale[..., None]).transpose(-1, -2)
+        keys = _dequant_blocks(k, k_scale, ATTN_BLOCK)
+        values = (v_t[..., :k.shape[2]].float() * v_scale[..., None]).transpose(-1, -2)
         return keys.to(self.dtype), values.to(self.dtype)
 
     def attend(self, q: torch.Tensor, causal: bool = False, scale: float | None = None, return_lse: bool = False):

@@ -200,11 +200,14 @@ def _flash_backward(dout, q, k, v, out, lse, causal, scale):
 _CUDNN_REFUSED: set[tuple] = set()
 
 
+def _cudnn_key(q: torch.Tensor, k: torch.Tensor) -> tuple:
+    return q.dtype, q.shape[-1], q.shape[1] != k.shape[1]
+
+
 def _cudnn_ok(q: torch.Tensor, k: torch.Tensor, causal: bool) -> bool:
     """The cuDNN backward computes our gradients here: its causal mask is top-left aligned, ours
     bottom-right, so they agree (and no row is left without keys) when ``Sq == Sk``."""
-    key = (q.dtype, q.shape[-1], q.shape[1] != k.shape[1])
-    return ((not causal or q.shape[-2] == k.shape[-2]) and key not in _CUDNN_REFUSED
+    return ((not causal or q.shape[-2] == k.shape[-2]) and _cudnn_key(q, k) not in _CUDNN_REFUSED
             and torch.backends.cuda.cudnn_sdp_enabled())
 
 
@@ -230,7 +233,7 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
             try:
                 return tuple(t.contiguous() for t in _cudnn_backward(dout, q, k, v, out, lse, causal, scale))
             except RuntimeError as err:  # a configuration cuDNN does not build: flash from now on
-                _CUDNN_REFUSED.add((q.dtype, q.shape[-1], q.shape[1] != k.shape[1]))
+                _CUDNN_REFUSED.add(_cudnn_key(q, k))
                 warn_once(f"lowprec: the cuDNN attention backward refused {q.dtype} D={q.shape[-1]} "
                           f"({type(err).__name__}: {str(err).splitlines()[0][:200]}); using the flash backward")
         try:
