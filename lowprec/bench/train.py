@@ -31,7 +31,7 @@ lowprec by default), same seed, initial weights and batches; the losses go to th
 
     python -m lowprec bench train [--sizes h1024,llama3-8b-2l] [--impls bf16,lowprec,...]
         [--weights bf16,fp32-autocast] [--modes eager,compiled] [--steps 20] [--train-steps 300]
-        [--text-impls bf16,lowprec,...] [--text-seeds 1] [--min-weight-numel N]
+        [--text-impls bf16,lowprec,...] [--text-seeds 1] [--text-first-seed 0] [--min-weight-numel N]
 """
 
 from __future__ import annotations
@@ -230,6 +230,8 @@ def parse_args(argv=None):
                                                               "real text, each of --text-impls (0: skip)")
     p.add_argument("--text-impls", default="bf16,lowprec", help="the implementations of the real-text run")
     p.add_argument("--text-seeds", type=int, default=1, help="seeds of the real-text run (initial weights, batches)")
+    p.add_argument("--text-first-seed", type=int, default=0,
+                   help="the first of those seeds (to split a many-seed comparison over several runs)")
     p.add_argument("--min-weight-numel", type=int, default=None,
                    help="lowprec.convert's threshold for the timed rows (default: convert's own; 0: every projection)")
     p.add_argument("--out", default=None)
@@ -243,12 +245,16 @@ def parse_args(argv=None):
         setattr(args, name, values)
     if args.text_seeds < 1:
         p.error(f"--text-seeds: expected at least 1, got {args.text_seeds}")
+    if args.text_first_seed < 0:
+        p.error(f"--text-first-seed: expected a seed ≥ 0, got {args.text_first_seed}")
     return args
 
 
-def train_on_text(c: LlamaConfig, steps: int, device="cuda", impls=("bf16", "lowprec"), seeds: int = 1) -> dict:
+def train_on_text(c: LlamaConfig, steps: int, device="cuda", impls=("bf16", "lowprec"), seeds: int = 1,
+                  first_seed: int = 0) -> dict:
     """``steps`` steps of each of ``impls`` (bf16 first) on the standard library's sources (bf16
-    weights, eager; per seed the same initial weights and batches for every implementation).
+    weights, eager; per seed, ``first_seed`` .. ``first_seed + seeds - 1``, the same initial weights
+    and batches for every implementation).
 
     Returns the first seed's loss of every step (``losses``), and over the seeds: the mean of the
     last-20-step means (``last20_mean``) and each FP8 implementation's mean relative gap to bf16
@@ -260,7 +266,7 @@ def train_on_text(c: LlamaConfig, steps: int, device="cuda", impls=("bf16", "low
     data, _ = stdlib_bytes(device)
     text = LlamaConfig(c.hidden, c.layers, c.heads, c.kv_heads, c.ffn, vocab=256, batch=c.batch, seq=c.seq)
     first, tails = {}, {impl: [] for impl in impls}
-    for seed in range(seeds):
+    for seed in range(first_seed, first_seed + seeds):
         torch.manual_seed(seed)
         base = Llama(text)
         for impl in impls:
@@ -276,8 +282,9 @@ def train_on_text(c: LlamaConfig, steps: int, device="cuda", impls=("bf16", "low
                     print(f"  train seed {seed} {impl} step {i}: loss {losses[-1]:.4f}", flush=True)
             first.setdefault(impl, losses)
             tails[impl].append(sum(losses[-20:]) / len(losses[-20:]))
+            print(f"  train seed {seed} {impl}: last-20 mean loss {tails[impl][-1]:.5f}", flush=True)
     gaps = {impl: [t / b - 1 for t, b in zip(tails[impl], tails["bf16"])] for impl in impls if impl != "bf16"}
-    out = {"steps": steps, "seeds": seeds, "losses": first,
+    out = {"steps": steps, "seeds": seeds, "first_seed": first_seed, "losses": first,
            "last20_mean": {impl: sum(v) / seeds for impl, v in tails.items()},
            "relative_gap": {impl: sum(v) / seeds for impl, v in gaps.items()}}
     if seeds > 1:
@@ -341,7 +348,8 @@ def main(argv: list[str] | None = None) -> int:
                "sizes": {s: vars(SIZES[s]) for s in args.sizes}}
     if args.train_steps:
         impls = ["bf16"] + [i for i in args.text_impls if i != "bf16"]
-        payload["text"] = train_on_text(SIZES[args.sizes[0]], args.train_steps, impls=impls, seeds=args.text_seeds)
+        payload["text"] = train_on_text(SIZES[args.sizes[0]], args.train_steps, impls=impls, seeds=args.text_seeds,
+                                        first_seed=args.text_first_seed)
         gaps = ", ".join(f"{impl} {gap:+.2%}" for impl, gap in payload["text"]["relative_gap"].items())
         print(f"last-20 mean loss: {payload['text']['last20_mean']}; against bf16: {gaps}")
         _plot(payload["text"], gpu_slug(), args.out)

@@ -95,6 +95,17 @@ def test_text_run_over_seeds_on_the_cpu():
     assert out["last20_mean"]["bf16"] != pytest.approx(sum(first["bf16"]) / 2)  # the mean of both seeds
     with pytest.raises(SystemExit):
         train.parse_args(["--text-seeds", "0"])
+    with pytest.raises(SystemExit):
+        train.parse_args(["--text-first-seed", "-1"])
+
+
+def test_a_later_seed_range_continues_the_comparison():
+    """``first_seed`` picks the seeds, so a many-seed comparison splits over runs: seed 1 alone
+    gives the second seed of a two-seed run."""
+    both = train.train_on_text(TINY, steps=2, device="cpu", impls=("bf16", "lowprec"), seeds=2)
+    second = train.train_on_text(TINY, steps=2, device="cpu", impls=("bf16", "lowprec"), first_seed=1)
+    assert second["first_seed"] == 1
+    assert second["relative_gap"]["lowprec"] == pytest.approx(both["relative_gap_per_seed"]["lowprec"][1])
 
 
 def test_results_merge_into_the_saved_section():
