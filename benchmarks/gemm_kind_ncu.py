@@ -1,0 +1,45 @@
+"""One launch of lowprec's dense GEMM per (kind, shape, config) given, between
+``cudaProfilerStart`` / ``Stop`` for Nsight Compute: to compare the per-column (1x128 B scales:
+weight gradients) and block (128x128 B scales) kinds' stall reasons and instruction mix::
+
+    ncu --profile-from-start off --section WarpStateStats --section SchedulerStats \\
+        python benchmarks/gemm_kind_ncu.py col:4096,14336,8192:256x112_c1x2_n8 block:8192,4096,14336:256x128_c1x2_n8
+"""
+import sys
+
+import torch
+
+from lowprec.gemm.sm90.interface import gemm_blockwise_fp8
+from lowprec.gemm.sm90.tune import parse_config
+
+
+def problem(kind: str, m: int, n: int, k: int, gen):
+    kb, nb = -(-k // 128), -(-n // 128)
+    a = (torch.randn(m, k, device="cuda", generator=gen) * 50).to(torch.float8_e4m3fn)
+    b = (torch.randn(n, k, device="cuda", generator=gen) * 50).to(torch.float8_e4m3fn)
+    sa = (torch.rand(m, kb, device="cuda", generator=gen) + 0.5).t().contiguous().t()
+    sb = torch.rand(n if kind == "col" else nb, kb, device="cuda", generator=gen) + 0.5
+    return a, sa, b, sb
+
+
+def main():
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    calls = []
+    for spec in sys.argv[1:]:
+        kind, shape, config = spec.split(":")
+        args = problem(kind, *(int(v) for v in shape.split(",")), gen)
+        cfg = parse_config(config)
+        calls.append(lambda args=args, cfg=cfg: gemm_blockwise_fp8(*args, config=cfg))
+    for _ in range(3):
+        for c in calls:
+            c()
+    torch.cuda.synchronize()
+    torch.cuda.profiler.start()
+    for c in calls:
+        c()
+    torch.cuda.synchronize()
+    torch.cuda.profiler.stop()
+
+
+if __name__ == "__main__":
+    main()
