@@ -366,14 +366,38 @@ def merged_with_saved(payload: dict, saved: dict | None) -> dict:
     """This run's section over the saved one: a row measured now replaces the saved row of the same
     size, weights, mode, implementation and ``--min-weight-numel``; the others stay (rows carry the
     date they were measured), as do the saved sizes and the saved real-text run unless this run has
-    its own. The saved section's free-text ``note`` stays, for the rows it describes."""
+    its own; a real-text run that continues the saved one's seeds (``--text-first-seed`` right after
+    them, same steps and implementations) is appended to it (:func:`continued_text`). The saved
+    section's free-text ``note`` stays, for the rows it describes."""
     if not saved:
         return payload
     fresh = {_row_key(r) for r in payload["rows"]}
     merged = {**saved, **payload}
     merged["rows"] = [r for r in saved.get("rows", []) if _row_key(r) not in fresh] + payload["rows"]
     merged["sizes"] = {**saved.get("sizes", {}), **payload["sizes"]}
+    if "text" in payload and "text" in saved:
+        merged["text"] = continued_text(saved["text"], payload["text"])
     return merged
+
+
+def _per_seed_gaps(text: dict) -> dict:
+    return text.get("relative_gap_per_seed") or {impl: [gap] for impl, gap in text["relative_gap"].items()}
+
+
+def continued_text(saved: dict, new: dict) -> dict:
+    """``new`` appended to ``saved`` when its seeds follow on (its ``first_seed`` is the first seed
+    ``saved`` did not run, same steps and implementations): the seeds' per-seed gaps in order, their
+    means over all the seeds, and ``saved``'s plotted losses (its first seed). Otherwise ``new``."""
+    first = saved.get("first_seed", 0)
+    if (new.get("first_seed", 0) != first + saved["seeds"] or new["steps"] != saved["steps"]
+            or set(new["last20_mean"]) != set(saved["last20_mean"])):
+        return new
+    seeds = saved["seeds"] + new["seeds"]
+    per_seed = {impl: gaps + _per_seed_gaps(new)[impl] for impl, gaps in _per_seed_gaps(saved).items()}
+    last20 = {impl: (mean * saved["seeds"] + new["last20_mean"][impl] * new["seeds"]) / seeds
+              for impl, mean in saved["last20_mean"].items()}
+    return {**saved, "seeds": seeds, "first_seed": first, "relative_gap_per_seed": per_seed,
+            "relative_gap": {impl: sum(g) / seeds for impl, g in per_seed.items()}, "last20_mean": last20}
 
 
 def _plot(text: dict, slug: str, results_path: str | None = None) -> None:

@@ -108,6 +108,22 @@ def test_a_later_seed_range_continues_the_comparison():
     assert second["relative_gap"]["lowprec"] == pytest.approx(both["relative_gap_per_seed"]["lowprec"][1])
 
 
+def test_a_run_of_the_next_seeds_is_appended_to_the_saved_text_run():
+    """``--text-first-seed`` right after the saved run's seeds: the saved section's text run grows
+    by them (per-seed gaps in order, means over every seed, the first seed's plotted losses); a run
+    that does not follow on replaces it."""
+    both = train.train_on_text(TINY, steps=2, device="cpu", impls=("bf16", "lowprec"), seeds=2)
+    first = train.train_on_text(TINY, steps=2, device="cpu", impls=("bf16", "lowprec"), seeds=1)
+    second = train.train_on_text(TINY, steps=2, device="cpu", impls=("bf16", "lowprec"), first_seed=1)
+    merged = train.merged_with_saved({"sizes": {}, "rows": [], "text": second},
+                                     {"sizes": {}, "rows": [], "text": first})["text"]
+    assert merged["seeds"] == 2 and merged["first_seed"] == 0 and merged["losses"] == first["losses"]
+    assert merged["relative_gap_per_seed"]["lowprec"] == pytest.approx(both["relative_gap_per_seed"]["lowprec"])
+    assert merged["relative_gap"]["lowprec"] == pytest.approx(both["relative_gap"]["lowprec"])
+    assert merged["last20_mean"]["bf16"] == pytest.approx(both["last20_mean"]["bf16"])
+    assert train.continued_text(first, first) is first  # seed 0 again: not a continuation
+
+
 def test_results_merge_into_the_saved_section():
     """A run of one size and implementation replaces only its own rows; the other size's rows, the
     saved loss run and the --min-weight-numel rows stay."""
