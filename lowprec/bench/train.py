@@ -352,8 +352,10 @@ def main(argv: list[str] | None = None) -> int:
                                         first_seed=args.text_first_seed)
         gaps = ", ".join(f"{impl} {gap:+.2%}" for impl, gap in payload["text"]["relative_gap"].items())
         print(f"last-20 mean loss: {payload['text']['last20_mean']}; against bf16: {gaps}")
-        _plot(payload["text"], gpu_slug(), args.out)
-    path = save_results("train", merged_with_saved(payload, load_results("train", args.out)), args.out)
+    merged = merged_with_saved(payload, load_results("train", args.out))
+    if args.train_steps:  # the saved run's curves when this one continues its seeds
+        _plot(merged["text"], gpu_slug(), args.out)
+    path = save_results("train", merged, args.out)
     print(f"results: {path}")
     return 0
 
