@@ -13,7 +13,7 @@ import torch
 
 from lowprec.bench.gemm import _interleaved_rounds, _rot_timer, rot_set_count
 from lowprec.gemm.sm90.interface import gemm_blockwise_fp8
-from lowprec.gemm.sm90.tune import parse_config
+from lowprec.gemm.sm90.tune import parse_config, random_operands
 
 # weight gradients (1x128 B scales: out x in x tokens) and forward / input gradients (128x128 B
 # scales: tokens x out x in) of the q / o, fused gate-up and down projections
@@ -33,14 +33,7 @@ def main():
     names = args.configs.split(",")
     gen = torch.Generator(device="cuda").manual_seed(0)
     for m, n, k in SHAPES[args.kind]:
-        kb, nb = -(-k // 128), -(-n // 128)
-        sets = []
-        for _ in range(rot_set_count(m, n, k)):
-            a = (torch.randn(m, k, device="cuda", generator=gen) * 50).to(torch.float8_e4m3fn)
-            b = (torch.randn(n, k, device="cuda", generator=gen) * 50).to(torch.float8_e4m3fn)
-            sa = (torch.rand(m, kb, device="cuda", generator=gen) + 0.5).t().contiguous().t()
-            sb = torch.rand(n if args.kind == "col" else nb, kb, device="cuda", generator=gen) + 0.5
-            sets.append((a, sa, b, sb))
+        sets = [random_operands(m, n, k, args.kind == "col", gen) for _ in range(rot_set_count(m, n, k))]
         cfgs = {nm: parse_config(nm) for nm in names}
         outs = {nm: gemm_blockwise_fp8(*sets[0], out_dtype=out_dtype, config=c) for nm, c in cfgs.items()}
         for nm in names[1:]:

@@ -10,16 +10,7 @@ import sys
 import torch
 
 from lowprec.gemm.sm90.interface import gemm_blockwise_fp8
-from lowprec.gemm.sm90.tune import parse_config
-
-
-def problem(kind: str, m: int, n: int, k: int, gen):
-    kb, nb = -(-k // 128), -(-n // 128)
-    a = (torch.randn(m, k, device="cuda", generator=gen) * 50).to(torch.float8_e4m3fn)
-    b = (torch.randn(n, k, device="cuda", generator=gen) * 50).to(torch.float8_e4m3fn)
-    sa = (torch.rand(m, kb, device="cuda", generator=gen) + 0.5).t().contiguous().t()
-    sb = torch.rand(n if kind == "col" else nb, kb, device="cuda", generator=gen) + 0.5
-    return a, sa, b, sb
+from lowprec.gemm.sm90.tune import parse_config, random_operands
 
 
 def main():
@@ -27,7 +18,8 @@ def main():
     calls = []
     for spec in sys.argv[1:]:
         kind, shape, config = spec.split(":")
-        args = problem(kind, *(int(v) for v in shape.split(",")), gen)
+        m, n, k = (int(v) for v in shape.split(","))
+        args = random_operands(m, n, k, kind == "col", gen)
         cfg = parse_config(config)
         calls.append(lambda args=args, cfg=cfg: gemm_blockwise_fp8(*args, config=cfg))
     for _ in range(3):

@@ -28,6 +28,17 @@ def parse_config(name: str):
                       pdl=nopdl is None, mma_overlap=noov is None)
 
 
+def random_operands(m: int, n: int, k: int, per_col: bool, gen):
+    """One random problem ``(a, sa, b, sb)`` for ``gemm_blockwise_fp8``: E4M3 A [M, K] and B [N, K],
+    A's 1x128 scales MN-major, B's 1x128 (``per_col``) or 128x128 scales; scales in [0.5, 1.5)."""
+    kb, nb = -(-k // 128), -(-n // 128)
+    a = (torch.randn(m, k, device="cuda", generator=gen) * 50).to(torch.float8_e4m3fn)
+    b = (torch.randn(n, k, device="cuda", generator=gen) * 50).to(torch.float8_e4m3fn)
+    sa = (torch.rand(m, kb, device="cuda", generator=gen) + 0.5).t().contiguous().t()
+    sb = torch.rand(n if per_col else nb, kb, device="cuda", generator=gen) + 0.5
+    return a, sa, b, sb
+
+
 def main(argv=None):
     import triton.testing
 
@@ -51,15 +62,8 @@ def main(argv=None):
     gen.manual_seed(0)
     for s in args.shapes.split(";"):
         m, n, k = (int(v) for v in s.split(","))
-        kb, nb = -(-k // 128), -(-n // 128)
         nsets = rot_set_count(m, n, k) if args.rot else 1
-        sets = []
-        for _ in range(nsets):
-            a = (torch.randn(m, k, device="cuda", generator=gen) * 50).to(torch.float8_e4m3fn)
-            b = (torch.randn(n, k, device="cuda", generator=gen) * 50).to(torch.float8_e4m3fn)
-            sa = (torch.rand(m, kb, device="cuda", generator=gen) + 0.5).t().contiguous().t()
-            sb = torch.rand(n if args.per_col else nb, kb, device="cuda", generator=gen) + 0.5
-            sets.append((a, sa, b, sb))
+        sets = [random_operands(m, n, k, args.per_col, gen) for _ in range(nsets)]
         chosen = choose_config(m, n, k, args.per_col)
         res = []
         cfgs = [parse_config(c) for c in args.configs.split(",")] if args.configs else _shipped_configs()
