@@ -4,9 +4,10 @@ from lowprec.recipes import RECIPE_NAMES, WHOLE, ScaleRecipe, get_recipe
 
 
 def test_named_recipes():
-    assert set(RECIPE_NAMES) == {"fp8_tensorwise", "fp8_rowwise", "fp8_block1x128", "fp8_block128x128",
-                                 "mxfp8", "mxfp4", "nvfp4"}
+    assert set(RECIPE_NAMES) == {"fp8_tensorwise", "fp8_rowwise", "fp8_block1x128", "fp8_block16x128",
+                                 "fp8_block128x128", "mxfp8", "mxfp4", "nvfp4"}
     assert get_recipe("fp8_block1x128").block == (1, 128)
+    assert get_recipe("fp8_block16x128").block == (16, 128)
     assert get_recipe("fp8_block128x128").block == (128, 128)
     assert get_recipe("fp8_tensorwise").tensorwise
     assert get_recipe("fp8_rowwise").block == (1, WHOLE)

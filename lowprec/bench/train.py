@@ -15,8 +15,8 @@ For each size, weights (``bf16``: bf16 parameters; ``fp32-autocast``: FP32 maste
 ``lowprec.convert(model, "fp8_block")``, which keeps layers under 4096² weights in bf16 (the row's
 note says how many projections are FP8) and fuses each SwiGLU MLP (:class:`lowprec.nn.FP8SwiGLUMLP`);
 ``lowprec-unfused``, on request only: the same with ``fuse_mlp=False``, three FP8Linear layers;
-``lowprec-wgrad2d``, on request only: ``convert(model, "fp8_block_wgrad2d")``, the weight gradients
-reading the activations in 128x128 blocks;
+``lowprec-wgrad16`` / ``lowprec-wgrad2d``, on request only: ``convert(model, "fp8_block_wgrad16")`` /
+``"fp8_block_wgrad2d"``, the weight gradients reading the activations in 16x128 / 128x128 blocks;
 ``torchao-tensorwise`` / ``torchao-rowwise``: torchao's float8 training, when it imports) and mode
 (``eager``; ``compiled``: ``torch.compile(model)``), one row: the median step time (forward, loss,
 backward, AdamW step (fused on CUDA); ``bench_ms``: the host syncs before each step, so host time
@@ -73,7 +73,8 @@ SIZES = {
     "h1024": LlamaConfig(hidden=1024, layers=8, heads=16, kv_heads=16, ffn=2816, batch=8, seq=1024),
     "llama3-8b-2l": LlamaConfig(hidden=4096, layers=2, heads=32, kv_heads=8, ffn=14336, batch=4, seq=2048),
 }
-IMPLS = ("bf16", "lowprec", "torchao-tensorwise", "torchao-rowwise", "lowprec-unfused", "lowprec-wgrad2d")
+IMPLS = ("bf16", "lowprec", "torchao-tensorwise", "torchao-rowwise", "lowprec-unfused", "lowprec-wgrad16",
+         "lowprec-wgrad2d")
 DEFAULT_IMPLS = IMPLS[:4]
 WEIGHTS = ("bf16", "fp32-autocast")
 MODES = ("eager", "compiled")
@@ -168,7 +169,7 @@ def make_model(c: LlamaConfig, impl: str, weights: str, device="cuda", base: Lla
     if impl.startswith("lowprec"):
         import lowprec
 
-        recipe = "fp8_block_wgrad2d" if impl == "lowprec-wgrad2d" else "fp8_block"
+        recipe = {"lowprec-wgrad16": "fp8_block_wgrad16", "lowprec-wgrad2d": "fp8_block_wgrad2d"}.get(impl, "fp8_block")
         lowprec.convert(model, recipe, filter_fn=_not_lm_head, min_weight_numel=min_weight_numel,
                         fuse_mlp=impl != "lowprec-unfused")
     elif impl.startswith("torchao"):

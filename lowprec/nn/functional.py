@@ -93,9 +93,9 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
             :func:`~lowprec.nn.reuse_quantized_weights` block).
         bias: optional ``[out_features]``.
         recipe: ``"fp8_block"`` (DeepSeek-V3: activations and gradients 1x128, weights 128x128),
-            ``"fp8_block_wgrad2d"`` (the same, but the weight gradient reads the activation in
-            128x128 blocks: a faster GEMM, coarser scales there), ``"fp8_rowwise"`` or
-            ``"fp8_tensorwise"``.
+            ``"fp8_block_wgrad16"`` / ``"fp8_block_wgrad2d"`` (the same, but the weight gradient
+            reads the activation in blocks of 16 / 128 features x 128 tokens: a faster GEMM,
+            coarser scales there), ``"fp8_rowwise"`` or ``"fp8_tensorwise"``.
     """
     r = get_linear_recipe(recipe)
     if not isinstance(x, torch.Tensor) or x.dtype not in _FLOAT_DTYPES:

@@ -46,8 +46,9 @@ class FP8Linear(nn.Module):
 
     The master weight and bias keep their dtype and are ordinary parameters, so any optimizer
     works unchanged. ``recipe``: ``"fp8_block"`` (default; 1x128 activations and gradients,
-    128x128 weights, as DeepSeek-V3), ``"fp8_block_wgrad2d"`` (the weight gradient reads the
-    activation in 128x128 blocks: :func:`~lowprec.nn.fp8_linear`), ``"fp8_rowwise"``,
+    128x128 weights, as DeepSeek-V3), ``"fp8_block_wgrad16"`` / ``"fp8_block_wgrad2d"`` (the
+    weight gradient reads the activation in 16x128 / 128x128 blocks: :func:`~lowprec.nn.fp8_linear`),
+    ``"fp8_rowwise"``,
     ``"fp8_tensorwise"``. The weight is quantized in every forward, or once per
     :func:`~lowprec.nn.reuse_quantized_weights` block (gradient accumulation).
     """
@@ -238,7 +239,8 @@ def convert(model: nn.Module, recipe: str = "fp8_block", filter_fn: Callable[[st
     Args:
         model: any module; a bare ``nn.Linear`` (or :class:`~lowprec.moe.MoE`) is converted and
             returned.
-        recipe: ``"fp8_block"``, ``"fp8_block_wgrad2d"`` (:func:`~lowprec.nn.fp8_linear`),
+        recipe: ``"fp8_block"``, ``"fp8_block_wgrad16"``, ``"fp8_block_wgrad2d"``
+            (:func:`~lowprec.nn.fp8_linear`),
             ``"fp8_rowwise"`` or ``"fp8_tensorwise"``; with ``inference=True``
             also ``"nvfp4"``: :class:`~lowprec.nn.NVFP4InferenceLinear` layers (NVFP4 weights,
             activations in their dtype; their state dicts are ModelOpt's NVFP4 checkpoint layout).
@@ -252,7 +254,7 @@ def convert(model: nn.Module, recipe: str = "fp8_block", filter_fn: Callable[[st
             ``inference=True`` (FP8 weights there also halve the memory). 0 converts every layer.
             A bare ``nn.Linear`` passed as ``model`` is converted whatever its size.
 
-        fuse_mlp: training with ``"fp8_block"`` or ``"fp8_block_wgrad2d"``: SwiGLU MLPs
+        fuse_mlp: training with an ``"fp8_block"`` recipe (``_wgrad16``, ``_wgrad2d``): SwiGLU MLPs
             (:class:`~lowprec.nn.SwiGLUMLP` and transformers' ``LlamaMLP``, ``MistralMLP``,
             ``Qwen2MLP``, ``Qwen3MLP`` and the MoE models' dense / shared-expert MLPs of the same form,
             ``nn.swiglu.SWIGLU_MLP_CLASSES``: ``down_proj(silu(gate_proj(x)) * up_proj(x))``) become

@@ -33,7 +33,7 @@ from .weight_cache import quantize_weight
 
 __all__ = ["FP8SwiGLUMLP", "SwiGLUMLP", "fp8_swiglu_mlp", "SWIGLU_MLP_CLASSES"]
 
-RECIPES = ("fp8_block", "fp8_block_wgrad2d")  # the linear recipes the fused MLP computes
+RECIPES = ("fp8_block", "fp8_block_wgrad16", "fp8_block_wgrad2d")  # the linear recipes the fused MLP computes
 _ALIGN = 16
 # modules convert() recognises as ``down_proj(act_fn(gate_proj(x)) * up_proj(x))`` with SiLU: the
 # transformers MLPs of that form, by class name (their forward is that line), and SwiGLUMLP
@@ -134,7 +134,8 @@ def fp8_swiglu_mlp(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_
             input's dtype).
         w_gate, w_up: ``[F, H]``; w_down: ``[H, F]`` (``nn.Linear`` weights; any float dtype, kept
             as they are). H and F multiples of 16.
-        recipe: ``"fp8_block"`` or ``"fp8_block_wgrad2d"`` (:func:`~lowprec.nn.fp8_linear`).
+        recipe: ``"fp8_block"``, ``"fp8_block_wgrad16"`` or ``"fp8_block_wgrad2d"``
+            (:func:`~lowprec.nn.fp8_linear`).
     """
     r = _swiglu_recipe(recipe)
     _check(x, w_gate, w_up, w_down)
@@ -175,7 +176,7 @@ class FP8SwiGLUMLP(nn.Module):
 
     Holds the original ``gate_proj``, ``up_proj``, ``down_proj`` ``nn.Linear`` modules (their
     parameters, shared, not copied: optimizers and state dicts see the same names and tensors).
-    ``recipe``: ``"fp8_block"`` or ``"fp8_block_wgrad2d"``.
+    ``recipe``: ``"fp8_block"``, ``"fp8_block_wgrad16"`` or ``"fp8_block_wgrad2d"``.
     """
 
     def __init__(self, gate_proj: nn.Linear, up_proj: nn.Linear, down_proj: nn.Linear,

@@ -17,6 +17,8 @@ __all__ = ["quantize", "dequantize", "quantize_dual", "quantize_with_transpose",
 registry.load_arch_packages(__name__, __path__)
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+# the dual quantization's transposed halves with a kernel: blocks of 1, 16 or 128 features x 128 tokens
+_DUAL_T_RECIPES = ("fp8_block1x128", "fp8_block16x128", "fp8_block128x128")
 _FP32_MAX = torch.finfo(torch.float32).max
 
 
@@ -101,9 +103,9 @@ def quantize_dual(x: torch.Tensor, recipe: str | ScaleRecipe = "fp8_block1x128",
     zero rows appended up to ``T_pad = round_up(T, 16)``: the first feeds the forward GEMM (blocks
     along K), the second the weight-gradient GEMM (``[K, T_pad]``, zero padding columns, so GEMMs
     over tokens meet the kernels' multiple-of-16 rule). ``recipe_t`` defaults to ``recipe``;
-    ``"fp8_block128x128"`` with ``fp8_block1x128`` gives the weight gradient's activation square
-    blocks (the GEMM's faster block kind; one kernel pass on Hopper either way). Inputs are
-    assumed finite.
+    ``"fp8_block16x128"`` or ``"fp8_block128x128"`` with ``fp8_block1x128`` gives the weight
+    gradient's activation blocks of 16 or 128 features x 128 tokens (the GEMM's faster kinds; one
+    kernel pass on Hopper either way). Inputs are assumed finite.
     """
     r = get_recipe(recipe)
     r_t = r if recipe_t is None else get_recipe(recipe_t)
@@ -121,9 +123,9 @@ def quantize_dual(x: torch.Tensor, recipe: str | ScaleRecipe = "fp8_block1x128",
         padded = torch.nn.functional.pad(x2, (0, 0, 0, t_pad - t))
         return quantize_reference(x2, r), quantize_reference(padded.t(), r_t)
 
-    if (_traced_on_cuda(x) and r.name == "fp8_block1x128" and r_t.name in ("fp8_block1x128", "fp8_block128x128")
-            and _custom_op_recipe(x2, r) and _custom_op_recipe(x2, r_t)):
-        return wrap(*ops.quantize_dual_fp8(x2, r_t.is_2d))
+    if (_traced_on_cuda(x) and r.name == "fp8_block1x128" and r_t.name in _DUAL_T_RECIPES
+            and r_t.scale_rounding == "exact" and _custom_op_recipe(x2, r)):
+        return wrap(*ops.quantize_dual_fp8(x2, r_t.block[0]))
     return registry.run("quantize_dual", x.device, (x2, r, r_t), reference, lambda kernel: wrap(*kernel(x2, r, r_t)))
 
 
@@ -141,18 +143,17 @@ def swiglu_quantize_dual(kind: str, *inputs: torch.Tensor, recipe_t: str | Scale
     ``inputs`` [T, F] (:func:`lowprec.quant.ops.swiglu_values`: ``"swiglu"`` of gate, up;
     ``"swiglu_dgate"`` of gate, up, dA; ``"swiglu_dup"`` of gate, dA), computed and quantized in
     one pass on Hopper (:mod:`lowprec.quant.ops` says how close the kernels are to the reference).
-    ``recipe_t``: the transposed half's, ``fp8_block1x128`` (None, the default) or
-    ``fp8_block128x128`` (``"swiglu"`` only), as :func:`quantize_dual`'s."""
+    ``recipe_t``: the transposed half's, ``fp8_block1x128`` (None, the default), ``fp8_block16x128``
+    or ``fp8_block128x128`` (``"swiglu"`` only), as :func:`quantize_dual`'s."""
     args = tuple(t.contiguous() for t in inputs)
     r = get_recipe("fp8_block1x128")
     r_t = r if recipe_t is None else get_recipe(recipe_t)
-    if r_t.name not in (r.name, "fp8_block128x128"):
-        raise ValueError(f"recipe_t: expected fp8_block1x128 or fp8_block128x128, got {r_t.name!r}")
-    t_blocks = r_t.is_2d
+    if r_t.name not in _DUAL_T_RECIPES or r_t.scale_rounding != "exact":
+        raise ValueError(f"recipe_t: expected one of {_DUAL_T_RECIPES} (exact scales), got {r_t.name!r}")
     wrap = functools.partial(_dual_tensors, r, r_t, args[0].shape, torch.float32)
     if _traced_on_cuda(args[0]):
-        return wrap(*ops.swiglu_dual_fp8(kind, list(args), t_blocks))
-    return wrap(*ops.swiglu_dual_codes(kind, args, t_blocks))
+        return wrap(*ops.swiglu_dual_fp8(kind, list(args), r_t.block[0]))
+    return wrap(*ops.swiglu_dual_codes(kind, args, r_t.block[0]))
 
 
 def quantize_with_transpose(x: torch.Tensor, recipe: str | ScaleRecipe = "fp8_block128x128"

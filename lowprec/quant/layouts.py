@@ -57,19 +57,20 @@ def empty_mn_major_tma_aligned(rows: int, cols: int, device, dtype=torch.float32
     return torch.empty_strided((rows, cols), (1, _round_up(rows, _tma_align(dtype))), dtype=dtype, device=device)
 
 
-def empty_dual_outputs(t: int, k: int, device, t_blocks: bool = False) -> tuple[torch.Tensor, ...]:
+def empty_dual_outputs(t: int, k: int, device, t_rows: int = 1) -> tuple[torch.Tensor, ...]:
     """Uninitialised outputs of the dual quantize kernels for ``x`` [T, K]: E4M3 codes [T, K] and
     their 1x128 scales (MN-major, TMA-aligned); E4M3 codes of the transpose [K, T_pad] (T_pad =
-    round_up(T, 16)) and their scales: 1x128 along T, MN-major [K, ceil(T/128)], or with
-    ``t_blocks`` 128x128 blocks, row-major [ceil(K/128), ceil(T/128)]."""
+    round_up(T, 16)) and their scales in blocks of ``t_rows`` x 128 (rows of the transpose x
+    tokens): 1 or 16, MN-major [ceil(K/t_rows), ceil(T/128)]; 128, row-major [ceil(K/128),
+    ceil(T/128)]."""
     t_pad = _round_up(t, 16)
     q = torch.empty(t, k, dtype=torch.float8_e4m3fn, device=device)
     s = empty_mn_major_tma_aligned(t, -(-k // 128), device)
     qt = torch.empty(k, t_pad, dtype=torch.float8_e4m3fn, device=device)
-    if t_blocks:
+    if t_rows == 128:
         st = torch.empty(-(-k // 128), -(-t_pad // 128), dtype=torch.float32, device=device)
     else:
-        st = empty_mn_major_tma_aligned(k, -(-t_pad // 128), device)
+        st = empty_mn_major_tma_aligned(-(-k // t_rows), -(-t_pad // 128), device)
     return q, s, qt, st
 
 

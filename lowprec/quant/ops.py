@@ -61,35 +61,41 @@ def _(x, recipe):
     return _empty_codes_and_scales(x, recipe)
 
 
-def _empty_dual(x: torch.Tensor, t_blocks: bool = False) -> tuple[torch.Tensor, ...]:
-    return empty_dual_outputs(*x.shape, x.device, t_blocks)
+def _empty_dual(x: torch.Tensor, t_rows: int = 1) -> tuple[torch.Tensor, ...]:
+    return empty_dual_outputs(*x.shape, x.device, t_rows)
 
 
-def _t_recipe(t_blocks: bool) -> str:
-    return "fp8_block128x128" if t_blocks else "fp8_block1x128"
+_T_RECIPES = {1: "fp8_block1x128", 16: "fp8_block16x128", 128: "fp8_block128x128"}
+
+
+def _t_recipe(t_rows: int) -> str:
+    """The transposed half's recipe: blocks of ``t_rows`` x 128 (1, 16 or 128)."""
+    if t_rows not in _T_RECIPES:
+        raise ValueError(f"t_rows: expected one of {tuple(_T_RECIPES)}, got {t_rows!r}")
+    return _T_RECIPES[t_rows]
 
 
 @torch.library.custom_op("lowprec::quantize_dual_fp8", mutates_args=())
-def quantize_dual_fp8(x: torch.Tensor, t_blocks: bool = False
+def quantize_dual_fp8(x: torch.Tensor, t_rows: int = 1
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """1x128 along K of ``x`` [T, K] and along T (or 128x128 blocks with ``t_blocks``) of ``x``
-    zero-padded to T_pad = round_up(T, 16), transposed: (codes [T, K], scales, codes [K, T_pad],
-    scales)."""
-    args = (x.contiguous(), get_recipe("fp8_block1x128"), get_recipe(_t_recipe(t_blocks)))
-    return registry.run("quantize_dual", x.device, args, lambda: _dual_reference(x, t_blocks))
+    """1x128 along K of ``x`` [T, K] and, of ``x`` zero-padded to T_pad = round_up(T, 16) and
+    transposed, blocks of ``t_rows`` x 128 (1x128 along T, 16x128 or 128x128): (codes [T, K],
+    scales, codes [K, T_pad], scales)."""
+    args = (x.contiguous(), get_recipe("fp8_block1x128"), get_recipe(_t_recipe(t_rows)))
+    return registry.run("quantize_dual", x.device, args, lambda: _dual_reference(x, t_rows))
 
 
-def _dual_reference(x: torch.Tensor, t_blocks: bool = False) -> tuple[torch.Tensor, ...]:
+def _dual_reference(x: torch.Tensor, t_rows: int = 1) -> tuple[torch.Tensor, ...]:
     """The reference quantizer's ``quantize_dual_fp8`` outputs for ``x`` [T, K], in the kernel's layouts."""
     padded = torch.nn.functional.pad(x, (0, 0, 0, -(-x.shape[0] // 16) * 16 - x.shape[0]))
     along_k = quantize_reference(x, get_recipe("fp8_block1x128"))
-    along_t = quantize_reference(padded.t(), get_recipe(_t_recipe(t_blocks)))
-    return _fill(_empty_dual(x, t_blocks), (along_k.data, along_k.scale, along_t.data, along_t.scale))
+    along_t = quantize_reference(padded.t(), get_recipe(_t_recipe(t_rows)))
+    return _fill(_empty_dual(x, t_rows), (along_k.data, along_k.scale, along_t.data, along_t.scale))
 
 
 @quantize_dual_fp8.register_fake
-def _(x, t_blocks=False):
-    return _empty_dual(x, t_blocks)
+def _(x, t_rows=1):
+    return _empty_dual(x, t_rows)
 
 
 def _empty_128x128_t(x: torch.Tensor, n: int) -> tuple[torch.Tensor, ...]:
@@ -137,25 +143,27 @@ def swiglu_values(kind: str, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
     return torch.ops.aten.silu_backward(inputs[2].float() * inputs[1].float(), g)
 
 
-def swiglu_dual_codes(kind: str, inputs: tuple[torch.Tensor, ...], t_blocks: bool = False
+def swiglu_dual_codes(kind: str, inputs: tuple[torch.Tensor, ...], t_rows: int = 1
                       ) -> tuple[torch.Tensor, ...]:
     """``quantize_dual``'s codes and scales of :func:`swiglu_values` (the kernel where it serves;
-    see the note above); ``t_blocks`` (``swiglu`` only): the transposed half in 128x128 blocks."""
-    if t_blocks and kind != "swiglu":
-        raise ValueError(f"t_blocks: only the activation (kind 'swiglu') is quantized in 128x128 blocks "
+    see the note above); ``t_rows`` (``swiglu`` only: 16 or 128): the transposed half in 16x128
+    or 128x128 blocks."""
+    if t_rows != 1 and kind != "swiglu":
+        raise ValueError(f"t_rows: only the activation (kind 'swiglu') is quantized in {t_rows}x128 blocks "
                          f"for the weight gradient, got kind {kind!r}")
-    op = f"quantize_{kind}_dual_t128x128" if t_blocks else f"quantize_{kind}_dual"
+    _t_recipe(t_rows)
+    op = f"quantize_{kind}_dual_t{t_rows}x128" if t_rows != 1 else f"quantize_{kind}_dual"
     return registry.run(op, inputs[0].device, inputs,
-                        lambda: _dual_reference(swiglu_values(kind, inputs), t_blocks))
+                        lambda: _dual_reference(swiglu_values(kind, inputs), t_rows))
 
 
 @torch.library.custom_op("lowprec::swiglu_dual_fp8", mutates_args=())
-def swiglu_dual_fp8(kind: str, inputs: list[torch.Tensor], t_blocks: bool = False
+def swiglu_dual_fp8(kind: str, inputs: list[torch.Tensor], t_rows: int = 1
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`swiglu_dual_codes` as a custom op (``torch.compile``)."""
-    return swiglu_dual_codes(kind, tuple(inputs), t_blocks)
+    return swiglu_dual_codes(kind, tuple(inputs), t_rows)
 
 
 @swiglu_dual_fp8.register_fake
-def _(kind, inputs, t_blocks=False):
-    return _empty_dual(inputs[0], t_blocks)
+def _(kind, inputs, t_rows=1):
+    return _empty_dual(inputs[0], t_rows)

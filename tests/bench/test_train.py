@@ -58,10 +58,12 @@ def test_lowprec_model_converts_every_projection_but_the_lm_head_and_trains(weig
     assert abs(losses["lowprec"][0] - losses["bf16"][0]) < 0.05 * losses["bf16"][0]
 
 
-def test_wgrad2d_model_fuses_the_mlps_with_its_recipe():
-    model = train.make_model(TINY, "lowprec-wgrad2d", "bf16", device="cpu", min_weight_numel=0)
-    assert all(b.mlp.recipe == "fp8_block_wgrad2d" for b in model.blocks)
-    assert {m.recipe.name for m in model.modules() if isinstance(m, FP8Linear)} == {"fp8_block_wgrad2d"}
+@pytest.mark.parametrize("impl", ["lowprec-wgrad16", "lowprec-wgrad2d"])
+def test_wgrad_models_fuse_the_mlps_with_their_recipe(impl):
+    recipe = "fp8_block_" + impl.removeprefix("lowprec-")
+    model = train.make_model(TINY, impl, "bf16", device="cpu", min_weight_numel=0)
+    assert all(b.mlp.recipe == recipe for b in model.blocks)
+    assert {m.recipe.name for m in model.modules() if isinstance(m, FP8Linear)} == {recipe}
 
 
 def test_lowprec_model_keeps_layers_too_small_to_gain():

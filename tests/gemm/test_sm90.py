@@ -31,17 +31,17 @@ def quant_1x128(x: torch.Tensor):
     return q.contiguous(), s
 
 
-def quant_128x128(w: torch.Tensor):
-    """w [N, K] -> (q fp8 [N, K], s fp32 [ceil(N/128), ceil(K/128)])."""
+def quant_128x128(w: torch.Tensor, rows: int = 128):
+    """w [N, K] -> (q fp8 [N, K], s fp32 [ceil(N/rows), ceil(K/128)]): blocks of rows x 128."""
     n, k = w.shape
-    nb, kb = -(-n // 128), -(-k // 128)
-    wp = torch.zeros(nb * 128, kb * 128, dtype=torch.float32, device=w.device)
+    nb, kb = -(-n // rows), -(-k // 128)
+    wp = torch.zeros(nb * rows, kb * 128, dtype=torch.float32, device=w.device)
     wp[:n, :k] = w
-    blocks = wp.view(nb, 128, kb, 128)
+    blocks = wp.view(nb, rows, kb, 128)
     amax = blocks.abs().amax(dim=(1, 3))
     s = torch.where(amax > 0, amax / F8_MAX, torch.ones_like(amax))
     q = (blocks / s[:, None, :, None]).clamp(-F8_MAX, F8_MAX).to(F8)
-    q = q.view(nb * 128, kb * 128)[:n, :k]
+    q = q.view(nb * rows, kb * 128)[:n, :k]
     return q.contiguous(), s
 
 
@@ -65,9 +65,9 @@ def make_problem(m, n, k, b_kind, device="cuda", seed=None):
     gen.manual_seed(seed if seed is not None else torch.seed() % (2**31))
     a, sa = quant_1x128(random_operand(m, k, device, gen))
     w = random_operand(n, k, device, gen)
-    if b_kind == "block":
-        b, sb = quant_128x128(w)
-        b_rows = 128
+    if b_kind in ("block", "col16"):  # 128x128 (weights) or 16x128 blocks
+        b_rows = 128 if b_kind == "block" else 16
+        b, sb = quant_128x128(w, b_rows)
     else:
         b, sb = quant_1x128(w)
         b_rows = 1
@@ -210,6 +210,35 @@ def test_compile_two_wave_tiles_per_col(name, out_dtype, bias_dtype):
 
 
 @needs_cutlass
+@needs_cutlass
+@pytest.mark.parametrize("name,out_dtype,bias_dtype", [
+    ("256x112_c1x2_n8", torch.bfloat16, None),
+    ("256x128_c1x2_n8", torch.float32, torch.bfloat16),
+    ("128x128_c2x1_n4", torch.bfloat16, None),
+    ("64x48_c1x1_m1", torch.bfloat16, torch.float32),
+    ("64x64_c1x1_m1_s4", torch.float32, None),
+])
+def test_compile_col16(name, out_dtype, bias_dtype):
+    """16x128 B blocks (the weight gradients of ``fp8_block_wgrad16``) on the per-column kind's
+    tiles: pipelined, no local memory."""
+    from lowprec.gemm.sm90.interface import compile_only
+    from lowprec.gemm.sm90.tune import parse_config
+
+    _check_sass(compile_only(parse_config(name), out_dtype=out_dtype, b_scale_per_col=True, bias_dtype=bias_dtype,
+                             b_col_group=16))
+
+
+@needs_cutlass
+def test_col16_rejects_tiles_it_cannot_split():
+    from lowprec.gemm.sm90.interface import compile_only
+    from lowprec.gemm.sm90.tune import parse_config
+
+    with pytest.raises(ValueError, match="b_col_group 32"):
+        compile_only(parse_config("128x80_c1x1_m1"), b_scale_per_col=True, b_col_group=32)
+    with pytest.raises(ValueError, match="b_col_group 16"):
+        compile_only(parse_config("128x128_c1x1_m1"), b_scale_per_col=False, b_col_group=16)
+
+
 def test_two_wave_tiles_reject_what_they_do_not_support():
     from lowprec.gemm.sm90.interface import compile_only
     from lowprec.gemm.sm90.tune import parse_config
@@ -259,6 +288,10 @@ def test_heuristic_wide_tiles_follow_the_sweeps():
         assert (cfg.tile_m, cfg.tile_n) == tile and cfg.cluster_n == 2, (m, n, k, cfg)
     assert choose_config(4096, 7168, 16384, b_scale_per_col=True).tile_m == 256
     assert choose_config(1024, 7168, 16384, b_scale_per_col=True).tile_m == 128
+    # 16x128 B blocks: the block kind's large-M tiles (NOTES session 45)
+    for m, n in ((4096, 4096), (14336, 4096), (4096, 14336)):
+        cfg = choose_config(m, n, 8192, b_scale_per_col=True, b_col_group=16)
+        assert (cfg.tile_m, cfg.tile_n, cfg.cluster_n) == (256, 128, 2), cfg
 
 
 def test_validation_errors_name_the_argument():
@@ -280,6 +313,10 @@ def test_validation_errors_name_the_argument():
         _validate(a, sa, b, sb, torch.bfloat16, torch.ones(31))
     with pytest.raises(ValueError, match="out_dtype"):
         _validate(a, sa, b, sb, torch.int8, None)
+    with pytest.raises(ValueError, match=r"b_scale: expected shape \[2, 1\] \(16x128"):
+        _validate(a, sa, b, sb, torch.bfloat16, None, b_block_n=16)
+    with pytest.raises(ValueError, match="b_block_n"):
+        _validate(a, sa, b, sb, torch.bfloat16, None, b_block_n=8)
 
 
 # ----------------------------------------------------------------------------- (b) GPU tests
@@ -301,12 +338,12 @@ SHAPES = [
 ]
 
 
-def _run(a, sa, b, sb, out_dtype, bias=None, config=None):
+def _run(a, sa, b, sb, out_dtype, bias=None, config=None, b_block_n=None):
     from lowprec.gemm.sm90.interface import gemm_blockwise_fp8
 
     m, n = a.shape[0], b.shape[0]
     out = torch.full((m, n), float("nan"), dtype=out_dtype, device=a.device)
-    d = gemm_blockwise_fp8(a, sa, b, sb, out_dtype=out_dtype, bias=bias, config=config, out=out)
+    d = gemm_blockwise_fp8(a, sa, b, sb, out_dtype=out_dtype, bias=bias, config=config, out=out, b_block_n=b_block_n)
     torch.cuda.synchronize()
     assert d.data_ptr() == out.data_ptr()
     assert not torch.isnan(d).any(), f"{torch.isnan(d).sum().item()} unwritten (NaN) outputs"
@@ -315,12 +352,40 @@ def _run(a, sa, b, sb, out_dtype, bias=None, config=None):
 
 @gpu
 @needs_gpu
-@pytest.mark.parametrize("b_kind", ["block", "col"])
+@pytest.mark.parametrize("b_kind", ["block", "col", "col16"])
 @pytest.mark.parametrize("m,n,k", SHAPES, ids=lambda v: str(v))
 def test_gemm_bf16_vs_fp64(m, n, k, b_kind):
     a, sa, b, sb, ref = make_problem(m, n, k, b_kind)
-    d = _run(a, sa, b, sb, torch.bfloat16)
+    d = _run(a, sa, b, sb, torch.bfloat16, b_block_n=16 if b_kind == "col16" else None)
     assert_close_bf16(d, ref)
+
+
+@gpu
+@needs_gpu
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+def test_col16_bit_identical_to_per_col(out_dtype):
+    """16x128 B blocks (one scale product per row and 16 columns) give the bits of the per-column
+    kind fed the same scale repeated per column, on every tile shape the per-column kind takes
+    (two-wave 256x112 and its clusters, overlapped 128-row tiles, 64-row tiles, split-K), with a
+    bias and tails in M, N (a tile's last group box partly past N) and K."""
+    from lowprec.gemm.sm90.blockscaled_gemm import TileConfig
+    from lowprec.gemm.sm90.tune import parse_config
+
+    m, n, k = 1000, 912, 4496
+    a, sa, b, sb, ref = make_problem(m, n, k, "col16")
+    bias = torch.randn(n, device="cuda").to(torch.bfloat16)
+    sb_cols = sb.repeat_interleave(16, 0)[:n].contiguous()
+    base = _run(a, sa, b, sb_cols, out_dtype, bias=bias, config=TileConfig(tile_m=128, tile_n=128))
+    (assert_close_fp32 if out_dtype == torch.float32 else assert_close_bf16)(base, ref + bias.double()[None, :])
+    for cfg in (None, TileConfig(tile_m=128, tile_n=128), TileConfig(tile_m=128, tile_n=112),
+                TileConfig(tile_m=64, tile_n=48), parse_config("256x112_c1x2_n8"), parse_config("256x112_c2x1_m1"),
+                parse_config("256x128_c1x2_n8"), parse_config("128x128_c2x1_n4")):
+        d = _run(a, sa, b, sb, out_dtype, bias=bias, config=cfg, b_block_n=16)
+        assert torch.equal(d, base), f"{cfg}: bits differ from the per-column kind"
+    split = _run(a[:64], sa[:64], b, sb, torch.float32, config=TileConfig(tile_m=64, tile_n=64, split_k=4),
+                 b_block_n=16)
+    assert torch.equal(split, _run(a[:64], sa[:64], b, sb_cols, torch.float32,
+                                   config=TileConfig(tile_m=64, tile_n=64, split_k=4)))
 
 
 @gpu

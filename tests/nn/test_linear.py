@@ -68,7 +68,8 @@ def test_mha_out_proj_is_left_alone():
     assert mha(x, x, x)[0].shape == (2, 8, 64)
 
 
-@pytest.mark.parametrize("recipe", ["fp8_block", "fp8_block_wgrad2d", "fp8_rowwise", "fp8_tensorwise"])
+@pytest.mark.parametrize("recipe", ["fp8_block", "fp8_block_wgrad16", "fp8_block_wgrad2d", "fp8_rowwise",
+                                    "fp8_tensorwise"])
 def test_forward_and_grads_match_high_precision(recipe):
     ref, model = _pair(recipe=recipe)
     x = torch.randn(2, 64, 128)

@@ -23,7 +23,7 @@ def _pair(hidden=256, ffn=384, dtype=torch.float32, seed=0, recipe="fp8_block"):
     return lowprec.convert(plain, recipe, min_weight_numel=0), unfused
 
 
-@pytest.mark.parametrize("recipe", ["fp8_block", "fp8_block_wgrad2d"])
+@pytest.mark.parametrize("recipe", ["fp8_block", "fp8_block_wgrad16", "fp8_block_wgrad2d"])
 def test_fp32_equals_three_fp8_linear_layers_bit_for_bit(recipe):
     """With FP32 activations the unfused layers also compute silu(g) · u in FP32: every output and
     gradient is the same, so the fusion changes only where the work happens."""
@@ -55,12 +55,14 @@ def test_bf16_close_to_exact_and_to_unfused():
     assert metrics.rel_l2(y, unfused(x)) < 0.03
 
 
-def test_wgrad2d_changes_only_the_weight_gradients():
-    """``fp8_block_wgrad2d`` quantizes only the weight gradients' activations differently: the
-    output and the input gradient equal ``fp8_block``'s bit for bit, the weight gradients do not
-    (128x128 scales over tokens x features instead of 1x128 over tokens) but stay close."""
+@pytest.mark.parametrize("recipe_2", ["fp8_block_wgrad16", "fp8_block_wgrad2d"])
+def test_wgrad_recipes_change_only_the_weight_gradients(recipe_2):
+    """``fp8_block_wgrad16`` / ``_wgrad2d`` quantize only the weight gradients' activations
+    differently: the output and the input gradient equal ``fp8_block``'s bit for bit, the weight
+    gradients do not (16x128 / 128x128 scales over features x tokens instead of 1x128 over tokens)
+    but stay close."""
     results = []
-    for recipe in ("fp8_block", "fp8_block_wgrad2d"):
+    for recipe in ("fp8_block", recipe_2):
         fused, _ = _pair(recipe=recipe)
         g = torch.Generator().manual_seed(3)
         # rows of very different magnitudes: a 128x128 scale then differs from the rows' own
@@ -74,7 +76,7 @@ def test_wgrad2d_changes_only_the_weight_gradients():
         assert not torch.equal(dw, dw2) and metrics.cos_sim(dw, dw2) > 0.99
 
 
-@pytest.mark.parametrize("recipe", ["fp8_block", "fp8_block_wgrad2d"])
+@pytest.mark.parametrize("recipe", ["fp8_block", "fp8_block_wgrad16", "fp8_block_wgrad2d"])
 def test_gradients_close_to_exact(recipe):
     fused, _ = _pair(recipe=recipe)
     x = torch.randn(200, 256, dtype=torch.float64).float().requires_grad_()
@@ -245,7 +247,7 @@ def test_convert_options_turn_fusion_off():
     assert type(lowprec.convert(SwiGLUMLP(256, 384), fuse_mlp=False)) is SwiGLUMLP
 
 
-@pytest.mark.parametrize("recipe", ["fp8_block", "fp8_block_wgrad2d"])
+@pytest.mark.parametrize("recipe", ["fp8_block", "fp8_block_wgrad16", "fp8_block_wgrad2d"])
 def test_compile_fullgraph_forward_and_backward(recipe):
     fused, _ = _pair(recipe=recipe)
     x = torch.randn(33, 256, requires_grad=True)
@@ -260,7 +262,7 @@ def test_compile_fullgraph_forward_and_backward(recipe):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("recipe", ["fp8_block", "fp8_block_wgrad2d"])
+@pytest.mark.parametrize("recipe", ["fp8_block", "fp8_block_wgrad16", "fp8_block_wgrad2d"])
 def test_gpu_kernels_match_the_reference_and_compiled_matches_eager(recipe, monkeypatch):
     """On the GPU every step runs its kernel (LOWPREC_BACKEND=kernel: a failure raises): close to
     the reference backend (the GEMM kernels and torch's matmul round differently), and inductor's

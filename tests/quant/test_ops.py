@@ -20,27 +20,31 @@ def test_quantize_op(recipe, shape):
     assert torch.equal(q.view(torch.uint8), want.data.view(torch.uint8)) and torch.equal(s, want.scale)
 
 
-@pytest.mark.parametrize("t_blocks", [False, True])
+@pytest.mark.parametrize("t_rows", [1, 16, 128])
 @pytest.mark.parametrize("tokens", [200, 7, 128])
-def test_dual_op(tokens, t_blocks):
+def test_dual_op(tokens, t_rows):
     x = torch.randn(tokens, 256)
-    torch.library.opcheck(torch.ops.lowprec.quantize_dual_fp8.default, (x, t_blocks), test_utils=OPCHECK_TESTS)
-    got = ops.quantize_dual_fp8(x, t_blocks)
-    want = lowprec.quant.quantize_dual(x, "fp8_block1x128", "fp8_block128x128" if t_blocks else None)
+    torch.library.opcheck(torch.ops.lowprec.quantize_dual_fp8.default, (x, t_rows), test_utils=OPCHECK_TESTS)
+    got = ops.quantize_dual_fp8(x, t_rows)
+    want = lowprec.quant.quantize_dual(x, "fp8_block1x128", f"fp8_block{t_rows}x128")
     for g, w in zip(got, (want[0].data, want[0].scale, want[1].data, want[1].scale)):
         assert g.shape == w.shape and torch.equal(g.float(), w.float())
 
 
-def test_swiglu_dual_op_with_square_block_transpose():
+@pytest.mark.parametrize("t_rows", [16, 128])
+def test_swiglu_dual_op_with_block_transpose(t_rows):
     g, u = torch.randn(200, 256, dtype=torch.bfloat16), torch.randn(200, 256, dtype=torch.bfloat16)
-    torch.library.opcheck(torch.ops.lowprec.swiglu_dual_fp8.default, ("swiglu", [g, u], True),
+    torch.library.opcheck(torch.ops.lowprec.swiglu_dual_fp8.default, ("swiglu", [g, u], t_rows),
                           test_utils=OPCHECK_TESTS)
-    got = ops.swiglu_dual_fp8("swiglu", [g, u], True)
-    want = lowprec.quant.quantize_dual(ops.swiglu_values("swiglu", (g, u)), "fp8_block1x128", "fp8_block128x128")
+    got = ops.swiglu_dual_fp8("swiglu", [g, u], t_rows)
+    want = lowprec.quant.quantize_dual(ops.swiglu_values("swiglu", (g, u)), "fp8_block1x128",
+                                       f"fp8_block{t_rows}x128")
     for got_t, want_t in zip(got, (want[0].data, want[0].scale, want[1].data, want[1].scale)):
         assert got_t.shape == want_t.shape and torch.equal(got_t.float(), want_t.float())
-    with pytest.raises(ValueError, match="t_blocks"):
-        ops.swiglu_dual_codes("swiglu_dup", (g, u), t_blocks=True)
+    with pytest.raises(ValueError, match="t_rows"):
+        ops.swiglu_dual_codes("swiglu_dup", (g, u), t_rows=t_rows)
+    with pytest.raises(ValueError, match="t_rows"):
+        ops.swiglu_dual_codes("swiglu", (g, u), t_rows=32)
 
 
 @pytest.mark.parametrize("stack", [(256, 256), (512, 128)])

@@ -38,7 +38,7 @@ def independent(x: np.ndarray, name: str, **opts):
     """Dequantized values and per-block scales, block by block, in float32 numpy."""
     rows, cols = x.shape
     br, bc = {"fp8_tensorwise": (rows, cols), "fp8_rowwise": (1, cols), "fp8_block1x128": (1, 128),
-              "fp8_block128x128": (128, 128), "mxfp8": (1, 32), "mxfp4": (1, 32),
+              "fp8_block16x128": (16, 128), "fp8_block128x128": (128, 128), "mxfp8": (1, 32), "mxfp4": (1, 32),
               "nvfp4": (16, 16) if opts.get("weight_2d") else (1, 16)}[name]
     out = np.zeros_like(x)
     scales = np.zeros((-(-rows // br), -(-cols // bc)), dtype=np.float64)

@@ -28,16 +28,21 @@ def test_kernel_compiles_for_sm90a_with_wide_accesses_and_no_spills(kind, dtype)
     assert "ACQBULK" in sass  # griddepcontrol.wait: safe under programmatic dependent launch
 
 
+@pytest.mark.parametrize("t_rows", [16, 128])
 @pytest.mark.parametrize("kind, dtype", [("dual", torch.bfloat16), ("dual", torch.float32),
                                          ("swiglu_dual", torch.bfloat16)])
-def test_square_block_transpose_variant_compiles_without_spills(kind, dtype):
-    """The dual kernels with the transposed half in 128x128 blocks (``fp8_block_wgrad2d``): one
-    scale per tile, so fewer shuffles than the per-column variant, and still no local memory."""
-    sass = sass_of(build_kernel(kind, dtype, t_blocks=True))
+def test_block_transpose_variants_compile_without_spills(kind, dtype, t_rows):
+    """The dual kernels with the transposed half in 16x128 or 128x128 blocks (``fp8_block_wgrad16``,
+    ``fp8_block_wgrad2d``): one scale per 16 columns or per tile, and no local memory; the 128x128
+    one needs fewer shuffles than the per-column variant (16x128: two more per block maximum)."""
+    sass = sass_of(build_kernel(kind, dtype, t_rows=t_rows))
     assert cubin_arch(sass) == "sm_90a" and local_memory_ops(sass) == 0
-    assert sass.count("SHFL") < sass_of(build_kernel(kind, dtype)).count("SHFL")
-    with pytest.raises(ValueError, match="t_blocks"):
-        build_kernel("swiglu_dup_dual", torch.bfloat16, t_blocks=True)
+    if t_rows == 128:
+        assert sass.count("SHFL") < sass_of(build_kernel(kind, dtype)).count("SHFL")
+    with pytest.raises(ValueError, match="t_rows"):
+        build_kernel("swiglu_dup_dual", torch.bfloat16, t_rows=t_rows)
+    with pytest.raises(ValueError, match="t_rows"):
+        build_kernel(kind, dtype, t_rows=32)
 
 
 def _poison_allocator():
@@ -121,18 +126,19 @@ def _near(got, ref):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("shape", [(1, 128), (300, 1040), (2000, 7168), (1000, 272)])
-def test_swiglu_dual_with_square_block_transpose_matches_reference(shape, monkeypatch):
+@pytest.mark.parametrize("t_rows", [16, 128])
+@pytest.mark.parametrize("shape", [(1, 128), (300, 1040), (2000, 7168), (1000, 272), (100, 48)])
+def test_swiglu_dual_with_block_transpose_matches_reference(shape, t_rows, monkeypatch):
     from lowprec.quant.ops import swiglu_dual_codes
 
     wide = _data(shape[0], shape[1] * 2, torch.bfloat16, seed=sum(shape) + 7) * 4
     inputs = (wide[:, :shape[1]], wide[:, shape[1]:])
     monkeypatch.setenv("LOWPREC_BACKEND", "reference")
-    ref = swiglu_dual_codes("swiglu", inputs, t_blocks=True)
+    ref = swiglu_dual_codes("swiglu", inputs, t_rows=t_rows)
     monkeypatch.setenv("LOWPREC_BACKEND", "kernel")
     _poison_allocator()
-    got = swiglu_dual_codes("swiglu", inputs, t_blocks=True)
-    assert got[3].shape == (-(-shape[1] // 128), -(-shape[0] // 128))
+    got = swiglu_dual_codes("swiglu", inputs, t_rows=t_rows)
+    assert got[3].shape == (-(-shape[1] // t_rows), -(-shape[0] // 128))
     _near(got, ref)
 
 
@@ -155,13 +161,14 @@ def test_dual_matches_reference(shape, dtype, monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("recipe_t", ["fp8_block16x128", "fp8_block128x128"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("shape", [(1, 128), (300, 1040), (4096, 4096), (1000, 272), (2000, 7168)])
-def test_dual_with_square_block_transpose_matches_reference(shape, dtype, monkeypatch):
+@pytest.mark.parametrize("shape", [(1, 128), (300, 1040), (4096, 4096), (1000, 272), (2000, 7168), (100, 48)])
+def test_dual_with_block_transpose_matches_reference(shape, dtype, recipe_t, monkeypatch):
     x = _data(*shape, dtype, seed=sum(shape) + 5)
     (rows, cols), (ref_rows, ref_cols) = _kernel_and_reference(
-        lambda t: quantize_dual(t, "fp8_block1x128", "fp8_block128x128"), x, monkeypatch)
-    assert cols.recipe.name == "fp8_block128x128"
+        lambda t: quantize_dual(t, "fp8_block1x128", recipe_t), x, monkeypatch)
+    assert cols.recipe.name == recipe_t
     _same(rows, ref_rows)
     _same(cols, ref_cols)
 

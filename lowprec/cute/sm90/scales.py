@@ -50,7 +50,7 @@ def row_box_offset(row):
 
 class ScaleRegs(LoopInvariant):
     """Register copies of one K block's scales for a fragment: ``row`` (2: rows +0, +8) and
-    ``col`` (per-column scales 2 per column group, or one per column block)."""
+    ``col`` (per-column scales 2 per column group of 8, or one per column block)."""
 
     def __init__(self, n_col: int, dtype=cutlass.Float32):
         self.row = cute.make_rmem_tensor((2,), dtype)
@@ -60,15 +60,18 @@ class ScaleRegs(LoopInvariant):
 class FragmentScales(LoopInvariant):
     """A thread's view of the scales staged in a ring: ``s_row`` (rows, 1, stage), ``s_col`` a list
     of staged column-scale boxes; ``rows`` the thread's two tile rows, ``col0`` its first column;
-    ``per_col``: one scale per column (else per 128-column block, ``kbox`` K blocks per box)."""
+    ``per_col``: scales along the tile's columns per K block, one per column or (``col_group`` > 1)
+    one per group of ``col_group`` columns, the tile's first group first in the box (else per
+    128-column block, ``kbox`` K blocks per box)."""
 
-    def __init__(self, s_row, s_col: list, rows: list, col0, per_col: bool, kbox: int):
+    def __init__(self, s_row, s_col: list, rows: list, col0, per_col: bool, kbox: int, col_group: int = 1):
         self.s_row, self.s_col, self.rows, self.col0 = s_row, s_col, rows, col0
-        self.per_col, self.kbox = per_col, kbox
+        self.per_col, self.kbox, self.col_group = per_col, kbox, col_group
 
     def shifted(self, dr):
         """The same, the row scales read ``dr`` rows further into the box."""
-        return FragmentScales(self.s_row, self.s_col, [r + dr for r in self.rows], self.col0, self.per_col, self.kbox)
+        return FragmentScales(self.s_row, self.s_col, [r + dr for r in self.rows], self.col0, self.per_col, self.kbox,
+                              self.col_group)
 
     def row(self, stage, r):
         return self.s_row[(self.rows[r], 0, stage)]
@@ -83,7 +86,11 @@ class FragmentScales(LoopInvariant):
         ``dst``."""
         for r in cutlass.range_constexpr(2):
             dst.row[r] = self.row(stage, r)
-        if cutlass.const_expr(cols and self.per_col):
+        if cutlass.const_expr(cols and self.per_col and self.col_group > 1):
+            # every thread reads the same tile_n / col_group scales (shared-memory broadcasts)
+            for i in cutlass.range_constexpr(cute.size(dst.col)):
+                dst.col[i] = self.s_col[0][(i, 0, stage)]
+        elif cutlass.const_expr(cols and self.per_col):
             for j in cutlass.range_constexpr(cute.size(dst.col) // 2):
                 for c in cutlass.range_constexpr(2):
                     dst.col[2 * j + c] = self.col(stage, j, c)

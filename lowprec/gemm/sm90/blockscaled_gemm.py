@@ -55,7 +55,7 @@ from ...cute.sm90.scales import (
 from ...cute.sm90.tma_ring import TmaLoad, TmaRing, tma_partition_tiles
 from ...cute.tile_scheduler import DenseTileScheduler, GroupedTileScheduler
 from ...cute.utils import fence_operand, round_up  # noqa: F401  (fence_operand re-exported)
-from .config import SCALE_BLOCK, TileConfig, scale_blocks_spanned, valid_tile_n  # noqa: F401  (re-exported)
+from .config import SCALE_BLOCK, TileConfig, group_box_rows, scale_blocks_spanned, valid_tile_n  # noqa: F401
 from .mainloop import KSlot, PromotedMainloop, Wave
 
 SMEM_CAPACITY_SM90 = 232448  # bytes of dynamic smem per CTA on sm_90
@@ -67,7 +67,8 @@ class BlockScaledGemmSm90:
 
     :param config: tile configuration
     :param out_dtype: cutlass.BFloat16 / cutlass.Float16 / cutlass.Float32
-    :param b_scale_per_col: False -> 128x128 weight scales; True -> 1x128 per-row-of-B scales
+    :param b_scale_per_col: False -> 128x128 weight scales; True -> B scales along N per K block:
+        one per row of B (1x128, ``b_col_group`` 1) or per ``b_col_group`` rows (16x128 blocks)
     :param bias_dtype: None (no bias) or cutlass.Float32 / cutlass.BFloat16
     :param num_sms: number of SMs of the target GPU (persistent grid size), a compile constant
     :param grouping: None (one GEMM); "contiguous" / "masked": one GEMM per group of A's rows
@@ -84,11 +85,13 @@ class BlockScaledGemmSm90:
         bias_dtype: type[cutlass.Numeric] | None,
         num_sms: int,
         grouping: str | None = None,
+        b_col_group: int = 1,
     ):
-        self._check_options(config, b_scale_per_col, bias_dtype, grouping)
+        self._check_options(config, b_scale_per_col, bias_dtype, grouping, b_col_group)
         self.config = config
         self.out_dtype = out_dtype
         self.b_scale_per_col = b_scale_per_col
+        self.b_col_group = b_col_group
         self.bias_dtype = bias_dtype
         self.num_sms = num_sms
         self.grouping = grouping
@@ -98,7 +101,7 @@ class BlockScaledGemmSm90:
         # 1x128 B scales with two block accumulators: the tile_n/4 column scales are read from the
         # stage at promotion time (the stage is released after it) instead of being held in
         # registers from the issue on, which leaves no room for blk2 above 64 columns
-        self.sb_from_smem = b_scale_per_col and self.overlap and config.tile_n > 64
+        self.sb_from_smem = b_scale_per_col and b_col_group == 1 and self.overlap and config.tile_n > 64
 
         self.acc_dtype = cutlass.Float32
         self.ab_dtype = cutlass.Float8E4M3FN
@@ -137,7 +140,11 @@ class BlockScaledGemmSm90:
         self.epi_full_barrier = pipeline.NamedBarrier(barrier_id=3, num_threads=self.num_mma_threads + 32)
 
     @staticmethod
-    def _check_options(config, b_scale_per_col, bias_dtype, grouping):
+    def _check_options(config, b_scale_per_col, bias_dtype, grouping, b_col_group=1):
+        if b_col_group != 1 and not (b_scale_per_col and grouping is None and b_col_group % 8 == 0
+                                     and config.tile_n % b_col_group == 0):
+            raise ValueError(f"b_col_group {b_col_group}: B scales per group of columns need b_scale_per_col, "
+                             f"a dense GEMM, a multiple of 8 dividing tile_n ({config.tile_n})")
         if config.tile_m not in (64, 128, 256):
             raise ValueError(f"tile_m must be 64, 128 or 256, got {config.tile_m}")
         if config.tile_m == 256 and (grouping is not None or config.split_k > 1 or config.tile_n > 128):
@@ -197,9 +204,16 @@ class BlockScaledGemmSm90:
             self.epi_store_warp_id = 1
 
         # scales ride in the same pipeline stage as their K block (TMA, 128-byte aligned slots):
-        # A: tile_m row scales; B: tile_n column scales (1x128) or one 4-wide box of the
-        # [NB, KB] grid per 128-column block the tile touches (128x128)
-        self.sb_box = (self.tile_n, 1) if self.b_scale_per_col else (1, _SB_BOX_K)
+        # A: tile_m row scales; B: tile_n column scales (1x128), the tile_n / g column-group
+        # scales padded to a 16-byte box (16x128; the host lays each tile's box out apart:
+        # interface._prep_b_scale_groups), or one 4-wide box of the [NB, KB] grid per 128-column
+        # block the tile touches (128x128)
+        if not self.b_scale_per_col:
+            self.sb_box = (1, _SB_BOX_K)
+        elif self.b_col_group > 1:
+            self.sb_box = (group_box_rows(self.tile_n, self.b_col_group), 1)
+        else:
+            self.sb_box = (self.tile_n, 1)
         self.num_sb_boxes = 1 if self.b_scale_per_col else scale_blocks_spanned(self.tile_n)
         scale_bytes_per_stage = 4 * (
             round_up(self.sa_box_m, 32) + self.num_sb_boxes * round_up(self.sb_box[0] * self.sb_box[1], 32)
@@ -562,15 +576,18 @@ class BlockScaledGemmSm90:
     def _make_mainloop(self, ring, mmas, tCcC, accs, blk, blk2, sSA, sSB):
         n_cgroups = cute.size(blk) // 4  # accumulator value order: (2 cols, 2 rows (+8), tile_n/8 groups)
         n_sb = 2 * n_cgroups if self.b_scale_per_col else self.num_sb_boxes
+        if self.b_col_group > 1:
+            n_sb = self.tile_n // self.b_col_group
         if cutlass.const_expr(self.sb_from_smem):
             n_sb = 1  # unused: the column scales are read at promotion
         slots = (KSlot(blk, ScaleRegs(n_sb)), KSlot(blk2, ScaleRegs(n_sb)))
         # tile-relative rows (r = 0, 1: +8) and first column of this thread's accumulator values
-        scales = FragmentScales(sSA, sSB, [tCcC[0][0], tCcC[2][0]], tCcC[0][1], self.b_scale_per_col, _SB_BOX_K)
+        scales = FragmentScales(sSA, sSB, [tCcC[0][0], tCcC[2][0]], tCcC[0][1], self.b_scale_per_col, _SB_BOX_K,
+                                self.b_col_group)
         waves = [Wave(mma, scales.shifted(w * self.wave_m), acc) for w, (mma, acc) in enumerate(zip(mmas, accs))]
         return PromotedMainloop(ring, waves, slots if self.overlap else slots[:1],
                                 overlap=self.overlap, sb_from_smem=self.sb_from_smem, per_col=self.b_scale_per_col,
-                                n_straddle=self.n_straddle, tile_n=self.tile_n)
+                                n_straddle=self.n_straddle, tile_n=self.tile_n, col_group=self.b_col_group)
 
     def _dense_gd_tiles(self, mD, tile):
         """A dense tile's gmem tiles, one per wave."""

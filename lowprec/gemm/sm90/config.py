@@ -44,6 +44,12 @@ def scale_blocks_spanned(tile_n: int) -> int:
     return (worst_offset + tile_n - 1) // SCALE_BLOCK + 1
 
 
+def group_box_rows(tile_n: int, col_group: int) -> int:
+    """Rows of a tile's TMA box of column-group B scales (16x128 blocks): its tile_n / col_group
+    scales, padded to 16 bytes (TMA's smallest box row)."""
+    return -(-(tile_n // col_group) // 4) * 4
+
+
 def valid_tile_n(tile_n: int) -> bool:
     """Tile N values the kernel supports.
 
@@ -63,7 +69,8 @@ BIAS_DTYPES = ("float32", "bfloat16")
 # FP8 recipes with FP32 scales: rowwise and tensorwise scales repeat per 128-wide K block
 _OUT_TORCH_DTYPES = tuple(getattr(torch, name) for name in OUT_DTYPES)
 A_RECIPES = ("fp8_block1x128", "fp8_rowwise", "fp8_tensorwise")
-B_RECIPES = ("fp8_block1x128", "fp8_block128x128", "fp8_rowwise", "fp8_tensorwise")
+B_RECIPES = ("fp8_block1x128", "fp8_block16x128", "fp8_block128x128", "fp8_rowwise", "fp8_tensorwise")
+B_BLOCK_N = (1, 16, 128)  # B's scale block rows the kernel takes (1x128, 16x128, 128x128 blocks)
 
 
 def _dtype_name(dtype) -> str:

@@ -4,7 +4,7 @@ launch.
 Public:
     gemm_blockwise_fp8(a, a_scale, b, b_scale, out_dtype=torch.bfloat16, bias=None) -> D
     compile_only(config, arch="sm_90a", ...) -> compiled kernel (no GPU needed)
-    choose_config(m, n, k, b_scale_per_col, num_sms=132) -> TileConfig
+    choose_config(m, n, k, b_scale_per_col, num_sms=132, b_col_group=1) -> TileConfig
     SHIPPED_CONFIGS: every TileConfig the heuristic can pick.
 """
 
@@ -17,7 +17,7 @@ import importlib.util
 import torch
 
 from ...runtime import ffi_entry, on_device, sm_count
-from .config import MN_MULTIPLE, SCALE_BLOCK, WGRAD_N_MULTIPLE
+from .config import B_BLOCK_N, MN_MULTIPLE, SCALE_BLOCK, WGRAD_N_MULTIPLE, group_box_rows
 
 _ARCH_DEFAULT = "sm_90a"
 _TILE_N_CHOICES = (16, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176)
@@ -117,7 +117,7 @@ def _wide_tile(m: int, n: int, k: int, num_sms: int) -> tuple[int, int]:
 
 
 @functools.lru_cache(maxsize=4096)
-def choose_config(m: int, n: int, k: int, b_scale_per_col: bool = False, num_sms: int = 132):
+def choose_config(m: int, n: int, k: int, b_scale_per_col: bool = False, num_sms: int = 132, b_col_group: int = 1):
     """Tile configuration for a problem (deterministic: the result depends only on the args).
 
     Rules from sweeps on H100 (NOTES.md, v3, v7 and sessions 11, 24): large M -> 2-CTA clusters
@@ -125,13 +125,16 @@ def choose_config(m: int, n: int, k: int, b_scale_per_col: bool = False, num_sms
     waves for its throughput (``_wide_tile``; 128x128 at M >= 8192 and N >= 4096: rasterized in
     groups of 8 N tiles; 1x128 B scales: 128x128 in clusters along M, rasterized along N);
     M <= 64 -> 64x64 tiles, narrower when that leaves SMs idle; 64 < M <= 128 -> two 64-row tiles in a 2-CTA cluster
-    sharing B (multicast), up to 128 wide; in between, the cost model.
+    sharing B (multicast), up to 128 wide; in between, the cost model. B scales per 16 columns
+    (``b_col_group`` 16: a scale product per 16 columns, the promotion's cost close to the block
+    kind's) take the block kind's large-M tiles: 256x128 ran 1150-1161 TFLOPS at the Llama-3-8B
+    weight gradients against 1012-1078 for 256x112 (H200, NOTES session 45).
     """
     TileConfig = _tile_config_cls()
     tiles_m128 = -(-m // 128)
     tiles_n128 = -(-n // 128)
     if m >= 512 and tiles_m128 * tiles_n128 >= num_sms:
-        if b_scale_per_col:
+        if b_scale_per_col and b_col_group == 1:
             # weight-gradient GEMMs (1x128 B scales). From M = 4096: two-wave 256x112 tiles in 2-CTA
             # clusters along N, +3-14% over 128x128 on the Llama-3-8B wgrads (NOTES session 36);
             # below, 128x128 rasterized along N in groups of 4 M tiles (NOTES v8, session 11)
@@ -159,7 +162,7 @@ def choose_config(m: int, n: int, k: int, b_scale_per_col: bool = False, num_sms
     best = None
     for bm in bms:
         for bn in _TILE_N_CHOICES:
-            if b_scale_per_col and bn > _TILE_N_PER_COL_MAX:
+            if b_scale_per_col and b_col_group == 1 and bn > _TILE_N_PER_COL_MAX:
                 continue
             if bn > 16 and bn >= 2 * n:
                 continue
@@ -192,7 +195,7 @@ def _cutlass_dtype(torch_dtype):
 
 
 def build_kernel(config, out_dtype, b_scale_per_col: bool, bias_dtype, num_sms: int, arch: str = _ARCH_DEFAULT,
-                 grouping: str | None = None):
+                 grouping: str | None = None, b_col_group: int = 1):
     """Compile one configuration on fake tensors (no GPU needed), uncached; keeps PTX and cubin."""
     import cutlass
     import cutlass.cute as cute
@@ -203,7 +206,7 @@ def build_kernel(config, out_dtype, b_scale_per_col: bool, bias_dtype, num_sms: 
     # split-K: the kernel writes fp32 partials [M, N, split_k]; bias and the cast are host-side
     c_out = cutlass.Float32 if split else _cutlass_dtype(out_dtype)
     c_bias = _cutlass_dtype(bias_dtype) if (bias_dtype is not None and not split) else None
-    kernel = BlockScaledGemmSm90(config, c_out, b_scale_per_col, c_bias, num_sms, grouping)
+    kernel = BlockScaledGemmSm90(config, c_out, b_scale_per_col, c_bias, num_sms, grouping, b_col_group)
 
     sym_m = cute.sym_int()
     sym_n = cute.sym_int(divisibility=16)
@@ -224,7 +227,7 @@ def build_kernel(config, out_dtype, b_scale_per_col: bool, bias_dtype, num_sms: 
         d = fake(c_out, (sym_m, sym_n), stride=(cute.sym_int64(divisibility=8), 1), assumed_align=16)
     # scales are loaded by TMA: 16-byte aligned base and leading dimension (see _tma_scales)
     sa = fake(cutlass.Float32, (sym_am, sym_kb), stride=(1, cute.sym_int64(divisibility=4)), assumed_align=16)
-    if b_scale_per_col:  # N-contiguous, zero-padded past N (see _prep_b_scale_per_col)
+    if b_scale_per_col:  # N-contiguous, zero-padded (see _prep_b_scale_per_col, _prep_b_scale_groups)
         sb = fake(cutlass.Float32, (sym_sb_rows, sym_kb), stride=(1, cute.sym_int64(divisibility=4)), assumed_align=16)
     else:
         sb = fake(cutlass.Float32, (sym_sb_rows, sym_kb), stride=(cute.sym_int64(divisibility=4), 1), assumed_align=16)
@@ -242,7 +245,8 @@ def build_kernel(config, out_dtype, b_scale_per_col: bool, bias_dtype, num_sms: 
 
 
 @functools.cache
-def _get_compiled(config, out_dtype, b_scale_per_col, bias_dtype, num_sms, arch=_ARCH_DEFAULT, grouping=None):
+def _get_compiled(config, out_dtype, b_scale_per_col, bias_dtype, num_sms, arch=_ARCH_DEFAULT, grouping=None,
+                  b_col_group=1):
     """The launchable kernel, compiled once per key through the package's kernel cache (the
     lru_cache in front keeps the per-launch lookup to one tuple hash)."""
     from ...runtime import kernel_cache
@@ -251,9 +255,11 @@ def _get_compiled(config, out_dtype, b_scale_per_col, bias_dtype, num_sms, arch=
         out_dtype, bias_dtype = torch.float32, None
     key = dict(dataclasses.asdict(config), out=out_dtype, per_col=bool(b_scale_per_col), bias=bias_dtype,
                num_sms=int(num_sms), tvm_ffi=_use_tvm_ffi(), grouping=grouping)
+    if b_col_group != 1:
+        key["b_col_group"] = b_col_group
     return kernel_cache.get("gemm_sm90_blockscaled", key, arch,
                             lambda: build_kernel(config, out_dtype, b_scale_per_col, bias_dtype, num_sms, arch,
-                                                 grouping))
+                                                 grouping, b_col_group))
 
 
 def compile_only(
@@ -264,13 +270,15 @@ def compile_only(
     bias_dtype=None,
     num_sms: int = 132,
     grouping: str | None = None,
+    b_col_group: int = 1,
 ):
     """Compile one configuration on fake tensors (no GPU needed) and return the compiled object
     (cached; keeps ``__ptx__`` and ``__cubin__``: ``lowprec.runtime.compile.sass_of`` disassembles
     it, with ``nvdisasm`` from PATH or the pip package ``nvidia-cuda-nvdisasm``)."""
     if config is None:
         config = _tile_config_cls()()
-    return _get_compiled(config, out_dtype, bool(b_scale_per_col), bias_dtype, num_sms, arch, grouping)
+    return _get_compiled(config, out_dtype, bool(b_scale_per_col), bias_dtype, num_sms, arch, grouping,
+                         b_col_group)
 
 
 # ----------------------------------------------------------------------------- launch
@@ -297,7 +305,7 @@ def _check_on_cuda_like_a(a, **others):
             raise ValueError(f"{name}: on {t.device}, expected {dev} like a")
 
 
-def _validate(a, a_scale, b, b_scale, out_dtype, bias):
+def _validate(a, a_scale, b, b_scale, out_dtype, bias, b_block_n=None):
     for name, t in (("a", a), ("a_scale", a_scale), ("b", b), ("b_scale", b_scale)):
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
@@ -323,15 +331,13 @@ def _validate(a, a_scale, b, b_scale, out_dtype, bias):
     _check(b_scale.dtype == torch.float32, lambda: f"b_scale: expected torch.float32, got {b_scale.dtype}")
     _check(tuple(a_scale.shape) == (m, kb),
            lambda: f"a_scale: expected shape [{m}, {kb}] (1x128 blocks), got {tuple(a_scale.shape)}")
-    if tuple(b_scale.shape) == (nb, kb):
-        per_col = False
-    elif tuple(b_scale.shape) == (n, kb):
-        per_col = True
-    else:
-        raise ValueError(
-            f"b_scale: expected shape [{nb}, {kb}] (128x128 blocks) or [{n}, {kb}] (1x128 blocks), "
-            f"got {tuple(b_scale.shape)}"
-        )
+    if b_block_n is None:  # inferred from the shape: 128x128 or 1x128 blocks
+        b_block_n = 128 if tuple(b_scale.shape) == (nb, kb) else 1
+    _check(b_block_n in B_BLOCK_N, lambda: f"b_block_n: expected one of {B_BLOCK_N} or None, got {b_block_n!r}")
+    ng = -(-n // b_block_n)
+    _check(tuple(b_scale.shape) == (ng, kb),
+           lambda: f"b_scale: expected shape [{ng}, {kb}] ({b_block_n}x128 blocks; or [{nb}, {kb}] / [{n}, {kb}] "
+                   f"for 128x128 / 1x128 blocks), got {tuple(b_scale.shape)}")
     _check_out_dtype(out_dtype)
     if bias is not None:
         _check(isinstance(bias, torch.Tensor) and bias.dim() == 1 and bias.shape[0] == n,
@@ -339,7 +345,7 @@ def _validate(a, a_scale, b, b_scale, out_dtype, bias):
         _check(bias.dtype in (torch.float32, torch.bfloat16),
                lambda: f"bias: expected float32 or bfloat16, got {bias.dtype}")
     _check_on_cuda_like_a(a, a_scale=a_scale, b=b, b_scale=b_scale, bias=bias)
-    return m, n, k, per_col
+    return m, n, k, b_block_n
 
 
 _N_PAD = 256  # >= every tile_n, so a tile never reads past the padded 1x128 B-scale rows
@@ -356,6 +362,22 @@ def _prep_b_scale_per_col(b_scale: torch.Tensor) -> torch.Tensor:
     if n_pad > n:
         buf[:, n:].zero_()
     return buf.t()
+
+
+def _prep_b_scale_groups(b_scale: torch.Tensor, tile_n: int, col_group: int) -> torch.Tensor:
+    """[NG, KB] B scales of ``col_group``-row blocks -> N-contiguous, each ``tile_n``-wide tile's
+    tile_n / col_group scales in a box of their own, zero-padded to 16 bytes (the kernel's TMA
+    box: ``config.group_box_rows``); stride (1, ld)."""
+    ng, kb = b_scale.shape
+    per_tile = tile_n // col_group
+    tiles = -(-ng // per_tile)
+    buf = b_scale.new_zeros(kb, tiles, group_box_rows(tile_n, col_group))
+    full = ng // per_tile
+    if full:
+        buf[:, :full, :per_tile].copy_(b_scale[:full * per_tile].t().reshape(kb, full, per_tile))
+    if ng > full * per_tile:
+        buf[:, full, :ng - full * per_tile].copy_(b_scale[full * per_tile:].t())
+    return buf.view(kb, -1).t()
 
 
 def _tma_a_scale(a_scale: torch.Tensor) -> torch.Tensor:
@@ -392,40 +414,49 @@ def gemm_blockwise_fp8(
     bias: torch.Tensor | None = None,
     config=None,
     out: torch.Tensor | None = None,
+    b_block_n: int | None = None,
 ) -> torch.Tensor:
     """D[M, N] = (A * sa) @ (B * sb)^T (+ bias), FP32 accumulation with per-K-block promotion.
 
     a: float8_e4m3fn [M, K] K-major; a_scale: fp32 [M, ceil(K/128)] (any strides; MN-major
-    loads fastest); b: float8_e4m3fn [N, K] K-major; b_scale: fp32 [ceil(N/128), ceil(K/128)]
-    (128x128) or [N, ceil(K/128)] (1x128); bias: fp32/bf16 [N] or None; out: optional
-    preallocated contiguous [M, N] tensor of ``out_dtype`` (written and returned).
+    loads fastest); b: float8_e4m3fn [N, K] K-major; b_scale: fp32 [ceil(N/b_block_n),
+    ceil(K/128)] for B's blocks of b_block_n rows x 128: 128 (weights), 16 or 1 (None: 128 or
+    1, from b_scale's shape); bias: fp32/bf16 [N] or None; out: optional preallocated contiguous
+    [M, N] tensor of ``out_dtype`` (written and returned).
     """
-    _, _, _, per_col = _validate(a, a_scale, b, b_scale, out_dtype, bias)
+    _, _, _, b_block_n = _validate(a, a_scale, b, b_scale, out_dtype, bias, b_block_n)
     if out is not None:
         m, n = a.shape[0], b.shape[0]
         _check(out.shape == (m, n) and out.dtype == out_dtype and out.is_contiguous()
                and out.device == a.device,
                lambda: f"out: expected a contiguous [{m}, {n}] {out_dtype} tensor on {a.device}")
-    return _run_dense(a, a_scale, b, b_scale, out_dtype, bias, per_col, config, out)
+    return _run_dense(a, a_scale, b, b_scale, out_dtype, bias, b_block_n, config, out)
 
 
-def _run_dense(a, a_scale, b, b_scale, out_dtype, bias, per_col: bool, config=None, out=None) -> torch.Tensor:
+def _run_dense(a, a_scale, b, b_scale, out_dtype, bias, b_block_n: int, config=None, out=None) -> torch.Tensor:
     """The launch of :func:`gemm_blockwise_fp8` on valid operands (host work kept to what each
-    call needs: eager small-M GEMMs are bound by it)."""
+    call needs: eager small-M GEMMs are bound by it). ``b_block_n``: B's scale block rows (1, 16
+    or 128)."""
     m, k = a.shape
     n = b.shape[0]
     dev = a.device
     num_sms = sm_count(dev)
+    per_col = b_block_n < SCALE_BLOCK
+    col_group = b_block_n if per_col else 1
     if config is None:
-        config = choose_config(m, n, k, per_col, num_sms)
+        config = choose_config(m, n, k, per_col, num_sms, col_group)
     split = config.split_k
     if split > 1:
         kt = -(-k // SCALE_BLOCK)
         _check(_split_ok(kt, split), lambda: f"config: split_k={split} leaves an empty split for K={k}")
-    fn = _get_compiled(config, out_dtype, per_col, bias.dtype if bias is not None else None, num_sms)
+    fn = _get_compiled(config, out_dtype, per_col, bias.dtype if bias is not None else None, num_sms,
+                       b_col_group=col_group)
     d = torch.empty((m, n), dtype=out_dtype, device=dev) if out is None else out
     a_scale = _tma_a_scale(a_scale)
-    b_scale = _prep_b_scale_per_col(b_scale) if per_col else _tma_b_scale_blocks(b_scale)
+    if col_group > 1:
+        b_scale = _prep_b_scale_groups(b_scale, config.tile_n, col_group)
+    else:
+        b_scale = _prep_b_scale_per_col(b_scale) if per_col else _tma_b_scale_blocks(b_scale)
     no_bias, no_group = _unused_args(dev)
     if split > 1:
         ws = torch.empty((split, m, n), dtype=torch.float32, device=dev).permute(1, 2, 0)
@@ -658,7 +689,7 @@ def _blockwise_scales(a, b) -> tuple[torch.Tensor, torch.Tensor]:
     n = b.shape[0]
     kb = -(-k // SCALE_BLOCK)
     sa = a.scale if a.recipe.name == "fp8_block1x128" else a.scale.reshape(-1, 1).expand(m, kb).contiguous()
-    if b.recipe.name in ("fp8_block128x128", "fp8_block1x128"):
+    if b.recipe.name in ("fp8_block128x128", "fp8_block16x128", "fp8_block1x128"):
         sb = b.scale
     elif b.recipe.name == "fp8_rowwise":
         sb = b.scale.reshape(n, 1).expand(n, kb).contiguous()
@@ -680,8 +711,9 @@ def gemm_quantized(a, b, out_dtype: torch.dtype, bias: torch.Tensor | None) -> t
     """``lowprec.gemm`` on this kernel: QuantizedTensors (their shapes, dtypes and devices checked
     when built) that ``config.gemm_unsupported`` accepted, so no second validation."""
     sa, sb = _blockwise_scales(a, b)
-    per_col = b.recipe.name in ("fp8_block1x128", "fp8_rowwise")  # sb [N, KB]: one scale per column
-    return _run_dense(_k_major(a.data), sa, _k_major(b.data), sb, out_dtype, bias, per_col)
+    # sb [N, KB]: one scale per column; [N / 16, KB] per 16; [N / 128, KB] per 128
+    b_block_n = {"fp8_block1x128": 1, "fp8_rowwise": 1, "fp8_block16x128": 16}.get(b.recipe.name, SCALE_BLOCK)
+    return _run_dense(_k_major(a.data), sa, _k_major(b.data), sb, out_dtype, bias, b_block_n)
 
 
 def linear_inference(x, weight, weight_scale, weight_recipe: str, activation_recipe: str, bias,
@@ -694,7 +726,7 @@ def linear_inference(x, weight, weight_scale, weight_recipe: str, activation_rec
     from ...quant.sm90.interface import quantize_1x128
 
     codes, scales = quantize_1x128(x)
-    return _run_dense(codes, scales, _k_major(weight), weight_scale, out_dtype, bias, False)
+    return _run_dense(codes, scales, _k_major(weight), weight_scale, out_dtype, bias, SCALE_BLOCK)
 
 
 def grouped_gemm_quantized(a, b, out_dtype: torch.dtype, group_ends: torch.Tensor | None,

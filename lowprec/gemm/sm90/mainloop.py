@@ -51,18 +51,19 @@ class PromotedMainloop(LoopInvariant):
     (one with several waves)."""
 
     def __init__(self, ring, waves: list, slots, *, overlap: bool, sb_from_smem: bool,
-                 per_col: bool, n_straddle: bool, tile_n: int):
+                 per_col: bool, n_straddle: bool, tile_n: int, col_group: int = 1):
         assert len(waves) == 1 or not (overlap or sb_from_smem), "several waves: no overlap, scales in registers"
         self.ring, self.waves, self.slots = ring, waves, slots
         self.mma, self.scales, self.acc = waves[0].mma, waves[0].scales, waves[0].acc
         self.overlap, self.sb_from_smem, self.per_col = overlap, sb_from_smem, per_col
-        self.n_straddle, self.tile_n = n_straddle, tile_n
+        self.n_straddle, self.tile_n, self.col_group = n_straddle, tile_n, col_group
 
     def shifted(self, dr):
         """The same loop, A's row scales read ``dr`` rows further into the stage's box."""
         return PromotedMainloop(self.ring, [Wave(w.mma, w.scales.shifted(dr), w.acc) for w in self.waves],
                                 self.slots, overlap=self.overlap, sb_from_smem=self.sb_from_smem,
-                                per_col=self.per_col, n_straddle=self.n_straddle, tile_n=self.tile_n)
+                                per_col=self.per_col, n_straddle=self.n_straddle, tile_n=self.tile_n,
+                                col_group=self.col_group)
 
     @cute.jit
     def run(self, n0, k_first, k_cnt, read_state, release_state):
@@ -220,7 +221,11 @@ class PromotedMainloop(LoopInvariant):
     def _promote(self, slot: KSlot, split, acc=None):
         acc = self.acc if acc is None else acc
         regs = slot.regs
-        if cutlass.const_expr(self.per_col):
+        if cutlass.const_expr(self.per_col and self.col_group > 1):
+            # 16x128 B blocks: one product per (row, column group), then one FFMA per value
+            promote_col_blocks(acc, slot.blk, regs.row, regs.col, self.tile_n // self.col_group, 0, False,
+                               self.col_group)
+        elif cutlass.const_expr(self.per_col):
             promote_per_col(acc, slot.blk, regs.row, lambda j, c: regs.col[2 * j + c])
         else:
             promote_col_blocks(acc, slot.blk, regs.row, regs.col, len(self.scales.s_col), split,

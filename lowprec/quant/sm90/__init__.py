@@ -12,5 +12,6 @@ register("quantize_with_transpose", "sm_90a", f"{_interface}:quantize_with_trans
 register("quantize_t_gathered", "sm_90a", f"{_interface}:quantize_t_gathered_codes", config.gathered_unsupported)
 for _kind in ("swiglu", "swiglu_dgate", "swiglu_dup"):
     register(f"quantize_{_kind}_dual", "sm_90a", f"{_interface}:{_kind}_quantize_dual", config.swiglu_dual_unsupported)
-register("quantize_swiglu_dual_t128x128", "sm_90a", f"{_interface}:swiglu_quantize_dual_t_blocks",
-         config.swiglu_dual_unsupported)
+for _t_rows in (16, 128):
+    register(f"quantize_swiglu_dual_t{_t_rows}x128", "sm_90a", f"{_interface}:swiglu_quantize_dual_t{_t_rows}x128",
+             config.swiglu_dual_unsupported)

@@ -8,6 +8,7 @@ import torch
 INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 RECIPES = ("fp8_block1x128", "fp8_block128x128", "fp8_rowwise")  # with exact FP32 scales
 COL_MULTIPLE = 16  # 16-byte rows of FP8 codes
+DUAL_T_RECIPES = ("fp8_block1x128", "fp8_block16x128", "fp8_block128x128")  # the dual kernels' transposed halves
 
 
 def rows_unsupported(x: torch.Tensor) -> str | None:
@@ -35,11 +36,11 @@ def quantize_unsupported(x: torch.Tensor, r) -> str | None:
 
 
 def dual_unsupported(x: torch.Tensor, r, r_t) -> str | None:
-    """``quantize_dual(x, r, r_t)``: ``x`` [T, K] in 1x128 blocks, ``xᵀ`` in 1x128 or 128x128."""
+    """``quantize_dual(x, r, r_t)``: ``x`` [T, K] in 1x128 blocks, ``xᵀ`` in 1x128, 16x128 or 128x128."""
     if r.name != "fp8_block1x128" or r.scale_rounding != "exact":
         return f"recipe {r.name}: the dual kernel quantizes exact 1x128 blocks"
-    if r_t.name not in ("fp8_block1x128", "fp8_block128x128") or r_t.scale_rounding != "exact":
-        return f"recipe_t {r_t.name}: the dual kernel quantizes the transpose in exact 1x128 or 128x128 blocks"
+    if r_t.name not in DUAL_T_RECIPES or r_t.scale_rounding != "exact":
+        return f"recipe_t {r_t.name}: the dual kernel quantizes the transpose in exact {DUAL_T_RECIPES} blocks"
     return rows_unsupported(x)
 
 

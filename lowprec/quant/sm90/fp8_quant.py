@@ -433,7 +433,7 @@ def _alloc_col_partials(smem):
 @cute.jit
 def _dual_tile(slots: list, stage, mQ: cute.Tensor, mS: cute.Tensor, mQT: cute.Tensor, mST: cute.Tensor,
                col_part: cute.Tensor, tile_t: cute.Tensor, tile_r, tile_c, tidx, op: cutlass.Constexpr,
-               t_blocks: cutlass.Constexpr):
+               t_rows: cutlass.Constexpr):
     """Both quantizations of one 128x128 tile of ``op`` of the inputs, the thread's 8x8 micro-tile
     in ``slots`` stage ``stage``; stores past the outputs' ends are skipped. ``copy``: the micro-
     tile is read into registers for the rows and read again, half at a time, for the columns
@@ -441,8 +441,9 @@ def _dual_tile(slots: list, stage, mQ: cute.Tensor, mS: cute.Tensor, mQT: cute.T
     live next to the columns' work (2 CTAs per SM without spills). The SwiGLU ops keep their 64
     values (one CTA per SM). Qᵀ goes through ``tile_t`` (a second barrier), so that
     it leaves in 16-byte chunks, 8 lanes per 128-byte row: stored from registers, 8 bytes to 16
-    rows per warp instruction, it ran 12 points of copy bandwidth slower (NOTES, session 10). ``t_blocks``: Qᵀ takes one
-    scale per 128x128 tile (``mST[tile_c, tile_r]``) instead of one per column."""
+    rows per warp instruction, it ran 12 points of copy bandwidth slower (NOTES, session 10). ``t_rows``: Qᵀ's
+    scale blocks span that many of its rows (x's columns): 1 (one scale per column, ``mST[col, tile_r]``), 16
+    (``mST[col // 16, tile_r]``) or 128 (one per tile, ``mST[tile_c, tile_r]``)."""
     rows, cols, t_pad = mQ.shape[0], mQ.shape[1], mQT.shape[1]
     lane, rgrp = tidx % LANES, tidx // LANES
     warp, wlane = tidx // 32, tidx % 32
@@ -484,19 +485,24 @@ def _dual_tile(slots: list, stage, mQ: cute.Tensor, mS: cute.Tensor, mQT: cute.T
         cute.autovec_copy(cute.local_tile(col_part[(stage, w, None)], (4,), (wlane,)), other)
         for c in cutlass.range_constexpr(4):
             quad[c] = cute.arch.fmax(quad[c], other[c])
-    if cutlass.const_expr(t_blocks):  # the tile's maximum: over the lane's 4 columns, then the warp
-        tile_max = cute.arch.fmax(cute.arch.fmax(quad[0], quad[1]), cute.arch.fmax(quad[2], quad[3]))
+    if cutlass.const_expr(t_rows > 1):  # the block's maximum: over the lane's 4 columns, then its lanes
+        block_max = cute.arch.fmax(cute.arch.fmax(quad[0], quad[1]), cute.arch.fmax(quad[2], quad[3]))
         for offset in (16, 8, 4, 2, 1):
-            tile_max = cute.arch.fmax(tile_max, cute.arch.shuffle_sync_bfly(tile_max, offset=offset))
+            if cutlass.const_expr(4 * offset < t_rows):
+                block_max = cute.arch.fmax(block_max, cute.arch.shuffle_sync_bfly(block_max, offset=offset))
         for c in cutlass.range_constexpr(4):
-            quad[c] = tile_max
+            quad[c] = block_max
     quad_inv = cute.make_rmem_tensor((4,), Float32)
     quad_scale = cute.make_rmem_tensor((4,), Float32)
     for c in cutlass.range_constexpr(4):
         quad_scale[c], quad_inv[c] = scale_and_inverse(quad[c])
-    if cutlass.const_expr(t_blocks):
+    if cutlass.const_expr(t_rows == TILE):
         if tidx == 0:
             mST[tile_c, tile_r] = quad_scale[0]
+    elif cutlass.const_expr(t_rows > 1):
+        lanes_per_block = t_rows // 4
+        if warp == 0 and wlane % lanes_per_block == 0 and tile_c * TILE + 4 * wlane < cols:
+            mST[tile_c * (TILE // t_rows) + wlane // lanes_per_block, tile_r] = quad_scale[0]
     elif warp == 0:
         st_cols = cute.local_tile(mST, (4, 1), (tile_c * (TILE // 4) + wlane, tile_r))
         for c in cutlass.range_constexpr(4):
@@ -509,7 +515,7 @@ def _dual_tile(slots: list, stage, mQ: cute.Tensor, mS: cute.Tensor, mQT: cute.T
         for jj in cutlass.range_constexpr(VEC // 2):
             j = h * (VEC // 2) + jj
             inv_j = quad_inv[0]
-            if cutlass.const_expr(not t_blocks):
+            if cutlass.const_expr(t_rows < TILE):
                 inv_j = cute.arch.shuffle_sync(quad_inv[jj], offset=2 * lane + h)
             if cutlass.const_expr(op == "copy"):
                 stage_column(tile_t, column_codes(half, jj, inv_j), lane, rgrp, j)
@@ -528,9 +534,9 @@ def _read_half_chunk(slots: cute.Tensor, tidx, chunk, stage, half):
 
 @cute.kernel
 def _quant_dual_kernel(mX: cute.Tensor, mX2: cute.Tensor, mX3: cute.Tensor, mQ_u8: cute.Tensor, mS: cute.Tensor,
-                       mQT_u8: cute.Tensor, mST: cute.Tensor, op: cutlass.Constexpr, t_blocks: cutlass.Constexpr):
+                       mQT_u8: cute.Tensor, mST: cute.Tensor, op: cutlass.Constexpr, t_rows: cutlass.Constexpr):
     """``op``'s inputs are the first ``DUAL_OPS[op]`` of mX, mX2, mX3 (all of one shape). ``mST``:
-    [cols, ceil(rows / 128)], or [ceil(cols / 128), ceil(rows / 128)] with ``t_blocks``."""
+    [ceil(cols / t_rows), ceil(rows / 128)]."""
     tidx, _, _ = cute.arch.thread_idx()
     after_previous_grid()
     bidx, _, _ = cute.arch.block_idx()
@@ -553,7 +559,7 @@ def _quant_dual_kernel(mX: cute.Tensor, mX2: cute.Tensor, mX3: cute.Tensor, mQ_u
         _prefetch_dual(inputs, slots, tidx, tile + grid, n_tiles, tiles_r, tiles_c, 1 - stage)
         cute.arch.cp_async_wait_group(1)
         tile_r, tile_c = _dual_tile_coords(tile, tiles_r, tiles_c)
-        _dual_tile(slots, stage, mQ, mS, mQT, mST, col_part, tile_t, tile_r, tile_c, tidx, op, t_blocks)
+        _dual_tile(slots, stage, mQ, mS, mQT, mST, col_part, tile_t, tile_r, tile_c, tidx, op, t_rows)
 
 
 def dual_ctas_per_sm(input_bits: int, inputs: int = 1) -> int:
@@ -565,27 +571,28 @@ def dual_ctas_per_sm(input_bits: int, inputs: int = 1) -> int:
 
 
 def _launch_dual(inputs: list, mQ_u8: cute.Tensor, mS: cute.Tensor, mQT_u8: cute.Tensor, mST: cute.Tensor,
-                 max_ctas: cutlass.Int32, stream, op: str, t_blocks: bool):
+                 max_ctas: cutlass.Int32, stream, op: str, t_rows: int):
     grid = cutlass.min(mST.shape[1] * mS.shape[1], max_ctas)
     padded = inputs + [inputs[0]] * (3 - len(inputs))  # unused kernel arguments
-    _quant_dual_kernel(*padded, mQ_u8, mS, mQT_u8, mST, op, t_blocks).launch(
+    _quant_dual_kernel(*padded, mQ_u8, mS, mQT_u8, mST, op, t_rows).launch(
         grid=(grid, 1, 1), block=(THREADS, 1, 1), stream=stream, use_pdl=True,
         min_blocks_per_mp=dual_ctas_per_sm(inputs[0].element_type.width, len(inputs)), preferred_smem_carveout=100)
 
 
 @cute.jit
 def quant_dual(mX: cute.Tensor, mQ_u8: cute.Tensor, mS: cute.Tensor, mQT_u8: cute.Tensor, mST: cute.Tensor,
-               max_ctas: cutlass.Int32, stream, t_blocks: cutlass.Constexpr = False):
+               max_ctas: cutlass.Int32, stream, t_rows: cutlass.Constexpr = 1):
     """``max_ctas``: the CTAs resident at once on the device (the grid of the persistent walk);
-    ``t_blocks``: the transposed half in 128x128 blocks (the weight gradient's B operand)."""
-    _launch_dual([mX], mQ_u8, mS, mQT_u8, mST, max_ctas, stream, "copy", t_blocks)
+    ``t_rows``: the transposed half (the weight gradient's B operand) in 1x128 (1), 16x128 (16) or
+    128x128 (128) blocks."""
+    _launch_dual([mX], mQ_u8, mS, mQT_u8, mST, max_ctas, stream, "copy", t_rows)
 
 
 @cute.jit
 def swiglu_dual(mG: cute.Tensor, mU: cute.Tensor, mQ_u8: cute.Tensor, mS: cute.Tensor, mQT_u8: cute.Tensor,
-                mST: cute.Tensor, max_ctas: cutlass.Int32, stream, t_blocks: cutlass.Constexpr = False):
+                mST: cute.Tensor, max_ctas: cutlass.Int32, stream, t_rows: cutlass.Constexpr = 1):
     """Both quantizations of ``silu(g) · u`` (the dense SwiGLU MLP's activation)."""
-    _launch_dual([mG, mU], mQ_u8, mS, mQT_u8, mST, max_ctas, stream, "swiglu", t_blocks)
+    _launch_dual([mG, mU], mQ_u8, mS, mQT_u8, mST, max_ctas, stream, "swiglu", t_rows)
 
 
 @cute.jit

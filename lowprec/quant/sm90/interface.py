@@ -10,7 +10,8 @@ from ...runtime import ffi_entry, kernel_cache, on_device, sm_count
 from ..layouts import empty_dual_outputs, empty_mn_major_tma_aligned
 
 __all__ = ["quantize_1x128", "quantize_rowwise", "quantize_128x128", "quantize_128x128_t", "quantize_dual",
-           "swiglu_quantize_dual", "swiglu_quantize_dual_t_blocks", "swiglu_dgate_quantize_dual",
+           "swiglu_quantize_dual", "swiglu_quantize_dual_t16x128", "swiglu_quantize_dual_t128x128",
+           "swiglu_dgate_quantize_dual",
            "swiglu_dup_quantize_dual",
            "quantize_t_gathered", "quantize_codes", "quantize_dual_codes", "quantize_with_transpose_codes",
            "quantize_t_gathered_codes", "build_kernel", "compile_kernel", "KERNELS", "fake_rows", "fake_scales",
@@ -21,9 +22,10 @@ KERNELS = ("1x128", "128x128", "128x128_t", "dual", "rowwise", "rowwise_staged",
            "swiglu_dgate_dual", "swiglu_dup_dual")
 # inputs of each kernel of the dual family (the SwiGLU ones: gate, up and / or da, one shape)
 _DUAL_INPUTS = {"dual": 1, "swiglu_dual": 2, "swiglu_dgate_dual": 3, "swiglu_dup_dual": 2}
-# the dual kernels that can quantize their transposed half in 128x128 blocks (activations, which
-# are the weight gradient's B operand; gradients stay 1x128)
+# the dual kernels that can quantize their transposed half in 16x128 or 128x128 blocks (activations,
+# which are the weight gradient's B operand; gradients stay 1x128)
 T_BLOCK_KERNELS = ("dual", "swiglu_dual")
+T_ROWS = (1, 16, 128)  # rows of the transposed half's scale blocks (x's columns) the kernels take
 
 
 def cutlass_dtype(dtype: torch.dtype):
@@ -51,14 +53,17 @@ def fake_scales():
                             stride=(cute.sym_int64(), cute.sym_int64()), assumed_align=4)
 
 
-def build_kernel(kind: str, dtype: torch.dtype, arch: str = ARCH, t_blocks: bool = False):
+def build_kernel(kind: str, dtype: torch.dtype, arch: str = ARCH, t_rows: int = 1):
     """Compile one quantize kernel for ``dtype`` inputs on fake tensors (no GPU needed), uncached.
-    ``t_blocks`` (``dual``, ``swiglu_dual``): the transposed half in 128x128 blocks."""
+    ``t_rows`` (``dual``, ``swiglu_dual``): the transposed half in 16x128 (16) or 128x128 (128)
+    blocks instead of 1x128 (1)."""
     if kind not in KERNELS:
         raise ValueError(f"kind: expected one of {KERNELS}, got {kind!r}")
-    if t_blocks and kind not in T_BLOCK_KERNELS:
-        raise ValueError(f"t_blocks: only the {T_BLOCK_KERNELS} kernels quantize their transposed half in "
-                         f"128x128 blocks, got kind {kind!r}")
+    if t_rows not in T_ROWS:
+        raise ValueError(f"t_rows: expected one of {T_ROWS}, got {t_rows!r}")
+    if t_rows != 1 and kind not in T_BLOCK_KERNELS:
+        raise ValueError(f"t_rows: only the {T_BLOCK_KERNELS} kernels quantize their transposed half in "
+                         f"{t_rows}x128 blocks, got kind {kind!r}")
     import cutlass
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
@@ -85,16 +90,16 @@ def build_kernel(kind: str, dtype: torch.dtype, arch: str = ARCH, t_blocks: bool
         args = (x, q, fake_scales(), cutlass.Int32(1))
     else:
         args = (x, q, fake_scales())
-    extra = {"t_blocks": True} if t_blocks else {}
+    extra = {"t_rows": t_rows} if t_rows != 1 else {}
     return compile_for_arch(fn, *args, stream, arch=arch, tvm_ffi=True, **extra)
 
 
 @functools.cache  # in front of the kernel cache: one hash of plain values per launch
-def compile_kernel(kind: str, dtype: torch.dtype, arch: str = ARCH, t_blocks: bool = False):
-    """The launchable kernel, compiled once per (kind, dtype, arch, t_blocks) through the kernel cache."""
-    name = f"quant_fp8_{kind}_t128x128" if t_blocks else f"quant_fp8_{kind}"
+def compile_kernel(kind: str, dtype: torch.dtype, arch: str = ARCH, t_rows: int = 1):
+    """The launchable kernel, compiled once per (kind, dtype, arch, t_rows) through the kernel cache."""
+    name = f"quant_fp8_{kind}_t{t_rows}x128" if t_rows != 1 else f"quant_fp8_{kind}"
     return ffi_entry(kernel_cache.get(name, {"dtype": dtype}, arch,
-                                      lambda: build_kernel(kind, dtype, arch, t_blocks)))
+                                      lambda: build_kernel(kind, dtype, arch, t_rows)))
 
 
 def _resident_ctas(device: torch.device, per_sm: int) -> int:
@@ -175,38 +180,44 @@ def quantize_128x128_t(x: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Ten
     return q, s, qt
 
 
-def quantize_dual(x: torch.Tensor, t_blocks: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
-                                                                     torch.Tensor]:
+def quantize_dual(x: torch.Tensor, t_rows: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                               torch.Tensor]:
     """``x`` [T, K] -> 1x128 along K: (FP8 [T, K], scales [T, ceil(K/128)] MN-major), and 1x128
     along T of ``xᵀ`` zero-padded to ``T_pad = round_up(T, 16)``: (FP8 [K, T_pad], scales
-    [K, ceil(T/128)] MN-major), or with ``t_blocks`` 128x128 blocks of ``xᵀ`` (scales
-    [ceil(K/128), ceil(T/128)] row-major)."""
-    return _dual("dual", x, t_blocks=t_blocks)
+    [K, ceil(T/128)] MN-major), or with ``t_rows`` 16 / 128 blocks of 16x128 / 128x128 of ``xᵀ``
+    (scales [ceil(K/16), ceil(T/128)] MN-major / [ceil(K/128), ceil(T/128)] row-major)."""
+    return _dual("dual", x, t_rows=t_rows)
 
 
-def _dual(kind: str, *inputs: torch.Tensor, t_blocks: bool = False
+def _dual(kind: str, *inputs: torch.Tensor, t_rows: int = 1
           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """A kernel of the dual family on ``inputs`` (one shape [T, K], rows 16-byte aligned)."""
     x = inputs[0]
-    q, s, qt, st = empty_dual_outputs(*x.shape, x.device, t_blocks)
+    q, s, qt, st = empty_dual_outputs(*x.shape, x.device, t_rows)
     if x.shape[0]:  # rows past T load as zeros, so the kernel writes the padding columns too
         with on_device(x.device):
-            compile_kernel(kind, x.dtype, ARCH, t_blocks)(*inputs, q.view(torch.uint8), s, qt.view(torch.uint8), st,
-                                                         _resident_ctas(x.device, _ctas_per_sm(kind, x.dtype)))
+            compile_kernel(kind, x.dtype, ARCH, t_rows)(*inputs, q.view(torch.uint8), s, qt.view(torch.uint8), st,
+                                                       _resident_ctas(x.device, _ctas_per_sm(kind, x.dtype)))
     return q, s, qt, st
 
 
-def swiglu_quantize_dual(gate: torch.Tensor, up: torch.Tensor, t_blocks: bool = False
+def swiglu_quantize_dual(gate: torch.Tensor, up: torch.Tensor, t_rows: int = 1
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``quantize_dual(silu(gate) · up, t_blocks)`` in FP32 from ``gate``, ``up`` [T, F] (one
+    """``quantize_dual(silu(gate) · up, t_rows)`` in FP32 from ``gate``, ``up`` [T, F] (one
     dtype), one pass."""
-    return _dual("swiglu_dual", gate, up, t_blocks=t_blocks)
+    return _dual("swiglu_dual", gate, up, t_rows=t_rows)
 
 
-def swiglu_quantize_dual_t_blocks(gate: torch.Tensor, up: torch.Tensor
+def swiglu_quantize_dual_t16x128(gate: torch.Tensor, up: torch.Tensor
+                                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`swiglu_quantize_dual` with the transposed half in 16x128 blocks."""
+    return swiglu_quantize_dual(gate, up, t_rows=16)
+
+
+def swiglu_quantize_dual_t128x128(gate: torch.Tensor, up: torch.Tensor
                                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`swiglu_quantize_dual` with the transposed half in 128x128 blocks."""
-    return swiglu_quantize_dual(gate, up, t_blocks=True)
+    return swiglu_quantize_dual(gate, up, t_rows=128)
 
 
 def swiglu_dgate_quantize_dual(gate: torch.Tensor, up: torch.Tensor, da: torch.Tensor
@@ -245,7 +256,7 @@ def quantize_codes(x: torch.Tensor, r) -> tuple[torch.Tensor, torch.Tensor]:
 
 def quantize_dual_codes(x: torch.Tensor, r, r_t) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``quantize_dual(x, r, r_t)``'s codes and scales, both orientations."""
-    return quantize_dual(x, t_blocks=r_t.is_2d)
+    return quantize_dual(x, t_rows=r_t.block[0])
 
 
 def quantize_with_transpose_codes(x: torch.Tensor, r) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
