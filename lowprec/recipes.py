@@ -26,7 +26,8 @@ from dataclasses import asdict, dataclass
 
 from .formats import ElementFormat, get_format
 
-__all__ = ["ScaleRecipe", "get_recipe", "RECIPE_NAMES", "WHOLE", "LinearRecipe", "LINEAR_RECIPES", "get_linear_recipe"]
+__all__ = ["ScaleRecipe", "get_recipe", "RECIPE_NAMES", "WHOLE", "LinearRecipe", "LINEAR_RECIPES", "get_linear_recipe",
+           "DEFAULT_TRAIN_RECIPE"]
 
 WHOLE = -1  # a block dimension spanning the whole extent (tensorwise, rowwise)
 
@@ -238,6 +239,12 @@ LINEAR_RECIPES = {
     "fp8_rowwise": LinearRecipe("fp8_rowwise", "fp8_rowwise", "fp8_rowwise", "fp8_rowwise"),
     "fp8_tensorwise": LinearRecipe("fp8_tensorwise", "fp8_tensorwise", "fp8_tensorwise", "fp8_tensorwise"),
 }
+
+
+# what FP8 training layers use unless told otherwise: fp8_block's numerics but for the weight
+# gradient's activation, grouped per 16 features; the Llama-3-8B-shaped step 4-5% faster than
+# fp8_block's, the same loss over 8 seeds (lowprec.quant NOTES, session 45)
+DEFAULT_TRAIN_RECIPE = "fp8_block_wgrad16"
 
 
 def get_linear_recipe(recipe: str | LinearRecipe) -> LinearRecipe:

@@ -14,9 +14,11 @@ For each size, weights (``bf16``: bf16 parameters; ``fp32-autocast``: FP32 maste
 ``torch.autocast(bfloat16)``), implementation (``bf16``: ``nn.Linear``; ``lowprec``:
 ``lowprec.convert(model, "fp8_block")``, which keeps layers under 4096² weights in bf16 (the row's
 note says how many projections are FP8) and fuses each SwiGLU MLP (:class:`lowprec.nn.FP8SwiGLUMLP`);
+``lowprec-wgrad16``: ``lowprec.convert(model)``, its default recipe ``fp8_block_wgrad16`` (the weight
+gradients reading the activations in 16x128 blocks);
 ``lowprec-unfused``, on request only: the same with ``fuse_mlp=False``, three FP8Linear layers;
-``lowprec-wgrad16`` / ``lowprec-wgrad2d``, on request only: ``convert(model, "fp8_block_wgrad16")`` /
-``"fp8_block_wgrad2d"``, the weight gradients reading the activations in 16x128 / 128x128 blocks;
+``lowprec-wgrad2d``, on request only: ``convert(model, "fp8_block_wgrad2d")``, the weight gradients
+reading the activations in 128x128 blocks;
 ``torchao-tensorwise`` / ``torchao-rowwise``: torchao's float8 training, when it imports) and mode
 (``eager``; ``compiled``: ``torch.compile(model)``), one row: the median step time (forward, loss,
 backward, AdamW step (fused on CUDA); ``bench_ms``: the host syncs before each step, so host time
@@ -25,8 +27,8 @@ with the same weights and mode. Rows merge into the saved results: a row measure
 its old one, the others stay, each with the date it was measured.
 
 ``--train-steps N`` then trains the first size N steps on real text (the Python standard
-library's sources as bytes, :mod:`lowprec.bench.corpus`) with each of ``--text-impls`` (bf16 and
-lowprec by default), same seed, initial weights and batches; the losses go to the results JSON
+library's sources as bytes, :mod:`lowprec.bench.corpus`) with each of ``--text-impls`` (bf16,
+lowprec and lowprec-wgrad16 by default), same seed, initial weights and batches; the losses go to the results JSON
 (and, with matplotlib, a PNG).
 
     python -m lowprec bench train [--sizes h1024,llama3-8b-2l] [--impls bf16,lowprec,...]
@@ -75,7 +77,7 @@ SIZES = {
 }
 IMPLS = ("bf16", "lowprec", "torchao-tensorwise", "torchao-rowwise", "lowprec-unfused", "lowprec-wgrad16",
          "lowprec-wgrad2d")
-DEFAULT_IMPLS = IMPLS[:4]
+DEFAULT_IMPLS = IMPLS[:4] + ("lowprec-wgrad16",)
 WEIGHTS = ("bf16", "fp32-autocast")
 MODES = ("eager", "compiled")
 
@@ -229,7 +231,8 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--train-steps", type=int, default=0, help="then train the first size this many steps on "
                                                               "real text, each of --text-impls (0: skip)")
-    p.add_argument("--text-impls", default="bf16,lowprec", help="the implementations of the real-text run")
+    p.add_argument("--text-impls", default="bf16,lowprec,lowprec-wgrad16",
+                   help="the implementations of the real-text run")
     p.add_argument("--text-seeds", type=int, default=1, help="seeds of the real-text run (initial weights, batches)")
     p.add_argument("--text-first-seed", type=int, default=0,
                    help="the first of those seeds (to split a many-seed comparison over several runs)")

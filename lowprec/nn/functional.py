@@ -19,7 +19,7 @@ import torch
 
 from ..gemm import gemm
 from ..quant import quantize, quantize_dual
-from ..recipes import LINEAR_RECIPES, LinearRecipe, get_linear_recipe
+from ..recipes import DEFAULT_TRAIN_RECIPE, LINEAR_RECIPES, LinearRecipe, get_linear_recipe
 from ..tensor import flatten_all, unflatten_all
 from .weight_cache import quantize_weight
 
@@ -81,7 +81,7 @@ class _FP8Linear(torch.autograd.Function):
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-               recipe: str | LinearRecipe = "fp8_block") -> torch.Tensor:
+               recipe: str | LinearRecipe = DEFAULT_TRAIN_RECIPE) -> torch.Tensor:
     """``x · weightᵀ + bias`` with FP8 GEMMs forward and backward (see module doc).
 
     Args:
@@ -92,10 +92,11 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
             on every call, so optimizer updates are seen, or once per
             :func:`~lowprec.nn.reuse_quantized_weights` block).
         bias: optional ``[out_features]``.
-        recipe: ``"fp8_block"`` (DeepSeek-V3: activations and gradients 1x128, weights 128x128),
-            ``"fp8_block_wgrad16"`` / ``"fp8_block_wgrad2d"`` (the same, but the weight gradient
-            reads the activation in blocks of 16 / 128 features x 128 tokens: a faster GEMM,
-            coarser scales there), ``"fp8_rowwise"`` or ``"fp8_tensorwise"``.
+        recipe: ``"fp8_block_wgrad16"`` (the default: activations and gradients 1x128, weights
+            128x128, the weight gradient's activation in blocks of 16 features x 128 tokens),
+            ``"fp8_block"`` (DeepSeek-V3: that activation in 1x128 blocks too; its weight gradient
+            GEMM ~1.25x slower), ``"fp8_block_wgrad2d"`` (128x128 blocks there), ``"fp8_rowwise"``
+            or ``"fp8_tensorwise"``.
     """
     r = get_linear_recipe(recipe)
     if not isinstance(x, torch.Tensor) or x.dtype not in _FLOAT_DTYPES:

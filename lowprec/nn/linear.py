@@ -12,7 +12,7 @@ from ..gemm import gemm
 from ..gemm.ops import weight_only
 from ..gemm.weight_only import PackedFP8, pack_fp8
 from ..quant import quantize
-from ..recipes import get_recipe
+from ..recipes import DEFAULT_TRAIN_RECIPE, get_recipe
 from ..runtime import registry
 from ..tensor import QuantizedTensor
 from .buffers import QuantizedBuffersModule
@@ -45,15 +45,15 @@ class FP8Linear(nn.Module):
     """Drop-in ``nn.Linear`` whose three GEMMs (forward, input grad, weight grad) run in FP8.
 
     The master weight and bias keep their dtype and are ordinary parameters, so any optimizer
-    works unchanged. ``recipe``: ``"fp8_block"`` (default; 1x128 activations and gradients,
-    128x128 weights, as DeepSeek-V3), ``"fp8_block_wgrad16"`` / ``"fp8_block_wgrad2d"`` (the
-    weight gradient reads the activation in 16x128 / 128x128 blocks: :func:`~lowprec.nn.fp8_linear`),
-    ``"fp8_rowwise"``,
+    works unchanged. ``recipe``: ``"fp8_block_wgrad16"`` (default; 1x128 activations and
+    gradients, 128x128 weights, the weight gradient reading the activation in 16x128 blocks),
+    ``"fp8_block"`` (DeepSeek-V3's: 1x128 there too), ``"fp8_block_wgrad2d"`` (128x128 there:
+    :func:`~lowprec.nn.fp8_linear`), ``"fp8_rowwise"``,
     ``"fp8_tensorwise"``. The weight is quantized in every forward, or once per
     :func:`~lowprec.nn.reuse_quantized_weights` block (gradient accumulation).
     """
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True, recipe: str = "fp8_block",
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, recipe: str = DEFAULT_TRAIN_RECIPE,
                  device=None, dtype=None) -> None:
         super().__init__()
         _check_features(in_features, out_features)
@@ -65,7 +65,7 @@ class FP8Linear(nn.Module):
         self.bias = init.bias
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, recipe: str = "fp8_block") -> FP8Linear:
+    def from_linear(cls, linear: nn.Linear, recipe: str = DEFAULT_TRAIN_RECIPE) -> FP8Linear:
         """Wrap ``linear``'s own weight and bias parameters (shared, not copied)."""
         layer = cls.__new__(cls)
         nn.Module.__init__(layer)
@@ -232,15 +232,15 @@ def _swap(linear: nn.Linear, name: str, recipe: str, inference: bool, min_numel:
     return cls.from_linear(linear, recipe)
 
 
-def convert(model: nn.Module, recipe: str = "fp8_block", filter_fn: Callable[[str, nn.Module], bool] | None = None,
+def convert(model: nn.Module, recipe: str | None = None, filter_fn: Callable[[str, nn.Module], bool] | None = None,
             inference: bool = False, min_weight_numel: int | None = None, fuse_mlp: bool = True) -> nn.Module:
     """Swap every ``nn.Linear`` in ``model`` (in place) for an FP8 layer and return the model.
 
     Args:
         model: any module; a bare ``nn.Linear`` (or :class:`~lowprec.moe.MoE`) is converted and
             returned.
-        recipe: ``"fp8_block"``, ``"fp8_block_wgrad16"``, ``"fp8_block_wgrad2d"``
-            (:func:`~lowprec.nn.fp8_linear`),
+        recipe: ``"fp8_block_wgrad16"`` (the training default), ``"fp8_block"`` (the inference
+            default: the same forward), ``"fp8_block_wgrad2d"`` (:func:`~lowprec.nn.fp8_linear`),
             ``"fp8_rowwise"`` or ``"fp8_tensorwise"``; with ``inference=True``
             also ``"nvfp4"``: :class:`~lowprec.nn.NVFP4InferenceLinear` layers (NVFP4 weights,
             activations in their dtype; their state dicts are ModelOpt's NVFP4 checkpoint layout).
@@ -288,6 +288,8 @@ def convert(model: nn.Module, recipe: str = "fp8_block", filter_fn: Callable[[st
     """
     from ..moe import FP8InferenceMoE, MoE, NVFP4InferenceMoE  # lowprec.moe imports lowprec.nn
 
+    if recipe is None:
+        recipe = "fp8_block" if inference else DEFAULT_TRAIN_RECIPE
     if recipe == _NVFP4:
         if not inference:
             raise ValueError("recipe: 'nvfp4' is a weight-only inference format: convert(model, 'nvfp4', "

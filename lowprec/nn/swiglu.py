@@ -26,7 +26,7 @@ from torch import nn
 
 from ..gemm import gemm
 from ..quant import quantize, quantize_dual, swiglu_quantize_dual
-from ..recipes import LINEAR_RECIPES, LinearRecipe
+from ..recipes import DEFAULT_TRAIN_RECIPE, LINEAR_RECIPES, LinearRecipe
 from ..tensor import flatten_all, unflatten_all
 from .functional import _FLOAT_DTYPES, follow_autocast
 from .weight_cache import quantize_weight
@@ -124,7 +124,7 @@ def _swiglu_recipe(recipe: str) -> LinearRecipe:
 
 
 def fp8_swiglu_mlp(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
-                   recipe: str = "fp8_block") -> torch.Tensor:
+                   recipe: str = DEFAULT_TRAIN_RECIPE) -> torch.Tensor:
     """``silu(x · w_gateᵀ) · (x · w_upᵀ)`` times ``w_downᵀ``, every GEMM in FP8, the activation
     fused with its quantizations (module docstring). Differentiable in all four.
 
@@ -180,7 +180,7 @@ class FP8SwiGLUMLP(nn.Module):
     """
 
     def __init__(self, gate_proj: nn.Linear, up_proj: nn.Linear, down_proj: nn.Linear,
-                 recipe: str = "fp8_block") -> None:
+                 recipe: str = DEFAULT_TRAIN_RECIPE) -> None:
         super().__init__()
         self.gate_proj, self.up_proj, self.down_proj = gate_proj, up_proj, down_proj
         self.recipe = _swiglu_recipe(recipe).name
@@ -188,7 +188,7 @@ class FP8SwiGLUMLP(nn.Module):
                up_proj.weight, down_proj.weight)
 
     @classmethod
-    def from_mlp(cls, mlp: nn.Module, recipe: str = "fp8_block") -> FP8SwiGLUMLP:
+    def from_mlp(cls, mlp: nn.Module, recipe: str = DEFAULT_TRAIN_RECIPE) -> FP8SwiGLUMLP:
         reason = swiglu_mlp_unsupported(mlp)
         if reason:
             raise ValueError(f"mlp: {reason}")

@@ -75,7 +75,7 @@ def test_arguments():
     args = train.parse_args(["--sizes", "h1024", "--impls", "bf16,lowprec", "--modes", "eager"])
     assert (args.sizes, args.impls, args.modes, args.weights) == (["h1024"], ["bf16", "lowprec"], ["eager"],
                                                                   list(train.WEIGHTS))
-    assert args.text_impls == ["bf16", "lowprec"]
+    assert args.text_impls == ["bf16", "lowprec", "lowprec-wgrad16"]
     assert train.parse_args(["--text-impls", "bf16,lowprec-wgrad2d"]).text_impls == ["bf16", "lowprec-wgrad2d"]
     with pytest.raises(SystemExit):
         train.parse_args(["--impls", "fp4"])

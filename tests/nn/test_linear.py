@@ -51,6 +51,16 @@ def test_convert_swaps_eligible_linears_and_logs_the_rest(caplog):
     assert model.mlp[2].bias is None and "recipe=fp8_block" in repr(model.qkv)
 
 
+def test_default_recipes():
+    """Training layers default to fp8_block_wgrad16 (the weight gradient's activation in 16x128
+    blocks); inference layers, which have no weight gradient, to fp8_block."""
+    model = convert(TinyBlock(), min_weight_numel=0)
+    assert model.qkv.recipe.name == "fp8_block_wgrad16" and model.qkv.recipe.wgrad_activation == "fp8_block16x128"
+    assert FP8Linear(64, 32).recipe.name == "fp8_block_wgrad16"
+    assert convert(TinyBlock(), inference=True).qkv.recipe.name == "fp8_block"
+    assert convert(TinyBlock(), "fp8_block", min_weight_numel=0).qkv.recipe.name == "fp8_block"
+
+
 def test_convert_keeps_the_same_parameters_and_filter_fn():
     model = TinyBlock()
     weight = model.qkv.weight
