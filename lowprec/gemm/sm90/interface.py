@@ -2,7 +2,7 @@
 launch.
 
 Public:
-    gemm_blockwise_fp8(a, a_scale, b, b_scale, out_dtype=torch.bfloat16, bias=None) -> D
+    gemm_blockwise_fp8(a, a_scale, b, b_scale, out_dtype=torch.bfloat16, bias=None, ..., b_block_n=None) -> D
     compile_only(config, arch="sm_90a", ...) -> compiled kernel (no GPU needed)
     choose_config(m, n, k, b_scale_per_col, num_sms=132, b_col_group=1) -> TileConfig
     SHIPPED_CONFIGS: every TileConfig the heuristic can pick.
