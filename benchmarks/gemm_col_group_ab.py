@@ -9,11 +9,10 @@ past L2), rounds interleaved with alternating order, median.
     python benchmarks/gemm_col_group_ab.py [--col16-configs 256x128_c1x2_n8] [--rounds 4] [--rep 200]
 """
 import argparse
-import statistics
 
 import torch
 
-from lowprec.bench.gemm import _interleaved_rounds, _rot_timer, rot_set_count
+from lowprec.bench.gemm import interleaved_tflops_row, rot_set_count
 from lowprec.gemm.sm90.interface import gemm_blockwise_fp8
 from lowprec.gemm.sm90.tune import parse_config
 
@@ -52,10 +51,8 @@ def main():
         for nm in variants:
             if variants[nm][0] == "col16":
                 assert torch.equal(outs[nm], outs["col"]), f"{m}x{n}x{k}: {nm} bits differ from col"
-        timers = {nm: _rot_timer([lambda s=s, v=v: call(s, *v) for s in sets]) for nm, v in variants.items()}
-        ms = _interleaved_rounds(timers, args.rep, args.rounds)
-        tf = {nm: [2 * m * n * k / (t * 1e-3) / 1e12 for t in v] for nm, v in ms.items()}
-        row = " | ".join(f"{nm} {statistics.median(v):.0f} {[round(x) for x in v]}" for nm, v in tf.items())
+        calls = {nm: lambda s, v=v: call(s, *v) for nm, v in variants.items()}
+        row = interleaved_tflops_row(calls, sets, 2 * m * n * k, args.rep, args.rounds)
         print(f"{m}x{n}x{k}: {row}", flush=True)
 
 

@@ -7,11 +7,10 @@ NOTES, session 8), median.
         [--rounds 4] [--rep 200] [--out-dtype bfloat16]
 """
 import argparse
-import statistics
 
 import torch
 
-from lowprec.bench.gemm import _interleaved_rounds, _rot_timer, rot_set_count
+from lowprec.bench.gemm import interleaved_tflops_row, rot_set_count
 from lowprec.gemm.sm90.interface import gemm_blockwise_fp8
 from lowprec.gemm.sm90.tune import parse_config, random_operands
 
@@ -38,11 +37,8 @@ def main():
         outs = {nm: gemm_blockwise_fp8(*sets[0], out_dtype=out_dtype, config=c) for nm, c in cfgs.items()}
         for nm in names[1:]:
             assert torch.equal(outs[names[0]], outs[nm]), f"{m}x{n}x{k}: {nm} bits differ from {names[0]}"
-        timers = {nm: _rot_timer([lambda s=s, c=c: gemm_blockwise_fp8(*s, out_dtype=out_dtype, config=c)
-                                  for s in sets]) for nm, c in cfgs.items()}
-        ms = _interleaved_rounds(timers, args.rep, args.rounds)
-        tf = {nm: [2 * m * n * k / (t * 1e-3) / 1e12 for t in v] for nm, v in ms.items()}
-        row = " | ".join(f"{nm} {statistics.median(v):.0f} {[round(x) for x in v]}" for nm, v in tf.items())
+        calls = {nm: lambda s, c=c: gemm_blockwise_fp8(*s, out_dtype=out_dtype, config=c) for nm, c in cfgs.items()}
+        row = interleaved_tflops_row(calls, sets, 2 * m * n * k, args.rep, args.rounds)
         print(f"{args.kind} {m}x{n}x{k} {args.out_dtype}: {row}", flush=True)
 
 

@@ -218,6 +218,16 @@ def _interleaved_rounds(timers, rep, rounds=ROUNDS):
     return out
 
 
+def interleaved_tflops_row(calls: dict, sets: list, flop: float, rep: int, rounds: int) -> str:
+    """``name -> fn(input set)`` timed in rot timing over ``sets`` (one CUDA graph per name),
+    rounds interleaved (``_interleaved_rounds``): ``"name median [per round]"`` TFLOPS per name,
+    joined by ``" | "`` (the same-run A/B scripts of ``benchmarks/``)."""
+    timers = {nm: _rot_timer([lambda s=s, fn=fn: fn(s) for s in sets]) for nm, fn in calls.items()}
+    ms = _interleaved_rounds(timers, rep, rounds)
+    tf = {nm: [flop / (t * 1e-3) / 1e12 for t in v] for nm, v in ms.items()}
+    return " | ".join(f"{nm} {statistics.median(v):.0f} {[round(x) for x in v]}" for nm, v in tf.items())
+
+
 def _cublas_rowwise_fn(a, b):
     """cuBLAS FP8 with per-row / per-column scales (a coarser recipe than 1x128 / 128x128)."""
     sa = torch.ones(a.shape[0], 1, device="cuda")
