@@ -242,7 +242,7 @@ LINEAR_RECIPES = {
 
 
 # what FP8 training layers use unless told otherwise: fp8_block's numerics but for the weight
-# gradient's activation, grouped per 16 features; the Llama-3-8B-shaped step 4-5% faster than
+# gradient's activation, grouped per 16 features; the Llama-3-8B-shaped step 3-5% faster than
 # fp8_block's, the same loss over 8 seeds (lowprec.quant NOTES, session 45)
 DEFAULT_TRAIN_RECIPE = "fp8_block_wgrad16"
 

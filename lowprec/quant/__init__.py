@@ -17,8 +17,7 @@ __all__ = ["quantize", "dequantize", "quantize_dual", "quantize_with_transpose",
 registry.load_arch_packages(__name__, __path__)
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-# the dual quantization's transposed halves with a kernel: blocks of 1, 16 or 128 features x 128 tokens
-_DUAL_T_RECIPES = ("fp8_block1x128", "fp8_block16x128", "fp8_block128x128")
+_DUAL_T_RECIPES = tuple(ops.DUAL_T_RECIPES.values())
 _FP32_MAX = torch.finfo(torch.float32).max
 
 

@@ -65,14 +65,15 @@ def _empty_dual(x: torch.Tensor, t_rows: int = 1) -> tuple[torch.Tensor, ...]:
     return empty_dual_outputs(*x.shape, x.device, t_rows)
 
 
-_T_RECIPES = {1: "fp8_block1x128", 16: "fp8_block16x128", 128: "fp8_block128x128"}
+# the dual quantization's transposed halves, by their blocks' rows: 1x128 along tokens, 16x128, 128x128
+DUAL_T_RECIPES = {1: "fp8_block1x128", 16: "fp8_block16x128", 128: "fp8_block128x128"}
 
 
 def _t_recipe(t_rows: int) -> str:
     """The transposed half's recipe: blocks of ``t_rows`` x 128 (1, 16 or 128)."""
-    if t_rows not in _T_RECIPES:
-        raise ValueError(f"t_rows: expected one of {tuple(_T_RECIPES)}, got {t_rows!r}")
-    return _T_RECIPES[t_rows]
+    if t_rows not in DUAL_T_RECIPES:
+        raise ValueError(f"t_rows: expected one of {tuple(DUAL_T_RECIPES)}, got {t_rows!r}")
+    return DUAL_T_RECIPES[t_rows]
 
 
 @torch.library.custom_op("lowprec::quantize_dual_fp8", mutates_args=())

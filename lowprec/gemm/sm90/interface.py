@@ -707,12 +707,16 @@ def _k_major(data: torch.Tensor) -> torch.Tensor:
     return data.clone(memory_format=torch.contiguous_format)  # a fresh buffer: aligned even where contiguous
 
 
+# B's scale block rows by recipe as ``_blockwise_scales`` hands them over: sb [N, KB] one scale per
+# column, [N / 16, KB] per 16; every other recipe [N / 128, KB]
+_B_BLOCK_N_OF_RECIPE = {"fp8_block1x128": 1, "fp8_rowwise": 1, "fp8_block16x128": 16}
+
+
 def gemm_quantized(a, b, out_dtype: torch.dtype, bias: torch.Tensor | None) -> torch.Tensor:
     """``lowprec.gemm`` on this kernel: QuantizedTensors (their shapes, dtypes and devices checked
     when built) that ``config.gemm_unsupported`` accepted, so no second validation."""
     sa, sb = _blockwise_scales(a, b)
-    # sb [N, KB]: one scale per column; [N / 16, KB] per 16; [N / 128, KB] per 128
-    b_block_n = {"fp8_block1x128": 1, "fp8_rowwise": 1, "fp8_block16x128": 16}.get(b.recipe.name, SCALE_BLOCK)
+    b_block_n = _B_BLOCK_N_OF_RECIPE.get(b.recipe.name, SCALE_BLOCK)
     return _run_dense(_k_major(a.data), sa, _k_major(b.data), sb, out_dtype, bias, b_block_n)
 
 
