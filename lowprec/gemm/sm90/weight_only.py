@@ -85,13 +85,19 @@ def _mul_bf16x2(a, b, *, loc=None, ip=None):
 
 
 @dsl_user_op
-def _rotl(w, r: int, *, loc=None, ip=None):
-    """``w`` rotated left by the constant ``r`` bits (``shf.l.wrap``; 0: ``w``)."""
+def _rotl_masked(w, r: int, mask: int, *, loc=None, ip=None):
+    """``rotl(w, r) & mask``. Where no masked bit wraps around, the shift is a multiply by ``2^r``
+    (``IMAD.SHL``, on the FMA pipe), so the integer pipe, the decode's busiest, runs only the mask
+    (``LOP3``); else a funnel shift (``SHF``; ptxas makes a wide multiply two ``LEA``)."""
+    w = cutlass.Int32(w).ir_value(loc=loc, ip=ip)
+    m = _as_i32(mask)
     if r == 0:
-        return cutlass.Int32(w)
-    return cutlass.Int32(llvm.inline_asm(
-        T.i32(), [cutlass.Int32(w).ir_value(loc=loc, ip=ip)],
-        f"shf.l.wrap.b32 $0, $1, $1, {r};", "=r,r", loc=loc, ip=ip))
+        body = f"and.b32 $0, $1, {m};"
+    elif all(b >= r for b in range(32) if mask >> b & 1):
+        body = f"{{ .reg .b32 t; mul.lo.u32 t, $1, {1 << r}; and.b32 $0, t, {m}; }}"
+    else:
+        body = f"{{ .reg .b32 t; shf.l.wrap.b32 t, $1, $1, {r}; and.b32 $0, t, {m}; }}"
+    return cutlass.Int32(llvm.inline_asm(T.i32(), [w], body, "=r,r", loc=loc, ip=ip))
 
 
 @dsl_user_op
@@ -532,11 +538,9 @@ class WeightOnlySm90:
         s2 = (h >> 3) + cutlass.Int32(0x72007200)
         # the packed layout's rotations (lowprec.gemm.weight_only._PAIR_BITS): pairs 0-2 one rotate
         # and one mask each, pair 3 two of each
-        mask = cutlass.Int32(_as_i32(PAIR_MASK))
-        p3 = ((_rotl(w, PAIR3_ROT[0]) & cutlass.Int32(_as_i32(PAIR3_MASKS[0])))
-              | (_rotl(w, PAIR3_ROT[1]) & cutlass.Int32(_as_i32(PAIR3_MASKS[1]))))
+        p3 = (_rotl_masked(w, PAIR3_ROT[0], PAIR3_MASKS[0]) | _rotl_masked(w, PAIR3_ROT[1], PAIR3_MASKS[1]))
         for j in cutlass.range_constexpr(3):
-            a_words[4 * s + j] = _mul_bf16x2_by_half(_rotl(w, PAIR_ROT[j]) & mask, s2, j % 2 == 1)
+            a_words[4 * s + j] = _mul_bf16x2_by_half(_rotl_masked(w, PAIR_ROT[j], PAIR_MASK), s2, j % 2 == 1)
         a_words[4 * s + 3] = _mul_bf16x2_by_half(p3, s2, True)
 
     @cute.jit
