@@ -216,11 +216,13 @@ def test_compile_two_wave_tiles_per_col(name, out_dtype, bias_dtype):
     ("256x128_c1x2_n8", torch.float32, torch.bfloat16),
     ("128x128_c2x1_n4", torch.bfloat16, None),
     ("64x48_c1x1_m1", torch.bfloat16, torch.float32),
+    ("64x128_c2x1_m1", torch.bfloat16, None),  # group scales read from the stage at promotion
     ("64x64_c1x1_m1_s4", torch.float32, None),
 ])
 def test_compile_col16(name, out_dtype, bias_dtype):
     """16x128 B blocks (the weight gradients of ``fp8_block_wgrad16``) on the per-column kind's
-    tiles: pipelined, no local memory."""
+    tiles: pipelined, no local memory (every tile ``choose_config`` picks for them over a spread of
+    shapes was checked the same way in session 45)."""
     from lowprec.gemm.sm90.interface import compile_only
     from lowprec.gemm.sm90.tune import parse_config
 
@@ -378,7 +380,8 @@ def test_col16_bit_identical_to_per_col(out_dtype):
     base = _run(a, sa, b, sb_cols, out_dtype, bias=bias, config=TileConfig(tile_m=128, tile_n=128))
     (assert_close_fp32 if out_dtype == torch.float32 else assert_close_bf16)(base, ref + bias.double()[None, :])
     for cfg in (None, TileConfig(tile_m=128, tile_n=128), TileConfig(tile_m=128, tile_n=112),
-                TileConfig(tile_m=64, tile_n=48), parse_config("256x112_c1x2_n8"), parse_config("256x112_c2x1_m1"),
+                TileConfig(tile_m=64, tile_n=48), TileConfig(tile_m=64, tile_n=128), parse_config("64x96_c2x1_m1"),
+                parse_config("256x112_c1x2_n8"), parse_config("256x112_c2x1_m1"),
                 parse_config("256x128_c1x2_n8"), parse_config("128x128_c2x1_n4")):
         d = _run(a, sa, b, sb, out_dtype, bias=bias, config=cfg, b_block_n=16)
         assert torch.equal(d, base), f"{cfg}: bits differ from the per-column kind"

@@ -100,8 +100,11 @@ class BlockScaledGemmSm90:
         self.overlap = config.mma_overlap and config.tile_n <= 128 and config.tile_m <= 128
         # 1x128 B scales with two block accumulators: the tile_n/4 column scales are read from the
         # stage at promotion time (the stage is released after it) instead of being held in
-        # registers from the issue on, which leaves no room for blk2 above 64 columns
-        self.sb_from_smem = b_scale_per_col and b_col_group == 1 and self.overlap and config.tile_n > 64
+        # registers, which leaves no room for blk2 above 64 columns. 16x128 B blocks hold tile_n / 16
+        # scales per slot: they fit on 128-row tiles, not on 64-row ones (64x128: 11-13 LDL/STL in
+        # registers, none from the stage; session 45)
+        self.sb_from_smem = (b_scale_per_col and self.overlap and config.tile_n > 64
+                             and (b_col_group == 1 or config.tile_m == 64))
 
         self.acc_dtype = cutlass.Float32
         self.ab_dtype = cutlass.Float8E4M3FN

@@ -9,8 +9,9 @@ stages. With one wave and ``overlap`` two
 block accumulators alternate, so the wgmma batch of block k+1 runs while
 block k is promoted (``wait_group(1)``, operands pinned by ``fence_operand``); otherwise each
 block is waited for (``wait_group(0)``). ``sb_from_smem``: 1x128 B scales on tiles over 64
-columns are read from the stage at promotion (the stage released after it) instead of being held
-in registers from the issue on, so that the second block accumulator fits. Tiles that can
+columns (16x128 ones on 64-row tiles) are read from the stage at promotion (the stage released
+after it) instead of being held in registers from the issue on, so that the second block
+accumulator fits. Tiles that can
 straddle two 128-wide scale blocks get one copy of the K loop per possible split column when
 not overlapped (:meth:`PromotedMainloop.run`), so each column group's scale block is known when
 tracing.
@@ -207,8 +208,13 @@ class PromotedMainloop(LoopInvariant):
         if cutlass.const_expr(self.sb_from_smem):
             stage = release_state.index
             sc = self.scales
-            promote_per_col(self.acc, slot.blk, [sc.row(stage, r) for r in range(2)],
-                            lambda j, c: sc.col(stage, j, c))
+            rows = [sc.row(stage, r) for r in range(2)]
+            if cutlass.const_expr(self.col_group > 1):
+                groups = self.tile_n // self.col_group
+                promote_col_blocks(self.acc, slot.blk, rows, [sc.s_col[0][(i, 0, stage)] for i in range(groups)],
+                                   groups, 0, False, self.col_group)
+            else:
+                promote_per_col(self.acc, slot.blk, rows, lambda j, c: sc.col(stage, j, c))
             self.ring.release(release_state)
             release_state.advance()
         else:
