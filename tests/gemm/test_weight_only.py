@@ -207,6 +207,18 @@ def test_grouped_op_rejects_bad_arguments():
         grouped_weight_only(torch.randn(4, 128), packed.expert(0), _group_ends([2, 2]))
 
 
+def test_launch_choice_wide_grids():
+    """FP8, three tiles per SM or more, at most 16 tokens: 2 splits on the short ring; else the
+    split rule and the full ring."""
+    from lowprec.gemm.sm90.weight_only_interface import WIDE_GRID_STAGES, choose_launch, choose_split, stages_for
+
+    assert choose_launch("fp8", 8, 448, 32, 132) == (2, WIDE_GRID_STAGES)
+    assert choose_launch("fp8", 16, 448, 32, 132) == (2, WIDE_GRID_STAGES)
+    assert choose_launch("fp8", 32, 448, 32, 132) == (choose_split(448, 32, 132), stages_for("fp8", 32))
+    assert choose_launch("fp8", 8, 64, 32, 132) == (choose_split(64, 32, 132), stages_for("fp8", 8))
+    assert choose_launch("nvfp4", 8, 448, 32, 132) == (choose_split(448, 32, 132), stages_for("nvfp4", 8))
+
+
 # ----------------------------------------------------------------------------- compile (CI)
 def _shipped():
     from lowprec.gemm.sm90.weight_only_interface import SHIPPED
@@ -215,12 +227,12 @@ def _shipped():
 
 
 @needs_cutlass
-@pytest.mark.parametrize("fmt,tile_m,splits,grouped", _shipped())
-def test_compile_sm90(fmt, tile_m, splits, grouped):
+@pytest.mark.parametrize("fmt,tile_m,splits,grouped,stages", _shipped())
+def test_compile_sm90(fmt, tile_m, splits, grouped, stages):
     from lowprec.gemm.sm90.weight_only_interface import build_kernel, warp_mma_for
     from lowprec.runtime.compile import local_memory_ops, nvdisasm_path, sass_of
 
-    compiled = build_kernel(fmt, tile_m, splits, grouped=grouped)
+    compiled = build_kernel(fmt, tile_m, splits, grouped=grouped, stages=stages)
     if nvdisasm_path() is None:
         pytest.skip("nvdisasm not found: compiled, SASS not checked")
     sass = sass_of(compiled)
@@ -256,7 +268,7 @@ def _gpu_case(m, n, k, weight_2d=False, with_bias=False, zero_rows=()):
     (1, 4096, 4096, False, False), (4, 6144, 4096, False, True), (16, 4096, 14336, False, False),
     (1, 200, 272, False, True), (3, 1024, 1040, True, False), (33, 384, 512, False, True),
     (64, 512, 2048, True, True), (128, 256, 1024, False, False), (200, 640, 768, False, True),
-    (300, 128, 256, False, False), (8, 28672, 512, False, False),
+    (300, 128, 256, False, False), (8, 28672, 512, False, False), (1, 26000, 1040, False, True),
 ])
 def test_kernel_matches_reference(m, n, k, weight_2d, with_bias):
     from lowprec.gemm.sm90.weight_only_interface import weight_only_nvfp4
@@ -315,7 +327,7 @@ def test_kernel_every_split(monkeypatch, splits, m):
 @gpu
 @needs_gpu
 @pytest.mark.parametrize("m,n,k", [(1, 4096, 4096), (5, 200, 272), (16, 1536, 4096), (33, 384, 1040), (64, 640, 2048),
-                                   (8, 4096, 14336)])
+                                   (8, 4096, 14336), (1, 28000, 512), (16, 26000, 1040)])
 def test_fp8_kernel_matches_reference(m, n, k):
     from lowprec.gemm.sm90.weight_only_interface import weight_only_fp8
 
