@@ -208,8 +208,8 @@ def test_grouped_op_rejects_bad_arguments():
 
 
 def test_launch_choice_wide_grids():
-    """FP8, three tiles per SM or more, at most 16 tokens: 2 splits on the short ring; else the
-    split rule and the full ring."""
+    """FP8, three tiles per SM or more, at most 16 tokens, at least 4 chunks per split: 2 splits on
+    the short ring; else the split rule and the full ring."""
     from lowprec.gemm.sm90.weight_only_interface import WIDE_GRID_STAGES, choose_launch, choose_split, stages_for
 
     assert choose_launch("fp8", 8, 448, 32, 132) == (2, WIDE_GRID_STAGES)
@@ -217,6 +217,8 @@ def test_launch_choice_wide_grids():
     assert choose_launch("fp8", 32, 448, 32, 132) == (choose_split(448, 32, 132), stages_for("fp8", 32))
     assert choose_launch("fp8", 8, 64, 32, 132) == (choose_split(64, 32, 132), stages_for("fp8", 8))
     assert choose_launch("nvfp4", 8, 448, 32, 132) == (choose_split(448, 32, 132), stages_for("nvfp4", 8))
+    for k_chunks in (1, 4, 7):  # a split of fewer than 4 chunks (none at K = 128) is never taken
+        assert choose_launch("fp8", 8, 448, k_chunks, 132) == (choose_split(448, k_chunks, 132), stages_for("fp8", 8))
 
 
 # ----------------------------------------------------------------------------- compile (CI)
@@ -327,7 +329,8 @@ def test_kernel_every_split(monkeypatch, splits, m):
 @gpu
 @needs_gpu
 @pytest.mark.parametrize("m,n,k", [(1, 4096, 4096), (5, 200, 272), (16, 1536, 4096), (33, 384, 1040), (64, 640, 2048),
-                                   (8, 4096, 14336), (1, 28000, 512), (16, 26000, 1040)])
+                                   (8, 4096, 14336), (1, 28000, 512), (1, 28000, 1024),
+                                   (16, 26000, 1040)])
 def test_fp8_kernel_matches_reference(m, n, k):
     from lowprec.gemm.sm90.weight_only_interface import weight_only_fp8
 

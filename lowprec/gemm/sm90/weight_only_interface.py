@@ -69,18 +69,19 @@ def choose_split(tiles: int, k_chunks: int, num_sms: int) -> int:
     return SPLITS[-1]
 
 
-def wide_grid(fmt: str, tile_m: int, tiles: int, num_sms: int) -> bool:
+def wide_grid(fmt: str, tile_m: int, tiles: int, k_chunks: int, num_sms: int) -> bool:
     """Whether a dense FP8 launch of ``tiles`` output tiles takes 2 splits on a ring of
     ``WIDE_GRID_STAGES`` (CTAs half the shared memory, more of them per SM) instead of one split at
-    the full ring: at least 3 tiles per SM and at most 16 tokens. Measured on the H200 (gemm NOTES,
-    session 46): 28672x4096 at M = 1 -9%; NVFP4 gained ~1% there, within the noise, so it keeps
-    its ring."""
-    return fmt == "fp8" and tiles >= 3 * num_sms and tile_m <= 16
+    the full ring: at least 3 tiles per SM, at most 16 tokens, and ``_MIN_CHUNKS_PER_CTA`` chunks
+    per split. Measured on the H200 (gemm NOTES, session 46): 28672x4096 at M = 1 -9%; NVFP4 gained
+    ~1% there, within the noise, so it keeps its ring."""
+    return (fmt == "fp8" and tiles >= 3 * num_sms and tile_m <= 16
+            and k_chunks >= 2 * _MIN_CHUNKS_PER_CTA)
 
 
 def choose_launch(fmt: str, tile_m: int, tiles: int, k_chunks: int, num_sms: int) -> tuple[int, int]:
     """``(splits, ring stages)`` of a dense launch."""
-    if wide_grid(fmt, tile_m, tiles, num_sms):
+    if wide_grid(fmt, tile_m, tiles, k_chunks, num_sms):
         return 2, WIDE_GRID_STAGES
     return choose_split(tiles, k_chunks, num_sms), stages_for(fmt, tile_m)
 
