@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import torch
 
+from ..ops import DUAL_T_RECIPES as _DUAL_T_BY_ROWS
+
 INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 RECIPES = ("fp8_block1x128", "fp8_block128x128", "fp8_rowwise")  # with exact FP32 scales
 COL_MULTIPLE = 16  # 16-byte rows of FP8 codes
-DUAL_T_RECIPES = ("fp8_block1x128", "fp8_block16x128", "fp8_block128x128")  # the dual kernels' transposed halves
+DUAL_T_RECIPES = tuple(_DUAL_T_BY_ROWS.values())  # the dual kernels' transposed halves
 
 
 def rows_unsupported(x: torch.Tensor) -> str | None:

@@ -8,6 +8,7 @@ import torch
 
 from ...runtime import ffi_entry, kernel_cache, on_device, sm_count
 from ..layouts import empty_dual_outputs, empty_mn_major_tma_aligned
+from ..ops import DUAL_T_RECIPES
 
 __all__ = ["quantize_1x128", "quantize_rowwise", "quantize_128x128", "quantize_128x128_t", "quantize_dual",
            "swiglu_quantize_dual", "swiglu_quantize_dual_t16x128", "swiglu_quantize_dual_t128x128",
@@ -25,7 +26,7 @@ _DUAL_INPUTS = {"dual": 1, "swiglu_dual": 2, "swiglu_dgate_dual": 3, "swiglu_dup
 # the dual kernels that can quantize their transposed half in 16x128 or 128x128 blocks (activations,
 # which are the weight gradient's B operand; gradients stay 1x128)
 T_BLOCK_KERNELS = ("dual", "swiglu_dual")
-T_ROWS = (1, 16, 128)  # rows of the transposed half's scale blocks (x's columns) the kernels take
+T_ROWS = tuple(DUAL_T_RECIPES)  # rows of the transposed half's scale blocks (x's columns) the kernels take
 
 
 def cutlass_dtype(dtype: torch.dtype):
