@@ -76,6 +76,10 @@ class FragmentScales(LoopInvariant):
     def row(self, stage, r):
         return self.s_row[(self.rows[r], 0, stage)]
 
+    def group(self, stage, i):
+        """Column group ``i``'s scale (``col_group`` > 1: the same for every thread)."""
+        return self.s_col[0][(i, 0, stage)]
+
     def col(self, stage, j, c):
         """Per-column kind: the scale of the thread's column 8j + c."""
         return self.s_col[0][(self.col0 + 8 * j + c, 0, stage)]
@@ -89,7 +93,7 @@ class FragmentScales(LoopInvariant):
         if cutlass.const_expr(cols and self.per_col and self.col_group > 1):
             # every thread reads the same tile_n / col_group scales (shared-memory broadcasts)
             for i in cutlass.range_constexpr(cute.size(dst.col)):
-                dst.col[i] = self.s_col[0][(i, 0, stage)]
+                dst.col[i] = self.group(stage, i)
         elif cutlass.const_expr(cols and self.per_col):
             for j in cutlass.range_constexpr(cute.size(dst.col) // 2):
                 for c in cutlass.range_constexpr(2):

@@ -211,7 +211,7 @@ class PromotedMainloop(LoopInvariant):
             rows = [sc.row(stage, r) for r in range(2)]
             if cutlass.const_expr(self.col_group > 1):
                 groups = self.tile_n // self.col_group
-                promote_col_blocks(self.acc, slot.blk, rows, [sc.s_col[0][(i, 0, stage)] for i in range(groups)],
+                promote_col_blocks(self.acc, slot.blk, rows, [sc.group(stage, i) for i in range(groups)],
                                    groups, 0, False, self.col_group)
             else:
                 promote_per_col(self.acc, slot.blk, rows, lambda j, c: sc.col(stage, j, c))
