@@ -15,20 +15,11 @@ from __future__ import annotations
 import sys
 
 import torch
+from attention_call_breakdown import SHAPES  # the same shapes (benchmarks/ is on sys.path)
 from triton.testing import do_bench
 
 from lowprec.attention.sm90 import interface as it
 from lowprec.attention.sm90.config import TILE_M, TILE_N, V_PAD
-
-SHAPES = [  # B, H, Hkv, S, D, causal
-    (4, 32, 32, 4096, 128, False),
-    (4, 32, 32, 4096, 128, True),
-    (4, 32, 8, 4096, 128, True),
-    (4, 32, 32, 4096, 64, False),
-    (4, 16, 16, 4096, 256, False),
-    (1, 32, 32, 16384, 128, True),
-    (16, 32, 32, 1024, 128, True),
-]
 
 _SIDE = {}
 

@@ -14,7 +14,7 @@ import torch
 
 from lowprec import quantize
 from lowprec.bench.common import bench_graph_ms
-from lowprec.bench.decode import ROTATE_BYTES
+from lowprec.bench.decode import rotation_copies
 from lowprec.gemm.sm90 import weight_only_interface as wo
 from lowprec.gemm.weight_only import TILE_N, pack_fp8, pack_nvfp4
 from lowprec.recipes import get_recipe
@@ -33,7 +33,7 @@ def main():
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k ** -0.5
         q = quantize(w, get_recipe("nvfp4" if args.fmt == "nvfp4" else "fp8_block128x128"))
         bpw, run = (0.5625, wo.weight_only_nvfp4) if args.fmt == "nvfp4" else (1.0, wo.weight_only_fp8)
-        copies = max(1, math.ceil(ROTATE_BYTES / (n * k * bpw)))
+        copies = rotation_copies(n * k * bpw)
         if args.fmt == "nvfp4":
             packs = [pack_nvfp4(q.data.clone(), q.scale.clone(), q.global_scale) for _ in range(copies)]
         else:
