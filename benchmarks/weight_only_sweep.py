@@ -28,10 +28,11 @@ def main():
     p.add_argument("--fmt", default="nvfp4", choices=("nvfp4", "fp8"))
     p.add_argument("--max-stages", type=int, default=None, help="override the ring depth cap")
     p.add_argument("--ctas-per-sm", type=int, default=None, help="override the resident CTAs per SM at tile_m <= 32")
-    p.add_argument("--warp-mma-max", type=int, default=None, help="override the widest tile_m on mma.sync (0: none)")
+    p.add_argument("--warp-mma-max", type=int, default=None,
+                   help="override the widest tile_m on mma.sync for --fmt (0: none)")
     args = p.parse_args()
     if args.warp_mma_max is not None:
-        wo.WARP_MMA_MAX_TILE_M = args.warp_mma_max
+        wo.WARP_MMA_MAX_TILE_M = {**wo.WARP_MMA_MAX_TILE_M, args.fmt: args.warp_mma_max}
         wo.compile_kernel.cache_clear()
     if args.ctas_per_sm is not None:
         wo.ctas_per_sm = lambda tile_m, c=args.ctas_per_sm: c if tile_m <= 32 else 1

@@ -36,9 +36,13 @@ decode relies on it). Scales must be finite and non-negative.
 FP8 (:func:`pack_fp8`, ``PackedFP8.data`` uint8 ``[chunks * 32, 256]``): chunks of the same
 ``TILE_N x CHUNK_K``, 8192 bytes of E4M3 codes each: thread ``t``'s 32 bytes of warpgroup
 ``g``'s k-steps ``4g .. 4g + 3`` at byte ``32 (128 g + t)``, per k-step two words: bytes
-``(r0, c), (r0, c+1), (r1, c), (r1, c+1)`` then the same at ``c + 8``. The block scales stay in
-their ``[ceil(N / 128), ceil(K / 128)]`` FP32 grid: the kernel applies a chunk's scale to that
-chunk's FP32 products (promotion), the decode itself is exact (E4M3 -> f16 -> bf16).
+``(r0, c), (r0, c+1), (r1, c), (r1, c+1)`` then the same at ``c + 8``. A word's four codes are
+bit-placed for the decode (``_fp8_words``): codes 0 and 1 (pair ``(r0, c..c+1)``) sit in bf16
+position, magnitude at bits 4-10 and sign at 15 of each half, so one mask makes their bf16x2
+as ``value * 2^-120``; codes 2 and 3 fill the other 16 bits, put in place by a shift left and a
+shift right by 4 and two masks. A multiply by 2^120 (exact, E4M3 subnormals included) finishes
+both. The block scales stay in their ``[ceil(N / 128), ceil(K / 128)]`` FP32 grid: the kernel
+applies a chunk's scale to that chunk's FP32 products (promotion).
 """
 
 from __future__ import annotations
@@ -83,6 +87,13 @@ _BF16_BITS = (6, 7, 8, 15)
 # the decoded pair times the scale times 2^116 is code * scale * 2^-10: the epilogue multiplies
 # by the global scale times 2^10
 DECODE_EXP = 10
+# FP8 word decode (see the module docstring): codes 0, 1 = w & FP8_DIRECT_MASK; codes 2, 3 =
+# ((w << FP8_SHIFT) & FP8_SPLIT_MASKS[0]) | ((w >> FP8_SHIFT) & FP8_SPLIT_MASKS[1]); each half
+# s0000eeeemmm0000 is the bf16 of the code's value * 2^-FP8_DECODE_EXP
+FP8_DIRECT_MASK = 0x87F087F0
+FP8_SHIFT = 4
+FP8_SPLIT_MASKS = (0x80F080F0, 0x07000700)
+FP8_DECODE_EXP = 120
 
 
 class _Tiled:
@@ -360,6 +371,8 @@ def pack_fp8(weight: torch.Tensor, scale: torch.Tensor) -> PackedFP8:
     if not isinstance(scale, torch.Tensor) or scale.dtype != torch.float32 or tuple(scale.shape) != expect:
         raise ValueError(f"scale: expected float32 {expect} (one per 128x128 block), got "
                          f"{getattr(scale, 'dtype', type(scale))} {tuple(getattr(scale, 'shape', ()))}")
+    if bool(((weight.view(torch.uint8) & 0x7F) == 0x7F).any()):  # the decode has no NaN: it would read 480
+        raise ValueError("weight: NaN E4M3 codes found; the weight must be finite")
     device = weight.device
     n_tiles, k_chunks = -(-n // TILE_N), -(-k // CHUNK_K)
     codes = torch.zeros(n_tiles * TILE_N, k_chunks * CHUNK_K, dtype=torch.uint8, device=device)
@@ -373,37 +386,67 @@ def pack_fp8(weight: torch.Tensor, scale: torch.Tensor) -> PackedFP8:
             c = (16 * s)[None, :] + col[:, None] + dc
             parts.append(torch.stack([codes[:, :, row[:, None], c], codes[:, :, row[:, None], c + 1]], dim=-1))
     per_step = torch.cat(parts, dim=-1)  # [nt, kc, 128, 8 steps, 8 bytes]
+    per_step = _words_to_bytes(_fp8_words(per_step.view(n_tiles, k_chunks, _THREADS, _KSTEPS, 2, 4)))
     data = per_step.view(n_tiles, k_chunks, _THREADS, 2, 4, 8).permute(0, 1, 3, 2, 4, 5)  # [.., group, thread, ..]
     data = data.reshape(-1, ROW_BYTES).contiguous()
     return PackedFP8(data, scale.detach().to(torch.float32).contiguous().clone(), n, k)
 
 
-def unpack_fp8(packed: PackedFP8) -> torch.Tensor:
-    """Inverse of :func:`pack_fp8`'s code permutation: the float8_e4m3fn weight ``[N, K]`` (exact;
-    the scales are ``packed.scale`` as given)."""
+def _fp8_half(code: torch.Tensor) -> torch.Tensor:
+    """E4M3 bytes -> the 16-bit half s0000eeeemmm0000 (int64): the bf16 of ``value * 2^-120``."""
+    code = code.to(torch.int64)
+    return ((code & 0x80) << 8) | ((code & 0x7F) << FP8_SHIFT)
+
+
+def _fp8_words(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 ``[..., 4]`` E4M3 codes -> the packed words (int64 holding uint32): codes 0, 1 in
+    place under ``FP8_DIRECT_MASK``, codes 2, 3 in the other bits (the inverse of the two shifts)."""
+    direct = _fp8_half(codes[..., 0]) | (_fp8_half(codes[..., 1]) << 16)
+    split = _fp8_half(codes[..., 2]) | (_fp8_half(codes[..., 3]) << 16)
+    return (direct | ((split & FP8_SPLIT_MASKS[0]) >> FP8_SHIFT)
+            | ((split & FP8_SPLIT_MASKS[1]) << FP8_SHIFT))
+
+
+def _fp8_decoded_halves(packed: PackedFP8) -> torch.Tensor:
+    """The kernel's decode of every packed word: int64 ``[nt, kc, thread, k-step, 8]`` halves
+    (bf16 bits of ``value * 2^-120``) in ``pack_fp8``'s code order."""
+    b = packed.data.view(packed.n_tiles, packed.k_chunks, 2, _THREADS, 4, 8).permute(0, 1, 3, 2, 4, 5)
+    w = _bytes_to_words(b.reshape(packed.n_tiles, packed.k_chunks, _THREADS, _KSTEPS, 8))  # [.., 2 words]
+    direct = w & FP8_DIRECT_MASK
+    split = (((w << FP8_SHIFT) & FP8_SPLIT_MASKS[0]) | ((w >> FP8_SHIFT) & FP8_SPLIT_MASKS[1]))
+    halves = torch.stack([direct & 0xFFFF, direct >> 16, split & 0xFFFF, split >> 16], dim=-1)
+    return halves.reshape(*w.shape[:-1], 8)
+
+
+def _fp8_unpermuted(packed: PackedFP8, per_code: torch.Tensor) -> torch.Tensor:
+    """``per_code`` ``[nt, kc, thread, k-step, 8]`` in ``pack_fp8``'s code order -> ``[N, K]``."""
     n_tiles, k_chunks = packed.n_tiles, packed.k_chunks
-    b = packed.data.view(n_tiles, k_chunks, 2, _THREADS, 4, 8).permute(0, 1, 3, 2, 4, 5)
-    b = b.reshape(n_tiles, k_chunks, _THREADS, _KSTEPS, 8)
-    codes = torch.zeros(n_tiles, k_chunks, TILE_N, CHUNK_K, dtype=torch.uint8, device=packed.data.device)
-    r0, col, s = _thread_coords(packed.data.device)
+    out = torch.zeros(n_tiles, k_chunks, TILE_N, CHUNK_K, dtype=per_code.dtype, device=per_code.device)
+    r0, col, s = _thread_coords(per_code.device)
     i = 0
     for dc in (0, 8):
         for row in (r0, r0 + 8):
             c = (16 * s)[None, :] + col[:, None] + dc
-            codes[:, :, row[:, None], c] = b[..., i]
-            codes[:, :, row[:, None], c + 1] = b[..., i + 1]
+            out[:, :, row[:, None], c] = per_code[..., i]
+            out[:, :, row[:, None], c + 1] = per_code[..., i + 1]
             i += 2
-    codes = codes.permute(0, 2, 1, 3).reshape(n_tiles * TILE_N, k_chunks * CHUNK_K)[: packed.n, : packed.k]
-    return codes.contiguous().view(torch.float8_e4m3fn)
+    return out.permute(0, 2, 1, 3).reshape(n_tiles * TILE_N, k_chunks * CHUNK_K)[: packed.n, : packed.k]
+
+
+def unpack_fp8(packed: PackedFP8) -> torch.Tensor:
+    """Inverse of :func:`pack_fp8`: the float8_e4m3fn weight ``[N, K]`` (exact; the scales are
+    ``packed.scale`` as given)."""
+    h = _fp8_decoded_halves(packed)
+    codes = (((h >> 8) & 0x80) | ((h >> FP8_SHIFT) & 0x7F)).to(torch.uint8)
+    return _fp8_unpermuted(packed, codes).contiguous().view(torch.float8_e4m3fn)
 
 
 def unpack_fp8_emulated(packed: PackedFP8) -> torch.Tensor:
-    """The dequantized weight ``[N, K]`` (float64) as the kernel computes it: the codes read
-    back from the packed layout (:func:`unpack_fp8`) through the kernel's decode (E4M3 -> f16,
-    the f16 bits moved into a bf16 as ``value * 2^-112``, times 2^112), times the block scales."""
-    codes = unpack_fp8(packed).cpu()
-    f16 = codes.to(torch.float16).view(torch.int16).to(torch.int64) & 0xFFFF
-    w = _bf16_of_bits(((f16 >> 3) & 0x0FFF) | (f16 & 0x8000)) * 2.0 ** 112
+    """The dequantized weight ``[N, K]`` (float64) as the kernel computes it: each packed word
+    through the kernel's masks and shifts to bf16 bits (``value * 2^-120``), times 2^120, times
+    the block scales."""
+    h = _fp8_decoded_halves(packed).cpu()
+    w = _fp8_unpermuted(packed, _bf16_of_bits(h) * 2.0 ** FP8_DECODE_EXP)
     scale = packed.scale.double().cpu().repeat_interleave(FP8_SCALE_BLOCK, 0).repeat_interleave(FP8_SCALE_BLOCK, 1)
     return w * scale[: packed.n, : packed.k]
 

@@ -107,8 +107,21 @@ def test_fp8_decode_emulation_is_exact(n, k):
     torch.testing.assert_close(unpack_fp8_emulated(packed), _exact_fp8(q), rtol=0, atol=0)
 
 
+def test_fp8_decode_every_code():
+    """Every finite E4M3 code (subnormals and -0 included), ~64 times each over a word's positions."""
+    codes = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)
+    weight = codes[torch.randperm(64 * 256, generator=torch.Generator().manual_seed(0)) % codes.numel()]
+    weight = weight.view(64, 256).view(torch.float8_e4m3fn)
+    packed = pack_fp8(weight, torch.ones(1, 2))
+    decoded = unpack_fp8_emulated(packed)
+    assert torch.equal(decoded, weight.double())
+    assert torch.equal(torch.signbit(decoded), torch.signbit(weight.float()))
+
+
 @pytest.mark.parametrize("bad,match", [
     (lambda q: dict(weight=q.data.view(torch.uint8)), "weight: expected a float8_e4m3fn"),
+    (lambda q: dict(weight=torch.full_like(q.data.view(torch.uint8), 0xFF).view(torch.float8_e4m3fn)),
+     "weight: NaN E4M3 codes"),
     (lambda q: dict(scale=q.scale.double()), "scale: expected float32"),
     (lambda q: dict(scale=q.scale[:, :1]), "scale: expected float32"),
 ])
@@ -207,20 +220,6 @@ def test_grouped_op_rejects_bad_arguments():
         grouped_weight_only(torch.randn(4, 128), packed.expert(0), _group_ends([2, 2]))
 
 
-def test_launch_choice_wide_grids():
-    """FP8, three tiles per SM or more, at most 16 tokens, at least 4 chunks per split: 2 splits on
-    the short ring; else the split rule and the full ring."""
-    from lowprec.gemm.sm90.weight_only_interface import WIDE_GRID_STAGES, choose_launch, choose_split, stages_for
-
-    assert choose_launch("fp8", 8, 448, 32, 132) == (2, WIDE_GRID_STAGES)
-    assert choose_launch("fp8", 16, 448, 32, 132) == (2, WIDE_GRID_STAGES)
-    assert choose_launch("fp8", 32, 448, 32, 132) == (choose_split(448, 32, 132), stages_for("fp8", 32))
-    assert choose_launch("fp8", 8, 64, 32, 132) == (choose_split(64, 32, 132), stages_for("fp8", 8))
-    assert choose_launch("nvfp4", 8, 448, 32, 132) == (choose_split(448, 32, 132), stages_for("nvfp4", 8))
-    for k_chunks in (1, 4, 7):  # a split of fewer than 4 chunks (none at K = 128) is never taken
-        assert choose_launch("fp8", 8, 448, k_chunks, 132) == (choose_split(448, k_chunks, 132), stages_for("fp8", 8))
-
-
 # ----------------------------------------------------------------------------- compile (CI)
 def _shipped():
     from lowprec.gemm.sm90.weight_only_interface import SHIPPED
@@ -229,12 +228,12 @@ def _shipped():
 
 
 @needs_cutlass
-@pytest.mark.parametrize("fmt,tile_m,splits,grouped,stages", _shipped())
-def test_compile_sm90(fmt, tile_m, splits, grouped, stages):
+@pytest.mark.parametrize("fmt,tile_m,splits,grouped", _shipped())
+def test_compile_sm90(fmt, tile_m, splits, grouped):
     from lowprec.gemm.sm90.weight_only_interface import build_kernel, warp_mma_for
     from lowprec.runtime.compile import local_memory_ops, nvdisasm_path, sass_of
 
-    compiled = build_kernel(fmt, tile_m, splits, grouped=grouped, stages=stages)
+    compiled = build_kernel(fmt, tile_m, splits, grouped=grouped)
     if nvdisasm_path() is None:
         pytest.skip("nvdisasm not found: compiled, SASS not checked")
     sass = sass_of(compiled)
@@ -271,6 +270,7 @@ def _gpu_case(m, n, k, weight_2d=False, with_bias=False, zero_rows=()):
     (1, 200, 272, False, True), (3, 1024, 1040, True, False), (33, 384, 512, False, True),
     (64, 512, 2048, True, True), (128, 256, 1024, False, False), (200, 640, 768, False, True),
     (300, 128, 256, False, False), (8, 28672, 512, False, False), (1, 26000, 1040, False, True),
+    (12, 1008, 1040, True, True),
 ])
 def test_kernel_matches_reference(m, n, k, weight_2d, with_bias):
     from lowprec.gemm.sm90.weight_only_interface import weight_only_nvfp4
@@ -439,6 +439,7 @@ def _check_grouped(y, x, dequant, counts):
     ([40, 0, 7, 130], 512, 1024, 0),  # several token tiles in one expert
     ([0, 0, 0], 128, 256, 4),  # no routed rows at all
     ([17] * 64, 256, 512, 0),  # many experts, a full warp scan
+    ([12, 0, 16, 9, 14], 384, 1040, 2),  # 16-token tiles (mma.sync, two n8 blocks)
 ])
 def test_grouped_kernel_matches_reference(counts, n, k, extra):
     from lowprec.gemm.sm90.weight_only_interface import grouped_weight_only_nvfp4

@@ -12,13 +12,13 @@ its N side (``tile_m`` = 8..128), so one token costs one 8-wide wgmma column, no
   the 4 bf16x2 registers of its A fragment and issues the wgmma with A from registers and ``x``
   from shared memory; the next chunk is decoded while they run (two A register sets). NVFP4: a
   shift and a mask put two E2M1 codes in bf16 position as ``code * 2^-126``, one
-  ``mul.rn.bf16x2`` by ``scale * 2^116`` (exact). FP8: ``cvt`` E4M3 -> f16, the f16 bits moved
-  into a bf16 (``value * 2^-112``), one multiply by 2^112 (exact); each chunk's products go to a
+  ``mul.rn.bf16x2`` by ``scale * 2^116`` (exact). FP8: masks and shifts put two E4M3 codes in bf16
+  position (``value * 2^-120``), one multiply by 2^120 (exact); each chunk's products go to a
   fresh accumulator, added times the chunk's block scale (promotion).
-* NVFP4 at 8 tokens (``warp_mma``): the same decode into the same A fragment words, the products on
-  warp-level ``mma.sync`` m16n8k16 (``x`` fragments by ``ldmatrix``), one chunk per loop trip and
-  the stage released once they are issued. Measured faster than the 64x8x16 wgmma at 8 tokens
-  (4096x4096, M = 1: 6.8 -> 6.3 us), slower at 16 (NOTES.md).
+* few tokens (``warp_mma``): the same decode into the same A fragment words, the products on
+  warp-level ``mma.sync`` m16n8k16 (``x`` fragments by ``ldmatrix``; 8 or 16 tokens), one chunk
+  per loop trip and the stage released once they are issued (the token widths per format that
+  take it: ``weight_only_interface.WARP_MMA_MAX_TILE_M``, measured in NOTES.md).
 * epilogue: ``y = acc * scale (+ bias)`` (NVFP4: the global scale times 2^10; FP8: 1). With
   split-K (the K chunks of a tile spread over the ``splits`` CTAs of a cluster so that small N
   fills the GPU), each CTA stores its FP32 partial to a global workspace; after a cluster
@@ -53,7 +53,10 @@ from ..weight_only import (
     CODE_BYTES,
     DECODE_EXP,
     FP8_CHUNK_BYTES,
+    FP8_DIRECT_MASK,
     FP8_SCALE_BLOCK,
+    FP8_SHIFT,
+    FP8_SPLIT_MASKS,
     PAIR3_MASKS,
     PAIR3_ROT,
     PAIR_MASK,
@@ -68,7 +71,7 @@ _HANDOFF_BAR = 1  # named barrier of the two consumer warpgroups
 
 FORMATS = ("nvfp4", "fp8")
 _CHUNK_BYTES = {"nvfp4": CHUNK_BYTES, "fp8": FP8_CHUNK_BYTES}
-_BF16X2_2POW112 = 0x77807780  # bf16 2^112 in both halves
+_BF16X2_2POW120 = 0x7B807B80  # bf16 2^120 in both halves
 
 
 def _as_i32(v: int) -> int:
@@ -137,8 +140,6 @@ class WeightOnlySm90:
             raise ValueError(f"tile_m: expected one of {TILE_MS}, got {tile_m}")
         if splits not in SPLITS:
             raise ValueError(f"splits: expected one of {SPLITS}, got {splits}")
-        if warp_mma and fmt != "nvfp4":
-            raise ValueError("warp_mma: NVFP4 only")
         if grouped and fmt != "nvfp4":
             raise ValueError("grouped: NVFP4 only")
         self.tile_m, self.stages, self.ctas_per_sm, self.splits = tile_m, stages, ctas_per_sm, splits
@@ -152,7 +153,7 @@ class WeightOnlySm90:
     def _mma(self):
         if self.warp_mma:  # the 4 warps of a warpgroup each 16 of the 64 rows, as the wgmma's A fragment
             return cute.make_tiled_mma(warp.MmaF16BF16Op(cutlass.BFloat16, cutlass.Float32, (16, 8, 16)),
-                                       (4, 1, 1), permutation_mnk=(TILE_N, 8, 16))
+                                       (4, 1, 1), permutation_mnk=(TILE_N, self.tile_m, 16))
         return sm90_utils.make_trivial_tiled_mma(
             cutlass.BFloat16, cutlass.BFloat16, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K,
             cutlass.Float32, (1, 1, 1), tiler_mn=(64, self.tile_m), a_source=warpgroup.OperandSource.RMEM,
@@ -348,7 +349,7 @@ class WeightOnlySm90:
             wg = tidx // self.wg_threads
             t = tidx % self.wg_threads
             if cutlass.const_expr(self.warp_mma):
-                acc = self._mainloop_warp(wg, t, mma, sX, sW, ring, kc_count)
+                acc = self._mainloop_warp(wg, t, mma, sX, sW, ring, kc_count, mScale, n_tile, kc_first)
             else:
                 acc = self._mainloop(wg, t, mma, sX, sW, ring, kc_count, mScale, n_tile, kc_first)
             # warpgroup 0 takes warpgroup 1's sum (acc0 + acc1: a fixed order)
@@ -381,15 +382,10 @@ class WeightOnlySm90:
         acc.fill(0.0)
         mma_acc = mma
         mma_acc.set(warpgroup.Field.ACCUMULATE, True)
-        words = cute.recast_ptr(sW.iterator, dtype=cutlass.Int32)
-        chunk_words = self.chunk_bytes // 4
         if cutlass.const_expr(self.fmt == "nvfp4"):
             frags = (tCrA_w, tCrB, a_words, *self._nvfp4_views(sW), None, None, None)
         else:
-            # per stage: the thread's 32 bytes of codes of this warpgroup's k-steps
-            sCodes = cute.make_tensor(words, cute.make_layout((8, 2, self.wg_threads, self.stages),
-                                                              stride=(1, 8 * self.wg_threads, 8, chunk_words)))
-            codes = cute.make_rmem_tensor((8,), cutlass.Int32)
+            codes, sCodes = self._fp8_views(sW)
             # a fresh accumulator per chunk (two, alternating) and its block scale
             chunk_acc = [cute.make_rmem_tensor(acc_shape, cutlass.Float32) for _ in range(2)]
             chunk_scale = cute.make_rmem_tensor((2,), cutlass.Float32)
@@ -425,15 +421,24 @@ class WeightOnlySm90:
             (2, 2, self.wg_threads // 4, self.stages), stride=(1, 2, 4, chunk_words)))
         return cute.make_rmem_tensor((4,), cutlass.Int32), cute.make_rmem_tensor((2,), cutlass.Int32), sCodes, sScales
 
+    def _fp8_views(self, sW):
+        """FP8 per stage: the thread's 32 bytes of codes of its warpgroup's k-steps (smem view) and
+        their registers."""
+        sCodes = cute.make_tensor(cute.recast_ptr(sW.iterator, dtype=cutlass.Int32), cute.make_layout(
+            (8, 2, self.wg_threads, self.stages), stride=(1, 8 * self.wg_threads, 8, self.chunk_bytes // 4)))
+        return cute.make_rmem_tensor((8,), cutlass.Int32), sCodes
+
     @cute.jit
-    def _mainloop_warp(self, wg, t, mma, sX, sW, ring, kc_count):
-        """NVFP4 on ``mma.sync``: per chunk, warpgroup ``wg`` reads its codes, scales and (ldmatrix)
-        its 4 k-steps of ``x``, decodes into the same A fragment words as the wgmma path and issues
-        4 m16n8k16 per 8 tokens and warp. The products are synchronous, so the stage is released
-        once they are issued (their operands are in registers) and no A register set is held."""
+    def _mainloop_warp(self, wg, t, mma, sX, sW, ring, kc_count, mScale, n_tile, kc_first):
+        """Products on ``mma.sync``: per chunk, warpgroup ``wg`` reads its codes (NVFP4: and
+        scales) and (ldmatrix) its 4 k-steps of ``x``, decodes into the same A fragment words as
+        the wgmma path and issues 4 m16n8k16 per 8 tokens and warp (FP8: into a fresh chunk
+        accumulator, added times the chunk's block scale). The products are synchronous, so the
+        stage is released once they are issued (their operands are in registers) and no A
+        register set is held."""
         thr = mma.get_slice(t)
         copy_b = cute.make_tiled_copy_B(
-            cute.make_copy_atom(warp.LdMatrix8x8x16bOp(False, 2), cutlass.BFloat16), mma)
+            cute.make_copy_atom(warp.LdMatrix8x8x16bOp(False, self.tile_m // 4), cutlass.BFloat16), mma)
         thr_copy_b = copy_b.get_slice(t)
         tXsX = thr_copy_b.partition_S(sX)  # (copy, n, k-steps, stages)
         tCrB = thr.make_fragment_B(thr.partition_shape_B((self.tile_m, CHUNK_K // 2)))  # this warpgroup's 4 k-steps
@@ -441,9 +446,15 @@ class WeightOnlySm90:
         tCrA = thr.make_fragment_A(thr.partition_shape_A((TILE_N, CHUNK_K)))
         a_words = cute.make_rmem_tensor((cute.size(tCrA) // 2,), cutlass.Int32)
         tCrA_w = cute.make_tensor(cute.recast_ptr(a_words.iterator, dtype=cutlass.BFloat16), tCrA.layout)
-        acc = cute.make_rmem_tensor(thr.partition_shape_C((TILE_N, self.tile_m)), cutlass.Float32)
+        acc_shape = thr.partition_shape_C((TILE_N, self.tile_m))
+        acc = cute.make_rmem_tensor(acc_shape, cutlass.Float32)
         acc.fill(0.0)
-        codes, scw, sCodes, sScales = self._nvfp4_views(sW)
+        if cutlass.const_expr(self.fmt == "nvfp4"):
+            codes, scw, sCodes, sScales = self._nvfp4_views(sW)
+        else:
+            codes, sCodes = self._fp8_views(sW)
+            chunk_acc = cute.make_rmem_tensor(acc_shape, cutlass.Float32)
+            scale_row = mScale[(n_tile * TILE_N // FP8_SCALE_BLOCK, None)]
         # the x fragments' ldmatrix addresses, swizzled once: a stage is a whole number of swizzle
         # atoms, so stage s's address is stage 0's plus s stage strides (no XOR per load)
         x_addr = []
@@ -453,20 +464,34 @@ class WeightOnlySm90:
         stage_bytes = cute.cosize(cute.slice_(sX.layout, (None, None, 0))) * 2
         x_frag = cute.make_layout(((8, 1), 1), stride=((1, 0), 0))
         state = ring.consumer_state()
-        for _ in cutlass.range(kc_count, unroll=1):
+        for i in cutlass.range(kc_count, unroll=1):
+            if cutlass.const_expr(self.fmt == "fp8"):
+                chunk_scale = scale_row[kc_first + i]  # a constant: read before the stage lands
             ring.wait(state)
             cute.autovec_copy(sCodes[(None, wg, t, state.index)], codes)
-            cute.autovec_copy(sScales[(None, wg, t // 4, state.index)], scw)
+            if cutlass.const_expr(self.fmt == "nvfp4"):
+                cute.autovec_copy(sScales[(None, wg, t // 4, state.index)], scw)
             for j in cutlass.range_constexpr(4):
                 src = cute.make_tensor(cute.make_ptr(cutlass.BFloat16, x_addr[j] + state.index * stage_bytes,
                                                      cute.AddressSpace.smem, assumed_align=16), x_frag)
                 cute.copy(copy_b, src, tXrB[(None, None, j)])
             for j in cutlass.range_constexpr(4):
-                self._decode_nvfp4(codes[j], scw[j // 2], j % 2, a_words, j)
-            for j in cutlass.range_constexpr(4):
-                cute.gemm(mma, acc, tCrA_w[(None, None, j)], tCrB[(None, None, j)], acc)
+                if cutlass.const_expr(self.fmt == "nvfp4"):
+                    self._decode_nvfp4(codes[j], scw[j // 2], j % 2, a_words, j)
+                else:
+                    self._decode_fp8(codes[2 * j], codes[2 * j + 1], a_words, j)
+            if cutlass.const_expr(self.fmt == "nvfp4"):
+                for j in cutlass.range_constexpr(4):
+                    cute.gemm(mma, acc, tCrA_w[(None, None, j)], tCrB[(None, None, j)], acc)
+            else:
+                chunk_acc.fill(0.0)
+                for j in cutlass.range_constexpr(4):
+                    cute.gemm(mma, chunk_acc, tCrA_w[(None, None, j)], tCrB[(None, None, j)], chunk_acc)
             ring.release(state)
             state.advance()
+            if cutlass.const_expr(self.fmt == "fp8"):
+                for v in cutlass.range_constexpr(cute.size(acc)):
+                    acc[v] = acc[v] + chunk_scale * chunk_acc[v]
         return acc
 
     @cute.jit
@@ -522,12 +547,17 @@ class WeightOnlySm90:
 
     @cute.jit
     def _decode_fp8(self, w0, w1, a_words, s: cutlass.Constexpr):
-        """A fragment words 4s..4s+3 of k-step slot ``s`` from its two code words (exact)."""
-        two112 = cutlass.Int32(_BF16X2_2POW112)
-        for p in cutlass.range_constexpr(4):
-            h = _e4m3x2_to_f16x2(w0 if p < 2 else w1, p % 2 == 1)
-            bits = ((h >> 3) & cutlass.Int32(0x0FFF0FFF)) | (h & cutlass.Int32(-0x80000000 + 0x8000))
-            a_words[4 * s + p] = _mul_bf16x2(bits, two112)
+        """A fragment words 4s..4s+3 of k-step slot ``s`` from its two code words (exact): per
+        word one mask places pair 0 (``value * 2^-120``), two shifts and masks pair 1, and a
+        multiply by 2^120 finishes each (layout: ``lowprec.gemm.weight_only``)."""
+        two120 = cutlass.Int32(_BF16X2_2POW120)
+        for q in cutlass.range_constexpr(2):
+            w = w0 if q == 0 else w1
+            direct = w & cutlass.Int32(_as_i32(FP8_DIRECT_MASK))
+            split = (_rotl_masked(w, FP8_SHIFT, FP8_SPLIT_MASKS[0])
+                     | ((w >> FP8_SHIFT) & cutlass.Int32(FP8_SPLIT_MASKS[1])))
+            a_words[4 * s + 2 * q] = _mul_bf16x2(direct, two120)
+            a_words[4 * s + 2 * q + 1] = _mul_bf16x2(split, two120)
 
     @cute.jit
     def _decode_nvfp4(self, w, sc_word, hi: cutlass.Constexpr, a_words, s: cutlass.Constexpr):

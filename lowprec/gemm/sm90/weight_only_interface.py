@@ -21,22 +21,20 @@ from ..weight_only import (
 )
 
 __all__ = ["SHIPPED", "FP8_TILE_MS", "choose_tile_m", "ctas_per_sm", "warp_mma_for", "stages_for", "choose_split",
-           "wide_grid", "choose_launch",
            "build_kernel", "compile_kernel", "weight_only_nvfp4", "weight_only_fp8", "grouped_weight_only_nvfp4"]
 
 ARCH = "sm_90a"
 _SMEM_PER_SM = 200 * 1024  # for the rings (the accumulator hand-off takes up to 32 KB more)
 _MAX_STAGES = 8
 _MIN_CHUNKS_PER_CTA = 4
-WARP_MMA_MAX_TILE_M = 8
+# the widest token tile on mma.sync per format (0: wgmma always); measured in NOTES.md
+WARP_MMA_MAX_TILE_M = {"nvfp4": 16, "fp8": 16}
 # FP8 keeps two chunk accumulators besides the sum (promotion): 64 tokens is its widest tile
 FP8_TILE_MS = tuple(t for t in TILE_MS if t <= 64)
 _CHUNK_BYTES = {"nvfp4": CHUNK_BYTES, "fp8": FP8_CHUNK_BYTES}
-WIDE_GRID_STAGES = 4
-# every (format, tile_m, splits, grouped, stages) the launcher can pick: CI compiles them all
-SHIPPED = (tuple(("nvfp4", tm, sp, grouped, None) for grouped in (False, True) for tm in TILE_MS for sp in SPLITS)
-           + tuple(("fp8", tm, sp, False, None) for tm in FP8_TILE_MS for sp in SPLITS)
-           + (("fp8", 8, 2, False, WIDE_GRID_STAGES), ("fp8", 16, 2, False, WIDE_GRID_STAGES)))
+# every (format, tile_m, splits, grouped) the launcher can pick: CI compiles them all
+SHIPPED = (tuple(("nvfp4", tm, sp, grouped) for grouped in (False, True) for tm in TILE_MS for sp in SPLITS)
+           + tuple(("fp8", tm, sp, False) for tm in FP8_TILE_MS for sp in SPLITS))
 
 
 def choose_tile_m(m: int) -> int:
@@ -51,8 +49,9 @@ def ctas_per_sm(tile_m: int) -> int:
 
 
 def warp_mma_for(fmt: str, tile_m: int) -> bool:
-    """NVFP4 at up to ``WARP_MMA_MAX_TILE_M`` tokens: the products on ``mma.sync`` (0: wgmma always)."""
-    return fmt == "nvfp4" and tile_m <= WARP_MMA_MAX_TILE_M
+    """Whether a ``tile_m``-token tile of ``fmt`` runs its products on ``mma.sync`` (at most
+    ``WARP_MMA_MAX_TILE_M[fmt]`` tokens) instead of wgmma."""
+    return tile_m <= WARP_MMA_MAX_TILE_M[fmt]
 
 
 def stages_for(fmt: str, tile_m: int) -> int:
@@ -69,28 +68,9 @@ def choose_split(tiles: int, k_chunks: int, num_sms: int) -> int:
     return SPLITS[-1]
 
 
-def wide_grid(fmt: str, tile_m: int, tiles: int, k_chunks: int, num_sms: int) -> bool:
-    """Whether a dense FP8 launch of ``tiles`` output tiles takes 2 splits on a ring of
-    ``WIDE_GRID_STAGES`` (CTAs half the shared memory, more of them per SM) instead of one split at
-    the full ring: at least 3 tiles per SM, at most 16 tokens, and ``_MIN_CHUNKS_PER_CTA`` chunks
-    per split. Measured on the H200 (gemm NOTES, session 46): 28672x4096 at M = 1 -9%; NVFP4 gained
-    ~1% there, within the noise, so it keeps its ring."""
-    return (fmt == "fp8" and tiles >= 3 * num_sms and tile_m <= 16
-            and k_chunks >= 2 * _MIN_CHUNKS_PER_CTA)
-
-
-def choose_launch(fmt: str, tile_m: int, tiles: int, k_chunks: int, num_sms: int) -> tuple[int, int]:
-    """``(splits, ring stages)`` of a dense launch."""
-    if wide_grid(fmt, tile_m, tiles, k_chunks, num_sms):
-        return 2, WIDE_GRID_STAGES
-    return choose_split(tiles, k_chunks, num_sms), stages_for(fmt, tile_m)
-
-
-def build_kernel(fmt: str, tile_m: int, splits: int, arch: str = ARCH, grouped: bool = False,
-                 stages: int | None = None):
+def build_kernel(fmt: str, tile_m: int, splits: int, arch: str = ARCH, grouped: bool = False):
     """Compile the ``fmt`` kernel for ``tile_m`` tokens and ``splits`` (``grouped``: the experts'
-    weights stacked, token rows per expert; ``stages``: the ring depth, ``stages_for`` unless
-    given) on fake tensors (no GPU needed), uncached."""
+    weights stacked, token rows per expert) on fake tensors (no GPU needed), uncached."""
     import cutlass
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
@@ -109,23 +89,21 @@ def build_kernel(fmt: str, tile_m: int, splits: int, arch: str = ARCH, grouped: 
                              assumed_align=4)
     work = make_fake_tensor(cutlass.Float32, (cute.sym_int(),), stride=(1,), assumed_align=4)
     group_ends = make_fake_tensor(cutlass.Int32, (cute.sym_int(),), stride=(1,), assumed_align=4)
-    kernel = WeightOnlySm90(fmt, tile_m, stages or stages_for(fmt, tile_m), ctas_per_sm(tile_m), splits,
+    kernel = WeightOnlySm90(fmt, tile_m, stages_for(fmt, tile_m), ctas_per_sm(tile_m), splits,
                             warp_mma_for(fmt, tile_m), grouped)
     return compile_for_arch(kernel, x, w, y, bias, scale, work, group_ends, cutlass.Int32(1), cutlass.Int32(0),
                             make_fake_stream(use_tvm_ffi_env_stream=True), arch=arch, tvm_ffi=True)
 
 
 @functools.cache
-def compile_kernel(fmt: str, tile_m: int, splits: int, arch: str = ARCH, grouped: bool = False,
-                   stages: int | None = None):
-    """The launchable kernel, compiled once per (fmt, tile_m, splits, arch, grouped, stages) through
-    the kernel cache."""
-    stages = stages or stages_for(fmt, tile_m)
-    return ffi_entry(kernel_cache.get(f"weight_only_{fmt}", {"tile_m": tile_m, "stages": stages,
+def compile_kernel(fmt: str, tile_m: int, splits: int, arch: str = ARCH, grouped: bool = False):
+    """The launchable kernel, compiled once per (fmt, tile_m, splits, arch, grouped) through the
+    kernel cache."""
+    return ffi_entry(kernel_cache.get(f"weight_only_{fmt}", {"tile_m": tile_m, "stages": stages_for(fmt, tile_m),
                                                              "ctas_per_sm": ctas_per_sm(tile_m), "splits": splits,
                                                              "warp_mma": warp_mma_for(fmt, tile_m),
                                                              "grouped": grouped},
-                                      arch, lambda: build_kernel(fmt, tile_m, splits, arch, grouped, stages)))
+                                      arch, lambda: build_kernel(fmt, tile_m, splits, arch, grouped)))
 
 
 _WORKSPACE: dict = {}  # (device, stream) -> FP32 split-K partials
@@ -174,13 +152,13 @@ def _launch(fmt: str, x: torch.Tensor, packed, scale: torch.Tensor, bias: torch.
     if m == 0 or n == 0:
         return y
     tile_m = choose_tile_m(m)
-    splits, stages = choose_launch(fmt, tile_m, packed.n_tiles * -(-m // tile_m), packed.k_chunks, sm_count(device))
+    splits = choose_split(packed.n_tiles * -(-m // tile_m), packed.k_chunks, sm_count(device))
     work = _workspace(device, splits * m * n) if splits > 1 else _unused(device).view(torch.float32)
     has_bias = bias is not None
     unused = _unused(device)
     with on_device(device):
-        compile_kernel(fmt, tile_m, splits, stages=stages)(x, packed.tiles, y, bias if has_bias else unused, scale,
-                                                           work, unused.view(torch.int32), 1, int(has_bias))
+        compile_kernel(fmt, tile_m, splits)(x, packed.tiles, y, bias if has_bias else unused, scale, work,
+                                            unused.view(torch.int32), 1, int(has_bias))
     return y
 
 
