@@ -107,9 +107,9 @@ class _FrozenFP8Linear(torch.autograd.Function):
         return gemm(dy_q, w_t, out_dtype=dy.dtype), None, None, None
 
 
-# FP8InferenceLinear: rows up to which bf16 activations stay unquantized (bench decode, H100: the
-# weight-only kernel is faster than W8A8 on all four Llama projections at M <= 16, slower on
-# three of four at 64)
+# FP8InferenceLinear: rows up to which bf16 activations stay unquantized (H200, session 47,
+# benchmarks/fp8_weight_only_crossover.py: the weight-only kernel is faster than W8A8 on all four
+# Llama projections at M <= 32, slower on three of four at 48 and 64)
 WEIGHT_ONLY_MAX_M = 32
 
 
