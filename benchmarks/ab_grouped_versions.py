@@ -32,13 +32,13 @@ kernels = {}
 active = ["new"]
 
 
-def compiled(config, out_dtype, per_col, bias, num_sms, arch=None, grouping=None):
-    key = (active[0], config, out_dtype, per_col, grouping)
+def compiled(config, out_dtype, b_block_n, bias, num_sms, arch=None, grouping=None):
+    key = (active[0], config, out_dtype, b_block_n, grouping)
     if key not in kernels:
         mod = modules[active[0]]
         sys.modules["lowprec.gemm.sm90.blockscaled_gemm"] = mod
         pkg.blockscaled_gemm = mod
-        kernels[key] = gi.build_kernel(config, out_dtype, per_col, bias, num_sms, grouping=grouping)
+        kernels[key] = gi.build_kernel(config, out_dtype, b_block_n, bias, num_sms, grouping=grouping)
     return kernels[key]
 
 

@@ -37,7 +37,7 @@ mods = {nm: new if nm == "new" else importlib.import_module(f"lowprec.gemm.sm90.
 def build(mod, cfg, per_col):
     sys.modules["lowprec.gemm.sm90.blockscaled_gemm"] = mod
     pkg.blockscaled_gemm = mod
-    return gi.build_kernel(cfg, torch.bfloat16, per_col, None, 132)
+    return gi.build_kernel(cfg, torch.bfloat16, 1 if per_col else 128, None, 132)
 
 g = torch.Generator(device="cuda").manual_seed(0)
 shapes = [(4096, 2112, 7168, False), (4096, 24576, 1536, False), (4096, 32768, 512, False), (4096, 7168, 16384, False),
@@ -46,7 +46,7 @@ shapes = [(4096, 2112, 7168, False), (4096, 24576, 1536, False), (4096, 32768, 5
 for m, n, k, per_col in shapes:
     if SHAPE_FILTER and f"{n}x{k}" not in SHAPE_FILTER.split(","):
         continue
-    cfg = gi.choose_config(m, n, k, per_col)
+    cfg = gi.choose_config(m, n, k, 1 if per_col else 128)
     fns = {nm: build(mod, cfg, per_col) for nm, mod in mods.items()}
     nsets = rot_set_count(m, n, k)
     sets = []

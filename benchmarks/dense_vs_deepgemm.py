@@ -37,7 +37,7 @@ def fewest_sms(m, n, cfg, num_sms):
 
 def lowprec_call(a, sa, b, sb, cfg, sms):
     """The dense kernel compiled for a persistent grid of ``sms`` CTAs, launched as ``_run_dense`` does."""
-    fn = interface._get_compiled(cfg, torch.bfloat16, False, None, sms)
+    fn = interface._get_compiled(cfg, torch.bfloat16, 128, None, sms)
     d = torch.empty(a.shape[0], b.shape[0], device="cuda", dtype=torch.bfloat16)
     sa_t, sb_t = interface._tma_a_scale(sa), interface._tma_b_scale_blocks(sb)
     no_bias, no_group = interface._unused_args(a.device)

@@ -44,7 +44,7 @@ def kernels():
     def add(cfg, out_dtype=bf16, per_col=False, bias=None, grouping=None):
         name = f"{grouping or 'dense'} {cfg} out={str(out_dtype)[6:]} sb={'col' if per_col else 'blk'}"
         name += f" bias={str(bias)[6:]}" if bias is not None else ""
-        out.append((name, dict(config=cfg, out_dtype=out_dtype, b_scale_per_col=per_col, bias_dtype=bias,
+        out.append((name, dict(config=cfg, out_dtype=out_dtype, b_block_n=1 if per_col else 128, bias_dtype=bias,
                                grouping=grouping)))
 
     for cfg in _shipped_configs():
@@ -53,7 +53,7 @@ def kernels():
     for od, pc, bias, tn in ((f32, False, None, 128), (bf16, True, None, 128), (bf16, True, f32, 112),
                              (bf16, False, bf16, 160), (f32, True, bf16, 64)):
         add(TileConfig(tile_m=128, tile_n=tn), od, pc, bias)
-    big_col = choose_config(8192, 4096, 16384, b_scale_per_col=True)
+    big_col = choose_config(8192, 4096, 16384, b_block_n=1)
     for bias in (None, f32, bf16):
         add(big_col, bf16, True, bias)
     add(TileConfig(tile_m=128, tile_n=128, cluster_n=2), f16)

@@ -297,7 +297,7 @@ def run(args=None):
         sets = blockwise_input_sets(m, n, k, gen)
         a, sa, b, sb = sets[0]
         flops = 2.0 * m * n * k
-        cfg = choose_config(m, n, k, False, num_sms)
+        cfg = choose_config(m, n, k, num_sms=num_sms)
         t0 = time.time()
         d = gemm_blockwise_fp8(a, sa, b, sb)
         torch.cuda.synchronize()

@@ -154,7 +154,7 @@ def test_compile_variants(out_dtype, per_col, bias_dtype, tile_n):
     from lowprec.gemm.sm90.interface import compile_only
 
     cfg = TileConfig(tile_m=128, tile_n=tile_n)
-    _check_sass(compile_only(cfg, out_dtype=out_dtype, b_scale_per_col=per_col, bias_dtype=bias_dtype))
+    _check_sass(compile_only(cfg, out_dtype=out_dtype, b_block_n=1 if per_col else 128, bias_dtype=bias_dtype))
 
 
 @needs_cutlass
@@ -164,12 +164,12 @@ def test_compile_per_col_bias_at_large_m(bias_dtype):
     128x128 below M = 4096, two-wave 256x112 tiles in 1x2 clusters from there."""
     from lowprec.gemm.sm90.interface import choose_config, compile_only
 
-    cfg = choose_config(2048, 4096, 16384, b_scale_per_col=True)
+    cfg = choose_config(2048, 4096, 16384, b_block_n=1)
     assert cfg.cluster_m == 2, cfg
-    _check_sass(compile_only(cfg, out_dtype=torch.bfloat16, b_scale_per_col=True, bias_dtype=bias_dtype))
-    cfg = choose_config(8192, 4096, 16384, b_scale_per_col=True)
+    _check_sass(compile_only(cfg, out_dtype=torch.bfloat16, b_block_n=1, bias_dtype=bias_dtype))
+    cfg = choose_config(8192, 4096, 16384, b_block_n=1)
     assert (cfg.tile_m, cfg.tile_n, cfg.cluster_n) == (256, 112, 2), cfg
-    _check_sass(compile_only(cfg, out_dtype=torch.bfloat16, b_scale_per_col=True, bias_dtype=bias_dtype))
+    _check_sass(compile_only(cfg, out_dtype=torch.bfloat16, b_block_n=1, bias_dtype=bias_dtype))
 
 
 @needs_cutlass
@@ -206,7 +206,7 @@ def test_compile_two_wave_tiles_per_col(name, out_dtype, bias_dtype):
     from lowprec.gemm.sm90.interface import compile_only
     from lowprec.gemm.sm90.tune import parse_config
 
-    _check_sass(compile_only(parse_config(name), out_dtype=out_dtype, b_scale_per_col=True, bias_dtype=bias_dtype))
+    _check_sass(compile_only(parse_config(name), out_dtype=out_dtype, b_block_n=1, bias_dtype=bias_dtype))
 
 
 @needs_cutlass
@@ -226,8 +226,7 @@ def test_compile_col16(name, out_dtype, bias_dtype):
     from lowprec.gemm.sm90.interface import compile_only
     from lowprec.gemm.sm90.tune import parse_config
 
-    _check_sass(compile_only(parse_config(name), out_dtype=out_dtype, b_scale_per_col=True, bias_dtype=bias_dtype,
-                             b_col_group=16))
+    _check_sass(compile_only(parse_config(name), out_dtype=out_dtype, b_block_n=16, bias_dtype=bias_dtype))
 
 
 @needs_cutlass
@@ -235,10 +234,12 @@ def test_col16_rejects_tiles_it_cannot_split():
     from lowprec.gemm.sm90.interface import compile_only
     from lowprec.gemm.sm90.tune import parse_config
 
-    with pytest.raises(ValueError, match="b_col_group 32"):
-        compile_only(parse_config("128x80_c1x1_m1"), b_scale_per_col=True, b_col_group=32)
-    with pytest.raises(ValueError, match="b_col_group 16"):
-        compile_only(parse_config("128x128_c1x1_m1"), b_scale_per_col=False, b_col_group=16)
+    with pytest.raises(ValueError, match="b_block_n 32"):
+        compile_only(parse_config("128x80_c1x1_m1"), b_block_n=32)
+    with pytest.raises(ValueError, match="b_block_n 16"):
+        compile_only(parse_config("128x128_c1x1_m1"), b_block_n=16, grouping="contiguous")
+    with pytest.raises(ValueError, match="b_block_n 12"):
+        compile_only(parse_config("128x96_c1x1_m1"), b_block_n=12)
 
 
 def test_two_wave_tiles_reject_what_they_do_not_support():
@@ -247,7 +248,7 @@ def test_two_wave_tiles_reject_what_they_do_not_support():
 
     for name, per_col in (("256x192_c1x1_m1", False), ("256x128_c1x1_m1_s2", True), ("256x128_c1x1_m1_s2", False)):
         with pytest.raises(ValueError, match="tile_m=256"):
-            compile_only(parse_config(name), b_scale_per_col=per_col)
+            compile_only(parse_config(name), b_block_n=1 if per_col else 128)
 
 
 def test_tune_parses_every_config_name():
@@ -273,9 +274,9 @@ def test_heuristic_picks_shipped_configs():
         for n, k in ((2112, 7168), (24576, 1536), (32768, 512), (7168, 16384), (4096, 7168),
                      (7168, 2048), (128, 512), (16, 16), (8192, 8192)):
             for per_col in (False, True):
-                cfg = choose_config(m, n, k, per_col)
+                cfg = choose_config(m, n, k, 1 if per_col else 128)
                 assert cfg in shipped, (m, n, k, per_col, cfg)
-                assert cfg == choose_config(m, n, k, per_col)
+                assert cfg == choose_config(m, n, k, 1 if per_col else 128)
 
 
 def test_heuristic_wide_tiles_follow_the_sweeps():
@@ -288,11 +289,11 @@ def test_heuristic_wide_tiles_follow_the_sweeps():
     for (m, n, k), tile in picks.items():
         cfg = choose_config(m, n, k)
         assert (cfg.tile_m, cfg.tile_n) == tile and cfg.cluster_n == 2, (m, n, k, cfg)
-    assert choose_config(4096, 7168, 16384, b_scale_per_col=True).tile_m == 256
-    assert choose_config(1024, 7168, 16384, b_scale_per_col=True).tile_m == 128
+    assert choose_config(4096, 7168, 16384, b_block_n=1).tile_m == 256
+    assert choose_config(1024, 7168, 16384, b_block_n=1).tile_m == 128
     # 16x128 B blocks: the block kind's large-M tiles (NOTES session 45)
     for m, n in ((4096, 4096), (14336, 4096), (4096, 14336)):
-        cfg = choose_config(m, n, 8192, b_scale_per_col=True, b_col_group=16)
+        cfg = choose_config(m, n, 8192, b_block_n=16)
         assert (cfg.tile_m, cfg.tile_n, cfg.cluster_n) == (256, 128, 2), cfg
 
 
@@ -454,7 +455,7 @@ def test_tall_m_heuristic_configs_with_tails(b_kind):
     from lowprec.gemm.sm90.interface import choose_config
 
     m, n, k = 8192 + 72, 4096 + 144, 400
-    cfg = choose_config(m, n, k, b_kind == "col")
+    cfg = choose_config(m, n, k, 1 if b_kind == "col" else 128)
     assert cfg.swizzle > 1 and cfg.cluster_m * cfg.cluster_n == 2, cfg
     a, sa, b, sb, ref = make_problem(m, n, k, b_kind)
     d = _run(a, sa, b, sb, torch.float32)

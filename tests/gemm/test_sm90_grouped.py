@@ -65,11 +65,11 @@ def test_grouped_rejects_bad_options():
     from lowprec.gemm.sm90.config import TileConfig
 
     with pytest.raises(ValueError, match="grouping"):
-        BlockScaledGemmSm90(TileConfig(), cutlass.BFloat16, False, None, 132, "ragged")
+        BlockScaledGemmSm90(TileConfig(), cutlass.BFloat16, 128, None, 132, "ragged")
     with pytest.raises(ValueError, match="cluster"):
-        BlockScaledGemmSm90(TileConfig(cluster_m=2), cutlass.BFloat16, False, None, 132, "masked")
+        BlockScaledGemmSm90(TileConfig(cluster_m=2), cutlass.BFloat16, 128, None, 132, "masked")
     with pytest.raises(ValueError, match="cluster"):
-        BlockScaledGemmSm90(TileConfig(cluster_n=4), cutlass.BFloat16, False, None, 132, "contiguous")
+        BlockScaledGemmSm90(TileConfig(cluster_n=4), cutlass.BFloat16, 128, None, 132, "contiguous")
 
 
 def test_choose_grouped_config():
@@ -258,8 +258,7 @@ def test_compile_kgrouped(tile):
     from lowprec.gemm.sm90.interface import compile_only
     from lowprec.runtime.compile import local_memory_ops, sass_of
 
-    kernel = compile_only(_config(tile), out_dtype=torch.float32,
-                          b_scale_per_col=True, grouping="kgrouped")
+    kernel = compile_only(_config(tile), out_dtype=torch.float32, b_block_n=1, grouping="kgrouped")
     sass = sass_of(kernel)
     assert "QGMMA" in sass
     assert_wgmma_pipelined(sass)

@@ -67,8 +67,9 @@ class BlockScaledGemmSm90:
 
     :param config: tile configuration
     :param out_dtype: cutlass.BFloat16 / cutlass.Float16 / cutlass.Float32
-    :param b_scale_per_col: False -> 128x128 weight scales; True -> B scales along N per K block:
-        one per row of B (1x128, ``b_col_group`` 1) or per ``b_col_group`` rows (16x128 blocks)
+    :param b_block_n: rows of B per scale block (each 128 wide along K): 128 (128x128 weight
+        scales), 1 (one scale per row of B: 1x128, weight gradients) or a multiple of 8 dividing
+        tile_n (16: 16x128 blocks, dense GEMMs)
     :param bias_dtype: None (no bias) or cutlass.Float32 / cutlass.BFloat16
     :param num_sms: number of SMs of the target GPU (persistent grid size), a compile constant
     :param grouping: None (one GEMM); "contiguous" / "masked": one GEMM per group of A's rows
@@ -81,17 +82,17 @@ class BlockScaledGemmSm90:
         self,
         config: TileConfig,
         out_dtype: type[cutlass.Numeric],
-        b_scale_per_col: bool,
+        b_block_n: int,
         bias_dtype: type[cutlass.Numeric] | None,
         num_sms: int,
         grouping: str | None = None,
-        b_col_group: int = 1,
     ):
-        self._check_options(config, b_scale_per_col, bias_dtype, grouping, b_col_group)
+        self._check_options(config, b_block_n, bias_dtype, grouping)
         self.config = config
         self.out_dtype = out_dtype
-        self.b_scale_per_col = b_scale_per_col
-        self.b_col_group = b_col_group
+        # below 128 rows the B scales run along N per K block, N-contiguous (one or a group per column)
+        self.b_scale_per_col = b_block_n < SCALE_BLOCK
+        self.b_col_group = b_block_n if self.b_scale_per_col else 1
         self.bias_dtype = bias_dtype
         self.num_sms = num_sms
         self.grouping = grouping
@@ -103,8 +104,8 @@ class BlockScaledGemmSm90:
         # registers, which leaves no room for blk2 above 64 columns. 16x128 B blocks hold tile_n / 16
         # scales per slot: they fit on 128-row tiles, not on 64-row ones (64x128: 11-13 LDL/STL in
         # registers, none from the stage; session 45)
-        self.sb_from_smem = (b_scale_per_col and self.overlap and config.tile_n > 64
-                             and (b_col_group == 1 or config.tile_m == 64))
+        self.sb_from_smem = (self.b_scale_per_col and self.overlap and config.tile_n > 64
+                             and (self.b_col_group == 1 or config.tile_m == 64))
 
         self.acc_dtype = cutlass.Float32
         self.ab_dtype = cutlass.Float8E4M3FN
@@ -125,7 +126,7 @@ class BlockScaledGemmSm90:
         # 1x128 B scales with a bias: the consumers need 8 more registers (232 left 23 LDL/STL
         # in 128x128 c2x1); 128 * 24 + 256 * 240 still fits the 64K register file
         # (NOTES, session 11)
-        wide = b_scale_per_col and (bias_dtype is not None or config.tile_m == 256)
+        wide = self.b_scale_per_col and (bias_dtype is not None or config.tile_m == 256)
         self.load_regs = 24 if wide else 40
         self.mma_regs = 240 if wide else 232
         self.buffer_align_bytes = 1024
@@ -143,11 +144,11 @@ class BlockScaledGemmSm90:
         self.epi_full_barrier = pipeline.NamedBarrier(barrier_id=3, num_threads=self.num_mma_threads + 32)
 
     @staticmethod
-    def _check_options(config, b_scale_per_col, bias_dtype, grouping, b_col_group=1):
-        if b_col_group != 1 and not (b_scale_per_col and grouping is None and b_col_group % 8 == 0
-                                     and config.tile_n % b_col_group == 0):
-            raise ValueError(f"b_col_group {b_col_group}: B scales per group of columns need b_scale_per_col, "
-                             f"a dense GEMM, a multiple of 8 dividing tile_n ({config.tile_n})")
+    def _check_options(config, b_block_n, bias_dtype, grouping):
+        if b_block_n not in (1, SCALE_BLOCK) and not (grouping is None and b_block_n % 8 == 0
+                                                      and config.tile_n % b_block_n == 0):
+            raise ValueError(f"b_block_n {b_block_n}: expected 128, 1, or (dense GEMMs) a multiple of 8 "
+                             f"dividing tile_n ({config.tile_n})")
         if config.tile_m not in (64, 128, 256):
             raise ValueError(f"tile_m must be 64, 128 or 256, got {config.tile_m}")
         if config.tile_m == 256 and (grouping is not None or config.split_k > 1 or config.tile_n > 128):
@@ -159,7 +160,7 @@ class BlockScaledGemmSm90:
                 f"grouping must be None, 'contiguous', 'masked' or 'kgrouped', got {grouping!r}"
             )
         if grouping is not None and (
-            b_scale_per_col != (grouping == "kgrouped") or bias_dtype is not None
+            (b_block_n == 1) != (grouping == "kgrouped") or bias_dtype is not None
             or config.split_k > 1 or config.cluster_m != 1 or config.cluster_n not in (1, 2)
         ):
             raise ValueError(

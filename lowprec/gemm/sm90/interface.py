@@ -4,7 +4,7 @@ launch.
 Public:
     gemm_blockwise_fp8(a, a_scale, b, b_scale, out_dtype=torch.bfloat16, bias=None, ..., b_block_n=None) -> D
     compile_only(config, arch="sm_90a", ...) -> compiled kernel (no GPU needed)
-    choose_config(m, n, k, b_scale_per_col, num_sms=132, b_col_group=1) -> TileConfig
+    choose_config(m, n, k, b_block_n=128, num_sms=132) -> TileConfig
     SHIPPED_CONFIGS: every TileConfig the heuristic can pick.
 """
 
@@ -117,8 +117,9 @@ def _wide_tile(m: int, n: int, k: int, num_sms: int) -> tuple[int, int]:
 
 
 @functools.lru_cache(maxsize=4096)
-def choose_config(m: int, n: int, k: int, b_scale_per_col: bool = False, num_sms: int = 132, b_col_group: int = 1):
-    """Tile configuration for a problem (deterministic: the result depends only on the args).
+def choose_config(m: int, n: int, k: int, b_block_n: int = SCALE_BLOCK, num_sms: int = 132):
+    """Tile configuration for a problem whose B scale blocks are ``b_block_n`` x 128 (128, 16 or
+    1; deterministic: the result depends only on the args).
 
     Rules from sweeps on H100 (NOTES.md, v3, v7 and sessions 11, 24): large M -> 2-CTA clusters
     along N (A multicast) of 128x128, 128x192 or 256x128 tiles, whichever runs in the fewest
@@ -126,7 +127,7 @@ def choose_config(m: int, n: int, k: int, b_scale_per_col: bool = False, num_sms
     groups of 8 N tiles; 1x128 B scales: 128x128 in clusters along M, rasterized along N);
     M <= 64 -> 64x64 tiles, narrower when that leaves SMs idle; 64 < M <= 128 -> two 64-row tiles in a 2-CTA cluster
     sharing B (multicast), up to 128 wide; in between, the cost model. B scales per 16 columns
-    (``b_col_group`` 16: a scale product per 16 columns, the promotion's cost close to the block
+    (``b_block_n`` 16: a scale product per 16 columns, the promotion's cost close to the block
     kind's) take the block kind's large-M tiles: 256x128 ran 1150-1161 TFLOPS at the Llama-3-8B
     weight gradients against 1012-1078 for 256x112 (H200, NOTES session 45).
     """
@@ -134,7 +135,7 @@ def choose_config(m: int, n: int, k: int, b_scale_per_col: bool = False, num_sms
     tiles_m128 = -(-m // 128)
     tiles_n128 = -(-n // 128)
     if m >= 512 and tiles_m128 * tiles_n128 >= num_sms:
-        if b_scale_per_col and b_col_group == 1:
+        if b_block_n == 1:
             # weight-gradient GEMMs (1x128 B scales). From M = 4096: two-wave 256x112 tiles in 2-CTA
             # clusters along N, +3-14% over 128x128 on the Llama-3-8B wgrads (NOTES session 36);
             # below, 128x128 rasterized along N in groups of 4 M tiles (NOTES v8, session 11)
@@ -162,7 +163,7 @@ def choose_config(m: int, n: int, k: int, b_scale_per_col: bool = False, num_sms
     best = None
     for bm in bms:
         for bn in _TILE_N_CHOICES:
-            if b_scale_per_col and b_col_group == 1 and bn > _TILE_N_PER_COL_MAX:
+            if b_block_n == 1 and bn > _TILE_N_PER_COL_MAX:
                 continue
             if bn > 16 and bn >= 2 * n:
                 continue
@@ -194,9 +195,10 @@ def _cutlass_dtype(torch_dtype):
     }[torch_dtype]
 
 
-def build_kernel(config, out_dtype, b_scale_per_col: bool, bias_dtype, num_sms: int, arch: str = _ARCH_DEFAULT,
-                 grouping: str | None = None, b_col_group: int = 1):
-    """Compile one configuration on fake tensors (no GPU needed), uncached; keeps PTX and cubin."""
+def build_kernel(config, out_dtype, b_block_n: int, bias_dtype, num_sms: int, arch: str = _ARCH_DEFAULT,
+                 grouping: str | None = None):
+    """Compile one configuration (B scale blocks ``b_block_n`` x 128) on fake tensors (no GPU
+    needed), uncached; keeps PTX and cubin."""
     import cutlass
     import cutlass.cute as cute
 
@@ -206,7 +208,7 @@ def build_kernel(config, out_dtype, b_scale_per_col: bool, bias_dtype, num_sms: 
     # split-K: the kernel writes fp32 partials [M, N, split_k]; bias and the cast are host-side
     c_out = cutlass.Float32 if split else _cutlass_dtype(out_dtype)
     c_bias = _cutlass_dtype(bias_dtype) if (bias_dtype is not None and not split) else None
-    kernel = BlockScaledGemmSm90(config, c_out, b_scale_per_col, c_bias, num_sms, grouping, b_col_group)
+    kernel = BlockScaledGemmSm90(config, c_out, b_block_n, c_bias, num_sms, grouping)
 
     sym_m = cute.sym_int()
     sym_n = cute.sym_int(divisibility=16)
@@ -227,7 +229,7 @@ def build_kernel(config, out_dtype, b_scale_per_col: bool, bias_dtype, num_sms: 
         d = fake(c_out, (sym_m, sym_n), stride=(cute.sym_int64(divisibility=8), 1), assumed_align=16)
     # scales are loaded by TMA: 16-byte aligned base and leading dimension (see _tma_scales)
     sa = fake(cutlass.Float32, (sym_am, sym_kb), stride=(1, cute.sym_int64(divisibility=4)), assumed_align=16)
-    if b_scale_per_col:  # N-contiguous, zero-padded (see _prep_b_scale_per_col, _prep_b_scale_groups)
+    if b_block_n < SCALE_BLOCK:  # N-contiguous, zero-padded (see _prep_b_scale_per_col, _prep_b_scale_groups)
         sb = fake(cutlass.Float32, (sym_sb_rows, sym_kb), stride=(1, cute.sym_int64(divisibility=4)), assumed_align=16)
     else:
         sb = fake(cutlass.Float32, (sym_sb_rows, sym_kb), stride=(cute.sym_int64(divisibility=4), 1), assumed_align=16)
@@ -245,40 +247,34 @@ def build_kernel(config, out_dtype, b_scale_per_col: bool, bias_dtype, num_sms: 
 
 
 @functools.cache
-def _get_compiled(config, out_dtype, b_scale_per_col, bias_dtype, num_sms, arch=_ARCH_DEFAULT, grouping=None,
-                  b_col_group=1):
+def _get_compiled(config, out_dtype, b_block_n, bias_dtype, num_sms, arch=_ARCH_DEFAULT, grouping=None):
     """The launchable kernel, compiled once per key through the package's kernel cache (the
     lru_cache in front keeps the per-launch lookup to one tuple hash)."""
     from ...runtime import kernel_cache
 
     if config.split_k > 1:  # one kernel per split config: fp32 partials, no bias
         out_dtype, bias_dtype = torch.float32, None
-    key = dict(dataclasses.asdict(config), out=out_dtype, per_col=bool(b_scale_per_col), bias=bias_dtype,
+    key = dict(dataclasses.asdict(config), out=out_dtype, b_block_n=int(b_block_n), bias=bias_dtype,
                num_sms=int(num_sms), tvm_ffi=_use_tvm_ffi(), grouping=grouping)
-    if b_col_group != 1:
-        key["b_col_group"] = b_col_group
     return kernel_cache.get("gemm_sm90_blockscaled", key, arch,
-                            lambda: build_kernel(config, out_dtype, b_scale_per_col, bias_dtype, num_sms, arch,
-                                                 grouping, b_col_group))
+                            lambda: build_kernel(config, out_dtype, b_block_n, bias_dtype, num_sms, arch, grouping))
 
 
 def compile_only(
     config=None,
     arch: str = _ARCH_DEFAULT,
     out_dtype=torch.bfloat16,
-    b_scale_per_col: bool = False,
+    b_block_n: int = SCALE_BLOCK,
     bias_dtype=None,
     num_sms: int = 132,
     grouping: str | None = None,
-    b_col_group: int = 1,
 ):
     """Compile one configuration on fake tensors (no GPU needed) and return the compiled object
     (cached; keeps ``__ptx__`` and ``__cubin__``: ``lowprec.runtime.compile.sass_of`` disassembles
     it, with ``nvdisasm`` from PATH or the pip package ``nvidia-cuda-nvdisasm``)."""
     if config is None:
         config = _tile_config_cls()()
-    return _get_compiled(config, out_dtype, bool(b_scale_per_col), bias_dtype, num_sms, arch, grouping,
-                         b_col_group)
+    return _get_compiled(config, out_dtype, b_block_n, bias_dtype, num_sms, arch, grouping)
 
 
 # ----------------------------------------------------------------------------- launch
@@ -441,22 +437,21 @@ def _run_dense(a, a_scale, b, b_scale, out_dtype, bias, b_block_n: int, config=N
     n = b.shape[0]
     dev = a.device
     num_sms = sm_count(dev)
-    per_col = b_block_n < SCALE_BLOCK
-    col_group = b_block_n if per_col else 1
     if config is None:
-        config = choose_config(m, n, k, per_col, num_sms, col_group)
+        config = choose_config(m, n, k, b_block_n, num_sms)
     split = config.split_k
     if split > 1:
         kt = -(-k // SCALE_BLOCK)
         _check(_split_ok(kt, split), lambda: f"config: split_k={split} leaves an empty split for K={k}")
-    fn = _get_compiled(config, out_dtype, per_col, bias.dtype if bias is not None else None, num_sms,
-                       b_col_group=col_group)
+    fn = _get_compiled(config, out_dtype, b_block_n, bias.dtype if bias is not None else None, num_sms)
     d = torch.empty((m, n), dtype=out_dtype, device=dev) if out is None else out
     a_scale = _tma_a_scale(a_scale)
-    if col_group > 1:
-        b_scale = _prep_b_scale_groups(b_scale, config.tile_n, col_group)
+    if b_block_n == SCALE_BLOCK:
+        b_scale = _tma_b_scale_blocks(b_scale)
+    elif b_block_n == 1:
+        b_scale = _prep_b_scale_per_col(b_scale)
     else:
-        b_scale = _prep_b_scale_per_col(b_scale) if per_col else _tma_b_scale_blocks(b_scale)
+        b_scale = _prep_b_scale_groups(b_scale, config.tile_n, b_block_n)
     no_bias, no_group = _unused_args(dev)
     if split > 1:
         ws = torch.empty((split, m, n), dtype=torch.float32, device=dev).permute(1, 2, 0)
@@ -601,7 +596,7 @@ def grouped_gemm_blockwise_fp8(
         config = choose_grouped_config(m_max if masked else rows / e, n, k, e, num_sms)
     _check_grouped_config(config, n, "N")
     grouping = "masked" if masked else "contiguous"
-    fn = _get_compiled(config, out_dtype, False, None, num_sms, _ARCH_DEFAULT, grouping)
+    fn = _get_compiled(config, out_dtype, SCALE_BLOCK, None, num_sms, _ARCH_DEFAULT, grouping)
     a2 = a.reshape(rows, k)
     sa2 = _tma_a_scale(a_scale.reshape(rows, a_scale.shape[-1]))
     b2 = b.reshape(e * n, k)
@@ -668,7 +663,7 @@ def grouped_gemm_wgrad_fp8(
                                     tile_n=min(_TILE_N_PER_COL_MAX, p) if p % 16 == 0 else 16)
     _check(n % config.tile_m == 0, lambda: f"config: tile_m={config.tile_m} must divide N={n}")
     _check_grouped_config(config, p, "P")
-    fn = _get_compiled(config, out_dtype, True, None, num_sms, _ARCH_DEFAULT, "kgrouped")
+    fn = _get_compiled(config, out_dtype, 1, None, num_sms, _ARCH_DEFAULT, "kgrouped")
     ends = group_ends if group_ends.dtype == torch.int32 and group_ends.is_contiguous() \
         else group_ends.to(torch.int32).contiguous()
     _launch(fn, a, b, d.view(e * n, p), _tma_a_scale(a_scale), _prep_b_scale_per_col(b_scale), _unused_args(dev)[0],

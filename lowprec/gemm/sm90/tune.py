@@ -64,7 +64,7 @@ def main(argv=None):
         m, n, k = (int(v) for v in s.split(","))
         nsets = rot_set_count(m, n, k) if args.rot else 1
         sets = [random_operands(m, n, k, args.per_col, gen) for _ in range(nsets)]
-        chosen = choose_config(m, n, k, args.per_col)
+        chosen = choose_config(m, n, k, 1 if args.per_col else 128)
         res = []
         cfgs = [parse_config(c) for c in args.configs.split(",")] if args.configs else _shipped_configs()
         for cfg in cfgs:
