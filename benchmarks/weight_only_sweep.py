@@ -2,8 +2,8 @@
 against bf16 cuBLAS on the Llama-3-8B projections: GPU time of a CUDA graph, weights cycled past
 L2 as in ``bench decode``.
 
-    python benchmarks/weight_only_sweep.py [--fmt nvfp4|fp8] [--ms 1,4,16] [--splits 1,2,4,8] [--max-stages 8]
-        [--ctas-per-sm 2] [--warp-mma-max 8]
+    python benchmarks/weight_only_sweep.py [--fmt nvfp4|fp8] [--ms 1,4,16] [--shapes 6144x4096,...] [--splits 1,2,4,8]
+        [--max-stages 8] [--ctas-per-sm 2] [--warp-mma-max 8]
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from lowprec.recipes import get_recipe
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--ms", default="1,4,16")
+    p.add_argument("--shapes", default=",".join(f"{n}x{k}" for n, k in SHAPES), help="N x K, comma-separated")
     p.add_argument("--splits", default="1,2,4,8")
     p.add_argument("--fmt", default="nvfp4", choices=("nvfp4", "fp8"))
     p.add_argument("--max-stages", type=int, default=None, help="override the ring depth cap")
@@ -44,7 +45,7 @@ def main():
     chosen = wo.choose_split
     grid = [int(v) for v in args.splits.split(",")] + ["auto"]
     ratios = {g: [] for g in grid}
-    for n, k in SHAPES:
+    for n, k in [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]:
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k ** -0.5
         q = quantize(w, get_recipe("nvfp4" if args.fmt == "nvfp4" else "fp8_block128x128"))
         bytes_per_weight, run = (0.5625, wo.weight_only_nvfp4) if args.fmt == "nvfp4" else (1.0, wo.weight_only_fp8)
