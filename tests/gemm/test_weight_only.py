@@ -270,7 +270,7 @@ def _gpu_case(m, n, k, weight_2d=False, with_bias=False, zero_rows=()):
     (1, 200, 272, False, True), (3, 1024, 1040, True, False), (33, 384, 512, False, True),
     (64, 512, 2048, True, True), (128, 256, 1024, False, False), (200, 640, 768, False, True),
     (300, 128, 256, False, False), (8, 28672, 512, False, False), (1, 26000, 1040, False, True),
-    (12, 1008, 1040, True, True),
+    (12, 1008, 1040, True, True), (24, 1000, 1040, False, True),
 ])
 def test_kernel_matches_reference(m, n, k, weight_2d, with_bias):
     from lowprec.gemm.sm90.weight_only_interface import weight_only_nvfp4
@@ -330,7 +330,7 @@ def test_kernel_every_split(monkeypatch, splits, m):
 @needs_gpu
 @pytest.mark.parametrize("m,n,k", [(1, 4096, 4096), (5, 200, 272), (16, 1536, 4096), (33, 384, 1040), (64, 640, 2048),
                                    (8, 4096, 14336), (1, 28000, 512), (1, 28000, 1024),
-                                   (16, 26000, 1040)])
+                                   (16, 26000, 1040), (27, 1000, 1040)])
 def test_fp8_kernel_matches_reference(m, n, k):
     from lowprec.gemm.sm90.weight_only_interface import weight_only_fp8
 

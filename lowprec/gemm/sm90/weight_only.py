@@ -16,7 +16,7 @@ its N side (``tile_m`` = 8..128), so one token costs one 8-wide wgmma column, no
   position (``value * 2^-120``), one multiply by 2^120 (exact); each chunk's products go to a
   fresh accumulator, added times the chunk's block scale (promotion).
 * few tokens (``warp_mma``): the same decode into the same A fragment words, the products on
-  warp-level ``mma.sync`` m16n8k16 (``x`` fragments by ``ldmatrix``; 8 or 16 tokens), one chunk
+  warp-level ``mma.sync`` m16n8k16 (``x`` fragments by ``ldmatrix``; 8 to 32 tokens), one chunk
   per loop trip and the stage released once they are issued (the token widths per format that
   take it: ``weight_only_interface.WARP_MMA_MAX_TILE_M``, measured in NOTES.md).
 * epilogue: ``y = acc * scale (+ bias)`` (NVFP4: the global scale times 2^10; FP8: 1). With
@@ -437,8 +437,9 @@ class WeightOnlySm90:
         stage is released once they are issued (their operands are in registers) and no A
         register set is held."""
         thr = mma.get_slice(t)
+        # ldmatrix of 2 (8 tokens) or 4 (16 or more: two n8 blocks a load) 8x8 matrices
         copy_b = cute.make_tiled_copy_B(
-            cute.make_copy_atom(warp.LdMatrix8x8x16bOp(False, self.tile_m // 4), cutlass.BFloat16), mma)
+            cute.make_copy_atom(warp.LdMatrix8x8x16bOp(False, min(4, self.tile_m // 4)), cutlass.BFloat16), mma)
         thr_copy_b = copy_b.get_slice(t)
         tXsX = thr_copy_b.partition_S(sX)  # (copy, n, k-steps, stages)
         tCrB = thr.make_fragment_B(thr.partition_shape_B((self.tile_m, CHUNK_K // 2)))  # this warpgroup's 4 k-steps
@@ -462,7 +463,9 @@ class WeightOnlySm90:
             raw = tXsX[(None, None, 4 * wg + j, 0)].iterator.toint()
             x_addr.append(raw ^ ((raw >> 3) & 0x70))
         stage_bytes = cute.cosize(cute.slice_(sX.layout, (None, None, 0))) * 2
-        x_frag = cute.make_layout(((8, 1), 1), stride=((1, 0), 0))
+        # a thread's rows of a k-step's x (32 tokens: two loads, 16 rows = two swizzle atoms apart,
+        # an offset the swizzle leaves alone)
+        x_frag = tXsX[(None, None, 0, 0)].layout
         state = ring.consumer_state()
         for i in cutlass.range(kc_count, unroll=1):
             if cutlass.const_expr(self.fmt == "fp8"):

@@ -28,7 +28,7 @@ _SMEM_PER_SM = 200 * 1024  # for the rings (the accumulator hand-off takes up to
 _MAX_STAGES = 8
 _MIN_CHUNKS_PER_CTA = 4
 # the widest token tile on mma.sync per format (0: wgmma always); measured in NOTES.md
-WARP_MMA_MAX_TILE_M = {"nvfp4": 16, "fp8": 16}
+WARP_MMA_MAX_TILE_M = {"nvfp4": 16, "fp8": 32}
 # FP8 keeps two chunk accumulators besides the sum (promotion): 64 tokens is its widest tile
 FP8_TILE_MS = tuple(t for t in TILE_MS if t <= 64)
 _CHUNK_BYTES = {"nvfp4": CHUNK_BYTES, "fp8": FP8_CHUNK_BYTES}
