@@ -53,6 +53,7 @@ from ..weight_only import (
     CODE_BYTES,
     DECODE_EXP,
     FP8_CHUNK_BYTES,
+    FP8_DECODE_EXP,
     FP8_DIRECT_MASK,
     FP8_SCALE_BLOCK,
     FP8_SHIFT,
@@ -71,7 +72,8 @@ _HANDOFF_BAR = 1  # named barrier of the two consumer warpgroups
 
 FORMATS = ("nvfp4", "fp8")
 _CHUNK_BYTES = {"nvfp4": CHUNK_BYTES, "fp8": FP8_CHUNK_BYTES}
-_BF16X2_2POW120 = 0x7B807B80  # bf16 2^120 in both halves
+# bf16 2^FP8_DECODE_EXP in both halves: undoes the FP8 decode's 2^-120
+_BF16X2_FP8_DECODE = ((127 + FP8_DECODE_EXP) << 7) * 0x10001
 
 
 def _as_i32(v: int) -> int:
@@ -553,14 +555,14 @@ class WeightOnlySm90:
         """A fragment words 4s..4s+3 of k-step slot ``s`` from its two code words (exact): per
         word one mask places pair 0 (``value * 2^-120``), two shifts and masks pair 1, and a
         multiply by 2^120 finishes each (layout: ``lowprec.gemm.weight_only``)."""
-        two120 = cutlass.Int32(_BF16X2_2POW120)
+        undo = cutlass.Int32(_BF16X2_FP8_DECODE)
         for q in cutlass.range_constexpr(2):
             w = w0 if q == 0 else w1
             direct = w & cutlass.Int32(_as_i32(FP8_DIRECT_MASK))
             split = (_rotl_masked(w, FP8_SHIFT, FP8_SPLIT_MASKS[0])
                      | ((w >> FP8_SHIFT) & cutlass.Int32(FP8_SPLIT_MASKS[1])))
-            a_words[4 * s + 2 * q] = _mul_bf16x2(direct, two120)
-            a_words[4 * s + 2 * q + 1] = _mul_bf16x2(split, two120)
+            a_words[4 * s + 2 * q] = _mul_bf16x2(direct, undo)
+            a_words[4 * s + 2 * q + 1] = _mul_bf16x2(split, undo)
 
     @cute.jit
     def _decode_nvfp4(self, w, sc_word, hi: cutlass.Constexpr, a_words, s: cutlass.Constexpr):
