@@ -375,13 +375,8 @@ class WeightOnlySm90:
         chunk later). Two A-register sets (and, FP8, two chunk accumulators) alternate."""
         thr = mma.get_slice(t)
         tCrB = mma.make_fragment_B(thr.partition_B(sX))  # (atom, n, k-steps, stages)
-        tCrA = thr.make_fragment_A(thr.partition_shape_A((TILE_N, CHUNK_K)))
         # two sets of the A fragment words of 4 k-steps: set p holds k-steps 4p..4p+3 of tCrA's layout
-        a_words = cute.make_rmem_tensor((cute.size(tCrA) // 2,), cutlass.Int32)
-        tCrA_w = cute.make_tensor(cute.recast_ptr(a_words.iterator, dtype=cutlass.BFloat16), tCrA.layout)
-        acc_shape = thr.partition_shape_C((TILE_N, self.tile_m))
-        acc = cute.make_rmem_tensor(acc_shape, cutlass.Float32)
-        acc.fill(0.0)
+        a_words, tCrA_w, acc_shape, acc = self._fragments(thr)
         mma_acc = mma
         mma_acc.set(warpgroup.Field.ACCUMULATE, True)
         if cutlass.const_expr(self.fmt == "nvfp4"):
@@ -411,6 +406,18 @@ class WeightOnlySm90:
         fence_operand(acc)
         ring.release(done)
         return acc
+
+    def _fragments(self, thr):
+        """The A fragment of a chunk's 8 k-steps as Int32 words (``a_words``, what the decode
+        writes) and as the MMA's bf16 fragment (``tCrA_w``, the same registers), and the zeroed
+        FP32 accumulator of the 64 x ``tile_m`` tile (with its shape)."""
+        tCrA = thr.make_fragment_A(thr.partition_shape_A((TILE_N, CHUNK_K)))
+        a_words = cute.make_rmem_tensor((cute.size(tCrA) // 2,), cutlass.Int32)
+        tCrA_w = cute.make_tensor(cute.recast_ptr(a_words.iterator, dtype=cutlass.BFloat16), tCrA.layout)
+        acc_shape = thr.partition_shape_C((TILE_N, self.tile_m))
+        acc = cute.make_rmem_tensor(acc_shape, cutlass.Float32)
+        acc.fill(0.0)
+        return a_words, tCrA_w, acc_shape, acc
 
     def _nvfp4_views(self, sW):
         """NVFP4 per stage: the thread's 16-byte code record of its warpgroup's k-steps and the 8
@@ -446,12 +453,7 @@ class WeightOnlySm90:
         tXsX = thr_copy_b.partition_S(sX)  # (copy, n, k-steps, stages)
         tCrB = thr.make_fragment_B(thr.partition_shape_B((self.tile_m, CHUNK_K // 2)))  # this warpgroup's 4 k-steps
         tXrB = thr_copy_b.retile(tCrB)
-        tCrA = thr.make_fragment_A(thr.partition_shape_A((TILE_N, CHUNK_K)))
-        a_words = cute.make_rmem_tensor((cute.size(tCrA) // 2,), cutlass.Int32)
-        tCrA_w = cute.make_tensor(cute.recast_ptr(a_words.iterator, dtype=cutlass.BFloat16), tCrA.layout)
-        acc_shape = thr.partition_shape_C((TILE_N, self.tile_m))
-        acc = cute.make_rmem_tensor(acc_shape, cutlass.Float32)
-        acc.fill(0.0)
+        a_words, tCrA_w, acc_shape, acc = self._fragments(thr)
         if cutlass.const_expr(self.fmt == "nvfp4"):
             codes, scw, sCodes, sScales = self._nvfp4_views(sW)
         else:
