@@ -386,36 +386,41 @@ def pack_fp8(weight: torch.Tensor, scale: torch.Tensor) -> PackedFP8:
             c = (16 * s)[None, :] + col[:, None] + dc
             parts.append(torch.stack([codes[:, :, row[:, None], c], codes[:, :, row[:, None], c + 1]], dim=-1))
     per_step = torch.cat(parts, dim=-1)  # [nt, kc, 128, 8 steps, 8 bytes]
-    per_step = _words_to_bytes(_fp8_words(per_step.view(n_tiles, k_chunks, _THREADS, _KSTEPS, 2, 4)))
+    per_step = _fp8_words(per_step.view(n_tiles, k_chunks, _THREADS, _KSTEPS, 2, 4))
     data = per_step.view(n_tiles, k_chunks, _THREADS, 2, 4, 8).permute(0, 1, 3, 2, 4, 5)  # [.., group, thread, ..]
     data = data.reshape(-1, ROW_BYTES).contiguous()
     return PackedFP8(data, scale.detach().to(torch.float32).contiguous().clone(), n, k)
 
 
 def _fp8_half(code: torch.Tensor) -> torch.Tensor:
-    """E4M3 bytes -> the 16-bit half s0000eeeemmm0000 (int64): the bf16 of ``value * 2^-120``."""
-    code = code.to(torch.int64)
+    """E4M3 bytes -> the 16-bit half s0000eeeemmm0000 (int32): the bf16 of ``value * 2^-120``."""
+    code = code.to(torch.int32)
     return ((code & 0x80) << 8) | ((code & 0x7F) << FP8_SHIFT)
 
 
+# no bit of the decode's masks and shifts crosses a word's 16-bit halves, so the packer and the
+# emulation work per half in int32 (a quarter of the temporaries of whole int64 words)
+_HALF = 0xFFFF
+
+
 def _fp8_words(codes: torch.Tensor) -> torch.Tensor:
-    """uint8 ``[..., 4]`` E4M3 codes -> the packed words (int64 holding uint32): codes 0, 1 in
+    """uint8 ``[..., 4]`` E4M3 codes -> the packed word's 4 bytes (little-endian): codes 0, 1 in
     place under ``FP8_DIRECT_MASK``, codes 2, 3 in the other bits (the inverse of the two shifts)."""
-    direct = _fp8_half(codes[..., 0]) | (_fp8_half(codes[..., 1]) << 16)
-    split = _fp8_half(codes[..., 2]) | (_fp8_half(codes[..., 3]) << 16)
-    return (direct | ((split & FP8_SPLIT_MASKS[0]) >> FP8_SHIFT)
-            | ((split & FP8_SPLIT_MASKS[1]) << FP8_SHIFT))
+    direct, split = _fp8_half(codes[..., :2]), _fp8_half(codes[..., 2:])  # [..., 2]: low half, high half
+    halves = (direct | ((split & (FP8_SPLIT_MASKS[0] & _HALF)) >> FP8_SHIFT)
+              | ((split & (FP8_SPLIT_MASKS[1] & _HALF)) << FP8_SHIFT))
+    return torch.stack([halves & 0xFF, halves >> 8], dim=-1).flatten(-2).to(torch.uint8)
 
 
 def _fp8_decoded_halves(packed: PackedFP8) -> torch.Tensor:
-    """The kernel's decode of every packed word: int64 ``[nt, kc, thread, k-step, 8]`` halves
+    """The kernel's decode of every packed word: int32 ``[nt, kc, thread, k-step, 8]`` halves
     (bf16 bits of ``value * 2^-120``) in ``pack_fp8``'s code order."""
     b = packed.data.view(packed.n_tiles, packed.k_chunks, 2, _THREADS, 4, 8).permute(0, 1, 3, 2, 4, 5)
-    w = _bytes_to_words(b.reshape(packed.n_tiles, packed.k_chunks, _THREADS, _KSTEPS, 8))  # [.., 2 words]
-    direct = w & FP8_DIRECT_MASK
-    split = (((w << FP8_SHIFT) & FP8_SPLIT_MASKS[0]) | ((w >> FP8_SHIFT) & FP8_SPLIT_MASKS[1]))
-    halves = torch.stack([direct & 0xFFFF, direct >> 16, split & 0xFFFF, split >> 16], dim=-1)
-    return halves.reshape(*w.shape[:-1], 8)
+    b = b.reshape(packed.n_tiles, packed.k_chunks, _THREADS, _KSTEPS, 2, 2, 2).to(torch.int32)  # word, half, byte
+    h = b[..., 0] | (b[..., 1] << 8)  # [.., word, half]
+    direct = h & (FP8_DIRECT_MASK & _HALF)
+    split = ((h << FP8_SHIFT) & (FP8_SPLIT_MASKS[0] & _HALF)) | ((h >> FP8_SHIFT) & (FP8_SPLIT_MASKS[1] & _HALF))
+    return torch.cat([direct, split], dim=-1).reshape(*b.shape[:4], 8)
 
 
 def _fp8_unpermuted(packed: PackedFP8, per_code: torch.Tensor) -> torch.Tensor:
