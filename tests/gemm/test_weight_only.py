@@ -220,6 +220,25 @@ def test_grouped_op_rejects_bad_arguments():
         grouped_weight_only(torch.randn(4, 128), packed.expert(0), _group_ends([2, 2]))
 
 
+def test_host_global_scale_is_read_once_per_update():
+    """The prefill path's alpha: read to the host once, again only after an in-place update of the
+    tensor or of the one it views (a read per call would be a sync per call)."""
+    from lowprec.gemm.sm90 import weight_only_interface as wo
+
+    scales = torch.tensor([0.5, 3.0])
+    view = scales[1:2]
+    assert wo._host_value(view) == 3.0 and wo._host_value(scales[0:1]) == 0.5
+    reads = []
+    real_float = float
+    try:
+        wo.float = lambda t: reads.append(1) or real_float(t)  # counts the reads of the module's calls
+        assert wo._host_value(scales[1:2]) == 3.0 and not reads, "read again without an update"
+        scales.mul_(2)
+        assert wo._host_value(view) == 6.0 and wo._host_value(scales[0:1]) == 1.0 and len(reads) == 2
+    finally:
+        del wo.float
+
+
 # ----------------------------------------------------------------------------- compile (CI)
 def _shipped():
     from lowprec.gemm.sm90.weight_only_interface import SHIPPED
@@ -251,6 +270,21 @@ def test_compile_sm90(fmt, tile_m, splits, grouped):
         assert sass.count("SHFL.UP") >= 5 and "VOTE" in sass, "expected the warp scan over the experts' tiles"
     if splits > 1:
         assert "UCGABAR_ARV" in sass and "UCGABAR_WAIT" in sass, "no cluster barrier before the split-K reduction"
+    assert local_memory_ops(sass) == 0
+
+
+@needs_cutlass
+def test_compile_dequant_sm90():
+    from lowprec.gemm.sm90.weight_only_interface import build_dequant_kernel
+    from lowprec.runtime.compile import local_memory_ops, nvdisasm_path, sass_of
+
+    compiled = build_dequant_kernel()
+    if nvdisasm_path() is None:
+        pytest.skip("nvdisasm not found: compiled, SASS not checked")
+    sass = sass_of(compiled)
+    assert sass.count("LDG.E.128") >= 2, "expected 16-byte loads of the code records"
+    assert sass.count("HMUL2.BF16") >= 32, "expected one bf16x2 scale multiply per output word"
+    assert sass.count("STS") >= 32 and sass.count("STG.E.128") >= 8, "expected row segments through shared memory"
     assert local_memory_ops(sass) == 0
 
 
@@ -287,6 +321,74 @@ def test_kernel_matches_reference(m, n, k, weight_2d, with_bias):
     rel = err.norm() / expect.norm()
     assert rel < 3e-3, rel.item()
     assert torch.equal(weight_only_nvfp4(x, packed, bias), y), "not deterministic"
+
+
+@gpu
+@needs_gpu
+@pytest.mark.parametrize("n,k,weight_2d", [(4096, 4096, False), (200, 272, False), (1040, 1040, True)])
+def test_dequant_kernel_is_exact(n, k, weight_2d):
+    """The prefill path's bf16 weight: code * scale * 2^-DECODE_EXP, every bit (tails in N and K)."""
+    from lowprec.gemm.sm90.weight_only_interface import compile_dequant_kernel
+    from lowprec.gemm.weight_only import DECODE_EXP
+
+    q = _nvfp4(n, k, weight_2d, device="cuda", zero_rows=(1,))
+    packed = pack_nvfp4(q.data, q.scale, q.global_scale, weight_2d)
+    w = torch.full((n, k), float("nan"), device="cuda", dtype=torch.bfloat16)
+    compile_dequant_kernel()(packed.data.view(torch.int32).view(-1), w.view(torch.int32), 0, packed.k_chunks)
+    expect = _exact_dequant(q, weight_2d) / q.global_scale.double().cpu() * 2.0 ** -DECODE_EXP
+    assert torch.equal(expect.to(torch.bfloat16).double(), expect), "the expected weight is not exact in bf16"
+    assert torch.equal(w.cpu().double(), expect)
+
+
+@gpu
+@needs_gpu
+@pytest.mark.parametrize("m,n,k,weight_2d,with_bias,slice_rows", [
+    (1024, 4096, 4096, False, False, None), (1100, 1008, 1040, True, True, None),
+    (1024, 1000, 272, False, True, 128),  # the weight decoded in row slices of 128: 8 GEMMs
+])
+def test_prefill_path_matches_reference(monkeypatch, m, n, k, weight_2d, with_bias, slice_rows):
+    from lowprec.gemm.sm90 import weight_only_interface as wo
+
+    if slice_rows is not None:
+        monkeypatch.setattr(wo, "_DEQUANT_SLICE_BYTES", 2 * k * slice_rows)
+    taken = []
+    dequant_matmul = wo._dequant_matmul
+    monkeypatch.setattr(wo, "_dequant_matmul", lambda *a: taken.append(1) or dequant_matmul(*a))
+    assert m >= wo.DEQUANT_MIN_M
+    x, packed, bias, q = _gpu_case(m, n, k, weight_2d, with_bias, zero_rows=(1,))
+    y = wo.weight_only_nvfp4(x, packed, bias)
+    assert taken, "the prefill path was not taken"
+    expect = x.double() @ _exact_dequant(q, weight_2d).cuda().t()
+    if bias is not None:
+        expect = expect + bias.double()
+    err = (y.double() - expect).abs()
+    assert torch.all(err <= 2.0 ** -8 * expect.abs() + 1e-4 * expect.abs().max()), err.max().item()
+
+
+@gpu
+@needs_gpu
+def test_prefill_path_follows_in_place_updates_and_captures_on_the_kernel():
+    """An in-place update of the global scale shows in the next call; inside a CUDA-graph capture
+    (no host read allowed) the weight-only kernel runs instead."""
+    from lowprec.gemm.sm90 import weight_only_interface as wo
+
+    m = wo.DEQUANT_MIN_M
+    x, packed, bias, _ = _gpu_case(m, 512, 1024, with_bias=False)
+    before = wo.weight_only_nvfp4(x, packed)
+    packed.global_scale.mul_(2)
+    assert torch.equal(wo.weight_only_nvfp4(x, packed), 2 * before)
+    kernel = wo._launch("nvfp4", x, packed, packed.global_scale.view(1, 1), None)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        wo.weight_only_nvfp4(x, packed)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            y = wo.weight_only_nvfp4(x, packed)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(y, kernel)
 
 
 @gpu
@@ -398,15 +500,15 @@ def test_unpack_is_the_inverse_of_pack():
 
 @gpu
 @needs_gpu
-@pytest.mark.parametrize("layer_kind", ["nvfp4", "fp8"])
-def test_layer_compiled_equals_eager_with_the_kernel(layer_kind):
+@pytest.mark.parametrize("layer_kind,m", [("nvfp4", 4), ("fp8", 4), ("nvfp4", 1024)])
+def test_layer_compiled_equals_eager_with_the_kernel(layer_kind, m):
     """After an eager call made the packed copy, torch.compile (inductor, fullgraph) runs the same
-    kernel through lowprec::weight_only: the same bits."""
+    kernel through lowprec::weight_only (NVFP4 at 1024 rows: the prefill path): the same bits."""
     from lowprec.nn import FP8InferenceLinear, NVFP4InferenceLinear
 
     linear = torch.nn.Linear(1024, 512, device="cuda", dtype=torch.bfloat16)
     layer = (NVFP4InferenceLinear if layer_kind == "nvfp4" else FP8InferenceLinear).from_linear(linear)
-    x = torch.randn(4, 1024, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(m, 1024, device="cuda", dtype=torch.bfloat16)
     with torch.no_grad():
         eager = layer(x)
         compiled = torch.compile(layer, fullgraph=True)(x)

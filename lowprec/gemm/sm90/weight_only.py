@@ -126,6 +126,23 @@ def _e4m3x2_to_f16x2(word, hi: bool, *, loc=None, ip=None):
         "=r,r", loc=loc, ip=ip))
 
 
+@cute.jit
+def decode_nvfp4(w, sc_word, hi: cutlass.Constexpr, a_words, s: cutlass.Constexpr):
+    """A fragment words 4s..4s+3 (pairs a0..a3) of k-step slot ``s`` from code word ``w`` and half
+    ``hi`` of scale word ``sc_word`` (layout: ``lowprec.gemm.weight_only``): ``code * scale * 2^-10``
+    in bf16, exact."""
+    h = _e4m3x2_to_f16x2(sc_word, hi)  # (scale of row r0, of row r1) as f16
+    # bf16 scale * 2^116. No mask after the shift: an E4M3 value's f16 has its low 3 bits zero
+    # and the scales are >= 0 (pack_nvfp4 checks), so nothing crosses from one half into the other
+    s2 = (h >> 3) + cutlass.Int32(0x72007200)
+    # the packed layout's rotations (lowprec.gemm.weight_only._PAIR_BITS): pairs 0-2 one rotate
+    # and one mask each, pair 3 two of each
+    p3 = (_rotl_masked(w, PAIR3_ROT[0], PAIR3_MASKS[0]) | _rotl_masked(w, PAIR3_ROT[1], PAIR3_MASKS[1]))
+    for j in cutlass.range_constexpr(3):
+        a_words[4 * s + j] = _mul_bf16x2_by_half(_rotl_masked(w, PAIR_ROT[j], PAIR_MASK), s2, j % 2 == 1)
+    a_words[4 * s + 3] = _mul_bf16x2_by_half(p3, s2, True)
+
+
 class WeightOnlySm90:
     """The kernel for one weight format ``fmt``, token tile width ``tile_m`` (the wgmma N), ring
     depth ``stages``, ``ctas_per_sm`` resident CTAs (the register budget the compiler is held to),
@@ -484,7 +501,7 @@ class WeightOnlySm90:
                 cute.copy(copy_b, src, tXrB[(None, None, j)])
             for j in cutlass.range_constexpr(4):
                 if cutlass.const_expr(self.fmt == "nvfp4"):
-                    self._decode_nvfp4(codes[j], scw[j // 2], j % 2, a_words, j)
+                    decode_nvfp4(codes[j], scw[j // 2], j % 2, a_words, j)
                 else:
                     self._decode_fp8(codes[2 * j], codes[2 * j + 1], a_words, j)
             if cutlass.const_expr(self.fmt == "nvfp4"):
@@ -515,7 +532,7 @@ class WeightOnlySm90:
         if cutlass.const_expr(self.fmt == "nvfp4"):
             cute.autovec_copy(sScales[(None, wg, t // 4, state.index)], scw)
             for j in cutlass.range_constexpr(4):
-                self._decode_nvfp4(codes[j], scw[j // 2], j % 2, a_words, 4 * a_set + j)
+                decode_nvfp4(codes[j], scw[j // 2], j % 2, a_words, 4 * a_set + j)
         else:
             for j in cutlass.range_constexpr(4):
                 self._decode_fp8(codes[2 * j], codes[2 * j + 1], a_words, 4 * a_set + j)
@@ -565,20 +582,6 @@ class WeightOnlySm90:
                      | ((w >> FP8_SHIFT) & cutlass.Int32(FP8_SPLIT_MASKS[1])))
             a_words[4 * s + 2 * q] = _mul_bf16x2(direct, undo)
             a_words[4 * s + 2 * q + 1] = _mul_bf16x2(split, undo)
-
-    @cute.jit
-    def _decode_nvfp4(self, w, sc_word, hi: cutlass.Constexpr, a_words, s: cutlass.Constexpr):
-        """A fragment words 4s..4s+3 (pairs a0..a3) of k-step slot ``s`` from code word ``w``."""
-        h = _e4m3x2_to_f16x2(sc_word, hi)  # (scale of row r0, of row r1) as f16
-        # bf16 scale * 2^116. No mask after the shift: an E4M3 value's f16 has its low 3 bits zero
-        # and the scales are >= 0 (pack_nvfp4 checks), so nothing crosses from one half into the other
-        s2 = (h >> 3) + cutlass.Int32(0x72007200)
-        # the packed layout's rotations (lowprec.gemm.weight_only._PAIR_BITS): pairs 0-2 one rotate
-        # and one mask each, pair 3 two of each
-        p3 = (_rotl_masked(w, PAIR3_ROT[0], PAIR3_MASKS[0]) | _rotl_masked(w, PAIR3_ROT[1], PAIR3_MASKS[1]))
-        for j in cutlass.range_constexpr(3):
-            a_words[4 * s + j] = _mul_bf16x2_by_half(_rotl_masked(w, PAIR_ROT[j], PAIR_MASK), s2, j % 2 == 1)
-        a_words[4 * s + 3] = _mul_bf16x2_by_half(p3, s2, True)
 
     @cute.jit
     def _epilogue(self, wg, t, mma, acc, mY, mBias, mScale, mWork, has_bias, n_tile, split, expert, m0, row_end):

@@ -4,6 +4,7 @@ cache, launch."""
 from __future__ import annotations
 
 import functools
+import weakref
 
 import torch
 
@@ -11,17 +12,20 @@ from ...runtime import ffi_entry, kernel_cache, on_device, sm_count
 from ..weight_only import (
     CHUNK_BYTES,
     CHUNK_K,
+    DECODE_EXP,
     FP8_CHUNK_BYTES,
     ROW_BYTES,
     SPLITS,
     TILE_MS,
+    TILE_N,
     PackedFP8,
     PackedNVFP4,
     PackedNVFP4Experts,
 )
 
-__all__ = ["SHIPPED", "FP8_TILE_MS", "choose_tile_m", "ctas_per_sm", "warp_mma_for", "stages_for", "choose_split",
-           "build_kernel", "compile_kernel", "weight_only_nvfp4", "weight_only_fp8", "grouped_weight_only_nvfp4"]
+__all__ = ["SHIPPED", "FP8_TILE_MS", "DEQUANT_MIN_M", "choose_tile_m", "ctas_per_sm", "warp_mma_for", "stages_for",
+           "choose_split", "build_kernel", "compile_kernel", "build_dequant_kernel", "compile_dequant_kernel",
+           "weight_only_nvfp4", "weight_only_fp8", "grouped_weight_only_nvfp4"]
 
 ARCH = "sm_90a"
 _SMEM_PER_SM = 200 * 1024  # for the rings (the accumulator hand-off takes up to 32 KB more)
@@ -29,6 +33,12 @@ _MAX_STAGES = 8
 _MIN_CHUNKS_PER_CTA = 4
 # the widest token tile on mma.sync per format (0: wgmma always); measured in NOTES.md
 WARP_MMA_MAX_TILE_M = {"nvfp4": 16, "fp8": 32}
+# from this many tokens, NVFP4 takes its weight decoded to bf16 once and a cuBLAS GEMM (measured
+# in NOTES.md: the weight-only kernel's x traffic bounds it below cuBLAS there)
+DEQUANT_MIN_M = 1024
+# the decoded weight is made in row slices of at most this many bytes (an LM head's would
+# otherwise be a transient GB)
+_DEQUANT_SLICE_BYTES = 256 << 20
 # FP8 keeps two chunk accumulators besides the sum (promotion): 64 tokens is its widest tile
 FP8_TILE_MS = tuple(t for t in TILE_MS if t <= 64)
 _CHUNK_BYTES = {"nvfp4": CHUNK_BYTES, "fp8": FP8_CHUNK_BYTES}
@@ -106,6 +116,28 @@ def compile_kernel(fmt: str, tile_m: int, splits: int, arch: str = ARCH, grouped
                                       arch, lambda: build_kernel(fmt, tile_m, splits, arch, grouped)))
 
 
+def build_dequant_kernel(arch: str = ARCH):
+    """Compile the NVFP4 -> bf16 weight kernel on fake tensors (no GPU needed), uncached."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
+
+    from ...runtime import compile_for_arch
+    from .nvfp4_dequant import NVFP4DequantSm90
+
+    words = make_fake_tensor(cutlass.Int32, (cute.sym_int(),), stride=(1,), assumed_align=16)
+    out = make_fake_tensor(cutlass.Int32, (cute.sym_int(), cute.sym_int()), stride=(cute.sym_int64(), 1),
+                           assumed_align=4)
+    return compile_for_arch(NVFP4DequantSm90(), words, out, cutlass.Int32(0), cutlass.Int32(1),
+                            make_fake_stream(use_tvm_ffi_env_stream=True), arch=arch, tvm_ffi=True)
+
+
+@functools.cache
+def compile_dequant_kernel(arch: str = ARCH):
+    """The launchable NVFP4 -> bf16 weight kernel, compiled once through the kernel cache."""
+    return ffi_entry(kernel_cache.get("nvfp4_dequant", {}, arch, lambda: build_dequant_kernel(arch)))
+
+
 _WORKSPACE: dict = {}  # (device, stream) -> FP32 split-K partials
 # outgrown workspaces stay allocated: a CUDA graph captured earlier still writes to its own
 _OUTGROWN: list = []
@@ -137,8 +169,64 @@ def _unused(device: torch.device) -> torch.Tensor:
 
 def weight_only_nvfp4(x: torch.Tensor, packed: PackedNVFP4, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x`` bf16 ``[M, K]`` (unit stride along K, rows 16-byte aligned) -> ``x · dequant(W)ᵀ
-    (+ bias)`` bf16 ``[M, N]``; ``bias`` bf16 ``[N]`` contiguous or None."""
+    (+ bias)`` bf16 ``[M, N]``; ``bias`` bf16 ``[N]`` contiguous or None. From ``DEQUANT_MIN_M``
+    rows (outside CUDA-graph capture): the weight decoded to bf16, then cuBLAS; both paths round
+    the FP32 sum once."""
+    if x.shape[0] >= DEQUANT_MIN_M:
+        global_scale = _host_value(packed.global_scale)
+        if global_scale is not None:
+            return _dequant_matmul(x, packed, bias, global_scale)
     return _launch("nvfp4", x, packed, packed.global_scale.view(1, 1), bias)
+
+
+# id of a base tensor -> (a weak reference to it, {storage offset: (its version, the value)}): a
+# global scale read to the host once per in-place update, not per call (a read is a sync).
+# Tensors compare elementwise, so they cannot key a WeakKeyDictionary
+_HOST_VALUES: dict = {}
+
+
+def _host_value(scale: torch.Tensor) -> float | None:
+    """A one-element tensor's value on the host, read again only after its tensor (or the one it
+    views) is updated in place; None while the current stream captures a CUDA graph: a read
+    there is not allowed, and a value baked into the graph would miss later updates."""
+    if scale.is_cuda and torch.cuda.is_current_stream_capturing():
+        return None
+    base = scale if scale._base is None else scale._base
+    entry = _HOST_VALUES.get(id(base))
+    if entry is None or entry[0]() is not base:
+        entry = _HOST_VALUES[id(base)] = (weakref.ref(base), {})
+        weakref.finalize(base, _HOST_VALUES.pop, id(base), None)
+    values, offset = entry[1], scale.storage_offset()
+    hit = values.get(offset)
+    if hit is None or hit[0] != base._version:
+        hit = values[offset] = (base._version, float(scale.reshape(())))
+    return hit[1]
+
+
+def _dequant_matmul(x: torch.Tensor, packed: PackedNVFP4, bias: torch.Tensor | None,
+                    global_scale: float) -> torch.Tensor:
+    """``x · dequant(W)ᵀ (+ bias)``: the weight decoded to bf16 (``code * scale * 2^-DECODE_EXP``,
+    exact) in row slices, each a cuBLAS GEMM with FP32 alpha ``global_scale * 2^DECODE_EXP``
+    into its columns of the output (with a bias, through an FP32 result: one more pass)."""
+    m, n, k, device = x.shape[0], packed.n, packed.k, x.device
+    y = torch.empty(m, n, dtype=torch.bfloat16, device=device)
+    if n == 0:
+        return y
+    alpha = global_scale * 2.0 ** DECODE_EXP
+    slice_rows = max(TILE_N, _DEQUANT_SLICE_BYTES // (2 * k) // TILE_N * TILE_N)
+    words = packed.data.view(torch.int32).view(-1)
+    kernel = compile_dequant_kernel()
+    for r0 in range(0, n, slice_rows):
+        r1 = min(n, r0 + slice_rows)
+        w = torch.empty(r1 - r0, k, dtype=torch.bfloat16, device=device)
+        with on_device(device):
+            kernel(words, w.view(torch.int32), r0 // TILE_N, packed.k_chunks)
+        out = y if r1 - r0 == n else y[:, r0:r1]
+        if bias is None:  # beta = 0: out's contents are not read
+            torch.addmm(out, x, w.t(), beta=0, alpha=alpha, out=out)
+        else:  # in bf16, cuBLAS rounds the product before it adds the bias: add it in FP32
+            out.copy_(torch.addmm(bias[r0:r1].float(), x, w.t(), alpha=alpha, out_dtype=torch.float32))
+    return y
 
 
 def weight_only_fp8(x: torch.Tensor, packed: PackedFP8, bias: torch.Tensor | None = None) -> torch.Tensor:
