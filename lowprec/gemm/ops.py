@@ -56,7 +56,8 @@ def _(a_data, a_scale, a_global, a_recipe, b_data, b_scale, b_global, b_recipe, 
 def weight_only(x: torch.Tensor, packed: PackedNVFP4 | PackedFP8 | None,
                 weight: QuantizedTensor | Callable[[], QuantizedTensor], bias: torch.Tensor | None) -> torch.Tensor:
     """``x [M, K] · dequant(W)ᵀ (+ bias)`` in ``x``'s dtype, ``x`` not quantized: the weight-only
-    kernel (``packed``: the weight in its layout) where one serves, else (also with ``packed``
+    kernel (``packed``: the weight in its layout; NVFP4 from ``DEQUANT_MIN_M`` rows: the weight
+    decoded to bf16 once, then cuBLAS) where one serves, else (also with ``packed``
     None) ``F.linear`` on the dequantized ``weight`` (a QuantizedTensor, or a function making it:
     called only then). Traced by ``torch.compile`` as the ``lowprec::weight_only`` op, whose
     fallback rebuilds the weight from ``packed``."""
