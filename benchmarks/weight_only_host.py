@@ -58,6 +58,8 @@ def main():
         print(f"nvfp4      ops.weight_only     "
               f"{per_call_us(lambda: ops.weight_only(x, packed, layer.quantized_weight, None), args.calls):6.1f} us")
         print(f"nvfp4      interface launch    {per_call_us(lambda: wo.weight_only_nvfp4(x, packed), args.calls):6.1f} us")
+        op_args = (x, packed.data, packed.global_scale, "nvfp4", packed.n, packed.k, None)
+        print(f"nvfp4      custom op (compiled path) {per_call_us(lambda: ops.weight_only_op(*op_args), args.calls):6.1f} us")
         print(f"nvfp4      why_not             "
               f"{per_call_us(lambda: wo_unsupported(x, packed), args.calls):6.1f} us")
         splits = wo.choose_split(packed.n_tiles, packed.k_chunks, torch.cuda.get_device_properties(dev).multi_processor_count)
