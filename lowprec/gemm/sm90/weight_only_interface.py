@@ -1,5 +1,5 @@
 """Host side of the sm_90a weight-only GEMMs (NVFP4 and FP8 weights): tile and split choice, compile
-cache, launch."""
+cache, launch; and NVFP4's prefill path (the weight decoded to bf16 once, then cuBLAS)."""
 
 from __future__ import annotations
 
