@@ -220,6 +220,19 @@ def test_grouped_op_rejects_bad_arguments():
         grouped_weight_only(torch.randn(4, 128), packed.expert(0), _group_ends([2, 2]))
 
 
+def test_split_keeps_one_wave():
+    """Split-K fills the GPU to about one CTA per SM, but not into a second wave of resident CTAs
+    (6144 rows at 64-128 tokens: 96 tiles, one CTA per SM; two splits measured 1.5x slower)."""
+    from lowprec.gemm.sm90.weight_only_interface import choose_split
+
+    assert choose_split(96, 32, 132, resident=132) == 1
+    assert choose_split(96, 32, 132, resident=264) == 2  # two CTAs per SM: 192 fit at once
+    assert choose_split(64, 32, 132, resident=132) == 2
+    assert choose_split(48, 32, 132, resident=264) == 4 and choose_split(48, 32, 132, resident=132) == 2
+    assert choose_split(448, 32, 132, resident=132) == 1
+    assert choose_split(8, 4, 132, resident=264) == 1  # too few chunks to split
+
+
 def test_host_global_scale_is_read_once_per_update():
     """The prefill path's alpha: read to the host once, again only after an in-place update of the
     tensor or of the one it views (a read per call would be a sync per call)."""

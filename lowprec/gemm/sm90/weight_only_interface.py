@@ -69,11 +69,15 @@ def stages_for(fmt: str, tile_m: int) -> int:
     return min(_MAX_STAGES, _SMEM_PER_SM // ctas_per_sm(tile_m) // (_CHUNK_BYTES[fmt] + tile_m * CHUNK_K * 2))
 
 
-def choose_split(tiles: int, k_chunks: int, num_sms: int) -> int:
+def choose_split(tiles: int, k_chunks: int, num_sms: int, resident: int | None = None) -> int:
     """Split-K: the fewest splits (a power of two, at most 8) that give about one CTA per SM,
-    keeping at least ``_MIN_CHUNKS_PER_CTA`` chunks per CTA (measured: benchmarks/weight_only_sweep.py)."""
+    keeping at least ``_MIN_CHUNKS_PER_CTA`` chunks per CTA, and not past the ``resident`` CTAs
+    the GPU holds at once: a second wave of half-length CTAs takes as long as one wave of whole
+    ones (measured: benchmarks/weight_only_sweep.py; gemm NOTES, sessions 26-29 and 48)."""
     for splits in SPLITS:
         if tiles * splits >= 0.9 * num_sms or splits * 2 * _MIN_CHUNKS_PER_CTA > k_chunks:
+            return splits
+        if resident is not None and tiles * splits * 2 > resident:
             return splits
     return SPLITS[-1]
 
@@ -240,7 +244,8 @@ def _launch(fmt: str, x: torch.Tensor, packed, scale: torch.Tensor, bias: torch.
     if m == 0 or n == 0:
         return y
     tile_m = choose_tile_m(m)
-    splits = choose_split(packed.n_tiles * -(-m // tile_m), packed.k_chunks, sm_count(device))
+    num_sms = sm_count(device)
+    splits = choose_split(packed.n_tiles * -(-m // tile_m), packed.k_chunks, num_sms, num_sms * ctas_per_sm(tile_m))
     work = _workspace(device, splits * m * n) if splits > 1 else _unused(device).view(torch.float32)
     has_bias = bias is not None
     unused = _unused(device)
@@ -272,7 +277,8 @@ def grouped_weight_only_nvfp4(x: torch.Tensor, packed: PackedNVFP4Experts, group
     if rows == 0 or n == 0:
         return y
     tile_m, z_tiles = grouped_tiles(rows, packed.experts)
-    splits = choose_split(packed.n_tiles * z_tiles, packed.k_chunks, sm_count(device))
+    num_sms = sm_count(device)
+    splits = choose_split(packed.n_tiles * z_tiles, packed.k_chunks, num_sms, num_sms * ctas_per_sm(tile_m))
     work = _workspace(device, splits * rows * n) if splits > 1 else _unused(device).view(torch.float32)
     with on_device(device):
         compile_kernel("nvfp4", tile_m, splits, grouped=True)(
