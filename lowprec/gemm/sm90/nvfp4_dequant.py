@@ -1,7 +1,8 @@
 """Hopper (sm_90a) NVFP4 weight -> bf16, for ``x · dequant(W)ᵀ`` at prefill sizes.
 
-From a few hundred tokens on, the weight-only kernel's ``x`` traffic bounds it below bf16 cuBLAS
-(gemm NOTES, session 48); the weight decoded once to bf16 and a cuBLAS GEMM beat it there. This
+From ~1000 tokens on, the weight-only kernel runs well below bf16 cuBLAS (its decode chains, with
+two consumer warps per scheduler, keep the tensor pipe ~57% busy: gemm NOTES, session 48); the
+weight decoded once to bf16 and a cuBLAS GEMM beat it there. This
 kernel writes that weight from the packed layout (``lowprec.gemm.weight_only``) with the
 weight-only kernel's own decode: ``code * scale * 2^-DECODE_EXP`` (exact in bf16, without the
 global scale, which the GEMM applies as its FP32 alpha).

@@ -33,8 +33,8 @@ _MAX_STAGES = 8
 _MIN_CHUNKS_PER_CTA = 4
 # the widest token tile on mma.sync per format (0: wgmma always); measured in NOTES.md
 WARP_MMA_MAX_TILE_M = {"nvfp4": 16, "fp8": 32}
-# from this many tokens, NVFP4 takes its weight decoded to bf16 once and a cuBLAS GEMM (measured
-# in NOTES.md: the weight-only kernel's x traffic bounds it below cuBLAS there)
+# from this many tokens, NVFP4 takes its weight decoded to bf16 once and a cuBLAS GEMM (the
+# crossover measured in NOTES.md, session 48)
 DEQUANT_MIN_M = 1024
 # the decoded weight is made in row slices of at most this many bytes (an LM head's would
 # otherwise be a transient GB)
