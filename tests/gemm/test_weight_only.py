@@ -233,6 +233,17 @@ def test_split_keeps_one_wave():
     assert choose_split(8, 4, 132, resident=264) == 1  # too few chunks to split
 
 
+def test_grouped_prefill_rule():
+    """The per-expert prefill path where each expert has enough rows and work to hide its host time
+    (measured: benchmarks/nvfp4_grouped_prefill_crossover.py)."""
+    from lowprec.gemm.sm90.weight_only_interface import DEQUANT_MIN_M, grouped_prefill
+
+    assert grouped_prefill(8 * DEQUANT_MIN_M, 8, 28672, 4096)  # E8 gate-up, 1024 rows each
+    assert not grouped_prefill(8 * DEQUANT_MIN_M - 1, 8, 28672, 4096)  # fewer rows
+    assert grouped_prefill(64 * DEQUANT_MIN_M, 64, 7168, 2048)  # E64 down
+    assert not grouped_prefill(128 * 4 * DEQUANT_MIN_M, 128, 2048, 768)  # small experts: host-bound
+
+
 def test_host_global_scale_is_read_once_per_update():
     """The prefill path's alpha: read to the host once, again only after an in-place update of the
     tensor or of the one it views (a read per call would be a sync per call)."""
@@ -567,6 +578,30 @@ def test_grouped_kernel_matches_reference(counts, n, k, extra):
 
 @gpu
 @needs_gpu
+@pytest.mark.parametrize("counts,n,k,extra,min_m", [
+    ([1100, 0, 2100], 4096, 4096, 3, None),  # the shipped thresholds: both busy experts decoded
+    ([40, 0, 7, 130, 33], 200, 272, 5, 16),  # experts under the threshold on the kernel, tails
+    ([0, 64, 0], 384, 1040, 0, 16),  # one expert holds every row
+])
+def test_grouped_prefill_path_matches_reference(monkeypatch, counts, n, k, extra, min_m):
+    from lowprec.gemm.sm90 import weight_only_interface as wo
+
+    if min_m is not None:
+        monkeypatch.setattr(wo, "DEQUANT_MIN_M", min_m)
+        monkeypatch.setattr(wo, "GROUPED_DEQUANT_MIN_WORK", 0)
+    taken = []
+    per_expert = wo._grouped_per_expert
+    monkeypatch.setattr(wo, "_grouped_per_expert", lambda *a: taken.append(1) or per_expert(*a))
+    x, packed, dequant, ends = _grouped_gpu_case(counts, n, k, extra, zero_expert=1)
+    assert x.shape[0] >= wo.DEQUANT_MIN_M * len(counts)
+    y = wo.grouped_weight_only_nvfp4(x, packed, ends)
+    assert taken, "the prefill path was not taken"
+    _check_grouped(y, x, dequant, counts)
+    assert torch.equal(wo.grouped_weight_only_nvfp4(x, packed, ends), y), "not deterministic"
+
+
+@gpu
+@needs_gpu
 @pytest.mark.parametrize("splits", SPLITS)
 def test_grouped_kernel_every_split(monkeypatch, splits):
     from lowprec.gemm.sm90 import weight_only_interface as wo
@@ -579,13 +614,19 @@ def test_grouped_kernel_every_split(monkeypatch, splits):
 
 @gpu
 @needs_gpu
-def test_grouped_kernel_cuda_graph_follows_the_group_ends():
+@pytest.mark.parametrize("min_m", [None, 1])
+def test_grouped_kernel_cuda_graph_follows_the_group_ends(monkeypatch, min_m):
     """Captured once, the launch reads the group ends at run time: a new routing in the same
-    buffer gives that routing's result."""
+    buffer gives that routing's result. At prefill sizes too (``min_m``: the threshold lowered):
+    a capture cannot read the row ranges to the host, so it keeps the grouped kernel."""
+    from lowprec.gemm.sm90 import weight_only_interface as wo
     from lowprec.gemm.sm90.weight_only_interface import grouped_weight_only_nvfp4
 
     x, packed, dequant, ends = _grouped_gpu_case([2, 0, 3, 3], 256, 512)
     grouped_weight_only_nvfp4(x, packed, ends)  # scratch buffers exist before capture
+    if min_m is not None:
+        monkeypatch.setattr(wo, "DEQUANT_MIN_M", min_m)
+        monkeypatch.setattr(wo, "GROUPED_DEQUANT_MIN_WORK", 0)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         y = grouped_weight_only_nvfp4(x, packed, ends)

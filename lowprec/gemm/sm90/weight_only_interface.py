@@ -23,9 +23,10 @@ from ..weight_only import (
     PackedNVFP4Experts,
 )
 
-__all__ = ["SHIPPED", "FP8_TILE_MS", "DEQUANT_MIN_M", "choose_tile_m", "ctas_per_sm", "warp_mma_for", "stages_for",
-           "choose_split", "build_kernel", "compile_kernel", "build_dequant_kernel", "compile_dequant_kernel",
-           "weight_only_nvfp4", "weight_only_fp8", "grouped_weight_only_nvfp4"]
+__all__ = ["SHIPPED", "FP8_TILE_MS", "DEQUANT_MIN_M", "GROUPED_DEQUANT_MIN_WORK", "choose_tile_m", "ctas_per_sm",
+           "warp_mma_for", "stages_for", "choose_split", "build_kernel", "compile_kernel", "build_dequant_kernel",
+           "compile_dequant_kernel", "weight_only_nvfp4", "weight_only_fp8", "grouped_prefill",
+           "grouped_weight_only_nvfp4"]
 
 ARCH = "sm_90a"
 _SMEM_PER_SM = 200 * 1024  # for the rings (the accumulator hand-off takes up to 32 KB more)
@@ -36,6 +37,10 @@ WARP_MMA_MAX_TILE_M = {"nvfp4": 16, "fp8": 32}
 # from this many tokens, NVFP4 takes its weight decoded to bf16 once and a cuBLAS GEMM (the
 # crossover measured in NOTES.md, session 48)
 DEQUANT_MIN_M = 1024
+# grouped (MoE experts): the per-expert prefill path also needs this much work per expert on
+# average (rows x N x K), else its host time per expert (~45 µs: the decode, the GEMM, the views)
+# is most of the call (benchmarks/nvfp4_grouped_prefill_crossover.py; NOTES, session 49)
+GROUPED_DEQUANT_MIN_WORK = 10**10
 # the decoded weight is made in row slices of at most this many bytes (an LM head's would
 # otherwise be a transient GB)
 _DEQUANT_SLICE_BYTES = 256 << 20
@@ -171,16 +176,18 @@ def _unused(device: torch.device) -> torch.Tensor:
     return t
 
 
-def weight_only_nvfp4(x: torch.Tensor, packed: PackedNVFP4, bias: torch.Tensor | None = None) -> torch.Tensor:
+def weight_only_nvfp4(x: torch.Tensor, packed: PackedNVFP4, bias: torch.Tensor | None = None,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
     """``x`` bf16 ``[M, K]`` (unit stride along K, rows 16-byte aligned) -> ``x · dequant(W)ᵀ
-    (+ bias)`` bf16 ``[M, N]``; ``bias`` bf16 ``[N]`` contiguous or None. From ``DEQUANT_MIN_M``
-    rows (outside CUDA-graph capture): the weight decoded to bf16, then cuBLAS; both paths round
-    the FP32 sum once."""
+    (+ bias)`` bf16 ``[M, N]``; ``bias`` bf16 ``[N]`` contiguous or None; ``out``: a bf16 ``[M, N]``
+    view with unit stride along N to write (else a new tensor). From ``DEQUANT_MIN_M`` rows
+    (outside CUDA-graph capture): the weight decoded to bf16, then cuBLAS; both paths round the
+    FP32 sum once."""
     if x.shape[0] >= DEQUANT_MIN_M:
         global_scale = _host_value(packed.global_scale)
         if global_scale is not None:
-            return _dequant_matmul(x, packed, bias, global_scale)
-    return _launch("nvfp4", x, packed, packed.global_scale.view(1, 1), bias)
+            return _dequant_matmul(x, packed, bias, global_scale, out)
+    return _launch("nvfp4", x, packed, packed.global_scale.view(1, 1), bias, out)
 
 
 # id of a base tensor -> (a weak reference to it, {storage offset: (its version, the value)}): a
@@ -208,12 +215,14 @@ def _host_value(scale: torch.Tensor) -> float | None:
 
 
 def _dequant_matmul(x: torch.Tensor, packed: PackedNVFP4, bias: torch.Tensor | None,
-                    global_scale: float) -> torch.Tensor:
-    """``x · dequant(W)ᵀ (+ bias)``: the weight decoded to bf16 (``code * scale * 2^-DECODE_EXP``,
-    exact) in row slices, each a cuBLAS GEMM with FP32 alpha ``global_scale * 2^DECODE_EXP``
-    into its columns of the output (with a bias, through an FP32 result: one more pass)."""
+                    global_scale: float, y: torch.Tensor | None = None) -> torch.Tensor:
+    """``x · dequant(W)ᵀ (+ bias)`` into ``y`` (or a new tensor): the weight decoded to bf16
+    (``code * scale * 2^-DECODE_EXP``, exact) in row slices, each a cuBLAS GEMM with FP32 alpha
+    ``global_scale * 2^DECODE_EXP`` into its columns of the output (with a bias, through an FP32
+    result: one more pass)."""
     m, n, k, device = x.shape[0], packed.n, packed.k, x.device
-    y = torch.empty(m, n, dtype=torch.bfloat16, device=device)
+    if y is None:
+        y = torch.empty(m, n, dtype=torch.bfloat16, device=device)
     if n == 0:
         return y
     alpha = global_scale * 2.0 ** DECODE_EXP
@@ -238,9 +247,11 @@ def weight_only_fp8(x: torch.Tensor, packed: PackedFP8, bias: torch.Tensor | Non
     return _launch("fp8", x, packed, packed.scale, bias)
 
 
-def _launch(fmt: str, x: torch.Tensor, packed, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def _launch(fmt: str, x: torch.Tensor, packed, scale: torch.Tensor, bias: torch.Tensor | None,
+            y: torch.Tensor | None = None) -> torch.Tensor:
     m, n, device = x.shape[0], packed.n, x.device
-    y = torch.empty(m, n, dtype=torch.bfloat16, device=device)
+    if y is None:
+        y = torch.empty(m, n, dtype=torch.bfloat16, device=device)
     if m == 0 or n == 0:
         return y
     tile_m = choose_tile_m(m)
@@ -268,14 +279,21 @@ def grouped_tiles(rows: int, experts: int) -> tuple[int, int]:
 def grouped_weight_only_nvfp4(x: torch.Tensor, packed: PackedNVFP4Experts, group_ends: torch.Tensor,
                               zero_tail: bool = True) -> torch.Tensor:
     """``x`` bf16 ``[R, K]`` with expert ``e``'s rows at ``group_ends[e-1]:group_ends[e]`` (int32
-    ``[E]``, non-decreasing, at most ``R``, on the GPU: read by the kernel, never by the host) ->
-    ``[R, N]``, each expert's rows times its weight; rows after ``group_ends[-1]`` are zero
-    (``zero_tail``; else not written). One launch; the CTAs past the experts' tiles, and so every
-    expert without rows, read no weight."""
+    ``[E]``, non-decreasing, at most ``R``, on the GPU) -> ``[R, N]``, each expert's rows times its
+    weight; rows after ``group_ends[-1]`` are zero (``zero_tail``; else not written).
+
+    Below ``DEQUANT_MIN_M`` rows and ``GROUPED_DEQUANT_MIN_WORK`` (rows x N x K) per expert on
+    average, or under CUDA-graph capture: one launch of the grouped kernel, which reads
+    ``group_ends`` on the GPU (no sync); the CTAs past the experts' tiles, and so every expert
+    without rows, read no weight. From there (prefill): the row ranges read to the host (one sync)
+    and each expert on :func:`weight_only_nvfp4` (its weight decoded to bf16 and cuBLAS from
+    ``DEQUANT_MIN_M`` rows)."""
     rows, n, device = x.shape[0], packed.n, x.device
     y = (torch.zeros if zero_tail else torch.empty)(rows, n, dtype=torch.bfloat16, device=device)
     if rows == 0 or n == 0:
         return y
+    if grouped_prefill(rows, packed.experts, n, packed.k) and not torch.cuda.is_current_stream_capturing():
+        return _grouped_per_expert(x, packed, group_ends, y)
     tile_m, z_tiles = grouped_tiles(rows, packed.experts)
     num_sms = sm_count(device)
     splits = choose_split(packed.n_tiles * z_tiles, packed.k_chunks, num_sms, num_sms * ctas_per_sm(tile_m))
@@ -283,4 +301,26 @@ def grouped_weight_only_nvfp4(x: torch.Tensor, packed: PackedNVFP4Experts, group
     with on_device(device):
         compile_kernel("nvfp4", tile_m, splits, grouped=True)(
             x, packed.tiles, y, _unused(device), packed.global_scale.view(-1, 1), work, group_ends, z_tiles, 0)
+    return y
+
+
+def grouped_prefill(rows: int, experts: int, n: int, k: int) -> bool:
+    """Whether a grouped GEMM of ``rows`` rows over ``experts`` ``[n, k]`` weights takes the
+    per-expert prefill path (outside CUDA-graph capture): ``DEQUANT_MIN_M`` rows and
+    ``GROUPED_DEQUANT_MIN_WORK`` (rows x N x K) per expert on average."""
+    return rows >= DEQUANT_MIN_M * experts and rows * n * k >= GROUPED_DEQUANT_MIN_WORK * experts
+
+
+def _grouped_per_expert(x: torch.Tensor, packed: PackedNVFP4Experts, group_ends: torch.Tensor,
+                        y: torch.Tensor) -> torch.Tensor:
+    """The grouped GEMM at prefill sizes (``DEQUANT_MIN_M`` rows per expert on average): the row
+    ranges read to the host (one sync), then each expert's rows through :func:`weight_only_nvfp4`
+    on its own weight into its rows of ``y``, which decodes the weight and runs cuBLAS from
+    ``DEQUANT_MIN_M`` rows (else the weight-only kernel). Row ranges as the grouped kernel reads
+    them: expert ``e`` owns ``[ends[e-1], min(ends[e], R))``, none where that is empty."""
+    ends = group_ends.tolist()
+    for e in range(packed.experts):
+        start, end = ends[e - 1] if e else 0, min(ends[e], x.shape[0])
+        if end > start:
+            weight_only_nvfp4(x[start:end], packed.expert(e), out=y[start:end])
     return y
