@@ -109,9 +109,9 @@ def grouped_weight_only(x: torch.Tensor, packed: PackedNVFP4Experts, group_ends:
     takes them) -> ``[R, N]`` in ``x``'s dtype, each expert's rows times its dequantized NVFP4
     weight; rows after ``group_ends[-1]`` are zero (``zero_tail=False``: left unwritten, for a
     caller that knows there are none or never reads them). On Hopper (bf16 ``x``) one launch of
-    the grouped weight-only kernel, no host sync, up to ``DEQUANT_MIN_M`` rows per expert on
-    average; from there (prefill, outside CUDA-graph capture) one sync for the row ranges and each
-    expert's weight decoded to bf16 for a cuBLAS GEMM. Elsewhere the reference (which reads
+    the grouped weight-only kernel, no host sync; at prefill sizes (outside CUDA-graph capture:
+    ``weight_only_interface.grouped_prefill``) one sync for the row ranges and each busy expert's
+    weight decoded to bf16 for a cuBLAS GEMM. Elsewhere the reference (which reads
     ``group_ends`` back to the host)."""
     if not isinstance(packed, PackedNVFP4Experts):
         raise TypeError(f"packed: expected a PackedNVFP4Experts (pack_nvfp4_experts), got {type(packed).__name__}")

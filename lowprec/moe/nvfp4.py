@@ -36,9 +36,9 @@ class NVFP4InferenceMoE(QuantizedBuffersModule):
     same top-k, capacity and packed order), then runs each expert's ``W1`` and ``W2`` on its rows
     with the grouped weight-only GEMM (on Hopper with bf16 tokens: one launch per projection, the
     4.5-bit weights of the experts that got tokens read once and decoded to bf16 in registers, no
-    host sync, CUDA-graph capturable; at prefill sizes, ``DEQUANT_MIN_M`` rows per expert on
-    average outside a capture, one sync and each busy expert's weight decoded to bf16 for a cuBLAS
-    GEMM; elsewhere the dequantized reference), the gated activation
+    host sync, CUDA-graph capturable; at prefill sizes outside a capture, ~1024 rows and enough
+    work per expert on average, one sync and each busy expert's weight decoded to bf16 for a
+    cuBLAS GEMM; elsewhere the dequantized reference), the gated activation
     in FP32 rounded once to the tokens' dtype, and the combine back to tokens (each row times its
     combine weight in FP32). Under ``torch.compile`` a
     call without ``return_routing`` is one custom op (``lowprec::nvfp4_moe_layer``, run eagerly

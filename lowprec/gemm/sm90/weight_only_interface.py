@@ -313,8 +313,8 @@ def grouped_prefill(rows: int, experts: int, n: int, k: int) -> bool:
 
 def _grouped_per_expert(x: torch.Tensor, packed: PackedNVFP4Experts, group_ends: torch.Tensor,
                         y: torch.Tensor) -> torch.Tensor:
-    """The grouped GEMM at prefill sizes (``DEQUANT_MIN_M`` rows per expert on average): the row
-    ranges read to the host (one sync), then each expert's rows through :func:`weight_only_nvfp4`
+    """The grouped GEMM at prefill sizes (:func:`grouped_prefill`): the row ranges read to the
+    host (one sync), then each expert's rows through :func:`weight_only_nvfp4`
     on its own weight into its rows of ``y``, which decodes the weight and runs cuBLAS from
     ``DEQUANT_MIN_M`` rows (else the weight-only kernel). Row ranges as the grouped kernel reads
     them: expert ``e`` owns ``[ends[e-1], min(ends[e], R))``, none where that is empty."""
