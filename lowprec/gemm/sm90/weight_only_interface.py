@@ -320,7 +320,7 @@ def _grouped_per_expert(x: torch.Tensor, packed: PackedNVFP4Experts, group_ends:
     them: expert ``e`` owns ``[ends[e-1], min(ends[e], R))``, none where that is empty."""
     ends = group_ends.tolist()
     for e in range(packed.experts):
-        start, end = ends[e - 1] if e else 0, min(ends[e], x.shape[0])
+        start, end = max(ends[e - 1], 0) if e else 0, min(ends[e], x.shape[0])  # bad ends: no negative slice
         if end > start:
             weight_only_nvfp4(x[start:end], packed.expert(e), out=y[start:end])
     return y
