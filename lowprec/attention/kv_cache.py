@@ -37,7 +37,7 @@ import torch
 
 from ..quant.reference import ieee_div, scale_from_amax
 from ..recipes import get_recipe
-from ..runtime import registry
+from ..runtime import backend_mode, kernel_failed, registry
 from .dense import fp8_over_kv_operands
 from .quantize import ATTN_BLOCK, V_PAD, _blocks, kv_views
 from .reference import _dequant_blocks
@@ -49,6 +49,7 @@ _E4M3_MAX = 448.0
 _SATURATES_PAST = 464.0
 _ROWWISE = get_recipe("fp8_rowwise")
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+_UNSET = object()
 
 
 class FP8KVCache:
@@ -120,6 +121,10 @@ class FP8KVCache:
         # each batch row's length on the device, field 5 of a [B, 8] plan (the varlen kernels' Sk
         # field): the kernels read it, so a CUDA graph of decode_step replays at any length
         self._plan = torch.zeros(batch, 8, dtype=torch.int32, device=device)
+        self._device_lengths = self._plan[:, 5]
+        # the kernels' objects bound to these buffers (registry ops ``attention_fp8_cache_*``), made on
+        # first use per key: an eager decode call skips the registry's per-call dispatch
+        self._prepared: dict[tuple, object] = {}
         # each row's length on the host; None: known only on the device (after a captured decode_step)
         self._lengths: list[int] | None = [0] * batch
         if v_scale is not None:
@@ -134,8 +139,9 @@ class FP8KVCache:
 
     @property
     def lengths(self) -> torch.Tensor:
-        """Each batch row's length, int32 ``[B]`` on the device (what the kernels read)."""
-        return self._plan[:, 5]
+        """Each batch row's length, int32 ``[B]`` on the device (a copy: the plan the kernels read
+        counts replayed steps past ``max_len`` too)."""
+        return self._device_lengths.clamp(max=self.max_len)
 
     @property
     def ragged(self) -> bool:
@@ -144,7 +150,7 @@ class FP8KVCache:
 
     def _host_lengths(self) -> list[int]:
         if self._lengths is None:
-            self._lengths = self._plan[:, 5].tolist()
+            self._lengths = [min(n, self.max_len) for n in self._device_lengths.tolist()]
         return self._lengths
 
     @property
@@ -204,18 +210,72 @@ class FP8KVCache:
         if same_count and len(set(starts)) == 1:
             start, end = starts[0], starts[0] + t
             # a decode step on Hopper: one kernel (sm90/kv_append.py), the same bits as the torch ops
-            registry.run("attention_kv_append", self.device, (k, v, *self._buffers(), start),
-                         lambda: self._append_torch(k, v, start, end))
+            if not self._append_kernel(k, v, start):
+                self._append_torch(k, v, start, end)
         elif t == 1 and same_count:  # one token at each row's own length (on the device)
-            registry.run("attention_kv_append", self.device, (k, v, *self._buffers(), None),
-                         lambda: self._append_rows(k, v, starts, counts))
+            if not self._append_kernel(k, v, None):
+                self._append_rows(k, v, starts, counts)
         else:
             self._append_rows(k, v, starts, counts)
         self._lengths = [s + n for s, n in zip(starts, counts, strict=True)]
         if same_count:
-            self._plan[:, 5] += counts[0]  # one kernel: no host-to-device copy in a decode loop
+            self._device_lengths.add_(counts[0])  # one kernel: no host-to-device copy in a decode loop
         else:
-            self._plan[:, 5] = torch.tensor(self._lengths, dtype=torch.int32)
+            self._device_lengths.copy_(torch.tensor(self._lengths, dtype=torch.int32))
+
+    def _kernel_object(self, op: str, key: tuple, *args):
+        """The registry's ``op`` object bound to this cache, made on first use per ``key`` from
+        ``args``; None where no kernel serves ``args`` (asked again next call: the reason may be
+        those inputs) or the object failed to build (not asked again). The backend policy is asked
+        on every call."""
+        if backend_mode() == "reference" or torch.compiler.is_compiling():
+            return None
+        made = self._prepared.get((op, key), _UNSET)
+        if made is not _UNSET:
+            return made
+        factory = registry.kernel_for(op, self.device, *args)
+        if factory is None:
+            return None
+        try:
+            made = factory(*args)
+        except Exception as err:
+            kernel_failed(op, err)
+            made = None
+        self._prepared[op, key] = made
+        return made
+
+    def _append_kernel(self, k: torch.Tensor, v: torch.Tensor, start: int | None) -> bool:
+        """Append ``k``, ``v`` with the append kernel at the plan's lengths (``start``: their host
+        value where known); False where no kernel takes them (nothing written)."""
+        op = "attention_fp8_cache_append"
+        append = self._kernel_object(op, (), k, v, *self._buffers(), start)
+        if append is None:
+            return False
+        try:
+            why = append(k, v, start)
+        except Exception as err:
+            kernel_failed(op, err)
+            self._prepared[op, ()] = None
+            return False
+        if why is not None and backend_mode() == "kernel":
+            raise RuntimeError(f"LOWPREC_BACKEND=kernel but {op} cannot run a kernel: {why}")
+        return why is None
+
+    def _attend_kernel(self, q: torch.Tensor, scale: float, length: int, want_lse: bool):
+        """``(out, lse)`` of float ``q`` over the whole buffers at the device-side lengths, on the
+        cache-attention kernels with their splits chosen for ``length`` tokens (the LSE a workspace
+        without ``want_lse``); None where they do not serve ``q``."""
+        key = (q.shape, q.dtype, scale)
+        attend = self._kernel_object("attention_fp8_cache_attend", key, q, self._k, self._k_scale, self._v_t,
+                                     self._v_scale, scale, self._plan)
+        if attend is None:
+            return None
+        try:
+            return attend(q, length, want_lse)
+        except Exception as err:
+            kernel_failed("attention_fp8_cache_attend", err)
+            self._prepared["attention_fp8_cache_attend", key] = None
+            return None
 
     def _counts_of(self, lengths, t: int) -> list[int]:
         """The tokens each row adds: ``t`` each, or ``lengths`` checked."""
@@ -282,15 +342,20 @@ class FP8KVCache:
         if self._lengths is not None and max(self._lengths) + 1 > self.max_len:
             raise ValueError(f"k: 1 more token overflows the cache: it holds {max(self._lengths)} of "
                              f"max_len={self.max_len}")
-        registry.run("attention_kv_append", self.device, (k, v, *self._buffers(), None),
-                     lambda: self._append_rows(k, v, self._host_lengths(), [1] * self.batch))
-        self._plan[:, 5].add_(1).clamp_(max=self.max_len)
+        if not self._append_kernel(k, v, None):
+            self._append_rows(k, v, self._host_lengths(), [1] * self.batch)
+        # past max_len the kernels store nothing (the append counts the token in ``dropped``) and read
+        # max_len keys; the host reads clamp (one launch less per step)
+        self._device_lengths.add_(1)
         capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
         self._lengths = None if capturing or self._lengths is None else [n + 1 for n in self._lengths]
         scale = 1.0 / math.sqrt(self.head_dim) if scale is None else float(scale)
-        out, _ = fp8_over_kv_operands(q, self._k, self._k_scale, self._v_t, self._v_scale, False, scale,
-                                      kv_lengths=self._plan)
-        return out
+        # splits for max_len: a graph of this step replays at every length
+        result = self._attend_kernel(q, scale, self.max_len, False)
+        if result is None:
+            result = fp8_over_kv_operands(q, self._k, self._k_scale, self._v_t, self._v_scale, False, scale,
+                                          kv_lengths=self._plan)
+        return result[0]
 
     def _append_torch(self, k: torch.Tensor, v: torch.Tensor, start: int, end: int,
                       rows: slice = slice(None)) -> None:
@@ -361,7 +426,12 @@ class FP8KVCache:
         self._check_q(q)
         scale = 1.0 / math.sqrt(self.head_dim) if scale is None else float(scale)
         causal = bool(causal) and q.shape[2] > 1  # one query sees every key
-        if self.ragged:  # the lengths on the device: the decode kernels read them, else row by row
+        length = self.length
+        # decode (a few queries, not causal): the kernels bound to this cache, splits for the length
+        result = self._attend_kernel(q, scale, length, return_lse) if length and not causal else None
+        if result is not None:
+            out, lse = result
+        elif self.ragged:  # the lengths on the device: the decode kernels read them, else row by row
             out, lse = fp8_over_kv_operands(q, self._k, self._k_scale, self._v_t, self._v_scale, causal, scale,
                                             kv_lengths=self._plan)
         else:

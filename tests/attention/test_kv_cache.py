@@ -385,13 +385,18 @@ def test_append_kernel_is_the_torch_ops(dtype, d, monkeypatch):
     (4, 32, 8, 1, 128, False),     # packed GQA decode, split keys
     (2, 16, 16, 1, 128, False),    # MHA decode: one warpgroup
     (2, 8, 8, 4, 256, True),       # d256 MHA decode
+    (2, 8, 8, 4, 256, False),
     (1, 8, 2, 16, 64, True),
+    (1, 8, 2, 16, 64, False),
     (64, 8, 8, 1, 128, False),     # a wave of heads: no split
     (1, 4, 2, 333, 128, True),     # a prefill chunk over the cache
 ])
 def test_kernel_reads_the_cache_in_place(b, h, hkv, sq, d, causal):
     """On sm_90a attend gives the kernel's bits on contiguous copies of the same operands (the
-    views are read in place), within the scheme's error of exact attention."""
+    views are read in place), within the scheme's error of exact attention. Decode calls (not
+    causal, Sq <= 16) run the kernels bound to the cache (its whole buffers at the device-side
+    lengths, splits for the host length): the same bits; a query they cannot read (not
+    contiguous) takes the general path, with the same bits again."""
     from lowprec.attention.quantize import quantize_q
     from lowprec.attention.sm90.interface import fp8_attention_forward
 
@@ -406,6 +411,11 @@ def test_kernel_reads_the_cache_in_place(b, h, hkv, sq, d, causal):
     ref, ref_lse = fp8_attention_forward(qc, qs, kc.contiguous(), ks.contiguous(), vt.contiguous(), vs,
                                          causal=causal, softmax_scale=d ** -0.5, out_dtype=BF16)
     assert torch.equal(out, ref) and torch.equal(lse, ref_lse)
+    bound = [key[:2] for op, key in cache._prepared if op == "attention_fp8_cache_attend"]
+    assert bound == ([] if causal or sq > 16 else [(q.shape, BF16)])
+    if sq > 1:
+        strided = q.transpose(1, 2).contiguous().transpose(1, 2)
+        assert not strided.is_contiguous() and torch.equal(cache.attend(strided, causal=causal), ref)
     exact = lowprec.attention(q.float(), k.float(), v.float(), causal=causal)
     cos = torch.nn.functional.cosine_similarity(out.float().flatten(), exact.flatten(), dim=0)
     assert cos > 0.995, cos.item()

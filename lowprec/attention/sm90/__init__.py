@@ -10,4 +10,6 @@ register("attention_fp8_qkv", "sm_90a", f"{__name__}.interface:attention_fp8_qkv
 register("attention_fp8_varlen", "sm_90a", f"{__name__}.interface:attention_fp8_varlen_op", config.varlen_unsupported)
 register("attention_prepass_k", "sm_90a", f"{__name__}.interface:attention_prepass_k_op", config.prepass_k_unsupported)
 register("attention_prepass_v", "sm_90a", f"{__name__}.interface:attention_prepass_v_op", config.prepass_v_unsupported)
-register("attention_kv_append", "sm_90a", f"{__name__}.interface:kv_append_op", config.kv_append_unsupported)
+register("attention_fp8_cache_attend", "sm_90a", f"{__name__}.interface:cache_attention_op",
+         config.cache_attention_unsupported)
+register("attention_fp8_cache_append", "sm_90a", f"{__name__}.interface:cache_append_op", config.kv_append_unsupported)

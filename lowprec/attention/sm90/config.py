@@ -252,12 +252,13 @@ def operands_unsupported(q, q_scale, k, k_scale, v_t, v_scale) -> str | None:
     if not q.is_contiguous():
         return "q must be contiguous"
     # K, Vᵀ and K's scales may be length-Sk views of longer buffers (a growing KV cache): rows
-    # contiguous, 16-byte aligned, one stride between consecutive (batch, KV head) pairs
-    if (k.stride(3) != 1 or k.stride(2) != d or head_stride(k) is None or head_stride(k) % 16
+    # contiguous, 16-byte aligned, one stride between consecutive (batch, KV head) pairs (no keys:
+    # nothing is read, and an empty tensor's strides are arbitrary)
+    if sk and (k.stride(3) != 1 or k.stride(2) != d or head_stride(k) is None or head_stride(k) % 16
             or k.data_ptr() % 16):
         return "k must be contiguous, or a view of [B, Hkv, >= Sk, D] rows (16-byte aligned heads)"
-    if v_t.stride(3) != 1 or v_t.stride(2) % 16 or head_stride(v_t) is None or head_stride(v_t) % 16 \
-            or v_t.data_ptr() % 16:
+    if sk and (v_t.stride(3) != 1 or v_t.stride(2) % 16 or head_stride(v_t) is None or head_stride(v_t) % 16
+               or v_t.data_ptr() % 16):
         return "v_t must be contiguous, or a view of [B, Hkv, D, >= round_up(Sk, 16)] rows (16-byte aligned)"
     scales = [("k_scale", k_scale, (b, hkv, -(-sk // TILE_N)), "[B, Hkv, ceil(Sk/128)]"),
               ("v_scale", v_scale, (b, hkv, d), "[B, Hkv, D]")]
@@ -284,14 +285,21 @@ KV_APPEND_MAX_D = 256  # D / 2 threads per row (one per column pair) in a CTA of
 
 def kv_append_unsupported(k, v, tail, amax, k_codes, k_scale, v_t, v_inv, counts, plan,
                           start: int | None) -> str | None:
-    """Why ``interface.kv_append_op`` (one launch of an FP8 KV cache's append) cannot take these
+    """Why ``interface.CacheAppend`` (one launch of an FP8 KV cache's append) cannot take these
     inputs (None: it can); the cache then appends in torch ops. The cache's own buffers are
-    contiguous by construction; the new tokens may be any view with contiguous, 4-byte aligned rows."""
+    contiguous by construction."""
     d = k.shape[-1]
     if str(k.dtype).removeprefix("torch.") not in KV_APPEND_DTYPES or v.dtype != k.dtype:
         return f"dtype {k.dtype} (the append kernel reads {', '.join(KV_APPEND_DTYPES)})"
     if d > KV_APPEND_MAX_D or 256 % d:
         return f"head dim {d} (the append kernel takes D dividing {KV_APPEND_MAX_D})"
+    return kv_append_tokens_unsupported(k, v, start)
+
+
+def kv_append_tokens_unsupported(k, v, start: int | None) -> str | None:
+    """The part of :func:`kv_append_unsupported` that depends on the new tokens beyond their dtype and
+    head dim (the cache's own; checked once per cache): how many, where, and their rows (any view
+    with contiguous, 4-byte aligned rows)."""
     if start is None and k.shape[2] != 1:
         return "several tokens at a length known only on the device (the append kernel fills one block)"
     if start is not None and start % 128 + k.shape[2] > 128:
@@ -414,6 +422,12 @@ def q_unsupported(q, k, k_scale, v_t, v_scale, causal: bool, scale: float, kv_le
         return "device-side cache lengths with causal queries (their decode grids are not causal)"
     return (_q_prepass_unsupported(q) or attention_unsupported(q, None, k, None, v_t, None, causal, scale, q.dtype)
             or operands_unsupported(q, None, k, k_scale, v_t, v_scale))
+
+
+def cache_attention_unsupported(q, k, k_scale, v_t, v_scale, scale: float, plan) -> str | None:
+    """Why ``interface.cache_attention_op`` (FP8 attention over a KV cache's whole buffers at its
+    device-side lengths, ``plan`` field 5) cannot serve queries shaped as ``q`` (None: it can)."""
+    return q_unsupported(q, k, k_scale, v_t, v_scale, False, scale, plan)
 
 
 def qkv_unsupported(q, k, v, causal: bool, scale: float) -> str | None:

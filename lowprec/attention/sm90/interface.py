@@ -27,6 +27,7 @@ from .config import (
     AttnConfig,
     head_stride,
     k_blocks_unsupported,
+    kv_append_tokens_unsupported,
     operands_unsupported,
     packed_prepass_cluster,
     packed_prepass_unsupported,
@@ -96,7 +97,8 @@ def _packs_gqa(r: int, Sq: int) -> bool:
 __all__ = ["fp8_attention_forward", "fp8_attention_varlen_forward", "attention_fp8_varlen_op", "packed_prepass",
            "attention_fp8_forward_op", "attention_fp8_qkv_op", "attention_fp8_q_op", "permute_v_keys",
            "compile_only", "build_kernel", "attention_prepass_k_op", "attention_prepass_v_op",
-           "build_prepass_kernel", "build_combine_kernel"]
+           "build_prepass_kernel", "build_combine_kernel", "CacheAttention", "cache_attention_op", "CacheAppend",
+           "cache_append_op"]
 
 
 def _use_tvm_ffi() -> bool:
@@ -241,51 +243,85 @@ def _forward(q, q_scale, k, k_scale, v_t, v_scale, causal: bool, softmax_scale: 
         out.zero_()
         lse.fill_(-math.inf)
         return out, lse
-    r = H // Hkv
-    pack = _packs_gqa(r, Sq) and not quantize_q
-    # packed: q, out, lse of the r query heads of a KV head are one contiguous run of r * Sq rows
-    qh, rows = (Hkv, r * Sq) if pack else (H, Sq)
-    splits = 1 if quantize_q else kv_splits(B, H, Hkv, Sq, Sk)
-    two_level = TWO_LEVEL_PV
-    if pack:
-        packed = packed_wgs(r, Sq)
-        wgs = CONSUMER_WGS if packed is None else min(CONSUMER_WGS, packed)
-    elif UNPACKED_DECODE_ONE_WG and not quantize_q and unpacked_one_wg(D, Sq):
-        # P.V accumulated as the head dim's default kernel does: the reference's rescale slack
-        wgs, two_level = 1, AttnConfig(D).two_level_pv
-    else:
-        wgs = CONSUMER_WGS
-    persistent = PERSISTENT
-    if persistent is None:
-        persistent = D in PERSISTENT_HEAD_DIMS and not pack and splits == 1 and wgs > 1
-    if kv_lengths is not None:
-        persistent = False
-    fn = _kernel(D, causal, out_dtype, pack, splits > 1, v_keys_permuted, OVERLAP, PINGPONG,
-                 _num_sms(q.device) if persistent else 0, two_level, wgs, SKIP_UNIT_RESCALE,
-                 False, quantize_q, LAZY_RESCALE, kv_lengths is not None)
+    launch = _Launch(B, H, Hkv, Sq, Sk, D, causal, out_dtype, v_keys_permuted, quantize_q, kv_lengths is not None,
+                     q.device)
     o_dst, l_dst = out, lse
-    if splits > 1:
-        o_dst = torch.empty(splits * B * qh, rows, D, dtype=torch.float32, device=q.device)
-        l_dst = torch.empty(splits * B * qh, rows, dtype=torch.float32, device=q.device)
-    skp = v_t.shape[-1]
-    # the kernel's views: [rows, D, heads] of [heads, rows, D] buffers, one op each (K, Vᵀ and K's
-    # scales may be views of a longer cache: their head strides as given)
-    args = (
-        q.as_strided((rows, D, B * qh), (D, 1, rows * D)),
-        k.as_strided((Sk, D, B * Hkv), (D, 1, head_stride(k))),
-        v_t.as_strided((D, skp, B * Hkv), (v_t.stride(2), 1, head_stride(v_t))),
-        q_scale.view(B * H, -1),
-        k_scale.as_strided((B * Hkv, k_scale.shape[-1]), (head_stride(k_scale), 1)),
-        v_scale.view(B * Hkv, D),
-        o_dst.as_strided((rows, D, o_dst.numel() // (rows * D)), (D, 1, rows * D)),
-        l_dst.as_strided((rows, l_dst.numel() // rows), (1, rows)),
-    )
+    if launch.splits > 1:
+        o_dst, l_dst = launch.partials(q.device)
+    args = (*launch.operands(q, k, v_t, q_scale, k_scale, v_scale), *launch.outputs(o_dst, l_dst))
     plan = _no_plan(q.device) if kv_lengths is None else kv_lengths
-    _launch(fn, args, softmax_scale, (Hkv, 1, r, Sq) if pack else (H, r, 1, Sq), plan)
-    if splits > 1:  # combine: lse = logsumexp_i lse_i, O = sum_i exp(lse_i - lse) O_i
-        _combine_entry(D, out_dtype)(o_dst.view(splits, -1, D), l_dst.view(splits, -1), out.view(-1, D), lse.view(-1),
-                                     splits)
+    _launch(launch.fn, args, softmax_scale, launch.ints, plan)
+    if launch.splits > 1:
+        launch.combine(o_dst, l_dst, out, lse)
     return out, lse
+
+
+class _Launch:
+    """The forward's launch choices for one call's shape: the kernel, its KV splits (``splits``:
+    given, else :func:`kv_splits` of ``Sk``), packing, grid ints, and the kernel's views of
+    operands and outputs."""
+
+    def __init__(self, B: int, H: int, Hkv: int, Sq: int, Sk: int, D: int, causal: bool, out_dtype: torch.dtype,
+                 v_keys_permuted: bool, quantize_q: bool, kv_lengths: bool, device: torch.device,
+                 splits: int | None = None):
+        r = H // Hkv
+        pack = _packs_gqa(r, Sq) and not quantize_q
+        # packed: q, out, lse of the r query heads of a KV head are one contiguous run of r * Sq rows
+        self.qh, self.rows = (Hkv, r * Sq) if pack else (H, Sq)
+        if splits is None:
+            splits = 1 if quantize_q else kv_splits(B, H, Hkv, Sq, Sk)
+        self.splits, self.B, self.H, self.D, self.out_dtype = splits, B, H, D, out_dtype
+        two_level = TWO_LEVEL_PV
+        if pack:
+            packed = packed_wgs(r, Sq)
+            wgs = CONSUMER_WGS if packed is None else min(CONSUMER_WGS, packed)
+        elif UNPACKED_DECODE_ONE_WG and not quantize_q and unpacked_one_wg(D, Sq):
+            # P.V accumulated as the head dim's default kernel does: the reference's rescale slack
+            wgs, two_level = 1, AttnConfig(D).two_level_pv
+        else:
+            wgs = CONSUMER_WGS
+        persistent = PERSISTENT
+        if persistent is None:
+            persistent = D in PERSISTENT_HEAD_DIMS and not pack and splits == 1 and wgs > 1
+        if kv_lengths:
+            persistent = False
+        self.fn = _kernel(D, causal, out_dtype, pack, splits > 1, v_keys_permuted, OVERLAP, PINGPONG,
+                          _num_sms(device) if persistent else 0, two_level, wgs, SKIP_UNIT_RESCALE,
+                          False, quantize_q, LAZY_RESCALE, kv_lengths)
+        self.ints = (Hkv, 1, r, Sq) if pack else (H, r, 1, Sq)
+
+    def operands(self, q, k, v_t, q_scale, k_scale, v_scale) -> tuple:
+        """The kernel's views of Q, K, Vᵀ and their scales: ``[rows, D, heads]`` of ``[heads, rows,
+        D]`` buffers, one op each (K, Vᵀ and K's scales may be views of a longer cache: their head
+        strides as given)."""
+        B, D, rows = self.B, self.D, self.rows
+        Sk, skp = k.shape[2], v_t.shape[-1]
+        Hkv = k.shape[1]
+        return (
+            q.as_strided((rows, D, B * self.qh), (D, 1, rows * D)),
+            k.as_strided((Sk, D, B * Hkv), (D, 1, head_stride(k))),
+            v_t.as_strided((D, skp, B * Hkv), (v_t.stride(2), 1, head_stride(v_t))),
+            q_scale.view(B * self.H, -1),
+            k_scale.as_strided((B * Hkv, k_scale.shape[-1]), (head_stride(k_scale), 1)),
+            v_scale.view(B * Hkv, D),
+        )
+
+    def outputs(self, o_dst, l_dst) -> tuple:
+        """The kernel's views of O and the LSE (or of the split partials)."""
+        rows, D = self.rows, self.D
+        return (o_dst.as_strided((rows, D, o_dst.numel() // (rows * D)), (D, 1, rows * D)),
+                l_dst.as_strided((rows, l_dst.numel() // rows), (1, rows)))
+
+    def partials(self, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """FP32 buffers of the splits' partial O and LSE."""
+        n = self.splits * self.B * self.qh
+        return (torch.empty(n, self.rows, self.D, dtype=torch.float32, device=device),
+                torch.empty(n, self.rows, dtype=torch.float32, device=device))
+
+    def combine(self, o_parts, l_parts, out, lse) -> None:
+        """lse = logsumexp_i lse_i, O = sum_i exp(lse_i - lse) O_i: one launch."""
+        _combine_entry(self.D, self.out_dtype)(o_parts.view(self.splits, -1, self.D), l_parts.view(self.splits, -1),
+                                               out.view(-1, self.D), lse.view(-1), self.splits)
 
 
 def build_combine_kernel(head_dim: int, out_dtype: torch.dtype, arch: str = _ARCH_DEFAULT):
@@ -356,15 +392,6 @@ def _kv_append_entry(dtype: torch.dtype, head_dim: int):
     return ffi_entry(kernel_cache.get("attention_kv_append", {"dtype": str(dtype).removeprefix("torch."),
                                                               "head_dim": head_dim},
                                       _ARCH_DEFAULT, lambda: build_kv_append_kernel(dtype, head_dim)))
-
-
-def kv_append_op(k, v, tail, amax, k_codes, k_scale, v_t, v_inv, counts, plan, start: int | None) -> None:
-    """One launch of the FP8 KV cache's append (``kv_append.py``) at the lengths in ``plan``'s field
-    5 (``start``: their host value where known, else None); the caller
-    (:meth:`lowprec.attention.FP8KVCache.append`) has checked :func:`config.kv_append_unsupported`."""
-    with on_device(k.device):
-        _kv_append_entry(k.dtype, k.shape[-1])(k, v, tail, amax, k_codes, k_scale, v_t, v_inv, counts, plan,
-                                               k.shape[2])
 
 
 @functools.cache
@@ -528,6 +555,94 @@ def attention_fp8_q_op(q: torch.Tensor, k: torch.Tensor, k_scale: torch.Tensor, 
         q_kernel(q.view(-1, q_block * d), q_codes.view(-1, q_block * d), q_scale.view(-1, 1))
         return _forward(q_codes, q_scale, k.view(u8), k_scale, v_t.view(u8), v_scale, causal, scale, q.dtype,
                         kv_lengths=kv_lengths)
+
+
+class CacheAttention:
+    """:func:`attention_fp8_q_op` over one FP8 KV cache's whole buffers at its device-side lengths
+    (``kv_lengths``), prepared for one query shape: a call is the Q pre-pass, the forward and (keys
+    split) the combine, three launches on two fresh outputs. The kernels, the buffers' views and
+    the workspaces (Q's codes and scales, the splits' partials) are made once per split count; the
+    workspaces are reused call after call in stream order, as the cache's own buffers are.
+    ``length``: the tokens a call's splits are chosen for (the cache's host length; its ``max_len``
+    where the length lives only on the device, as in a CUDA graph)."""
+
+    def __init__(self, q, k, k_scale, v_t, v_scale, plan, scale: float):
+        b, h, sq, d = q.shape
+        self.out_shape, self.lse_shape, self.dtype, self.device = (b, h, sq, d), (b, h, sq), q.dtype, q.device
+        self.hkv, self.scale_log2, self.plan = k.shape[1], scale * math.log2(math.e), plan
+        u8 = torch.uint8
+        self.k, self.k_scale, self.v_t, self.v_scale = k.view(u8), k_scale, v_t.view(u8), v_scale
+        self.q_row = sq * d  # Sq <= 16: one Q block per (batch, head)
+        self.q_kernel = _q_prepass_kernel(q.dtype, self.q_row)
+        self.q_codes = torch.empty(b, h, sq, d, dtype=u8, device=q.device)
+        self.q_scale = torch.empty(b, h, 1, dtype=torch.float32, device=q.device)
+        self.q_dst = (self.q_codes.view(-1, self.q_row), self.q_scale.view(-1, 1))
+        self.lse_scratch = torch.empty(self.lse_shape, dtype=torch.float32, device=q.device)
+        self._by_splits: dict[int, tuple] = {}
+
+    def _prepare(self, splits: int) -> tuple:
+        b, h, sq, d = self.out_shape
+        launch = _Launch(b, h, self.hkv, sq, self.k.shape[2], d, False, self.dtype, False, False, True, self.device,
+                         splits)
+        front = launch.operands(self.q_codes, self.k, self.v_t, self.q_scale, self.k_scale, self.v_scale)
+        back = parts = None
+        if splits > 1:
+            o_parts, l_parts = launch.partials(self.device)
+            back = launch.outputs(o_parts, l_parts)
+            parts = (o_parts.view(splits, -1, d), l_parts.view(splits, -1))
+        self._by_splits[splits] = prepared = (launch, front, back, parts)
+        return prepared
+
+    def __call__(self, q: torch.Tensor, length: int, want_lse: bool = True
+                 ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(out, lse)`` of ``q`` (shaped as the prepared query), or None where the Q pre-pass cannot
+        read it (not contiguous and 16-byte aligned: the cache's general path takes it). Without
+        ``want_lse`` the LSE returned is a workspace the next call overwrites."""
+        if not q.is_contiguous() or q.data_ptr() % 16:
+            return None
+        b, h, sq, d = self.out_shape
+        splits = kv_splits(b, h, self.hkv, sq, length)
+        launch, front, back, parts = self._by_splits.get(splits) or self._prepare(splits)
+        out = torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
+        lse = torch.empty(self.lse_shape, dtype=torch.float32, device=self.device) if want_lse else self.lse_scratch
+        with on_device(self.device):
+            self.q_kernel(q.view(-1, self.q_row), *self.q_dst)
+            launch.fn(*front, *(back or launch.outputs(out, lse)), self.scale_log2, *launch.ints, self.plan)
+            if parts:
+                _combine_entry(d, self.dtype)(*parts, out.view(-1, d), lse.view(-1), splits)
+        return out, lse
+
+
+def cache_attention_op(q, k, k_scale, v_t, v_scale, scale: float, plan) -> CacheAttention:
+    """The registry's implementation of ``attention_fp8_cache_attend``: a :class:`CacheAttention` for
+    queries shaped as ``q`` over an FP8 KV cache's buffers and its ``[B, 8]`` plan of device-side
+    lengths (``config.cache_attention_unsupported`` holds)."""
+    return CacheAttention(q, k, k_scale, v_t, v_scale, plan, scale)
+
+
+class CacheAppend:
+    """The FP8 KV cache's append kernel (``kv_append.py``) bound to one cache's buffers: a call checks
+    the new tokens (``config.kv_append_tokens_unsupported``) and launches one append at the lengths in the
+    plan's field 5 (``start``: their host value where known, else None); it returns None, or why the
+    kernel cannot take them (nothing written: the cache then appends in torch ops)."""
+
+    def __init__(self, dtype: torch.dtype, head_dim: int, buffers: tuple):
+        self.entry, self.buffers, self.device = _kv_append_entry(dtype, head_dim), buffers, buffers[0].device
+
+    def __call__(self, k, v, start: int | None) -> str | None:
+        """Append ``k``, ``v`` (the cache's dtype and head dim, which it checks)."""
+        if (why := kv_append_tokens_unsupported(k, v, start)) is not None:
+            return why
+        with on_device(self.device):
+            self.entry(k, v, *self.buffers, k.shape[2])
+        return None
+
+
+def cache_append_op(k, v, tail, amax, k_codes, k_scale, v_t, v_inv, counts, plan, start: int | None) -> CacheAppend:
+    """The registry's implementation of ``attention_fp8_cache_append``: a :class:`CacheAppend` for
+    new tokens of ``k``'s dtype and head dim over these buffers (``config.kv_append_unsupported``
+    holds for the tokens given)."""
+    return CacheAppend(k.dtype, k.shape[-1], (tail, amax, k_codes, k_scale, v_t, v_inv, counts, plan))
 
 
 @functools.cache
