@@ -19,10 +19,12 @@ only what each step adds:
   ``quantize_kv_cache``'s.
 
 :meth:`FP8KVCache.attend` runs the FP8 forward over the first :attr:`~FP8KVCache.length` tokens
-without copying them (on Hopper the sm_90a kernel reads the buffers as strided views; elsewhere the
-FP8 scheme's emulation); its length is a host integer, so a CUDA graph of ``append`` + ``attend``
-captures one length. :meth:`FP8KVCache.decode_step` (one token and its query per row) keeps every
-length on the device instead: one graph of it replays at each next length.
+without copying them (on Hopper the sm_90a kernel reads the buffers in place; elsewhere the FP8
+scheme's emulation); its length is a host integer, so a CUDA graph of ``append`` + ``attend``
+captures one length. Eager decode calls are cheap on the host: the cache binds the append and
+decode-attention kernels to its buffers at first use, so a call is its launches.
+:meth:`FP8KVCache.decode_step` (one token and its query per row) keeps every length on the device
+instead: one graph of it replays at each next length.
 
 Rows may hold different lengths (a batch of prompts of different lengths): ``append(k, v,
 lengths=...)`` takes each row's count from right-padded tokens; later appends and decode steps add
