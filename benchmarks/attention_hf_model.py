@@ -36,6 +36,7 @@ def main():
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--decode", default="", help="BxS prompts for the decode rows, comma separated")
+    p.add_argument("--profile", action="store_true", help="torch.profiler tables of 5 decode steps of each cache")
     args = p.parse_args()
     fp8_attn = register_transformers_attention()
     cfg = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
@@ -43,7 +44,7 @@ def main():
     torch.manual_seed(0)
     base = LlamaForCausalLM(cfg).to("cuda", torch.bfloat16)
     if args.decode:
-        _decode_rows(base, cfg, args.decode, args.reps, fp8_attn)
+        _decode_rows(base, cfg, args.decode, args.reps, fp8_attn, args.profile)
     models = {}
     for linear in ("bf16", "fp8") if args.shapes else ():
         for mode in ("prefill", "train"):
@@ -78,7 +79,7 @@ def main():
                   f"{row['sdpa'] / row[fp8_attn]:.3f}x |", flush=True)
 
 
-def _decode_rows(model, cfg, shapes: str, reps: int, fp8_attn: str) -> None:
+def _decode_rows(model, cfg, shapes: str, reps: int, fp8_attn: str, profile: bool) -> None:
     import contextlib
 
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -98,7 +99,7 @@ def _decode_rows(model, cfg, shapes: str, reps: int, fp8_attn: str) -> None:
         for label, impl, make, backend in (
                 ("bf16 DynamicCache, sdpa (default: cuDNN)", "sdpa", DynamicCache, contextlib.nullcontext),
                 ("bf16 DynamicCache, sdpa (flash)", "sdpa", DynamicCache, flash),
-                ("fp8_cache, lowprec_fp8", fp8_attn, lambda n=s + reps + 8: fp8_cache(n), contextlib.nullcontext)):
+                ("fp8_cache, lowprec_fp8", fp8_attn, lambda n=s + reps + 16: fp8_cache(n), contextlib.nullcontext)):
             model.set_attn_implementation(impl)
             cache = make()
             with torch.no_grad(), warnings.catch_warnings(), backend():
@@ -111,6 +112,17 @@ def _decode_rows(model, cfg, shapes: str, reps: int, fp8_attn: str) -> None:
                     model(ids[:, i:i + 1], past_key_values=cache, use_cache=True)
                     torch.cuda.synchronize()
                     times.append((time.perf_counter() - t0) * 1e3)
+                if profile and label != "bf16 DynamicCache, sdpa (default: cuDNN)":
+                    from torch.profiler import ProfilerActivity
+                    from torch.profiler import profile as torch_profile
+
+                    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                        for i in range(s + reps + 3, s + reps + 8):
+                            model(ids[:, i:i + 1], past_key_values=cache, use_cache=True)
+                        torch.cuda.synchronize()
+                    print(f"===== {label}, B{b} prompt {s}: 5 decode steps")
+                    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12))
+                    print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=12))
             ms = statistics.median(times[8:])
             if impl == "sdpa":
                 kv = sum(t.nbytes for layer in cache.layers for t in (layer.keys, layer.values))

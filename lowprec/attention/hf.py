@@ -164,17 +164,20 @@ def _fp8_cache_classes():
             self.dtype, self.device = key_states.dtype, key_states.device
             self.fp8 = FP8KVCache(b, hkv, self.max_len, d, dtype=key_states.dtype, device=key_states.device,
                                   v_headroom=self.v_headroom)
+            # the whole code buffers, values as [B, Hkv, max_len', D]: each update slices them once
+            self._keys, self._values = self.fp8._k, self.fp8._v_t.transpose(-1, -2)
             self.is_initialized = True
 
         def update(self, key_states, value_states, *args, **kwargs):
             if not self.is_initialized:
                 self.lazy_initialization(key_states, value_states)
             self.fp8.append(key_states, value_states)
-            # what attention receives: the FP8 codes as [B, Hkv, L, D] views, the key naming the cache
-            k, _, v_t, _ = self.fp8.operands()
-            keys = k.view(k.shape)
+            # what attention receives: the FP8 codes as [B, Hkv, L, D] views (one slice each, of views
+            # made once), the key naming the cache
+            length = self.fp8.length
+            keys = self._keys[:, :, :length]
             setattr(keys, _FP8_CACHE_ATTR, self.fp8)
-            return keys, v_t.transpose(-1, -2)[..., :k.shape[2], :]
+            return keys, self._values[:, :, :length]
 
         def get_seq_length(self) -> int:
             return self.fp8.length if self.is_initialized else 0
