@@ -4,7 +4,8 @@
 (the GPU keeps up at small batches, so µs per call is the host's), next to a bf16 cache written in
 place + SDPA flash in the same process; then cProfile's top functions of ``append`` + ``attend``.
 
-    python benchmarks/kv_cache_host.py [--shapes B,H,Hkv,Sk,D;...] [--old DIR] [--profile]
+    python benchmarks/kv_cache_host.py [--shapes B,H,Hkv,Sk,D;...] [--old DIR] [--profile] [--pieces]
+                                       [--sync-probe]
 
 ``--old DIR``: also time another tree (a directory holding it as package ``lowprec_old``, e.g.
 ``git archive HEAD lowprec | tar -x -C DIR && mv DIR/lowprec DIR/lowprec_old``), same process,
@@ -18,7 +19,9 @@ import cProfile
 import importlib
 import math
 import pstats
+import statistics
 import sys
+import time
 
 import torch
 import torch.nn.functional as F
@@ -94,6 +97,49 @@ def _pieces():
     print_table(["piece", "µs"], rows)
 
 
+def _sync_probe():
+    """Host µs to issue each call of a B1 H32/8 decode step right after ~2 ms of GPU work was queued
+    (``torch.cuda._sleep``), median of 20: a call that waits for the GPU (a hidden sync) shows the
+    queue's ~2000 µs, one that does not its host time. SDPA and a torch op as controls."""
+    b, h, hkv, sk, d = 1, 32, 8, 8192, 128
+    bf = torch.bfloat16
+    cache = FP8KVCache(b, hkv, sk + _GROWTH, d, device="cuda")
+    k, v = (torch.randn(b, hkv, sk, d, device="cuda").to(bf) for _ in range(2))
+    new_k, new_v = (torch.randn(b, hkv, 1, d, device="cuda").to(bf) for _ in range(2))
+    q = torch.randn(b, h, 1, d, device="cuda").to(bf)
+    cache.append(k, v)
+    cache.attend(q)
+    cache.decode_step(q, new_k, new_v)
+    torch.cuda.synchronize()
+    start = torch.cuda.Event(enable_timing=True)
+    end = torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(1_000_000)
+    end.record()
+    torch.cuda.synchronize()
+    cycles = int(1_000_000 * 2.0 / start.elapsed_time(end))  # ~2 ms
+    calls = {
+        "sdpa flash (control)": lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True),
+        "add_ (control)": lambda: cache._device_lengths.add_(0),
+        "append": lambda: cache.append(new_k, new_v),
+        "attend": lambda: cache.attend(q),
+        "decode_step": lambda: cache.decode_step(q, new_k, new_v),
+    }
+    rows = []
+    for name, fn in calls.items():
+        times = []
+        for _ in range(20):
+            torch.cuda.synchronize()
+            torch.cuda._sleep(cycles)
+            t = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t) * 1e6)
+        torch.cuda.synchronize()
+        rows.append((name, f"{statistics.median(times):.1f}"))
+    print(f"# {torch.cuda.get_device_name()}: host µs to issue a call behind ~2 ms of queued GPU work")
+    print_table(["call", "µs"], rows)
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--shapes", default="1,32,8,8192,128;8,32,8,8192,128;1,32,32,4096,128")
@@ -101,9 +147,14 @@ def main():
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--profile", action="store_true")
     p.add_argument("--pieces", action="store_true", help="also time the pieces of a B1 decode step one by one")
+    p.add_argument("--sync-probe", action="store_true",
+                   help="also time each call issued behind ~2 ms of queued GPU work: a call that waits for "
+                        "the GPU takes the queue's time")
     args = p.parse_args()
     if args.pieces:
         _pieces()
+    if args.sync_probe:
+        _sync_probe()
     trees = {"new": FP8KVCache}
     if args.old:
         sys.path.insert(0, args.old)
