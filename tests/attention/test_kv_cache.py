@@ -309,6 +309,23 @@ def test_append_kernel_constraints():
     assert "known only on the device" in kv_append_unsupported(k[:, :, :2], v[:, :, :2], *bufs, None)
 
 
+def test_cache_attention_constraints():
+    """Which queries the kernels bound to a cache take (decode: Sq <= 16, not causal, a kernel head
+    dim and dtype); the others take attend's general path."""
+    from lowprec.attention.sm90.config import cache_attention_unsupported
+
+    cache = FP8KVCache(2, 2, 512, 128)
+    args = (cache._k, cache._k_scale, cache._v_t, cache._v_scale, 128 ** -0.5, cache._plan)
+    assert cache_attention_unsupported(torch.randn(2, 8, 1, 128).to(BF16), *args) is None
+    assert cache_attention_unsupported(torch.randn(2, 8, 16, 128).to(BF16), *args) is None
+    assert "Sq <= 16" in cache_attention_unsupported(torch.randn(2, 8, 17, 128).to(BF16), *args)
+    assert "dtype" in cache_attention_unsupported(torch.randn(2, 8, 1, 128), *args)
+    small = FP8KVCache(2, 2, 512, 32)
+    why = cache_attention_unsupported(torch.randn(2, 8, 1, 32).to(BF16), small._k, small._k_scale, small._v_t,
+                                      small._v_scale, 32 ** -0.5, small._plan)
+    assert "(64, 128, 256)" in why
+
+
 def test_decode_step_is_append_then_attend():
     """decode_step (here: no kernels, so append then attend) and the host path of the device-side
     lengths (each row over its own length, read back) give attend's bits."""
