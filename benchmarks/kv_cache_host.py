@@ -56,12 +56,13 @@ def _fp8_calls(cache_cls, b, h, hkv, sk, d, k, v, q, new_k, new_v):
     }
 
 
-def _pieces():
-    """µs per call of each piece of an eager B1 H32/8 d128 decode step (back to back)."""
-    from lowprec.attention.sm90.config import kv_append_unsupported
-    from lowprec.runtime import on_device
+_B1 = (1, 32, 8, 8192, 128)  # B, H, Hkv, Sk, D of the --pieces and --sync-probe runs
 
-    b, h, hkv, sk, d = 1, 32, 8, 8192, 128
+
+def _b1_decode():
+    """A B1 H32/8 Sk8192 d128 cache holding a prompt, attended once (its kernels bound): ``(cache,
+    k, v, new_k, new_v, q)``, the prompt's K / V, one new token's and one query, bf16."""
+    b, h, hkv, sk, d = _B1
     bf = torch.bfloat16
     cache = FP8KVCache(b, hkv, sk + _GROWTH, d, device="cuda")
     k, v = (torch.randn(b, hkv, sk, d, device="cuda").to(bf) for _ in range(2))
@@ -69,11 +70,20 @@ def _pieces():
     q = torch.randn(b, h, 1, d, device="cuda").to(bf)
     cache.append(k, v)
     cache.attend(q)
+    return cache, k, v, new_k, new_v, q
+
+
+def _pieces():
+    """µs per call of each piece of an eager B1 H32/8 d128 decode step (back to back)."""
+    from lowprec.attention.sm90.config import kv_append_tokens_unsupported
+    from lowprec.runtime import on_device
+
+    cache, _, _, new_k, new_v, q = _b1_decode()
     cache.append(new_k, new_v)
+    sk, d, bf = _B1[3], _B1[4], q.dtype
     attend = cache._prepared["attention_fp8_cache_attend", (q.shape, bf, 1.0 / math.sqrt(d))]
     append = cache._prepared["attention_fp8_cache_append", ()]
-    launch, front, back, parts = next(iter(attend._by_splits.values()))
-    out, lse = attend(q, sk)
+    launch, front, back, _ = next(iter(attend._by_splits.values()))
     lengths = cache._device_lengths
     dev = q.device
     pieces = {
@@ -87,7 +97,7 @@ def _pieces():
         "Q pre-pass launch": lambda: attend.q_kernel(q.view(-1, attend.q_row), *attend.q_dst),
         "forward launch": lambda: launch.fn(*front, *back, attend.scale_log2, *launch.ints, attend.plan),
         "CacheAttention call": lambda: attend(q, sk),
-        "CacheAppend check (no launch)": lambda: kv_append_unsupported(new_k, new_v, *append.buffers, None),
+        "CacheAppend check (no launch)": lambda: kv_append_tokens_unsupported(new_k, new_v, None),
         "CacheAppend call": lambda: append(new_k, new_v, None),
         "attend": lambda: cache.attend(q),
     }
@@ -101,14 +111,7 @@ def _sync_probe():
     """Host µs to issue each call of a B1 H32/8 decode step right after ~2 ms of GPU work was queued
     (``torch.cuda._sleep``), median of 20: a call that waits for the GPU (a hidden sync) shows the
     queue's ~2000 µs, one that does not its host time. SDPA and a torch op as controls."""
-    b, h, hkv, sk, d = 1, 32, 8, 8192, 128
-    bf = torch.bfloat16
-    cache = FP8KVCache(b, hkv, sk + _GROWTH, d, device="cuda")
-    k, v = (torch.randn(b, hkv, sk, d, device="cuda").to(bf) for _ in range(2))
-    new_k, new_v = (torch.randn(b, hkv, 1, d, device="cuda").to(bf) for _ in range(2))
-    q = torch.randn(b, h, 1, d, device="cuda").to(bf)
-    cache.append(k, v)
-    cache.attend(q)
+    cache, k, v, new_k, new_v, q = _b1_decode()
     cache.decode_step(q, new_k, new_v)
     torch.cuda.synchronize()
     start = torch.cuda.Event(enable_timing=True)
