@@ -3,7 +3,12 @@ against bf16 cuBLAS on the Llama-3-8B projections: GPU time of a CUDA graph, wei
 L2 as in ``bench decode``.
 
     python benchmarks/weight_only_sweep.py [--fmt nvfp4|fp8] [--ms 1,4,16] [--shapes 6144x4096,...] [--splits 1,2,4,8]
-        [--max-stages 8] [--ctas-per-sm 2] [--warp-mma-max 8]
+        [--max-stages 8] [--ctas-per-sm 2] [--warp-mma-max 8] [--after-op]
+
+``--after-op``: each call takes its ``x`` from an elementwise torch kernel just before it (``x * 1``),
+as in a model, where a norm or an activation precedes each projection: a kernel cannot then overlap
+its start with the previous call's end (programmatic dependent launch), as back-to-back calls of
+the weight-only kernel do.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ def main():
     p.add_argument("--ctas-per-sm", type=int, default=None, help="override the resident CTAs per SM at tile_m <= 32")
     p.add_argument("--warp-mma-max", type=int, default=None,
                    help="override the widest tile_m on mma.sync for --fmt (0: none)")
+    p.add_argument("--after-op", action="store_true", help="an elementwise kernel before each call (as in a model)")
     args = p.parse_args()
     if args.warp_mma_max is not None:
         wo.WARP_MMA_MAX_TILE_M = {**wo.WARP_MMA_MAX_TILE_M, args.fmt: args.warp_mma_max}
@@ -42,6 +48,7 @@ def main():
         wo._MAX_STAGES = args.max_stages
         wo.compile_kernel.cache_clear()
     ms = [int(v) for v in args.ms.split(",")]
+    fresh = (lambda x: x * 1) if args.after_op else (lambda x: x)  # noqa: E731
     chosen = wo.choose_split
     grid = [int(v) for v in args.splits.split(",")] + ["auto"]
     ratios = {g: [] for g in grid}
@@ -57,11 +64,11 @@ def main():
         bf16 = [w.clone() for _ in range(max(1, math.ceil(ROTATE_BYTES / (n * k * 2))))]
         for m in ms:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            t_bf16 = bench_graph_ms(lambda x=x, ws=bf16: [x @ b.t() for b in ws]) * 1e3 / len(bf16)
+            t_bf16 = bench_graph_ms(lambda x=x, ws=bf16: [fresh(x) @ b.t() for b in ws]) * 1e3 / len(bf16)
             line = [f"{n}x{k} M={m}: bf16 {t_bf16:6.1f} us"]
             for g in grid:
                 wo.choose_split = chosen if g == "auto" else (lambda *args, g=g: g)
-                t = bench_graph_ms(lambda x=x, run=run, ps=packs: [run(x, pk) for pk in ps]) * 1e3 / len(packs)
+                t = bench_graph_ms(lambda x=x, run=run, ps=packs: [run(fresh(x), pk) for pk in ps]) * 1e3 / len(packs)
                 ratios[g].append(t_bf16 / t)
                 line.append(f"s{g} {t:6.1f} us {t_bf16 / t:4.2f}x {n * k * bytes_per_weight / t / 1e3:5.0f} GB/s")
             print(" | ".join(line), flush=True)

@@ -19,12 +19,20 @@ two ways: ``eager-ops``, the step's PyTorch ops as they are captured in the grap
 adds fused by inductor, the lowprec layers traced as their custom ops) captured in the graph, as
 a compiled decode loop runs it.
 
-Each projection is timed two ways: ``graph_us``, the GPU time of a CUDA graph of back-to-back calls (the
-kernel's own speed), and ``eager_us``, back-to-back Python calls (what an eager decode loop pays,
-host time included). The calls cycle over copies of the layer whose weights add up to more than
-``ROTATE_BYTES`` (four times H100's 50 MB L2), so each call reads its weight from HBM as a model's
-layers do (one weight replayed back to back would stay in L2: 120% of the copy rate, measured).
-``GB/s`` counts the bytes of the weight as stored (the floor of a
+Each projection is timed three ways:
+
+- ``graph_us``: the GPU time of a CUDA graph of back-to-back calls (the kernel's own speed);
+- ``after_op_us``: the same with each call's ``x`` made by an elementwise kernel just before it
+  (``x * 1``, its own graph time subtracted), as in a model, where a norm or an activation
+  precedes most projections. The lowprec kernels launch with programmatic dependent launch: back
+  to back, a call starts loading its weight while the previous one drains; after a PyTorch kernel
+  it cannot, so this column counts its start-up as a model step does;
+- ``eager_us``: back-to-back Python calls (what an eager decode loop pays, host time included).
+
+The calls cycle over copies of the layer whose weights add up to more than ``ROTATE_BYTES`` (four
+times H100's 50 MB L2), so each call reads its weight from HBM as a model's layers do (one weight
+replayed back to back would stay in L2: 120% of the copy rate, measured). ``GB/s`` counts the
+bytes of the weight as stored (the floor of a
 memory-bound GEMM), ``% copy`` against the measured device copy bandwidth.
 
     python -m lowprec bench decode [--ms 1,4,16,64,256] [--shapes 6144x4096,...] [--batches 1,8]
@@ -41,7 +49,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["SHAPES", "MS", "IMPLS", "MODEL_IMPLS", "weight_bytes", "decode_step", "model_decode_rows", "main"]
+__all__ = ["SHAPES", "MS", "IMPLS", "MODEL_IMPLS", "weight_bytes", "ratio_summary", "decode_step", "model_decode_rows",
+           "main"]
 
 SHAPES = ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336))  # N x K
 MS = (1, 4, 16, 64, 256)
@@ -82,6 +91,26 @@ def parse_args(argv=None):
     if unknown:
         p.error(f"--impls: unknown {unknown}; choose from {IMPLS}")
     return args
+
+
+SUMMARY_MS = (1, 4, 16)  # the issue's geomean: the four shapes at these token counts
+
+
+def ratio_summary(rows: list[dict]) -> dict:
+    """Per lowprec format and timing (``graph_us``, ``after_op_us``): the geomean and the lowest of
+    bf16's time over its time, over the rows at ``SUMMARY_MS`` tokens that both timed."""
+    bf16 = {(r["n"], r["k"], r["m"]): r for r in rows if r["impl"] == "bf16"}
+    summary = {}
+    for impl in ("lowprec-fp8", "lowprec-nvfp4"):
+        for mode in ("graph_us", "after_op_us"):
+            ratios = [bf16[key][mode] / r[mode] for r in rows
+                      if r["impl"] == impl and r["m"] in SUMMARY_MS and mode in r
+                      and mode in bf16.get(key := (r["n"], r["k"], r["m"]), {})]
+            if ratios:
+                summary.setdefault(impl, {})[mode] = {
+                    "geomean": math.exp(sum(map(math.log, ratios)) / len(ratios)), "lowest": min(ratios),
+                    "cells": len(ratios)}
+    return summary
 
 
 def rotation_copies(weight_nbytes: float) -> int:
@@ -126,7 +155,8 @@ def main(argv: list[str] | None = None) -> int:
 
     copy_gbs = copy_bandwidth_gbs()
     print(f"# {torch.cuda.get_device_name()}: device copy {copy_gbs:.0f} GB/s; graph_us = GPU time (CUDA graph of "
-          "back-to-back calls), eager_us = back-to-back Python calls (host time included)")
+          "back-to-back calls), after_op_us = the same, each call after an elementwise kernel (as in a model), "
+          "eager_us = back-to-back Python calls (host time included)")
     rows, table = [], []
     g = torch.Generator(device="cuda").manual_seed(0)
     for n, k in args.shapes:
@@ -148,18 +178,26 @@ def main(argv: list[str] | None = None) -> int:
                         fn = (lambda layer=layer, x=x: [copy(x) for copy in layer])
                         fn()
                         row["graph_us"] = bench_graph_ms(fn) * 1e3 / len(layer)
+                        after_op = (lambda layer=layer, x=x: [copy(x * 1) for copy in layer])
+                        op_alone = (lambda layer=layer, x=x: [x * 1 for _ in layer])
+                        row["after_op_us"] = (bench_graph_ms(after_op) - bench_graph_ms(op_alone)) * 1e3 / len(layer)
                         row["eager_us"] = back_to_back_us(fn) / len(layer)
                     row["gbs"] = row["weight_bytes"] / row["graph_us"] / 1e3
                     row["pct_copy"] = 100 * row["gbs"] / copy_gbs
                 except Exception as err:  # e.g. cuBLAS FP8 refusing a shape
                     row["note"] = f"{type(err).__name__}: {str(err).splitlines()[0][:100]}"
                 rows.append(row)
-                table.append([f"{n}x{k}", m, impl, row.get("graph_us", "-"), row.get("eager_us", "-"),
-                              row.get("gbs", "-"), row.get("pct_copy", "-"), row.get("note", "")])
-    print_table(["N x K", "M", "impl", "graph_us", "eager_us", "GB/s", "% copy", "note"], table)
+                table.append([f"{n}x{k}", m, impl, row.get("graph_us", "-"), row.get("after_op_us", "-"),
+                              row.get("eager_us", "-"), row.get("gbs", "-"), row.get("pct_copy", "-"),
+                              row.get("note", "")])
+    print_table(["N x K", "M", "impl", "graph_us", "after_op_us", "eager_us", "GB/s", "% copy", "note"], table)
+    summary = ratio_summary(rows)
+    for impl, by_mode in summary.items():
+        print(f"{impl}: geomean x bf16 at M = {', '.join(map(str, SUMMARY_MS))} over the shapes: " + ", ".join(
+            f"{mode} {r['geomean']:.2f}x (lowest {r['lowest']:.2f}x)" for mode, r in by_mode.items()))
     model_rows = model_decode_rows(args.batches, args.model_modes) if args.batches else []
     path = save_results("decode", {"device": torch.cuda.get_device_name(), "copy_gbs": copy_gbs, "rows": rows,
-                                   "model_step": model_rows, "context": CONTEXT}, args.out)
+                                   "summary": summary, "model_step": model_rows, "context": CONTEXT}, args.out)
     print(f"results: {path}")
     return 0
 

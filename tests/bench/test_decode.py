@@ -38,6 +38,24 @@ def test_each_implementation_computes_the_product(impl):
     assert y.shape == (4, 256) and ((y.float() - ref).norm() / ref.norm()) < 0.15
 
 
+def test_ratio_summary_geomean_per_format_and_timing():
+    def row(impl, m, graph_us, after_op_us=None, n=4096):
+        r = {"impl": impl, "n": n, "k": 4096, "m": m, "graph_us": graph_us}
+        return r if after_op_us is None else {**r, "after_op_us": after_op_us}
+
+    rows = [row("bf16", 1, 10.0, 12.0), row("lowprec-nvfp4", 1, 4.0, 6.0),
+            row("bf16", 4, 10.0, 12.0), row("lowprec-nvfp4", 4, 2.5, 3.0),
+            row("bf16", 64, 10.0, 12.0), row("lowprec-nvfp4", 64, 1.0, 1.0),  # M = 64: not summarized
+            row("bf16", 1, 20.0, n=8192), row("lowprec-nvfp4", 1, 5.0, n=8192),  # no after_op_us there
+            row("lowprec-fp8", 16, 5.0, 5.0)]  # no bf16 row at that shape: not summarized
+    summary = decode.ratio_summary(rows)
+    assert set(summary) == {"lowprec-nvfp4"}
+    graph, after = summary["lowprec-nvfp4"]["graph_us"], summary["lowprec-nvfp4"]["after_op_us"]
+    assert graph["cells"] == 3 and graph["geomean"] == pytest.approx((2.5 * 4.0 * 4.0) ** (1 / 3))
+    assert graph["lowest"] == pytest.approx(2.5)
+    assert after["cells"] == 2 and after["geomean"] == pytest.approx((2.0 * 4.0) ** 0.5) and after["lowest"] == 2.0
+
+
 def test_rotation_reads_more_than_l2_per_round():
     for impl in decode.IMPLS:
         for n, k in decode.SHAPES:
