@@ -5,7 +5,10 @@
 place + SDPA flash in the same process; then cProfile's top functions of ``append`` + ``attend``.
 
     python benchmarks/kv_cache_host.py [--shapes B,H,Hkv,Sk,D;...] [--old DIR] [--profile] [--pieces]
-                                       [--sync-probe]
+                                       [--sync-probe] [--graph]
+
+``--graph``: also ``decode_step`` replayed from a CUDA graph (10 steps a graph, the GPU time per
+step: no host time), per tree.
 
 ``--old DIR``: also time another tree (a directory holding it as package ``lowprec_old``, e.g.
 ``git archive HEAD lowprec | tar -x -C DIR && mv DIR/lowprec DIR/lowprec_old``), same process,
@@ -28,7 +31,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from lowprec.attention import FP8KVCache
-from lowprec.bench.common import back_to_back_us, print_table
+from lowprec.bench.common import back_to_back_us, bench_graph_ms, print_table
 
 _CALLS, _REPS, _WARMUP = 50, 5, 20
 _GROWTH = (_CALLS * _REPS + _WARMUP) * 2 + 64  # tokens a measurement may append
@@ -150,6 +153,7 @@ def main():
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--profile", action="store_true")
     p.add_argument("--pieces", action="store_true", help="also time the pieces of a B1 decode step one by one")
+    p.add_argument("--graph", action="store_true", help="also decode_step from a CUDA graph (GPU µs per step)")
     p.add_argument("--sync-probe", action="store_true",
                    help="also time each call issued behind ~2 ms of queued GPU work: a call that waits for "
                         "the GPU takes the queue's time")
@@ -192,6 +196,12 @@ def main():
                 for name, fn in calls.items():
                     fresh()
                     times.setdefault((tree, name), []).append(back_to_back_us(fn, _CALLS, _REPS, _WARMUP))
+                if args.graph:  # 10 steps a graph, replayed 7 times after a warm-up and the capture
+                    fresh()
+                    step = calls["decode_step"]
+                    step()
+                    times.setdefault((tree, "decode_step graph (GPU)"), []).append(
+                        bench_graph_ms(step, reps=10, batches=7) * 1e3)
         bf16_us = min(times[("bf16", "write + sdpa flash")])
         shape = f"B{b} H{h}/{hkv} Sk{sk} d{d}"
         for (tree, name), ts in times.items():

@@ -209,20 +209,23 @@ class FP8KVCache:
         if not self._v_scale_set:
             self._fix_v_scale(scale_from_amax(self._v_amax(v, counts) * self.v_headroom, _ROWWISE))
         same_count = len(set(counts)) == 1
+        by_kernel = False  # the append kernel also advances the device-side lengths
         if same_count and len(set(starts)) == 1:
             start, end = starts[0], starts[0] + t
             # a decode step on Hopper: one kernel (sm90/kv_append.py), the same bits as the torch ops
-            if not self._append_kernel(k, v, start):
+            by_kernel = self._append_kernel(k, v, start)
+            if not by_kernel:
                 self._append_torch(k, v, start, end)
         elif t == 1 and same_count:  # one token at each row's own length (on the device)
-            if not self._append_kernel(k, v, None):
+            by_kernel = self._append_kernel(k, v, None)
+            if not by_kernel:
                 self._append_rows(k, v, starts, counts)
         else:
             self._append_rows(k, v, starts, counts)
         self._lengths = [s + n for s, n in zip(starts, counts, strict=True)]
-        if same_count:
+        if same_count and not by_kernel:
             self._device_lengths.add_(counts[0])  # one kernel: no host-to-device copy in a decode loop
-        else:
+        elif not same_count:
             self._device_lengths.copy_(torch.tensor(self._lengths, dtype=torch.int32))
 
     def _kernel_object(self, op: str, key: tuple, *args):
@@ -248,7 +251,8 @@ class FP8KVCache:
 
     def _append_kernel(self, k: torch.Tensor, v: torch.Tensor, start: int | None) -> bool:
         """Append ``k``, ``v`` with the append kernel at the plan's lengths (``start``: their host
-        value where known); False where no kernel takes them (nothing written)."""
+        value where known), which the kernel advances; False where no kernel takes them (nothing
+        written, the lengths unchanged)."""
         op = "attention_fp8_cache_append"
         append = self._kernel_object(op, (), k, v, *self._buffers(), start)
         if append is None:
@@ -344,11 +348,11 @@ class FP8KVCache:
         if self._lengths is not None and max(self._lengths) + 1 > self.max_len:
             raise ValueError(f"k: 1 more token overflows the cache: it holds {max(self._lengths)} of "
                              f"max_len={self.max_len}")
+        # past max_len the kernels store nothing (the append counts the token in ``dropped``) and read
+        # max_len keys; the host reads clamp. The append kernel advances the lengths itself.
         if not self._append_kernel(k, v, None):
             self._append_rows(k, v, self._host_lengths(), [1] * self.batch)
-        # past max_len the kernels store nothing (the append counts the token in ``dropped``) and read
-        # max_len keys; the host reads clamp (one launch less per step)
-        self._device_lengths.add_(1)
+            self._device_lengths.add_(1)
         capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
         self._lengths = None if capturing or self._lengths is None else [n + 1 for n in self._lengths]
         scale = 1.0 / math.sqrt(self.head_dim) if scale is None else float(scale)

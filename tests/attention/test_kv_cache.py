@@ -277,13 +277,15 @@ def test_kernel_operands_may_be_views_of_longer_buffers():
 @pytest.mark.parametrize("d", [64, 128, 256])
 def test_append_kernel_compiles_sm90a(dtype, d):
     """The decode-step append kernel compiles for sm_90a: E4M3 conversions, one 64-bit reduction
-    for the saturation count, no local memory."""
+    for the saturation count, the arrival count that lets a row's last CTA advance its length, no
+    local memory."""
     from lowprec.attention.sm90.interface import build_kv_append_kernel
     from lowprec.runtime.compile import local_memory_ops, nvdisasm_path, sass_of
 
     compiled = build_kv_append_kernel(dtype, d, "sm_90a")
     assert "cvt.rn.satfinite.e4m3x2.f32" in compiled.__ptx__
     assert "red.relaxed.gpu.global.add.u64" in compiled.__ptx__
+    assert "atom.global.acq_rel.add.u32" in compiled.__ptx__
     if nvdisasm_path() is None:
         pytest.skip("nvdisasm not found")
     sass = sass_of(compiled)
@@ -392,6 +394,8 @@ def test_append_kernel_is_the_torch_ops(dtype, d, monkeypatch):
         bad = (x != y).nonzero()
         assert not len(bad), (name, len(bad), bad[:4].tolist(), x[tuple(bad[0])].item(), y[tuple(bad[0])].item())
     assert fast.saturated.item() == slow.saturated.item() > 0
+    # the kernel advanced the device-side lengths itself, and left its arrival count at 0
+    assert torch.equal(fast._plan, slow._plan) and fast.lengths.tolist() == [sk] * b
     kq, _ = quantize_kv_cache(k, v)
     assert torch.equal(fast.operands()[0].view(torch.uint8), kq.data.view(torch.uint8))
 
@@ -541,6 +545,9 @@ def test_ragged_rows_on_the_kernels(b, h, hkv, d, monkeypatch):
         cache.append(k[:, :, i:i + 1], v[:, :, i:i + 1])
         rows.append(k[:, :, i:i + 1], v[:, :, i:i + 1], [1] * b)
     rows.check_operands(cache)
+    # each row's length advanced on the device by its own CTAs (the host's copy agrees)
+    assert cache.lengths.tolist() == [n + 6 for n in lengths] and cache._plan[:, 7].tolist() == [0] * b
+    assert cache._lengths == [n + 6 for n in lengths]
 
     def close(x, y):
         cos = torch.nn.functional.cosine_similarity(x.float().flatten(), y.float().flatten(), dim=0)

@@ -623,8 +623,8 @@ def cache_attention_op(q, k, k_scale, v_t, v_scale, scale: float, plan) -> Cache
 class CacheAppend:
     """The FP8 KV cache's append kernel (``kv_append.py``) bound to one cache's buffers: a call checks
     the new tokens (``config.kv_append_tokens_unsupported``) and launches one append at the lengths in the
-    plan's field 5 (``start``: their host value where known, else None); it returns None, or why the
-    kernel cannot take them (nothing written: the cache then appends in torch ops)."""
+    plan's field 5, which it advances (``start``: their host value where known, else None); it returns
+    None, or why the kernel cannot take them (nothing written: the cache then appends in torch ops)."""
 
     def __init__(self, dtype: torch.dtype, head_dim: int, buffers: tuple):
         self.entry, self.buffers, self.device = _kv_append_entry(dtype, head_dim), buffers, buffers[0].device

@@ -3,7 +3,8 @@
 In torch ops an append was ~25 small kernels, ~550 µs of host time per step on the lent machine's
 host against ~100 µs for a bf16 cache's whole step (``benchmarks/attention_kv_cache.py``). Here one
 CTA per (batch row, KV head) does what :meth:`lowprec.attention.FP8KVCache.append` computes when
-the new tokens stay inside the 128-token block being filled:
+the new tokens stay inside the 128-token block being filled, and the row's last CTA advances its
+length (no second launch for it):
 
 - K: the block's amax so far (kept with its tokens, in the cache's float dtype) and the new tokens':
   the block's scale, the new tokens' codes, and the kept tokens' codes again only when the amax
@@ -51,12 +52,21 @@ def _kv_append_kernel(mKn: cute.Tensor, mVn: cute.Tensor, mTail: cute.Tensor, mA
                       mPlan: cute.Tensor, count: cutlass.Int32, d: cutlass.Constexpr):
     tidx, _, _ = cute.arch.thread_idx()
     head, batch, _ = cute.arch.block_idx()
-    start = mPlan[batch, 5]  # the row's length (the cache updates it after this launch)
+    start = mPlan[batch, 5]  # the row's length
     if start + count <= mK_u8.shape[2]:
         _append_row(mKn, mVn, mTail, mAmax, mK_u8, mKs, mVt_u8, mVinv, mCounts, start, count, batch, head, tidx, d)
     elif tidx == 0 and head == 0:  # past max_len (a replayed graph): nothing written, counted
         cute.arch.red(mCounts.iterator + 1, cutlass.Int64(count), op="add", dtype="u64", sem="relaxed",
                       scope="gpu")
+    # the row's length moves on once every head's CTA has read it: each CTA counts itself in field
+    # 7 (after all its threads read field 5); the last one stores the new length and clears the count
+    cute.arch.barrier()
+    if tidx == 0:
+        arrived = cute.arch.atomic_add(mPlan[batch, None].iterator + 7, cutlass.Int32(1), sem="acq_rel",
+                                       scope="gpu")
+        if arrived == mK_u8.shape[1] - 1:
+            mPlan[batch, 7] = cutlass.Int32(0)
+            mPlan[batch, 5] = start + count
 
 
 @cute.jit
@@ -114,7 +124,8 @@ def kv_append(mKn: cute.Tensor, mVn: cute.Tensor, mTail: cute.Tensor, mAmax: cut
               mKs: cute.Tensor, mVt: cute.Tensor, mVinv: cute.Tensor, mCounts: cute.Tensor, mPlan: cute.Tensor,
               count: cutlass.Int32, d: cutlass.Constexpr, stream):
     """Append ``count`` tokens (``mKn``, ``mVn`` [B, Hkv, count, D], any strides, rows contiguous)
-    at each batch row's length (field 5 of ``mPlan`` [B, 8] int32, read on the device) in the cache
+    at each batch row's length (field 5 of ``mPlan`` [B, 8] int32, read on the device and advanced
+    by ``count``; field 7 is the launch's arrival count, 0 before and after) in the cache
     (``mK`` [B, Hkv, max_len, D] and ``mVt`` [B, Hkv, D, padded] E4M3 codes, ``mKs`` [B, Hkv,
     blocks] K scales, ``mTail`` [B, Hkv, 128, D] the block's kept tokens and ``mAmax`` [B, Hkv]
     their amax, ``mVinv`` [B, Hkv, D] V's inverse scales, ``mCounts`` [2] int64: values saturated,
