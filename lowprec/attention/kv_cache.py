@@ -209,6 +209,8 @@ class FP8KVCache:
         if not self._v_scale_set:
             self._fix_v_scale(scale_from_amax(self._v_amax(v, counts) * self.v_headroom, _ROWWISE))
         same_count = len(set(counts)) == 1
+        if same_count and counts[0] < t:  # every row's padding at the same place: never read
+            k, v, t = k[:, :, :counts[0]], v[:, :, :counts[0]], counts[0]
         by_kernel = False  # the append kernel also advances the device-side lengths
         if same_count and len(set(starts)) == 1:
             start, end = starts[0], starts[0] + t

@@ -223,6 +223,28 @@ def test_ragged_padding_is_never_read():
     assert not k2.isfinite().all()  # the caller's tensors untouched
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[gpu, needs_gpu])])
+def test_padding_is_never_read_when_every_row_gives_the_same_count(device, monkeypatch):
+    """``lengths`` all equal but short of the tokens given: only those tokens enter the cache (the
+    padding, NaN and huge here, moves no K scale and no code), and the lengths advance by them (on
+    sm_90a the second append is the append kernel's, on a token-strided view)."""
+    if device == "cuda":
+        monkeypatch.setenv("LOWPREC_BACKEND", "kernel")  # every append on the kernel, or raise
+    k, v = _kv(2, 2, 40, 64, device=device)
+    k2, v2 = k.clone(), v.clone()
+    k2[:, :, 30:], v2[:, :, 30:] = float("nan"), 1e4
+    a, b = (FP8KVCache(2, 2, 128, 64, device=device) for _ in range(2))
+    a.append(k2, v2, lengths=[30, 30])
+    b.append(k[:, :, :30], v[:, :, :30])
+    a.append(k2[:, :, :5], v2[:, :, :5], lengths=torch.tensor([3, 3]))
+    b.append(k[:, :, :3], v[:, :, :3])
+    assert a.lengths.tolist() == b.lengths.tolist() == [33, 33] and a.length == 33
+    for x, y in zip(a.operands(), b.operands(), strict=True):
+        assert torch.equal(x.view(torch.uint8) if x.dtype != torch.float32 else x,
+                           y.view(torch.uint8) if y.dtype != torch.float32 else y)
+    assert torch.equal(a.dequantize()[0], b.dequantize()[0])
+
+
 def test_dequantize_decodes_the_codes():
     """dequantize: each code times its scale (K per 128 tokens, V per channel), within E4M3's
     rounding of the appended tokens."""
