@@ -121,7 +121,8 @@ class FP8KVCache:
         #: batch rows; nothing else is written for them); int64, on the device
         self.dropped = self._counts[1]
         # each batch row's length on the device, field 5 of a [B, 8] plan (the varlen kernels' Sk
-        # field): the kernels read it, so a CUDA graph of decode_step replays at any length
+        # field): the kernels read it and the append kernel advances it (field 7: its arrival count,
+        # 0 between launches), so a CUDA graph of decode_step replays at any length
         self._plan = torch.zeros(batch, 8, dtype=torch.int32, device=device)
         self._device_lengths = self._plan[:, 5]
         # the kernels' objects bound to these buffers (registry ops ``attention_fp8_cache_*``), made on
