@@ -12,10 +12,12 @@ channel, P in FP8, differentiable (the backward is exact attention's gradient in
 
 The calls the FP8 forward does not compute run transformers' own ``sdpa`` implementation, with one
 warning per reason: an attention mask (padding, sliding windows: transformers passes no mask for a
-plain causal pattern), dropout, a softcap, chunked prefill over a cache (``1 < q_len != kv_len``),
+plain causal pattern), dropout, a softcap, an additive position bias (T5's relative positions),
+chunked prefill over a cache (``1 < q_len != kv_len``),
 decode over transformers' bf16 cache (its whole K and V would be quantized again at every step:
 :func:`fp8_cache` below keeps the cache in FP8), and on CUDA inputs the kernel does not
-read (dtype other than bf16 / fp16, head dims other than 64 / 128 / 256, ``Dv != D``).
+read (dtype other than bf16 / fp16, head dims other than 64 / 128 / 256, ``Dv != D``). Attention
+sinks (``s_aux``: GPT-OSS) are refused with an error: neither path adds them.
 
 Generation on an FP8 KV cache: :func:`fp8_cache` is a transformers ``Cache`` whose layers are
 :class:`lowprec.attention.FP8KVCache` objects (each step's keys and values quantized once as they
@@ -59,15 +61,25 @@ def register_transformers_attention() -> str:
     return ATTENTION_IMPLEMENTATION
 
 
-def _sdpa_reason(module, query, key, value, attention_mask, dropout: float, kwargs) -> str | None:
-    """Why this call runs transformers' SDPA instead of the FP8 forward (None: it does not)."""
-    q_len, kv_len = query.shape[2], key.shape[2]
+def _score_terms_reason(attention_mask, dropout: float, kwargs) -> str | None:
+    """What this call adds to plain softmax(QKᵀ)V that the FP8 forward does not compute (None:
+    nothing)."""
     if attention_mask is not None:
         return "an attention mask (padding, a sliding window or another pattern than plain causal)"
     if dropout:
         return "attention dropout"
     if kwargs.get("softcap") is not None:
         return "a logit softcap"
+    if kwargs.get("position_bias") is not None:
+        return "an additive position bias (relative positions, ALiBi)"
+    return None
+
+
+def _sdpa_reason(module, query, key, value, attention_mask, dropout: float, kwargs) -> str | None:
+    """Why this call runs transformers' SDPA instead of the FP8 forward (None: it does not)."""
+    q_len, kv_len = query.shape[2], key.shape[2]
+    if (why := _score_terms_reason(attention_mask, dropout, kwargs)) is not None:
+        return why
     if q_len == 1 < kv_len or (q_len <= 16 and q_len < kv_len):
         return ("decode over transformers' bf16 KV cache (the FP8 forward would quantize the whole cache at every "
                 "step; past_key_values=lowprec.attention.fp8_cache(max_len) keeps it in FP8)")
@@ -88,6 +100,9 @@ def transformers_attention_forward(module: torch.nn.Module, query: torch.Tensor,
     """The ``"lowprec_fp8"`` attention implementation, with transformers' signature: ``query``
     ``[B, H, S, D]``, ``key`` / ``value`` ``[B, Hkv, S, D]`` (grouped heads are not repeated).
     Returns ``(attn_output [B, S, H, D], None)`` (no attention weights)."""
+    if kwargs.get("s_aux") is not None:  # neither the FP8 forward nor transformers' sdpa adds sink logits
+        raise ValueError(f"s_aux: attention sinks are not supported by attn_implementation="
+                         f"{ATTENTION_IMPLEMENTATION!r} (nor by 'sdpa'); use 'eager'")
     cache = getattr(key, _FP8_CACHE_ATTR, None)
     if cache is not None:
         return _attend_fp8_cache(cache, module, query, attention_mask, dropout, scaling, is_causal, kwargs)
@@ -114,14 +129,14 @@ _FP8_CACHE_ATTR = "_lowprec_fp8_kv_cache"
 
 def _attend_fp8_cache(cache: FP8KVCache, module, query, attention_mask, dropout, scaling, is_causal, kwargs):
     """Attention of ``query`` over an FP8 cache layer: the FP8 forward reading it in place, or (a
-    mask, dropout or a softcap) ``sdpa`` over its dequantized keys and values."""
-    if attention_mask is None and not dropout and kwargs.get("softcap") is None:
+    mask, dropout, a softcap or a position bias) ``sdpa`` over its dequantized keys and values."""
+    why = _score_terms_reason(attention_mask, dropout, kwargs)
+    if why is None:
         out = cache.attend(query, causal=_causal(module, is_causal, query), scale=scaling)
         return out.transpose(1, 2).contiguous(), None
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    warn_once("lowprec: fp8_cache: calls with an attention mask, dropout or a softcap attend over the cache "
-              "dequantized, with 'sdpa'")
+    warn_once(f"lowprec: fp8_cache: calls with {why} attend over the cache dequantized, with 'sdpa'")
     key, value = cache.dequantize()
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                   is_causal=is_causal, **kwargs)

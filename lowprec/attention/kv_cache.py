@@ -308,7 +308,7 @@ class FP8KVCache:
     def _v_amax(self, v: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """V's channel amax ``[B, Hkv, D]`` over each row's first ``counts[b]`` tokens; a row given
         none takes the other rows' (per KV head and channel)."""
-        mag = v.float().abs()
+        mag = v.float().abs().nan_to_num(nan=0.0, posinf=torch.inf)  # NaN ignored, as the quantizers do
         if min(counts) == v.shape[2]:
             return mag.amax(dim=2)
         live = torch.arange(v.shape[2], device=v.device) < torch.tensor(counts, device=v.device)[:, None]

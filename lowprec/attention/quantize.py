@@ -139,6 +139,9 @@ def quantize_v(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def _quantize_v_torch(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     pad = -v.shape[-2] % V_PAD
     v_t = (torch.nn.functional.pad(v, (0, 0, 0, pad)) if pad else v).transpose(-1, -2)
+    if not v_t.shape[-1]:  # no keys: no codes, and every channel's scale 1 (as an all-zero channel's)
+        scale = torch.ones(v_t.shape[:-1], dtype=torch.float32, device=v.device)
+        return v_t.to(torch.float8_e4m3fn).contiguous(), scale
     if v.dtype == torch.float64 or not v_t.numel():
         qt = quantize_reference(v_t, _ROWWISE)
         return qt.data.contiguous(), qt.scale.squeeze(-1)
@@ -173,7 +176,9 @@ def quantize_kv_cache(k: torch.Tensor, v: torch.Tensor) -> tuple[QuantizedTensor
     vt, vs = quantize_v(v)
     sk = k.shape[-2]
     k_q = QuantizedTensor(kc, ks.unsqueeze(-1), ATTN_QK_RECIPE, k.shape, k.dtype)
-    v_q = QuantizedTensor(vt[..., :sk], vs.unsqueeze(-1), _ROWWISE, (*v.shape[:-2], v.shape[-1], sk), v.dtype)
+    # a row of no columns has no scale (QuantizedTensor's grid): Vᵀ of no keys keeps none
+    v_scale_grid = vs.unsqueeze(-1)[..., :min(sk, 1)]
+    v_q = QuantizedTensor(vt[..., :sk], v_scale_grid, _ROWWISE, (*v.shape[:-2], v.shape[-1], sk), v.dtype)
     return k_q, v_q
 
 
@@ -209,4 +214,6 @@ def v_from_quantized(x: QuantizedTensor) -> tuple[torch.Tensor, torch.Tensor]:
     if pad:
         raw = data.view(torch.uint8)  # cat of FP8 codes as bytes (every device)
         data = torch.cat([raw, raw.new_zeros(*raw.shape[:-1], pad)], dim=-1).view(torch.float8_e4m3fn)
+    if not x.shape[-1]:  # no keys: the grid holds no scale
+        return data.contiguous(), torch.ones(x.shape[:3], dtype=torch.float32, device=data.device)
     return data.contiguous(), x.scale.reshape(*x.shape[:3])

@@ -84,6 +84,10 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
         raise ValueError(f"k: expected [total_k, Hkv ≥ 1 dividing H={h}, D={d}], got {tuple(k.shape)}")
     if v.shape[:2] != k.shape[:2]:
         raise ValueError(f"v: expected [total_k, Hkv] = {tuple(k.shape[:2])} leading dims, got {tuple(v.shape)}")
+    if quant not in (None, "fp8"):
+        raise ValueError(f"quant: expected None or 'fp8', got {quant!r}")
+    if incoherent and quant is None:
+        raise ValueError("incoherent: applies to quant='fp8' only")
     if scale is None:
         scale = 1.0 / math.sqrt(d)
     if quant == "fp8" and q.is_cuda:

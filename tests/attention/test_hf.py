@@ -27,6 +27,33 @@ def _qkv(b=2, h=4, hkv=2, s=96, d=64, dtype=torch.float32, device="cpu"):
     return tuple(torch.randn(b, n, s, d, generator=g, device=device).to(dtype) for n in (h, hkv, hkv))
 
 
+class _Bidirectional(torch.nn.Module):
+    is_causal = False
+
+
+def test_a_position_bias_runs_sdpa_not_the_fp8_forward():
+    """An additive position bias (T5's relative positions) is not dropped: the call runs sdpa with it."""
+    pytest.importorskip("transformers", minversion="5.0")
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    q, k, v = _qkv(b=1, h=2, hkv=2, s=32)
+    bias = torch.zeros(1, 2, 32, 32)
+    bias[..., :16] = -1e4  # hides the first 16 keys
+    assert "position bias" in _sdpa_reason(_Bidirectional(), q, k, v, None, 0.0, {"position_bias": bias})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out, _ = transformers_attention_forward(_Bidirectional(), q, k, v, None, position_bias=bias)
+    ref, _ = sdpa_attention_forward(_Bidirectional(), q, k, v, None, position_bias=bias)
+    torch.testing.assert_close(out, ref)
+
+
+def test_attention_sinks_are_refused():
+    """Attention sinks (``s_aux``, GPT-OSS) are added by neither path: a clear error, not a wrong result."""
+    q, k, v = _qkv(b=1, h=2, hkv=2, s=32)
+    with pytest.raises(ValueError, match="s_aux"):
+        transformers_attention_forward(_Bidirectional(), q, k, v, None, s_aux=torch.full((2,), 3.0))
+
+
 @pytest.mark.parametrize("is_causal", [None, True, False])
 def test_the_fp8_forward_in_transformers_layout(is_causal):
     """No mask: lowprec.attention(quant="fp8") on the grouped heads as given, causal from the call or

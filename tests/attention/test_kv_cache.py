@@ -68,6 +68,18 @@ def test_first_append_sets_v_scales_with_headroom():
     assert torch.equal(roomy.v_scale, exact.v_scale * 4)
 
 
+def test_a_nan_in_the_first_append_moves_no_v_scale():
+    """V's scales ignore NaN as quantize_kv_cache does (a NaN amax would have made the channel's
+    scale 1 for the cache's life)."""
+    k, v = _kv(1, 1, 40, 64)
+    v = v * 0.01
+    v[0, 0, 3, 5] = float("nan")
+    _, vq = quantize_kv_cache(k, v)
+    cache = FP8KVCache(1, 1, 64, 64, v_headroom=1)
+    cache.append(k, v)
+    assert torch.equal(cache.v_scale, vq.scale.reshape(1, 1, 64))
+
+
 def test_values_past_the_headroom_saturate_and_are_counted():
     k, v = _kv(1, 1, 130, 64)
     cache = FP8KVCache(1, 1, 256, 64, v_headroom=2)

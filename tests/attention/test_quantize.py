@@ -175,3 +175,12 @@ def test_strided_inputs_give_contiguous_operands():
     for a, b in zip(x, y):
         assert a.is_contiguous() and torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
                                                  b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b)
+
+
+def test_no_keys_quantize_as_documented():
+    """Sk = 0: V's scales are [B, Hkv, Dv] (ones), an empty quantized cache attends to 0 / -inf."""
+    q, k, v = torch.randn(2, 4, 5, 64), torch.zeros(2, 2, 0, 64), torch.zeros(2, 2, 0, 32)
+    assert quantize_qkv(q, k, v).v_scale.shape == (2, 2, 32)
+    kq, vq = quantize_kv_cache(k, v)
+    out, lse = lowprec.attention(q, kq, vq, quant="fp8", return_lse=True)
+    assert out.shape == (2, 4, 5, 32) and (out == 0).all() and torch.isneginf(lse).all()

@@ -117,3 +117,12 @@ def test_split_kv_combine_is_the_whole_attention(causal):
     out, lse_c = combine_kv_splits(torch.stack(outs), torch.stack(lses))
     torch.testing.assert_close(out, whole, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(lse_c, lse, rtol=1e-5, atol=1e-5)
+
+
+def test_bad_options_are_refused_even_when_no_sequence_has_queries():
+    q, k, v = torch.zeros(0, 4, 32), torch.randn(3, 2, 32), torch.randn(3, 2, 32)
+    cq, ck = torch.tensor([0, 0], dtype=torch.int32), torch.tensor([0, 3], dtype=torch.int32)
+    with pytest.raises(ValueError, match="quant"):
+        attention_varlen(q, k, v, cq, ck, 0, 3, quant="int8")
+    with pytest.raises(ValueError, match="incoherent"):
+        attention_varlen(q, k, v, cq, ck, 0, 3, incoherent=True)
