@@ -57,7 +57,7 @@ def times_block_scales(q: torch.Tensor, scale: torch.Tensor, br: int, bc: int) -
     blocks broadcast each scale over a view of its block (no expanded scale tensor: a large
     dequantization moves a third fewer bytes); tails expand the grid. The same products either way."""
     rows, cols = q.shape[-2:]
-    if rows % br or cols % bc:
+    if rows % br or cols % bc or not q.numel():  # an empty tensor's grid (tensorwise: one scale) has no blocks
         return q * expand_scale(scale, br, bc, rows, cols)
     blocks = q.reshape(*q.shape[:-2], rows // br, br, cols // bc, bc)
     # the grid's leading dims broadcast as they are (a tensorwise scale has none)

@@ -20,12 +20,12 @@ def scale_grid(recipe: ScaleRecipe, shape: torch.Size | tuple[int, ...]) -> tupl
     :class:`QuantizedTensor`); a 1-dim tensor is one row and has a 1-dim grid."""
     *lead, cols = shape
     br, bc = recipe.block
+    if br == WHOLE:  # tensorwise: one scale, also for an empty tensor
+        return (1,) * len(shape)
     per_row = min(cols, 1) if bc == WHOLE else -(-cols // bc)  # a row of no columns has no scale
     if not lead:
         return (per_row,)
     *batch, rows = lead
-    if br == WHOLE:  # tensorwise
-        return (1,) * len(shape)
     return (*batch, rows if br == 1 else -(-rows // br), per_row)
 
 

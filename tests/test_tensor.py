@@ -88,3 +88,12 @@ def test_to_copies_only_when_asked():
 def test_transpose_of_a_1d_tensor_says_why():
     with pytest.raises(ValueError, match="transpose: needs ≥ 2 dims"):
         lowprec.quantize(torch.randn(64), "fp8_tensorwise").transpose()
+
+
+@pytest.mark.parametrize("shape", [(0,), (0, 64), (3, 0), (2, 0, 64)])
+def test_tensorwise_empty_tensors_round_trip(shape):
+    x = torch.randn(shape)
+    q = lowprec.quantize(x, "fp8_tensorwise")
+    assert q.scale.shape == (1,) * len(shape)
+    d = q.dequantize()
+    assert d.shape == x.shape and d.dtype == x.dtype

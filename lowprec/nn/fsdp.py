@@ -65,6 +65,8 @@ class FP8AllGatherWeight(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         out = func(*tree_map_only(cls, lambda t: t.hp, args), **tree_map_only(cls, lambda t: t.hp, kwargs or {}))
+        if func._schema.is_mutable:  # below autograd: bump the master weight's version ourselves (weight cache)
+            tree_map_only(cls, lambda t: torch.autograd.graph.increment_version(t.hp), (args, kwargs or {}))
         if func in _KEEPS_SUBCLASS:
             return tree_map_only(torch.Tensor, cls, out)
         return out

@@ -144,7 +144,7 @@ class FP8InferenceLinear(QuantizedBuffersModule):
         self.out_features = out_features
         self.recipe: LinearRecipe = get_linear_recipe(recipe)
         self.out_dtype = out_dtype
-        w = quantize(torch.zeros(out_features, in_features, device=device), self.recipe.weight)
+        w = quantize(torch.zeros(out_features, in_features, device=device), self.recipe.weight, check_finite=False)
         self.register_buffer("weight", w.data)
         self.register_buffer("weight_scale", w.scale)
         self.register_buffer("bias", torch.zeros(out_features, dtype=out_dtype, device=device) if bias else None)
@@ -304,8 +304,12 @@ def convert(model: nn.Module, recipe: str | None = None, filter_fn: Callable[[st
         return model if filter_fn is not None and not filter_fn("", model) else _converted(model, "", recipe,
                                                                                             inference, 0, [])
     fuse = fuse_mlp and not inference and recipe in SWIGLU_RECIPES
-    if isinstance(model, FP8SwiGLUMLP) and not fuse:
-        model = model.unfused()
+    if isinstance(model, FP8SwiGLUMLP):
+        if not fuse:
+            model = model.unfused()
+        elif filter_fn is None or _mlp_accepted("", model, filter_fn):
+            model.recipe = recipe  # as _fuse_mlps does for the fused MLPs inside a model
+            return model
     if swiglu_mlp_unsupported(model) is None and fuse and (filter_fn is None or _mlp_accepted("", model, filter_fn)):
         return FP8SwiGLUMLP.from_mlp(model, recipe)
     fused = _fuse_mlps(model, fuse, filter_fn, min_weight_numel, recipe)

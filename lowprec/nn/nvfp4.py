@@ -198,6 +198,8 @@ class NVFP4InferenceLinear(QuantizedBuffersModule):
         if wrong:
             return
         global_scale = state_dict.get(prefix + "weight_scale_2", self.weight_scale_2)
+        if not isinstance(global_scale, torch.Tensor) or global_scale.numel() != 1:
+            return  # the base load reported its shape (size mismatch)
         try:
             self.set_weight(taken["weight"], taken["weight_scale"], global_scale.reshape(()).float())
         except ValueError as err:

@@ -482,3 +482,23 @@ def test_inference_linear_weight_only_kernel(m):
     expect = x.double() @ layer.quantized_weight().dequantize(torch.float64).t() + bias16.double()
     err = (y.double() - expect).abs()
     assert torch.all(err <= 2.0 ** -8 * expect.abs() + 1e-4 * expect.abs().max()), err.max().item()
+
+
+@pytest.mark.parametrize("cls", [FP8Linear, FP8InferenceLinear])
+def test_tensorwise_layers_take_an_empty_batch(cls):
+    layer = cls.from_linear(nn.Linear(64, 32), "fp8_tensorwise")
+    x = torch.randn(0, 64, requires_grad=True)
+    y = layer(x)
+    y.sum().backward()
+    assert y.shape == (0, 32) and x.grad.shape == (0, 64)
+
+
+def test_inference_layers_build_on_the_meta_device_and_load_with_assign():
+    """A meta-device skeleton (no values to check) takes a state dict with assign=True."""
+    for recipe in ("fp8_block", "fp8_rowwise", "fp8_tensorwise"):
+        src = FP8InferenceLinear.from_linear(nn.Linear(256, 128), recipe)
+        layer = FP8InferenceLinear(256, 128, recipe=recipe, device="meta", out_dtype=torch.float32)
+        assert layer.weight.is_meta and layer.weight.dtype == torch.float8_e4m3fn
+        layer.load_state_dict(src.state_dict(), assign=True)
+        x = torch.randn(3, 256)
+        assert torch.equal(layer(x), src(x))

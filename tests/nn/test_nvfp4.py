@@ -170,3 +170,9 @@ def test_packed_weight_views_follow_the_buffers():
     other = NVFP4InferenceLinear.from_linear(nn.Linear(128, 64, bias=False))
     layer.packed, layer.weight_scale_2 = other.packed.clone(), other.weight_scale_2.clone()
     torch.testing.assert_close(layer(x), other(x), rtol=0, atol=0)
+
+
+def test_weight_scale_2_of_a_wrong_shape_is_a_clear_load_error():
+    state = NVFP4InferenceLinear.from_linear(nn.Linear(64, 32)).state_dict()
+    with pytest.raises(RuntimeError, match="size mismatch for weight_scale_2"):
+        NVFP4InferenceLinear(64, 32).load_state_dict({**state, "weight_scale_2": torch.ones(2)})

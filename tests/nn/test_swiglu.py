@@ -321,3 +321,17 @@ def test_training_step_replays_from_cuda_graphs(monkeypatch):
         for got, want in zip(*results):
             assert torch.equal(got, want), step
     assert not counters["inductor"]["cudagraph_skips"]
+
+
+def test_converting_a_fused_mlp_again_takes_the_new_recipe():
+    """convert on a bare FP8SwiGLUMLP gives it the new recipe, as it does to one inside a model."""
+    mlp = convert_fp8(SwiGLUMLP(64, 128), "fp8_block")
+    assert isinstance(mlp, FP8SwiGLUMLP) and mlp.recipe == "fp8_block"
+    assert convert_fp8(mlp, "fp8_block_wgrad2d").recipe == "fp8_block_wgrad2d"
+    model = nn.Sequential(SwiGLUMLP(64, 128))
+    convert_fp8(convert_fp8(model, "fp8_block"), "fp8_block_wgrad2d")
+    assert model[0].recipe == "fp8_block_wgrad2d"
+
+
+def convert_fp8(model, recipe):
+    return lowprec.convert(model, recipe, min_weight_numel=0)

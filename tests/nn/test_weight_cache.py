@@ -146,3 +146,27 @@ def test_compiled_step_inside_a_block():
     layer.weight.grad = None
     layer(x).square().sum().backward()
     torch.testing.assert_close(g_compiled, layer.weight.grad)
+
+
+@pytest.mark.parametrize("foreach", [True, False])
+def test_in_place_updates_inside_the_block_are_seen_with_fp8_all_gather_weights(foreach):
+    """The FSDP FP8 all-gather wrapper runs in-place ops below autograd; it bumps the master
+    weight's version itself, so the block quantizes an updated weight again (as without it)."""
+    from lowprec.nn import enable_fp8_all_gather
+
+    torch.manual_seed(0)
+    layer = FP8Linear(256, 128, recipe="fp8_block")
+    enable_fp8_all_gather(layer)  # outside FSDP: nothing changes
+    opt = torch.optim.SGD(layer.parameters(), lr=0.5, foreach=foreach)
+    x = torch.randn(16, 256)
+    with reuse_quantized_weights():
+        layer(x).sum().backward()
+        opt.step()
+        after_step = layer(x)
+    assert torch.equal(after_step, layer(x))
+    with reuse_quantized_weights():
+        layer(x)
+        with torch.no_grad():
+            layer.weight.copy_(torch.zeros(128, 256))
+        after_copy = layer(x)
+    torch.testing.assert_close(after_copy, layer.bias.detach().expand(16, -1), rtol=0, atol=0)
