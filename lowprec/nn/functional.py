@@ -20,7 +20,7 @@ import torch
 from ..gemm import gemm
 from ..quant import quantize, quantize_dual
 from ..recipes import DEFAULT_TRAIN_RECIPE, LINEAR_RECIPES, LinearRecipe, get_linear_recipe
-from ..tensor import flatten_all, unflatten_all
+from ..tensor import QuantizedTensor, flatten_all, unflatten_all
 from .weight_cache import quantize_weight
 
 __all__ = ["LinearRecipe", "LINEAR_RECIPES", "get_linear_recipe", "fp8_linear", "follow_autocast"]
@@ -78,6 +78,15 @@ class _FP8Linear(torch.autograd.Function):
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy.sum(0, dtype=torch.float32)
         return dx, dw, db, None
+
+
+def quantize_linear_weight(linear: torch.nn.Module, recipe) -> QuantizedTensor:
+    """``linear.weight`` quantized with ``recipe`` for an inference layer; a weight with NaN or Inf
+    is an error that names it."""
+    weight = linear.weight.detach()
+    if weight.numel() and not bool(torch.isfinite(weight).all()):
+        raise ValueError("linear.weight: contains NaN or Inf; an inference layer quantizes finite weights only")
+    return quantize(weight, recipe)
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

@@ -17,7 +17,7 @@ from ..runtime import registry
 from ..tensor import QuantizedTensor
 from .buffers import QuantizedBuffersModule
 from .fsdp import GATHER_RECIPE, FP8AllGatherWeight
-from .functional import LinearRecipe, follow_autocast, fp8_linear, get_linear_recipe
+from .functional import LinearRecipe, follow_autocast, fp8_linear, get_linear_recipe, quantize_linear_weight
 from .nvfp4 import NVFP4InferenceLinear
 from .swiglu import RECIPES as SWIGLU_RECIPES
 from .swiglu import FP8SwiGLUMLP, swiglu_mlp_unsupported
@@ -157,7 +157,7 @@ class FP8InferenceLinear(QuantizedBuffersModule):
         dtype = linear.weight.dtype if linear.weight.dtype in (torch.bfloat16, torch.float16) else torch.float32
         layer = cls(linear.in_features, linear.out_features, linear.bias is not None, recipe,
                     device=linear.weight.device, out_dtype=dtype)
-        w = quantize(linear.weight.detach(), layer.recipe.weight)
+        w = quantize_linear_weight(linear, layer.recipe.weight)
         layer.weight, layer.weight_scale = w.data, w.scale
         if linear.bias is not None:
             layer.bias = linear.bias.detach().to(dtype).clone()

@@ -32,11 +32,11 @@ import torch.nn.functional as F
 
 from ..gemm.ops import weight_only
 from ..gemm.weight_only import CHUNK_BYTES, ROW_BYTES, PackedNVFP4, pack_nvfp4, unpack_nvfp4
-from ..quant import dequantize, quantize
+from ..quant import dequantize
 from ..recipes import get_recipe
 from ..tensor import QuantizedTensor
 from .buffers import QuantizedBuffersModule
-from .functional import _FLOAT_DTYPES, follow_autocast
+from .functional import _FLOAT_DTYPES, follow_autocast, quantize_linear_weight
 
 __all__ = ["NVFP4InferenceLinear"]
 
@@ -108,7 +108,7 @@ class NVFP4InferenceLinear(QuantizedBuffersModule):
         dtype = linear.weight.dtype if linear.weight.dtype in (torch.bfloat16, torch.float16) else torch.float32
         layer = cls(linear.in_features, linear.out_features, linear.bias is not None, linear.weight.device, dtype,
                     weight_2d)
-        w = quantize(linear.weight.detach(), layer.recipe)
+        w = quantize_linear_weight(linear, layer.recipe)
         layer.set_weight(w.data, w.scale, w.global_scale)
         if linear.bias is not None:
             layer.bias = linear.bias.detach().to(dtype).clone()

@@ -502,3 +502,14 @@ def test_inference_layers_build_on_the_meta_device_and_load_with_assign():
         layer.load_state_dict(src.state_dict(), assign=True)
         x = torch.randn(3, 256)
         assert torch.equal(layer(x), src(x))
+
+
+def test_a_non_finite_weight_is_named_when_an_inference_layer_quantizes_it():
+    from lowprec.nn import NVFP4InferenceLinear
+
+    linear = nn.Linear(64, 32)
+    with torch.no_grad():
+        linear.weight[0, 0] = float("nan")
+    for cls in (FP8InferenceLinear, NVFP4InferenceLinear):
+        with pytest.raises(ValueError, match="linear.weight: contains NaN or Inf"):
+            cls.from_linear(linear)
