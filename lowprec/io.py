@@ -95,7 +95,9 @@ def _unshare(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor],
 def load(path: str | os.PathLike, device: str | torch.device = "cpu") -> QuantizedTensor | dict:
     """Load what :func:`save` wrote: a QuantizedTensor, or a dict of Tensors / QuantizedTensors.
 
-    Files without lowprec metadata load as plain tensors. Damaged lowprec metadata (a format
+    Files without lowprec metadata load as plain tensors, except names holding ``::``: lowprec
+    writes a quantized entry's parts as ``key::data``, ``key::scale``, so such a name needs its
+    entry in the metadata (else a ValueError naming it). Damaged lowprec metadata (a format
     version or kind this version does not read, a quantized entry without its recipe, shape,
     dtype or tensors, parts that do not fit together) raises one ValueError naming the key.
     """
