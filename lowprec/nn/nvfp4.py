@@ -95,10 +95,10 @@ class NVFP4InferenceLinear(QuantizedBuffersModule):
         """Take NVFP4 tensors in ModelOpt's layout (validated by the packing) as the layer's weight,
         on the layer's device."""
         device = self.packed.device
-        packed = pack_nvfp4(weight.to(device), weight_scale.to(device), weight_scale_2.to(device), self.weight_2d)
-        if packed.n != self.out_features or packed.k != self.in_features:
+        if not isinstance(weight, torch.Tensor) or tuple(weight.shape) != (self.out_features, self.in_features // 2):
             raise ValueError(f"weight: expected [{self.out_features}, {self.in_features // 2}] packed codes, got "
-                             f"{tuple(weight.shape)}")
+                             f"{tuple(getattr(weight, 'shape', ()))}")
+        packed = pack_nvfp4(weight.to(device), weight_scale.to(device), weight_scale_2.to(device), self.weight_2d)
         self.packed = packed.data
         self.weight_scale_2 = packed.global_scale.reshape(())
 

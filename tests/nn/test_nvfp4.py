@@ -176,3 +176,9 @@ def test_weight_scale_2_of_a_wrong_shape_is_a_clear_load_error():
     state = NVFP4InferenceLinear.from_linear(nn.Linear(64, 32)).state_dict()
     with pytest.raises(RuntimeError, match="size mismatch for weight_scale_2"):
         NVFP4InferenceLinear(64, 32).load_state_dict({**state, "weight_scale_2": torch.ones(2)})
+
+
+def test_a_weight_of_a_wrong_shape_is_named_at_load():
+    state = NVFP4InferenceLinear.from_linear(nn.Linear(64, 32)).state_dict()
+    with pytest.raises(RuntimeError, match=r"weight: expected \[32, 32\] packed codes, got \(32, 16\)"):
+        NVFP4InferenceLinear(64, 32).load_state_dict({**state, "weight": torch.zeros(32, 16, dtype=torch.uint8)})
