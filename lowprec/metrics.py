@@ -20,9 +20,11 @@ def cos_sim(x: torch.Tensor, ref: torch.Tensor) -> float:
     """Cosine similarity (1.0 = same direction). Two all-zero tensors give 1.0 (identical); one
     all-zero tensor against another that is not gives 0.0 (no direction in common)."""
     x, ref = _pair(x, ref)
-    x_norm, ref_norm = float(x.norm()), float(ref.norm())
-    if x_norm == 0 or ref_norm == 0:
-        return 1.0 if x_norm == ref_norm else 0.0
+    # each over its largest magnitude: FP64 norms of values beyond ~1e±154 underflow to 0 or overflow
+    x_max, ref_max = (float(x.abs().max()), float(ref.abs().max())) if x.numel() else (0.0, 0.0)
+    if x_max == 0 or ref_max == 0:
+        return 1.0 if x_max == ref_max else 0.0
+    x, ref = x / x_max, ref / ref_max
     return float(x @ ref / (x.norm() * ref.norm()))
 
 

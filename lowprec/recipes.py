@@ -98,6 +98,10 @@ class ScaleRecipe:
         if self.name in _NAMED_VARIANTS and self not in _NAMED_VARIANTS[self.name]:
             raise ValueError(f"name: {self.name!r} is a named recipe (get_recipe({self.name!r}, ...)); "
                              f"give a custom recipe a name of its own")
+        # made once: traced by torch.compile, a recompile may turn the block sizes into SymInts,
+        # which an f-string cannot format (a string attribute is a constant to dynamo)
+        object.__setattr__(self, "_spec", f"{self.name}:{self.block[0]}x{self.block[1]}:{self.elem_format}:"
+                                          f"{self.scale_format}:{self.scale_rounding}:{int(self.global_scale)}")
 
     @property
     def element(self) -> ElementFormat:
@@ -124,8 +128,7 @@ class ScaleRecipe:
 
     def spec(self) -> str:
         """A compact string form (for custom-op arguments; traceable by torch.compile)."""
-        return (f"{self.name}:{self.block[0]}x{self.block[1]}:{self.elem_format}:{self.scale_format}:"
-                f"{self.scale_rounding}:{int(self.global_scale)}")
+        return self._spec
 
     @classmethod
     def from_spec(cls, spec: str) -> ScaleRecipe:

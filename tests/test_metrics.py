@@ -37,3 +37,10 @@ def test_empty_tensors_are_identical_by_every_metric():
     e = torch.zeros(0, 4)
     assert metrics.error_report(e, e) == {"cos_sim": 1.0, "rel_l1": 0.0, "rel_l2": 0.0, "rmse": 0.0,
                                           "sqnr_db": math.inf, "calc_diff": 0.0, "max_rel_err": 0.0}
+
+
+def test_cos_sim_of_fp64_vectors_past_the_norms_range():
+    tiny = torch.tensor([1e-170, 2e-170], dtype=torch.float64)
+    assert metrics.cos_sim(-tiny, tiny) == pytest.approx(-1.0)
+    big = torch.tensor([1e200, 2e200], dtype=torch.float64)
+    assert metrics.cos_sim(big, big) == pytest.approx(1.0)

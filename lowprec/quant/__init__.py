@@ -144,6 +144,12 @@ def swiglu_quantize_dual(kind: str, *inputs: torch.Tensor, recipe_t: str | Scale
     one pass on Hopper (:mod:`lowprec.quant.ops` says how close the kernels are to the reference).
     ``recipe_t``: the transposed half's, ``fp8_block1x128`` (None, the default), ``fp8_block16x128``
     or ``fp8_block128x128`` (``"swiglu"`` only), as :func:`quantize_dual`'s."""
+    if kind not in ops.SWIGLU_KINDS:
+        raise ValueError(f"kind: expected one of {list(ops.SWIGLU_KINDS)}, got {kind!r}")
+    if len(inputs) != ops.SWIGLU_KINDS[kind] or any(
+            not isinstance(t, torch.Tensor) or t.dim() != 2 or t.shape != inputs[0].shape for t in inputs):
+        raise ValueError(f"inputs: kind {kind!r} takes {ops.SWIGLU_KINDS[kind]} tensors [T, F] of one shape, got "
+                         f"{[tuple(getattr(t, 'shape', ())) for t in inputs]}")
     args = tuple(t.contiguous() for t in inputs)
     r = get_recipe("fp8_block1x128")
     r_t = r if recipe_t is None else get_recipe(recipe_t)

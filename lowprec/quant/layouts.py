@@ -11,6 +11,8 @@ kernels read.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 __all__ = [
@@ -119,7 +121,7 @@ def to_blocked(scale: torch.Tensor) -> torch.Tensor:
     padded = scale.new_zeros(*batch, pr, pc)
     padded[..., :rows, :cols] = scale
     # [b, rt, 4, 32, ct, 4] (row = rt*128 + j*32 + i) -> [b, rt, ct, i, j, 4]
-    tiles = padded.reshape(-1, pr // 128, 4, 32, pc // 4, 4).permute(0, 1, 4, 3, 2, 5)
+    tiles = padded.reshape(math.prod(batch), pr // 128, 4, 32, pc // 4, 4).permute(0, 1, 4, 3, 2, 5)
     return tiles.reshape(-1)
 
 

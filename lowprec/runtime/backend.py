@@ -62,11 +62,18 @@ def warn_once(message: str) -> None:
     warnings.warn(message, RuntimeWarning, stacklevel=3)
 
 
+_FAILED_OPS: set[str] = set()
+
+
 def kernel_failed(op: str, err: BaseException) -> None:
     """A kernel failed to compile or launch: re-raise in ``kernel`` mode, else warn once."""
     if backend_mode() == "kernel":
         raise err
-    warn_once(f"lowprec: {op} kernel failed ({type(err).__name__}: {err}); falling back to the reference")
+    if op in _FAILED_OPS:  # once per op: a message naming the shapes would warn again for each new one
+        return
+    _FAILED_OPS.add(op)
+    warnings.warn(f"lowprec: {op} kernel failed ({type(err).__name__}: {err}); falling back to the reference",
+                  RuntimeWarning, stacklevel=3)
 
 
 def _on_cuda(values) -> bool:

@@ -120,7 +120,8 @@ class KernelCache:
     def get(self, kernel: str, config: Mapping, arch: str, compile_fn: Callable[[], object]):
         """The kernel for ``(kernel, config, arch)``: from memory, disk, or ``compile_fn()``."""
         try:
-            args_key = (kernel, tuple(sorted(config.items())), arch)
+            # with the types: 1 == True == 1.0 hash alike, but cache_key (str) tells them apart
+            args_key = (kernel, tuple((k, type(v), v) for k, v in sorted(config.items())), arch)
             hit = self._by_args.get(args_key)
         except TypeError:  # unhashable config values: take the slow path every time
             args_key, hit = None, None

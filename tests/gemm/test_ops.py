@@ -85,3 +85,16 @@ def test_kernel_takes_fp8_codes_of_any_strides(monkeypatch):
     b_t = QuantizedTensor(b.data.t().contiguous().t(), b.scale, b.recipe, b.shape, b.dtype)
     assert a_t.data.stride() == (1, 200)
     assert torch.equal(lowprec.gemm(a_t, b_t), want)
+
+
+def test_compiled_gemm_survives_a_recompile_for_another_block_size():
+    """One compiled call site, a 128x128 then a 16x128 weight: the recompile makes the block size a
+    SymInt, which the recipe's spec string (the custom op's argument) must not format."""
+    def f(a, b):
+        return lowprec.gemm(a, b, out_dtype=torch.float32)
+
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    a = lowprec.quantize(torch.randn(32, 256), "fp8_block1x128")
+    for recipe in ("fp8_block128x128", "fp8_block16x128"):
+        b = lowprec.quantize(torch.randn(64, 256), recipe)
+        assert torch.equal(compiled(a, b), f(a, b))

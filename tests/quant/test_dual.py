@@ -51,3 +51,13 @@ def test_dual_other_recipes_and_errors():
     g = torch.randn(20, 64, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="recipe_t: expected one of .*fp8_block16x128"):
         lowprec.quant.swiglu_quantize_dual("swiglu", g, g, recipe_t="fp8_rowwise")
+
+
+def test_swiglu_quantize_dual_rejects_an_unknown_kind_and_wrong_inputs():
+    g, u, da = (torch.randn(32, 256, dtype=torch.bfloat16) for _ in range(3))
+    with pytest.raises(ValueError, match="kind"):
+        lowprec.quant.swiglu_quantize_dual("swiglu_dgrad", g, u, da)
+    with pytest.raises(ValueError, match="inputs"):
+        lowprec.quant.swiglu_quantize_dual("swiglu", g, u, da)
+    with pytest.raises(ValueError, match="inputs"):
+        lowprec.quant.swiglu_quantize_dual("swiglu", g, u[:1])

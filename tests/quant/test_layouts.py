@@ -76,3 +76,12 @@ def test_blocked_padding_is_zero_and_errors():
         from_blocked(torch.ones(100), 3, 2)
     with pytest.raises(ValueError, match="≥ 2 dims"):
         to_mn_major_tma_aligned(torch.ones(5))
+
+
+def test_to_blocked_of_an_empty_grid():
+    import lowprec
+
+    s = lowprec.quantize(torch.randn(0, 256), "mxfp8").scale  # no rows: a [0, 8] grid
+    blocked = to_blocked(s)
+    assert blocked.dim() == 1 and blocked.numel() == 0
+    assert from_blocked(blocked, 0, 8).shape == (0, 8)

@@ -263,3 +263,12 @@ def test_kernels_load_from_disk_in_a_fresh_process(tmp_path):
     for name in first:
         bits = [t[name].contiguous().view(torch.uint8) for t in (first, second)]
         assert torch.equal(*bits), name
+
+
+def test_the_memory_key_tells_1_from_true(monkeypatch):
+    """1 == True hash alike; the in-memory key keeps the types, as the disk key (a string) does."""
+    monkeypatch.setenv("LOWPREC_DISK_CACHE", "0")
+    kernels = KernelCache()
+    assert cache_key("k", {"x": 1}, "sm_90a") != cache_key("k", {"x": True}, "sm_90a")
+    assert kernels.get("k", {"x": 1}, "sm_90a", lambda: "compiled for 1") == "compiled for 1"
+    assert kernels.get("k", {"x": True}, "sm_90a", lambda: "compiled for True") == "compiled for True"

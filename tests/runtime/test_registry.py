@@ -255,3 +255,24 @@ def test_self_check_on_the_gpu_catches_a_wrong_kernel_and_falls_back(monkeypatch
         call(torch.float32)
         call(torch.bfloat16)
     assert calls[3:] == [torch.bfloat16, torch.bfloat16] and len(warned) == 1
+
+
+def test_a_failing_kernel_warns_once_not_once_per_shape(monkeypatch):
+    """A kernel whose error names the shape warns once for its op, not once per shape."""
+    import warnings
+
+    def kernel(x):
+        raise RuntimeError(f"launch failed for M={x.shape[0]}")
+
+    monkeypatch.setitem(registry._registry, "failing_per_shape", {})
+    monkeypatch.setitem(registry._loaded, "fake_mod:failing_per_shape", kernel)
+    registry.register("failing_per_shape", "sm_90a", "fake_mod:failing_per_shape")
+    monkeypatch.setattr(registry, "device_arch", lambda device: "sm_90a")
+    monkeypatch.setattr(registry, "dsl_available", lambda: True)
+    monkeypatch.setenv("LOWPREC_BACKEND", "auto")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for m in (3, 5, 7):
+            result = registry.run("failing_per_shape", CPU, (torch.zeros(m, 4),), lambda: "reference")
+            assert result == "reference"
+    assert len([w for w in caught if "failing_per_shape kernel failed" in str(w.message)]) == 1
