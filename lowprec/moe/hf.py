@@ -54,6 +54,10 @@ def experts_module_unsupported(experts: nn.Module | None, probe: bool = True) ->
                      ("has_post_expert_norm", False), ("_is_expert_parallel", False)):
         if getattr(experts, flag, ok) != ok:
             return f"experts with {flag}={not ok} are not supported"
+    gate_fn = getattr(type(experts), "_apply_gate", None)  # transformers' default: _default_apply_gate
+    if gate_fn is not None and getattr(gate_fn, "__name__", None) != "_default_apply_gate":
+        return (f"a custom gate {type(experts).__name__}._apply_gate (e.g. a clamped SwiGLU): only "
+                "silu(gate) · up")
     act = getattr(experts, "act_fn", None)
     if not (_is_silu(act) if probe else type(act).__name__ in _SILU_CLASSES):
         return f"activation {type(act).__name__}: only SiLU (SwiGLU experts)"

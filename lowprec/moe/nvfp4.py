@@ -232,6 +232,9 @@ def quantize_nvfp4_experts(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
     """Each expert's matrix of ``w`` ``[E, N, K]`` quantized to NVFP4, as ModelOpt's tensors stacked
     over the experts: ``(weight, weight_scale, weight_scale_2)`` (what ``set_weights`` and
     ``pack_nvfp4_experts`` take)."""
+    if not isinstance(w, torch.Tensor) or not w.is_floating_point() or w.dim() != 3:
+        raise ValueError(f"w: expected a float tensor [E, N, K], got {getattr(w, 'dtype', type(w))} "
+                         f"{tuple(getattr(w, 'shape', ()))}")
     recipe = get_recipe("nvfp4")
     with torch.no_grad():
         qs = [quantize(m, recipe) for m in w.detach()]

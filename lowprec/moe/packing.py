@@ -158,6 +158,7 @@ def unpack(rows: torch.Tensor | QuantizedTensor, routing: Routing, weights: torc
     """
     _check_routing(routing)
     if isinstance(rows, QuantizedTensor):
+        out_dtype = rows.dtype if out_dtype is None else out_dtype  # the rows' dtype, not the FP32 dequantized
         rows = rows.dequantize(torch.float32)
     if not isinstance(rows, torch.Tensor) or not rows.is_floating_point() or rows.dim() != 2 \
             or rows.shape[0] != routing.num_rows:

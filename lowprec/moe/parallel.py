@@ -88,6 +88,9 @@ def _expert_parallel(x, topk_weights, topk_ids, w1, w2, num_experts, group, worl
 
     # this rank's slots, grouped by destination rank (stable: slot order inside a destination)
     ids = topk_ids.reshape(-1).long()
+    if ids.numel() and bool(((ids < 0) | (ids >= num_experts)).any()):  # the splits below sync anyway
+        raise ValueError(f"topk_ids: expert ids must be in [0, {num_experts}), got values in "
+                         f"[{int(ids.min())}, {int(ids.max())}]")
     dest = ids // local_experts
     order = torch.argsort(dest, stable=True)
     send_counts = torch.bincount(dest, minlength=world)
@@ -137,9 +140,13 @@ def _check_args(x, topk_weights, topk_ids, w1, num_experts, world, drop_policy) 
         raise ValueError(f"num_experts: expected a positive multiple of the group size {world}, got {num_experts!r}")
     if not isinstance(x, torch.Tensor) or x.dim() != 2:
         raise ValueError(f"x: expected a [T, H] tensor, got {getattr(x, 'shape', type(x))}")
-    if topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0] or topk_weights.shape != topk_ids.shape:
-        raise ValueError(f"topk_ids / topk_weights: expected [T={x.shape[0]}, k] each, got {tuple(topk_ids.shape)} "
-                         f"and {tuple(topk_weights.shape)}")
+    if not isinstance(topk_ids, torch.Tensor) or topk_ids.dtype not in (torch.int32, torch.int64) \
+            or not isinstance(topk_weights, torch.Tensor) or not topk_weights.is_floating_point() \
+            or topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0] or topk_weights.shape != topk_ids.shape:
+        raise ValueError(f"topk_ids / topk_weights: expected int32/int64 and float [T={x.shape[0]}, k], got "
+                         f"{getattr(topk_ids, 'dtype', type(topk_ids))} {tuple(getattr(topk_ids, 'shape', ()))} and "
+                         f"{getattr(topk_weights, 'dtype', type(topk_weights))} "
+                         f"{tuple(getattr(topk_weights, 'shape', ()))}")
     if w1.shape[0] != num_experts // world:
         raise ValueError(f"w1: expected this rank's {num_experts // world} experts, got {w1.shape[0]}")
     if drop_policy not in DROP_POLICIES:
@@ -277,6 +284,7 @@ class ExpertParallelMoE(nn.Module):
                     capacity_factor=moe.capacity_factor, activation=moe.activation, recipe=moe.recipe,
                     score_func=moe.score_func, renormalize=moe.renormalize, drop_policy=moe.drop_policy,
                     device=moe.w1.device, dtype=moe.w1.dtype)
+        layer.router.to(moe.router.weight.dtype)  # the router keeps its own dtype (e.g. FP32 beside bf16 experts)
         per = moe.num_experts // layer.world
         mine = slice(layer.rank * per, (layer.rank + 1) * per)
         with torch.no_grad():

@@ -127,7 +127,11 @@ def expert_capacity(num_tokens: int, top_k: int, num_experts: int, capacity_fact
     _check_capacity_factor(capacity_factor)
     if capacity_factor is None:
         return None
-    return math.ceil(Fraction(num_tokens * top_k, num_experts) * Fraction(repr(float(capacity_factor))))
+    try:  # the decimal it prints as (numpy's float32 1.2 prints as 1.2; float() would give 1.2000000476837158)
+        factor = Fraction(str(capacity_factor))
+    except ValueError:
+        factor = Fraction(repr(float(capacity_factor)))
+    return math.ceil(Fraction(num_tokens * top_k, num_experts) * factor)
 
 
 def select_experts(logits: torch.Tensor, top_k: int, *, score_func: str = "softmax",

@@ -333,3 +333,25 @@ def test_real_transformers_model_compiled_training_step():
         m.__dict__.pop("_lowprec_unsupported", None)
     torch.testing.assert_close(loss, model(ids, labels=ids).loss, rtol=1e-4, atol=1e-4)
     assert torch.isfinite(model.model.layers[0].mlp.experts.gate_up_proj.grad).all()
+
+
+def test_experts_with_their_own_gate_are_refused():
+    """An experts class overriding transformers' ``_apply_gate`` (DeepSeek-V4's clamped SwiGLU) is
+    not computed as silu(gate) · up; transformers' own default gate (by its name) is."""
+    from lowprec.moe.hf import experts_module_unsupported
+
+    class ClampedExperts(_Experts):
+        def _apply_gate(self, gate_up):
+            gate, up = gate_up.chunk(2, dim=-1)
+            return self.act_fn(gate).clamp(max=10) * up.clamp(-10, 10)
+
+    def _default_apply_gate(self, gate_up):  # transformers' name for the plain gate
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.act_fn(gate) * up
+
+    class DefaultGateExperts(_Experts):
+        _apply_gate = _default_apply_gate
+
+    assert "_apply_gate" in experts_module_unsupported(ClampedExperts(4, 32, 16))
+    assert experts_module_unsupported(DefaultGateExperts(4, 32, 16)) is None
+    assert experts_module_unsupported(_Experts(4, 32, 16)) is None

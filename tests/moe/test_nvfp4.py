@@ -190,3 +190,10 @@ def test_kernel_layer_matches_the_reference_path(tokens, experts, top_k, capacit
     for _ in range(3):  # warm-up, capture, replay
         yc = compiled(xg)
     assert torch.equal(yc, y)
+
+
+def test_quantize_nvfp4_experts_refuses_a_2d_weight():
+    from lowprec.moe.nvfp4 import quantize_nvfp4_experts
+
+    with pytest.raises(ValueError, match=r"w: expected a float tensor \[E, N, K\]"):
+        quantize_nvfp4_experts(torch.randn(32, 64))

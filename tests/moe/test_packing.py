@@ -109,3 +109,11 @@ def test_errors():
         unpack(torch.randn(40, 128), r)
     with pytest.raises(ValueError, match="weights"):
         unpack(torch.randn(80, 128), r, torch.rand(40, 3))
+
+
+def test_unpack_of_quantized_rows_defaults_to_their_dtype():
+    weights, ids = torch.rand(6, 2), torch.randint(0, 4, (6, 2), generator=torch.Generator().manual_seed(0))
+    routing = dispatch(weights, ids, 4)
+    rows, _ = pack(torch.randn(6, 128, dtype=torch.bfloat16), routing)
+    assert rows.dtype == torch.bfloat16
+    assert unpack(rows, routing).dtype == torch.bfloat16

@@ -220,3 +220,39 @@ def test_expert_parallel_module_on_nccl():
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(_module_worker, args=(2, os.path.join(tmp, "init"), (290, 350), "fp8_block", "nccl"), nprocs=2,
                  join=True)
+
+
+@pytest.fixture
+def one_rank_group():
+    """A gloo process group of this process alone."""
+    with tempfile.TemporaryDirectory() as d:
+        dist.init_process_group("gloo", init_method=f"file://{d}/init", rank=0, world_size=1)
+        try:
+            yield
+        finally:
+            dist.destroy_process_group()
+
+
+def test_from_moe_keeps_an_fp32_router(one_rank_group):
+    """A bf16 MoE with an FP32 router routes in the expert-parallel layer as in the MoE."""
+    from lowprec.moe import MoE
+    from lowprec.moe.parallel import ExpertParallelMoE
+
+    torch.manual_seed(0)
+    moe = MoE(128, 64, 8, 2, recipe=None, dtype=torch.bfloat16)
+    moe.router.float()
+    with torch.no_grad():
+        moe.router.weight.normal_()
+    layer = ExpertParallelMoE.from_moe(moe)
+    assert layer.router.weight.dtype == torch.float32
+    x = torch.randn(256, 128, dtype=torch.bfloat16)
+    with torch.no_grad():
+        assert torch.equal(layer(x), moe(x))
+
+
+def test_bad_expert_ids_are_named(one_rank_group):
+    x, w = torch.randn(4, 128), torch.rand(4, 2)
+    w1, w2 = torch.randn(4, 128, 128), torch.randn(4, 128, 64)
+    for ids in (torch.tensor([[0.9, 1.7]] * 4), torch.tensor([[0, 4]] * 4), torch.tensor([[0, -1]] * 4)):
+        with pytest.raises(ValueError, match="topk_ids"):
+            expert_parallel_experts(x, w, ids, w1, w2, num_experts=4, recipe=None)

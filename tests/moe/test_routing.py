@@ -203,3 +203,10 @@ def test_errors():
         dispatch(torch.rand(4, 3), ids, 4)
     with pytest.raises(ValueError, match="num_experts"):
         dispatch(weights, ids, 0)
+
+
+def test_expert_capacity_reads_a_numpy_float32_as_it_prints():
+    import numpy as np
+
+    assert str(np.float32(1.2)) == "1.2"
+    assert expert_capacity(10, 1, 4, np.float32(1.2)) == expert_capacity(10, 1, 4, 1.2) == 3
