@@ -343,6 +343,12 @@ def test_append_kernel_constraints():
     assert "not contiguous" in kv_append_unsupported(k[:, :, :1, ::2], v[:, :, :1, ::2], *bufs, 5)
     assert kv_append_unsupported(k[:, :, :1], v[:, :, :1], *bufs, None) is None  # decode_step: one token
     assert "known only on the device" in kv_append_unsupported(k[:, :, :2], v[:, :, :2], *bufs, None)
+    # the kernel declares even leading strides in elements: float32 rows 129 values apart are refused
+    from lowprec.attention.sm90.config import kv_append_tokens_unsupported
+
+    odd = torch.randn(2, 4, 1, 129)[..., :128]
+    assert "even number of values apart" in kv_append_tokens_unsupported(odd, odd, 5)
+    assert kv_append_tokens_unsupported(torch.randn(2, 4, 1, 130)[..., :128], odd.contiguous(), 5) is None
 
 
 def test_cache_attention_constraints():

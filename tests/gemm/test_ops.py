@@ -98,3 +98,15 @@ def test_compiled_gemm_survives_a_recompile_for_another_block_size():
     for recipe in ("fp8_block128x128", "fp8_block16x128"):
         b = lowprec.quantize(torch.randn(64, 256), recipe)
         assert torch.equal(compiled(a, b), f(a, b))
+
+
+def test_an_empty_n_or_k_is_not_the_dense_kernels():
+    """The dense kernel's K loop needs a block: N = 0 or K = 0 go to the reference (zeros)."""
+    bf16 = torch.bfloat16
+    a0 = lowprec.quantize(torch.randn(8, 0), "fp8_block1x128")
+    w0 = lowprec.quantize(torch.randn(256, 0), "fp8_block128x128")
+    assert "empty dimension" in gemm_unsupported(a0, w0, bf16, None)
+    a = lowprec.quantize(torch.randn(8, 128), "fp8_block1x128")
+    assert "empty dimension" in gemm_unsupported(a, lowprec.quantize(torch.randn(0, 128), "fp8_block128x128"),
+                                                 bf16, None)
+    assert torch.equal(lowprec.gemm(a0, w0), torch.zeros(8, 256))

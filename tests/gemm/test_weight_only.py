@@ -635,3 +635,13 @@ def test_grouped_kernel_cuda_graph_follows_the_group_ends(monkeypatch, min_m):
         graph.replay()
         torch.cuda.synchronize()
         _check_grouped(y, x, dequant, counts)
+
+
+def test_grouped_kernel_takes_only_int32_group_ends_of_e_entries():
+    from lowprec.gemm.sm90.config import grouped_weight_only_unsupported
+
+    packed, _ = _experts(3, 64, 128)
+    x = torch.randn(5, 128).to(torch.bfloat16)
+    assert grouped_weight_only_unsupported(x, packed, _group_ends([2, 2, 1])) is None
+    assert "group_ends" in grouped_weight_only_unsupported(x, packed, _group_ends([2, 2, 1, 0]))
+    assert "group_ends" in grouped_weight_only_unsupported(x, packed, _group_ends([2, 2, 1]).long())

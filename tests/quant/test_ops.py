@@ -86,3 +86,12 @@ def test_kernel_constraints_are_stated_by_the_hopper_config():
     assert "recipe_t" in dual_unsupported(x, r1x128, rowwise)
     assert transpose_unsupported(x.reshape(2, 16, 256), r128) is not None  # 16-row matrices in a batch
     assert transpose_unsupported(torch.randn(2, 128, 256), r128) is None
+
+
+def test_quantize_constraint_of_a_tensor_without_columns():
+    """No columns: the constraint says so (it does not fail reshaping the empty view)."""
+    from lowprec.quant.sm90.config import quantize_unsupported, transpose_unsupported
+
+    x = torch.zeros(2, 16, 0, dtype=torch.bfloat16)
+    assert "no columns" in quantize_unsupported(x, lowprec.get_recipe("fp8_block1x128"))
+    assert "no columns" in transpose_unsupported(x, lowprec.get_recipe("fp8_block128x128"))

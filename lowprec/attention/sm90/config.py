@@ -306,8 +306,9 @@ def kv_append_tokens_unsupported(k, v, start: int | None) -> str | None:
         return "the new tokens cross a 128-token block (the append kernel fills one block)"
     item = k.element_size()
     for t in (k, v):
-        if t.stride(-1) != 1 or any(s * item % 4 for s in t.stride()[:-1]) or t.data_ptr() % 4:
-            return "new tokens whose rows are not contiguous and 4-byte aligned"
+        # the kernel's operands declare leading strides even in elements (any dtype) and 4-byte rows
+        if t.stride(-1) != 1 or any(s % 2 or s * item % 4 for s in t.stride()[:-1]) or t.data_ptr() % 4:
+            return "new tokens whose rows are not contiguous, 4-byte aligned and an even number of values apart"
     return None
 
 

@@ -94,8 +94,8 @@ def gemm_unsupported(a, b, out_dtype, bias) -> str | None:
 
 def _dense_unsupported(m: int, n: int, k: int, out_dtype, bias) -> str | None:
     """The dense kernel's limits on the problem itself (any operand recipes)."""
-    if m == 0:
-        return "M=0: nothing to compute"
+    if m == 0 or n == 0 or k == 0:
+        return f"M={m}, N={n}, K={k}: an empty dimension (the kernel's K loop needs at least one block)"
     if out_dtype not in _OUT_TORCH_DTYPES:
         return f"out_dtype {out_dtype}"
     if bias is not None and _dtype_name(bias.dtype) not in BIAS_DTYPES:
@@ -148,8 +148,8 @@ def _weight_only_x_unsupported(x, packed, rows: str) -> str | None:
         return f"x dtype {x.dtype} (the kernel decodes the weight to bf16: it takes bfloat16 activations)"
     if x.dim() != 2 or x.shape[1] != packed.k:
         return f"x shape {tuple(x.shape)} (expected [{rows}, {packed.k}])"
-    if x.shape[0] == 0:
-        return f"{rows}=0: nothing to compute"
+    if x.shape[0] == 0 or packed.k == 0:
+        return f"{rows}={x.shape[0]}, K={packed.k}: nothing to compute (the kernel's loop needs a chunk)"
     if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
         return "x: the kernel's TMA needs unit stride along K and 16-byte aligned rows"
     return None
@@ -179,4 +179,6 @@ def grouped_weight_only_unsupported(x, packed, group_ends, zero_tail=True) -> st
     if packed.data.device != x.device or group_ends.device != x.device:
         return (f"the packed weights ({packed.data.device}) and group_ends ({group_ends.device}) must be on x's "
                 f"{x.device}")
+    if group_ends.dtype != torch.int32 or tuple(group_ends.shape) != (packed.experts,):
+        return f"group_ends: expected int32 [E={packed.experts}] (the kernel reads one global scale per entry)"
     return None

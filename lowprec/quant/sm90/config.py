@@ -34,6 +34,8 @@ def _recipe_unsupported(x: torch.Tensor, r) -> str | None:
 
 def quantize_unsupported(x: torch.Tensor, r) -> str | None:
     """``quantize(x, r)``: ``x`` of any dims, viewed as [rows, cols]."""
+    if x.shape[-1] == 0:
+        return "no columns (nothing to quantize)"
     return _recipe_unsupported(x, r) or rows_unsupported(x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x)
 
 
