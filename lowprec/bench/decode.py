@@ -80,10 +80,15 @@ def parse_args(argv=None):
                    help=f"model decode step: how its ops run, comma-separated ({', '.join(MODEL_MODES)})")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
-    args.ms = [int(m) for m in args.ms.split(",")]
-    args.shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+    try:
+        args.ms = [int(m) for m in args.ms.split(",")]
+        args.shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+        args.batches = [int(b) for b in args.batches.split(",") if b]
+    except ValueError as e:
+        p.error(f"--ms / --shapes / --batches: expected comma-separated ints (shapes NxK): {e}")
+    if any(len(s) != 2 for s in args.shapes):
+        p.error(f"--shapes: expected NxK pairs, comma-separated, got {args.shapes}")
     args.impls = args.impls.split(",")
-    args.batches = [int(b) for b in args.batches.split(",") if b]
     args.model_modes = [m for m in args.model_modes.split(",") if m]
     if [m for m in args.model_modes if m not in MODEL_MODES]:
         p.error(f"--model-modes: expected some of {MODEL_MODES}, got {args.model_modes}")

@@ -33,7 +33,8 @@ def default_shapes(quick: bool = False):
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m lowprec bench gemm", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="fewer shapes")
     p.add_argument("--shapes", type=str, default=None, help="M,N,K;M,N,K;... (overrides defaults)")
     p.add_argument("--out", type=str, default=None, help="JSON path (default benchmarks/results/<gpu>.json)")

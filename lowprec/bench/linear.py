@@ -76,7 +76,13 @@ def main(argv: list[str] | None = None) -> int:
                              "results then go under 'linear_sizes' (where convert's size threshold comes from)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
-    shapes = SHAPES if args.shapes is None else [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+    try:
+        shapes = SHAPES if args.shapes is None else [tuple(int(v) for v in s.split("x"))
+                                                     for s in args.shapes.split(",")]
+    except ValueError:
+        shapes = None
+    if shapes is None or any(len(s) != 2 or min(s) < 1 for s in shapes):
+        parser.error(f"--shapes: expected positive KxN pairs, comma-separated, got {args.shapes!r}")
     tokens = args.tokens
     if not torch.cuda.is_available():
         raise SystemExit("bench linear needs a CUDA GPU")

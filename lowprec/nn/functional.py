@@ -110,6 +110,8 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     r = get_linear_recipe(recipe)
     if not isinstance(x, torch.Tensor) or x.dtype not in _FLOAT_DTYPES:
         raise TypeError(f"x: expected a float32/bfloat16/float16 tensor, got {getattr(x, 'dtype', type(x))}")
+    if x.dim() == 0:
+        raise ValueError("x: expected [..., in_features], got a 0-d tensor")
     if weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
         raise ValueError(f"x: last dim {x.shape[-1]} does not match weight's in_features "
                          f"({tuple(weight.shape)} is [out_features, in_features])")

@@ -97,16 +97,19 @@ class _FP8SwiGLU(torch.autograd.Function):
 
 
 def _check(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> None:
-    if not isinstance(x, torch.Tensor) or x.dtype not in _FLOAT_DTYPES or x.dim() < 1:
+    if not isinstance(x, torch.Tensor) or x.dtype not in _FLOAT_DTYPES:
         raise ValueError(f"x: expected a float32 / bfloat16 / float16 tensor, got {getattr(x, 'dtype', type(x))}")
-    hidden = x.shape[-1]
+    if x.dim() < 1:
+        raise ValueError("x: expected [..., H], got a 0-d tensor")
     for name, w in (("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)):
         if not isinstance(w, torch.Tensor) or not w.is_floating_point() or w.dim() != 2:
             raise ValueError(f"{name}: expected a 2-D float tensor, got {getattr(w, 'dtype', type(w))} "
                              f"{tuple(getattr(w, 'shape', ()))}")
         if w.device != x.device:
             raise ValueError(f"{name}: on {w.device}, but x is on {x.device}")
-    ffn = w_gate.shape[0]
+    ffn, hidden = w_gate.shape
+    if x.shape[-1] != hidden:
+        raise ValueError(f"x: last dim {x.shape[-1]} does not match w_gate's H={hidden} (w_gate is [F, H])")
     if w_gate.shape != (ffn, hidden) or w_up.shape != (ffn, hidden):
         raise ValueError(f"w_gate, w_up: expected [F, H={hidden}] each, got {tuple(w_gate.shape)} and "
                          f"{tuple(w_up.shape)}")
@@ -182,6 +185,8 @@ class FP8SwiGLUMLP(nn.Module):
     def __init__(self, gate_proj: nn.Linear, up_proj: nn.Linear, down_proj: nn.Linear,
                  recipe: str = DEFAULT_TRAIN_RECIPE) -> None:
         super().__init__()
+        if any(getattr(m, "bias", None) is not None for m in (gate_proj, up_proj, down_proj)):
+            raise ValueError("gate_proj, up_proj, down_proj: the fused MLP computes no biases; got a layer with one")
         self.gate_proj, self.up_proj, self.down_proj = gate_proj, up_proj, down_proj
         self.recipe = _swiglu_recipe(recipe).name
         _check(torch.empty(0, gate_proj.in_features, device=gate_proj.weight.device), gate_proj.weight,
@@ -219,7 +224,7 @@ def _is_silu(act) -> bool:
         return False
     try:
         with torch.no_grad():
-            return torch.equal(act(_SILU_PROBE), torch.nn.functional.silu(_SILU_PROBE))
+            return torch.equal(act(_SILU_PROBE.clone()), torch.nn.functional.silu(_SILU_PROBE))  # act may be in-place
     except Exception:  # an activation that cannot run on a CPU float tensor is not fused
         return False
 

@@ -100,3 +100,10 @@ def test_decode_step_traces_in_one_graph_with_nvfp4_layers():
         compiled = torch.compile(decode.decode_step, fullgraph=True, backend="aot_eager")(model, tokens, caches,
                                                                                         c.seq - 1)
     torch.testing.assert_close(compiled, eager)
+
+
+@pytest.mark.parametrize("argv", [["--shapes", "x"], ["--shapes", "4096"], ["--ms", "a"], ["--batches", "b"]])
+def test_bad_lists_are_usage_errors(argv):
+    with pytest.raises(SystemExit) as exit_info:
+        decode.parse_args(argv)
+    assert exit_info.value.code == 2

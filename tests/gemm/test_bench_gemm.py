@@ -47,3 +47,11 @@ def test_needs_cuda_exits_1():
     proc = subprocess.run([sys.executable, "-m", "lowprec", "bench", "gemm", "--quick"], capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 1 and "needs a CUDA GPU" in proc.stderr
+
+
+def test_usage_names_the_command(capsys):
+    from lowprec.bench import gemm as bench
+
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--bogus"])
+    assert "usage: python -m lowprec bench gemm" in capsys.readouterr().err

@@ -25,3 +25,10 @@ def test_step_parts_cover_every_kernel_of_the_step():
     assert list(parts) == list(bench.STEP_PARTS)
     assert all(ms > 0 for ms in parts.values()), parts
     assert x.grad is None and w.grad is None  # no autograd work behind the caller's back
+
+
+@pytest.mark.parametrize("shapes", ["abc", "1024x", "12", "0x128"])
+def test_bad_shapes_are_usage_errors(shapes):
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(["--shapes", shapes])
+    assert exit_info.value.code == 2

@@ -513,3 +513,8 @@ def test_a_non_finite_weight_is_named_when_an_inference_layer_quantizes_it():
     for cls in (FP8InferenceLinear, NVFP4InferenceLinear):
         with pytest.raises(ValueError, match="linear.weight: contains NaN or Inf"):
             cls.from_linear(linear)
+
+
+def test_fp8_linear_of_a_0d_x_is_a_clear_error():
+    with pytest.raises(ValueError, match="^x: "):
+        fp8_linear(torch.tensor(1.0), torch.randn(128, 256))

@@ -335,3 +335,28 @@ def test_converting_a_fused_mlp_again_takes_the_new_recipe():
 
 def convert_fp8(model, recipe):
     return lowprec.convert(model, recipe, min_weight_numel=0)
+
+
+def test_the_fused_mlp_refuses_layers_with_biases():
+    """It computes no biases: taking biased layers would drop them silently."""
+    gate, up, down = nn.Linear(256, 512), nn.Linear(256, 512), nn.Linear(512, 256)
+    with pytest.raises(ValueError, match="bias"):
+        FP8SwiGLUMLP(gate, up, down, "fp8_block")
+
+
+def test_bad_x_is_named():
+    mlp = FP8SwiGLUMLP.from_mlp(SwiGLUMLP(256, 512), "fp8_block")
+    with pytest.raises(ValueError, match=r"^x: last dim 272"):
+        mlp(torch.randn(4, 272))
+    with pytest.raises(ValueError, match="0-d"):
+        mlp(torch.tensor(1.0))
+
+
+def test_an_in_place_silu_is_silu_and_the_check_keeps_its_probe():
+    from lowprec.nn.swiglu import _SILU_PROBE, swiglu_mlp_unsupported
+
+    probe = _SILU_PROBE.clone()
+    mlp = SwiGLUMLP(256, 512)
+    mlp.act_fn = nn.SiLU(inplace=True)
+    assert swiglu_mlp_unsupported(mlp) is None
+    assert torch.equal(_SILU_PROBE, probe)
