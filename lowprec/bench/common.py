@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
@@ -16,6 +17,17 @@ __all__ = ["bench_ms", "bench_stream_ms", "bench_graph_ms", "sustained", "cuda_g
            "save_results", "copy_bandwidth_gbs", "print_table"]
 
 _FLUSH_BYTES = 256 << 20  # > H100/H200 L2 (50 MB): every timed run starts from a cold L2
+
+
+def shape_pairs(text: str) -> list[tuple[int, int]]:
+    """argparse type of a ``--shapes`` list: comma-separated ``AxB`` pairs of positive ints."""
+    try:
+        pairs = [tuple(int(v) for v in s.split("x")) for s in text.split(",")]
+    except ValueError:
+        pairs = []
+    if not pairs or any(len(p) != 2 or min(p) < 1 for p in pairs):
+        raise argparse.ArgumentTypeError(f"expected positive AxB pairs, comma-separated, got {text!r}")
+    return pairs
 
 
 def bench_ms(fn, warmup: int = 10, rep: int = 50, queued: bool = False, before=None) -> float:

@@ -49,6 +49,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .common import shape_pairs
+
 __all__ = ["SHAPES", "MS", "IMPLS", "MODEL_IMPLS", "weight_bytes", "ratio_summary", "decode_step", "model_decode_rows",
            "main"]
 
@@ -73,7 +75,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m lowprec bench decode", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ms", default=",".join(map(str, MS)), help="tokens per call, comma-separated")
-    p.add_argument("--shapes", default=",".join(f"{n}x{k}" for n, k in SHAPES), help="N x K, comma-separated")
+    p.add_argument("--shapes", type=shape_pairs, default=",".join(f"{n}x{k}" for n, k in SHAPES),
+                   help="N x K, comma-separated")
     p.add_argument("--impls", default=",".join(IMPLS))
     p.add_argument("--batches", default="1,8", help="model decode step: tokens per step (empty: skip)")
     p.add_argument("--model-modes", default=",".join(MODEL_MODES),
@@ -82,12 +85,9 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     try:
         args.ms = [int(m) for m in args.ms.split(",")]
-        args.shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
         args.batches = [int(b) for b in args.batches.split(",") if b]
     except ValueError as e:
-        p.error(f"--ms / --shapes / --batches: expected comma-separated ints (shapes NxK): {e}")
-    if any(len(s) != 2 for s in args.shapes):
-        p.error(f"--shapes: expected NxK pairs, comma-separated, got {args.shapes}")
+        p.error(f"--ms / --batches: expected comma-separated ints: {e}")
     args.impls = args.impls.split(",")
     args.model_modes = [m for m in args.model_modes.split(",") if m]
     if [m for m in args.model_modes if m not in MODEL_MODES]:
