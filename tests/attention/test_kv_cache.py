@@ -324,6 +324,7 @@ def test_append_kernel_compiles_sm90a(dtype, d):
         pytest.skip("nvdisasm not found")
     sass = sass_of(compiled)
     assert "F2FP" in sass and local_memory_ops(sass) == 0
+    assert "ACQBULK" in sass  # griddepcontrol.wait: safe under programmatic dependent launch
 
 
 def test_append_kernel_constraints():

@@ -99,6 +99,7 @@ def test_prepass_compiles_sm90a(kind, head_dim, dtype):
         pytest.skip("nvdisasm not found")
     sass = sass_of(compiled)
     assert "F2FP" in sass and local_memory_ops(sass) == 0
+    assert "ACQBULK" in sass  # griddepcontrol.wait: safe under programmatic dependent launch
 
 
 @needs_cutlass
@@ -130,6 +131,7 @@ def test_split_combine_compiles_sm90a(head_dim):
         pytest.skip("nvdisasm not found")
     sass = sass_of(compiled)
     assert "LDG.E.128" in sass and "MUFU.EX2" in sass and local_memory_ops(sass) == 0
+    assert "ACQBULK" in sass  # griddepcontrol.wait: safe under programmatic dependent launch
 
 
 def test_quantize_q_configs():

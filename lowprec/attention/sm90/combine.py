@@ -15,13 +15,17 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32
 
+from ...cute.pdl import after_previous_grid
+
 THREADS = 256
 
 
 @cute.kernel
 def _combine_kernel(mO: cute.Tensor, mL: cute.Tensor, mOut: cute.Tensor, mLse: cute.Tensor, splits: cutlass.Int32,
-                    d: cutlass.Constexpr):
+                    d: cutlass.Constexpr, pdl: cutlass.Constexpr):
     tidx, _, _ = cute.arch.thread_idx()
+    if cutlass.const_expr(pdl):
+        after_previous_grid()
     bidx, _, _ = cute.arch.block_idx()
     lanes = d // 4
     row = bidx * (THREADS // lanes) + tidx // lanes
@@ -52,9 +56,10 @@ def _combine_kernel(mO: cute.Tensor, mL: cute.Tensor, mOut: cute.Tensor, mLse: c
 
 @cute.jit
 def combine_splits(mO: cute.Tensor, mL: cute.Tensor, mOut: cute.Tensor, mLse: cute.Tensor, splits: cutlass.Int32,
-                   d: cutlass.Constexpr, stream):
+                   d: cutlass.Constexpr, pdl: cutlass.Constexpr, stream):
     """``mO`` [splits, rows, D] FP32 partials and ``mL`` [splits, rows] their LSEs -> ``mOut``
-    [rows, D] (bf16 / fp16) and ``mLse`` [rows]."""
+    [rows, D] (bf16 / fp16) and ``mLse`` [rows]; ``pdl``: programmatic dependent launch."""
     rows_per_cta = THREADS // (d // 4)
-    _combine_kernel(mO, mL, mOut, mLse, splits, d).launch(
-        grid=((mL.shape[1] + rows_per_cta - 1) // rows_per_cta, 1, 1), block=(THREADS, 1, 1), stream=stream)
+    _combine_kernel(mO, mL, mOut, mLse, splits, d, pdl).launch(
+        grid=((mL.shape[1] + rows_per_cta - 1) // rows_per_cta, 1, 1), block=(THREADS, 1, 1), stream=stream,
+        use_pdl=pdl)

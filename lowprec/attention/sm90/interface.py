@@ -63,6 +63,10 @@ LAZY_RESCALE = True  # AttnConfig.lazy_rescale of launched kernels
 # lowprec.attention(q, k, v, quant="fp8") on float q: the forward quantizes Q itself (the Q
 # pre-pass's bits) where its grid is dense (no pack-GQA, no split-KV), instead of a Q pre-pass kernel
 QUANTIZE_Q_IN_KERNEL = True
+# programmatic dependent launch of the combine, K / V pre-pass and KV append kernels: each may
+# start while the previous kernel on the stream drains. Not the forward: its early CTAs made some
+# split-KV decode grids 4-13% slower (NOTES, session 52)
+PDL = True
 _NUM_SMS = 132
 
 
@@ -320,11 +324,12 @@ class _Launch:
 
     def combine(self, o_parts, l_parts, out, lse) -> None:
         """lse = logsumexp_i lse_i, O = sum_i exp(lse_i - lse) O_i: one launch."""
-        _combine_entry(self.D, self.out_dtype)(o_parts.view(self.splits, -1, self.D), l_parts.view(self.splits, -1),
-                                               out.view(-1, self.D), lse.view(-1), self.splits)
+        _combine_entry(self.D, self.out_dtype, PDL)(o_parts.view(self.splits, -1, self.D),
+                                                    l_parts.view(self.splits, -1), out.view(-1, self.D), lse.view(-1),
+                                                    self.splits)
 
 
-def build_combine_kernel(head_dim: int, out_dtype: torch.dtype, arch: str = _ARCH_DEFAULT):
+def build_combine_kernel(head_dim: int, out_dtype: torch.dtype, arch: str = _ARCH_DEFAULT, pdl: bool = True):
     """Compile the split-KV combine (``combine.combine_splits``) on fake tensors (no GPU needed)."""
     import cutlass
     import cutlass.cute as cute
@@ -340,19 +345,20 @@ def build_combine_kernel(head_dim: int, out_dtype: torch.dtype, arch: str = _ARC
     lses = make_fake_tensor(cutlass.Float32, (cute.sym_int(), rows), stride=(cute.sym_int64(), 1), assumed_align=4)
     out = make_fake_tensor(out_c, (rows, d), stride=(d, 1), assumed_align=8)
     lse = make_fake_tensor(cutlass.Float32, (rows,), stride=(1,), assumed_align=4)
-    return compile_for_arch(combine_splits, parts, lses, out, lse, cutlass.Int32(2), head_dim,
+    return compile_for_arch(combine_splits, parts, lses, out, lse, cutlass.Int32(2), head_dim, pdl,
                             make_fake_stream(use_tvm_ffi_env_stream=True), arch=arch, tvm_ffi=True)
 
 
 @functools.cache
-def _combine_entry(head_dim: int, out_dtype: torch.dtype):
+def _combine_entry(head_dim: int, out_dtype: torch.dtype, pdl: bool):
     from ...runtime import kernel_cache
 
-    return ffi_entry(kernel_cache.get("attention_split_combine", {"head_dim": head_dim, "out": _OUT[out_dtype]},
-                                      _ARCH_DEFAULT, lambda: build_combine_kernel(head_dim, out_dtype)))
+    key = {"head_dim": head_dim, "out": _OUT[out_dtype], "pdl": pdl}
+    return ffi_entry(kernel_cache.get("attention_split_combine", key, _ARCH_DEFAULT,
+                                      lambda: build_combine_kernel(head_dim, out_dtype, pdl=pdl)))
 
 
-def build_kv_append_kernel(dtype: torch.dtype, head_dim: int, arch: str = _ARCH_DEFAULT):
+def build_kv_append_kernel(dtype: torch.dtype, head_dim: int, arch: str = _ARCH_DEFAULT, pdl: bool = True):
     """Compile the FP8 KV cache's append (``kv_append.kv_append``) on fake tensors (no GPU needed)."""
     import cutlass
     import cutlass.cute as cute
@@ -381,17 +387,17 @@ def build_kv_append_kernel(dtype: torch.dtype, head_dim: int, arch: str = _ARCH_
     counts = make_fake_tensor(cutlass.Int64, (2,), stride=(1,), assumed_align=16)
     plan = make_fake_tensor(cutlass.Int32, (b, 8), stride=(8, 1), assumed_align=16)
     return compile_for_arch(kv_append, new_k, new_v, tail, amax, k, k_scale, v_t, v_inv, counts, plan,
-                            cutlass.Int32(1), head_dim, make_fake_stream(use_tvm_ffi_env_stream=True), arch=arch,
-                            tvm_ffi=True)
+                            cutlass.Int32(1), head_dim, pdl, make_fake_stream(use_tvm_ffi_env_stream=True),
+                            arch=arch, tvm_ffi=True)
 
 
 @functools.cache
-def _kv_append_entry(dtype: torch.dtype, head_dim: int):
+def _kv_append_entry(dtype: torch.dtype, head_dim: int, pdl: bool):
     from ...runtime import kernel_cache
 
-    return ffi_entry(kernel_cache.get("attention_kv_append", {"dtype": str(dtype).removeprefix("torch."),
-                                                              "head_dim": head_dim},
-                                      _ARCH_DEFAULT, lambda: build_kv_append_kernel(dtype, head_dim)))
+    key = {"dtype": str(dtype).removeprefix("torch."), "head_dim": head_dim, "pdl": pdl}
+    return ffi_entry(kernel_cache.get("attention_kv_append", key, _ARCH_DEFAULT,
+                                      lambda: build_kv_append_kernel(dtype, head_dim, pdl=pdl)))
 
 
 @functools.cache
@@ -609,7 +615,7 @@ class CacheAttention:
             self.q_kernel(q.view(-1, self.q_row), *self.q_dst)
             launch.fn(*front, *(back or launch.outputs(out, lse)), self.scale_log2, *launch.ints, self.plan)
             if parts:
-                _combine_entry(d, self.dtype)(*parts, out.view(-1, d), lse.view(-1), splits)
+                _combine_entry(d, self.dtype, PDL)(*parts, out.view(-1, d), lse.view(-1), splits)
         return out, lse
 
 
@@ -627,7 +633,7 @@ class CacheAppend:
     None, or why the kernel cannot take them (nothing written: the cache then appends in torch ops)."""
 
     def __init__(self, dtype: torch.dtype, head_dim: int, buffers: tuple):
-        self.entry, self.buffers, self.device = _kv_append_entry(dtype, head_dim), buffers, buffers[0].device
+        self.entry, self.buffers, self.device = _kv_append_entry(dtype, head_dim, PDL), buffers, buffers[0].device
 
     def __call__(self, k, v, start: int | None) -> str | None:
         """Append ``k``, ``v`` (the cache's dtype and head dim, which it checks)."""
@@ -654,10 +660,14 @@ def _q_prepass_kernel(dtype: torch.dtype, q_row: int):
     return compile_kernel("rowwise" if q_row <= ROWWISE_SHORT_COLS else "rowwise_staged", dtype)
 
 
-@functools.cache
 def _prepass_entry(kind: str, dtype: torch.dtype, head_dim: int, cluster: int):
     """The launchable K / V pre-pass kernel (TVM-FFI entry)."""
-    return ffi_entry(_prepass_kernel(kind, dtype, head_dim, cluster))
+    return _prepass_ffi(kind, dtype, head_dim, cluster, PDL)
+
+
+@functools.cache
+def _prepass_ffi(kind: str, dtype: torch.dtype, head_dim: int, cluster: int, pdl: bool):
+    return ffi_entry(_prepass_kernel(kind, dtype, head_dim, cluster, pdl=pdl))
 
 
 # ----------------------------------------------------------------------------- pre-pass kernels
@@ -665,7 +675,7 @@ PREPASS_KINDS = ("k", "v", "v_perm", "q_packed", "k_packed", "v_packed", "v_perm
 
 
 def build_prepass_kernel(kind: str, dtype: torch.dtype, head_dim: int, cluster: int = PREPASS_MAX_CLUSTER,
-                         arch: str = _ARCH_DEFAULT):
+                         arch: str = _ARCH_DEFAULT, pdl: bool = True):
     """Compile one pre-pass kernel (``"k"``: smooth + quantize, ``"v"``: quantize + transpose,
     ``"v_perm"``: the same with the keys in :func:`permute_v_keys`'s order; ``*_packed``: packed
     sequences into the padded layout, ``"q_packed"`` the K kernel without smoothing) for
@@ -692,30 +702,32 @@ def build_prepass_kernel(kind: str, dtype: torch.dtype, head_dim: int, cluster: 
         raise ValueError(f"{dtype} rows of {head_dim} values do not fit the pre-pass kernels' shared-memory ring")
     if kind == "k":
         args = (x, fake_rows(cutlass.Uint8), fake_scales(), vec(cutlass.Float32), vec(cutlass.Float32), one, one,
-                head_dim, stages, cluster, stream)
+                head_dim, stages, cluster, pdl, stream)
         return compile_for_arch(prepass.k_smooth_quant, *args, arch=arch, tvm_ffi=True)
     if kind.endswith("_packed"):
         # the query or key half of a sequence plan
         seq = make_fake_tensor(cutlass.Int32, (cute.sym_int(), 4), stride=(8, 1), assumed_align=16)
         if kind in ("q_packed", "k_packed"):
             args = (x, fake_rows(cutlass.Uint8), fake_scales(), vec(cutlass.Float32), vec(cutlass.Float32), seq, one,
-                    one, head_dim, stages, cluster, kind == "k_packed", stream)
+                    one, head_dim, stages, cluster, kind == "k_packed", pdl, stream)
             return compile_for_arch(prepass.packed_quant, *args, arch=arch, tvm_ffi=True)
         return compile_for_arch(prepass.packed_v_quant_t, x, fake_rows(cutlass.Uint8), vec(cutlass.Float32),
                                 vec(cutlass.Float32), seq, one, head_dim, stages, cluster, kind == "v_perm_packed",
-                                stream, arch=arch, tvm_ffi=True)
+                                pdl, stream, arch=arch, tvm_ffi=True)
     return compile_for_arch(prepass.v_quant_t, x, fake_rows(cutlass.Uint8), vec(cutlass.Float32), vec(cutlass.Float32),
-                            one, one, head_dim, stages, cluster, kind == "v_perm", stream, arch=arch, tvm_ffi=True)
+                            one, one, head_dim, stages, cluster, kind == "v_perm", pdl, stream, arch=arch,
+                            tvm_ffi=True)
 
 
 @functools.cache
-def _prepass_kernel(kind: str, dtype: torch.dtype, head_dim: int, cluster: int, arch: str = _ARCH_DEFAULT):
+def _prepass_kernel(kind: str, dtype: torch.dtype, head_dim: int, cluster: int, arch: str = _ARCH_DEFAULT,
+                    pdl: bool = True):
     from ...runtime import kernel_cache
 
     key = {"dtype": dtype, "head_dim": head_dim, "cluster": cluster,
-           "stages": prepass_ring_stages(head_dim, dtype.itemsize)}
+           "stages": prepass_ring_stages(head_dim, dtype.itemsize), "pdl": pdl}
     return kernel_cache.get(f"attention_prepass_{kind}", key, arch,
-                            lambda: build_prepass_kernel(kind, dtype, head_dim, cluster, arch))
+                            lambda: build_prepass_kernel(kind, dtype, head_dim, cluster, arch, pdl))
 
 
 def _launch_prepass_k(k, codes, scales, k_mean, partials):

@@ -26,6 +26,7 @@ from cutlass import Float32
 
 from ...cute.fp8_block import as_fp8, scale_and_inverse
 from ...cute.fp8_tile import group_max
+from ...cute.pdl import after_previous_grid
 
 THREADS = 256  # D / 2 threads per row (one per column pair), the rest of the CTA on further rows
 BLOCK = 128  # tokens per K scale
@@ -49,9 +50,11 @@ def _store_codes(row: cute.Tensor, values, pair):
 @cute.kernel
 def _kv_append_kernel(mKn: cute.Tensor, mVn: cute.Tensor, mTail: cute.Tensor, mAmax: cute.Tensor, mK_u8: cute.Tensor,
                       mKs: cute.Tensor, mVt_u8: cute.Tensor, mVinv: cute.Tensor, mCounts: cute.Tensor,
-                      mPlan: cute.Tensor, count: cutlass.Int32, d: cutlass.Constexpr):
+                      mPlan: cute.Tensor, count: cutlass.Int32, d: cutlass.Constexpr, pdl: cutlass.Constexpr):
     tidx, _, _ = cute.arch.thread_idx()
     head, batch, _ = cute.arch.block_idx()
+    if cutlass.const_expr(pdl):
+        after_previous_grid()
     start = mPlan[batch, 5]  # the row's length
     if start + count <= mK_u8.shape[2]:
         _append_row(mKn, mVn, mTail, mAmax, mK_u8, mKs, mVt_u8, mVinv, mCounts, start, count, batch, head, tidx, d)
@@ -122,13 +125,14 @@ def _append_row(mKn, mVn, mTail, mAmax, mK_u8, mKs, mVt_u8, mVinv, mCounts, star
 @cute.jit
 def kv_append(mKn: cute.Tensor, mVn: cute.Tensor, mTail: cute.Tensor, mAmax: cute.Tensor, mK: cute.Tensor,
               mKs: cute.Tensor, mVt: cute.Tensor, mVinv: cute.Tensor, mCounts: cute.Tensor, mPlan: cute.Tensor,
-              count: cutlass.Int32, d: cutlass.Constexpr, stream):
+              count: cutlass.Int32, d: cutlass.Constexpr, pdl: cutlass.Constexpr, stream):
     """Append ``count`` tokens (``mKn``, ``mVn`` [B, Hkv, count, D], any strides, rows contiguous)
     at each batch row's length (field 5 of ``mPlan`` [B, 8] int32, read on the device and advanced
     by ``count``; field 7 is the launch's arrival count, 0 before and after) in the cache
     (``mK`` [B, Hkv, max_len, D] and ``mVt`` [B, Hkv, D, padded] E4M3 codes, ``mKs`` [B, Hkv,
     blocks] K scales, ``mTail`` [B, Hkv, 128, D] the block's kept tokens and ``mAmax`` [B, Hkv]
     their amax, ``mVinv`` [B, Hkv, D] V's inverse scales, ``mCounts`` [2] int64: values saturated,
-    tokens dropped past ``max_len``); ``length % 128 + count <= 128``, D dividing 256."""
-    _kv_append_kernel(mKn, mVn, mTail, mAmax, mK, mKs, mVt, mVinv, mCounts, mPlan, count, d).launch(
-        grid=(mK.shape[1], mK.shape[0], 1), block=(THREADS, 1, 1), stream=stream)
+    tokens dropped past ``max_len``); ``length % 128 + count <= 128``, D dividing 256; ``pdl``:
+    programmatic dependent launch."""
+    _kv_append_kernel(mKn, mVn, mTail, mAmax, mK, mKs, mVt, mVinv, mCounts, mPlan, count, d, pdl).launch(
+        grid=(mK.shape[1], mK.shape[0], 1), block=(THREADS, 1, 1), stream=stream, use_pdl=pdl)

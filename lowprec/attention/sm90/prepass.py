@@ -42,6 +42,7 @@ from ...cute.fp8_tile import (
     stage_column,
     store_transposed,
 )
+from ...cute.pdl import after_previous_grid
 from ...cute.utils import LoopInvariant
 
 
@@ -228,9 +229,11 @@ def _sequence(mSeq: cute.Tensor, batch, head, heads, out_rows):
 def _k_smooth_quant_kernel(mK: cute.Tensor, mQ_u8: cute.Tensor, mS: cute.Tensor, mMean: cute.Tensor,
                            mPart: cute.Tensor, mSeq: cute.Tensor, seqlen: cutlass.Int32, heads: cutlass.Int32,
                            d: cutlass.Constexpr, stages: cutlass.Constexpr, cluster: cutlass.Constexpr,
-                           varlen: cutlass.Constexpr, smooth: cutlass.Constexpr):
+                           varlen: cutlass.Constexpr, smooth: cutlass.Constexpr, pdl: cutlass.Constexpr):
     tidx, _, _ = cute.arch.thread_idx()
     rank, head, batch = cute.arch.block_idx()
+    if cutlass.const_expr(pdl):
+        after_previous_grid()
     d_tiles = (d + TILE - 1) // TILE
     mQ = as_fp8(mQ_u8)
     smem = cutlass.memory.SmemAllocator()
@@ -303,18 +306,21 @@ def _k_smooth_quant_kernel(mK: cute.Tensor, mQ_u8: cute.Tensor, mS: cute.Tensor,
 @cute.jit
 def k_smooth_quant(mK: cute.Tensor, mQ_u8: cute.Tensor, mS: cute.Tensor, mMean: cute.Tensor, mPart: cute.Tensor,
                    seqlen: cutlass.Int32, heads: cutlass.Int32, d: cutlass.Constexpr, stages: cutlass.Constexpr,
-                   cluster: cutlass.Constexpr, stream):
+                   cluster: cutlass.Constexpr, pdl: cutlass.Constexpr, stream):
     """``mK`` [heads·S, D] (S % 128 == 0) -> codes [heads·S, D] of K minus its token mean, scales
     [heads·S/128, 1], ``mMean`` [heads, D] FP32; ``mPart`` [heads·cluster, D] FP32 workspace;
-    ``stages``: ``config.prepass_ring_stages``; ``cluster`` CTAs per head."""
-    _k_smooth_quant_kernel(mK, mQ_u8, mS, mMean, mPart, mS, seqlen, heads, d, stages, cluster, False, True).launch(
-        grid=(cluster, heads, 1), block=(THREADS, 1, 1), cluster=(cluster, 1, 1), stream=stream)
+    ``stages``: ``config.prepass_ring_stages``; ``cluster`` CTAs per head; ``pdl``: programmatic
+    dependent launch."""
+    _k_smooth_quant_kernel(mK, mQ_u8, mS, mMean, mPart, mS, seqlen, heads, d, stages, cluster, False, True,
+                           pdl).launch(grid=(cluster, heads, 1), block=(THREADS, 1, 1), cluster=(cluster, 1, 1),
+                                       stream=stream, use_pdl=pdl)
 
 
 @cute.jit
 def packed_quant(mX: cute.Tensor, mQ_u8: cute.Tensor, mS: cute.Tensor, mMean: cute.Tensor, mPart: cute.Tensor,
                  mSeq: cute.Tensor, heads: cutlass.Int32, ctas: cutlass.Int32, d: cutlass.Constexpr,
-                 stages: cutlass.Constexpr, cluster: cutlass.Constexpr, smooth: cutlass.Constexpr, stream):
+                 stages: cutlass.Constexpr, cluster: cutlass.Constexpr, smooth: cutlass.Constexpr,
+                 pdl: cutlass.Constexpr, stream):
     """Packed sequences (``lowprec.attention.packed``'s padded layout): ``mX`` [total·heads, D] (token
     t of head h at row t·heads + h) -> codes [heads·R, D] (sequence b from padded row ``mSeq[b, 2]``,
     tokens past its length 0), scales [heads·R/128, 1]; with ``smooth`` each sequence's token mean
@@ -322,18 +328,20 @@ def packed_quant(mX: cute.Tensor, mQ_u8: cute.Tensor, mS: cute.Tensor, mMean: cu
     ``mSeq`` [B, 4] int32: first token, length, first padded row. One cluster per (sequence, head)
     with ``smooth``; else ``ctas`` CTAs (no cluster)."""
     _k_smooth_quant_kernel(mX, mQ_u8, mS, mMean, mPart, mSeq, cutlass.Int32(0), heads, d, stages, cluster, True,
-                           smooth).launch(grid=(cluster if smooth else ctas, heads, mSeq.shape[0]),
-                                          block=(THREADS, 1, 1), cluster=(cluster if smooth else 1, 1, 1),
-                                          stream=stream)
+                           smooth, pdl).launch(grid=(cluster if smooth else ctas, heads, mSeq.shape[0]),
+                                               block=(THREADS, 1, 1), cluster=(cluster if smooth else 1, 1, 1),
+                                               stream=stream, use_pdl=pdl)
 
 
 @cute.kernel
 def _v_quant_t_kernel(mV: cute.Tensor, mVt_u8: cute.Tensor, mScale: cute.Tensor, mPart: cute.Tensor,
                       mSeq: cute.Tensor, seqlen: cutlass.Int32, heads: cutlass.Int32, d: cutlass.Constexpr,
                       stages: cutlass.Constexpr, cluster: cutlass.Constexpr, permute_keys: cutlass.Constexpr,
-                      varlen: cutlass.Constexpr):
+                      varlen: cutlass.Constexpr, pdl: cutlass.Constexpr):
     tidx, _, _ = cute.arch.thread_idx()
     rank, head, batch = cute.arch.block_idx()
+    if cutlass.const_expr(pdl):
+        after_previous_grid()
     col_tiles = (d + TILE - 1) // TILE
     smem = cutlass.memory.SmemAllocator()
     ring = _alloc_ring(smem, mV.element_type, stages, d)
@@ -390,24 +398,24 @@ def _v_quant_t_kernel(mV: cute.Tensor, mVt_u8: cute.Tensor, mScale: cute.Tensor,
 @cute.jit
 def v_quant_t(mV: cute.Tensor, mVt_u8: cute.Tensor, mScale: cute.Tensor, mPart: cute.Tensor, seqlen: cutlass.Int32,
               heads: cutlass.Int32, d: cutlass.Constexpr, stages: cutlass.Constexpr, cluster: cutlass.Constexpr,
-              permute_keys: cutlass.Constexpr, stream):
+              permute_keys: cutlass.Constexpr, pdl: cutlass.Constexpr, stream):
     """``mV`` [heads·S, D] -> ``v_t`` codes [heads·D, S_pad] (S_pad = round_up(S, 16); the padding
     tokens as zeros; with ``permute_keys`` the tokens of each aligned 16 stored in
     ``config.V_KEY_PERM`` order) and ``mScale`` [heads, D] FP32 (the quantizer's scale of each
     channel's amax over the sequence); ``mPart`` [heads·cluster, D] FP32 workspace; ``stages``:
     ``config.prepass_ring_stages``; ``cluster`` CTAs per head."""
     _v_quant_t_kernel(mV, mVt_u8, mScale, mPart, mScale, seqlen, heads, d, stages, cluster, permute_keys,
-                      False).launch(grid=(cluster, heads, 1), block=(THREADS, 1, 1), cluster=(cluster, 1, 1),
-                                    stream=stream)
+                      False, pdl).launch(grid=(cluster, heads, 1), block=(THREADS, 1, 1), cluster=(cluster, 1, 1),
+                                         stream=stream, use_pdl=pdl)
 
 
 @cute.jit
 def packed_v_quant_t(mV: cute.Tensor, mVt_u8: cute.Tensor, mScale: cute.Tensor, mPart: cute.Tensor,
                      mSeq: cute.Tensor, heads: cutlass.Int32, d: cutlass.Constexpr, stages: cutlass.Constexpr,
-                     cluster: cutlass.Constexpr, permute_keys: cutlass.Constexpr, stream):
+                     cluster: cutlass.Constexpr, permute_keys: cutlass.Constexpr, pdl: cutlass.Constexpr, stream):
     """Packed sequences: ``mV`` [total·heads, D] -> ``v_t`` codes [heads·D, R] (sequence b's keys from
     column ``mSeq[b, 2]``, zeros to its padded end), ``mScale`` [B·heads, D] (each sequence's channel
     scales); as :func:`packed_quant` otherwise."""
     _v_quant_t_kernel(mV, mVt_u8, mScale, mPart, mSeq, cutlass.Int32(0), heads, d, stages, cluster, permute_keys,
-                      True).launch(grid=(cluster, heads, mSeq.shape[0]), block=(THREADS, 1, 1),
-                                   cluster=(cluster, 1, 1), stream=stream)
+                      True, pdl).launch(grid=(cluster, heads, mSeq.shape[0]), block=(THREADS, 1, 1),
+                                        cluster=(cluster, 1, 1), stream=stream, use_pdl=pdl)
