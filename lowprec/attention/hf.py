@@ -17,7 +17,9 @@ chunked prefill over a cache (``1 < q_len != kv_len``),
 decode over transformers' bf16 cache (its whole K and V would be quantized again at every step:
 :func:`fp8_cache` below keeps the cache in FP8), and on CUDA inputs the kernel does not
 read (dtype other than bf16 / fp16, head dims other than 64 / 128 / 256, ``Dv != D``). Attention
-sinks (``s_aux``: GPT-OSS) are refused with an error: neither path adds them.
+sinks (``s_aux``: GPT-OSS; ``sinks``) and sparse key selections (``indices``: DeepSeek-V3.2's DSA;
+``block_indices``), which models pass only to implementations other than eager / sdpa, are refused
+with an error: neither path applies them.
 
 Generation on an FP8 KV cache: :func:`fp8_cache` is a transformers ``Cache`` whose layers are
 :class:`lowprec.attention.FP8KVCache` objects (each step's keys and values quantized once as they
@@ -82,7 +84,7 @@ def _sdpa_reason(module, query, key, value, attention_mask, dropout: float, kwar
         return why
     if q_len == 1 < kv_len or (q_len <= 16 and q_len < kv_len):
         return ("decode over transformers' bf16 KV cache (the FP8 forward would quantize the whole cache at every "
-                "step; past_key_values=lowprec.attention.fp8_cache(max_len) keeps it in FP8)")
+                "step; past_key_values=fp8_cache(max_len), from lowprec.attention import fp8_cache, keeps it in FP8)")
     if q_len != kv_len:
         return "queries over a longer cache (chunked prefill)"
     if query.is_cuda:
@@ -100,9 +102,7 @@ def transformers_attention_forward(module: torch.nn.Module, query: torch.Tensor,
     """The ``"lowprec_fp8"`` attention implementation, with transformers' signature: ``query``
     ``[B, H, S, D]``, ``key`` / ``value`` ``[B, Hkv, S, D]`` (grouped heads are not repeated).
     Returns ``(attn_output [B, S, H, D], None)`` (no attention weights)."""
-    if kwargs.get("s_aux") is not None:  # neither the FP8 forward nor transformers' sdpa adds sink logits
-        raise ValueError(f"s_aux: attention sinks are not supported by attn_implementation="
-                         f"{ATTENTION_IMPLEMENTATION!r} (nor by 'sdpa'); use 'eager'")
+    _refuse_unsupported(kwargs)
     cache = getattr(key, _FP8_CACHE_ATTR, None)
     if cache is not None:
         return _attend_fp8_cache(cache, module, query, attention_mask, dropout, scaling, is_causal, kwargs)
@@ -115,6 +115,26 @@ def transformers_attention_forward(module: torch.nn.Module, query: torch.Tensor,
                                       is_causal=is_causal, **kwargs)
     out = attention(query, key, value, causal=_causal(module, is_causal, query), scale=scaling, quant="fp8")
     return out.transpose(1, 2).contiguous(), None
+
+
+# what neither the FP8 forward nor transformers' sdpa computes, and models pass only to attention
+# implementations other than eager / sdpa (for those two they fold a sparse selection into the mask
+# themselves): dropping it would silently run another model
+_REFUSED_KWARGS = {
+    "s_aux": "attention sinks are not supported by attn_implementation={impl!r} (nor by 'sdpa'); use 'eager'",
+    "sinks": "attention sinks are not supported by attn_implementation={impl!r} (nor by 'sdpa'); use 'eager'",
+    "indices": "sparse attention (top-k key indices, DSA) is not supported by attn_implementation={impl!r}; "
+               "use 'sdpa' or 'eager' (the model then folds the selection into the mask)",
+    "block_indices": "sparse attention (selected key blocks) is not supported by attn_implementation={impl!r}; "
+                     "use 'sdpa' or 'eager' (the model then folds the selection into the mask)",
+}
+
+
+def _refuse_unsupported(kwargs) -> None:
+    """A clear error for the score terms that no path of this implementation adds."""
+    for name, why in _REFUSED_KWARGS.items():
+        if kwargs.get(name) is not None:
+            raise ValueError(f"{name}: " + why.format(impl=ATTENTION_IMPLEMENTATION))
 
 
 def _causal(module, is_causal: bool | None, query: torch.Tensor) -> bool:

@@ -169,7 +169,7 @@ class FP8KVCache:
         if not isinstance(v_scale, torch.Tensor) or tuple(v_scale.shape) != shape or not v_scale.is_floating_point():
             raise ValueError(f"v_scale: expected a float tensor of shape {shape}, got "
                              f"{getattr(v_scale, 'dtype', type(v_scale))} {tuple(getattr(v_scale, 'shape', ()))}")
-        v_scale = v_scale.to(device=self.device, dtype=torch.float32)
+        v_scale = v_scale.detach().to(device=self.device, dtype=torch.float32)
         if not bool(torch.isfinite(v_scale).all() and (v_scale > 0).all()):
             raise ValueError("v_scale: expected positive finite scales")
         self._fix_v_scale(v_scale)
@@ -196,8 +196,10 @@ class FP8KVCache:
         row ``b`` adds only its first ``lengths[b]`` tokens, the rest being padding (prompts of
         different lengths, right-padded; never read into the cache). V's scales, when this append
         sets them, come from those tokens only (a row given none takes the other rows' amax). The
-        caller's tensors are read, never modified."""
+        caller's tensors are read, never modified (nor tied into their autograd graph: the cache
+        holds no gradients)."""
         self._check_kv(k, v)
+        k, v = k.detach(), v.detach()
         t = k.shape[2]
         counts = self._counts_of(lengths, t)
         starts = self._host_lengths()
@@ -341,6 +343,7 @@ class FP8KVCache:
         :attr:`dropped`; its output then attends over the tokens held. Elsewhere the same steps in
         torch ops and the emulation, reading the length back (a sync)."""
         self._check_kv(k, v)
+        k, v = k.detach(), v.detach()
         if k.shape[2] != 1:
             raise ValueError(f"k: decode_step appends one token per row, got {k.shape[2]}")
         if not self._v_scale_set:

@@ -170,8 +170,10 @@ def quantize_kv_cache(k: torch.Tensor, v: torch.Tensor) -> tuple[QuantizedTensor
     Returns ``(k_q, v_t_q)``: ``k_q`` is K ``[B, Hkv, Sk, D]`` in :data:`ATTN_QK_RECIPE` (not
     smoothed: a cache grows, its mean moves; the softmax does not depend on it anyway);
     ``v_t_q`` is Vᵀ ``[B, Hkv, Dv, Sk]`` in ``fp8_rowwise`` (one scale per channel).
-    A QuantizedTensor input means its dequantized value: the result is attention on those.
+    A QuantizedTensor input means its dequantized value: the result is attention on those. The
+    codes and scales carry no gradient (K and V are read detached).
     """
+    k, v = k.detach(), v.detach()
     kc, ks = _blocks(k)
     vt, vs = quantize_v(v)
     sk = k.shape[-2]

@@ -228,3 +228,20 @@ def test_fp8_cache_names_what_it_needs(monkeypatch):
             hf.fp8_cache(16)
     finally:
         hf._fp8_cache_classes.cache_clear()
+
+
+@pytest.mark.parametrize("name,value", [
+    ("indices", torch.zeros(1, 32, 1, dtype=torch.int32)),  # DSA top-k keys (DeepSeek-V3.2, GLM-DSA, ...)
+    ("block_indices", torch.zeros(1, 2, 32, 1, dtype=torch.int32)),  # MiniMax-M3's selected key blocks
+    ("sinks", torch.full((1, 2, 32, 1), 5.0)),  # per-token sinks
+    ("s_aux", torch.full((2,), 3.0)),
+])
+@pytest.mark.parametrize("masked", [False, True])
+def test_sparse_selections_and_sinks_are_refused_not_dropped(name, value, masked):
+    """Models pass a sparse key selection (``indices``, ``block_indices``) or sinks only to attention
+    implementations other than eager / sdpa (for those they fold it into the mask): neither the FP8
+    forward nor the sdpa fallback applies them, so the call must fail, not run dense attention."""
+    q, k, v = _qkv(b=1, h=2, hkv=2, s=32)
+    mask = torch.ones(32, 32, dtype=torch.bool).tril()[None, None] if masked else None
+    with pytest.raises(ValueError, match=name):
+        transformers_attention_forward(_Attention(), q, k, v, mask, **{name: value})

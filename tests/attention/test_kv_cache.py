@@ -618,3 +618,26 @@ def test_ragged_rows_on_the_kernels(b, h, hkv, d, monkeypatch):
         close(out, rows.attend(q_in))
     rows.check_operands(cache)
     assert cache.lengths.tolist() == [n + 12 for n in lengths]
+
+
+def test_appending_tensors_that_require_grad_keeps_the_cache_out_of_autograd():
+    """Keys / values from a forward outside no_grad: the cache reads them (it holds no gradients);
+    its buffers never join the caller's graph, and attend's output carries no gradient."""
+    g = torch.Generator().manual_seed(0)
+    k = torch.randn(2, 2, 5, 64, generator=g, requires_grad=True)
+    v = torch.randn(2, 2, 5, 64, generator=g, requires_grad=True)
+    q_step = torch.randn(2, 4, 1, 64, generator=g)
+    cache = FP8KVCache(2, 2, 256, 64, dtype=torch.float32)
+    cache.append(k, v)
+    cache.decode_step(q_step, k[:, :, :1], v[:, :, :1])
+    assert not cache.v_scale.requires_grad and not cache._k_tail.requires_grad
+    out, lse = cache.attend(torch.randn(2, 4, 3, 64, generator=g), causal=True, return_lse=True)
+    assert not out.requires_grad and not lse.requires_grad
+    fixed = FP8KVCache(1, 1, 16, 64, v_scale=torch.ones(1, 1, 64, requires_grad=True))
+    assert not fixed.v_scale.requires_grad
+    ref = FP8KVCache(2, 2, 256, 64, dtype=torch.float32)  # the same codes as from detached inputs
+    ref.append(k.detach(), v.detach())
+    ref.decode_step(q_step, k[:, :, :1].detach(), v[:, :, :1].detach())
+    for a, b in zip(cache.operands(), ref.operands()):
+        assert torch.equal(a.view(torch.uint8) if a.dtype != torch.float32 else a,
+                           b.view(torch.uint8) if b.dtype != torch.float32 else b)

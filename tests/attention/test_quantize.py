@@ -184,3 +184,19 @@ def test_no_keys_quantize_as_documented():
     kq, vq = quantize_kv_cache(k, v)
     out, lse = lowprec.attention(q, kq, vq, quant="fp8", return_lse=True)
     assert out.shape == (2, 4, 5, 32) and (out == 0).all() and torch.isneginf(lse).all()
+
+
+@pytest.mark.parametrize("sk,dtype", [(200, torch.float32), (64, torch.float64), (128, torch.float32)])
+def test_quantize_kv_cache_carries_no_gradient(sk, dtype):
+    """A quantized KV cache is taken as it is, without gradients: its scales must not keep the
+    caller's graph (else attention over it requires grad and backpropagates through the scales)."""
+    g = torch.Generator().manual_seed(0)
+    k = torch.randn(1, 2, sk, 64, generator=g, dtype=dtype, requires_grad=True)
+    v = torch.randn(1, 2, sk, 64, generator=g, dtype=dtype, requires_grad=True)
+    kq, vq = quantize_kv_cache(k, v)
+    assert not any(t.requires_grad for t in (kq.data, kq.scale, vq.data, vq.scale))
+    out, lse = lowprec.attention(torch.randn(1, 2, 3, 64, generator=g, dtype=dtype), kq, vq, quant="fp8",
+                                 return_lse=True)
+    assert not out.requires_grad and not lse.requires_grad
+    ref_k, _ = quantize_kv_cache(k.detach(), v.detach())
+    assert torch.equal(kq.scale, ref_k.scale) and torch.equal(kq.data.view(torch.uint8), ref_k.data.view(torch.uint8))
