@@ -49,7 +49,16 @@ def dequantize_blocks(qt, dtype: torch.dtype | None = None) -> torch.Tensor:
     if qt.global_scale is not None:
         scale = scale * qt.global_scale.float()
     br, bc = block_dims(qt.recipe, shape)
-    return times_block_scales(q.to(work), scale.to(work), br, bc).reshape(shape).to(dtype)
+    q = q.to(work)
+    out = times_block_scales(q, scale.to(work), br, bc)
+    if dtype != torch.float64:
+        # a finite code times its scale can lie past dtype's largest value (E8M0 / pow2 scales round a
+        # block's amax up: fp16 65504 -> 256 · 2^8 = 65536), or overflow the FP32 product: saturate, as
+        # the codes are finite (Inf codes, E5M2's, stay Inf; NaN stays NaN)
+        big = torch.finfo(dtype).max
+        sat = out.clamp(-big, big)
+        out = torch.where(q.isinf(), out, sat) if qt.recipe.element.has_inf else sat
+    return out.reshape(shape).to(dtype)
 
 
 def times_block_scales(q: torch.Tensor, scale: torch.Tensor, br: int, bc: int) -> torch.Tensor:

@@ -203,12 +203,17 @@ def decode_e8m0(codes: torch.Tensor) -> torch.Tensor:
     return torch.where(codes == E8M0_NAN, torch.full_like(out, float("nan")), out)
 
 
-def pack_fp4(codes: torch.Tensor) -> torch.Tensor:
-    """Pack 4-bit codes pairwise along the last dim: element 2i in the low nibble, 2i+1 high."""
+def pack_fp4(codes: torch.Tensor, *, check_range: bool = True) -> torch.Tensor:
+    """Pack 4-bit codes pairwise along the last dim: element 2i in the low nibble, 2i+1 high.
+
+    ``check_range=False`` skips the check that the codes fit 4 bits (a read-back to the host, as
+    :func:`decode`'s); callers whose codes fit by construction pass it."""
     if codes.dtype != torch.uint8:
         raise TypeError(f"codes: expected uint8 codes, got {codes.dtype}")
     if codes.shape[-1] % 2:
         raise ValueError(f"codes: last dim must be even to pack pairs, got {codes.shape[-1]}")
+    if check_range and codes.numel() and int(codes.max()) >= 16:
+        raise ValueError(f"codes: FP4 codes are 4-bit, got a value ≥ 16 (max {int(codes.max())})")
     return codes[..., 0::2] | (codes[..., 1::2] << 4)
 
 

@@ -134,7 +134,8 @@ class ScaleRecipe:
     def from_spec(cls, spec: str) -> ScaleRecipe:
         """Inverse of :meth:`spec`."""
         try:
-            name, block, elem, scale_format, rounding, global_scale = spec.split(":")
+            # from the right: the name is free-form and may hold ':' itself
+            name, block, elem, scale_format, rounding, global_scale = spec.rsplit(":", 5)
             rows, cols = (int(b) for b in block.split("x"))
             return cls(name, (rows, cols), elem, scale_format, rounding, bool(int(global_scale)))
         except ValueError as err:

@@ -30,3 +30,17 @@ def test_dequantize_is_codes_times_scales(recipe):
     exact = qt.dequantize(torch.float64)
     assert torch.equal(qt.dequantize(torch.float32), exact.float())  # every product fits FP32
     assert torch.equal(qt.dequantize(torch.bfloat16), exact.float().bfloat16())
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("name, opts", [("mxfp8", {}), ("mxfp4", {}), ("fp8_block1x128", {"pow2_scale": True})])
+def test_finite_values_near_the_dtype_max_dequantize_finite(dtype, name, opts):
+    """E8M0 / pow2 scales round the block's amax up (fp16 65504 -> 256 · 2^8): the dequantized
+    value in the input's dtype saturates to its largest finite value instead of becoming Inf."""
+    big = torch.finfo(dtype).max
+    x = torch.tensor([[big, -big, 1.0, 0.0] * 8], dtype=dtype) * (0.97 if dtype == torch.float32 else 1)
+    deq = lowprec.quantize(x, name, **opts).dequantize()
+    assert deq.dtype == dtype and torch.isfinite(deq).all()
+    assert (deq[0, 0] >= 0.9 * x[0, 0]) and (deq[0, 1] <= 0.9 * x[0, 1])
+    exact = lowprec.quantize(x, name, **opts).dequantize(torch.float64)
+    assert torch.isfinite(exact).all()  # the float64 dequantization is left exact (not clamped)

@@ -138,3 +138,16 @@ def test_format_properties_and_errors():
         encode(torch.arange(3), E4M3)
     with pytest.raises(ValueError, match="4-bit"):
         decode(torch.tensor([16], dtype=torch.uint8), E2M1)
+
+
+def test_pack_fp4_refuses_codes_wider_than_4_bits():
+    """As decode() does: codes ≥ 16 would spill into the neighbouring nibble (pack_fp4([3, 17])
+    unpacked to [3, 1])."""
+    with pytest.raises(ValueError, match="codes: FP4 codes are 4-bit"):
+        pack_fp4(torch.tensor([3, 17], dtype=torch.uint8))
+    ok = torch.tensor([[15, 0, 7, 8]], dtype=torch.uint8)
+    assert torch.equal(unpack_fp4(pack_fp4(ok)), ok)
+    assert pack_fp4(torch.zeros(0, 2, dtype=torch.uint8)).shape == (0, 1)
+    # callers whose codes fit by construction skip the host read-back
+    unchecked = pack_fp4(torch.tensor([3, 1], dtype=torch.uint8), check_range=False)
+    assert torch.equal(unchecked, torch.tensor([0x13], dtype=torch.uint8))

@@ -80,3 +80,12 @@ def test_named_recipe_names_are_reserved():
         ScaleRecipe("fp8_rowwise", (1, WHOLE), "e5m2")
     assert ScaleRecipe("fp8_rowwise", (1, WHOLE), "e4m3", "fp32", "pow2") == get_recipe("fp8_rowwise", pow2_scale=True)
     assert ScaleRecipe("my_rowwise", (1, WHOLE), "e5m2").elem_format == "e5m2"
+
+
+def test_from_spec_reads_back_a_name_with_colons():
+    """from_spec is spec()'s inverse (the compiled gemm passes recipes through it); a custom
+    recipe's name may hold ':'."""
+    r = ScaleRecipe("team:mx8", (1, 32), "e4m3", "e8m0", "rceil")
+    assert ScaleRecipe.from_spec(r.spec()) == r
+    for name in RECIPE_NAMES:
+        assert ScaleRecipe.from_spec(get_recipe(name).spec()) == get_recipe(name)

@@ -277,7 +277,7 @@ def unpack_nvfp4(packed: PackedNVFP4, weight_2d: bool = False) -> tuple[torch.Te
     scales = scales.permute(0, 2, 1, 3).reshape(n_tiles * TILE_N, k_chunks * _KSTEPS)[:n, : k // 16]
     if weight_2d:
         scales = scales[::16]
-    return pack_fp4(codes.contiguous()), scales.contiguous().view(torch.float8_e4m3fn)
+    return pack_fp4(codes.contiguous(), check_range=False), scales.contiguous().view(torch.float8_e4m3fn)
 
 
 def _pair_luts(device) -> torch.Tensor:

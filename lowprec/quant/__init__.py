@@ -84,6 +84,8 @@ def _custom_op_recipe(x: torch.Tensor, r: ScaleRecipe) -> bool:
     """Recipes and shapes the quantize custom ops (:mod:`.ops`) take."""
     if x.dtype == torch.float64 or r.name not in ops.RECIPES or r.scale_rounding != "exact":
         return False
+    if not x.numel():  # nothing for a kernel; the ops view x as [-1, cols] (or [-1, rows, cols]), ambiguous when empty
+        return False
     return not (r.is_2d and x.dim() > 2 and x.shape[-2] % r.block[0])
 
 
@@ -108,12 +110,13 @@ def quantize_dual(x: torch.Tensor, recipe: str | ScaleRecipe = "fp8_block1x128",
     """
     r = get_recipe(recipe)
     r_t = r if recipe_t is None else get_recipe(recipe_t)
-    if x.dim() < 2 or x.dtype not in _FLOAT_DTYPES:
-        raise ValueError(f"x: expected a float tensor with ≥ 2 dims, got {x.dtype} {tuple(x.shape)}")
+    if not isinstance(x, torch.Tensor) or x.dim() < 2 or x.dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"x: expected a float tensor with ≥ 2 dims, got "
+                         f"{getattr(x, 'dtype', type(x).__name__)} {tuple(getattr(x, 'shape', ()))}")
     if r_t.element != r.element:
         raise ValueError(f"recipe_t: expected the element format of recipe {r.name!r} ({r.element}), "
                          f"got {r_t.name!r} ({r_t.element})")
-    x2 = x.detach().reshape(-1, x.shape[-1])
+    x2 = x.detach().flatten(0, -2)  # [T, K]; reshape(-1, K) cannot infer T when K is 0
     t = x2.shape[0]
     t_pad = -(-t // 16) * 16
     wrap = functools.partial(_dual_tensors, r, r_t, x2.shape, x.dtype)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from ..blocks import block_dims, dequantize_blocks, expand_scale
-from ..formats import E4M3, encode, encode_e8m0, pack_fp4
+from ..formats import E4M3, E8M0_NAN, encode, encode_e8m0, pack_fp4
 from ..recipes import ScaleRecipe
 from ..tensor import QuantizedTensor
 
@@ -34,7 +34,8 @@ def ieee_div(a: torch.Tensor, b: float | torch.Tensor) -> torch.Tensor:
 
 def _pow2_ceil(s: torch.Tensor) -> torch.Tensor:
     mant, exp = torch.frexp(s)  # s = mant * 2^exp, mant in [0.5, 1)
-    return torch.where(mant == 0.5, s, torch.ldexp(torch.ones_like(s), exp))
+    # Inf (a block with an Inf, check_finite=False) stays Inf: frexp gives it exponent 0, i.e. 1
+    return torch.where((mant == 0.5) | ~torch.isfinite(s), s, torch.ldexp(torch.ones_like(s), exp))
 
 
 def scale_from_amax(amax: torch.Tensor, recipe: ScaleRecipe, global_scale: torch.Tensor | None = None) -> torch.Tensor:
@@ -54,7 +55,9 @@ def scale_from_amax(amax: torch.Tensor, recipe: ScaleRecipe, global_scale: torch
             codes = encode_e8m0(ieee_div(amax, elem_max), "ceil")
         else:
             codes = encode_e8m0(amax, "floor").to(torch.int32) - recipe.element.emax
-            codes = torch.where(amax > 0, codes, torch.zeros_like(codes)).clamp(0, 254).to(torch.uint8)
+            codes = torch.where(amax > 0, codes, torch.zeros_like(codes)).clamp(0, 254)
+            # an Inf amax has no exponent: its block's scale is NaN (as with 'rceil'), not 2^(254 - emax)
+            codes = torch.where(amax.isinf(), torch.full_like(codes, E8M0_NAN), codes).to(torch.uint8)
         return codes.view(torch.float8_e8m0fnu).float()
     # e4m3 block scale under an FP32 global scale (NVFP4); at least the scale whose product with
     # the global scale is not flushed to 0 in FP32 (2^-149 / global_scale: above 2^-9 only for
@@ -110,7 +113,7 @@ def quantize_reference(x: torch.Tensor, recipe: ScaleRecipe) -> QuantizedTensor:
         codes = encode(q, recipe.element)
         if cols % 2:
             codes = torch.nn.functional.pad(codes, (0, 1))
-        data = pack_fp4(codes)
+        data = pack_fp4(codes, check_range=False)  # E2M1 codes from encode
     else:
         data = q.to(recipe.element.torch_dtype)
     if x.dim() == 1:

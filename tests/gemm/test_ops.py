@@ -110,3 +110,11 @@ def test_an_empty_n_or_k_is_not_the_dense_kernels():
     assert "empty dimension" in gemm_unsupported(a, lowprec.quantize(torch.randn(0, 128), "fp8_block128x128"),
                                                  bf16, None)
     assert torch.equal(lowprec.gemm(a0, w0), torch.zeros(8, 256))
+
+
+def test_compiled_gemm_takes_a_recipe_named_with_a_colon():
+    """The compiled gemm passes recipes through spec() / from_spec(); a custom name may hold ':'."""
+    r = ScaleRecipe("team:mx8", (1, 32), "e4m3", "e8m0", "rceil")
+    a, b = lowprec.quantize(torch.randn(16, 64), r), lowprec.quantize(torch.randn(32, 64), r)
+    f = torch.compile(lambda a, b: lowprec.gemm(a, b), backend="eager", fullgraph=True)
+    torch.testing.assert_close(f(a, b), lowprec.gemm(a, b))

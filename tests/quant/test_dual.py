@@ -1,3 +1,4 @@
+import numpy as np
 import pytest
 import torch
 
@@ -61,3 +62,9 @@ def test_swiglu_quantize_dual_rejects_an_unknown_kind_and_wrong_inputs():
         lowprec.quant.swiglu_quantize_dual("swiglu", g, u, da)
     with pytest.raises(ValueError, match="inputs"):
         lowprec.quant.swiglu_quantize_dual("swiglu", g, u[:1])
+
+
+@pytest.mark.parametrize("x", [np.ones((16, 128), dtype=np.float32), [[1.0] * 128] * 16])
+def test_quantize_dual_names_x_for_a_non_tensor(x):
+    with pytest.raises(ValueError, match="x: expected a float tensor with ≥ 2 dims"):
+        quantize_dual(x)

@@ -329,3 +329,57 @@ def test_dequantize_dtype_must_be_a_float_dtype():
     for bad in (torch.int32, "float32", torch.float8_e4m3fn):
         with pytest.raises(TypeError, match="dtype: expected one of"):
             qt.dequantize(bad)
+
+
+@pytest.mark.parametrize("name, opts", [("fp8_block1x128", {"pow2_scale": True}), ("fp8_rowwise", {"pow2_scale": True}),
+                                        ("fp8_tensorwise", {"pow2_scale": True}), ("mxfp8", {"rounding": "floor"}),
+                                        ("mxfp4", {"rounding": "floor"})])
+def test_unchecked_inf_makes_its_block_nan_with_pow2_and_floor_scales(name, opts):
+    """quantize's docstring: with check_finite=False an Inf makes its whole block NaN. pow2 scales
+    made the block's scale 1 (Inf and 1000 both dequantized to 448), OCP 'floor' E8M0 scales
+    2^(254 - emax) (Inf, then zeros)."""
+    x = torch.ones(2, 128)
+    x[0, :2] = torch.tensor([math.inf, 1000.0])
+    qt = quantize(x, name, check_finite=False, **opts)
+    deq = qt.dequantize()
+    assert deq[0, :32].isnan().all()  # the Inf's block (every recipe here has ≥ 32 columns per block)
+    if not qt.recipe.tensorwise:
+        assert torch.equal(deq[1], torch.ones(128))  # other blocks untouched
+
+
+@pytest.mark.parametrize("shape", [(3, 0), (2, 3, 0)])
+def test_quantize_dual_of_a_tensor_without_columns(shape):
+    """quantize() takes a [T, 0] tensor; quantize_dual failed reshaping it to [-1, 0]."""
+    rows_q, cols_q = lowprec.quant.quantize_dual(torch.randn(shape))
+    t = shape[0] * (shape[1] if len(shape) == 3 else 1)
+    assert rows_q.shape == (t, 0) and cols_q.shape == (0, -(-t // 16) * 16)
+
+
+@pytest.mark.parametrize("call", [
+    lambda: lowprec.quantize(torch.randn(3, 0), "fp8_block1x128"),
+    lambda: lowprec.quantize(torch.randn(0), "fp8_rowwise"),
+    lambda: lowprec.quant.quantize_dual(torch.randn(3, 0)),
+    lambda: lowprec.quant.quantize_with_transpose(torch.randn(0, 256)),
+    lambda: lowprec.quant.quantize_with_transpose(torch.randn(4, 0, 256)),
+    lambda: lowprec.quant.quantize_with_transpose(torch.randn(256, 0)),
+])
+def test_compiled_path_takes_empty_tensors(call, monkeypatch):
+    """The custom-op path (torch.compile tracing CUDA inputs, simulated on CPU) viewed empty inputs
+    as [-1, cols] / [-1, rows, cols], which fails; an empty tensor gives what eager gives."""
+    eager = call()
+    monkeypatch.setattr(lowprec.quant, "_traced_on_cuda", lambda x: True)
+    traced = call()
+    eager, traced = (r if isinstance(r, tuple) else (r,) for r in (eager, traced))
+    for a, b in zip(eager, traced, strict=True):
+        assert a.shape == b.shape and a.scale.shape == b.scale.shape
+
+
+def test_hopper_transposing_kernel_refuses_a_matrix_without_rows():
+    """The sm_90a constraint took [0, K] matrices, whose wrapper then computed R % 0."""
+    from lowprec.quant.sm90 import config, interface
+
+    r = lowprec.get_recipe("fp8_block128x128")
+    assert "no rows" in config.transpose_unsupported(torch.zeros(0, 256), r)
+    assert "no rows" in config.transpose_unsupported(torch.zeros(4, 0, 256), r)
+    with pytest.raises(ValueError, match="n: expected a positive multiple of 16"):
+        interface.quantize_128x128_t(torch.zeros(0, 256), 0)

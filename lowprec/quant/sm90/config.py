@@ -52,6 +52,8 @@ def transpose_unsupported(x: torch.Tensor, r) -> str | None:
     """``quantize_with_transpose(x, r)``: a batch of matrices ``x`` [..., rows, cols] in 128x128 blocks."""
     if r.name != "fp8_block128x128":
         return f"recipe {r.name!r} (the transposing kernel is 128x128 FP8)"
+    if x.shape[-2] == 0:
+        return "no rows (nothing to quantize)"
     if x.shape[-2] % 16:
         return "rows per matrix must be a multiple of 16"
     return quantize_unsupported(x, r)

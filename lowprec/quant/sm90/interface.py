@@ -170,8 +170,8 @@ def quantize_128x128_t(x: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Ten
     [ceil(R/128), ceil(K/128)] row-major, FP8 [R / n · K, n]: each matrix's transposed codes).
     Needs n % 16 == 0, R % n == 0, and n % 128 == 0 when R > n (no block spans two matrices)."""
     r, k = x.shape
-    if n % 16 or r % n or (r > n and n % 128):
-        raise ValueError(f"n: expected a multiple of 16 dividing {r} (and of 128 when {r} > n), got {n}")
+    if n <= 0 or n % 16 or r % n or (r > n and n % 128):
+        raise ValueError(f"n: expected a positive multiple of 16 dividing {r} (and of 128 when {r} > n), got {n}")
     q = torch.empty(r, k, dtype=torch.float8_e4m3fn, device=x.device)
     s = torch.empty(-(-r // 128), -(-k // 128), dtype=torch.float32, device=x.device)
     qt = torch.empty(r // n * k, n, dtype=torch.float8_e4m3fn, device=x.device)
