@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from ..gemm import gemm
 from ..quant import quantize, quantize_dual
@@ -27,6 +28,7 @@ __all__ = ["LinearRecipe", "LINEAR_RECIPES", "get_linear_recipe", "fp8_linear", 
 
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_WEIGHT_DTYPES = (*_FLOAT_DTYPES, torch.float64)  # what quantize takes
 
 
 _NO_CONTEXT = contextlib.nullcontext()  # reusable: entered and left per call, holds no state
@@ -61,6 +63,7 @@ class _FP8Linear(torch.autograd.Function):
         return y
 
     @staticmethod
+    @once_differentiable  # quantized GEMMs: no graph for a second derivative (an error, not a silent zero)
     def backward(ctx, dy):
         recipe = ctx.recipe
         xt_q, w_t = unflatten_all(ctx.saved_tensors, ctx.specs)
@@ -112,9 +115,16 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
         raise TypeError(f"x: expected a float32/bfloat16/float16 tensor, got {getattr(x, 'dtype', type(x))}")
     if x.dim() == 0:
         raise ValueError("x: expected [..., in_features], got a 0-d tensor")
-    if weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
+    if not isinstance(weight, torch.Tensor) or weight.dtype not in _WEIGHT_DTYPES:
+        raise TypeError(f"weight: expected a float32/bfloat16/float16/float64 tensor, got "
+                        f"{getattr(weight, 'dtype', type(weight))}")
+    if weight.dim() != 2:
+        raise ValueError(f"weight: expected [out_features, in_features], got shape {tuple(weight.shape)}")
+    if x.shape[-1] != weight.shape[1]:
         raise ValueError(f"x: last dim {x.shape[-1]} does not match weight's in_features "
                          f"({tuple(weight.shape)} is [out_features, in_features])")
+    if bias is not None and (not isinstance(bias, torch.Tensor) or not bias.is_floating_point()):
+        raise TypeError(f"bias: expected a float tensor, got {getattr(bias, 'dtype', type(bias))}")
     if bias is not None and bias.shape != (weight.shape[0],):
         raise ValueError(f"bias: expected shape ({weight.shape[0]},), got {tuple(bias.shape)}")
     x2, autocast_off = follow_autocast(x.reshape(-1, x.shape[-1]))

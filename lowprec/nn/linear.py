@@ -7,6 +7,7 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
+from torch.autograd.function import once_differentiable
 
 from ..gemm import gemm
 from ..gemm.ops import weight_only
@@ -99,6 +100,7 @@ class _FrozenFP8Linear(torch.autograd.Function):
         return gemm(quantize(x2, recipe.activation, check_finite=False), w, out_dtype=x2.dtype, bias=bias)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, dy):
         w = ctx.w
         w_t = w.transpose() if w.transposable else quantize(w.dequantize(torch.float32).t(), w.recipe,
@@ -153,10 +155,14 @@ class FP8InferenceLinear(QuantizedBuffersModule):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear | FP8Linear, recipe: str = "fp8_block") -> FP8InferenceLinear:
-        """Quantize ``linear``'s weight once (an ``nn.Linear``, or a trained :class:`FP8Linear`)."""
+        """Quantize ``linear``'s weight once (an ``nn.Linear``, or a trained :class:`FP8Linear`); a
+        meta-device ``linear`` gives a meta-device layer (values to come from ``load_state_dict(...,
+        assign=True)``)."""
         dtype = linear.weight.dtype if linear.weight.dtype in (torch.bfloat16, torch.float16) else torch.float32
         layer = cls(linear.in_features, linear.out_features, linear.bias is not None, recipe,
                     device=linear.weight.device, out_dtype=dtype)
+        if linear.weight.is_meta:  # a skeleton: no values to quantize
+            return layer
         w = quantize_linear_weight(linear, layer.recipe.weight)
         layer.weight, layer.weight_scale = w.data, w.scale
         if linear.bias is not None:
@@ -184,7 +190,7 @@ class FP8InferenceLinear(QuantizedBuffersModule):
         """``x · Wᵀ + b``, differentiable in ``x`` (the weight and bias are constants)."""
         if not isinstance(x, torch.Tensor) or x.dtype not in _X_DTYPES:
             raise TypeError(f"x: expected a float32/bfloat16/float16 tensor, got {getattr(x, 'dtype', type(x))}")
-        if x.shape[-1] != self.in_features:
+        if x.dim() == 0 or x.shape[-1] != self.in_features:
             raise ValueError(f"x: last dim must be in_features={self.in_features}, got shape {tuple(x.shape)}")
         x2, autocast_off = follow_autocast(x if x.dim() == 2 else x.reshape(-1, self.in_features))
         with autocast_off:
@@ -350,7 +356,8 @@ def _fuse_mlps(model: nn.Module, fuse: bool, filter_fn, min_numel: int, recipe: 
             name = f"{parent_name}.{child_name}" if parent_name else child_name
             if isinstance(child, FP8SwiGLUMLP):
                 if fuse:
-                    child.recipe = recipe
+                    if filter_fn is None or _mlp_accepted(name, child, filter_fn):  # rejected: kept as it is
+                        child.recipe = recipe
                     fused += 1
                 else:
                     setattr(parent, child_name, child.unfused())
@@ -398,7 +405,9 @@ def _converted(module: nn.Module, name: str, recipe: str, inference: bool, min_n
 # --- FSDP2: FP8 all-gather of 128x128-quantized weights (the tensor subclasses: lowprec.nn.fsdp) ---
 
 def _master_weights_in_state_dict(module, state_dict, prefix, local_metadata):
-    for name in module.fp8_block_weights():
+    # every wrapped weight, not only those fp8_block_weights() names now: converting again with a
+    # recipe of other blocks (fp8_rowwise, ...) leaves the wrappers in place
+    for name, _ in module.named_parameters(remove_duplicate=False):
         key = prefix + name
         if isinstance(state_dict.get(key), FP8AllGatherWeight):  # savers need a plain tensor
             state_dict[key] = state_dict[key].hp

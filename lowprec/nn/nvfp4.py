@@ -94,7 +94,10 @@ class NVFP4InferenceLinear(QuantizedBuffersModule):
     def set_weight(self, weight: torch.Tensor, weight_scale: torch.Tensor, weight_scale_2: torch.Tensor) -> None:
         """Take NVFP4 tensors in ModelOpt's layout (validated by the packing) as the layer's weight,
         on the layer's device."""
-        device = self.packed.device
+        self._set_weight(weight, weight_scale, weight_scale_2, self.packed.device)
+
+    def _set_weight(self, weight: torch.Tensor, weight_scale: torch.Tensor, weight_scale_2: torch.Tensor,
+                    device: torch.device) -> None:
         if not isinstance(weight, torch.Tensor) or tuple(weight.shape) != (self.out_features, self.in_features // 2):
             raise ValueError(f"weight: expected [{self.out_features}, {self.in_features // 2}] packed codes, got "
                              f"{tuple(getattr(weight, 'shape', ()))}")
@@ -104,10 +107,14 @@ class NVFP4InferenceLinear(QuantizedBuffersModule):
 
     @classmethod
     def from_linear(cls, linear: torch.nn.Module, weight_2d: bool = False) -> NVFP4InferenceLinear:
-        """Quantize ``linear``'s weight (an ``nn.Linear`` or a trained ``FP8Linear``) once."""
+        """Quantize ``linear``'s weight (an ``nn.Linear`` or a trained ``FP8Linear``) once; a
+        meta-device ``linear`` gives a meta-device layer (values to come from ``load_state_dict(...,
+        assign=True)``)."""
         dtype = linear.weight.dtype if linear.weight.dtype in (torch.bfloat16, torch.float16) else torch.float32
         layer = cls(linear.in_features, linear.out_features, linear.bias is not None, linear.weight.device, dtype,
                     weight_2d)
+        if linear.weight.is_meta:  # a skeleton: no values to quantize
+            return layer
         w = quantize_linear_weight(linear, layer.recipe)
         layer.set_weight(w.data, w.scale, w.global_scale)
         if linear.bias is not None:
@@ -154,7 +161,7 @@ class NVFP4InferenceLinear(QuantizedBuffersModule):
         """``x · Wᵀ + b`` in ``x``'s dtype (the autocast dtype inside ``torch.autocast``)."""
         if not isinstance(x, torch.Tensor) or x.dtype not in _FLOAT_DTYPES:
             raise TypeError(f"x: expected a float32/bfloat16/float16 tensor, got {getattr(x, 'dtype', type(x))}")
-        if x.shape[-1] != self.in_features:
+        if x.dim() == 0 or x.shape[-1] != self.in_features:
             raise ValueError(f"x: last dim must be in_features={self.in_features}, got shape {tuple(x.shape)}")
         x, autocast_off = follow_autocast(x)
         with autocast_off:
@@ -200,8 +207,14 @@ class NVFP4InferenceLinear(QuantizedBuffersModule):
         global_scale = state_dict.get(prefix + "weight_scale_2", self.weight_scale_2)
         if not isinstance(global_scale, torch.Tensor) or global_scale.numel() != 1:
             return  # the base load reported its shape (size mismatch)
+        if local_metadata.get("assign_to_params_buffers", False):  # assign=True: the checkpoint's device
+            device = taken["weight"].device
+        elif self.packed.is_meta:  # as torch's load into a meta module without assign: nothing to copy into
+            return
+        else:
+            device = self.packed.device
         try:
-            self.set_weight(taken["weight"], taken["weight_scale"], global_scale.reshape(()).float())
+            self._set_weight(taken["weight"], taken["weight_scale"], global_scale.reshape(()).float(), device)
         except ValueError as err:
             error_msgs.append(f"{prefix}weight: {err}")
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.autograd.function import once_differentiable
 
 from ..gemm import gemm
 from ..quant import quantize, quantize_dual, swiglu_quantize_dual
@@ -72,6 +73,7 @@ class _FP8SwiGLU(torch.autograd.Function):
         return y
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, dy):
         xt_q, at, g, u, wg_t, wu_t, wd_t = unflatten_all(ctx.saved_tensors, ctx.specs)
         dy = dy.contiguous()

@@ -518,3 +518,58 @@ def test_a_non_finite_weight_is_named_when_an_inference_layer_quantizes_it():
 def test_fp8_linear_of_a_0d_x_is_a_clear_error():
     with pytest.raises(ValueError, match="^x: "):
         fp8_linear(torch.tensor(1.0), torch.randn(128, 256))
+
+
+@pytest.mark.parametrize("recipe", ["fp8_block", "fp8_rowwise", "nvfp4"])
+def test_convert_of_a_meta_skeleton_for_inference_then_load_with_assign(recipe):
+    """The big-model workflow: build on the meta device, convert, load the converted checkpoint with assign=True."""
+    from lowprec.nn import NVFP4InferenceLinear
+
+    torch.manual_seed(0)
+    trained = lowprec.convert(nn.Sequential(nn.Linear(256, 128), nn.Linear(128, 64)), recipe, inference=True)
+    with torch.device("meta"):
+        skeleton = nn.Sequential(nn.Linear(256, 128), nn.Linear(128, 64))
+    lowprec.convert(skeleton, recipe, inference=True)
+    cls = NVFP4InferenceLinear if recipe == "nvfp4" else FP8InferenceLinear
+    assert all(isinstance(m, cls) for m in skeleton)
+    skeleton.load_state_dict(trained.state_dict(), assign=True)
+    x = torch.randn(3, 256)
+    with torch.no_grad():
+        assert torch.equal(skeleton(x), trained(x))
+
+
+@pytest.mark.parametrize("nvfp4", [False, True])
+def test_inference_layers_name_x_for_a_0d_input(nvfp4):
+    from lowprec.nn import NVFP4InferenceLinear
+
+    layer = (NVFP4InferenceLinear if nvfp4 else FP8InferenceLinear).from_linear(nn.Linear(128, 64))
+    with pytest.raises(ValueError, match="^x: "):
+        layer(torch.tensor(1.0))
+
+
+@pytest.mark.parametrize("weight", [torch.ones(64, 128, dtype=torch.int32), torch.ones(64, 128).to(torch.float8_e4m3fn),
+                                    torch.randn(128), [[0.0] * 128] * 64])
+def test_fp8_linear_names_a_bad_weight(weight):
+    with pytest.raises((TypeError, ValueError), match="^weight: "):
+        fp8_linear(torch.randn(4, 128), weight)
+
+
+def test_fp8_linear_refuses_an_integer_bias_as_f_linear_does():
+    with pytest.raises(TypeError, match="^bias: "):
+        fp8_linear(torch.randn(4, 128), torch.randn(64, 128), torch.ones(64, dtype=torch.int64))
+
+
+@pytest.mark.parametrize("recipe", ["fp8_rowwise", "fp8_tensorwise"])
+def test_state_dict_holds_master_weights_after_converting_again(recipe, tmp_path):
+    """FP8 all-gather wrappers stay on the weights when the model is converted to a recipe of other
+    blocks; the state dict still holds plain master weights (savers need them)."""
+    from lowprec.nn import enable_fp8_all_gather
+    from lowprec.nn.fsdp import FP8AllGatherWeight
+
+    model = lowprec.convert(nn.Sequential(nn.Linear(256, 128)), min_weight_numel=0)
+    assert enable_fp8_all_gather(model) == 1
+    lowprec.convert(model, recipe, min_weight_numel=0)
+    sd = model.state_dict()
+    assert not any(isinstance(v, FP8AllGatherWeight) for v in sd.values())
+    lowprec.save(sd, tmp_path / "m.safetensors")
+    assert torch.equal(lowprec.load(tmp_path / "m.safetensors")["0.weight"], model[0].weight.hp)

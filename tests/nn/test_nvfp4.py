@@ -182,3 +182,12 @@ def test_a_weight_of_a_wrong_shape_is_named_at_load():
     state = NVFP4InferenceLinear.from_linear(nn.Linear(64, 32)).state_dict()
     with pytest.raises(RuntimeError, match=r"weight: expected \[32, 32\] packed codes, got \(32, 16\)"):
         NVFP4InferenceLinear(64, 32).load_state_dict({**state, "weight": torch.zeros(32, 16, dtype=torch.uint8)})
+
+
+def test_nvfp4_layer_on_meta_loads_with_assign():
+    src = NVFP4InferenceLinear.from_linear(nn.Linear(256, 128))
+    layer = NVFP4InferenceLinear(256, 128, device="meta", out_dtype=torch.float32)
+    layer.load_state_dict(src.state_dict(), assign=True)
+    assert layer.packed.device.type == "cpu" and layer.weight_scale_2.device.type == "cpu"
+    x = torch.randn(3, 256)
+    assert torch.equal(layer(x), src(x))

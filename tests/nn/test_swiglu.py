@@ -360,3 +360,28 @@ def test_an_in_place_silu_is_silu_and_the_check_keeps_its_probe():
     mlp.act_fn = nn.SiLU(inplace=True)
     assert swiglu_mlp_unsupported(mlp) is None
     assert torch.equal(_SILU_PROBE, probe)
+
+
+def test_convert_again_leaves_a_fused_mlp_the_filter_rejects_as_it_is():
+    model = nn.Sequential(nn.Linear(128, 128), SwiGLUMLP(128, 256), SwiGLUMLP(128, 256))
+    lowprec.convert(model, "fp8_block", min_weight_numel=0)
+    assert isinstance(model[1], FP8SwiGLUMLP) and isinstance(model[2], FP8SwiGLUMLP)
+    lowprec.convert(model, "fp8_block_wgrad2d", min_weight_numel=0,
+                    filter_fn=lambda name, m: not name.startswith(("0", "1")))
+    assert model[0].recipe.name == "fp8_block"  # a rejected FP8Linear keeps its recipe
+    assert model[1].recipe == "fp8_block"  # so does a rejected fused MLP
+    assert model[2].recipe == "fp8_block_wgrad2d"  # an accepted one takes the new recipe
+
+
+@pytest.mark.parametrize("i", range(3))
+def test_a_second_derivative_is_an_error_not_a_silent_zero(i):
+    """The quantized backwards build no graph: a gradient penalty must fail, not drop its term."""
+    torch.manual_seed(0)
+    w = torch.randn(64, 128, requires_grad=True)
+    layer = [lambda x: lowprec.nn.fp8_linear(x, w), FP8InferenceLinear.from_linear(nn.Linear(128, 64)),
+             FP8SwiGLUMLP.from_mlp(SwiGLUMLP(128, 256))][i]
+    x = torch.randn(8, 128, requires_grad=True)
+    y = layer(x)
+    (dx,) = torch.autograd.grad(y.square().sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        (y.sum() + dx.square().sum()).backward()
