@@ -70,6 +70,8 @@ def attention(q, k, v, causal: bool = False, scale: float | None = None, quant: 
         _check_input(name, t, q.device)
     v_transposed = isinstance(v, QuantizedTensor)
     b, h, sq, d = q.shape
+    if d == 0:  # no score to scale or quantize
+        raise ValueError(f"q: expected a head dim D ≥ 1, got shape {tuple(q.shape)}")
     if k.shape[1] == 0:
         raise ValueError(f"k: expected Hkv ≥ 1 key/value heads (dividing H={h}), got shape {tuple(k.shape)}")
     if k.shape[0] != b or k.shape[-1] != d or h % k.shape[1]:

@@ -80,6 +80,8 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
         if t.device != q.device:
             raise ValueError(f"{name}: on {t.device}, but q is on {q.device}")
     h, d = q.shape[1:]
+    if d == 0:  # no score to scale or quantize
+        raise ValueError(f"q: expected a head dim D ≥ 1, got shape {tuple(q.shape)}")
     if k.shape[1] == 0 or h % k.shape[1] or k.shape[2] != d:
         raise ValueError(f"k: expected [total_k, Hkv ≥ 1 dividing H={h}, D={d}], got {tuple(k.shape)}")
     if v.shape[:2] != k.shape[:2]:

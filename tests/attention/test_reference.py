@@ -116,6 +116,9 @@ def test_errors():
         lowprec.attention(q[0], k, v)
     with pytest.raises(ValueError, match="v: expected"):
         lowprec.attention(q, k, v[:, :, :10])
+    for quant in (None, "fp8"):  # no head dim: no score to scale (was a ZeroDivisionError)
+        with pytest.raises(ValueError, match="q: expected a head dim D ≥ 1"):
+            lowprec.attention(q[..., :0], k[..., :0], v, quant=quant)
 
 
 @pytest.mark.parametrize("quant", [None, "fp8"])

@@ -67,6 +67,7 @@ def test_bad_inputs_are_named():
         (dict(q=q[None]), "q: expected a 3-D"),
         (dict(k=k[:, :0]), "k: expected"),
         (dict(v=v[:-1]), "v: expected"),
+        (dict(q=q[..., :0], k=k[..., :0]), "q: expected a head dim D ≥ 1"),
     ]
     for change, message in cases:
         args = dict(q=q, k=k, v=v, cu_seqlens_q=cq, cu_seqlens_k=ck, max_seqlen_q=6, max_seqlen_k=6)
