@@ -46,10 +46,12 @@ class QuantizedTensor:
             elements) with the logical shape. FP4
             recipes: ``uint8`` holding two E2M1 codes per byte along the last dim (element 2i in
             the low nibble), last dim ``ceil(cols / 2)``.
-        scale: dequantization multipliers, row-major: ``[..., rows, ceil(cols / block)]`` for
-            row-block recipes, ``[..., ceil(rows / br), ceil(cols / bc)]`` for 2D blocks (leading
-            dims are a batch, e.g. experts), all-ones shape for tensorwise. dtype float32, or
-            ``torch.float8_e8m0fnu`` (MX) / ``torch.float8_e4m3fn`` (NVFP4).
+        scale: dequantization multipliers, indexed as the blocks: ``[..., rows, ceil(cols / block)]``
+            for row-block recipes, ``[..., ceil(rows / br), ceil(cols / bc)]`` for 2D blocks
+            (leading dims are a batch, e.g. experts), all-ones shape for tensorwise. dtype float32,
+            or ``torch.float8_e8m0fnu`` (MX) / ``torch.float8_e4m3fn`` (NVFP4). The strides are
+            the producer's: the Hopper 1x128 kernel stores them MN-major (``stride(-2) == 1``,
+            TMA-aligned, as its GEMM reads them; :mod:`lowprec.quant.layouts` converts).
         global_scale: FP32 0-dim tensor for recipes with a per-tensor scale (NVFP4), else None.
         recipe: the ScaleRecipe used.
         shape: the logical shape of the original tensor.
