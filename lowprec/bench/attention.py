@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import metrics
-from .common import bench_ms, gpu_slug, print_table, save_results
+from .common import bench_ms, gpu_slug, positive_int, print_table, save_results
 
 
 @dataclass(frozen=True)
@@ -68,7 +68,7 @@ def parse_args(argv=None):
     p.add_argument("--quick", action="store_true", help=f"only {', '.join(QUICK)}")
     p.add_argument("--only", type=str, default=None, help="comma-separated shape names")
     p.add_argument("--no-accuracy", action="store_true", help="skip the FP64 accuracy columns")
-    p.add_argument("--rep", type=int, default=30, help="timed runs per row")
+    p.add_argument("--rep", type=positive_int, default=30, help="timed runs per row")
     p.add_argument("--no-fp8", action="store_true", help="leave the FP8 rows out (the bf16 peers only)")
     p.add_argument("--out", type=str, default=None, help="JSON path (default benchmarks/results/<gpu>.json)")
     return p.parse_args(argv)

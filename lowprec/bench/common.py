@@ -30,6 +30,17 @@ def shape_pairs(text: str) -> list[tuple[int, int]]:
     return pairs
 
 
+def positive_int(text: str) -> int:
+    """argparse type of a count (runs, rounds, steps, tokens): an int ≥ 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an int ≥ 1, got {text!r}")
+    return value
+
+
 def bench_ms(fn, warmup: int = 10, rep: int = 50, queued: bool = False, before=None) -> float:
     """Median milliseconds of ``fn()`` between CUDA events, L2 flushed before every run.
 
@@ -234,7 +245,7 @@ def save_results(op: str, payload: dict, path: str | None = None, merge_rows_by:
 
 def print_table(header: list[str], rows: list[list]) -> None:
     cells = [[f"{c:.3g}" if isinstance(c, float) else str(c) for c in r] for r in rows]
-    widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(header)]
+    widths = [max([len(h), *(len(r[i]) for r in cells)]) for i, h in enumerate(header)]
     print("  ".join(h.rjust(w) for h, w in zip(header, widths)))
     for r in cells:
         print("  ".join(c.rjust(w) for c, w in zip(r, widths)))

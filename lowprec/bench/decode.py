@@ -88,6 +88,9 @@ def parse_args(argv=None):
         args.batches = [int(b) for b in args.batches.split(",") if b]
     except ValueError as e:
         p.error(f"--ms / --batches: expected comma-separated ints: {e}")
+    for name, counts in (("--ms", args.ms), ("--batches", args.batches)):
+        if any(c < 1 for c in counts):
+            p.error(f"{name}: expected token counts ≥ 1, got {counts}")
     args.impls = args.impls.split(",")
     args.model_modes = [m for m in args.model_modes.split(",") if m]
     if [m for m in args.model_modes if m not in MODEL_MODES]:

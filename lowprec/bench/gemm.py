@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from .common import cuda_graph_replay, save_results
+from .common import cuda_graph_replay, positive_int, save_results
 
 ROUNDS = 8  # timing rounds per library (4 rounds' medians swung by up to 7% under the power cap: session 35)
 DSV3_NK = [(2112, 7168), (24576, 1536), (32768, 512), (7168, 16384), (4096, 7168), (7168, 2048)]
@@ -32,15 +32,26 @@ def default_shapes(quick: bool = False):
     return shapes
 
 
+def _shape_triples(text: str) -> str:
+    """argparse type of ``--shapes``: ``M,N,K;M,N,K;...`` of positive ints (kept as the text)."""
+    try:
+        shapes = [tuple(int(v) for v in s.split(",")) for s in text.split(";")]
+    except ValueError:
+        shapes = []
+    if not shapes or any(len(s) != 3 or min(s) < 1 for s in shapes):
+        raise argparse.ArgumentTypeError(f"expected positive M,N,K triples, ';'-separated, got {text!r}")
+    return text
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m lowprec bench gemm", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="fewer shapes")
-    p.add_argument("--shapes", type=str, default=None, help="M,N,K;M,N,K;... (overrides defaults)")
+    p.add_argument("--shapes", type=_shape_triples, default=None, help="M,N,K;M,N,K;... (overrides defaults)")
     p.add_argument("--out", type=str, default=None, help="JSON path (default benchmarks/results/<gpu>.json)")
     p.add_argument("--no-error", action="store_true", help="skip the fp64 error check")
     p.add_argument("--rep", type=int, default=100, help="do_bench rep (ms)")
-    p.add_argument("--rounds", type=int, default=ROUNDS,
+    p.add_argument("--rounds", type=positive_int, default=ROUNDS,
                    help="interleaved timing rounds per library (the median is reported)")
     return p.parse_args(argv)
 

@@ -100,7 +100,10 @@ def _config(text: str) -> tuple[int, int, int, int, int]:
 
 
 def _configs(text: str) -> list[tuple[int, int, int, int, int]]:
-    return [_config(c) for c in text.split(";") if c.strip()]
+    configs = [_config(c) for c in text.split(";") if c.strip()]
+    if not configs:
+        raise argparse.ArgumentTypeError(f"expected at least one config E,H,F,k,T, got {text!r}")
+    return configs
 
 
 def _routings(text: str) -> tuple[str, ...]:
@@ -158,6 +161,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.ep is not None and args.ep < 2:
         p.error(f"--ep: expected a world size of at least 2, got {args.ep}")
+    modes = [f"--{name}" for name in ("ep", "decode", "train") if getattr(args, name) is not None]
+    if len(modes) > 1:
+        p.error(f"{' and '.join(modes)}: pick one (each runs instead of the default benchmark)")
     if args.configs is None:
         from .moe_ep import EP_CONFIGS
 

@@ -247,6 +247,13 @@ def parse_args(argv=None):
         if unknown:
             p.error(f"--{name.replace('_', '-')}: unknown {unknown}; known: {list(known)}")
         setattr(args, name, values)
+    if args.steps < 1:
+        p.error(f"--steps: expected at least 1 timed step, got {args.steps}")
+    for name in ("warmup", "train_steps"):
+        if getattr(args, name) < 0:
+            p.error(f"--{name.replace('_', '-')}: expected an int ≥ 0, got {getattr(args, name)}")
+    if args.train_steps and not args.sizes:
+        p.error("--train-steps: trains the first of --sizes, which is empty")
     if args.text_seeds < 1:
         p.error(f"--text-seeds: expected at least 1, got {args.text_seeds}")
     if args.text_first_seed < 0:
