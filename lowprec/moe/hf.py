@@ -64,8 +64,9 @@ def experts_module_unsupported(experts: nn.Module | None, probe: bool = True) ->
     return None
 
 
-def hf_moe_unsupported(block: nn.Module) -> str | None:
-    """Why :func:`moe_from_hf` cannot take ``block`` (None: it can)."""
+def hf_moe_unsupported(block: nn.Module, recipe: str | None = "fp8_block") -> str | None:
+    """Why :func:`moe_from_hf` cannot take ``block`` with experts of ``recipe`` (None: it can); FP8
+    recipes need the hidden and expert sizes in multiples of 16."""
     if type(block).__name__ not in HF_MOE_BLOCKS:
         return f"{type(block).__name__} is not one of {HF_MOE_BLOCKS}"
     gate, experts = getattr(block, "gate", None), getattr(block, "experts", None)
@@ -81,6 +82,14 @@ def hf_moe_unsupported(block: nn.Module) -> str | None:
         return "gate.top_k missing"
     if getattr(block, "jitter_noise", 0):
         return "router jitter noise (training) is not reproduced"
+    if getattr(getattr(experts, "config", None), "output_router_logits", False):
+        # transformers records them from the router module's forward (its load-balancing loss), which
+        # the lowprec layer does not call: the model would find no logits
+        return ("the model records router logits (config.output_router_logits=True, the load-balancing "
+                "loss): use the 'lowprec_fp8' experts implementation, which keeps the model's router")
+    f = experts.down_proj.shape[2]
+    if recipe is not None and (h % 16 or f % 16):
+        return f"hidden size {h} and expert size {f}: recipe {recipe!r} needs multiples of 16"
     return None
 
 
@@ -89,7 +98,7 @@ def moe_from_hf(block: nn.Module, recipe: str | None = "fp8_block") -> nn.Module
     own parameters (shared, not copied: training one trains the other). ``recipe``: the MoE's."""
     from .layer import MoE
 
-    if (why := hf_moe_unsupported(block)) is not None:
+    if (why := hf_moe_unsupported(block, recipe)) is not None:
         raise ValueError(f"block: {why}")
     gate, experts = block.gate, block.experts
     e, h = gate.weight.shape

@@ -23,6 +23,8 @@ call it (a rank with no tokens passes an empty ``x``).
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -168,7 +170,7 @@ def _kept(local_ids, slot_numbers, weights, local_experts: int, capacity: int | 
         local_ids, minlength=local_experts)
     position = torch.arange(rows, device=local_ids.device) - starts[local_ids[order]]
     kept = torch.empty(rows, dtype=torch.bool, device=local_ids.device)
-    kept[order] = position < capacity
+    kept[order] = position < min(capacity, rows)  # a huge capacity (capacity_factor=1e30) need not fit an int64
     return kept
 
 
@@ -274,8 +276,16 @@ class ExpertParallelMoE(nn.Module):
         per = num_experts // world
         factory = {"device": device, "dtype": dtype}
         self.router = nn.Linear(hidden_size, num_experts, bias=False, **factory)
-        self.w1 = nn.Parameter(torch.zeros(per, 2 * ffn_size, hidden_size, **factory))
-        self.w2 = nn.Parameter(torch.zeros(per, hidden_size, ffn_size, **factory))
+        self.w1 = nn.Parameter(torch.empty(per, 2 * ffn_size, hidden_size, **factory))
+        self.w2 = nn.Parameter(torch.empty(per, hidden_size, ffn_size, **factory))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """As :meth:`MoE.reset_parameters <lowprec.moe.MoE.reset_parameters>`: router nn.Linear's default,
+        this rank's experts uniform ±1/√fan_in (zeros would be a fixed point: no expert gradient)."""
+        self.router.reset_parameters()
+        nn.init.uniform_(self.w1, -1 / math.sqrt(self.hidden_size), 1 / math.sqrt(self.hidden_size))
+        nn.init.uniform_(self.w2, -1 / math.sqrt(self.ffn_size), 1 / math.sqrt(self.ffn_size))
 
     @classmethod
     def from_moe(cls, moe: MoE, group: dist.ProcessGroup | None = None) -> ExpertParallelMoE:

@@ -237,7 +237,8 @@ def dispatch(topk_weights: torch.Tensor, topk_ids: torch.Tensor, num_experts: in
         demand = torch.zeros(num_experts, dtype=torch.int64, device=device).scatter_add_(0, ids, ones)
         first = torch.cumsum(demand, 0) - demand
         rank = slots - first[ids[order]]
-        kept = torch.empty(n, dtype=torch.bool, device=device).scatter_(0, order, rank < capacity)
+        # a capacity of T·k or more keeps every slot (and may not fit an int64 comparison: capacity_factor=1e30)
+        kept = torch.empty(n, dtype=torch.bool, device=device).scatter_(0, order, rank < min(capacity, n))
 
     # packed order: kept slots by expert, then slot number; dropped slots sort last (as expert E)
     perm = torch.sort(torch.where(kept, ids, num_experts), stable=True).indices

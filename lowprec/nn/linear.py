@@ -373,7 +373,7 @@ def _convertible(module: nn.Module) -> bool:
     from ..moe.hf import hf_moe_unsupported
 
     return (type(module) is nn.Linear or isinstance(module, (MoE, FP8Linear, FP8InferenceLinear))
-            or hf_moe_unsupported(module) is None)
+            or hf_moe_unsupported(module, recipe=None) is None)
 
 
 def _converted(module: nn.Module, name: str, recipe: str, inference: bool, min_numel: int, kept: list) -> nn.Module:
@@ -383,10 +383,17 @@ def _converted(module: nn.Module, name: str, recipe: str, inference: bool, min_n
 
     if type(module) is nn.Linear:
         return _swap(module, name, recipe, inference, min_numel, kept)
-    if hf_moe_unsupported(module) is None:  # a transformers MoE block: lowprec's MoE on its parameters
+    if hf_moe_unsupported(module, recipe=None) is None:  # a transformers MoE block: lowprec's MoE on its parameters
+        if (why := hf_moe_unsupported(module)) is not None:
+            log.warning("lowprec.convert: keeping %s as it is: %s", name or "<model>", why)
+            return module
         module = moe_from_hf(module)
     if isinstance(module, MoE):
         if not inference:
+            return module
+        if module.hidden_size % _ALIGN or module.ffn_size % _ALIGN:
+            log.warning("lowprec.convert: keeping %s as MoE: hidden_size=%d, ffn_size=%d are not both multiples of %d",
+                        name or "<model>", module.hidden_size, module.ffn_size, _ALIGN)
             return module
         return NVFP4InferenceMoE.from_moe(module) if recipe == _NVFP4 else FP8InferenceMoE.from_moe(module)
     if isinstance(module, FP8Linear):

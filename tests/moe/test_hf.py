@@ -355,3 +355,46 @@ def test_experts_with_their_own_gate_are_refused():
     assert "_apply_gate" in experts_module_unsupported(ClampedExperts(4, 32, 16))
     assert experts_module_unsupported(DefaultGateExperts(4, 32, 16)) is None
     assert experts_module_unsupported(_Experts(4, 32, 16)) is None
+
+
+def test_convert_keeps_moe_blocks_whose_sizes_fp8_cannot_take(caplog):
+    """Sizes not multiples of 16: the block (transformers') or the MoE (recipe=None, inference) stays
+    as it is with a log line, as linear layers do, instead of raising mid-conversion."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.Qwen3MoeConfig(vocab_size=64, hidden_size=128, intermediate_size=256, num_hidden_layers=1,
+                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                         num_experts=8, num_experts_per_tok=2, moe_intermediate_size=40, head_dim=32)
+    model = transformers.Qwen3MoeForCausalLM(config)
+    ids = torch.randint(0, 64, (2, 5))
+    with torch.no_grad():
+        expected = model(ids).logits
+        lowprec.convert(model, inference=True)
+        got = model(ids).logits
+    assert type(model.model.layers[0].mlp).__name__ == "Qwen3MoeSparseMoeBlock"
+    assert "multiples of 16" in caplog.text
+    assert lowprec.metrics.cos_sim(got, expected) > 0.99
+    moe = nn.Sequential(MoE(40, 24, 4, 2, recipe=None))
+    lowprec.convert(moe, inference=True)
+    assert type(moe[0]) is MoE
+
+
+def test_blocks_of_a_model_recording_router_logits_stay_as_they_are():
+    """output_router_logits=True: transformers hooks the router module for the load-balancing loss;
+    the block is not swapped (the lowprec MoE has no router module to hook), and the model still runs."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.Qwen3MoeConfig(vocab_size=64, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                         num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, head_dim=32,
+                                         output_router_logits=True, router_aux_loss_coef=0.01)
+    model = transformers.Qwen3MoeForCausalLM(config)
+    ids = torch.randint(0, 64, (2, 9))
+    expected = model(ids, labels=ids)
+    block = model.model.layers[0].mlp
+    assert "output_router_logits" in hf_moe_unsupported(block)
+    lowprec.convert(model)
+    assert type(model.model.layers[0].mlp).__name__ == "Qwen3MoeSparseMoeBlock"
+    out = model(ids, labels=ids)
+    torch.testing.assert_close(out.aux_loss, expected.aux_loss)
+    torch.testing.assert_close(out.loss, expected.loss)

@@ -256,3 +256,29 @@ def test_bad_expert_ids_are_named(one_rank_group):
     for ids in (torch.tensor([[0.9, 1.7]] * 4), torch.tensor([[0, 4]] * 4), torch.tensor([[0, -1]] * 4)):
         with pytest.raises(ValueError, match="topk_ids"):
             expert_parallel_experts(x, w, ids, w1, w2, num_experts=4, recipe=None)
+
+
+def test_expert_parallel_module_built_directly_has_trainable_experts(one_rank_group):
+    """Built directly, its experts are initialised as MoE's (not zeros, which never get a gradient)."""
+    from lowprec.moe.parallel import ExpertParallelMoE
+
+    torch.manual_seed(0)
+    layer = ExpertParallelMoE(128, 64, 4, 2, recipe=None)
+    bound1, bound2 = 128 ** -0.5, 64 ** -0.5
+    assert layer.w1.abs().max() <= bound1 and layer.w1.std() > bound1 / 4
+    assert layer.w2.abs().max() <= bound2 and layer.w2.std() > bound2 / 4
+    y = layer(torch.randn(16, 128))
+    (y * torch.randn_like(y)).sum().backward()
+    assert y.abs().sum() > 0
+    assert layer.w1.grad.abs().sum() > 0 and layer.w2.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("policy", ["probs", "position"])
+def test_a_huge_capacity_factor_drops_nothing_across_ranks(one_rank_group, policy):
+    """capacity_factor=1e30 (C past int64): every slot kept, as the dropless experts, no OverflowError."""
+    torch.manual_seed(0)
+    w, ids = torch.rand(8, 2), torch.randint(0, 4, (8, 2))
+    x, w1, w2 = torch.randn(8, 32), torch.randn(4, 32, 32), torch.randn(4, 32, 16)
+    got = expert_parallel_experts(x, w, ids, w1, w2, num_experts=4, recipe=None, capacity_factor=1e30,
+                                  drop_policy=policy)
+    torch.testing.assert_close(got, experts(x, w, ids, w1, w2, recipe=None))

@@ -210,3 +210,14 @@ def test_expert_capacity_reads_a_numpy_float32_as_it_prints():
 
     assert str(np.float32(1.2)) == "1.2"
     assert expert_capacity(10, 1, 4, np.float32(1.2)) == expert_capacity(10, 1, 4, 1.2) == 3
+
+
+@pytest.mark.parametrize("policy", ["probs", "position"])
+def test_a_huge_capacity_factor_drops_nothing(policy):
+    """C = ceil(T·k/E · factor) past int64 (factor 1e30): every slot kept, as dropless, no OverflowError."""
+    torch.manual_seed(0)
+    w, ids = torch.rand(8, 2), torch.randint(0, 4, (8, 2))
+    routing = dispatch(w, ids, 4, capacity_factor=1e30, drop_policy=policy)
+    dropless = dispatch(w, ids, 4)
+    assert routing.kept.all() and routing.capacity == 4 * 10**30
+    assert torch.equal(routing.row_slots, dropless.row_slots) and torch.equal(routing.counts, dropless.counts)
