@@ -49,13 +49,16 @@ def save(obj: QuantizedTensor | Mapping[str, torch.Tensor | QuantizedTensor], pa
             parts = (value.data, value.scale, value.global_scale)
             for part, t in zip(_PARTS, parts):
                 if t is not None:
-                    tensors[f"{key}::{part}"] = t.detach().contiguous().cpu()
+                    tensors[f"{key}::{part}"] = t.detach()
             quantized[key] = value.metadata()
         elif isinstance(value, torch.Tensor):
-            tensors[key] = value.detach().contiguous().cpu()
+            tensors[key] = value.detach()
         else:
             raise TypeError(f"obj[{key!r}]: expected a Tensor or QuantizedTensor, got {type(value).__name__}")
+    # ties are found on the tensors as given: .contiguous() of a strided tensor and .cpu() of a
+    # CUDA one make a new copy for each name, which would hide them
     tensors, aliases = _unshare(tensors)
+    tensors = {name: t.contiguous().cpu() for name, t in tensors.items()}
     meta = {str(k): str(v) for k, v in (metadata or {}).items()}
     if any(k.startswith("lowprec.") for k in meta):
         raise ValueError("metadata: keys starting with 'lowprec.' are reserved")
@@ -76,9 +79,9 @@ def _unshare(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor],
     stored: dict[str, torch.Tensor] = {}
     aliases: dict[str, str] = {}
     seen: dict[tuple, str] = {}
-    storages: set[int] = set()
+    storages: set[tuple] = set()
     for name, t in tensors.items():
-        ptr = t.untyped_storage().data_ptr() if t.numel() else None
+        ptr = (t.device, t.untyped_storage().data_ptr()) if t.numel() else None  # one address space per device
         ident = (ptr, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
         if ptr is not None and ident in seen:
             aliases[name] = seen[ident]
@@ -125,7 +128,7 @@ def load(path: str | os.PathLike, device: str | torch.device = "cpu") -> Quantiz
         if "::" not in name:
             out[name] = t
             continue
-        key, part = name.split("::", 1)
+        key, part = name.rsplit("::", 1)  # from the right: a key may end with ':' ('w:' -> 'w:::data')
         if part not in _PARTS:
             raise ValueError(f"{path}: tensor {name!r} is no part of a quantized entry (expected {_PARTS})")
         parts.setdefault(key, {})[part] = t

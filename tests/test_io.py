@@ -176,3 +176,41 @@ def test_alias_to_a_missing_tensor_is_a_clear_error(tmp_path):
                     obj={"a": t, "b": t})
     with pytest.raises(ValueError, match="'lowprec.aliases'.*'c'.*'zz'"):
         lowprec.load(path)
+
+
+def test_keys_ending_with_a_colon_round_trip(tmp_path):
+    """save refuses only '::' in a key; a key ending in ':' makes part names such as 'w:::data',
+    which load must split at the last '::'."""
+    sd = {"w:": lowprec.quantize(torch.randn(4, 64), "nvfp4"), ":": lowprec.quantize(torch.randn(2, 32), "mxfp8"),
+          "b:": torch.ones(3)}
+    path = tmp_path / "colon.safetensors"
+    lowprec.save(sd, path)
+    back = lowprec.load(path)
+    assert set(back) == set(sd)
+    for key in ("w:", ":"):
+        assert back[key].recipe == sd[key].recipe
+        assert torch.equal(back[key].dequantize(), sd[key].dequantize())
+    assert torch.equal(back["b:"], sd["b:"])
+
+
+def test_tied_weights_stay_tied_when_each_name_would_be_copied(tmp_path, monkeypatch):
+    """Ties are found before .contiguous() / .cpu(): for a non-contiguous tensor, and for a CUDA
+    one (simulated: Tensor.cpu() returning a copy, as it does for a CUDA tensor), each name's
+    copy would otherwise hide that the names are one tensor."""
+    w = torch.randn(16, 8).t()  # tied, non-contiguous
+    lowprec.save({"emb": w, "head": w}, tmp_path / "a.safetensors")
+    back = lowprec.load(tmp_path / "a.safetensors")
+    assert back["emb"].data_ptr() == back["head"].data_ptr() and torch.equal(back["head"], w)
+
+    real_cpu = torch.Tensor.cpu
+    monkeypatch.setattr(torch.Tensor, "cpu", lambda self, *a, **k: real_cpu(self, *a, **k).clone())
+    v = torch.randn(8, 8)
+    q = lowprec.quantize(torch.randn(16, 128), "fp8_block1x128")
+    row = v[3]  # a view into the tied tensor: stored on its own
+    lowprec.save({"emb": v, "head": v, "row": row, "q": q, "q_again": q}, tmp_path / "b.safetensors")
+    monkeypatch.undo()
+    back = lowprec.load(tmp_path / "b.safetensors")
+    assert back["emb"].data_ptr() == back["head"].data_ptr() and torch.equal(back["emb"], v)
+    assert torch.equal(back["row"], row) and back["row"].data_ptr() != back["emb"].data_ptr()
+    assert back["q"].data.data_ptr() == back["q_again"].data.data_ptr()
+    assert torch.equal(back["q_again"].dequantize(), q.dequantize())

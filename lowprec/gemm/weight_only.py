@@ -238,14 +238,16 @@ def pack_nvfp4(weight: torch.Tensor, weight_scale: torch.Tensor, weight_scale_2:
         words |= lut[j][pair.long()]
     # codes region: [group (2), thread, word (4)] with k-step = 4 group + word
     code_words = words.view(n_tiles, k_chunks, _THREADS, 2, 4).permute(0, 1, 3, 2, 4)
-    code_bytes = _words_to_bytes(code_words.reshape(n_tiles, k_chunks, -1))
+    code_bytes = _words_to_bytes(code_words.reshape(n_tiles, k_chunks, _THREADS * _KSTEPS))
     # the four lanes of a quad share their rows: one 16-byte record per quad
     quad_rows = r0[::4]
     sc = torch.stack([scales[:, :, quad_rows + 8 * h, :] for h in range(2)], dim=-1)  # [nt, kc, quads, 8 steps, 2 rows]
     scale_bytes = sc.reshape(n_tiles, k_chunks, _THREADS // 4, 16).to(torch.uint8)
-    data = torch.cat([code_bytes, scale_bytes.reshape(n_tiles, k_chunks, -1)], dim=-1)
+    data = torch.cat([code_bytes, scale_bytes.reshape(n_tiles, k_chunks, SCALE_BYTES)], dim=-1)
     data = data.reshape(-1, ROW_BYTES).contiguous()
-    return PackedNVFP4(data, weight_scale_2.detach().reshape(1).to(torch.float32).clone(), n, k)
+    # the global scale with the codes (a checkpoint's 0-d weight_scale_2 may still be on the host)
+    return PackedNVFP4(data, weight_scale_2.detach().reshape(1).to(device=data.device, dtype=torch.float32).clone(),
+                       n, k)
 
 
 def unpack_nvfp4(packed: PackedNVFP4, weight_2d: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -295,12 +297,12 @@ def _pair_luts(device) -> torch.Tensor:
 def _words_to_bytes(words: torch.Tensor) -> torch.Tensor:
     """int64 holding uint32 words [..., W] -> uint8 little-endian [..., 4 W]."""
     shifts = torch.arange(0, 32, 8, device=words.device)
-    return ((words[..., None] >> shifts) & 0xFF).to(torch.uint8).reshape(*words.shape[:-1], -1)
+    return ((words[..., None] >> shifts) & 0xFF).to(torch.uint8).reshape(*words.shape[:-1], 4 * words.shape[-1])
 
 
 def _bytes_to_words(b: torch.Tensor) -> torch.Tensor:
     """uint8 [..., 4 W] -> int64 uint32 words [..., W]."""
-    b = b.reshape(*b.shape[:-1], -1, 4).to(torch.int64)
+    b = b.reshape(*b.shape[:-1], b.shape[-1] // 4, 4).to(torch.int64)  # sizes given: no -1 on an empty tensor
     return b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16) | (b[..., 3] << 24)
 
 
@@ -345,6 +347,8 @@ def decoded_tile_emulated(packed: PackedNVFP4, n_tile: int, k_chunk: int) -> tor
 def unpack_codes_emulated(packed: PackedNVFP4) -> torch.Tensor:
     """The dequantized weight ``[N, K]`` (float64) as the kernel computes it: the emulated
     decode of every chunk, times 2^10 and the global scale."""
+    if packed.n == 0 or packed.k == 0:  # no chunks to decode
+        return torch.zeros(packed.n, packed.k, dtype=torch.float64)
     tiles = [[decoded_tile_emulated(packed, nt, kc) for kc in range(packed.k_chunks)] for nt in range(packed.n_tiles)]
     w = torch.cat([torch.cat(row, dim=1) for row in tiles], dim=0)
     return w[: packed.n, : packed.k] * (2.0 ** DECODE_EXP) * packed.global_scale.double().cpu()

@@ -107,7 +107,9 @@ class KernelCache:
         """Where kernels are kept on disk (one subdirectory per source fingerprint), or None."""
         if os.environ.get("LOWPREC_DISK_CACHE", "1") == "0":
             return None
-        return self._directory or os.environ.get("LOWPREC_CACHE_DIR") or os.path.expanduser(DEFAULT_CACHE_DIR)
+        # expanded as the default is: a '~' the shell did not expand (a quoted value, an env file,
+        # os.environ) would otherwise make a directory named '~' in the working directory
+        return os.path.expanduser(self._directory or os.environ.get("LOWPREC_CACHE_DIR") or DEFAULT_CACHE_DIR)
 
     def __len__(self) -> int:
         return len(self._memory)

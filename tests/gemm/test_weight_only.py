@@ -645,3 +645,39 @@ def test_grouped_kernel_takes_only_int32_group_ends_of_e_entries():
     assert grouped_weight_only_unsupported(x, packed, _group_ends([2, 2, 1])) is None
     assert "group_ends" in grouped_weight_only_unsupported(x, packed, _group_ends([2, 2, 1, 0]))
     assert "group_ends" in grouped_weight_only_unsupported(x, packed, _group_ends([2, 2, 1]).long())
+
+
+@pytest.mark.parametrize("n, k, weight_2d", [(0, 32, False), (0, 32, True), (32, 0, False), (0, 0, False)])
+def test_pack_nvfp4_takes_an_empty_weight(n, k, weight_2d):
+    """As pack_fp8 does: an empty weight packs, unpacks and multiplies (zeros / an empty result)."""
+    from lowprec.gemm.ops import grouped_weight_only
+    from lowprec.gemm.weight_only import unpack_nvfp4
+
+    weight = torch.zeros(n, k // 2, dtype=torch.uint8)
+    scale = torch.ones(n // 16 if weight_2d else n, k // 16).to(torch.float8_e4m3fn)
+    packed = pack_nvfp4(weight, scale, torch.tensor(0.5), weight_2d)
+    w, s = unpack_nvfp4(packed, weight_2d)
+    assert w.shape == weight.shape and s.shape == scale.shape
+    assert unpack_codes_emulated(packed).shape == (n, k)
+    x = torch.randn(3, k, dtype=torch.bfloat16)
+    y = weight_only_reference(x, packed)
+    assert y.shape == (3, n) and (y == 0).all()
+    experts = pack_nvfp4_experts(weight[None].expand(2, -1, -1), scale[None].expand(2, -1, -1),
+                                 torch.ones(2), weight_2d)
+    out = grouped_weight_only(x, experts, torch.tensor([1, 3], dtype=torch.int32))
+    assert out.shape == (3, n) and (out == 0).all()
+
+
+@gpu
+@needs_gpu
+def test_pack_nvfp4_puts_a_host_global_scale_with_the_weight():
+    """A ModelOpt ``weight_scale_2`` left on the host (a 0-d checkpoint tensor) next to CUDA codes:
+    the packed global scale goes to the weight's device, and the kernel takes it."""
+    from lowprec.gemm.sm90.weight_only_interface import weight_only_nvfp4
+
+    q = quantize(torch.randn(256, 512, device="cuda"), "nvfp4")
+    packed = pack_nvfp4(q.data, q.scale, q.global_scale.cpu())
+    assert packed.global_scale.device == q.data.device
+    x = torch.randn(4, 512, device="cuda", dtype=torch.bfloat16)
+    torch.testing.assert_close(weight_only_nvfp4(x, packed, None).float(), weight_only_reference(x, packed).float(),
+                               rtol=2e-3, atol=2e-3)

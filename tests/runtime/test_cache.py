@@ -272,3 +272,15 @@ def test_the_memory_key_tells_1_from_true(monkeypatch):
     assert cache_key("k", {"x": 1}, "sm_90a") != cache_key("k", {"x": True}, "sm_90a")
     assert kernels.get("k", {"x": 1}, "sm_90a", lambda: "compiled for 1") == "compiled for 1"
     assert kernels.get("k", {"x": True}, "sm_90a", lambda: "compiled for True") == "compiled for True"
+
+
+def test_cache_dir_from_the_environment_expands_the_home_directory(tmp_path, monkeypatch):
+    """As the default (~/.cache/lowprec/kernels) is: '~' in LOWPREC_CACHE_DIR is the home
+    directory, not a directory named '~' under the working directory."""
+    monkeypatch.delenv("LOWPREC_DISK_CACHE", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("LOWPREC_CACHE_DIR", "~/kernels")
+    assert KernelCache().directory == os.path.join(str(tmp_path), "kernels")
+    assert KernelCache("~/mine").directory == os.path.join(str(tmp_path), "mine")
+    monkeypatch.setenv("LOWPREC_CACHE_DIR", str(tmp_path / "plain"))
+    assert KernelCache().directory == str(tmp_path / "plain")
