@@ -38,6 +38,9 @@ def _check_part(name: str, t: torch.Tensor, dtype: torch.dtype, shape: tuple[int
                          else f"{name}: expected shape {shape}, got {tuple(t.shape)}")
 
 
+_TO_ARGS = ("device", "dtype", "non_blocking", "copy")  # torch.Tensor.to's positional arguments
+
+
 class QuantizedTensor:
     """A tensor quantized with a :class:`~lowprec.recipes.ScaleRecipe`.
 
@@ -162,15 +165,46 @@ class QuantizedTensor:
         Pass ``dtype=torch.float64`` for an exact dequantization (error references)."""
         return dequantize_blocks(self, dtype)
 
-    def to(self, device: torch.device | str, copy: bool = False) -> QuantizedTensor:
-        """On ``device`` (data, scales and global scale move together). As ``torch.Tensor.to``,
-        the tensors are shared when they are there already, unless ``copy``. Devices only: the
-        codes and scales keep their formats (``dequantize(dtype)`` gives a float tensor)."""
-        if isinstance(device, torch.dtype):
-            raise TypeError(f"device: QuantizedTensor.to moves between devices only, got the dtype {device}; "
-                            f"use dequantize({device}) for a {device} tensor")
-        g = None if self.global_scale is None else self.global_scale.to(device, copy=copy)
-        return QuantizedTensor(self.data.to(device, copy=copy), self.scale.to(device, copy=copy), self.recipe,
+    def to(self, *args, **kwargs) -> QuantizedTensor:
+        """On another device, called as ``torch.Tensor.to`` for a device move: ``to(device,
+        dtype=None, non_blocking=False, copy=False, *, memory_format=None)`` or ``to(dtype, ...)``.
+        Data, scales and global scale move together; as ``torch.Tensor.to``, the tensors are shared
+        when they are there already, unless ``copy``. Devices only: the codes and scales keep their
+        formats, so a ``dtype`` raises TypeError (``dequantize(dtype)`` gives a float tensor), as do
+        ``to(tensor)`` (it would take the tensor's dtype) and a ``memory_format`` other than
+        ``torch.preserve_format``."""
+        if args and isinstance(args[0], torch.Tensor):
+            raise TypeError("tensor: QuantizedTensor.to(tensor) would take the tensor's dtype too, and a "
+                            "QuantizedTensor changes dtype only via dequantize(dtype); pass tensor.device")
+        names = _TO_ARGS[1:] if args and isinstance(args[0], torch.dtype) else _TO_ARGS
+        if len(args) > len(names):
+            raise TypeError(f"to: takes at most {len(names)} positional arguments ({', '.join(names)}), "
+                            f"got {len(args)}")
+        opts = dict(zip(names, args))
+        for name, value in kwargs.items():
+            if name not in (*_TO_ARGS, "memory_format"):
+                raise TypeError(f"to: unexpected keyword argument {name!r}")
+            if name in opts:
+                raise TypeError(f"to: got {name} both positionally and as a keyword")
+            opts[name] = value
+        dtype = opts.get("dtype")
+        if dtype is not None:
+            raise TypeError(f"dtype: QuantizedTensor.to moves between devices only, got the dtype {dtype}; "
+                            f"use dequantize({dtype}) for a {dtype} tensor")
+        memory_format = opts.get("memory_format")
+        if memory_format not in (None, torch.preserve_format):
+            raise TypeError(f"memory_format: a QuantizedTensor keeps its codes' layout, got {memory_format}")
+        for name in ("non_blocking", "copy"):
+            if not isinstance(opts.get(name, False), bool):
+                raise TypeError(f"{name}: expected a bool, got {opts[name]!r}")
+        device = opts.get("device")
+        if device is None:
+            device = self.device
+        elif not isinstance(device, (torch.device, str, int)) or isinstance(device, bool):
+            raise TypeError(f"device: expected a torch.device, str or int, got {device!r}")
+        move = {"non_blocking": opts.get("non_blocking", False), "copy": opts.get("copy", False)}
+        g = None if self.global_scale is None else self.global_scale.to(device, **move)
+        return QuantizedTensor(self.data.to(device, **move), self.scale.to(device, **move), self.recipe,
                                self.shape, self.dtype, g)
 
     def flatten(self) -> tuple[tuple[torch.Tensor, ...], tuple]:

@@ -85,6 +85,30 @@ def test_to_copies_only_when_asked():
         assert a.data_ptr() != b.data_ptr() and torch.equal(a.float(), b.float())
 
 
+def test_to_takes_torch_tensor_to_arguments_for_device_moves():
+    qt, _ = _parts("nvfp4")
+    for moved in (qt.to("cpu", None, True, True), qt.to(device=torch.device("cpu"), non_blocking=True, copy=True),
+                  qt.to(copy=True), qt.to("cpu", memory_format=torch.preserve_format, copy=True)):
+        assert moved.device == qt.device and moved.data.data_ptr() != qt.data.data_ptr()
+        assert torch.equal(moved.dequantize(), qt.dequantize())
+    assert qt.to("cpu", non_blocking=True).data.data_ptr() == qt.data.data_ptr()
+    # the dtype is named, not taken for `copy` (torch's unrelated TypeError)
+    for args, kwargs in ((("cpu", torch.float16), {}), (("cpu",), {"dtype": torch.float16}),
+                         ((torch.float16, False, True), {})):
+        with pytest.raises(TypeError, match=r"dtype: .*dequantize\(torch.float16\)"):
+            qt.to(*args, **kwargs)
+    for args, kwargs, match in (((torch.zeros(1),), {}, "tensor: .*dtype"),
+                                (("cpu",), {"memory_format": torch.channels_last}, "memory_format"),
+                                (("cpu", None, "yes"), {}, "non_blocking: expected a bool"),
+                                (("cpu",), {"copy": 1}, "copy: expected a bool"),
+                                ((1.5,), {}, "device: expected"),
+                                (("cpu",), {"device": "cpu"}, "device both"),
+                                (("cpu",), {"pin": True}, "unexpected keyword argument 'pin'"),
+                                (("cpu", None, False, False, 0), {}, "at most 4 positional")):
+        with pytest.raises(TypeError, match=match):
+            qt.to(*args, **kwargs)
+
+
 def test_transpose_of_a_1d_tensor_says_why():
     with pytest.raises(ValueError, match="transpose: needs ≥ 2 dims"):
         lowprec.quantize(torch.randn(64), "fp8_tensorwise").transpose()

@@ -24,7 +24,7 @@ __all__ = ["attention_varlen", "check_cu_seqlens"]
 
 
 def check_cu_seqlens(name: str, cu: torch.Tensor, total: int, max_seqlen: int, device: torch.device) -> list[int]:
-    """Validate a ``cu_seqlens`` tensor (``[B + 1]`` int32, from 0 to ``total``, non-decreasing, no
+    """Validate a ``cu_seqlens`` tensor (``[B + 1]`` int32/int64, from 0 to ``total``, non-decreasing, no
     sequence longer than ``max_seqlen``) and return it as a host list."""
     _check_cu_shape(name, cu)
     if cu.device != device:
@@ -45,7 +45,7 @@ def check_cu_seqlens(name: str, cu: torch.Tensor, total: int, max_seqlen: int, d
 def _check_cu_shape(name: str, cu) -> None:
     """A ``cu_seqlens`` tensor's type and shape (no values read)."""
     if not isinstance(cu, torch.Tensor) or cu.dim() != 1 or cu.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"{name}: expected a 1-D int32 tensor [B + 1], got "
+        raise ValueError(f"{name}: expected a 1-D int32/int64 tensor [B + 1], got "
                          f"{getattr(cu, 'dtype', type(cu))} {tuple(getattr(cu, 'shape', ()))}")
     if cu.numel() < 1:
         raise ValueError(f"{name}: expected at least one entry (0), got an empty tensor")
@@ -60,7 +60,7 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     Args:
         q: ``[total_q, H, D]``; k: ``[total_k, Hkv, D]``; v: ``[total_k, Hkv, Dv]`` (``H`` a multiple
             of ``Hkv``): the sequences one after another.
-        cu_seqlens_q, cu_seqlens_k: ``[B + 1]`` int32 prefix sums of the sequence lengths
+        cu_seqlens_q, cu_seqlens_k: ``[B + 1]`` int32 (or int64) prefix sums of the sequence lengths
             (sequence ``i`` is rows ``cu[i]:cu[i+1]``); empty sequences allowed. Their values are
             checked wherever that needs no GPU-to-host read: on the CPU, and on CUDA when they are
             CPU tensors (then copied to the GPU). On CUDA (the FP8 kernel, or exact attention in

@@ -35,7 +35,8 @@ replayed back to back would stay in L2: 120% of the copy rate, measured). ``GB/s
 bytes of the weight as stored (the floor of a
 memory-bound GEMM), ``% copy`` against the measured device copy bandwidth.
 
-    python -m lowprec bench decode [--ms 1,4,16,64,256] [--shapes 6144x4096,...] [--batches 1,8]
+    python -m lowprec bench decode [--ms 1,4,16,64,256] [--shapes 6144x4096,...]
+                                   [--impls bf16,fp8-cublas,lowprec-fp8,lowprec-nvfp4] [--batches 1,8]
                                    [--model-modes eager-ops,compiled] [--out FILE]
 """
 
@@ -77,7 +78,8 @@ def parse_args(argv=None):
     p.add_argument("--ms", default=",".join(map(str, MS)), help="tokens per call, comma-separated")
     p.add_argument("--shapes", type=shape_pairs, default=",".join(f"{n}x{k}" for n, k in SHAPES),
                    help="N x K, comma-separated")
-    p.add_argument("--impls", default=",".join(IMPLS))
+    p.add_argument("--impls", default=",".join(IMPLS),
+                   help=f"projection implementations, comma-separated ({', '.join(IMPLS)})")
     p.add_argument("--batches", default="1,8", help="model decode step: tokens per step (empty: skip)")
     p.add_argument("--model-modes", default=",".join(MODEL_MODES),
                    help=f"model decode step: how its ops run, comma-separated ({', '.join(MODEL_MODES)})")

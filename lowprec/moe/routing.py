@@ -124,6 +124,9 @@ def expert_capacity(num_tokens: int, top_k: int, num_experts: int, capacity_fact
     Computed exactly, with ``capacity_factor`` read as the decimal it prints as (1.2 is 6/5), so
     ``T=10, k=1, E=4, capacity_factor=1.2`` gives 3, not the 4 that float rounding would give.
     """
+    for name, value, least in (("num_tokens", num_tokens, 0), ("top_k", top_k, 1), ("num_experts", num_experts, 1)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < least:
+            raise ValueError(f"{name}: expected an int ≥ {least}, got {value!r}")
     _check_capacity_factor(capacity_factor)
     if capacity_factor is None:
         return None
@@ -182,8 +185,8 @@ def dispatch(topk_weights: torch.Tensor, topk_ids: torch.Tensor, num_experts: in
 
     Args:
         topk_weights: ``[T, k]`` float combine weights (ranks slots for ``drop_policy="probs"``).
-        topk_ids: ``[T, k]`` int32/int64 expert ids in ``[0, num_experts)`` (a token listing an
-            expert twice gets two rows).
+        topk_ids: ``[T, k]`` int32/int64 expert ids in ``[0, num_experts)``, ``k ≤ num_experts``
+            (a token listing an expert twice gets two rows).
         num_experts: E.
         capacity_factor: None (dropless) or > 0; see :func:`expert_capacity`.
         drop_policy: ``"probs"`` or ``"position"`` (module docstring: which slots stay).

@@ -7,18 +7,27 @@ from torch import nn
 
 __all__ = ["QuantizedBuffersModule"]
 
+_OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)  # a QuantizedTensor's dtypes
+
 
 class QuantizedBuffersModule(nn.Module):
     """Base of modules keeping FP8 codes and FP32 scales as buffers (their names in
     ``_quantized``): module casts (``.half()``, ``.to(dtype)``, ...) move them between devices
     but keep their dtypes (a cast would double their memory and flush small scales to zero), and
     ``load_state_dict`` takes them only in those dtypes (a float weight copied into the codes
-    would be cast to FP8 under scales that do not belong to it)."""
+    would be cast to FP8 under scales that do not belong to it). A float ``out_dtype`` attribute
+    (the inference linears': the dtype of the bias and of a dequantized weight) follows the cast
+    as the bias does."""
 
     _quantized: tuple[str, ...] = ()
 
     def _apply(self, fn, recurse=True):
         kept = [self._buffers[name] for name in self._quantized]
+        out_dtype = getattr(self, "out_dtype", None)
+        if out_dtype in _OUT_DTYPES and kept:  # where fn puts a float tensor of out_dtype (the bias, if any)
+            target = fn(torch.empty(0, dtype=out_dtype, device=kept[0].device)).dtype
+            if target in _OUT_DTYPES:
+                self.out_dtype = target
 
         def apply(t: torch.Tensor) -> torch.Tensor:
             if not any(t is k for k in kept):

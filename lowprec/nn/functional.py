@@ -14,6 +14,7 @@ Master weights keep their dtype; gradients come back in it.
 from __future__ import annotations
 
 import contextlib
+import math
 
 import torch
 from torch.autograd.function import once_differentiable
@@ -127,7 +128,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
         raise TypeError(f"bias: expected a float tensor, got {getattr(bias, 'dtype', type(bias))}")
     if bias is not None and bias.shape != (weight.shape[0],):
         raise ValueError(f"bias: expected shape ({weight.shape[0]},), got {tuple(bias.shape)}")
-    x2, autocast_off = follow_autocast(x.reshape(-1, x.shape[-1]))
+    x2, autocast_off = follow_autocast(x.reshape(math.prod(x.shape[:-1]), x.shape[-1]))  # -1 fails at K = 0
     bias32 = None if bias is None else bias.to(torch.float32)
     with autocast_off:
         if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias)):

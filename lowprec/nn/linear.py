@@ -131,9 +131,9 @@ class FP8InferenceLinear(QuantizedBuffersModule):
 
     Buffers: ``weight`` (float8_e4m3fn ``[out, in]``), ``weight_scale`` (FP32, the recipe's
     row-major scale grid) and ``bias`` (if any). Module casts (``.half()``, ``.to(dtype)``) cast
-    the bias only: the weight keeps its FP8 codes and FP32 scales (see
-    :class:`QuantizedBuffersModule`). Save and load with ``model.state_dict()`` and
-    :func:`lowprec.save` / :func:`lowprec.load`.
+    the bias, and ``out_dtype`` (the bias's dtype and that of :meth:`quantized_weight`) follows;
+    the weight keeps its FP8 codes and FP32 scales (see :class:`QuantizedBuffersModule`). Save
+    and load with ``model.state_dict()`` and :func:`lowprec.save` / :func:`lowprec.load`.
     """
 
     _quantized = ("weight", "weight_scale")

@@ -53,7 +53,7 @@ class NVFP4InferenceLinear(QuantizedBuffersModule):
     inference=True)`` followed by ``model.load_state_dict(...)`` of such a checkpoint. Module
     casts move the NVFP4 buffers between devices but keep their dtypes (see
     :class:`QuantizedBuffersModule`); ``out_dtype`` is the dtype of a dequantized weight
-    outside ``forward`` and of the bias.
+    outside ``forward`` and of the bias (a module cast changes both).
     """
 
     _quantized = ("packed", *_SCALARS)

@@ -162,19 +162,25 @@ def _load(path: str):
     """The kernel exported to ``path``, or None when there is none (or it is unreadable)."""
     if not os.path.exists(path):
         return None
+    cubin_path = path[:-2] + ".cubin"
     try:
         _check_object_file(path)
+        cubin = None
+        if os.path.exists(cubin_path):  # for sass_of, as on a freshly compiled kernel
+            try:
+                _check_object_file(cubin_path)
+                cubin = pathlib.Path(cubin_path).read_bytes()
+            except (OSError, ValueError) as err:  # unreadable or truncated: as a bad object file
+                raise ValueError(f"its cubin {cubin_path}: {err}") from err
         from cutlass.runtime import load_module
 
         fn = getattr(load_module(path, enable_tvm_ffi=True), _EXPORT_NAME)
+        if cubin is not None:
+            fn.__cubin__ = cubin
     except Exception as err:  # a corrupt or foreign file: recompile (and overwrite it)
         warnings.warn(f"lowprec: ignoring unreadable cached kernel {path} ({err}); recompiling",
                       RuntimeWarning, stacklevel=4)
         return None
-    cubin = path[:-2] + ".cubin"
-    if os.path.exists(cubin):
-        with open(cubin, "rb") as f:
-            fn.__cubin__ = f.read()  # for sass_of, as on a freshly compiled kernel
     log.debug("lowprec: loaded %s", path)
     return fn
 

@@ -58,7 +58,8 @@ def test_all_empty():
 def test_bad_inputs_are_named():
     q, k, v, cq, ck = _packed([5, 6], [5, 6])
     cases = [
-        (dict(cu_seqlens_q=cq.float()), "cu_seqlens_q: expected a 1-D int32"),
+        (dict(cu_seqlens_q=cq.float()), r"cu_seqlens_q: expected a 1-D int32/int64 tensor \[B \+ 1\], got torch.float"),
+        (dict(cu_seqlens_k=ck.short()), r"cu_seqlens_k: expected a 1-D int32/int64 tensor"),
         (dict(cu_seqlens_q=torch.tensor([0, 12, 11], dtype=torch.int32)), "cu_seqlens_q: must be non-decreasing"),
         (dict(cu_seqlens_q=torch.tensor([1, 3, 11], dtype=torch.int32)), "cu_seqlens_q: must start at 0"),
         (dict(cu_seqlens_k=torch.tensor([0, 5, 10], dtype=torch.int32)), "cu_seqlens_k: must start at 0 and end at"),
@@ -74,6 +75,9 @@ def test_bad_inputs_are_named():
         args.update(change)
         with pytest.raises(ValueError, match=message):
             attention_varlen(**args)
+    # what the message says is accepted is: int64 gives the int32 result
+    torch.testing.assert_close(attention_varlen(q, k, v, cq.long(), ck.long(), 6, 6),
+                               attention_varlen(q, k, v, cq, ck, 6, 6), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("sq", [1, 4, 16])

@@ -20,6 +20,14 @@ def test_arguments_and_defaults():
         decode.parse_args(["--model-modes", "graph"])
 
 
+def test_impls_has_help_and_is_in_the_usage_line(capsys):
+    with pytest.raises(SystemExit):
+        decode.parse_args(["--help"])
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps to the terminal width
+    assert "--impls IMPLS projection implementations, comma-separated (bf16, fp8-cublas," in text
+    assert "[--impls bf16,fp8-cublas,lowprec-fp8,lowprec-nvfp4]" in decode.__doc__  # the usage line
+
+
 def test_weight_bytes():
     n, k = 4096, 4096
     assert decode.weight_bytes("bf16", n, k) == 2 * n * k

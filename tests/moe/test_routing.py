@@ -132,6 +132,14 @@ def test_expert_capacity():
     assert expert_capacity(5, 1, 8, None) is None
 
 
+@pytest.mark.parametrize(("args", "name"), [((10, 1, 0, 1.0), "num_experts"), ((10, 1, 0, None), "num_experts"),
+                                            ((10, 1, 4.0, 1.0), "num_experts"), ((10, 1, True, 1.0), "num_experts"),
+                                            ((10, 0, 4, 1.0), "top_k"), ((-1, 1, 4, 1.0), "num_tokens")])
+def test_expert_capacity_rejects_bad_sizes(args, name):
+    with pytest.raises(ValueError, match=f"{name}: expected an int"):  # not a bare ZeroDivisionError
+        expert_capacity(*args)
+
+
 @pytest.mark.parametrize("score_func", ["softmax", "sigmoid"])
 @pytest.mark.parametrize("renormalize", [True, False])
 def test_select_experts(score_func, renormalize):

@@ -296,6 +296,22 @@ def test_module_casts_move_the_bias_with_the_cast():
     assert layer(torch.randn(2, 128, dtype=torch.float16)).dtype == torch.float16
 
 
+@pytest.mark.parametrize("cast, dtype", [(lambda m: m.half(), torch.float16), (lambda m: m.bfloat16(), torch.bfloat16),
+                                          (lambda m: m.to(torch.float16), torch.float16),
+                                          (lambda m: m.to("cpu", torch.bfloat16), torch.bfloat16),
+                                          (lambda m: m.to("cpu"), torch.float32)],
+                         ids=["half", "bfloat16", "to_dtype", "to_device_dtype", "to_device"])
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("cls", ["FP8InferenceLinear", "NVFP4InferenceLinear"])
+def test_module_casts_move_out_dtype_with_the_bias(cls, bias, cast, dtype):
+    """out_dtype is the bias's dtype and a dequantized weight's, after module casts too."""
+    layer = getattr(lowprec.nn, cls).from_linear(nn.Linear(128, 64, bias=bias))
+    assert layer.out_dtype == torch.float32
+    assert cast(layer) is layer and layer.out_dtype == dtype
+    assert layer.bias is None or layer.bias.dtype == dtype
+    assert layer.quantized_weight().dequantize().dtype == dtype
+
+
 def test_shared_modules_stay_shared():
     class Shared(nn.Module):
         def __init__(self):
@@ -491,6 +507,21 @@ def test_tensorwise_layers_take_an_empty_batch(cls):
     y = layer(x)
     y.sum().backward()
     assert y.shape == (0, 32) and x.grad.shape == (0, 64)
+
+
+@pytest.mark.parametrize("recipe", ["fp8_block", "fp8_block_wgrad16", "fp8_rowwise", "fp8_tensorwise"])
+@pytest.mark.parametrize("shape", [(4, 0), (2, 3, 0), (0,), (0, 0)])
+def test_fp8_linear_with_no_in_features_is_f_linear(recipe, shape):
+    """K = 0: F.linear gives zeros (+ bias); the gradients are zeros of the inputs' shapes."""
+    x, weight, bias = torch.randn(*shape), torch.randn(3, 0), torch.randn(3)
+    assert torch.equal(fp8_linear(x, weight, bias, recipe), F.linear(x, weight, bias))
+    assert torch.equal(fp8_linear(x, weight, None, recipe), F.linear(x, weight))
+    leaves = [t.clone().requires_grad_() for t in (x, weight, bias)]
+    y = fp8_linear(*leaves, recipe)
+    assert torch.equal(y, F.linear(x, weight, bias))
+    y.sum().backward()
+    assert leaves[0].grad.shape == x.shape and leaves[1].grad.shape == weight.shape
+    assert torch.equal(leaves[2].grad, torch.full((3,), float(y.numel() // 3)))
 
 
 def test_inference_layers_build_on_the_meta_device_and_load_with_assign():

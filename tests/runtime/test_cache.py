@@ -153,6 +153,42 @@ def test_unreadable_disk_entry_is_recompiled(tmp_path, monkeypatch, damage):
     assert again.loads == 1
 
 
+def _elf(section_headers_end: int) -> bytes:
+    """A 64-bit ELF header alone, whose (one) section header would end at ``section_headers_end``."""
+    head = bytearray(64)
+    head[:6] = b"\x7fELF\x02\x01"
+    head[40:48] = (section_headers_end - 64).to_bytes(8, "little")
+    head[58:60], head[60:62] = (64).to_bytes(2, "little"), (1).to_bytes(2, "little")
+    return bytes(head)
+
+
+@pytest.mark.parametrize("cubin", ["whole", "unreadable", "truncated"])
+def test_an_unreadable_cubin_is_recompiled_like_an_unreadable_object(tmp_path, monkeypatch, cubin):
+    """No kernel is compiled or linked: the linker is a stand-in."""
+    import types
+
+    monkeypatch.delenv("LOWPREC_DISK_CACHE", raising=False)
+    runtime = types.ModuleType("cutlass.runtime")
+    runtime.load_module = lambda path, enable_tvm_ffi: types.SimpleNamespace(lowprec_kernel=types.SimpleNamespace())
+    monkeypatch.setitem(sys.modules, "cutlass.runtime", runtime)
+    path = _entry(tmp_path)
+    path.write_bytes(_elf(64))
+    cubin_path = path.with_suffix(".cubin")
+    if cubin == "unreadable":  # exists, but open() fails (as without read permission)
+        cubin_path.mkdir()
+    else:
+        cubin_path.write_bytes(_elf(64) if cubin == "whole" else _elf(4096))
+    c = KernelCache(str(tmp_path))
+    compiled = types.SimpleNamespace()  # no export_to_c: kept in memory only
+    if cubin == "whole":
+        assert c.get("probe", {}, "sm_90a", lambda: pytest.fail("should load")).__cubin__ == _elf(64)
+        assert c.loads == 1
+        return
+    with pytest.warns(RuntimeWarning, match="unreadable cached kernel .*cubin"):
+        assert c.get("probe", {}, "sm_90a", lambda: compiled) is compiled
+    assert c.compiles == 1 and c.loads == 0
+
+
 def test_disk_write_is_atomic(tmp_path, monkeypatch):
     """The object file appears whole under its name or not at all: it is written to a temporary
     file beside it and renamed; a failed export leaves neither a partial entry nor a temporary."""

@@ -142,7 +142,7 @@ def _problem_unsupported(a, b, out_dtype, bias) -> str | None:
         return f"bias {bias.dtype} {tuple(bias.shape)} (the epilogue adds an FP32 or bf16 [N] bias)"
     m, k = a.shape[-2:]
     n = b.shape[-2]
-    if m == 0 or n == 0:
+    if m == 0 or n == 0 or k == 0:  # K = 0: no K tile for the kernel's loop; the reference gives zeros (+ bias)
         return "an empty problem"
     tile_k = GemmConfig(PAIR_FORMATS[pair]).tile_k
     if k % tile_k:

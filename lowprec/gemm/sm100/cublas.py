@@ -36,7 +36,7 @@ def cublas_unsupported(a, b, out_dtype, bias) -> str | None:
         return f"out_dtype {out_dtype}"
     m, k = a.shape
     n = b.shape[0]
-    if m == 0 or n == 0 or k % 128 or n % 16:
+    if m == 0 or n == 0 or k == 0 or k % 128 or n % 16:
         return f"M={m}, N={n}, K={k} (cuBLASLt block-scaled wants K a multiple of 128 and N of 16)"
     return None
 
