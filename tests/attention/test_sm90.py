@@ -655,3 +655,31 @@ def test_fused_call_is_the_composed_steps(monkeypatch, case, q_in_kernel):
     assert torch.equal(out, out_c) and torch.equal(lse, lse_c) and torch.equal(k_mean, x.k_mean)
     assert torch.equal(lowprec.attention(q, k, v, causal=causal, scale=0.1, quant="fp8"), out)
     assert torch.equal(interface.attention_fp8_qkv_op(q, k, v, causal, 0.1)[0], out)
+
+
+def _meta(*shape, dtype=torch.bfloat16):
+    return torch.empty(*shape, dtype=dtype, device="meta")
+
+
+def test_prepass_refuses_more_than_2_31_values():
+    """The pre-pass kernels read [rows, D] of a static stride D and an Int32 row count: the offset
+    row·D + col is 32-bit, so past 2^31 values it would wrap (a read before K)."""
+    from lowprec.attention.sm90 import config
+
+    k = _meta(1, 8, (1 << 21) + 128, 128)  # a 2M-token context, 8 KV heads of 128
+    assert config.prepass_k_unsupported(k) is not None and config.prepass_v_unsupported(k) is not None
+    assert config.qkv_unsupported(_meta(1, 64, 128, 128), k, k, False, 0.1) is not None
+    kv = _meta((1 << 21) + 128, 8, 128)  # packed [total, heads, D]
+    assert config.packed_prepass_unsupported(_meta(128, 64, 128), kv, kv) is not None
+    k = _meta(1, 8, 1 << 21, 128)  # exactly 2^31 values: the last offset is 2^31 - 1
+    assert config.prepass_k_unsupported(k) is None and config.prepass_v_unsupported(k) is None
+
+
+def test_prepass_refuses_more_than_65535_heads():
+    """The dense pre-pass grid is (cluster, B·H, 1): gridDim.y is at most 65535."""
+    from lowprec.attention.sm90 import config
+
+    k = _meta(8192, 8, 128, 128)  # B·Hkv = 65536 short sequences
+    assert config.prepass_k_unsupported(k) is not None and config.prepass_v_unsupported(k) is not None
+    assert config.qkv_unsupported(_meta(8192, 8, 128, 128), k, k, False, 0.1) is not None
+    assert config.prepass_k_unsupported(_meta(8191, 8, 128, 128)) is None

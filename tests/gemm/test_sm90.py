@@ -623,3 +623,18 @@ def test_k_major_copies_only_what_the_kernel_cannot_read():
         assert out.is_contiguous() and out.data_ptr() % 16 == 0 and torch.equal(out, strided)
     one_row = codes[3:4, 16:]
     assert _k_major(one_row).data_ptr() == one_row.data_ptr()  # M = 1: no row stride to align
+
+
+def test_linear_inference_constraint_checks_the_weight_scale():
+    """The one-pass inference kernel gives B's scale grid its own row count: a grid shorter than N's
+    128-row blocks would be read past its end (zeros: silently zero columns). Refused, with a non-FP32 one."""
+    from lowprec.gemm.sm90 import config
+
+    def args(scale):
+        x = torch.randn(4, 256, dtype=torch.bfloat16)
+        w = torch.zeros(256, 256, dtype=torch.float8_e4m3fn)
+        return x, w, scale, "fp8_block128x128", "fp8_block1x128", None, torch.bfloat16
+
+    assert config.linear_inference_unsupported(*args(torch.ones(1, 2))) is not None  # N = 256 needs 2 rows
+    assert config.linear_inference_unsupported(*args(torch.ones(2, 2, dtype=torch.float64))) is not None
+    assert config.linear_inference_unsupported(*args(torch.ones(2, 2))) is None

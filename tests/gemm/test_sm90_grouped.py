@@ -385,3 +385,32 @@ def test_wgrad_argument_errors(case, match):
         ends = torch.zeros(0, dtype=torch.int32)
     with pytest.raises(ValueError, match=match):
         grouped_gemm_wgrad_fp8(a, sa, b, sb, ends)
+
+
+def _zeros_q(shape, recipe):
+    import lowprec
+
+    return lowprec.quantize(torch.zeros(*shape), recipe)
+
+
+def test_grouped_and_wgrad_constraints_refuse_empty_dimensions():
+    """0 passes % 16, but the launchers refuse empty N, K, E (E = 0 divided by zero): the registry
+    warned 'kernel failed' and fell back instead of taking the reference at once."""
+    from lowprec.gemm.sm90 import config
+
+    ends = torch.tensor([32, 64], dtype=torch.int32)
+    a, w = _zeros_q((64, 256), "fp8_block1x128"), _zeros_q((2, 128, 256), "fp8_block128x128")
+    assert config.grouped_unsupported(a, _zeros_q((2, 0, 256), "fp8_block128x128"), torch.bfloat16, ends, None)
+    assert config.grouped_unsupported(_zeros_q((64, 0), "fp8_block1x128"), _zeros_q((2, 128, 0), "fp8_block128x128"),
+                                      torch.bfloat16, ends, None)
+    assert config.grouped_unsupported(a, _zeros_q((0, 128, 256), "fp8_block128x128"), torch.bfloat16,
+                                      torch.zeros(0, dtype=torch.int32), None)
+    assert config.grouped_unsupported(a, w, torch.bfloat16, ends, None) is None
+    ends = torch.tensor([128, 256], dtype=torch.int32)
+    b = _zeros_q((32, 256), "fp8_block1x128")
+    assert config.wgrad_unsupported(_zeros_q((0, 256), "fp8_block1x128"), b, ends, torch.float32)
+    assert config.wgrad_unsupported(a, _zeros_q((0, 256), "fp8_block1x128"), ends, torch.float32)
+    assert config.wgrad_unsupported(_zeros_q((64, 0), "fp8_block1x128"), _zeros_q((32, 0), "fp8_block1x128"),
+                                    torch.zeros(1, dtype=torch.int32), torch.float32)
+    assert config.wgrad_unsupported(a, b, torch.zeros(0, dtype=torch.int32), torch.float32)
+    assert config.wgrad_unsupported(a, b, ends, torch.float32) is None

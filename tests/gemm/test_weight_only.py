@@ -681,3 +681,16 @@ def test_pack_nvfp4_puts_a_host_global_scale_with_the_weight():
     x = torch.randn(4, 512, device="cuda", dtype=torch.bfloat16)
     on_device = pack_nvfp4(q.data, q.scale, q.global_scale)
     assert torch.equal(weight_only_nvfp4(x, packed, None), weight_only_nvfp4(x, on_device, None))
+
+
+def test_constraint_refuses_k_not_a_multiple_of_8():
+    """The kernels are compiled for x's K in multiples of 8: an FP8 weight of K = 12 with x a view
+    of 16-wide rows (row stride 16, so the stride and alignment checks pass) takes the reference."""
+    from lowprec.gemm.sm90.config import weight_only_unsupported
+
+    q = quantize(torch.randn(64, 12), "fp8_block128x128")
+    packed = pack_fp8(q.data, q.scale)
+    x = torch.randn(4, 16, dtype=torch.bfloat16)[:, :12]
+    assert "multiples of 8" in weight_only_unsupported(x, packed, None)
+    q = quantize(torch.randn(64, 16), "fp8_block128x128")
+    assert weight_only_unsupported(torch.randn(4, 16, dtype=torch.bfloat16), pack_fp8(q.data, q.scale), None) is None

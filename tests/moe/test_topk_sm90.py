@@ -75,3 +75,9 @@ def test_select_experts_runs_the_kernel(monkeypatch):
         torch.cuda.set_sync_debug_mode("default")
     assert torch.equal(ids.cpu(), expected[1])
     torch.testing.assert_close(weights.cpu(), expected[0])
+
+
+def test_topk_refuses_more_than_2_31_scores():
+    """The kernel reads [T, E] of a static row stride E with an Int32 row count: row·E + e is 32-bit."""
+    assert topk_unsupported(torch.empty((1 << 23) + 1, 256, device="meta"), 8) is not None
+    assert topk_unsupported(torch.empty(1 << 23, 256, device="meta"), 8) is None

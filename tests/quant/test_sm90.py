@@ -231,3 +231,20 @@ def test_128x128_batch_with_partial_row_blocks_takes_the_reference(monkeypatch):
     out = lowprec.quantize(x, "fp8_block128x128")
     monkeypatch.setenv("LOWPREC_BACKEND", "reference")
     _same(out, lowprec.quantize(x, "fp8_block128x128"))
+
+
+def test_grids_past_65535_column_blocks_are_refused():
+    """The 128x128 kernels' grid is (row blocks, ceil(cols / 128)), the gathering kernel's (token
+    blocks, ceil(C / 128)): gridDim.y is at most 65535."""
+    from lowprec.quant.sm90 import config
+
+    def meta(*shape):
+        return torch.empty(*shape, dtype=torch.bfloat16, device="meta")
+
+    r = lowprec.get_recipe("fp8_block128x128")
+    assert config.quantize_unsupported(meta(16, 65535 * 128 + 16), r) is not None
+    assert config.transpose_unsupported(meta(16, 65535 * 128 + 16), r) is not None
+    assert config.quantize_unsupported(meta(16, 65535 * 128), r) is None
+    r, sources = lowprec.get_recipe("fp8_block1x128"), torch.zeros(128, dtype=torch.int32)
+    assert config.gathered_unsupported(meta(64, 65535 * 128 + 16), r, sources) is not None
+    assert config.gathered_unsupported(meta(64, 65535 * 128), r, sources) is None

@@ -114,6 +114,14 @@ def linear_inference_unsupported(x, weight, weight_scale, weight_recipe: str, ac
         return f"recipes {activation_recipe} x {weight_recipe} (the one-pass path takes fp8_block)"
     if x.shape[0] == 0:
         return "M=0: nothing to compute"
+    if weight.dtype != torch.float8_e4m3fn or weight.dim() != 2 or x.dim() != 2 or x.shape[-1] != weight.shape[1]:
+        return f"weight {weight.dtype} {tuple(weight.shape)} for x {tuple(x.shape)} (expected float8_e4m3fn [N, K])"
+    # the kernel's B scales have their own row count (build_kernel: sym_sb_rows): a grid of fewer rows
+    # than N's 128-row blocks would be read past its end by TMA (zeros: silently zero output columns)
+    n, k = weight.shape
+    if weight_scale.dtype != torch.float32 or tuple(weight_scale.shape) != (-(-n // SCALE_BLOCK), -(-k // SCALE_BLOCK)):
+        return (f"weight_scale {weight_scale.dtype} {tuple(weight_scale.shape)} (expected float32 "
+                f"[{-(-n // SCALE_BLOCK)}, {-(-k // SCALE_BLOCK)}]: the weight's 128x128 blocks)")
     why = rows_unsupported(x)
     return f"x: {why}" if why else _dense_unsupported(x.shape[0], *weight.shape, out_dtype, bias)
 
@@ -125,7 +133,10 @@ def grouped_unsupported(a, b, out_dtype, group_ends, masked_counts) -> str | Non
                 "and fp8_block128x128 weights")
     if _dtype_name(out_dtype) not in OUT_DTYPES:
         return f"out_dtype {out_dtype}"
-    return _mn_unsupported(N=b.shape[1], K=b.shape[2])
+    e, n, k = b.shape
+    if e == 0 or n == 0 or k == 0:  # the launcher refuses them (interface._validate_grouped), E = 0 divides by zero
+        return f"E={e}, N={n}, K={k}: an empty dimension"
+    return _mn_unsupported(N=n, K=k)
 
 
 def wgrad_unsupported(a, b, group_ends, out_dtype) -> str | None:
@@ -134,6 +145,10 @@ def wgrad_unsupported(a, b, group_ends, out_dtype) -> str | None:
         return f"recipes {a.recipe.name} x {b.recipe.name}; the kernel takes fp8_block1x128 operands"
     if a.shape[0] % WGRAD_N_MULTIPLE:
         return f"a rows {a.shape[0]} must be a multiple of {WGRAD_N_MULTIPLE}"
+    if a.shape[0] == 0 or b.shape[0] == 0 or a.shape[1] == 0 or group_ends.numel() == 0:
+        # the launcher refuses them (interface.grouped_gemm_wgrad_fp8: positive N, P, K and a group)
+        return (f"N={a.shape[0]}, P={b.shape[0]}, K={a.shape[1]}, E={group_ends.numel()}: "
+                "an empty dimension")
     if _dtype_name(out_dtype) not in OUT_DTYPES:
         return f"out_dtype {out_dtype}"
     return _mn_unsupported(P=b.shape[0], K=a.shape[1])
@@ -150,6 +165,8 @@ def _weight_only_x_unsupported(x, packed, rows: str) -> str | None:
         return f"x shape {tuple(x.shape)} (expected [{rows}, {packed.k}])"
     if x.shape[0] == 0 or packed.k == 0:
         return f"{rows}={x.shape[0]}, K={packed.k}: nothing to compute (the kernel's loop needs a chunk)"
+    if packed.k % 8:  # the kernels are compiled for x's K in multiples of 8 (16-byte rows)
+        return f"K={packed.k}: the kernel takes K in multiples of 8"
     if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
         return "x: the kernel's TMA needs unit stride along K and 16-byte aligned rows"
     return None
