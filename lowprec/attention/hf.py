@@ -108,6 +108,9 @@ def transformers_attention_forward(module: torch.nn.Module, query: torch.Tensor,
         return _attend_fp8_cache(cache, module, query, attention_mask, dropout, scaling, is_causal, kwargs)
     why = _sdpa_reason(module, query, key, value, attention_mask, dropout, kwargs)
     if why is not None:
+        if kwargs.get("softcap") is not None:  # sdpa refuses a softcap: the model's own eager attention computes it
+            return _eager_with_softcap(module, query, key, value, attention_mask, dropout, scaling, is_causal,
+                                       kwargs)
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         warn_once(f"lowprec: attn_implementation={ATTENTION_IMPLEMENTATION!r}: {why}; those calls run 'sdpa'")
@@ -115,6 +118,28 @@ def transformers_attention_forward(module: torch.nn.Module, query: torch.Tensor,
                                       is_causal=is_causal, **kwargs)
     out = attention(query, key, value, causal=_causal(module, is_causal, query), scale=scaling, quant="fp8")
     return out.transpose(1, 2).contiguous(), None
+
+
+def _eager_with_softcap(module, query, key, value, attention_mask, dropout, scaling, is_causal, kwargs):
+    """A call with a logit softcap (Gemma 2): transformers' ``sdpa`` refuses it, so it runs the
+    ``eager_attention_forward`` of the module's own modeling file (which applies it), or raises."""
+    import sys
+
+    eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+    if eager is None:
+        raise ValueError(f"softcap: attn_implementation={ATTENTION_IMPLEMENTATION!r} computes no logit softcap and "
+                         f"found no eager attention for {type(module).__name__}; use 'eager'")
+    warn_once(f"lowprec: attn_implementation={ATTENTION_IMPLEMENTATION!r}: a logit softcap; those calls run the "
+              "model's 'eager' attention ('sdpa' does not apply a softcap)")
+    # the masks are sdpa's (None for plain causal, else boolean: True attends); eager adds a float mask
+    q_len, kv_len = query.shape[2], key.shape[2]
+    if attention_mask is None and _causal(module, is_causal, query):
+        attention_mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=query.device).tril(kv_len - q_len)
+    if attention_mask is not None and attention_mask.dtype == torch.bool:
+        attention_mask = torch.zeros(attention_mask.shape, dtype=query.dtype, device=query.device).masked_fill(
+            ~attention_mask, torch.finfo(query.dtype).min)
+        attention_mask = attention_mask.expand(*(1,) * (4 - attention_mask.dim()), *attention_mask.shape)
+    return eager(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
 
 
 # what neither the FP8 forward nor transformers' sdpa computes, and models pass only to attention
@@ -156,8 +181,10 @@ def _attend_fp8_cache(cache: FP8KVCache, module, query, attention_mask, dropout,
         return out.transpose(1, 2).contiguous(), None
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    warn_once(f"lowprec: fp8_cache: calls with {why} attend over the cache dequantized, with 'sdpa'")
     key, value = cache.dequantize()
+    if kwargs.get("softcap") is not None:
+        return _eager_with_softcap(module, query, key, value, attention_mask, dropout, scaling, is_causal, kwargs)
+    warn_once(f"lowprec: fp8_cache: calls with {why} attend over the cache dequantized, with 'sdpa'")
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                   is_causal=is_causal, **kwargs)
 

@@ -219,9 +219,14 @@ class FP8InferenceMoE(QuantizedBuffersModule):
 
     @classmethod
     def from_moe(cls, moe: MoE) -> FP8InferenceMoE:
-        """Quantize ``moe``'s expert weights once (128x128 blocks); the router is copied."""
+        """Quantize ``moe``'s expert weights once (128x128 blocks); the router is copied. A
+        meta-device ``moe`` gives a meta-device layer (values to come from ``load_state_dict(...,
+        assign=True)``)."""
         if not isinstance(moe, MoE):
             raise TypeError(f"moe: expected a lowprec.moe.MoE, got {type(moe).__name__}")
+        if moe.w1.is_meta or moe.w2.is_meta:  # a skeleton: no values to quantize
+            return cls(moe.hidden_size, moe.ffn_size, moe.num_experts, moe.top_k, moe.capacity_factor, moe.activation,
+                       moe.score_func, moe.renormalize, moe.drop_policy, device="meta", dtype=moe.router.weight.dtype)
         layer = cls.__new__(cls)
         nn.Module.__init__(layer)
         _set_config(layer, moe.hidden_size, moe.ffn_size, moe.num_experts, moe.top_k, moe.capacity_factor,

@@ -80,7 +80,8 @@ class NVFP4InferenceMoE(QuantizedBuffersModule):
     @classmethod
     def from_moe(cls, moe: nn.Module) -> NVFP4InferenceMoE:
         """Quantize ``moe``'s expert weights to NVFP4 once (a :class:`~lowprec.moe.MoE`); the router
-        is copied."""
+        is copied. A meta-device ``moe`` gives a meta-device layer (values to come from
+        ``load_state_dict(..., assign=True)``)."""
         from .layer import MoE
 
         if not isinstance(moe, MoE):
@@ -88,6 +89,8 @@ class NVFP4InferenceMoE(QuantizedBuffersModule):
         layer = cls(moe.hidden_size, moe.ffn_size, moe.num_experts, moe.top_k, moe.capacity_factor, moe.activation,
                     moe.score_func, moe.renormalize, moe.drop_policy, moe.router.weight.device,
                     moe.router.weight.dtype)
+        if moe.w1.is_meta or moe.w2.is_meta:  # a skeleton: no values to quantize
+            return layer
         with torch.no_grad():
             layer.router.weight.copy_(moe.router.weight)
             for name in _PROJECTIONS:
@@ -142,6 +145,9 @@ class NVFP4InferenceMoE(QuantizedBuffersModule):
                     weight_scale_2: torch.Tensor) -> None:
         """Take projection ``name``'s (``"w1"`` or ``"w2"``) NVFP4 tensors in ModelOpt's layout,
         stacked over the experts (validated by the packing), on the layer's device."""
+        self._set_weights(name, weight, weight_scale, weight_scale_2, self.w1_packed.device)
+
+    def _set_weights(self, name, weight, weight_scale, weight_scale_2, device) -> None:
         if name not in _PROJECTIONS:
             raise ValueError(f"name: expected one of {_PROJECTIONS}, got {name!r}")
         rows, cols = self._shapes()[_PROJECTIONS.index(name)]
@@ -152,7 +158,6 @@ class NVFP4InferenceMoE(QuantizedBuffersModule):
             if not isinstance(t, torch.Tensor) or t.dtype != dtype or tuple(t.shape) != shape:
                 raise ValueError(f"{key}: expected {dtype} {shape}, got {getattr(t, 'dtype', type(t))} "
                                  f"{tuple(getattr(t, 'shape', ()))}")
-        device = self.w1_packed.device
         packed = pack_nvfp4_experts(weight.to(device), weight_scale.to(device), weight_scale_2.to(device))
         setattr(self, f"{name}_packed", packed.data)
         setattr(self, f"{name}_scale_2", packed.global_scale)
@@ -216,8 +221,14 @@ class NVFP4InferenceMoE(QuantizedBuffersModule):
                                         if t is None)
                 continue
             global_scale = state_dict.get(prefix + f"{name}_scale_2", getattr(self, f"{name}_scale_2"))
+            if local_metadata.get("assign_to_params_buffers", False):  # assign=True: the checkpoint's device
+                device = weight.device
+            elif self.w1_packed.is_meta:  # as torch's load into a meta module without assign: nothing to copy into
+                continue
+            else:
+                device = self.w1_packed.device
             try:
-                self.set_weights(name, weight, weight_scale, global_scale.float())
+                self._set_weights(name, weight, weight_scale, global_scale.float(), device)
             except ValueError as err:
                 error_msgs.append(f"{prefix}{err}")
 

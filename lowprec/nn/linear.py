@@ -320,6 +320,9 @@ def convert(model: nn.Module, recipe: str | None = None, filter_fn: Callable[[st
         return FP8SwiGLUMLP.from_mlp(model, recipe)
     fused = _fuse_mlps(model, fuse, filter_fn, min_weight_numel, recipe)
     kept: list[str] = []
+    # transformers models name the layers they read in high precision (T5's ``wo``: its MLP casts its
+    # input to ``wo.weight.dtype``, which an inference layer's FP8 / NVFP4 codes cannot take)
+    high_precision = _keep_in_fp32_names(model) if inference else []
     done: dict[int, nn.Module] = {}  # id(module) -> what it became: shared modules stay shared
     for parent_name, parent in list(model.named_modules()):
         # the router is read as a weight, in FP32; fused MLPs read their layers' weights
@@ -331,6 +334,10 @@ def convert(model: nn.Module, recipe: str | None = None, filter_fn: Callable[[st
             if id(child) not in done:
                 name = f"{parent_name}.{child_name}" if parent_name else child_name
                 keep = filter_fn is not None and not filter_fn(name, child)
+                if not keep and type(child) is nn.Linear and _named_in(name, high_precision):
+                    log.warning("lowprec.convert: keeping %s as nn.Linear: the model keeps it in high precision "
+                                "(_keep_in_fp32_modules)", name)
+                    keep = True
                 done[id(child)] = child if keep else _converted(child, name, recipe, inference, min_weight_numel,
                                                                  kept)
             setattr(parent, child_name, done[id(child)])
@@ -340,6 +347,24 @@ def convert(model: nn.Module, recipe: str | None = None, filter_fn: Callable[[st
              "their dtype (fewer than %d weights)%s", fused, converted, moes, len(kept), min_weight_numel,
              (": " + ", ".join(kept)) if kept else "")
     return model
+
+
+def _keep_in_fp32_names(model: nn.Module) -> set[str]:
+    """What the transformers models in ``model`` keep in FP32 (their ``_keep_in_fp32_modules`` and
+    ``_keep_in_fp32_modules_strict``: module or parameter names, such as ``"wo"`` or ``"gate.weight"``)."""
+    names = set()
+    for module in model.modules():
+        for attr in ("_keep_in_fp32_modules", "_keep_in_fp32_modules_strict"):
+            entries = getattr(module, attr, None)
+            if isinstance(entries, (list, tuple, set)):
+                names.update(e for e in entries if isinstance(e, str) and e)
+    return names
+
+
+def _named_in(name: str, patterns: set[str]) -> bool:
+    """A pattern names the layer ``name`` or its weight, by whole dotted components."""
+    full = f".{name}.weight."
+    return any(f".{p}." in full for p in patterns)
 
 
 def _mlp_accepted(name: str, mlp: nn.Module, filter_fn: Callable[[str, nn.Module], bool]) -> bool:

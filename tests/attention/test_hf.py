@@ -245,3 +245,34 @@ def test_sparse_selections_and_sinks_are_refused_not_dropped(name, value, masked
     mask = torch.ones(32, 32, dtype=torch.bool).tril()[None, None] if masked else None
     with pytest.raises(ValueError, match=name):
         transformers_attention_forward(_Attention(), q, k, v, mask, **{name: value})
+
+
+def _gemma2(transformers):
+    cfg = transformers.Gemma2Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=16,
+                                    max_position_embeddings=128)
+    torch.manual_seed(0)
+    return transformers.Gemma2ForCausalLM(cfg).eval()
+
+
+def test_softcap_calls_compute_the_softcap():
+    from lowprec.attention import fp8_cache
+
+    transformers = pytest.importorskip("transformers", minversion="5.0")
+    ref = _gemma2(transformers)  # eager: transformers' only implementation with a softcap
+    assert ref.config.attn_logit_softcapping
+    model = _gemma2(transformers)
+    model.set_attn_implementation(register_transformers_attention())
+    ids = torch.randint(0, 128, (2, 32))
+    mask = torch.ones(2, 32, dtype=torch.long)
+    mask[0, :5] = 0
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        for n in (8, 32):  # plain causal (no mask), and the sliding window's mask
+            torch.testing.assert_close(model(input_ids=ids[:, :n]).logits, ref(input_ids=ids[:, :n]).logits)
+        out, exp = model(input_ids=ids, attention_mask=mask).logits, ref(input_ids=ids, attention_mask=mask).logits
+        torch.testing.assert_close(out[0, 5:], exp[0, 5:])
+        torch.testing.assert_close(out[1], exp[1])
+        expected = ref.generate(ids[:, :8], max_new_tokens=4, do_sample=False)
+        assert torch.equal(model.generate(ids[:, :8], max_new_tokens=4, do_sample=False), expected)
+        model.generate(ids[:, :8], max_new_tokens=4, do_sample=False, past_key_values=fp8_cache(64))

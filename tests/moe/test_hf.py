@@ -398,3 +398,49 @@ def test_blocks_of_a_model_recording_router_logits_stay_as_they_are():
     out = model(ids, labels=ids)
     torch.testing.assert_close(out.aux_loss, expected.aux_loss)
     torch.testing.assert_close(out.loss, expected.loss)
+
+
+class _MetaModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(64, 64)
+        self.moe = MoE(64, 32, num_experts=4, top_k=2)
+
+    def forward(self, x):
+        return self.moe(self.proj(x))
+
+
+@pytest.mark.parametrize("recipe", ["fp8_block", "nvfp4"])
+def test_meta_skeleton_with_moe_converts_and_loads_with_assign(recipe):
+    torch.manual_seed(0)
+    trained = lowprec.convert(_MetaModel(), recipe, inference=True)
+    with torch.device("meta"):
+        skeleton = _MetaModel()
+    lowprec.convert(skeleton, recipe, inference=True)  # crashed: Tensor.item() cannot be called on meta tensors
+    assert type(skeleton.moe) is type(trained.moe)
+    skeleton.load_state_dict(trained.state_dict(), assign=True)
+    assert not any(t.is_meta for t in list(skeleton.parameters()) + list(skeleton.buffers()))
+    x = torch.randn(8, 64)
+    with torch.no_grad():
+        assert torch.equal(skeleton(x), trained(x))
+
+
+@pytest.mark.parametrize("recipe", ["fp8_block", "nvfp4"])
+def test_meta_transformers_mixtral_converts_and_loads_with_assign(recipe):
+    transformers = pytest.importorskip("transformers", minversion="5.0")
+    cfg = transformers.MixtralConfig(vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
+                                     num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                                     num_experts_per_tok=2)
+    torch.manual_seed(0)
+    trained = lowprec.convert(transformers.MixtralForCausalLM(cfg).eval(), recipe, inference=True)
+    with torch.device("meta"):
+        skeleton = transformers.MixtralForCausalLM(cfg).eval()
+    lowprec.convert(skeleton, recipe, inference=True)
+    skeleton.load_state_dict(trained.state_dict(), assign=True)
+    for name, b in trained.named_buffers():  # non-persistent buffers (rotary) are not in the state dict
+        if skeleton.get_buffer(name).is_meta:
+            mod, _, leaf = name.rpartition(".")
+            skeleton.get_submodule(mod)._buffers[leaf] = b.clone()
+    ids = torch.randint(0, 128, (2, 16))
+    with torch.no_grad():
+        assert torch.equal(skeleton(input_ids=ids).logits, trained(input_ids=ids).logits)

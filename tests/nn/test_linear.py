@@ -604,3 +604,31 @@ def test_state_dict_holds_master_weights_after_converting_again(recipe, tmp_path
     assert not any(isinstance(v, FP8AllGatherWeight) for v in sd.values())
     lowprec.save(sd, tmp_path / "m.safetensors")
     assert torch.equal(lowprec.load(tmp_path / "m.safetensors")["0.weight"], model[0].weight.hp)
+
+
+@pytest.mark.parametrize("recipe", ["fp8_block", "nvfp4"])
+def test_t5_converted_for_inference_runs_and_generates(recipe, caplog):
+    transformers = pytest.importorskip("transformers", minversion="5.0")
+    cfg = transformers.T5Config(vocab_size=128, d_model=64, d_kv=16, d_ff=128, num_layers=1, num_heads=4,
+                                decoder_start_token_id=0)
+    torch.manual_seed(0)
+    ref = transformers.T5ForConditionalGeneration(cfg).eval().to(torch.bfloat16)
+    model = transformers.T5ForConditionalGeneration(cfg).eval().to(torch.bfloat16)
+    model.load_state_dict(ref.state_dict())
+    with caplog.at_level("INFO", logger="lowprec"):
+        lowprec.convert(model, recipe, inference=True)
+    assert "DenseReluDense.wo" in caplog.text  # the kept layers are named
+    ids = torch.randint(1, 128, (2, 16))
+    with torch.no_grad():
+        out = model(input_ids=ids, decoder_input_ids=ids).logits.float()  # TypeError before
+        exp = ref(input_ids=ids, decoder_input_ids=ids).logits.float()
+        assert torch.nn.functional.cosine_similarity(out.flatten(), exp.flatten(), dim=0) > 0.98
+        model.generate(input_ids=ids, max_new_tokens=3, do_sample=False)
+
+
+def test_training_conversion_still_converts_wo():
+    transformers = pytest.importorskip("transformers", minversion="5.0")
+    cfg = transformers.T5Config(vocab_size=128, d_model=64, d_kv=16, d_ff=128, num_layers=1, num_heads=4,
+                                decoder_start_token_id=0)
+    model = lowprec.convert(transformers.T5ForConditionalGeneration(cfg), min_weight_numel=0)
+    assert isinstance(model.encoder.block[0].layer[1].DenseReluDense.wo, lowprec.nn.FP8Linear)
