@@ -226,8 +226,8 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
                        lse: torch.Tensor, causal: bool, scale: float
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Exact-attention gradients from a forward's ``out`` and natural-log ``lse`` [B, H, Sq]."""
-    if q.shape[-2] == 0 or k.shape[-2] == 0:
-        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    if q.shape[-2] == 0 or k.shape[-2] == 0:  # contiguous, as every other path (and the fake) returns them
+        return q.new_zeros(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape)
     if _flash_ok(q, k, v):
         if _cudnn_ok(q, k, causal):
             try:
@@ -245,7 +245,9 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
 
 @attention_backward.register_fake
 def _(dout, q, k, v, out, lse, causal, scale):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    # contiguous whatever the inputs' strides (transformers passes transposed views): the cuDNN /
+    # flash paths return .contiguous() and the reference returns fresh matmul results
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 # --- exact attention on CUDA: PyTorch's fused kernels ---------------------------------------------

@@ -148,7 +148,7 @@ def _flash_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, ca
 
 
 def _reference_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, causal, scale):
-    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    dq, dk, dv = q.new_zeros(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape)  # contiguous, as the flash path's
     cq, ck = cu_q.tolist(), cu_k.tolist()
     for i in range(cu_q.numel() - 1):
         rq, rk = slice(cq[i], cq[i + 1]), slice(ck[i], ck[i + 1])
@@ -179,4 +179,4 @@ def attention_varlen_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tens
 
 @attention_varlen_backward.register_fake
 def _(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)  # contiguous, as both real paths

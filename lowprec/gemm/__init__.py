@@ -45,7 +45,8 @@ def gemm(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype = torch.
         a: quantized ``[M, K]``.
         b: quantized ``[N, K]`` (row-major weights, as ``nn.Linear.weight``).
         out_dtype: bfloat16 (default), float16 or float32.
-        bias: optional ``[N]`` tensor added before the cast.
+        bias: optional ``[N]`` tensor added before the cast; the only differentiable input (its
+            gradient is the output gradient summed over rows; the quantized operands get none).
     """
     _check_operand("a", a, 2)
     _check_operand("b", b, 2)
@@ -58,9 +59,26 @@ def gemm(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype = torch.
             raise ValueError(f"bias: on {bias.device}, but a is on {a.device}")
     if not torch.compiler.is_compiling():
         # eager: the op's dispatch (tens of µs per call) buys nothing outside a traced graph
+        if bias is not None and bias.requires_grad and torch.is_grad_enabled():  # a kernel's output has no graph
+            return _BiasGrad.apply(a, b, out_dtype, bias)
         return gemm_dispatch(a, b, out_dtype, bias)
     return gemm_op(a.data, a.scale, a.global_scale, a.recipe.spec(),
                    b.data, b.scale, b.global_scale, b.recipe.spec(), a.shape[1], bias, out_dtype)
+
+
+class _BiasGrad(torch.autograd.Function):
+    """The eager GEMM with a bias that requires grad: the kernel (or the reference) computes the
+    output; the bias's gradient is the output gradient summed over rows (as the op's compiled
+    form, ``ops.gemm_op``, registers it)."""
+
+    @staticmethod
+    def forward(ctx, a, b, out_dtype, bias):
+        ctx.bias_dtype = bias.dtype
+        return gemm_dispatch(a, b, out_dtype, bias.detach())
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None, None, None, grad.float().sum(0).to(ctx.bias_dtype)
 
 
 @eager_under_compile

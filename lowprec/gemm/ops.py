@@ -53,6 +53,23 @@ def _(a_data, a_scale, a_global, a_recipe, b_data, b_scale, b_global, b_recipe, 
     return a_data.new_empty((a_data.shape[0], b_data.shape[0]), dtype=out_dtype)
 
 
+def _gemm_setup_context(ctx, inputs, output):
+    bias = inputs[9]
+    ctx.bias_dtype = None if bias is None else bias.dtype
+
+
+def _gemm_backward(ctx, grad):
+    """The bias's gradient, as the eager reference's autograd gives it (``d + bias`` in FP32, then
+    the cast to ``out_dtype``); the quantized operands' codes and scales carry none."""
+    db = None
+    if ctx.bias_dtype is not None and ctx.needs_input_grad[9]:
+        db = grad.float().sum(0).to(ctx.bias_dtype)
+    return None, None, None, None, None, None, None, None, None, db, None
+
+
+gemm_op.register_autograd(_gemm_backward, setup_context=_gemm_setup_context)
+
+
 def weight_only(x: torch.Tensor, packed: PackedNVFP4 | PackedFP8 | None,
                 weight: QuantizedTensor | Callable[[], QuantizedTensor], bias: torch.Tensor | None) -> torch.Tensor:
     """``x [M, K] · dequant(W)ᵀ (+ bias)`` in ``x``'s dtype, ``x`` not quantized: the weight-only

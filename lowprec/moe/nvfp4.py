@@ -302,4 +302,4 @@ def nvfp4_moe_layer(tokens: torch.Tensor, router_weight: torch.Tensor, w1_packed
 @nvfp4_moe_layer.register_fake
 def _(tokens, router_weight, w1_packed, w1_scale_2, w2_packed, w2_scale_2, ffn_size, top_k, score_func, renormalize,
       capacity_factor, drop_policy, activation):
-    return torch.empty_like(tokens)
+    return tokens.new_empty(tokens.shape)  # contiguous, as the combine writes it (tokens may be a transposed view)

@@ -113,7 +113,7 @@ def quantize_dual(x: torch.Tensor, recipe: str | ScaleRecipe = "fp8_block1x128",
     if not isinstance(x, torch.Tensor) or x.dim() < 2 or x.dtype not in _FLOAT_DTYPES:
         raise ValueError(f"x: expected a float tensor with ≥ 2 dims, got "
                          f"{getattr(x, 'dtype', type(x).__name__)} {tuple(getattr(x, 'shape', ()))}")
-    if r_t.element != r.element:
+    if r_t.elem_format != r.elem_format:
         raise ValueError(f"recipe_t: expected the element format of recipe {r.name!r} ({r.element}), "
                          f"got {r_t.name!r} ({r_t.element})")
     x2 = x.detach().flatten(0, -2)  # [T, K]; reshape(-1, K) cannot infer T when K is 0

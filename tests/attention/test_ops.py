@@ -287,3 +287,20 @@ def test_compiled_kv_cache_call_keeps_the_forward_op():
     compiled = torch.compile(lambda q: lowprec.attention(q, k_q, v_q, causal=True, quant="fp8"), backend=backend)
     assert torch.equal(compiled(q), lowprec.attention(q, k_q, v_q, causal=True, quant="fp8"))
     assert any("lowprec.attention_fp8_forward" in code for code in graphs)
+
+
+def _transposed(*shape):
+    return torch.randn(shape[0], shape[2], shape[1], shape[3]).transpose(1, 2)
+
+
+def test_attention_backward_fake_strides_of_transposed_inputs():
+    q, k, v = _transposed(1, 2, 20, 32), _transposed(1, 1, 30, 32), _transposed(1, 1, 30, 32)
+    assert not q.is_contiguous()
+    out, lse = lowprec.attention(q, k, v, causal=True, quant="fp8", return_lse=True)
+    args = (torch.randn_like(out), q, k, v, out, lse, True, 0.2)
+    torch.library.opcheck(torch.ops.lowprec.attention_backward.default, args,
+                          test_utils=("test_faketensor", "test_aot_dispatch_dynamic"))
+    real = torch.ops.lowprec.attention_backward.default(*args)
+    assert all(g.is_contiguous() for g in real)
+    empty = (torch.randn_like(out[..., :0, :]), q[..., :0, :], k, v, out[..., :0, :], lse[..., :0], True, 0.2)
+    assert all(g.is_contiguous() for g in torch.ops.lowprec.attention_backward.default(*empty))

@@ -66,3 +66,18 @@ def test_compiled_fullgraph_is_eager():
     compiled = torch.compile(f, fullgraph=True, backend="aot_eager")(q, k, v)
     for a, b in zip(eager, compiled):
         assert torch.equal(a, b)
+
+
+def test_attention_varlen_backward_outputs_are_contiguous():
+    """The flash (CUDA) path returns contiguous gradients: the CPU reference and the fake do too."""
+    cq = torch.tensor([0, 5, 20], dtype=torch.int32)
+    q = torch.randn(4, 20, 32).transpose(0, 1)  # [total_q, H, D], head-major storage
+    k, v = torch.randn(20, 2, 32), torch.randn(20, 2, 32)
+    out, lse, _ = attention_fp8_varlen(q, k, v, cq, cq, 15, 15, True, 0.2, False)
+    args = (torch.randn_like(out), q, k, v, out, lse, cq, cq, 15, 15, True, 0.2)
+    torch.library.opcheck(torch.ops.lowprec.attention_varlen_backward.default, args, test_utils=("test_faketensor",))
+    assert all(g.is_contiguous() for g in torch.ops.lowprec.attention_varlen_backward.default(*args))
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        fake = torch.ops.lowprec.attention_varlen_backward.default(*args)
+    assert all(g.is_contiguous() for g in fake)

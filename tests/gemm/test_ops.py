@@ -118,3 +118,39 @@ def test_compiled_gemm_takes_a_recipe_named_with_a_colon():
     a, b = lowprec.quantize(torch.randn(16, 64), r), lowprec.quantize(torch.randn(32, 64), r)
     f = torch.compile(lambda a, b: lowprec.gemm(a, b), backend="eager", fullgraph=True)
     torch.testing.assert_close(f(a, b), lowprec.gemm(a, b))
+
+
+@pytest.mark.parametrize("out_dtype,bias_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
+                                                  (torch.bfloat16, torch.bfloat16)])
+def test_gemm_bias_gradient_compiled_equals_eager(out_dtype, bias_dtype):
+    a = lowprec.quantize(torch.randn(8, 128), "fp8_block1x128")
+    w = lowprec.quantize(torch.randn(32, 128), "fp8_block128x128")
+    bias = torch.randn(32, dtype=bias_dtype, requires_grad=True)
+    torch.library.opcheck(torch.ops.lowprec.gemm.default,
+                          (a.data, a.scale, None, a.recipe.spec(), w.data, w.scale, None, w.recipe.spec(), 128, bias,
+                           out_dtype), test_utils=("test_autograd_registration", "test_aot_dispatch_dynamic"))
+
+    def f(bias):
+        return lowprec.gemm(a, w, out_dtype=out_dtype, bias=bias)
+
+    dy = torch.randn(8, 32, dtype=out_dtype)
+    (want,) = torch.autograd.grad(f(bias), bias, dy)
+    (got,) = torch.autograd.grad(torch.compile(f, fullgraph=True, backend="aot_eager")(bias), bias, dy)
+    assert got.dtype == bias_dtype and torch.equal(got, want)
+
+
+@pytest.mark.gpu
+def test_eager_gemm_bias_gradient_on_the_gpu():
+    """On CUDA the eager call runs the kernel, whose output has no graph: the bias still gets its
+    gradient (the output gradient summed over rows), as on the reference path."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    a = lowprec.quantize(torch.randn(200, 256, device="cuda"), "fp8_block1x128")
+    w = lowprec.quantize(torch.randn(128, 256, device="cuda"), "fp8_block128x128")
+    bias = torch.randn(128, device="cuda", requires_grad=True)
+    y = lowprec.gemm(a, w, bias=bias)
+    with torch.no_grad():
+        assert torch.equal(y, lowprec.gemm(a, w, bias=bias))  # the same output as without a graph
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    assert torch.equal(bias.grad, dy.float().sum(0))

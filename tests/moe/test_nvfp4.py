@@ -197,3 +197,13 @@ def test_quantize_nvfp4_experts_refuses_a_2d_weight():
 
     with pytest.raises(ValueError, match=r"w: expected a float tensor \[E, N, K\]"):
         quantize_nvfp4_experts(torch.randn(32, 64))
+
+
+def test_nvfp4_moe_layer_fake_strides_of_a_transposed_input():
+    torch.manual_seed(0)
+    layer = NVFP4InferenceMoE.from_moe(MoE(64, 64, 8, 2))
+    x = torch.randn(64, 40).t()
+    args = (x, layer.router.weight.detach(), layer.w1_packed, layer.w1_scale_2, layer.w2_packed, layer.w2_scale_2,
+            64, 2, "softmax", True, None, "probs", "swiglu")
+    torch.library.opcheck(torch.ops.lowprec.nvfp4_moe_layer.default, args,
+                          test_utils=("test_faketensor", "test_aot_dispatch_dynamic"))

@@ -632,3 +632,16 @@ def test_training_conversion_still_converts_wo():
                                 decoder_start_token_id=0)
     model = lowprec.convert(transformers.T5ForConditionalGeneration(cfg), min_weight_numel=0)
     assert isinstance(model.encoder.block[0].layer[1].DenseReluDense.wo, lowprec.nn.FP8Linear)
+
+
+def test_fp8_linear_training_step_compiles_with_dynamic_shapes():
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    layer = FP8Linear(256, 128)
+    step = torch.compile(lambda x: layer(x).square().sum(), fullgraph=True, backend="aot_eager", dynamic=True)
+    x = torch.randn(33, 256)
+    step(x).backward()
+    got = layer.weight.grad.clone()
+    layer.zero_grad()
+    layer(x).square().sum().backward()
+    assert torch.equal(got, layer.weight.grad)

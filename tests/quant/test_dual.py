@@ -68,3 +68,14 @@ def test_swiglu_quantize_dual_rejects_an_unknown_kind_and_wrong_inputs():
 def test_quantize_dual_names_x_for_a_non_tensor(x):
     with pytest.raises(ValueError, match="x: expected a float tensor with ≥ 2 dims"):
         quantize_dual(x)
+
+
+def test_quantize_dual_compiles_with_dynamic_shapes():
+    torch._dynamo.reset()
+    f = torch.compile(lambda x: lowprec.quant.quantize_dual(x, "fp8_block1x128", "fp8_block16x128"),
+                      fullgraph=True, backend="aot_eager", dynamic=True)
+    for rows in (33, 47):
+        x = torch.randn(rows, 256)
+        got, want = f(x), lowprec.quant.quantize_dual(x, "fp8_block1x128", "fp8_block16x128")
+        for g, w in zip(got, want):
+            assert g.shape == w.shape and torch.equal(g.data.float(), w.data.float()) and torch.equal(g.scale, w.scale)
