@@ -13,9 +13,10 @@ channel, P in FP8, differentiable (the backward is exact attention's gradient in
 The calls the FP8 forward does not compute run transformers' own ``sdpa`` implementation, with one
 warning per reason: an attention mask (padding, sliding windows: transformers passes no mask for a
 plain causal pattern), dropout, a softcap, an additive position bias (T5's relative positions),
-chunked prefill over a cache (``1 < q_len != kv_len``),
-decode over transformers' bf16 cache (its whole K and V would be quantized again at every step:
-:func:`fp8_cache` below keeps the cache in FP8), and on CUDA inputs the kernel does not
+chunked prefill over a cache (``1 < q_len != kv_len``), cross-attention (not causal, ``q_len !=
+kv_len``: an encoder-decoder's queries over the encoder's keys), decode over transformers' bf16
+cache (its whole K and V would be quantized again at every step: :func:`fp8_cache` below keeps
+the cache in FP8), and on CUDA inputs the kernel does not
 read (dtype other than bf16 / fp16, head dims other than 64 / 128 / 256, ``Dv != D``). Attention
 sinks (``s_aux``: GPT-OSS; ``sinks``) and sparse key selections (``indices``: DeepSeek-V3.2's DSA;
 ``block_indices``), which models pass only to implementations other than eager / sdpa, are refused
@@ -77,11 +78,16 @@ def _score_terms_reason(attention_mask, dropout: float, kwargs) -> str | None:
     return None
 
 
-def _sdpa_reason(module, query, key, value, attention_mask, dropout: float, kwargs) -> str | None:
+def _sdpa_reason(module, query, key, value, attention_mask, dropout: float, kwargs,
+                 is_causal: bool | None = None) -> str | None:
     """Why this call runs transformers' SDPA instead of the FP8 forward (None: it does not)."""
     q_len, kv_len = query.shape[2], key.shape[2]
     if (why := _score_terms_reason(attention_mask, dropout, kwargs)) is not None:
         return why
+    if q_len != kv_len and not (getattr(module, "is_causal", True) if is_causal is None else is_causal):
+        # not a cache: an encoder-decoder's queries over the encoder's keys (Whisper, BART)
+        return ("cross-attention (queries over another sequence's keys, not causal: the FP8 forward runs where "
+                "q_len == kv_len)")
     if q_len == 1 < kv_len or (q_len <= 16 and q_len < kv_len):
         return ("decode over transformers' bf16 KV cache (the FP8 forward would quantize the whole cache at every "
                 "step; past_key_values=fp8_cache(max_len), from lowprec.attention import fp8_cache, keeps it in FP8)")
@@ -106,7 +112,7 @@ def transformers_attention_forward(module: torch.nn.Module, query: torch.Tensor,
     cache = getattr(key, _FP8_CACHE_ATTR, None)
     if cache is not None:
         return _attend_fp8_cache(cache, module, query, attention_mask, dropout, scaling, is_causal, kwargs)
-    why = _sdpa_reason(module, query, key, value, attention_mask, dropout, kwargs)
+    why = _sdpa_reason(module, query, key, value, attention_mask, dropout, kwargs, is_causal)
     if why is not None:
         if kwargs.get("softcap") is not None:  # sdpa refuses a softcap: the model's own eager attention computes it
             return _eager_with_softcap(module, query, key, value, attention_mask, dropout, scaling, is_causal,

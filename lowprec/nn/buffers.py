@@ -17,9 +17,30 @@ class QuantizedBuffersModule(nn.Module):
     ``load_state_dict`` takes them only in those dtypes (a float weight copied into the codes
     would be cast to FP8 under scales that do not belong to it). A float ``out_dtype`` attribute
     (the inference linears': the dtype of the bias and of a dequantized weight) follows the cast
-    as the bias does."""
+    as the bias does.
+
+    Assigning a tensor of another dtype to one of those buffers (or a tensor to a read-only
+    property such as :class:`~lowprec.nn.NVFP4InferenceLinear`'s ``weight``) raises a
+    ``TypeError``: transformers' ``tie_weights()`` (called by ``resize_token_embeddings`` and
+    ``init_weights``) would set a tied ``lm_head``'s weight to the float input embedding, which
+    the layer cannot read as its codes. Tie or resize before ``lowprec.convert`` (which quantizes
+    the tied weight into the layer), or keep the layer out of it with ``filter_fn``."""
 
     _quantized: tuple[str, ...] = ()
+
+    def __setattr__(self, name: str, value) -> None:
+        if isinstance(value, torch.Tensor):
+            own = self.__dict__.get("_buffers", {}).get(name) if name in self._quantized else None
+            read_only = isinstance(getattr(type(self), name, None), property)
+            if read_only or (own is not None and value.dtype != own.dtype):
+                held = "is read-only, rebuilt from the packed codes" if read_only else f"holds {own.dtype} values"
+                raise TypeError(
+                    f"{type(self).__name__}({self.extra_repr()}).{name}: cannot take a {value.dtype} tensor, it "
+                    f"{held} under the layer's own scales. A tied weight (transformers' tie_weights(), also called by "
+                    f"resize_token_embeddings and init_weights, ties lm_head to the input embedding) must be tied "
+                    f"or resized before lowprec.convert, which quantizes it into the layer; or keep the layer out "
+                    f"with convert(..., filter_fn=lambda name, module: name != 'lm_head')")
+        super().__setattr__(name, value)
 
     def _apply(self, fn, recurse=True):
         kept = [self._buffers[name] for name in self._quantized]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Callable
 
 import torch
@@ -272,7 +273,9 @@ def convert(model: nn.Module, recipe: str | None = None, filter_fn: Callable[[st
 
     One log line (logger ``lowprec``, INFO) says how many layers were converted and which were
     kept for their size. Only exact ``nn.Linear`` instances are swapped (subclasses such as the attention output
-    projection of ``nn.MultiheadAttention`` are read directly by their owners). Layers whose
+    projection of ``nn.MultiheadAttention`` are read directly by their owners; transformers'
+    ``Conv1D`` of GPT-2 and Falcon's ``FalconLinear`` stay too): another INFO line counts such
+    linear-like layers left, by type. Layers whose
     features are not multiples of 16 stay as they are, with one log line each. With
     ``inference=True``, :class:`FP8Linear` layers (a model trained after ``convert``) become
     :class:`FP8InferenceLinear` with their own recipe.
@@ -290,7 +293,10 @@ def convert(model: nn.Module, recipe: str | None = None, filter_fn: Callable[[st
     weights); :class:`FP8InferenceLinear` layers of another recipe stay as they are, with one log
     line each (their FP8 weights cannot be requantized without the master weights). A module
     referenced several times (``self.b = self.a``) is converted once, by its first name, and
-    stays shared.
+    stays shared. A layer tied to a float parameter elsewhere (transformers' ``lm_head`` with
+    ``tie_word_embeddings``) is quantized from it and no longer shares it with ``inference=True``:
+    ``tie_weights()`` afterwards (also called by ``resize_token_embeddings``) raises a
+    ``TypeError``; tie or resize before converting.
     """
     from ..moe import FP8InferenceMoE, MoE, NVFP4InferenceMoE  # lowprec.moe imports lowprec.nn
 
@@ -346,7 +352,23 @@ def convert(model: nn.Module, recipe: str | None = None, filter_fn: Callable[[st
     log.info("lowprec.convert: %d fused FP8 SwiGLU MLPs; %d low-precision linear layers; %d MoE layers; %d kept in "
              "their dtype (fewer than %d weights)%s", fused, converted, moes, len(kept), min_weight_numel,
              (": " + ", ".join(kept)) if kept else "")
+    if left := _linear_like_left(model):
+        log.info("lowprec.convert: %d linear-like layers left as they are, not exactly nn.Linear (%s)",
+                 sum(left.values()), ", ".join(f"{n} {t}" for t, n in left.items()))
     return model
+
+
+def _linear_like_left(model: nn.Module) -> dict[str, int]:
+    """The linear-like modules of ``model`` that :func:`convert` leaves for not being exactly
+    ``nn.Linear`` (subclasses such as Falcon's ``FalconLinear``, transformers' ``Conv1D`` of GPT-2),
+    counted by type name."""
+    conv1d = getattr(sys.modules.get("transformers.pytorch_utils"), "Conv1D", None)  # no Conv1D before its import
+    left: dict[str, int] = {}
+    for module in model.modules():
+        if ((isinstance(module, nn.Linear) and type(module) is not nn.Linear)
+                or (conv1d is not None and isinstance(module, conv1d))):
+            left[type(module).__name__] = left.get(type(module).__name__, 0) + 1
+    return left
 
 
 def _keep_in_fp32_names(model: nn.Module) -> set[str]:

@@ -87,6 +87,26 @@ def test_the_calls_it_leaves_to_sdpa():
     assert _sdpa_reason(m, q[:, :, :1], k[:, :, :1], v[:, :, :1], None, 0.0, {}) is None  # a one-token prompt
 
 
+
+def test_non_causal_cross_attention_is_named_as_such_not_decode():
+    """Whisper's cross-attention (16 decoder queries over 32 encoder keys, no cache, not causal)
+    still runs sdpa, but its warning names cross-attention: it said "decode over transformers'
+    bf16 KV cache" (and suggested fp8_cache)."""
+    q, k, v = _qkv(b=1, h=2, hkv=2, s=32)
+    for m, q_len, is_causal in ((_Bidirectional(), 16, None), (_Bidirectional(), 1, None), (_Attention(), 16, False)):
+        why = _sdpa_reason(m, q[:, :, :q_len], k, v, None, 0.0, {}, is_causal)
+        assert "cross-attention" in why and "decode" not in why and "fp8_cache" not in why
+    assert "decode" in _sdpa_reason(_Attention(), q[:, :, :16], k, v, None, 0.0, {}, True)  # causal: unchanged
+    assert _sdpa_reason(_Bidirectional(), q, k, v, None, 0.0, {}) is None  # an encoder's self-attention
+    pytest.importorskip("transformers", minversion="5.0")
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    with pytest.warns(RuntimeWarning, match="cross-attention") as record:
+        out, _ = transformers_attention_forward(_Bidirectional(), q[:, :, :16], k, v, None)
+    assert not any("decode" in str(r.message) for r in record)
+    torch.testing.assert_close(out, sdpa_attention_forward(_Bidirectional(), q[:, :, :16], k, v, None)[0])
+
+
 def _tiny_llama(attn_implementation, device, dtype):
     transformers = pytest.importorskip("transformers", minversion="5.0")
     config = transformers.LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=2,

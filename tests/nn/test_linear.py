@@ -645,3 +645,50 @@ def test_fp8_linear_training_step_compiles_with_dynamic_shapes():
     layer.zero_grad()
     layer(x).square().sum().backward()
     assert torch.equal(got, layer.weight.grad)
+
+
+@pytest.mark.parametrize("recipe", ["fp8_block", "nvfp4"])
+def test_tie_weights_after_inference_convert_raises_a_clear_error_and_keeps_the_layer(recipe):
+    """transformers' tie_weights() sets a tied lm_head's weight to the bf16 input embedding: the
+    inference layer refuses it (naming the layer and what to do) and keeps its codes, so the model
+    still runs; before, the FP8 buffer was replaced and the next forward failed on its dtype."""
+    transformers = pytest.importorskip("transformers", minversion="5.0")
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                   num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = lowprec.convert(transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).eval(), recipe, inference=True)
+    codes = model.lm_head.weight.clone()
+    with pytest.raises(TypeError, match=r"InferenceLinear\(in_features=32, out_features=64.*\.weight: cannot take a "
+                                        r"torch.bfloat16 tensor.*before lowprec.convert"):
+        model.tie_weights()
+    assert torch.equal(model.lm_head.weight, codes)
+    with torch.no_grad():
+        assert model(torch.randint(0, 64, (1, 5))).logits.shape == (1, 5, 64)
+    if recipe == "fp8_block":  # same-dtype buffers are still assigned as before
+        model.lm_head.weight = codes
+        assert model.lm_head.weight is codes
+
+
+def test_convert_logs_the_linear_like_layers_it_leaves(caplog):
+    """Subclasses of nn.Linear and transformers' Conv1D (GPT-2's blocks) are not converted: one
+    INFO line counts them by type; what is converted does not change."""
+    class SubLinear(nn.Linear):
+        pass
+
+    model = nn.Sequential(nn.Linear(32, 32), SubLinear(32, 32), SubLinear(32, 32))
+    with caplog.at_level(logging.INFO, logger="lowprec"):
+        lowprec.convert(model, inference=True)
+    assert isinstance(model[0], FP8InferenceLinear) and type(model[1]) is SubLinear
+    assert "2 linear-like layers left as they are, not exactly nn.Linear (2 SubLinear)" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="lowprec"):
+        lowprec.convert(nn.Sequential(nn.Linear(32, 32)), inference=True)
+    assert "linear-like" not in caplog.text
+    transformers = pytest.importorskip("transformers", minversion="5.0")
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=2,
+                                                                 n_positions=32))
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="lowprec"):
+        lowprec.convert(gpt2, inference=True)
+    assert "1 low-precision linear layers" in caplog.text  # lm_head
+    assert "8 linear-like layers left as they are, not exactly nn.Linear (8 Conv1D)" in caplog.text
