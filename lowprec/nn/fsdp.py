@@ -82,13 +82,21 @@ class FP8AllGatherWeight(torch.Tensor):
         return f"FP8AllGatherWeight({self.hp!r})"
 
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
-        """This rank's shard as E4M3 codes (uint8) and FP32 128x128 block scales, when it holds
-        whole blocks (a matrix: rows a multiple of 128; a stack of expert matrices: always, FSDP
-        splits the stack); else the shard as it is (the plain all-gather)."""
+        """This rank's shard as E4M3 codes (uint8) and FP32 128x128 block scales, when every
+        shard holds whole blocks (:func:`_whole_blocks`: an even split along the first dim, a
+        matrix's shards in rows of multiples of 128); else the shard as it is, padded as FSDP
+        pads uneven shards (the plain all-gather)."""
         from ..quant import quantize
 
-        if self.hp.dim() not in (2, 3) or not self.hp.shape[0] or (self.hp.dim() == 2 and self.hp.shape[0] % _BLOCK):
-            return (self.hp,), None
+        if not _whole_blocks(self.hp, tuple(outer_size), mesh.size()):
+            # every rank takes the same path (decided from the full shape), and a shard shorter
+            # than the others (uneven sharding) is padded to their size as FSDP pads its own
+            # the plain all-gather: cast before it, as FSDP does for a plain parameter, so that the
+            # gathered tensor is the unsharded weight itself (FSDP refills it in place at every
+            # later all-gather: a copy made after it would keep the first all-gather's values)
+            param_dtype = getattr(mp_policy, "param_dtype", None)
+            shard = self.hp if param_dtype is None else self.hp.to(param_dtype)
+            return (_padded_shard(shard, tuple(outer_size), mesh.size()),), None
         q = quantize(self.hp, GATHER_RECIPE, check_finite=False)
         return (q.data.view(torch.uint8), q.scale), tuple(outer_size)
 
@@ -97,9 +105,9 @@ class FP8AllGatherWeight(torch.Tensor):
         after a plain all-gather, the full weight)."""
         if metadata is None:  # the plain all-gather
             (full,) = outputs
-            if out is not None:
+            if out is not None:  # FSDP refilled full: out views it
                 return None
-            return full.to(param_dtype) if param_dtype is not None else full, (full,)
+            return full, (full,)  # already in param_dtype (cast before the all-gather)
         codes, scales = outputs
         if out is not None:  # FSDP refilled the same buffers: out already views them
             return None
@@ -149,6 +157,31 @@ class FP8GatheredWeight(torch.Tensor):
 
     def __repr__(self) -> str:
         return f"FP8GatheredWeight(shape={tuple(self.shape)}, dtype={self.dtype}, codes on {self.codes.device})"
+
+
+def _whole_blocks(shard: torch.Tensor, full: tuple, world: int) -> bool:
+    """Whether every rank's shard of ``full`` holds whole 128x128 blocks: FSDP split it evenly
+    along its first dim (``shard`` has the full's other dims) into whole matrices (a stack of
+    experts) or rows in multiples of 128 (a matrix). Decided from the full shape, alike on every
+    rank (a shard may be empty or shorter under uneven sharding, or split along another dim)."""
+    if shard.dim() not in (2, 3) or tuple(shard.shape[1:]) != full[1:] or not full[0] or full[0] % world:
+        return False
+    return shard.dim() == 3 or (full[0] // world) % _BLOCK == 0
+
+
+def _padded_shard(shard: torch.Tensor, full: tuple, world: int) -> torch.Tensor:
+    """``shard`` zero-padded along its sharded dim to the size of the first (largest) shard,
+    which FSDP requires of every all-gather input of an unevenly sharded parameter."""
+    dims = [d for d in range(shard.dim()) if shard.shape[d] != full[d]]
+    if not dims:
+        return shard
+    d = dims[0]
+    size = -(-full[d] // world)
+    if shard.shape[d] == size:
+        return shard
+    padded = shard.new_zeros(*shard.shape[:d], size, *shard.shape[d + 1:])
+    padded.narrow(d, 0, shard.shape[d]).copy_(shard)
+    return padded
 
 
 def _whole(args) -> bool:

@@ -463,8 +463,36 @@ def _master_weights_in_state_dict(module, state_dict, prefix, local_metadata):
     # recipe of other blocks (fp8_rowwise, ...) leaves the wrappers in place
     for name, _ in module.named_parameters(remove_duplicate=False):
         key = prefix + name
-        if isinstance(state_dict.get(key), FP8AllGatherWeight):  # savers need a plain tensor
-            state_dict[key] = state_dict[key].hp
+        value = state_dict.get(key)
+        if isinstance(value, FP8AllGatherWeight):  # savers need a plain tensor
+            state_dict[key] = value.hp
+        elif isinstance(getattr(value, "_local_tensor", None), FP8AllGatherWeight):
+            # under FSDP2: a DTensor over this rank's shard of the master weight itself (a checkpoint
+            # of the wrapper would pickle lowprec's class: torch.distributed.checkpoint's weights-only
+            # load refuses it, and loading it would need lowprec)
+            from torch.distributed.tensor import DTensor
+
+            state_dict[key] = DTensor.from_local(value._local_tensor.hp, value.device_mesh, value.placements,
+                                                 run_check=False, shape=value.shape, stride=value.stride())
+
+
+def _check_not_sharded(module: nn.Module) -> None:
+    """FSDP2 holds on to the parameters it sharded: a wrapper swapped in afterwards is not what it
+    all-gathers (its lazy init fails on it, or worse after a forward), so refuse clearly."""
+    from torch.distributed.tensor import DTensor
+
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch without FSDP2
+        FSDPModule = ()
+    for name, sub in module.named_modules():
+        if isinstance(sub, FSDPModule):
+            raise ValueError(f"enable_fp8_all_gather: {name or 'the module'} is already under fully_shard; call "
+                             "enable_fp8_all_gather(model) before fully_shard")
+    for name, param in module.named_parameters():
+        if isinstance(param, DTensor):
+            raise ValueError(f"enable_fp8_all_gather: {name} is already sharded (a DTensor); call "
+                             "enable_fp8_all_gather(model) before fully_shard")
 
 
 def enable_fp8_all_gather(module: nn.Module) -> int:
@@ -473,7 +501,9 @@ def enable_fp8_all_gather(module: nn.Module) -> int:
     weight with the ``fp8_block`` recipe and the expert weights ``w1``, ``w2`` of
     :class:`lowprec.moe.MoE` (``fp8_block``) - any module whose ``fp8_block_weights()`` names
     them (also dotted names of a child's: :class:`~lowprec.nn.FP8SwiGLUMLP`'s three layers). Call
-    before ``fully_shard``. Returns how many weights were wrapped.
+    before ``fully_shard``. Returns how many weights were wrapped. A weight tied between such
+    layers is wrapped once (it stays tied); one tied to a layer that reads it unquantized (an
+    embedding) keeps the plain all-gather.
 
     Outside FSDP nothing changes: a wrapped weight behaves as the master weight, and the
     module's state dict holds the master weight itself (under FSDP, DTensors as usual:
@@ -481,16 +511,37 @@ def enable_fp8_all_gather(module: nn.Module) -> int:
     torch.bfloat16)`` the shards are quantized from the master weights' own dtype, not from a
     bf16 copy (the plain all-gather's layer quantizes the gathered bf16 weight), so the codes can
     differ from the plain path's there."""
-    count = 0
+    _check_not_sharded(module)
+    # every reference to each parameter (a tied weight has several owners)
+    refs: dict[int, list[tuple[nn.Module, str]]] = {}
+    for owner in module.modules():
+        for leaf, param in owner._parameters.items():
+            if param is not None:
+                refs.setdefault(id(param), []).append((owner, leaf))
+    listed: dict[int, tuple[nn.Parameter, set, list]] = {}  # the weights layers quantize in 128x128 blocks
     for layer in module.modules():
-        names = layer.fp8_block_weights() if hasattr(layer, "fp8_block_weights") else ()
-        fresh = [n for n in names if not isinstance(layer.get_parameter(n), FP8AllGatherWeight)]
-        for name in fresh:
+        for name in layer.fp8_block_weights() if hasattr(layer, "fp8_block_weights") else ():
             owner_name, _, leaf = name.rpartition(".")
             owner = layer.get_submodule(owner_name)
-            weight = getattr(owner, leaf)
-            setattr(owner, leaf, nn.Parameter(FP8AllGatherWeight(weight.data), requires_grad=weight.requires_grad))
-        if fresh and len(fresh) == len(names):  # first time for this module
-            layer.register_state_dict_post_hook(_master_weights_in_state_dict)
-        count += len(fresh)
+            weight = owner._parameters[leaf]
+            entry = listed.setdefault(id(weight), (weight, set(), []))
+            entry[1].add((id(owner), leaf))
+            entry[2].append(layer)
+    count = 0
+    for key, (weight, fp8_refs, layers) in listed.items():
+        if not isinstance(weight, FP8AllGatherWeight):
+            others = [(owner, leaf) for owner, leaf in refs[key] if (id(owner), leaf) not in fp8_refs]
+            if others:  # tied to a layer that reads it unquantized (an embedding): it would see FP8 values
+                log.warning("lowprec.enable_fp8_all_gather: keeping the plain all-gather for a weight tied to "
+                            "%s.%s, which does not quantize it in 128x128 blocks", type(others[0][0]).__name__,
+                            others[0][1])
+                continue
+            wrapped = nn.Parameter(FP8AllGatherWeight(weight.data), requires_grad=weight.requires_grad)
+            for owner, leaf in refs[key]:  # one wrapper for every owner: the weight stays tied
+                setattr(owner, leaf, wrapped)
+            count += 1
+        for layer in layers:
+            if not getattr(layer, "_lowprec_fp8_gather_hook", False):
+                layer.register_state_dict_post_hook(_master_weights_in_state_dict)
+                layer._lowprec_fp8_gather_hook = True
     return count

@@ -16,6 +16,7 @@ import weakref
 from collections.abc import Iterator
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from ..quant import quantize, quantize_with_transpose
 from ..recipes import get_recipe
@@ -25,6 +26,18 @@ from .fsdp import GATHER_RECIPE, FP8AllGatherWeight, FP8GatheredWeight
 __all__ = ["reuse_quantized_weights", "quantize_weight"]
 
 _state = threading.local()
+
+
+def _forget_after_step(optimizer, args, kwargs) -> None:
+    """Any optimizer step inside a block: drop the FP8 copies. The version counter does not see
+    every update: FSDP2 all-gathers the stepped shards into the same unsharded parameter and keeps
+    its version counter as it was (``_unsafe_preserve_version_counter``)."""
+    cache = getattr(_state, "cache", None)
+    if cache:
+        cache.clear()
+
+
+register_optimizer_step_post_hook(_forget_after_step)
 
 
 class _Entry:
@@ -49,8 +62,11 @@ def reuse_quantized_weights() -> Iterator[None]:
 
     A weight modified in place inside the block (``optimizer.step()``, ``weight.copy_(...)``
     under ``no_grad``: anything that bumps the tensor's version counter) is quantized again at
-    its next use. Writes through ``weight.data`` bypass the version counter, as they bypass
-    autograd: make them outside the block. The FP8 copies (weight and, for training, its
+    its next use; an optimizer step drops every FP8 copy (under FSDP2 the unsharded weights are
+    refilled without a version bump). Writes through ``weight.data`` bypass the version counter,
+    as they bypass autograd, and so do in-place writes to FSDP2's sharded parameters other than
+    an optimizer step (their unsharded weight is refilled at the next all-gather): make them
+    outside the block. The FP8 copies (weight and, for training, its
     transpose: about two bytes per parameter) stay alive until the block ends. Blocks nest; the
     outermost one owns the cache. Per thread; ignored while ``torch.compile`` traces.
     """

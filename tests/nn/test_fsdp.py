@@ -301,3 +301,277 @@ def test_inference_layers_under_fully_shard():
     fully_shard on 2 ranks: the outputs and state dict of the unsharded model."""
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(_inference_worker, args=(2, os.path.join(tmp, "init")), nprocs=2, join=True)
+
+
+def _spawn(worker, *args):
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(worker, args=(2, os.path.join(tmp, "init"), *args), nprocs=2, join=True)
+
+
+def _steps_alike(models, rank, world, features, steps, seed=1, loss=lambda y: y.square().sum(), optimizer=None):
+    """``steps`` SGD (or ``optimizer``) steps of each model on the same rank-sliced batches; the
+    outputs of every model at every step, bit for bit those of the first."""
+    opts = [(optimizer or (lambda p: torch.optim.SGD(p, lr=0.1)))(m.parameters()) for m in models]
+    g = torch.Generator().manual_seed(seed)
+    for step in range(steps):
+        x = torch.randn(world * 8, features, generator=g)[rank * 8:(rank + 1) * 8]
+        outs = []
+        for model, opt in zip(models, opts):
+            y = model(x)
+            loss(y).backward()
+            opt.step()
+            opt.zero_grad()
+            outs.append(y)
+        for y in outs[1:]:
+            torch.testing.assert_close(y, outs[0], rtol=0, atol=0, msg=lambda m, s=step: f"step {s}: {m}")
+
+
+def _mixed_precision_plain_path_worker(rank, world, init_file):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    import lowprec
+    from lowprec.nn import enable_fp8_all_gather
+
+    _init_group(rank, world, init_file, "gloo")
+    with rank_body():
+        torch.manual_seed(0)
+        # 128 rows: shards of 64 rows would split 128x128 blocks, so the plain all-gather
+        plain = lowprec.convert(nn.Sequential(nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 128)),
+                                min_weight_numel=0)
+        fp8 = copy.deepcopy(plain)
+        assert enable_fp8_all_gather(fp8) == 2
+        mesh = init_device_mesh("cpu", (world,))
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for model in (plain, fp8):
+            fully_shard(model[2], mesh=mesh, mp_policy=policy)
+            fully_shard(model, mesh=mesh, mp_policy=policy)
+        _steps_alike((plain, fp8), rank, world, 128, 3, loss=lambda y: y.float().square().sum())
+
+
+def test_fp8_all_gather_plain_path_under_bf16_params_sees_each_step():
+    """A weight whose shards would split a block takes the plain all-gather; under a bf16
+    param_dtype it kept the first all-gather's bf16 copy (stale weights from the first step)."""
+    _spawn(_mixed_precision_plain_path_worker)
+
+
+class _TiedLinears(nn.Module):
+    def __init__(self, size=128):
+        super().__init__()
+        from lowprec.nn import FP8Linear
+
+        self.a = FP8Linear(size, size, bias=False, recipe="fp8_block")
+        self.b = FP8Linear(size, size, bias=False, recipe="fp8_block")
+        self.b.weight = self.a.weight
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+
+class _TiedHead(nn.Module):
+    def __init__(self):
+        super().__init__()
+        from lowprec.nn import FP8Linear
+
+        self.emb = nn.Embedding(256, 128)
+        self.head = FP8Linear(128, 256, bias=False, recipe="fp8_block")
+        self.head.weight = self.emb.weight
+
+    def forward(self, idx):
+        return self.head(self.emb(idx))
+
+
+@pytest.mark.parametrize("cls", [_TiedLinears, _TiedHead])
+def test_enable_fp8_all_gather_keeps_tied_weights_tied(cls):
+    """One wrapper per tied weight (a new parameter per owner made two, each stepped by the
+    optimizer); a weight tied to an embedding keeps the plain all-gather."""
+    from lowprec.nn import enable_fp8_all_gather
+
+    torch.manual_seed(0)
+    plain = cls()
+    wrapped = copy.deepcopy(plain)
+    enable_fp8_all_gather(wrapped)
+    assert len(list(wrapped.parameters())) == len(list(plain.parameters())) == 1
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (plain, wrapped)]
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        x = torch.randn(8, 128, generator=g) if cls is _TiedLinears else torch.randint(0, 256, (8,), generator=g)
+        outs = []
+        for model, opt in zip((plain, wrapped), opts):
+            y = model(x)
+            y.square().sum().backward()
+            opt.step()
+            opt.zero_grad()
+            outs.append(y)
+        assert torch.equal(outs[0], outs[1])
+
+
+def _tied_worker(rank, world, init_file):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from lowprec.nn import FP8GatheredWeight, enable_fp8_all_gather
+
+    _init_group(rank, world, init_file, "gloo")
+    with rank_body():
+        torch.manual_seed(0)
+        plain = _TiedLinears(256)  # shards of 128 rows: the FP8 all-gather
+        fp8 = copy.deepcopy(plain)
+        enable_fp8_all_gather(fp8)
+        mesh = init_device_mesh("cpu", (world,))
+        for model in (plain, fp8):
+            fully_shard(model, mesh=mesh)
+        seen = []
+        fp8.a.register_forward_pre_hook(lambda m, args: seen.append(type(m.weight)))
+        _steps_alike((plain, fp8), rank, world, 256, 3, optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2))
+        assert seen[0] is FP8GatheredWeight and fp8.a.weight is fp8.b.weight
+
+
+def test_tied_weights_under_fully_shard_with_fp8_all_gather():
+    _spawn(_tied_worker)
+
+
+def _make_sharded(fp8_all_gather, mesh):
+    from torch.distributed.fsdp import fully_shard
+
+    import lowprec
+    from lowprec.moe import MoE
+    from lowprec.nn import enable_fp8_all_gather
+
+    model = lowprec.convert(nn.Sequential(nn.Linear(128, 256), nn.ReLU(), nn.Linear(256, 128), MoE(128, 64, 4, 2)),
+                            min_weight_numel=0)
+    if fp8_all_gather:
+        enable_fp8_all_gather(model)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def _dcp_worker(rank, world, init_file, ckpt, fresh_fp8):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+
+    _init_group(rank, world, init_file, "gloo")
+    with rank_body():
+        mesh = init_device_mesh("cpu", (world,))
+        torch.manual_seed(0)
+        model = _make_sharded(True, mesh)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        x = torch.randn(8, 128, generator=torch.Generator().manual_seed(rank))
+        model(x).square().sum().backward()
+        opt.step()
+        dcp.save(get_model_state_dict(model), checkpoint_id=ckpt)
+        torch.manual_seed(1)
+        fresh = _make_sharded(fresh_fp8, mesh)
+        state = get_model_state_dict(fresh)
+        dcp.load(state, checkpoint_id=ckpt)
+        set_model_state_dict(fresh, state)
+        saved, loaded = model.state_dict(), fresh.state_dict()
+        for name, value in saved.items():
+            assert torch.equal(loaded[name].full_tensor(), value.full_tensor()), name
+        with torch.no_grad():
+            assert torch.equal(fresh(x), model(x))
+
+
+@pytest.mark.parametrize("fresh_fp8", [True, False])
+def test_distributed_checkpoint_of_a_sharded_fp8_all_gather_model(fresh_fp8):
+    """The checkpoint holds plain tensors (it pickled FP8AllGatherWeight: dcp.load's weights-only
+    unpickler refused it) and loads into a fresh sharded model, with or without the FP8 all-gather."""
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_dcp_worker, args=(2, os.path.join(tmp, "init"), os.path.join(tmp, "ckpt"), fresh_fp8), nprocs=2,
+                 join=True)
+
+
+def _uneven_worker(rank, world, init_file, case):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard
+
+    import lowprec
+    from lowprec.moe import MoE
+    from lowprec.nn import enable_fp8_all_gather
+
+    _init_group(rank, world, init_file, "gloo")
+    with rank_body():
+        torch.manual_seed(0)
+        kwargs, features = {}, 128
+        if case == "3 experts":
+            plain = MoE(128, 64, num_experts=3, top_k=2)
+        elif case == "1 expert":
+            plain = MoE(128, 64, num_experts=1, top_k=1)
+        else:  # the matrices sharded along their columns
+            plain, features = lowprec.convert(nn.Sequential(nn.Linear(256, 256)), min_weight_numel=0), 256
+            kwargs = dict(shard_placement_fn=lambda p: Shard(1) if p.dim() == 2 else Shard(0))
+        fp8 = copy.deepcopy(plain)
+        assert enable_fp8_all_gather(fp8) > 0
+        mesh = init_device_mesh("cpu", (world,))
+        for model in (plain, fp8):
+            fully_shard(model, mesh=mesh, **kwargs)
+        _steps_alike((plain, fp8), rank, world, features, 2)
+        for name, value in plain.state_dict().items():
+            torch.testing.assert_close(fp8.state_dict()[name].full_tensor(), value.full_tensor(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("case", ["3 experts", "1 expert", "column shards"])
+def test_fp8_all_gather_of_unevenly_or_column_sharded_weights(case):
+    """Every rank picks the same path from the full shape and pads a short shard as FSDP does (it
+    raised FSDP's padded-size assertion on the short rank while the other hung, or failed a view)."""
+    _spawn(_uneven_worker, case)
+
+
+def _enable_after_shard_worker(rank, world, init_file, forward_first):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import lowprec
+    from lowprec.nn import enable_fp8_all_gather
+
+    _init_group(rank, world, init_file, "gloo")
+    with rank_body():
+        torch.manual_seed(0)
+        model = lowprec.convert(nn.Sequential(nn.Linear(128, 256)), min_weight_numel=0)
+        fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
+        if forward_first:
+            model(torch.randn(4, 128))
+        with pytest.raises(ValueError, match="before fully_shard"):
+            enable_fp8_all_gather(model)
+        model(torch.randn(4, 128)).sum().backward()  # left as it was: it still trains
+
+
+@pytest.mark.parametrize("forward_first", [False, True])
+def test_enable_fp8_all_gather_after_fully_shard_is_a_clear_error(forward_first):
+    """Not an AttributeError inside FSDP's lazy init, nor a segfault after a forward."""
+    _spawn(_enable_after_shard_worker, forward_first)
+
+
+def _reuse_worker(rank, world, init_file, reshard_after_forward):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import lowprec
+    from lowprec.nn import fp8_linear, reuse_quantized_weights
+
+    _init_group(rank, world, init_file, "gloo")
+    with rank_body():
+        torch.manual_seed(0)
+        model = lowprec.convert(nn.Sequential(nn.Linear(128, 256)), min_weight_numel=0)
+        fully_shard(model, mesh=init_device_mesh("cpu", (world,)), reshard_after_forward=reshard_after_forward)
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        x = torch.randn(16, 128, generator=torch.Generator().manual_seed(1))
+        with reuse_quantized_weights():
+            for _ in range(2):  # two steps of two micro-batches
+                for _ in range(2):
+                    model(x).sum().backward()
+                opt.step()
+                opt.zero_grad()
+            y_inside = model(x)
+        state = model.state_dict()  # the stepped weights, gathered: an independent forward
+        w, b = state["0.weight"].full_tensor(), state["0.bias"].full_tensor()
+        torch.testing.assert_close(y_inside, fp8_linear(x, w, b, model[0].recipe), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("reshard_after_forward", [True, False])
+def test_reuse_quantized_weights_sees_an_optimizer_step_under_fsdp(reshard_after_forward):
+    """FSDP2 refills the unsharded weight without a version bump: the block reused the FP8 copy
+    of the weight before the step."""
+    _spawn(_reuse_worker, reshard_after_forward)
