@@ -51,6 +51,7 @@ _E4M3_MAX = 448.0
 _SATURATES_PAST = 464.0
 _ROWWISE = get_recipe("fp8_rowwise")
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+_FP32_TINY = torch.finfo(torch.float32).tiny
 _UNSET = object()
 
 
@@ -170,8 +171,11 @@ class FP8KVCache:
             raise ValueError(f"v_scale: expected a float tensor of shape {shape}, got "
                              f"{getattr(v_scale, 'dtype', type(v_scale))} {tuple(getattr(v_scale, 'shape', ()))}")
         v_scale = v_scale.detach().to(device=self.device, dtype=torch.float32)
-        if not bool(torch.isfinite(v_scale).all() and (v_scale > 0).all()):
-            raise ValueError("v_scale: expected positive finite scales")
+        # at least FP32's smallest normal, as the quantizers' scales: below it 1 / scale overflows to
+        # Inf (zeros would decode to NaN, every other value saturate)
+        if not bool(torch.isfinite(v_scale).all() and (v_scale >= _FP32_TINY).all()):
+            raise ValueError(f"v_scale: expected positive finite scales of at least {_FP32_TINY:.3g} (FP32's "
+                             "smallest normal: their inverses must be finite)")
         self._fix_v_scale(v_scale)
 
     def _fix_v_scale(self, v_scale: torch.Tensor) -> None:
@@ -210,7 +214,12 @@ class FP8KVCache:
         if not any(counts):
             return
         if not self._v_scale_set:
-            self._fix_v_scale(scale_from_amax(self._v_amax(v, counts) * self.v_headroom, _ROWWISE))
+            amax = self._v_amax(v, counts)
+            # a finite amax times the headroom may pass FP32's max: keep the largest finite scale (an
+            # Inf scale decodes every code of its channel to NaN, 0 · Inf, for the cache's life)
+            room = torch.where(amax.isfinite(), (amax * self.v_headroom).clamp(max=torch.finfo(torch.float32).max),
+                               amax)
+            self._fix_v_scale(scale_from_amax(room, _ROWWISE))
         same_count = len(set(counts)) == 1
         if same_count and counts[0] < t:  # every row's padding at the same place: never read
             k, v, t = k[:, :, :counts[0]], v[:, :, :counts[0]], counts[0]

@@ -641,3 +641,45 @@ def test_appending_tensors_that_require_grad_keeps_the_cache_out_of_autograd():
     for a, b in zip(cache.operands(), ref.operands()):
         assert torch.equal(a.view(torch.uint8) if a.dtype != torch.float32 else a,
                            b.view(torch.uint8) if b.dtype != torch.float32 else b)
+
+
+@pytest.mark.parametrize("tiny", [1e-39, 1e-44])
+def test_a_v_scale_whose_inverse_overflows_is_refused(tiny):
+    """Below FP32's smallest normal 1 / scale is Inf: zeros decoded to NaN and values that fit
+    saturated. The smallest normal itself is taken."""
+    scales = torch.full((1, 1, 64), 1e-3)
+    scales[0, 0, 5] = tiny
+    with pytest.raises(ValueError, match="v_scale: expected positive finite scales of at least"):
+        FP8KVCache(1, 1, 16, 64, dtype=torch.float32, v_scale=scales)
+    cache = FP8KVCache(1, 1, 16, 64, dtype=torch.float32,
+                       v_scale=torch.full((1, 1, 64), torch.finfo(torch.float32).tiny))
+    cache.append(torch.randn(1, 1, 1, 64), torch.zeros(1, 1, 1, 64))
+    assert (cache.dequantize()[1] == 0).all()
+
+
+@pytest.mark.parametrize("big,headroom", [(1e38, 4.0), (3.0e38, 2.0)])
+def test_large_finite_values_keep_a_finite_v_scale(big, headroom):
+    """The first append's amax times v_headroom past FP32's max made the scale Inf, and every
+    code of the channel (later tokens' too) decoded to NaN."""
+    torch.manual_seed(0)
+    cache = FP8KVCache(1, 1, 16, 64, dtype=torch.float32, v_headroom=headroom)
+    v = torch.randn(1, 1, 4, 64)
+    v[0, 0, 0, 0] = big
+    cache.append(torch.randn(1, 1, 4, 64), v)
+    later = torch.randn(1, 1, 1, 64) * 0.1
+    later[0, 0, 0, 0] = big / 4
+    cache.append(torch.randn(1, 1, 1, 64), later)
+    assert torch.isfinite(cache.v_scale).all()
+    _, values = cache.dequantize()
+    assert torch.isfinite(values).all()
+    torch.testing.assert_close(values[0, 0, 0, 0], torch.tensor(big), rtol=0.07, atol=0)
+    torch.testing.assert_close(values[0, 0, 4, 0], torch.tensor(big / 4), rtol=0.07, atol=0)
+    assert cache.saturated.item() == 0
+    assert not cache.attend(torch.randn(1, 1, 1, 64)).isnan().any()
+    huge = FP8KVCache(1, 1, 16, 64, v_headroom=1e39)  # any finite headroom >= 1
+    huge.append(torch.randn(1, 1, 4, 64).bfloat16(), torch.randn(1, 1, 4, 64).bfloat16())
+    assert torch.isfinite(huge.v_scale).all() and not huge.dequantize()[1].isnan().any()
+    v[0, 0, 0, 0] = float("inf")  # an Inf amax keeps quantize_kv_cache's Inf scale
+    inf = FP8KVCache(1, 1, 16, 64, dtype=torch.float32, v_headroom=1)
+    inf.append(torch.randn(1, 1, 4, 64), v)
+    assert torch.isinf(inf.v_scale[0, 0, 0]) and torch.isfinite(inf.v_scale[0, 0, 1:]).all()
