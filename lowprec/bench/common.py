@@ -19,15 +19,22 @@ __all__ = ["bench_ms", "bench_stream_ms", "bench_graph_ms", "sustained", "cuda_g
 _FLUSH_BYTES = 256 << 20  # > H100/H200 L2 (50 MB): every timed run starts from a cold L2
 
 
+def positive_tuples(text: str, between: str, within: str, arity: int) -> list[tuple[int, ...]]:
+    """``text`` as tuples of ``arity`` positive ints (``within`` inside a tuple, ``between`` tuples),
+    else an ``argparse.ArgumentTypeError`` quoting it."""
+    try:
+        tuples = [tuple(int(v) for v in s.split(within)) for s in text.split(between)]
+    except ValueError:
+        tuples = []
+    if not tuples or any(len(t) != arity or min(t) < 1 for t in tuples):
+        form = within.join("ABCD"[:arity])
+        raise argparse.ArgumentTypeError(f"expected positive {form} tuples, {between!r}-separated, got {text!r}")
+    return tuples
+
+
 def shape_pairs(text: str) -> list[tuple[int, int]]:
     """argparse type of a ``--shapes`` list: comma-separated ``AxB`` pairs of positive ints."""
-    try:
-        pairs = [tuple(int(v) for v in s.split("x")) for s in text.split(",")]
-    except ValueError:
-        pairs = []
-    if not pairs or any(len(p) != 2 or min(p) < 1 for p in pairs):
-        raise argparse.ArgumentTypeError(f"expected positive AxB pairs, comma-separated, got {text!r}")
-    return pairs
+    return positive_tuples(text, ",", "x", 2)
 
 
 def positive_int(text: str) -> int:

@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from .common import cuda_graph_replay, positive_int, save_results
+from .common import cuda_graph_replay, positive_int, positive_tuples, save_results
 
 ROUNDS = 8  # timing rounds per library (4 rounds' medians swung by up to 7% under the power cap: session 35)
 DSV3_NK = [(2112, 7168), (24576, 1536), (32768, 512), (7168, 16384), (4096, 7168), (7168, 2048)]
@@ -34,12 +34,7 @@ def default_shapes(quick: bool = False):
 
 def _shape_triples(text: str) -> str:
     """argparse type of ``--shapes``: ``M,N,K;M,N,K;...`` of positive ints (kept as the text)."""
-    try:
-        shapes = [tuple(int(v) for v in s.split(",")) for s in text.split(";")]
-    except ValueError:
-        shapes = []
-    if not shapes or any(len(s) != 3 or min(s) < 1 for s in shapes):
-        raise argparse.ArgumentTypeError(f"expected positive M,N,K triples, ';'-separated, got {text!r}")
+    positive_tuples(text, ";", ",", 3)
     return text
 
 
