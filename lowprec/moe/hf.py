@@ -40,13 +40,8 @@ def experts_module_unsupported(experts: nn.Module | None, probe: bool = True) ->
     ``gate_up_proj`` [E, 2F, H] (gate rows first) and ``down_proj`` [E, H, F], SiLU, no biases,
     not transposed, no post-expert norm, not expert-parallel. ``probe=False``: SiLU known by its
     class (``nn.SiLU``, transformers' ``SiLUActivation``), not by running it (for a traced call)."""
-    gate_up, down = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
-    if not all(isinstance(t, nn.Parameter) for t in (gate_up, down)) or gate_up.dim() != 3 or down.dim() != 3:
-        return ("expected transformers 5's layout: parameters experts.gate_up_proj [E, 2F, H], "
-                "experts.down_proj [E, H, F]")
-    e, h, f = down.shape
-    if tuple(gate_up.shape) != (e, 2 * f, h):
-        return f"expert weights gate_up_proj {tuple(gate_up.shape)} and down_proj {tuple(down.shape)} do not match"
+    # transformers' layout flags first: a transposed / bias / ungated layout also fails the shape
+    # checks below, whose message would then name the wrong cause
     if getattr(experts, "has_bias", False) or any(getattr(experts, name, None) is not None
                                                   for name in ("gate_up_proj_bias", "down_proj_bias")):
         return "expert biases are not supported"
@@ -54,11 +49,20 @@ def experts_module_unsupported(experts: nn.Module | None, probe: bool = True) ->
                      ("has_post_expert_norm", False), ("_is_expert_parallel", False)):
         if getattr(experts, flag, ok) != ok:
             return f"experts with {flag}={not ok} are not supported"
+    gate_up, down = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
+    if not all(isinstance(t, nn.Parameter) for t in (gate_up, down)) or gate_up.dim() != 3 or down.dim() != 3:
+        return ("expected transformers 5's layout: parameters experts.gate_up_proj [E, 2F, H], "
+                "experts.down_proj [E, H, F]")
+    e, h, f = down.shape
+    if tuple(gate_up.shape) != (e, 2 * f, h):
+        return f"expert weights gate_up_proj {tuple(gate_up.shape)} and down_proj {tuple(down.shape)} do not match"
     gate_fn = getattr(type(experts), "_apply_gate", None)  # transformers' default: _default_apply_gate
     if gate_fn is not None and getattr(gate_fn, "__name__", None) != "_default_apply_gate":
         return (f"a custom gate {type(experts).__name__}._apply_gate (e.g. a clamped SwiGLU): only "
                 "silu(gate) · up")
     act = getattr(experts, "act_fn", None)
+    if act is torch.nn.functional.silu:  # the function itself (LFM2-MoE's experts)
+        return None
     if not (_is_silu(act) if probe else type(act).__name__ in _SILU_CLASSES):
         return f"activation {type(act).__name__}: only SiLU (SwiGLU experts)"
     return None

@@ -11,7 +11,7 @@ from torch import nn
 import lowprec
 from lowprec import metrics
 from lowprec.moe import FP8InferenceMoE, MoE, NVFP4InferenceMoE
-from lowprec.moe.hf import hf_moe_unsupported, moe_from_hf
+from lowprec.moe.hf import experts_module_unsupported, hf_moe_unsupported, moe_from_hf, transformers_experts_forward
 
 
 class _Router(nn.Module):
@@ -444,3 +444,80 @@ def test_meta_transformers_mixtral_converts_and_loads_with_assign(recipe):
     ids = torch.randint(0, 128, (2, 16))
     with torch.no_grad():
         assert torch.equal(skeleton(input_ids=ids).logits, trained(input_ids=ids).logits)
+
+
+class _FunctionalSiluExperts(nn.Module):
+    def __init__(self, experts=8, hidden=128, ffn=64):
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.randn(experts, 2 * ffn, hidden) / hidden**0.5)
+        self.down_proj = nn.Parameter(torch.randn(experts, hidden, ffn) / ffn**0.5)
+        self.act_fn = F.silu
+
+    def forward(self, x, ids, weights):
+        out = torch.zeros_like(x)
+        for t in range(x.shape[0]):
+            for j in range(ids.shape[1]):
+                e = int(ids[t, j])
+                gate, up = F.linear(x[t], self.gate_up_proj[e]).chunk(2)
+                out[t] += weights[t, j] * F.linear(self.act_fn(gate) * up, self.down_proj[e])
+        return out
+
+
+def test_functional_silu_experts_are_taken():
+    torch.manual_seed(0)
+    module = _FunctionalSiluExperts()
+    assert experts_module_unsupported(module) is None
+    assert experts_module_unsupported(module, probe=False) is None
+    x = torch.randn(24, 128)
+    weights, ids = torch.rand(24, 2), torch.stack([torch.randperm(8)[:2] for _ in range(24)])
+    y = transformers_experts_forward(module, x, ids, weights)
+    assert metrics.cos_sim(y, module(x, ids, weights)) > 0.99
+
+
+def test_real_lfm2_moe_on_the_lowprec_experts():
+    transformers = pytest.importorskip("transformers")
+    if not hasattr(transformers, "Lfm2MoeConfig"):
+        pytest.skip("no LFM2-MoE in this transformers")
+    name = lowprec.moe.register_transformers_experts()
+    cfg = transformers.Lfm2MoeConfig(vocab_size=128, hidden_size=128, intermediate_size=128, moe_intermediate_size=64,
+                                     num_hidden_layers=1, num_dense_layers=0, layer_types=["full_attention"],
+                                     num_attention_heads=4, num_key_value_heads=2, num_experts=8, num_experts_per_tok=2)
+    torch.manual_seed(0)
+    model = transformers.Lfm2MoeForCausalLM(cfg)
+    ids = torch.randint(0, 128, (2, 16))
+    with torch.no_grad():
+        expected = model(ids).logits
+    model.set_experts_implementation(name)
+    out = model(ids, labels=ids)
+    assert metrics.cos_sim(out.logits, expected) > 0.99
+    out.loss.backward()
+    assert torch.isfinite(model.model.layers[0].feed_forward.experts.gate_up_proj.grad).all()
+
+
+class _LayoutExperts(nn.Module):
+    def __init__(self, experts=8, hidden=128, ffn=64, transposed=False):
+        super().__init__()
+        self.is_transposed = transposed
+        up = (experts, hidden, 2 * ffn) if transposed else (experts, 2 * ffn, hidden)
+        down = (experts, ffn, hidden) if transposed else (experts, hidden, ffn)
+        self.gate_up_proj, self.down_proj = nn.Parameter(torch.zeros(up)), nn.Parameter(torch.zeros(down))
+        self.act_fn = nn.SiLU()
+
+
+def test_transposed_experts_are_refused_for_being_transposed():
+    assert "is_transposed=True" in experts_module_unsupported(_LayoutExperts(transposed=True))
+
+
+def test_transposed_experts_with_biases_name_the_biases():
+    module = _LayoutExperts(transposed=True)
+    module.has_bias = True
+    module.gate_up_proj_bias = nn.Parameter(torch.zeros(8, 128))
+    assert "biases" in experts_module_unsupported(module)
+
+
+def test_ungated_experts_are_refused_for_having_no_gate():
+    module = _LayoutExperts()
+    del module.gate_up_proj
+    module.up_proj = nn.Parameter(torch.zeros(8, 64, 128))
+    module.has_gate = False
+    assert "has_gate=False" in experts_module_unsupported(module)
