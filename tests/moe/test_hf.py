@@ -446,21 +446,13 @@ def test_meta_transformers_mixtral_converts_and_loads_with_assign(recipe):
         assert torch.equal(skeleton(input_ids=ids).logits, trained(input_ids=ids).logits)
 
 
-class _FunctionalSiluExperts(nn.Module):
-    def __init__(self, experts=8, hidden=128, ffn=64):
-        super().__init__()
-        self.gate_up_proj = nn.Parameter(torch.randn(experts, 2 * ffn, hidden) / hidden**0.5)
-        self.down_proj = nn.Parameter(torch.randn(experts, hidden, ffn) / ffn**0.5)
-        self.act_fn = F.silu
+class _FunctionalSiluExperts(_Experts):
+    """LFM2-MoE's experts: ``act_fn`` is ``F.silu`` itself, not a module."""
 
-    def forward(self, x, ids, weights):
-        out = torch.zeros_like(x)
-        for t in range(x.shape[0]):
-            for j in range(ids.shape[1]):
-                e = int(ids[t, j])
-                gate, up = F.linear(x[t], self.gate_up_proj[e]).chunk(2)
-                out[t] += weights[t, j] * F.linear(self.act_fn(gate) * up, self.down_proj[e])
-        return out
+    def __init__(self, experts=8, hidden=128, ffn=64):
+        super().__init__(experts, hidden, ffn)
+        del self.act_fn  # a child module: a function cannot replace it in place
+        self.act_fn = F.silu
 
 
 def test_functional_silu_experts_are_taken():

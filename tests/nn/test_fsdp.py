@@ -519,18 +519,25 @@ def test_fp8_all_gather_of_unevenly_or_column_sharded_weights(case):
     _spawn(_uneven_worker, case)
 
 
-def _enable_after_shard_worker(rank, world, init_file, forward_first):
+def _sharded_fp8_linear(world, **fsdp_options) -> nn.Module:
+    """One 128 -> 256 FP8Linear under fully_shard on this process group's CPU mesh."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     import lowprec
+
+    torch.manual_seed(0)
+    model = lowprec.convert(nn.Sequential(nn.Linear(128, 256)), min_weight_numel=0)
+    fully_shard(model, mesh=init_device_mesh("cpu", (world,)), **fsdp_options)
+    return model
+
+
+def _enable_after_shard_worker(rank, world, init_file, forward_first):
     from lowprec.nn import enable_fp8_all_gather
 
     _init_group(rank, world, init_file, "gloo")
     with rank_body():
-        torch.manual_seed(0)
-        model = lowprec.convert(nn.Sequential(nn.Linear(128, 256)), min_weight_numel=0)
-        fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
+        model = _sharded_fp8_linear(world)
         if forward_first:
             model(torch.randn(4, 128))
         with pytest.raises(ValueError, match="before fully_shard"):
@@ -545,17 +552,11 @@ def test_enable_fp8_all_gather_after_fully_shard_is_a_clear_error(forward_first)
 
 
 def _reuse_worker(rank, world, init_file, reshard_after_forward):
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    import lowprec
     from lowprec.nn import fp8_linear, reuse_quantized_weights
 
     _init_group(rank, world, init_file, "gloo")
     with rank_body():
-        torch.manual_seed(0)
-        model = lowprec.convert(nn.Sequential(nn.Linear(128, 256)), min_weight_numel=0)
-        fully_shard(model, mesh=init_device_mesh("cpu", (world,)), reshard_after_forward=reshard_after_forward)
+        model = _sharded_fp8_linear(world, reshard_after_forward=reshard_after_forward)
         opt = torch.optim.SGD(model.parameters(), lr=0.5)
         x = torch.randn(16, 128, generator=torch.Generator().manual_seed(1))
         with reuse_quantized_weights():
