@@ -7,9 +7,13 @@ import functools
 
 import torch
 
-__all__ = ["device_arch", "sm_count", "on_device", "SUPPORTED_ARCHS"]
+__all__ = ["device_arch", "sm_count", "on_device", "SUPPORTED_ARCHS", "GRID_YZ_MAX", "INT32_OFFSET_MAX"]
 
 SUPPORTED_ARCHS = ("sm_90a", "sm_100a")
+GRID_YZ_MAX = 65535  # CUDA's gridDim.y / gridDim.z limit
+# elements a kernel may address from one base with a 32-bit offset (a static stride times an
+# Int32 row index: CuTe computes row · stride + col in Int32, which wraps past this)
+INT32_OFFSET_MAX = 1 << 31
 _BY_CAPABILITY = {(9, 0): "sm_90a", (10, 0): "sm_100a"}
 
 

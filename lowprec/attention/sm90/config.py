@@ -332,10 +332,6 @@ PREPASS_MAX_CLUSTER = 8  # CTAs per head of the K / V pre-pass kernels (the port
 PREPASS_TARGET_CTAS = (256, 128)
 PREPASS_RING_BYTES = 128 * 1024  # a CTA's shared-memory ring of 128-token blocks (measured: 96-192 KB alike)
 PREPASS_MAX_RING_STAGES = 4
-# the pre-pass kernels read their input as [rows, D] rows of the static stride D and a 32-bit row count
-# (``interface.build_prepass_kernel``): CuTe computes the offset ``row * D + col`` in Int32, which wraps
-# (to a negative offset) past 2^31 values
-PREPASS_MAX_NUMEL = 1 << 31
 
 
 def prepass_ring_stages(head_dim: int, elem_bytes: int) -> int:
@@ -357,28 +353,29 @@ def prepass_cluster(heads: int, seqlen: int, row_bytes: int) -> int:
     return cluster
 
 
-MAX_GRID_YZ = 65535  # CUDA's gridDim.y / gridDim.z limit: the dense pre-pass grids are (cluster, B·H, 1)
-
-
 def _prepass_unsupported(x) -> str | None:
     """The pre-pass kernels read ``x`` [B, H, S, D] as the quantize kernels read rows: the same
     dtypes, 16-column multiples and alignment (``quant.sm90.config.rows_unsupported``)."""
+    from ...runtime.arch import GRID_YZ_MAX
+
     if x.dim() != 4 or not x.is_contiguous():
         return "a contiguous [B, H, S, D] tensor"
     if not x.numel():
         return "an empty tensor"
-    if x.shape[0] * x.shape[1] > MAX_GRID_YZ:
-        return f"B·H={x.shape[0] * x.shape[1]} heads (the pre-pass grid's y dimension, at most {MAX_GRID_YZ})"
+    if x.shape[0] * x.shape[1] > GRID_YZ_MAX:  # the dense pre-pass grids are (cluster, B·H, 1)
+        return f"B·H={x.shape[0] * x.shape[1]} heads (the pre-pass grid's y dimension, at most {GRID_YZ_MAX})"
     return _prepass_rows_unsupported(x)
 
 
 def _prepass_rows_unsupported(x) -> str | None:
     """Rows of ``x``'s head dim the pre-pass kernels can stream (any leading dims)."""
     from ...quant.sm90.config import rows_unsupported
+    from ...runtime.arch import INT32_OFFSET_MAX
 
     if x.shape[-1] > PREPASS_MAX_D:
         return f"head dim {x.shape[-1]} (at most {PREPASS_MAX_D})"
-    if x.numel() > PREPASS_MAX_NUMEL:
+    # [rows, D] of the static stride D and an Int32 row count (``interface.build_prepass_kernel``)
+    if x.numel() > INT32_OFFSET_MAX:
         return f"{x.numel()} values (the pre-pass kernels address their input with 32-bit offsets: at most 2^31)"
     if not prepass_ring_stages(x.shape[-1], x.element_size()):
         return f"{x.dtype} rows of {x.shape[-1]} values (two 128-token blocks must fit the kernels' " \

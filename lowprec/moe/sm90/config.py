@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from ...quant.sm90.config import INPUT_DTYPES, rows_unsupported
+from ...runtime.arch import INT32_OFFSET_MAX
 
 # dispatch plan: one CTA per chunk of THREADS slots, one thread per slot
 THREADS = 1024
@@ -13,9 +14,6 @@ MAX_EXPERTS = 512  # the per-warp count table: 32 warps x E int32 in shared memo
 MAX_SLOTS = 1 << 17  # every CTA sums its experts' column of the chunk counts: keep that short
 UNPACK_DTYPES = INPUT_DTYPES  # rows and output dtypes of the unpack kernel
 PACK_RECIPE = "fp8_block1x128"
-# the top-k kernel's scores are [T, E] of static row stride E and a 32-bit row count
-# (``interface.build_topk_kernel``): CuTe computes ``row * E + e`` in Int32
-TOPK_MAX_NUMEL = 1 << 31
 
 
 def topk_unsupported(scores: torch.Tensor, top_k: int) -> str | None:
@@ -24,7 +22,8 @@ def topk_unsupported(scores: torch.Tensor, top_k: int) -> str | None:
         return f"scores: the kernel takes contiguous float32 [T, E], got {scores.dtype} {tuple(scores.shape)}"
     if scores.shape[1] > MAX_EXPERTS:
         return f"E={scores.shape[1]} experts (the kernels take up to {MAX_EXPERTS})"
-    if scores.numel() > TOPK_MAX_NUMEL:
+    # [T, E] of static row stride E and an Int32 row count (``interface.build_topk_kernel``)
+    if scores.numel() > INT32_OFFSET_MAX:
         return f"T·E={scores.numel()} scores (the kernel reads [T, E] with 32-bit offsets row·E + e)"
     if not 1 <= top_k <= scores.shape[1]:
         return f"top_k={top_k} outside [1, E={scores.shape[1]}]"

@@ -5,14 +5,12 @@ from __future__ import annotations
 
 import torch
 
+from ...runtime.arch import GRID_YZ_MAX
 from ..ops import DUAL_T_RECIPES as _DUAL_T_BY_ROWS
 
 INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 RECIPES = ("fp8_block1x128", "fp8_block128x128", "fp8_rowwise")  # with exact FP32 scales
 COL_MULTIPLE = 16  # 16-byte rows of FP8 codes
-# CUDA's gridDim.y limit: the 128x128 kernels' grid is (row blocks, column blocks), the gathering
-# kernel's (token blocks, column tiles of 128)
-MAX_GRID_Y = 65535
 DUAL_T_RECIPES = tuple(_DUAL_T_BY_ROWS.values())  # the dual kernels' transposed halves
 
 
@@ -32,8 +30,8 @@ def _recipe_unsupported(x: torch.Tensor, r) -> str | None:
         return f"recipe {r.name} ({r.scale_rounding} scales) has no quantize kernel"
     if r.is_2d and x.dim() > 2 and x.shape[-2] % r.block[0]:
         return f"the 128x128 kernel takes a batch of matrices only when rows are a multiple of {r.block[0]}"
-    if r.is_2d and -(-x.shape[-1] // r.block[1]) > MAX_GRID_Y:
-        return f"{x.shape[-1]} columns (the 128x128 kernel's grid: one y index per 128 columns, at most {MAX_GRID_Y})"
+    if r.is_2d and -(-x.shape[-1] // r.block[1]) > GRID_YZ_MAX:  # grid (row blocks, column blocks)
+        return f"{x.shape[-1]} columns (the 128x128 kernel's grid: one y index per 128 columns, at most {GRID_YZ_MAX})"
     return None
 
 
@@ -68,8 +66,8 @@ def gathered_unsupported(rows: torch.Tensor, r, sources: torch.Tensor) -> str | 
     """The token-major 1x128 quantization of ``rows`` gathered through ``sources``."""
     if r.block != (1, 128) or r.name != "fp8_block1x128":
         return f"recipe {r.name}: the gathering kernel quantizes 1x128 blocks"
-    if rows.dim() == 2 and -(-rows.shape[1] // 128) > MAX_GRID_Y:
-        return f"{rows.shape[1]} columns (the gathering kernel's grid: a y index per 128 columns, at most {MAX_GRID_Y})"
+    if rows.dim() == 2 and -(-rows.shape[1] // 128) > GRID_YZ_MAX:  # grid (token blocks, column tiles)
+        return f"{rows.shape[1]} columns (the gathering kernel's grid: a y per 128 columns, at most {GRID_YZ_MAX})"
     return rows_unsupported(rows)
 
 
