@@ -57,28 +57,13 @@ def gemm(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype = torch.
             raise ValueError(f"bias: expected a tensor of shape ({n},), got {getattr(bias, 'shape', type(bias))}")
         if bias.device != a.device:
             raise ValueError(f"bias: on {bias.device}, but a is on {a.device}")
-    if not torch.compiler.is_compiling():
-        # eager: the op's dispatch (tens of µs per call) buys nothing outside a traced graph
-        if bias is not None and bias.requires_grad and torch.is_grad_enabled():  # a kernel's output has no graph
-            return _BiasGrad.apply(a, b, out_dtype, bias)
+    bias_grad = bias is not None and bias.requires_grad and torch.is_grad_enabled()
+    if not torch.compiler.is_compiling() and not bias_grad:
+        # eager: the op's dispatch (tens of µs per call) buys nothing outside a traced graph, unless
+        # the bias needs its gradient (the op's autograd formula; a kernel's output has no graph)
         return gemm_dispatch(a, b, out_dtype, bias)
     return gemm_op(a.data, a.scale, a.global_scale, a.recipe.spec(),
                    b.data, b.scale, b.global_scale, b.recipe.spec(), a.shape[1], bias, out_dtype)
-
-
-class _BiasGrad(torch.autograd.Function):
-    """The eager GEMM with a bias that requires grad: the kernel (or the reference) computes the
-    output; the bias's gradient is the output gradient summed over rows (as the op's compiled
-    form, ``ops.gemm_op``, registers it)."""
-
-    @staticmethod
-    def forward(ctx, a, b, out_dtype, bias):
-        ctx.bias_dtype = bias.dtype
-        return gemm_dispatch(a, b, out_dtype, bias.detach())
-
-    @staticmethod
-    def backward(ctx, grad):
-        return None, None, None, grad.float().sum(0).to(ctx.bias_dtype)
 
 
 @eager_under_compile
