@@ -263,16 +263,18 @@ class FP8KVCache:
         self._prepared[op, key] = made
         return made
 
-    def _append_kernel(self, k: torch.Tensor, v: torch.Tensor, start: int | None) -> bool:
+    def _append_kernel(self, k: torch.Tensor, v: torch.Tensor, start: int | None, q: torch.Tensor | None = None,
+                       q_destination: tuple | None = None) -> bool:
         """Append ``k``, ``v`` with the append kernel at the plan's lengths (``start``: their host
         value where known), which the kernel advances; False where no kernel takes them (nothing
-        written, the lengths unchanged)."""
+        written, the lengths unchanged). With ``q`` the launch also quantizes a decode step's query
+        into ``q_destination``."""
         op = "attention_fp8_cache_append"
         append = self._kernel_object(op, (), k, v, *self._buffers(), start)
         if append is None:
             return False
         try:
-            why = append(k, v, start)
+            why = append(k, v, start, q, q_destination)
         except Exception as err:
             kernel_failed(op, err)
             self._prepared[op, ()] = None
@@ -281,20 +283,25 @@ class FP8KVCache:
             raise RuntimeError(f"LOWPREC_BACKEND=kernel but {op} cannot run a kernel: {why}")
         return why is None
 
-    def _attend_kernel(self, q: torch.Tensor, scale: float, length: int, want_lse: bool):
+    def _attend_object(self, q: torch.Tensor, scale: float):
+        """The cache-attention kernels bound to this cache for queries shaped as ``q``, or None."""
+        return self._kernel_object("attention_fp8_cache_attend", (q.shape, q.dtype, scale), q, self._k,
+                                   self._k_scale, self._v_t, self._v_scale, scale, self._plan)
+
+    def _attend_kernel(self, q: torch.Tensor, scale: float, length: int, want_lse: bool, q_quantized: bool = False,
+                       attend=_UNSET):
         """``(out, lse)`` of float ``q`` over the whole buffers at the device-side lengths, on the
         cache-attention kernels with their splits chosen for ``length`` tokens (the LSE a workspace
-        without ``want_lse``); None where they do not serve ``q``."""
-        key = (q.shape, q.dtype, scale)
-        attend = self._kernel_object("attention_fp8_cache_attend", key, q, self._k, self._k_scale, self._v_t,
-                                     self._v_scale, scale, self._plan)
+        without ``want_lse``); None where they do not serve ``q``. ``q_quantized``: the append
+        kernel quantized ``q`` already. ``attend``: :meth:`_attend_object`'s, where known."""
+        attend = self._attend_object(q, scale) if attend is _UNSET else attend
         if attend is None:
             return None
         try:
-            return attend(q, length, want_lse)
+            return attend(q, length, want_lse, q_quantized)
         except Exception as err:
             kernel_failed("attention_fp8_cache_attend", err)
-            self._prepared["attention_fp8_cache_attend", key] = None
+            self._prepared["attention_fp8_cache_attend", (q.shape, q.dtype, scale)] = None
             return None
 
     def _counts_of(self, lengths, t: int) -> list[int]:
@@ -345,7 +352,8 @@ class FP8KVCache:
         token (``k``, ``v`` ``[B, Hkv, 1, D]``) and attend with its query (``q`` ``[B, H, 1, D]``).
 
         On Hopper the kernels read the length from the device (:attr:`lengths`) and advance it: each
-        replay computes ``append(k, v); attend(q)`` with no host value of the length (the append's
+        replay computes ``append(k, v); attend(q)`` (the append's launch quantizes ``q`` too where
+        ``q`` has the cache's dtype and is contiguous) with no host value of the length (the append's
         bits exactly; the attention's split of the keys is chosen for ``max_len``, so its bits may
         differ from ``attend``'s in the last places). V's scales must be set (by an earlier append,
         or ``v_scale``). A replay past ``max_len`` stores nothing and counts the token in
@@ -363,16 +371,20 @@ class FP8KVCache:
         if self._lengths is not None and max(self._lengths) + 1 > self.max_len:
             raise ValueError(f"k: 1 more token overflows the cache: it holds {max(self._lengths)} of "
                              f"max_len={self.max_len}")
+        scale = 1.0 / math.sqrt(self.head_dim) if scale is None else float(scale)
+        # the append kernel quantizes the query too where the attention kernels read it (one launch less)
+        attend = self._attend_object(q, scale)
+        fuse_q = attend is not None and q.dtype == self.dtype and attend.reads(q)
         # past max_len the kernels store nothing (the append counts the token in ``dropped``) and read
         # max_len keys; the host reads clamp. The append kernel advances the lengths itself.
-        if not self._append_kernel(k, v, None):
+        if not self._append_kernel(k, v, None, *((q, attend.q_destination()) if fuse_q else ())):
+            fuse_q = False
             self._append_rows(k, v, self._host_lengths(), [1] * self.batch)
             self._device_lengths.add_(1)
         capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
         self._lengths = None if capturing or self._lengths is None else [n + 1 for n in self._lengths]
-        scale = 1.0 / math.sqrt(self.head_dim) if scale is None else float(scale)
         # splits for max_len: a graph of this step replays at every length
-        result = self._attend_kernel(q, scale, self.max_len, False)
+        result = self._attend_kernel(q, scale, self.max_len, False, fuse_q, attend)
         if result is None:
             result = fp8_over_kv_operands(q, self._k, self._k_scale, self._v_t, self._v_scale, False, scale,
                                           kv_lengths=self._plan)

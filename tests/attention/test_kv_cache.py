@@ -309,14 +309,17 @@ def test_kernel_operands_may_be_views_of_longer_buffers():
 @needs_cutlass
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("d", [64, 128, 256])
-def test_append_kernel_compiles_sm90a(dtype, d):
-    """The decode-step append kernel compiles for sm_90a: E4M3 conversions, one 64-bit reduction
+@pytest.mark.parametrize("with_q", [False, True], ids=["append", "append_and_q"])
+def test_append_kernel_compiles_sm90a(dtype, d, with_q):
+    """The decode-step append kernel (and decode_step's, which quantizes the query too: a warp's
+    shuffle reduction per query row) compiles for sm_90a: E4M3 conversions, one 64-bit reduction
     for the saturation count, the arrival count that lets a row's last CTA advance its length, no
     local memory."""
     from lowprec.attention.sm90.interface import build_kv_append_kernel
     from lowprec.runtime.compile import local_memory_ops, nvdisasm_path, sass_of
 
-    compiled = build_kv_append_kernel(dtype, d, "sm_90a")
+    compiled = build_kv_append_kernel(dtype, d, "sm_90a", with_q=with_q)
+    assert ("shfl.sync.bfly.b32" in compiled.__ptx__) or not with_q
     assert "cvt.rn.satfinite.e4m3x2.f32" in compiled.__ptx__
     assert "red.relaxed.gpu.global.add.u64" in compiled.__ptx__
     assert "atom.global.acq_rel.add.u32" in compiled.__ptx__
@@ -500,6 +503,44 @@ def test_a_decode_step_replays_from_a_cuda_graph():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, cache.attend(q))
+
+
+@gpu
+@needs_gpu
+@pytest.mark.parametrize("dtype", [BF16, torch.float16])
+@pytest.mark.parametrize("b,h,hkv,d", [(4, 32, 8, 128), (2, 16, 16, 128), (2, 16, 2, 256), (1, 8, 2, 64),
+                                       (3, 64, 1, 128)])
+def test_decode_step_quantizes_q_in_the_append_launch(b, h, hkv, d, dtype):
+    """decode_step's append kernel quantizes the query too (no Q pre-pass launch): the codes and
+    scales are quantize_q's bits, and the step's output is the bits of the append kernel followed by
+    the cache attention with its own Q pre-pass, on a twin cache."""
+    from lowprec.attention.quantize import quantize_q
+
+    sk, max_len = 700, 2048
+    k, v = (t.to(dtype) for t in _kv(b, hkv, sk + 3, d, device="cuda"))
+    cache, twin = (FP8KVCache(b, hkv, max_len, d, dtype=dtype, device="cuda") for _ in range(2))
+    for c in (cache, twin):
+        c.append(k[:, :, :sk], v[:, :, :sk])
+    scale = 1.0 / math.sqrt(d)
+    for t in range(sk, sk + 3):
+        q = (3 * torch.randn(b, h, 1, d, device="cuda")).to(dtype)
+        q[0, 0] = 0  # an all-zero row: scale 1
+        attend = cache._attend_object(q, scale)
+
+        def no_q_prepass(*args):
+            raise AssertionError("the Q pre-pass kernel ran in decode_step")
+
+        attend.q_kernel, q_kernel = no_q_prepass, attend.q_kernel
+        out = cache.decode_step(q, k[:, :, t:t + 1], v[:, :, t:t + 1])
+        attend.q_kernel = q_kernel
+        codes, scales = quantize_q(q)
+        q_codes, q_scale = attend.q_destination()
+        assert torch.equal(q_codes, codes.view(torch.uint8))
+        assert torch.equal(q_scale.view(b, h), scales.view(b, h))
+        twin.append(k[:, :, t:t + 1], v[:, :, t:t + 1])
+        ref, _ = twin._attend_kernel(q, scale, max_len, False)
+        assert torch.equal(out, ref), t
+    assert cache.length == twin.length == sk + 3
 
 
 @gpu

@@ -358,15 +358,17 @@ def _combine_entry(head_dim: int, out_dtype: torch.dtype, pdl: bool):
                                       lambda: build_combine_kernel(head_dim, out_dtype, pdl=pdl)))
 
 
-def build_kv_append_kernel(dtype: torch.dtype, head_dim: int, arch: str = _ARCH_DEFAULT, pdl: bool = True):
-    """Compile the FP8 KV cache's append (``kv_append.kv_append``) on fake tensors (no GPU needed)."""
+def build_kv_append_kernel(dtype: torch.dtype, head_dim: int, arch: str = _ARCH_DEFAULT, pdl: bool = True,
+                           with_q: bool = False):
+    """Compile the FP8 KV cache's append (``kv_append.kv_append``; with ``with_q`` a decode step's,
+    ``kv_append.kv_append_with_q``, which quantizes the query too) on fake tensors (no GPU needed)."""
     import cutlass
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
 
     from ...quant.sm90.interface import cutlass_dtype
     from ...runtime import compile_for_arch
-    from .kv_append import kv_append
+    from .kv_append import kv_append, kv_append_with_q
 
     b, hkv, d = cute.sym_int(), cute.sym_int(), head_dim
     i64 = cute.sym_int64
@@ -386,18 +388,26 @@ def build_kv_append_kernel(dtype: torch.dtype, head_dim: int, arch: str = _ARCH_
     v_inv = heads(cutlass.Float32, (d,), (1,), 8, 2)
     counts = make_fake_tensor(cutlass.Int64, (2,), stride=(1,), assumed_align=16)
     plan = make_fake_tensor(cutlass.Int32, (b, 8), stride=(8, 1), assumed_align=16)
-    return compile_for_arch(kv_append, new_k, new_v, tail, amax, k, k_scale, v_t, v_inv, counts, plan,
-                            cutlass.Int32(1), head_dim, pdl, make_fake_stream(use_tvm_ffi_env_stream=True),
-                            arch=arch, tvm_ffi=True)
+    stream = make_fake_stream(use_tvm_ffi_env_stream=True)
+    if not with_q:
+        return compile_for_arch(kv_append, new_k, new_v, tail, amax, k, k_scale, v_t, v_inv, counts, plan,
+                                cutlass.Int32(1), head_dim, pdl, stream, arch=arch, tvm_ffi=True)
+    h = cute.sym_int()  # the query [B, H, 1, D] and its codes [B, H, 1, D], scales [B, H, 1], as given
+    q = make_fake_tensor(x, (b, h, 1, d), stride=(i64(divisibility=d), d, i64(), 1), assumed_align=16)
+    q_codes = make_fake_tensor(cutlass.Uint8, (b, h, 1, d), stride=(i64(divisibility=d), d, i64(), 1),
+                               assumed_align=16)
+    q_scale = make_fake_tensor(cutlass.Float32, (b, h, 1), stride=(i64(), 1, i64()), assumed_align=4)
+    return compile_for_arch(kv_append_with_q, new_k, new_v, tail, amax, k, k_scale, v_t, v_inv, counts, plan, q,
+                            q_codes, q_scale, cutlass.Int32(1), head_dim, pdl, stream, arch=arch, tvm_ffi=True)
 
 
 @functools.cache
-def _kv_append_entry(dtype: torch.dtype, head_dim: int, pdl: bool):
+def _kv_append_entry(dtype: torch.dtype, head_dim: int, pdl: bool, with_q: bool = False):
     from ...runtime import kernel_cache
 
-    key = {"dtype": str(dtype).removeprefix("torch."), "head_dim": head_dim, "pdl": pdl}
+    key = {"dtype": str(dtype).removeprefix("torch."), "head_dim": head_dim, "pdl": pdl, "with_q": with_q}
     return ffi_entry(kernel_cache.get("attention_kv_append", key, _ARCH_DEFAULT,
-                                      lambda: build_kv_append_kernel(dtype, head_dim, pdl=pdl)))
+                                      lambda: build_kv_append_kernel(dtype, head_dim, pdl=pdl, with_q=with_q)))
 
 
 @functools.cache
@@ -599,12 +609,22 @@ class CacheAttention:
         self._by_splits[splits] = prepared = (launch, front, back, parts)
         return prepared
 
-    def __call__(self, q: torch.Tensor, length: int, want_lse: bool = True
+    def reads(self, q: torch.Tensor) -> bool:
+        """Whether the Q pre-pass reads ``q`` (contiguous and 16-byte aligned)."""
+        return q.is_contiguous() and q.data_ptr() % 16 == 0
+
+    def q_destination(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Where a call reads Q's codes ``[B, H, Sq, D]`` (uint8) and scales ``[B, H, 1]`` from: what
+        the append kernel of a decode step writes when it quantizes the query (``q_quantized``)."""
+        return self.q_codes, self.q_scale
+
+    def __call__(self, q: torch.Tensor, length: int, want_lse: bool = True, q_quantized: bool = False
                  ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``(out, lse)`` of ``q`` (shaped as the prepared query), or None where the Q pre-pass cannot
-        read it (not contiguous and 16-byte aligned: the cache's general path takes it). Without
-        ``want_lse`` the LSE returned is a workspace the next call overwrites."""
-        if not q.is_contiguous() or q.data_ptr() % 16:
+        read it (not :meth:`reads`: the cache's general path takes it). Without ``want_lse`` the
+        LSE returned is a workspace the next call overwrites. ``q_quantized``: Q's codes and scales
+        are already in :meth:`q_destination` (no Q pre-pass launch)."""
+        if not self.reads(q):
             return None
         b, h, sq, d = self.out_shape
         splits = kv_splits(b, h, self.hkv, sq, length)
@@ -612,7 +632,8 @@ class CacheAttention:
         out = torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
         lse = torch.empty(self.lse_shape, dtype=torch.float32, device=self.device) if want_lse else self.lse_scratch
         with on_device(self.device):
-            self.q_kernel(q.view(-1, self.q_row), *self.q_dst)
+            if not q_quantized:
+                self.q_kernel(q.view(-1, self.q_row), *self.q_dst)
             launch.fn(*front, *(back or launch.outputs(out, lse)), self.scale_log2, *launch.ints, self.plan)
             if parts:
                 _combine_entry(d, self.dtype, PDL)(*parts, out.view(-1, d), lse.view(-1), splits)
@@ -633,14 +654,25 @@ class CacheAppend:
     None, or why the kernel cannot take them (nothing written: the cache then appends in torch ops)."""
 
     def __init__(self, dtype: torch.dtype, head_dim: int, buffers: tuple):
+        self.dtype, self.head_dim = dtype, head_dim
         self.entry, self.buffers, self.device = _kv_append_entry(dtype, head_dim, PDL), buffers, buffers[0].device
+        self.entry_with_q = None  # compiled at the first decode step
 
-    def __call__(self, k, v, start: int | None) -> str | None:
-        """Append ``k``, ``v`` (the cache's dtype and head dim, which it checks)."""
+    def __call__(self, k, v, start: int | None, q: torch.Tensor | None = None,
+                 q_destination: tuple[torch.Tensor, torch.Tensor] | None = None) -> str | None:
+        """Append ``k``, ``v`` (the cache's dtype and head dim, which it checks). With ``q`` (a
+        decode step's query ``[B, H, 1, D]`` in the cache's dtype, contiguous, 16-byte aligned) the
+        same launch quantizes it rowwise into ``q_destination`` (codes ``[B, H, 1, D]`` uint8, scales
+        ``[B, H, 1]``: :meth:`CacheAttention.q_destination`)."""
         if (why := kv_append_tokens_unsupported(k, v, start)) is not None:
             return why
         with on_device(self.device):
-            self.entry(k, v, *self.buffers, k.shape[2])
+            if q is None:
+                self.entry(k, v, *self.buffers, k.shape[2])
+            else:
+                if self.entry_with_q is None:
+                    self.entry_with_q = _kv_append_entry(self.dtype, self.head_dim, PDL, True)
+                self.entry_with_q(k, v, *self.buffers, q, *q_destination, k.shape[2])
         return None
 
 

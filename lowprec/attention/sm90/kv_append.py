@@ -16,6 +16,9 @@ length (no second launch for it):
 
 The arithmetic is the torch path's (``scale_and_inverse``: amax / 448, all-zero blocks 1; codes
 ``x · (1 / scale)`` rounded to nearest and saturated), so the bits are the same.
+
+``kv_append_with_q`` (a decode step's append) also quantizes the step's query, one row per (batch
+row, head), a warp per row: the bits of the rowwise Q pre-pass kernel, without its launch.
 """
 
 from __future__ import annotations
@@ -50,11 +53,14 @@ def _store_codes(row: cute.Tensor, values, pair):
 @cute.kernel
 def _kv_append_kernel(mKn: cute.Tensor, mVn: cute.Tensor, mTail: cute.Tensor, mAmax: cute.Tensor, mK_u8: cute.Tensor,
                       mKs: cute.Tensor, mVt_u8: cute.Tensor, mVinv: cute.Tensor, mCounts: cute.Tensor,
-                      mPlan: cute.Tensor, count: cutlass.Int32, d: cutlass.Constexpr, pdl: cutlass.Constexpr):
+                      mPlan: cute.Tensor, mQ: cute.Tensor, mQc_u8: cute.Tensor, mQs: cute.Tensor, count: cutlass.Int32,
+                      d: cutlass.Constexpr, pdl: cutlass.Constexpr, with_q: cutlass.Constexpr):
     tidx, _, _ = cute.arch.thread_idx()
     head, batch, _ = cute.arch.block_idx()
     if cutlass.const_expr(pdl):
         after_previous_grid()
+    if cutlass.const_expr(with_q):
+        _quantize_q_rows(mQ, mQc_u8, mQs, batch, head, mK_u8.shape[1], tidx, d)
     start = mPlan[batch, 5]  # the row's length
     if start + count <= mK_u8.shape[2]:
         _append_row(mKn, mVn, mTail, mAmax, mK_u8, mKs, mVt_u8, mVinv, mCounts, start, count, batch, head, tidx, d)
@@ -123,6 +129,28 @@ def _append_row(mKn, mVn, mTail, mAmax, mK_u8, mKs, mVt_u8, mVinv, mCounts, star
 
 
 @cute.jit
+def _quantize_q_rows(mQ, mQc_u8, mQs, batch, head, kv_heads, tidx, d: cutlass.Constexpr):
+    """Rowwise FP8 codes and scales of the query heads that share KV head ``head`` (``mQ`` [B, H, 1, D],
+    one row per head): a warp per row, D / 32 values per lane."""
+    mQc = as_fp8(mQc_u8)
+    per_lane = d // 32
+    group = mQ.shape[1] // kv_heads
+    warp, lane = tidx // 32, tidx % 32
+    for j in cutlass.range(warp, group, THREADS // 32, unroll=1):
+        h = head * group + j
+        frag = cute.make_rmem_tensor((per_lane,), mQ.element_type)
+        cute.autovec_copy(cute.local_tile(mQ[batch, h, 0, None], (per_lane,), (lane,)), frag)
+        x = frag.load().to(Float32)
+        amax = cute.arch.warp_reduction_max(abs(x).reduce(cute.ReductionOp.MAX, Float32(0.0), 0))
+        scale, inv = scale_and_inverse(amax)
+        codes = cute.make_rmem_tensor((per_lane,), cutlass.Float8E4M3FN)
+        codes.store((x * inv).to(cutlass.Float8E4M3FN))
+        cute.autovec_copy(codes, cute.local_tile(mQc[batch, h, 0, None], (per_lane,), (lane,)))
+        if lane == 0:
+            mQs[batch, h, 0] = scale
+
+
+@cute.jit
 def kv_append(mKn: cute.Tensor, mVn: cute.Tensor, mTail: cute.Tensor, mAmax: cute.Tensor, mK: cute.Tensor,
               mKs: cute.Tensor, mVt: cute.Tensor, mVinv: cute.Tensor, mCounts: cute.Tensor, mPlan: cute.Tensor,
               count: cutlass.Int32, d: cutlass.Constexpr, pdl: cutlass.Constexpr, stream):
@@ -134,5 +162,20 @@ def kv_append(mKn: cute.Tensor, mVn: cute.Tensor, mTail: cute.Tensor, mAmax: cut
     their amax, ``mVinv`` [B, Hkv, D] V's inverse scales, ``mCounts`` [2] int64: values saturated,
     tokens dropped past ``max_len``); ``length % 128 + count <= 128``, D dividing 256; ``pdl``:
     programmatic dependent launch."""
-    _kv_append_kernel(mKn, mVn, mTail, mAmax, mK, mKs, mVt, mVinv, mCounts, mPlan, count, d, pdl).launch(
+    # the query operands are unread without ``with_q``: K's stand in for them
+    _kv_append_kernel(mKn, mVn, mTail, mAmax, mK, mKs, mVt, mVinv, mCounts, mPlan, mKn, mK, mKs, count, d, pdl,
+                      False).launch(
         grid=(mK.shape[1], mK.shape[0], 1), block=(THREADS, 1, 1), stream=stream, use_pdl=pdl)
+
+
+@cute.jit
+def kv_append_with_q(mKn: cute.Tensor, mVn: cute.Tensor, mTail: cute.Tensor, mAmax: cute.Tensor, mK: cute.Tensor,
+                     mKs: cute.Tensor, mVt: cute.Tensor, mVinv: cute.Tensor, mCounts: cute.Tensor, mPlan: cute.Tensor,
+                     mQ: cute.Tensor, mQc: cute.Tensor, mQs: cute.Tensor, count: cutlass.Int32, d: cutlass.Constexpr,
+                     pdl: cutlass.Constexpr, stream):
+    """:func:`kv_append` of a decode step, which also quantizes its query ``mQ`` [B, H, 1, D] (H a
+    multiple of the cache's KV heads, D a multiple of 32, rows contiguous) rowwise: E4M3 codes into
+    ``mQc`` [B, H, 1, D] (uint8) and FP32 scales into ``mQs`` [B, H, 1]."""
+    _kv_append_kernel(mKn, mVn, mTail, mAmax, mK, mKs, mVt, mVinv, mCounts, mPlan, mQ, mQc, mQs, count, d, pdl,
+                      True).launch(grid=(mK.shape[1], mK.shape[0], 1), block=(THREADS, 1, 1), stream=stream,
+                                   use_pdl=pdl)
