@@ -101,8 +101,9 @@ def encode(x: torch.Tensor, fmt: str | ElementFormat, saturate: bool | None = No
         saturate = f is not E5M2
     if f.nan_code is None:
         saturate = True
-    a = x.detach().to(torch.float64).abs()
-    sign = torch.signbit(x).to(torch.int64)
+    xd = x.detach().to(torch.float64)
+    a = xd.abs()
+    sign = torch.signbit(xd).to(torch.int64)  # of the FP64 copy: torch has no signbit for FP8 dtypes
     nan = torch.isnan(a)
     inf = torch.isinf(a)
     a = torch.where(nan | inf, torch.zeros_like(a), a)

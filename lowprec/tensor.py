@@ -154,7 +154,10 @@ class QuantizedTensor:
         if self.dim() < 2:
             raise ValueError(f"transpose: needs ≥ 2 dims, got shape {tuple(self.shape)}")
         if not self.transposable:
-            raise ValueError(f"transpose: recipe {self.recipe.name} blocks are not square; requantize instead")
+            # FP4 codes with square blocks (nvfp4 weight_2d) are refused too: say why, not only "not square"
+            raise ValueError(f"transpose: recipe {self.recipe.name!r} is not transposable (needs square blocks or a "
+                             f"tensorwise scale, FP8 elements; it has {self.recipe.block[0]}x{self.recipe.block[1]} "
+                             f"blocks of {self.recipe.elem_format}); requantize instead")
         shape = (*self.shape[:-2], self.shape[-1], self.shape[-2])
         return QuantizedTensor(self.data.transpose(-1, -2).contiguous(), self.scale.transpose(-1, -2).contiguous(),
                                self.recipe, shape, self.dtype, self.global_scale)

@@ -151,3 +151,15 @@ def test_pack_fp4_refuses_codes_wider_than_4_bits():
     # callers whose codes fit by construction skip the host read-back
     unchecked = pack_fp4(torch.tensor([3, 1], dtype=torch.uint8), check_range=False)
     assert torch.equal(unchecked, torch.tensor([0x13], dtype=torch.uint8))
+
+
+VALUES = torch.tensor([0.0, -0.0, 0.5, -1.5, 3.0, -4.0, 6.0, -448.0, 0.001953125, 57344.0 / 128])
+
+
+@pytest.mark.parametrize("src", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("fmt", ["e2m1", "e4m3", "e5m2"])
+def test_encode_takes_fp8_inputs(src, fmt):
+    x = VALUES.to(src)
+    got = encode(x, fmt)
+    assert torch.equal(got, encode(x.float(), fmt))  # same codes as from the exact FP32 values
+    assert torch.equal(torch.signbit(decode(got, fmt)), torch.signbit(x.float()))  # -0.0 keeps its sign

@@ -121,3 +121,17 @@ def test_tensorwise_empty_tensors_round_trip(shape):
     assert q.scale.shape == (1,) * len(shape)
     d = q.dequantize()
     assert d.shape == x.shape and d.dtype == x.dtype
+
+
+def test_square_fp4_blocks_are_refused_for_the_right_reason():
+    q = lowprec.quantize(torch.randn(32, 64), "nvfp4", weight_2d=True)
+    assert q.recipe.block == (16, 16) and not q.transposable
+    with pytest.raises(ValueError, match="not transposable") as err:
+        q.transpose()
+    assert "not square" not in str(err.value) and "e2m1" in str(err.value)
+
+
+def test_non_square_blocks_still_refused():
+    q = lowprec.quantize(torch.randn(4, 256), "fp8_block1x128")
+    with pytest.raises(ValueError, match="^transpose: .*1x128"):
+        q.transpose()

@@ -52,7 +52,7 @@ def quantize(x: torch.Tensor, recipe: str | ScaleRecipe, *, check_finite: bool =
     if r.is_2d and x.dim() < 2:
         raise ValueError(f"x: recipe {r.name!r} uses {r.block[0]}x{r.block[1]} blocks and needs ≥ 2 dims, "
                          f"got shape {tuple(x.shape)}")
-    if check_finite and x.numel():
+    if check_finite and x.numel() and x.device.type != "meta":  # a meta tensor has no values to check
         _check_finite(x)
     x = x.detach()
     if _traced_on_cuda(x) and _custom_op_recipe(x, r):
@@ -158,6 +158,9 @@ def swiglu_quantize_dual(kind: str, *inputs: torch.Tensor, recipe_t: str | Scale
     r_t = r if recipe_t is None else get_recipe(recipe_t)
     if r_t.name not in _DUAL_T_RECIPES or r_t.scale_rounding != "exact":
         raise ValueError(f"recipe_t: expected one of {_DUAL_T_RECIPES} (exact scales), got {r_t.name!r}")
+    if r_t.block[0] != 1 and kind != "swiglu":  # checked here: the ops below would name their t_rows
+        raise ValueError(f"recipe_t: {r_t.name!r} (the weight gradient's activation blocks) is for kind 'swiglu' "
+                         f"only, got kind {kind!r}; its gradients take 'fp8_block1x128' (None)")
     wrap = functools.partial(_dual_tensors, r, r_t, args[0].shape, torch.float32)
     if _traced_on_cuda(args[0]):
         return wrap(*ops.swiglu_dual_fp8(kind, list(args), r_t.block[0]))

@@ -59,6 +59,9 @@ def scale_from_amax(amax: torch.Tensor, recipe: ScaleRecipe, global_scale: torch
             # an Inf amax has no exponent: its block's scale is NaN (as with 'rceil'), not 2^(254 - emax)
             codes = torch.where(amax.isinf(), torch.full_like(codes, E8M0_NAN), codes).to(torch.uint8)
         return codes.view(torch.float8_e8m0fnu).float()
+    if global_scale is None:  # E4M3 block scales are relative to it (else an opaque error from torch.full)
+        raise ValueError(f"global_scale: recipe {recipe.name!r} (E4M3 block scales) needs the FP32 global scale, "
+                         f"got None")
     # e4m3 block scale under an FP32 global scale (NVFP4); at least the scale whose product with
     # the global scale is not flushed to 0 in FP32 (2^-149 / global_scale: above 2^-9 only for
     # tensors of FP32 subnormals)

@@ -79,3 +79,21 @@ def test_quantize_dual_compiles_with_dynamic_shapes():
         got, want = f(x), lowprec.quant.quantize_dual(x, "fp8_block1x128", "fp8_block16x128")
         for g, w in zip(got, want):
             assert g.shape == w.shape and torch.equal(g.data.float(), w.data.float()) and torch.equal(g.scale, w.scale)
+
+
+@pytest.mark.parametrize("recipe_t", ["fp8_block16x128", "fp8_block128x128"])
+@pytest.mark.parametrize("kind,n", [("swiglu_dgate", 3), ("swiglu_dup", 2)])
+def test_gradient_kinds_name_recipe_t(kind, n, recipe_t):
+    from lowprec.quant import swiglu_quantize_dual
+
+    inputs = [torch.randn(16, 128, dtype=torch.bfloat16) for _ in range(n)]
+    with pytest.raises(ValueError, match="^recipe_t: .*swiglu"):
+        swiglu_quantize_dual(kind, *inputs, recipe_t=recipe_t)
+
+
+def test_activation_kind_still_takes_2d_blocks():
+    from lowprec.quant import swiglu_quantize_dual
+
+    g, u = (torch.randn(16, 128, dtype=torch.bfloat16) for _ in range(2))
+    a, b = swiglu_quantize_dual("swiglu", g, u, recipe_t="fp8_block16x128")
+    assert b.recipe.name == "fp8_block16x128" and b.shape == (128, 16)

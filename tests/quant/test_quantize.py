@@ -383,3 +383,38 @@ def test_hopper_transposing_kernel_refuses_a_matrix_without_rows():
     assert "no rows" in config.transpose_unsupported(torch.zeros(4, 0, 256), r)
     with pytest.raises(ValueError, match="n: expected a positive multiple of 16"):
         interface.quantize_128x128_t(torch.zeros(0, 256), 0)
+
+
+@pytest.mark.parametrize("name", ["fp8_tensorwise", "fp8_block1x128", "fp8_block128x128", "mxfp8", "mxfp4", "nvfp4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_quantize_meta_tensor_with_default_check(name, dtype):
+    x = torch.empty(3, 200, 130, device="meta", dtype=dtype)
+    q = lowprec.quantize(x, name)
+    ref = lowprec.quantize(torch.zeros(3, 200, 130, dtype=dtype), name)
+    assert q.device.type == "meta" and q.shape == x.shape
+    assert q.data.shape == ref.data.shape and q.data.dtype == ref.data.dtype
+    assert q.scale.shape == ref.scale.shape and q.scale.dtype == ref.scale.dtype
+    assert q.dequantize().shape == x.shape
+
+
+def test_quantize_still_checks_real_tensors():
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        lowprec.quantize(torch.tensor([[float("nan")] * 128]), "fp8_block1x128")
+
+
+def test_nvfp4_scale_from_amax_names_missing_global_scale():
+    from lowprec.quant.reference import scale_from_amax
+    from lowprec.recipes import get_recipe
+
+    with pytest.raises(ValueError, match="^global_scale: .*nvfp4"):
+        scale_from_amax(torch.tensor([1.0, 2.0]), get_recipe("nvfp4"))
+
+
+def test_nvfp4_scale_from_amax_with_global_scale():
+    from lowprec.quant.reference import scale_from_amax
+    from lowprec.recipes import get_recipe
+
+    amax = torch.tensor([1.0, 2.0])
+    g = torch.tensor(2.0 / 2688.0)
+    s = scale_from_amax(amax, get_recipe("nvfp4"), g)
+    assert torch.equal(s, (amax / 6 / g).clamp(max=448).to(torch.float8_e4m3fn).float())
