@@ -20,15 +20,18 @@ from .reference import attention_reference, lse_correction
 __all__ = ["attention"]
 
 _QUANT = (None, "fp8")
+# float8 tensors are floating point too, but their codes carry no scale: they come as QuantizedTensors
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def _check_input(name: str, t, device: torch.device | None) -> None:
     if isinstance(t, QuantizedTensor):
         if t.dim() != 4:
             raise ValueError(f"{name}: expected a 4-D QuantizedTensor, got shape {tuple(t.shape)}")
-    elif not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.dim() != 4:
-        raise ValueError(f"{name}: expected a 4-D float tensor [B, H, S, D], got "
-                         f"{getattr(t, 'dtype', type(t))} {tuple(getattr(t, 'shape', ()))}")
+    elif not isinstance(t, torch.Tensor) or t.dtype not in FLOAT_DTYPES or t.dim() != 4:
+        raise ValueError(f"{name}: expected a 4-D float16/bfloat16/float32/float64 tensor [B, H, S, D] (FP8 "
+                         f"inputs as QuantizedTensors), got {getattr(t, 'dtype', type(t))} "
+                         f"{tuple(getattr(t, 'shape', ()))}")
     if device is not None and t.device != device:
         raise ValueError(f"{name}: on {t.device}, but q is on {device}")
 
@@ -56,9 +59,9 @@ def attention(q, k, v, causal: bool = False, scale: float | None = None, quant: 
 
     Exact attention (``quant=None``) on CUDA runs PyTorch's fused kernels
     (``F.scaled_dot_product_attention``; with ``return_lse`` the flash attention op), forward and
-    backward; elsewhere the FP32 reference. ``quant="fp8"`` is differentiable: the backward is
-    exact attention's gradient from the FP8 forward's output and LSE (on CUDA for fp16/bf16
-    PyTorch's cuDNN attention backward where ``Sq == Sk`` or not causal, its flash attention
+    backward; elsewhere the FP32 reference (FP64 for FP64 inputs). ``quant="fp8"`` is
+    differentiable: the backward is exact attention's gradient from the FP8 forward's output and
+    LSE (on CUDA for fp16/bf16 PyTorch's cuDNN attention backward where ``Sq == Sk`` or not causal, its flash attention
     backward otherwise; plain torch elsewhere).
 
     Decode (``Sq`` of 1..16 new queries over a long ``Sk``) is this same call: with ``causal`` the

@@ -40,7 +40,7 @@ import torch
 from ..quant.reference import ieee_div, scale_from_amax
 from ..recipes import get_recipe
 from ..runtime import backend_mode, kernel_failed, registry
-from .dense import fp8_over_kv_operands
+from .dense import FLOAT_DTYPES, fp8_over_kv_operands
 from .quantize import ATTN_BLOCK, V_PAD, _blocks, kv_views
 from .reference import _dequant_blocks
 
@@ -472,8 +472,8 @@ class FP8KVCache:
         return (out, lse) if return_lse else out
 
     def _check_q(self, q) -> None:
-        if not isinstance(q, torch.Tensor) or not q.is_floating_point() or q.dim() != 4:
-            raise ValueError(f"q: expected a 4-D float tensor [B, H, Sq, D], got "
+        if not isinstance(q, torch.Tensor) or q.dtype not in FLOAT_DTYPES or q.dim() != 4:
+            raise ValueError(f"q: expected a 4-D float16/bfloat16/float32/float64 tensor [B, H, Sq, D], got "
                              f"{getattr(q, 'dtype', type(q))} {tuple(getattr(q, 'shape', ()))}")
         b, h, _, d = q.shape
         if b != self.batch or d != self.head_dim or h % self.kv_heads:

@@ -173,7 +173,16 @@ def quantize_kv_cache(k: torch.Tensor, v: torch.Tensor) -> tuple[QuantizedTensor
     A QuantizedTensor input means its dequantized value: the result is attention on those. The
     codes and scales carry no gradient (K and V are read detached).
     """
-    k, v = k.detach(), v.detach()
+    for name, t in (("k", k), ("v", v)):
+        float_tensor = isinstance(t, torch.Tensor) and t.is_floating_point()
+        if not (float_tensor or isinstance(t, QuantizedTensor)) or t.dim() != 4:
+            raise ValueError(f"{name}: expected a 4-D float tensor or QuantizedTensor [B, Hkv, Sk, D], got "
+                             f"{getattr(t, 'dtype', type(t))} {tuple(getattr(t, 'shape', ()))}")
+    # V's tokens are K's: a V of other length would be cut to K's (or read past its end) silently
+    if v.shape[:3] != k.shape[:3] or v.device != k.device:
+        raise ValueError(f"v: expected [B, Hkv, Sk] = {tuple(k.shape[:3])} on {k.device} as k, got "
+                         f"{tuple(v.shape)} on {v.device}")
+    k, v = (t.dequantize() if isinstance(t, QuantizedTensor) else t.detach() for t in (k, v))
     kc, ks = _blocks(k)
     vt, vs = quantize_v(v)
     sk = k.shape[-2]

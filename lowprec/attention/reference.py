@@ -122,11 +122,14 @@ def lse_correction(q: torch.Tensor, k_mean: torch.Tensor, scale: float, incohere
 
 def attention_reference(q, k, v, causal: bool, scale: float, quant: str | None,
                         block: int = ATTN_BLOCK, incoherent: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns ``(out [B, H, Sq, Dv] in q's dtype, lse [B, H, Sq] FP32, natural log)``."""
+    """Returns ``(out [B, H, Sq, Dv] in q's dtype, lse [B, H, Sq] FP32, natural log)``. Exact
+    attention computes in FP32, FP64 for FP64 inputs (as the backward reference)."""
     if quant is None:
         heads = q.shape[1]
-        out, lse = _exact(q.float(), _expand_kv(k.float(), heads), _expand_kv(v.float(), heads), causal, scale)
-        return out.to(q.dtype), lse
+        # FP64 inputs stay FP64: an FP32 pass would make the "exact" FP64 reference (and gradcheck) FP32-accurate
+        work = torch.float64 if q.dtype == torch.float64 else torch.float32
+        out, lse = _exact(q.to(work), _expand_kv(k.to(work), heads), _expand_kv(v.to(work), heads), causal, scale)
+        return out.to(q.dtype), lse.float()
     if block != ATTN_BLOCK:
         raise ValueError(f"block: the FP8 scheme quantizes in blocks of {ATTN_BLOCK} tokens, got {block}")
     x = quantize_qkv(q, k, v, incoherent=incoherent)

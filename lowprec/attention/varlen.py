@@ -17,7 +17,7 @@ import math
 
 import torch
 
-from .dense import attention
+from .dense import FLOAT_DTYPES, attention
 from .ops import _flash_ok, expand_kv_heads
 
 __all__ = ["attention_varlen", "check_cu_seqlens"]
@@ -74,8 +74,8 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     """
 
     for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.dim() != 3:
-            raise ValueError(f"{name}: expected a 3-D float tensor [total, heads, D], got "
+        if not isinstance(t, torch.Tensor) or t.dtype not in FLOAT_DTYPES or t.dim() != 3:
+            raise ValueError(f"{name}: expected a 3-D float16/bfloat16/float32/float64 tensor [total, heads, D], got "
                              f"{getattr(t, 'dtype', type(t))} {tuple(getattr(t, 'shape', ()))}")
         if t.device != q.device:
             raise ValueError(f"{name}: on {t.device}, but q is on {q.device}")

@@ -200,3 +200,17 @@ def test_quantize_kv_cache_carries_no_gradient(sk, dtype):
     assert not out.requires_grad and not lse.requires_grad
     ref_k, _ = quantize_kv_cache(k.detach(), v.detach())
     assert torch.equal(kq.scale, ref_k.scale) and torch.equal(kq.data.view(torch.uint8), ref_k.data.view(torch.uint8))
+
+
+def test_quantize_kv_cache_checks_its_inputs_by_name():
+    k = torch.randn(1, 2, 5, 16)
+    with pytest.raises(ValueError, match=r"v: expected \[B, Hkv, Sk\] = \(1, 2, 5\)"):
+        quantize_kv_cache(k, torch.randn(1, 2, 7, 16))   # not cut to K's 5 tokens silently
+    with pytest.raises(ValueError, match=r"v: expected \[B, Hkv, Sk\]"):
+        quantize_kv_cache(k, torch.randn(1, 1, 5, 16))
+    with pytest.raises(ValueError, match="k: expected a 4-D float tensor"):
+        quantize_kv_cache(k[0], torch.randn(2, 5, 16))
+    kq, vq = quantize_kv_cache(k, torch.randn(1, 2, 5, 8))  # Dv may differ from D
+    assert tuple(kq.shape) == (1, 2, 5, 16) and tuple(vq.shape) == (1, 2, 8, 5)
+    kq_in = lowprec.quantize(k, "fp8_block1x128")  # a QuantizedTensor: its dequantized value
+    assert tuple(quantize_kv_cache(kq_in, torch.randn(1, 2, 5, 8))[0].shape) == (1, 2, 5, 16)

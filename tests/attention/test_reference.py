@@ -134,3 +134,42 @@ def test_zero_kv_heads_is_a_clear_error():
     with pytest.raises(ValueError, match="k: expected Hkv"):
         lowprec.attention(q, k[:, :0], v[:, :0])
 
+
+def test_exact_attention_of_fp64_inputs_is_fp64():
+    """quant=None on the CPU: FP64 inputs are computed in FP64 (an exact reference; gradcheck passes)."""
+    torch.manual_seed(0)
+    q, k = torch.randn(1, 4, 5, 8, dtype=torch.float64), torch.randn(1, 2, 7, 8, dtype=torch.float64)
+    v = torch.randn(1, 2, 7, 8, dtype=torch.float64)
+    for causal in (False, True):
+        out, lse = lowprec.attention(q, k, v, causal=causal, return_lse=True)
+        ref = torch.nn.functional.scaled_dot_product_attention(
+            q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), is_causal=False,
+            attn_mask=torch.ones(5, 7, dtype=torch.bool).tril(2) if causal else None)
+        assert out.dtype == torch.float64 and lse.dtype == torch.float32
+        assert (out - ref).abs().max() < 1e-12
+    args = tuple(t.clone().requires_grad_() for t in (q[:, :, :3, :4], k[:, :, :4, :4], v[:, :, :4, :4]))
+    assert torch.autograd.gradcheck(lambda a, b, c: lowprec.attention(a, b, c, causal=True), args)
+
+
+@pytest.mark.parametrize("quant", [None, "fp8"])
+def test_raw_float8_tensors_are_refused_by_name(quant):
+    """float8 tensors carry no scale (FP8 inputs come as QuantizedTensors): a clear error naming the argument."""
+    x = torch.randn(1, 2, 5, 16)
+    f8 = x.to(torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="q: expected a 4-D float16/bfloat16/float32/float64"):
+        lowprec.attention(f8, x, x, quant=quant)
+    with pytest.raises(ValueError, match="v: expected a 4-D float16/bfloat16/float32/float64"):
+        lowprec.attention(x, x, f8, quant=quant)
+    cu = torch.tensor([0, 5], dtype=torch.int32)
+    with pytest.raises(ValueError, match="k: expected a 3-D float16/bfloat16/float32/float64"):
+        lowprec.attention_varlen(x[0].transpose(0, 1), f8[0].transpose(0, 1), x[0].transpose(0, 1), cu, cu, 5, 5,
+                                 quant=quant)
+
+
+def test_fp8_kv_cache_refuses_a_raw_float8_query_by_name():
+    from lowprec.attention import FP8KVCache
+
+    cache = FP8KVCache(1, 2, 16, 16, dtype=torch.float32)
+    cache.append(torch.randn(1, 2, 3, 16), torch.randn(1, 2, 3, 16))
+    with pytest.raises(ValueError, match="q: expected a 4-D float16/bfloat16/float32/float64"):
+        cache.attend(torch.randn(1, 2, 1, 16).to(torch.float8_e4m3fn))
