@@ -215,6 +215,10 @@ def pack_nvfp4(weight: torch.Tensor, weight_scale: torch.Tensor, weight_scale_2:
         scale_bits = scale_bits.repeat_interleave(16, dim=0)
     if bool(((scale_bits & 0x7F) == 0x7F).any()) or bool(((scale_bits & 0x80) != 0).any()):
         raise ValueError("weight_scale: scales must be finite and non-negative (NaN or negative E4M3 found)")
+    # as the block scales: a NaN / Inf global scale makes every output NaN, a negative one flips the weight
+    if not bool(torch.isfinite(weight_scale_2).all()) or bool((weight_scale_2 < 0).any()):
+        raise ValueError(f"weight_scale_2: the global scale must be finite and non-negative, got "
+                         f"{weight_scale_2.reshape(()).item()}")
     device = weight.device
     n_tiles, k_chunks = -(-n // TILE_N), -(-k // CHUNK_K)
     n_pad, k_pad = n_tiles * TILE_N, k_chunks * CHUNK_K

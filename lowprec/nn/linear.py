@@ -76,6 +76,8 @@ class FP8Linear(nn.Module):
         layer.recipe = get_linear_recipe(recipe)
         layer.weight = linear.weight
         layer.bias = linear.bias
+        if isinstance(layer.weight, FP8AllGatherWeight):  # a new owner of a wrapped weight: plain state dict
+            _hook_master_weights(layer)
         return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -398,20 +400,29 @@ def _fuse_mlps(model: nn.Module, fuse: bool, filter_fn, min_numel: int, recipe: 
     """Swap the SwiGLU MLPs of ``model`` for :class:`FP8SwiGLUMLP` of ``recipe`` (``fuse``; fused
     ones take ``recipe``), or fused ones back to plain ones (not ``fuse``); returns how many are fused."""
     fused = 0
+    done: dict[int, nn.Module] = {}  # id(mlp) -> what it became: an MLP referenced twice stays shared
     for parent_name, parent in list(model.named_modules()):
         for child_name, child in list(parent._modules.items()):
+            if id(child) in done:  # named_children() skips repeats: as convert, by the first name
+                setattr(parent, child_name, done[id(child)])
+                continue
             name = f"{parent_name}.{child_name}" if parent_name else child_name
+            new = child
             if isinstance(child, FP8SwiGLUMLP):
                 if fuse:
                     if filter_fn is None or _mlp_accepted(name, child, filter_fn):  # rejected: kept as it is
                         child.recipe = recipe
                     fused += 1
                 else:
-                    setattr(parent, child_name, child.unfused())
+                    new = child.unfused()
             elif (fuse and swiglu_mlp_unsupported(child) is None and child.gate_proj.weight.numel() >= min_numel
                   and (filter_fn is None or _mlp_accepted(name, child, filter_fn))):
-                setattr(parent, child_name, FP8SwiGLUMLP.from_mlp(child, recipe))
+                new = FP8SwiGLUMLP.from_mlp(child, recipe)
                 fused += 1
+            if child is not None:
+                done[id(child)] = new
+            if new is not child:
+                setattr(parent, child_name, new)
     return fused
 
 
@@ -474,6 +485,12 @@ def _master_weights_in_state_dict(module, state_dict, prefix, local_metadata):
 
             state_dict[key] = DTensor.from_local(value._local_tensor.hp, value.device_mesh, value.placements,
                                                  run_check=False, shape=value.shape, stride=value.stride())
+
+
+def _hook_master_weights(module: nn.Module) -> None:
+    if not getattr(module, "_lowprec_fp8_gather_hook", False):
+        module.register_state_dict_post_hook(_master_weights_in_state_dict)
+        module._lowprec_fp8_gather_hook = True
 
 
 def _check_not_sharded(module: nn.Module) -> None:
@@ -540,8 +557,8 @@ def enable_fp8_all_gather(module: nn.Module) -> int:
             for owner, leaf in refs[key]:  # one wrapper for every owner: the weight stays tied
                 setattr(owner, leaf, wrapped)
             count += 1
-        for layer in layers:
-            if not getattr(layer, "_lowprec_fp8_gather_hook", False):
-                layer.register_state_dict_post_hook(_master_weights_in_state_dict)
-                layer._lowprec_fp8_gather_hook = True
+        # the owners too (a fused MLP's nn.Linear layers): convert again may unfuse the MLP and drop
+        # the layer, keeping the owners, or swap an owner for an FP8Linear (from_linear hooks that)
+        for module in (*layers, *(owner for owner, _ in refs[key])):
+            _hook_master_weights(module)
     return count

@@ -41,11 +41,13 @@ register_optimizer_step_post_hook(_forget_after_step)
 
 
 class _Entry:
-    __slots__ = ("ref", "version", "recipe", "w_q", "w_t")
+    __slots__ = ("ref", "version", "dtype", "device", "recipe", "w_q", "w_t")
 
     def __init__(self, weight: torch.Tensor, recipe: str, w_q: QuantizedTensor, w_t: QuantizedTensor | None):
         self.ref = weakref.ref(weight)
         self.version = weight._version
+        # module casts and moves (model.half(), .to(device)) swap param.data without a version bump
+        self.dtype, self.device = weight.dtype, weight.device
         self.recipe, self.w_q, self.w_t = recipe, w_q, w_t
 
 
@@ -61,9 +63,10 @@ def reuse_quantized_weights() -> Iterator[None]:
         optimizer.step()
 
     A weight modified in place inside the block (``optimizer.step()``, ``weight.copy_(...)``
-    under ``no_grad``: anything that bumps the tensor's version counter) is quantized again at
-    its next use; an optimizer step drops every FP8 copy (under FSDP2 the unsharded weights are
-    refilled without a version bump). Writes through ``weight.data`` bypass the version counter,
+    under ``no_grad``: anything that bumps the tensor's version counter) or cast / moved by the
+    module (``model.half()``, ``model.to(device)``) is quantized again at its next use; an
+    optimizer step drops every FP8 copy (under FSDP2 the unsharded weights are refilled without a
+    version bump). Writes through ``weight.data`` bypass the version counter,
     as they bypass autograd, and so do in-place writes to FSDP2's sharded parameters other than
     an optimizer step (their unsharded weight is refilled at the next all-gather): make them
     outside the block. The FP8 copies (weight and, for training, its
@@ -102,7 +105,8 @@ def quantize_weight(weight: torch.Tensor, recipe: str, with_transpose: bool
     key = id(weight)
     entry = cache.get(key)
     if (entry is not None and entry.ref() is weight and entry.version == weight._version
-            and entry.recipe == recipe and (entry.w_t is not None or not with_transpose)):
+            and entry.dtype == weight.dtype and entry.device == weight.device and entry.recipe == recipe
+            and (entry.w_t is not None or not with_transpose)):
         return entry.w_q, entry.w_t if with_transpose else None
     w_q, w_t = _quantize(weight, recipe, with_transpose)
     cache[key] = _Entry(weight, recipe, w_q, w_t)

@@ -18,6 +18,7 @@ from lowprec.gemm.weight_only import (
     unpack_fp8_emulated,
     weight_only_reference,
 )
+from lowprec.nn import NVFP4InferenceLinear
 from lowprec.recipes import get_recipe
 from tests.hopper import gpu, needs_cutlass, needs_gpu
 
@@ -694,3 +695,24 @@ def test_constraint_refuses_k_not_a_multiple_of_8():
     assert "multiples of 8" in weight_only_unsupported(x, packed, None)
     q = quantize(torch.randn(64, 16), "fp8_block128x128")
     assert weight_only_unsupported(torch.randn(4, 16, dtype=torch.bfloat16), pack_fp8(q.data, q.scale), None) is None
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -2.0])
+def test_invalid_global_scale_is_refused(bad):
+    """As the block scales: a global scale that is not finite and non-negative is an error."""
+    sd = NVFP4InferenceLinear.from_linear(torch.nn.Linear(64, 32)).state_dict()
+    with pytest.raises(ValueError, match="weight_scale_2"):
+        pack_nvfp4(sd["weight"], sd["weight_scale"], torch.tensor(bad))
+    layer = NVFP4InferenceLinear(64, 32)
+    with pytest.raises(ValueError, match="weight_scale_2"):
+        layer.set_weight(sd["weight"], sd["weight_scale"], torch.tensor([bad]))
+    sd["weight_scale_2"] = torch.tensor(bad)
+    with pytest.raises(RuntimeError, match="weight_scale_2"):
+        layer.load_state_dict(sd)
+
+
+def test_valid_global_scales_still_load():
+    sd = NVFP4InferenceLinear.from_linear(torch.nn.Linear(64, 32)).state_dict()
+    for good in (0.0, 1e-30, 3.5):
+        sd["weight_scale_2"] = torch.tensor(good)
+        NVFP4InferenceLinear(64, 32).load_state_dict(sd)

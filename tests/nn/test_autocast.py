@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import lowprec
-from lowprec.nn import FP8InferenceLinear, FP8Linear
+from lowprec.nn import FP8InferenceLinear, FP8Linear, FP8SwiGLUMLP, NVFP4InferenceLinear, SwiGLUMLP
 
 
 def _layer(weight_dtype, seed=0):
@@ -81,3 +81,24 @@ def test_moe_follows_autocast_and_keeps_its_router_fp32():
     y_ref, routing_ref = moe(x.detach().bfloat16(), return_routing=True)
     assert torch.equal(routing.topk_ids, routing_ref.topk_ids)  # FP32 router logits either way
     assert torch.equal(y, y_ref)
+
+
+LAYERS = {
+    "FP8Linear": lambda: FP8Linear(64, 32),
+    "FP8InferenceLinear": lambda: FP8InferenceLinear(64, 32),
+    "NVFP4InferenceLinear": lambda: NVFP4InferenceLinear(64, 32),
+    "FP8SwiGLUMLP": lambda: FP8SwiGLUMLP.from_mlp(SwiGLUMLP(64, 32)),
+}
+
+
+@pytest.mark.parametrize("name", list(LAYERS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_meta_forward_gives_the_shape(name, dtype):
+    """As nn.Linear: a meta-device layer on a meta input gives the output's shape and dtype."""
+    layer = LAYERS[name]().to("meta")
+    out = 64 if name == "FP8SwiGLUMLP" else 32
+    x = torch.empty(2, 5, 64, device="meta", dtype=dtype, requires_grad=True)
+    y = layer(x)
+    assert y.device.type == "meta" and y.shape == (2, 5, out) and y.dtype == dtype
+    y.sum().backward()
+    assert x.grad.shape == x.shape

@@ -6,6 +6,7 @@ process on the whole batch, is the sharded step's reference), and the state dict
 
 import copy
 import datetime
+import io
 import os
 import tempfile
 
@@ -14,6 +15,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
+
+import lowprec
+from lowprec.nn import SwiGLUMLP, enable_fp8_all_gather
 
 from ..distributed import rank_body
 from ..hopper import gpu
@@ -576,3 +580,21 @@ def test_reuse_quantized_weights_sees_an_optimizer_step_under_fsdp(reshard_after
     """FSDP2 refills the unsharded weight without a version bump: the block reused the FP8 copy
     of the weight before the step."""
     _spawn(_reuse_worker, reshard_after_forward)
+
+
+@pytest.mark.parametrize("kw", [{"recipe": "fp8_rowwise"}, {"recipe": "fp8_block", "fuse_mlp": False},
+                                {"recipe": "fp8_rowwise", "filter_fn": lambda n, m: "down" not in n}])
+def test_state_dict_plain_after_unfusing_a_gathered_mlp(tmp_path, kw):
+    """The state dict holds the master weights themselves (enable_fp8_all_gather's promise), also
+    after convert() unfuses the MLP whose layers' weights were wrapped."""
+    model = torch.nn.Sequential(SwiGLUMLP(128, 256))
+    lowprec.convert(model, min_weight_numel=0)
+    assert enable_fp8_all_gather(model) == 3
+    lowprec.convert(model, min_weight_numel=0, **kw)
+    sd = model.state_dict()
+    assert all(type(v) is torch.Tensor for v in sd.values()), {k: type(v).__name__ for k, v in sd.items()}
+    lowprec.save(sd, tmp_path / "m.safetensors")
+    buf = io.BytesIO()
+    torch.save(sd, buf)
+    buf.seek(0)
+    assert list(torch.load(buf, weights_only=True)) == list(sd)

@@ -385,3 +385,15 @@ def test_a_second_derivative_is_an_error_not_a_silent_zero(i):
     (dx,) = torch.autograd.grad(y.square().sum(), x, create_graph=True)
     with pytest.raises(RuntimeError, match="differentiate twice"):
         (y.sum() + dx.square().sum()).backward()
+
+
+@pytest.mark.parametrize("filter_fn", [None, lambda name, mod: not name.startswith("1.")])
+def test_shared_mlp_is_fused_once_and_stays_shared(filter_fn):
+    mlp = SwiGLUMLP(128, 256)
+    model = torch.nn.ModuleList([mlp, mlp])
+    lowprec.convert(model, min_weight_numel=0, filter_fn=filter_fn)  # by its first name, "0"
+    assert isinstance(model[0], FP8SwiGLUMLP)
+    assert model[1] is model[0]
+    # unfused again (another recipe): still one module
+    lowprec.convert(model, "fp8_rowwise", min_weight_numel=0)
+    assert type(model[0]) is SwiGLUMLP and model[1] is model[0]

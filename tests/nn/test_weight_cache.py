@@ -170,3 +170,29 @@ def test_in_place_updates_inside_the_block_are_seen_with_fp8_all_gather_weights(
             layer.weight.copy_(torch.zeros(128, 256))
         after_copy = layer(x)
     torch.testing.assert_close(after_copy, layer.bias.detach().expand(16, -1), rtol=0, atol=0)
+
+
+def test_module_cast_inside_reuse_block_requantizes():
+    """A module cast inside the block (param.data swapped, no version bump) is seen: the layer
+    multiplies by its current weight, as outside the block."""
+    torch.manual_seed(0)
+    layer = FP8Linear(128, 128, recipe="fp8_rowwise")
+    x = torch.randn(4, 128, dtype=torch.float16)
+    with lowprec.reuse_quantized_weights():
+        layer(x.float())
+        layer.half()
+        inside = layer(x)
+    assert torch.equal(inside, layer(x))
+
+
+def test_reuse_block_still_reuses_an_unchanged_weight(monkeypatch):
+    from lowprec.nn import weight_cache
+
+    layer = FP8Linear(128, 128)
+    calls = []
+    real = weight_cache._quantize
+    monkeypatch.setattr(weight_cache, "_quantize", lambda *a: calls.append(1) or real(*a))
+    with lowprec.reuse_quantized_weights():
+        for _ in range(3):
+            layer(torch.randn(4, 128, requires_grad=True)).sum().backward()
+    assert len(calls) == 1
