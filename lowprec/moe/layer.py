@@ -28,7 +28,16 @@ from .core import (
     _route_and_apply_eager,
 )
 from .ops import moe_layer, split_weight, traced_experts
-from .routing import DROP_POLICIES, SCORE_FUNCS, Routing, _check_capacity_factor, _check_top_k, select_experts
+from .routing import (
+    DROP_POLICIES,
+    SCORE_FUNCS,
+    Routing,
+    _check_capacity_factor,
+    _check_renormalize,
+    _check_top_k,
+    _plain_capacity_factor,
+    select_experts,
+)
 
 __all__ = ["MoE", "FP8InferenceMoE", "experts", "ACTIVATIONS", "RECIPES"]
 
@@ -154,8 +163,9 @@ def _set_config(module: nn.Module, hidden_size: int, ffn_size: int, num_experts:
         raise ValueError(f"score_func: expected one of {SCORE_FUNCS}, got {score_func!r}")
     if drop_policy not in DROP_POLICIES:
         raise ValueError(f"drop_policy: expected one of {DROP_POLICIES}, got {drop_policy!r}")
+    renormalize = _check_renormalize(renormalize)
     module.hidden_size, module.ffn_size, module.num_experts, module.top_k = hidden_size, ffn_size, num_experts, top_k
-    module.capacity_factor, module.drop_policy = capacity_factor, drop_policy
+    module.capacity_factor, module.drop_policy = _plain_capacity_factor(capacity_factor), drop_policy
     module.activation, module.score_func, module.renormalize = activation, score_func, renormalize
 
 

@@ -34,9 +34,9 @@ from ..nn.functional import follow_autocast
 from ..quant import quantize
 from ..recipes import get_recipe
 from ..tensor import QuantizedTensor
-from .core import _ACT_RECIPE, _check_experts_args, _dispatch_and_apply
+from .core import _ACT_RECIPE, _X_DTYPES, _check_experts_args, _dispatch_and_apply
 from .layer import MoE, _set_config, experts
-from .routing import DROP_POLICIES, _check_capacity_factor, expert_capacity, select_experts
+from .routing import DROP_POLICIES, _check_capacity_factor, _check_top_k, expert_capacity, select_experts
 
 __all__ = ["expert_parallel_experts", "ExpertParallelMoE"]
 
@@ -140,8 +140,10 @@ def _sum_slots(rows: torch.Tensor, order: torch.Tensor, tokens: int, k: int) -> 
 def _check_args(x, topk_weights, topk_ids, w1, num_experts, world, drop_policy) -> None:
     if not isinstance(num_experts, int) or num_experts <= 0 or num_experts % world:
         raise ValueError(f"num_experts: expected a positive multiple of the group size {world}, got {num_experts!r}")
-    if not isinstance(x, torch.Tensor) or x.dim() != 2:
-        raise ValueError(f"x: expected a [T, H] tensor, got {getattr(x, 'shape', type(x))}")
+    # checked here, before any collective: the experts' own checks see the received rows, not x
+    if not isinstance(x, torch.Tensor) or x.dtype not in _X_DTYPES or x.dim() != 2:
+        raise ValueError(f"x: expected a float32/bfloat16/float16 tensor [T, H], got "
+                         f"{getattr(x, 'dtype', type(x))} {tuple(getattr(x, 'shape', ()))}")
     if not isinstance(topk_ids, torch.Tensor) or topk_ids.dtype not in (torch.int32, torch.int64) \
             or not isinstance(topk_weights, torch.Tensor) or not topk_weights.is_floating_point() \
             or topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0] or topk_weights.shape != topk_ids.shape:
@@ -149,6 +151,7 @@ def _check_args(x, topk_weights, topk_ids, w1, num_experts, world, drop_policy) 
                          f"{getattr(topk_ids, 'dtype', type(topk_ids))} {tuple(getattr(topk_ids, 'shape', ()))} and "
                          f"{getattr(topk_weights, 'dtype', type(topk_weights))} "
                          f"{tuple(getattr(topk_weights, 'shape', ()))}")
+    _check_top_k(topk_ids.shape[1], num_experts)  # as experts() and dispatch: k ≤ E
     if w1.shape[0] != num_experts // world:
         raise ValueError(f"w1: expected this rank's {num_experts // world} experts, got {w1.shape[0]}")
     if drop_policy not in DROP_POLICIES:

@@ -111,6 +111,40 @@ def _check_capacity_factor(capacity_factor: float | None) -> None:
         raise ValueError(f"capacity_factor: expected a finite number > 0 or None (dropless), got {capacity_factor!r}")
 
 
+def _factor_fraction(capacity_factor: float) -> Fraction:
+    """``capacity_factor`` as the decimal it prints as (numpy's float32 1.2 prints as 1.2; float()
+    would give 1.2000000476837158)."""
+    try:
+        return Fraction(str(capacity_factor))
+    except ValueError:
+        return Fraction(repr(float(capacity_factor)))
+
+
+def _plain_capacity_factor(capacity_factor: float | None) -> float | None:
+    """A valid ``capacity_factor`` as a Python float where :func:`expert_capacity` reads both as
+    the same number (numpy scalars, ``Decimal``, ``Fraction(3, 4)``): torch.compile turns numpy
+    scalars into tensors, which the custom ops' float argument refuses. Others stay as they are."""
+    if capacity_factor is None or type(capacity_factor) in (int, float):
+        return capacity_factor
+    exact = _factor_fraction(capacity_factor)
+    for text in (str(capacity_factor), repr(float(capacity_factor))):
+        try:
+            plain = float(text)
+        except ValueError:  # a Fraction prints as "3/4"
+            continue
+        if _factor_fraction(plain) == exact:
+            return plain
+    return capacity_factor
+
+
+def _check_renormalize(renormalize: bool) -> bool:
+    """``renormalize`` as a Python bool (numpy's too: under torch.compile the custom ops take a
+    plain bool). Anything else is refused: the string ``"false"``, say, is truthy."""
+    if isinstance(renormalize, (str, bytes, torch.Tensor)) or renormalize not in (True, False):
+        raise ValueError(f"renormalize: expected a bool, got {renormalize!r}")
+    return bool(renormalize)
+
+
 def _check_top_k(top_k: int, num_experts: int) -> None:
     if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
         raise ValueError(f"top_k: expected an int ≥ 1, got {top_k!r}")
@@ -130,11 +164,7 @@ def expert_capacity(num_tokens: int, top_k: int, num_experts: int, capacity_fact
     _check_capacity_factor(capacity_factor)
     if capacity_factor is None:
         return None
-    try:  # the decimal it prints as (numpy's float32 1.2 prints as 1.2; float() would give 1.2000000476837158)
-        factor = Fraction(str(capacity_factor))
-    except ValueError:
-        factor = Fraction(repr(float(capacity_factor)))
-    return math.ceil(Fraction(num_tokens * top_k, num_experts) * factor)
+    return math.ceil(Fraction(num_tokens * top_k, num_experts) * _factor_fraction(capacity_factor))
 
 
 def select_experts(logits: torch.Tensor, top_k: int, *, score_func: str = "softmax",
@@ -159,6 +189,7 @@ def select_experts(logits: torch.Tensor, top_k: int, *, score_func: str = "softm
     _check_top_k(top_k, logits.shape[1])
     if score_func not in SCORE_FUNCS:
         raise ValueError(f"score_func: expected one of {SCORE_FUNCS}, got {score_func!r}")
+    renormalize = _check_renormalize(renormalize)
     scores = logits.float().softmax(dim=-1) if score_func == "softmax" else logits.float().sigmoid()
     ids = _topk_ids(scores.detach(), top_k)
     weights = scores.gather(-1, ids)

@@ -282,3 +282,21 @@ def test_a_huge_capacity_factor_drops_nothing_across_ranks(one_rank_group, polic
     got = expert_parallel_experts(x, w, ids, w1, w2, num_experts=4, recipe=None, capacity_factor=1e30,
                                   drop_policy=policy)
     torch.testing.assert_close(got, experts(x, w, ids, w1, w2, recipe=None))
+
+
+def test_top_k_above_num_experts_is_refused_as_experts_refuses_it(one_rank_group):
+    x, w1, w2 = torch.randn(3, 128), torch.randn(4, 256, 128), torch.randn(4, 128, 128)
+    ids, w = torch.zeros(3, 5, dtype=torch.long), torch.rand(3, 5)
+    for recipe in ("fp8_block", None):
+        with pytest.raises(ValueError, match="top_k: 5 is more than num_experts=4"):
+            expert_parallel_experts(x, w, ids, w1, w2, num_experts=4, recipe=recipe)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.int64])
+@pytest.mark.parametrize("recipe", ["fp8_block", None])
+def test_x_of_another_dtype_is_named_with_its_own_shape(one_rank_group, dtype, recipe):
+    x = torch.randn(3, 128).to(dtype)
+    w1, w2 = torch.randn(4, 256, 128), torch.randn(4, 128, 128)
+    ids, w = torch.zeros(3, 2, dtype=torch.long), torch.rand(3, 2)
+    with pytest.raises(ValueError, match=rf"^x: .*{dtype}.*\(3, 128\)"):
+        expert_parallel_experts(x, w, ids, w1, w2, num_experts=4, recipe=recipe)

@@ -1,11 +1,22 @@
 import math
+from fractions import Fraction
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lowprec.moe import Routing, dispatch, expert_capacity, route, select_experts
+from lowprec.moe import (
+    FP8InferenceMoE,
+    MoE,
+    NVFP4InferenceMoE,
+    Routing,
+    dispatch,
+    expert_capacity,
+    route,
+    select_experts,
+)
 
 
 def loop_dispatch(weights, ids, num_experts, capacity_factor, policy):
@@ -229,3 +240,51 @@ def test_a_huge_capacity_factor_drops_nothing(policy):
     dropless = dispatch(w, ids, 4)
     assert routing.kept.all() and routing.capacity == 4 * 10**30
     assert torch.equal(routing.row_slots, dropless.row_slots) and torch.equal(routing.counts, dropless.counts)
+
+
+@pytest.mark.parametrize("factor", [np.float32(1.2), np.float64(0.75), Fraction(3, 4)])
+def test_a_numpy_or_fraction_capacity_factor_compiles_fullgraph(factor):
+    """A capacity factor MoE accepts keeps fullgraph=True (the docstring's promise) and its capacity."""
+    torch.manual_seed(0)
+    moe = MoE(128, 128, 4, 2, capacity_factor=factor, recipe=None)
+    assert expert_capacity(10, 1, 4, moe.capacity_factor) == expert_capacity(10, 1, 4, factor)
+    x = torch.randn(10, 128)
+    try:
+        with torch.no_grad():
+            assert torch.equal(torch.compile(moe, backend="eager", fullgraph=True)(x), moe(x))
+        xr = x.clone().requires_grad_()
+        torch.compile(moe, backend="eager", fullgraph=True)(xr).sum().backward()
+        assert xr.grad is not None
+    finally:
+        torch._dynamo.reset()
+
+
+def test_the_capacity_read_as_printed_is_kept():
+    """np.float32(1.2) is 1.2 for expert_capacity (T=10, k=1, E=4: 3, not float32's 4): the layers keep that."""
+    moe = FP8InferenceMoE(128, 128, 4, 1, capacity_factor=np.float32(1.2))
+    assert expert_capacity(10, 1, 4, moe.capacity_factor) == 3
+    assert MoE(128, 128, 4, 1, capacity_factor=Fraction(1, 3)).capacity_factor == Fraction(1, 3)  # 1/3 has no float
+    assert MoE(128, 128, 4, 1, capacity_factor=1.2).capacity_factor == 1.2
+
+
+@pytest.mark.parametrize("bad", ["false", "no", None, 2, torch.ones(2)])
+def test_renormalize_that_is_not_a_bool_is_refused_by_name(bad):
+    with pytest.raises(ValueError, match="renormalize: expected a bool"):
+        select_experts(torch.randn(4, 8), 2, renormalize=bad)
+    for cls in (MoE, FP8InferenceMoE, NVFP4InferenceMoE):
+        with pytest.raises(ValueError, match="renormalize: expected a bool"):
+            cls(128, 128, 4, 2, renormalize=bad)
+
+
+def test_a_numpy_bool_is_a_bool_and_compiles_fullgraph():
+    torch.manual_seed(0)
+    moe = MoE(128, 128, 4, 2, recipe=None, renormalize=np.False_)
+    assert type(moe.renormalize) is bool and moe.renormalize is False
+    x = torch.randn(5, 128)
+    try:
+        with torch.no_grad():
+            assert torch.equal(torch.compile(moe, backend="eager", fullgraph=True)(x), moe(x))
+    finally:
+        torch._dynamo.reset()
+    w, _ = select_experts(torch.randn(4, 8), 2, renormalize=np.True_)
+    torch.testing.assert_close(w.sum(-1), torch.ones(4))
