@@ -43,14 +43,16 @@ def dequantize_blocks(qt, dtype: torch.dtype | None = None) -> torch.Tensor:
         q = decode(unpack_fp4(data), qt.recipe.element, check_range=False)[..., :cols]  # nibbles
     else:
         q = data.float()
-    scale = qt.scale.float()
+    # in the work dtype: an E4M3 block scale times the FP32 global scale needs 28 bits, so the
+    # product rounds in FP32 and a float64 dequantization would not be exact
+    scale = qt.scale.to(work)
     if len(shape) < 2:
         scale = scale.reshape(1, -1)
     if qt.global_scale is not None:
-        scale = scale * qt.global_scale.float()
+        scale = scale * qt.global_scale.to(work)
     br, bc = block_dims(qt.recipe, shape)
     q = q.to(work)
-    out = times_block_scales(q, scale.to(work), br, bc)
+    out = times_block_scales(q, scale, br, bc)
     if dtype != torch.float64:
         # a finite code times its scale can lie past dtype's largest value (E8M0 / pow2 scales round a
         # block's amax up: fp16 65504 -> 256 · 2^8 = 65536), or overflow the FP32 product: saturate, as

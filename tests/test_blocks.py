@@ -5,6 +5,7 @@ import torch
 
 import lowprec
 from lowprec.blocks import expand_scale, times_block_scales
+from lowprec.formats import decode, get_format, unpack_fp4
 
 
 @pytest.mark.parametrize("shape, block", [((256, 512), (1, 128)), ((3, 256, 384), (128, 128)),
@@ -44,3 +45,26 @@ def test_finite_values_near_the_dtype_max_dequantize_finite(dtype, name, opts):
     assert (deq[0, 0] >= 0.9 * x[0, 0]) and (deq[0, 1] <= 0.9 * x[0, 1])
     exact = lowprec.quantize(x, name, **opts).dequantize(torch.float64)
     assert torch.isfinite(exact).all()  # the float64 dequantization is left exact (not clamped)
+
+
+@pytest.mark.parametrize("weight_2d", [False, True])
+def test_nvfp4_float64_dequantize_is_exact(weight_2d):
+    """dequantize(float64) is the exact error reference: the E4M3 block scale times the FP32 global
+    scale must not be rounded to FP32 first."""
+    torch.manual_seed(0)
+    q = lowprec.quantize(torch.randn(64, 128), "nvfp4", weight_2d=weight_2d)
+    codes = decode(unpack_fp4(q.data), get_format("e2m1"), check_range=False).double()
+    scale = q.scale.double()
+    if weight_2d:
+        scale = scale.repeat_interleave(16, 0)
+    exact = codes * scale.repeat_interleave(16, 1) * q.global_scale.double()
+    assert torch.equal(q.dequantize(torch.float64), exact)
+
+
+def test_float32_dequantize_unchanged():
+    """The FP32 path keeps its products (scale * global in FP32, then times the code)."""
+    torch.manual_seed(1)
+    q = lowprec.quantize(torch.randn(32, 64), "nvfp4")
+    codes = decode(unpack_fp4(q.data), get_format("e2m1"), check_range=False)
+    want = codes * (q.scale.float() * q.global_scale).repeat_interleave(16, 1)
+    assert torch.equal(q.dequantize(torch.float32), want)

@@ -32,6 +32,11 @@ def _check_common(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype
         raise TypeError(f"out_dtype: expected one of {[str(d) for d in _OUT_DTYPES]}, got {out_dtype}")
 
 
+def _scales_need_grad(a: QuantizedTensor, b: QuantizedTensor) -> bool:
+    return any(t is not None and t.requires_grad
+               for t in (a.scale, a.global_scale, b.scale, b.global_scale))
+
+
 def gemm(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype = torch.bfloat16,
          bias: torch.Tensor | None = None) -> torch.Tensor:
     """``D[M, N] = dequant(a)[M, K] · dequant(b)[N, K]ᵀ (+ bias)``, accumulated in FP32.
@@ -61,6 +66,11 @@ def gemm(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype = torch.
     if not torch.compiler.is_compiling() and not bias_grad:
         # eager: the op's dispatch (tens of µs per call) buys nothing outside a traced graph, unless
         # the bias needs its gradient (the op's autograd formula; a kernel's output has no graph)
+        if torch.is_grad_enabled() and _scales_need_grad(a, b):
+            # the quantized operands get no gradient, as through the op (its formula) and the kernels:
+            # the reference would otherwise differentiate through scales that require grad
+            with torch.no_grad():
+                return gemm_dispatch(a, b, out_dtype, bias)
         return gemm_dispatch(a, b, out_dtype, bias)
     return gemm_op(a.data, a.scale, a.global_scale, a.recipe.spec(),
                    b.data, b.scale, b.global_scale, b.recipe.spec(), a.shape[1], bias, out_dtype)

@@ -154,3 +154,30 @@ def test_eager_gemm_bias_gradient_on_the_gpu():
     dy = torch.randn_like(y)
     y.backward(dy)
     assert torch.equal(bias.grad, dy.float().sum(0))
+
+
+def _operands_with_scales_that_require_grad():
+    torch.manual_seed(0)
+    a = lowprec.quantize(torch.randn(4, 128), "fp8_rowwise")
+    b = lowprec.quantize(torch.randn(8, 128), "nvfp4")
+    scale = a.scale.clone().requires_grad_()
+    g = b.global_scale.clone().requires_grad_()
+    return (QuantizedTensor(a.data, scale, a.recipe, a.shape, a.dtype),
+            QuantizedTensor(b.data, b.scale, b.recipe, b.shape, b.dtype, g), a, b)
+
+
+def test_quantized_operands_get_no_gradient_eagerly():
+    """The docstring: the bias is the only differentiable input; as the op path and the kernels."""
+    qa, qb, a, b = _operands_with_scales_that_require_grad()
+    y = lowprec.gemm(qa, qb, out_dtype=torch.float32)
+    assert not y.requires_grad
+    assert torch.equal(y, lowprec.gemm(a, b, out_dtype=torch.float32))
+
+
+def test_bias_gradient_unchanged():
+    qa, qb, a, b = _operands_with_scales_that_require_grad()
+    bias = torch.randn(8, requires_grad=True)
+    y = lowprec.gemm(qa, qb, out_dtype=torch.float32, bias=bias)
+    dy = torch.randn_like(y)
+    (db,) = torch.autograd.grad(y, bias, dy)
+    assert torch.equal(db, dy.sum(0))

@@ -11,6 +11,11 @@ from __future__ import annotations
 import re
 
 import pytest
+import torch
+
+import lowprec
+from lowprec.gemm.reference import grouped_gemm_contiguous_reference, grouped_gemm_masked_reference
+from lowprec.gemm.sm100 import interface
 
 from ..hopper import HAS_CUTLASS, needs_cutlass
 
@@ -363,3 +368,31 @@ def test_grouped_contiguous_runs_through_the_masked_launch(monkeypatch):
         expected = grouped_gemm_contiguous_reference(a, b, ends, torch.bfloat16)
         torch.testing.assert_close(y, expected, rtol=1e-2, atol=1e-2)
         assert (y[141:] == 0).all()
+
+
+@pytest.fixture
+def masked_reference_launch(monkeypatch):
+    """The sm_100a launch stubbed by the masked reference: the host code around it runs on the CPU."""
+    monkeypatch.setattr(interface, "_launch", lambda a, b, out_dtype, bias, config, counts=None:
+                        grouped_gemm_masked_reference(a, b, counts, out_dtype))
+
+
+def _contiguous_operands(m=10):
+    torch.manual_seed(0)
+    return lowprec.quantize(torch.randn(m, 256), "mxfp8"), lowprec.quantize(torch.randn(3, 32, 256), "mxfp8")
+
+
+@pytest.mark.parametrize("ends", [[4, 8, 12], [6, 12, 3], [0, 0, 11], [-2, 3, 30]])
+def test_contiguous_as_masked_never_reads_past_m(masked_reference_launch, ends):
+    """grouped_gemm: on CUDA, group_ends breaking the contract give wrong rows, never out-of-bounds accesses."""
+    a, b = _contiguous_operands()
+    y = interface.grouped_gemm_quantized(a, b, torch.float32, torch.tensor(ends, dtype=torch.int32), None)
+    assert y.shape == (10, 32) and bool(torch.isfinite(y).all())
+
+
+@pytest.mark.parametrize("ends", [[4, 8, 10], [0, 3, 7], [0, 0, 0], [5, 5, 9]])
+def test_contiguous_as_masked_valid_ends_unchanged(masked_reference_launch, ends):
+    a, b = _contiguous_operands()
+    ge = torch.tensor(ends, dtype=torch.int32)
+    want = grouped_gemm_contiguous_reference(a, b, ge, torch.float32)
+    torch.testing.assert_close(interface.grouped_gemm_quantized(a, b, torch.float32, ge, None), want)

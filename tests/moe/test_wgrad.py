@@ -114,3 +114,23 @@ def test_quantize_k_grouped_kernel_matches_reference(ends, dtype, monkeypatch):
     ref, _ = quantize_k_grouped(gathered, group_ends)
     assert torch.equal(out.data.view(torch.uint8), ref.data.view(torch.uint8))
     assert torch.equal(out.scale, ref.scale)
+
+
+def _wgrad_dtype_operands():
+    ends = torch.tensor([100, 200], dtype=torch.int32)
+    a, aligned = quantize_k_grouped(torch.randn(200, 32), ends)
+    b, _ = quantize_k_grouped(torch.randn(200, 16), ends)
+    return a, b, aligned
+
+
+@pytest.mark.parametrize("out_dtype", [torch.int32, torch.float8_e4m3fn, torch.float64])
+def test_wgrad_rejects_unsupported_out_dtype(out_dtype):
+    a, b, aligned = _wgrad_dtype_operands()
+    with pytest.raises(TypeError, match="out_dtype"):
+        grouped_gemm_wgrad(a, b, aligned, out_dtype=out_dtype)
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_wgrad_takes_the_gemm_out_dtypes(out_dtype):
+    a, b, aligned = _wgrad_dtype_operands()
+    assert grouped_gemm_wgrad(a, b, aligned, out_dtype=out_dtype).dtype == out_dtype

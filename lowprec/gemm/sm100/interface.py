@@ -93,9 +93,11 @@ def grouped_gemm_quantized(a, b, out_dtype, group_ends, masked_counts):
 
 
 def _contiguous_as_masked(a, b, out_dtype, group_ends):
-    ends = group_ends.to(device=a.data.device, dtype=torch.int64)
+    # clamped to [0, M] (on the device, no sync): ends past M or decreasing (unchecked on CUDA) give
+    # wrong rows, as grouped_gemm promises, never a gather past a's rows (a device-side assert)
+    ends = group_ends.to(device=a.data.device, dtype=torch.int64).clamp(0, a.shape[0])
     starts = torch.cat([ends.new_zeros(1), ends[:-1]])
-    counts = ends - starts
+    counts = (ends - starts).clamp_min(0)
     y = torch.zeros(a.shape[0], b.shape[-2], dtype=out_dtype, device=a.data.device)
     m_max = int(counts.max()) if counts.numel() else 0
     if m_max == 0:
