@@ -181,6 +181,7 @@ _FP8_CACHE_ATTR = "_lowprec_fp8_kv_cache"
 def _attend_fp8_cache(cache: FP8KVCache, module, query, attention_mask, dropout, scaling, is_causal, kwargs):
     """Attention of ``query`` over an FP8 cache layer: the FP8 forward reading it in place, or (a
     mask, dropout, a softcap or a position bias) ``sdpa`` over its dequantized keys and values."""
+    _refuse_grad(query)
     why = _score_terms_reason(attention_mask, dropout, kwargs)
     if why is None:
         out = cache.attend(query, causal=_causal(module, is_causal, query), scale=scaling)
@@ -195,13 +196,24 @@ def _attend_fp8_cache(cache: FP8KVCache, module, query, attention_mask, dropout,
                                   is_causal=is_causal, **kwargs)
 
 
+def _refuse_grad(*tensors) -> None:
+    """The cache holds no gradients: its keys and values are detached codes (the masked path's
+    dequantized ones too), so a call that would train through it must fail, not lose K / V grads."""
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        raise ValueError("fp8_cache: attention over an FP8 KV cache has no gradients; call the model under "
+                         "torch.no_grad() or torch.inference_mode() (generate does), or train without fp8_cache")
+
+
 def fp8_cache(max_len: int, *, v_headroom: float = 4.0):
     """A transformers (>= 5) ``Cache`` keeping every layer's keys and values in FP8: one
     :class:`~lowprec.attention.FP8KVCache` of ``max_len`` tokens per layer, made at the layer's
     first update (its batch, KV heads, head dim, dtype and device from the keys; V's scales from
     the prompt times ``v_headroom``). For models on ``"lowprec_fp8"``
     (:func:`register_transformers_attention`); pass it as ``past_key_values`` to ``generate`` or a
-    forward. Greedy and sampled generation; beam search and cropping are not supported."""
+    forward. Greedy and sampled generation; beam search and cropping are not supported.
+    Encoder-decoder models take it as transformers' caches are taken there, one per attention kind:
+    ``EncoderDecoderCache(fp8_cache(max_len), fp8_cache(encoder_len))`` (or a ``DynamicCache`` for
+    the cross-attention)."""
     if not isinstance(max_len, int) or isinstance(max_len, bool) or max_len < 1:
         raise ValueError(f"max_len: expected an int ≥ 1, got {max_len!r}")
     layer_class, cache_class = _fp8_cache_classes()
@@ -229,6 +241,10 @@ def _fp8_cache_classes():
 
         def lazy_initialization(self, key_states, value_states):
             b, hkv, _, d = key_states.shape
+            if value_states.shape[-1] != d:  # else FP8KVCache.append's shape error, naming neither
+                raise NotImplementedError(f"fp8_cache: keys and values of different head dims (K {d}, V "
+                                          f"{value_states.shape[-1]}: MLA models, DeepSeek-V3) are not supported "
+                                          "(an FP8KVCache holds K and V of one head dim)")
             self.dtype, self.device = key_states.dtype, key_states.device
             self.fp8 = FP8KVCache(b, hkv, self.max_len, d, dtype=key_states.dtype, device=key_states.device,
                                   v_headroom=self.v_headroom)
@@ -237,6 +253,7 @@ def _fp8_cache_classes():
             self.is_initialized = True
 
         def update(self, key_states, value_states, *args, **kwargs):
+            _refuse_grad(key_states, value_states)
             if not self.is_initialized:
                 self.lazy_initialization(key_states, value_states)
             self.fp8.append(key_states, value_states)
@@ -245,7 +262,10 @@ def _fp8_cache_classes():
             length = self.fp8.length
             keys = self._keys[:, :, :length]
             setattr(keys, _FP8_CACHE_ATTR, self.fp8)
-            return keys, self._values[:, :, :length]
+            # kept as transformers' layers keep them: encoder-decoder models reuse a cross-attention
+            # layer's ``keys`` / ``values`` at later steps instead of calling update again
+            self.keys, self.values = keys, self._values[:, :, :length]
+            return self.keys, self.values
 
         def get_seq_length(self) -> int:
             return self.fp8.length if self.is_initialized else 0
@@ -262,6 +282,7 @@ def _fp8_cache_classes():
         def reset(self) -> None:
             if self.is_initialized:
                 self.fp8.reset()
+            self.keys = self.values = None
 
         def _unsupported(self, *args, **kwargs):
             raise NotImplementedError("fp8_cache: beam search, cropping and batch reordering are not supported "
@@ -274,5 +295,15 @@ def _fp8_cache_classes():
 
         def __init__(self, make_layer):
             super().__init__(layer_class_to_replicate=make_layer)
+
+        def _no_linear_layers(self, *args, **kwargs):
+            # its layers are all FP8 attention layers: a hybrid model's conv / recurrent states have none
+            # (transformers then fails on an empty or attention layer: IndexError, "non linear attention")
+            raise NotImplementedError("fp8_cache: models with linear-attention layers (conv / recurrent states: "
+                                      "Qwen3-Next, Mamba hybrids, ...) are not supported; use transformers' "
+                                      "DynamicCache(config=model.config)")
+
+        get_conv_state = update_conv_state = get_recurrent_state = update_recurrent_state = _no_linear_layers
+        has_previous_state = _no_linear_layers
 
     return FP8CacheLayer, FP8Cache

@@ -296,3 +296,91 @@ def test_softcap_calls_compute_the_softcap():
         expected = ref.generate(ids[:, :8], max_new_tokens=4, do_sample=False)
         assert torch.equal(model.generate(ids[:, :8], max_new_tokens=4, do_sample=False), expected)
         model.generate(ids[:, :8], max_new_tokens=4, do_sample=False, past_key_values=fp8_cache(64))
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_fp8_cache_as_a_cross_attention_cache():
+    """transformers reads a cross-attention layer's ``keys`` / ``values`` back at later steps."""
+    transformers = pytest.importorskip("transformers", minversion="5.0")
+    from lowprec.attention import fp8_cache
+
+    cfg = transformers.BartConfig(vocab_size=128, d_model=64, encoder_layers=2, decoder_layers=2,
+                                  encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=128,
+                                  decoder_ffn_dim=128, max_position_embeddings=128)
+    torch.manual_seed(0)
+    model = transformers.BartForConditionalGeneration(cfg).eval()
+    model.set_attn_implementation(register_transformers_attention())
+    ids, dec = torch.randint(3, 128, (2, 24)), torch.randint(3, 128, (2, 6))
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        enc = model.get_encoder()(ids)
+        ref = model(encoder_outputs=enc, decoder_input_ids=dec).logits
+        cache = transformers.EncoderDecoderCache(fp8_cache(64), fp8_cache(64))
+        got = [model(encoder_outputs=enc, decoder_input_ids=dec[:, :3], past_key_values=cache, use_cache=True).logits]
+        for i in range(3, 6):  # decode steps: the cross-attention layers are read back, not updated
+            got.append(model(encoder_outputs=enc, decoder_input_ids=dec[:, i:i + 1], past_key_values=cache,
+                             use_cache=True).logits)
+    got = torch.cat(got, dim=1)
+    assert cache.get_seq_length() == 6 and cache.cross_attention_cache.get_seq_length() == 24
+    assert F.cosine_similarity(got.flatten(), ref.flatten(), dim=0) > 0.999
+
+
+def _llama_on_fp8_attention(transformers):
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                   attn_implementation=register_transformers_attention())
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+@pytest.mark.parametrize("masked", [False, True])
+def test_grad_enabled_forward_over_fp8_cache_is_refused(masked):
+    """The cache holds no gradients: a forward that would train through it fails clearly (with a
+    mask it silently dropped the K / V projections' gradients)."""
+    transformers = pytest.importorskip("transformers", minversion="5.0")
+    from lowprec.attention import fp8_cache
+
+    model = _llama_on_fp8_attention(transformers)
+    ids = torch.randint(0, 128, (2, 20))
+    mask = torch.ones_like(ids)
+    if masked:
+        mask[0, :3] = 0  # left padding: the call attends over the dequantized cache with sdpa
+    with warnings.catch_warnings(), pytest.raises(ValueError, match="fp8_cache.*no gradients"):
+        warnings.simplefilter("ignore", RuntimeWarning)
+        model(ids, attention_mask=mask, past_key_values=fp8_cache(64), use_cache=True).logits.sum().backward()
+    with torch.no_grad(), warnings.catch_warnings():  # inference still runs
+        warnings.simplefilter("ignore", RuntimeWarning)
+        assert model(ids, attention_mask=mask, past_key_values=fp8_cache(64), use_cache=True).logits.isfinite().all()
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_fp8_cache_refuses_linear_attention_layers():
+    transformers = pytest.importorskip("transformers", minversion="5.0")
+    from lowprec.attention import fp8_cache
+
+    cfg = transformers.Qwen3NextConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16,
+        linear_value_head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=32, layer_types=["linear_attention", "full_attention"])
+    torch.manual_seed(0)
+    model = transformers.Qwen3NextForCausalLM(cfg).eval()
+    model.set_attn_implementation(register_transformers_attention())
+    with torch.no_grad(), warnings.catch_warnings(), pytest.raises(NotImplementedError, match="fp8_cache.*linear"):
+        warnings.simplefilter("ignore", RuntimeWarning)
+        model(torch.randint(3, 128, (2, 20)), past_key_values=fp8_cache(64), use_cache=True)
+    cache = fp8_cache(64)
+    for call in (lambda: cache.get_conv_state(0), lambda: cache.update_recurrent_state(torch.zeros(1), 0)):
+        with pytest.raises(NotImplementedError, match="fp8_cache"):
+            call()
+
+
+def test_fp8_cache_refuses_a_value_head_dim_other_than_the_keys():
+    pytest.importorskip("transformers", minversion="5.0")
+    from lowprec.attention import fp8_cache
+
+    cache = fp8_cache(64)
+    k, v = torch.randn(2, 1, 8, 32), torch.randn(2, 1, 8, 16)  # DeepSeek-V3's MLA: qk 32, v 16
+    with pytest.raises(NotImplementedError, match="fp8_cache.*head dims"):
+        cache.update(k, v, 0)
