@@ -24,7 +24,7 @@ _QUANT = (None, "fp8")
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-def _check_input(name: str, t, device: torch.device | None) -> None:
+def _check_input(name: str, t, device: torch.device | None, dtype: torch.dtype | None = None) -> None:
     if isinstance(t, QuantizedTensor):
         if t.dim() != 4:
             raise ValueError(f"{name}: expected a 4-D QuantizedTensor, got shape {tuple(t.shape)}")
@@ -34,6 +34,10 @@ def _check_input(name: str, t, device: torch.device | None) -> None:
                          f"{tuple(getattr(t, 'shape', ()))}")
     if device is not None and t.device != device:
         raise ValueError(f"{name}: on {t.device}, but q is on {device}")
+    # one dtype for q, k, v tensors (as torch's SDPA, whose CUDA error would not name the argument);
+    # QuantizedTensors are codes, their original dtype aside
+    if dtype is not None and isinstance(t, torch.Tensor) and t.dtype != dtype:
+        raise ValueError(f"{name}: {t.dtype}, but q is {dtype}: q, k and v tensors share one dtype (cast them)")
 
 
 def attention(q, k, v, causal: bool = False, scale: float | None = None, quant: str | None = None,
@@ -42,11 +46,15 @@ def attention(q, k, v, causal: bool = False, scale: float | None = None, quant: 
 
     Args:
         q: ``[B, H, Sq, D]``; k: ``[B, Hkv, Sk, D]``; v: ``[B, Hkv, Sk, Dv]`` (torch SDPA layout;
-            ``H`` a multiple of ``Hkv`` for grouped-query attention). Float dtypes.
+            ``H`` a multiple of ``Hkv`` for grouped-query attention). Float dtypes, one for the
+            three (else a ValueError naming the argument; a QuantizedTensor input aside).
             With ``quant="fp8"`` they may also be already quantized (an FP8 KV cache):
             ``QuantizedTensor``\\ s of Q or K in :data:`ATTN_QK_RECIPE` and of Vᵀ ``[B, Hkv, Dv, Sk]`` in
             ``fp8_rowwise`` (see :func:`quantize_kv_cache`), taken as they are: a quantized input
             stands for its dequantized value (a quantized K is not smoothed again). No gradients then.
+            A QuantizedTensor V is always read as Vᵀ (one scale per channel): a V ``[B, Hkv, Sk, Dv]``
+            quantized as it is (one scale per token) is refused by shape only where ``Sk != Dv``;
+            where they are equal the shapes cannot tell, so quantize V with :func:`quantize_kv_cache`.
         causal: mask keys after the query, bottom-right aligned when ``Sq != Sk`` (query ``i``
             sees keys ``j ≤ i + Sk − Sq``). Rows that see no key give 0 and LSE −inf.
         scale: softmax scale, default ``1/sqrt(D)``.
@@ -70,7 +78,7 @@ def attention(q, k, v, causal: bool = False, scale: float | None = None, quant: 
     """
     _check_input("q", q, None)
     for name, t in (("k", k), ("v", v)):
-        _check_input(name, t, q.device)
+        _check_input(name, t, q.device, q.dtype if isinstance(q, torch.Tensor) else None)
     v_transposed = isinstance(v, QuantizedTensor)
     b, h, sq, d = q.shape
     if d == 0:  # no score to scale or quantize

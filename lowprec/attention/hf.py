@@ -40,7 +40,7 @@ import torch
 
 from ..runtime import warn_once
 from .dense import attention
-from .kv_cache import FP8KVCache
+from .kv_cache import FP8KVCache, _check_v_headroom
 
 __all__ = ["ATTENTION_IMPLEMENTATION", "register_transformers_attention", "transformers_attention_forward",
            "fp8_cache"]
@@ -216,6 +216,7 @@ def fp8_cache(max_len: int, *, v_headroom: float = 4.0):
     the cross-attention)."""
     if not isinstance(max_len, int) or isinstance(max_len, bool) or max_len < 1:
         raise ValueError(f"max_len: expected an int ≥ 1, got {max_len!r}")
+    _check_v_headroom(v_headroom)  # here, not at the first layer's update deep inside generate
     layer_class, cache_class = _fp8_cache_classes()
     return cache_class(functools.partial(layer_class, max_len, v_headroom))
 

@@ -55,6 +55,11 @@ _FP32_TINY = torch.finfo(torch.float32).tiny
 _UNSET = object()
 
 
+def _check_v_headroom(v_headroom: float) -> None:
+    if not isinstance(v_headroom, (int, float)) or not math.isfinite(v_headroom) or v_headroom < 1:
+        raise ValueError(f"v_headroom: expected a finite number ≥ 1, got {v_headroom!r}")
+
+
 class FP8KVCache:
     """A growing FP8 KV cache for :func:`lowprec.attention`'s FP8 scheme (decode).
 
@@ -94,8 +99,7 @@ class FP8KVCache:
             raise ValueError(f"head_dim: expected a multiple of 16 (16-byte FP8 rows), got {head_dim}")
         if dtype not in _FLOATS:
             raise ValueError(f"dtype: expected one of {_FLOATS}, got {dtype}")
-        if not isinstance(v_headroom, (int, float)) or not math.isfinite(v_headroom) or v_headroom < 1:
-            raise ValueError(f"v_headroom: expected a finite number ≥ 1, got {v_headroom!r}")
+        _check_v_headroom(v_headroom)
         device = torch.empty(0, device=device).device  # "cuda" -> "cuda:0", as tensors report it
         self.batch, self.kv_heads, self.max_len, self.head_dim = batch, kv_heads, max_len, head_dim
         self.dtype, self.device, self.v_headroom = dtype, device, float(v_headroom)

@@ -156,6 +156,18 @@ def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, smooth: b
 
     ``q`` ``[B, H, Sq, D]``, ``k`` ``[B, Hkv, Sk, D]``, ``v`` ``[B, Hkv, Sk, Dv]`` float tensors.
     """
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not (isinstance(t, torch.Tensor) and t.is_floating_point()) or t.dim() != 4:
+            raise ValueError(f"{name}: expected a 4-D float tensor, got {getattr(t, 'dtype', type(t))} "
+                             f"{tuple(getattr(t, 'shape', ()))}")
+    # V's tokens are K's (as quantize_kv_cache checks): a V of other length would be cut to K's (or
+    # read past its end) silently; Q's batch and head dim are K's
+    if v.shape[:3] != k.shape[:3] or v.device != k.device:
+        raise ValueError(f"v: expected [B, Hkv, Sk] = {tuple(k.shape[:3])} on {k.device} as k, got "
+                         f"{tuple(v.shape)} on {v.device}")
+    if q.shape[0] != k.shape[0] or q.shape[-1] != k.shape[-1] or q.device != k.device:
+        raise ValueError(f"q: expected batch {k.shape[0]} and head dim {k.shape[-1]} on {k.device} as k, got "
+                         f"{tuple(q.shape)} on {q.device}")
     qc, qs = quantize_q(q, incoherent)
     kc, ks, k_mean = quantize_k(k, smooth, incoherent)
     vt, vs = quantize_v(v)

@@ -59,7 +59,7 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
 
     Args:
         q: ``[total_q, H, D]``; k: ``[total_k, Hkv, D]``; v: ``[total_k, Hkv, Dv]`` (``H`` a multiple
-            of ``Hkv``): the sequences one after another.
+            of ``Hkv``): the sequences one after another, in one float dtype.
         cu_seqlens_q, cu_seqlens_k: ``[B + 1]`` int32 (or int64) prefix sums of the sequence lengths
             (sequence ``i`` is rows ``cu[i]:cu[i+1]``); empty sequences allowed. Their values are
             checked wherever that needs no GPU-to-host read: on the CPU, and on CUDA when they are
@@ -79,6 +79,8 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
                              f"{getattr(t, 'dtype', type(t))} {tuple(getattr(t, 'shape', ()))}")
         if t.device != q.device:
             raise ValueError(f"{name}: on {t.device}, but q is on {q.device}")
+        if t.dtype != q.dtype:  # as lowprec.attention
+            raise ValueError(f"{name}: {t.dtype}, but q is {q.dtype}: q, k and v share one dtype (cast them)")
     h, d = q.shape[1:]
     if d == 0:  # no score to scale or quantize
         raise ValueError(f"q: expected a head dim D ≥ 1, got shape {tuple(q.shape)}")

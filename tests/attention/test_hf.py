@@ -4,6 +4,7 @@ installed."""
 
 from __future__ import annotations
 
+import math
 import sys
 import warnings
 
@@ -384,3 +385,20 @@ def test_fp8_cache_refuses_a_value_head_dim_other_than_the_keys():
     k, v = torch.randn(2, 1, 8, 32), torch.randn(2, 1, 8, 16)  # DeepSeek-V3's MLA: qk 32, v 16
     with pytest.raises(NotImplementedError, match="fp8_cache.*head dims"):
         cache.update(k, v, 0)
+
+
+@pytest.mark.parametrize("bad", [0.5, math.inf, math.nan, "4", None])
+def test_fp8_cache_checks_v_headroom_at_once(bad):
+    pytest.importorskip("transformers", minversion="5.0")
+    from lowprec.attention import fp8_cache
+
+    with pytest.raises(ValueError, match="v_headroom"):
+        fp8_cache(64, v_headroom=bad)
+
+
+def test_fp8_cache_takes_a_valid_v_headroom():
+    pytest.importorskip("transformers", minversion="5.0")
+    from lowprec.attention import fp8_cache
+
+    fp8_cache(64, v_headroom=1)
+    fp8_cache(64, v_headroom=8.0)

@@ -214,3 +214,22 @@ def test_quantize_kv_cache_checks_its_inputs_by_name():
     assert tuple(kq.shape) == (1, 2, 5, 16) and tuple(vq.shape) == (1, 2, 8, 5)
     kq_in = lowprec.quantize(k, "fp8_block1x128")  # a QuantizedTensor: its dequantized value
     assert tuple(quantize_kv_cache(kq_in, torch.randn(1, 2, 5, 8))[0].shape) == (1, 2, 5, 16)
+
+
+@pytest.mark.parametrize("v_shape", [(1, 2, 40, 64), (1, 1, 64, 64), (2, 2, 64, 64)])
+def test_quantize_qkv_refuses_v_of_other_tokens(v_shape):
+    q, k = torch.randn(1, 2, 64, 64), torch.randn(1, 2, 64, 64)
+    with pytest.raises(ValueError, match=r"v: expected \[B, Hkv, Sk\]"):
+        quantize_qkv(q, k, torch.randn(v_shape))
+
+
+def test_quantize_qkv_refuses_q_of_other_batch_or_head_dim():
+    k, v = torch.randn(1, 2, 64, 64), torch.randn(1, 2, 64, 32)
+    for q in (torch.randn(2, 2, 64, 64), torch.randn(1, 2, 64, 32)):
+        with pytest.raises(ValueError, match="q: expected batch"):
+            quantize_qkv(q, k, v)
+
+
+def test_quantize_qkv_takes_matching_inputs():
+    x = quantize_qkv(torch.randn(1, 4, 16, 64), torch.randn(1, 2, 64, 64), torch.randn(1, 2, 64, 32))
+    assert x.k.shape == (1, 2, 64, 64) and x.v_t.shape == (1, 2, 32, 64)

@@ -5,6 +5,7 @@ import torch
 
 import lowprec
 from lowprec import metrics
+from lowprec.attention import attention_varlen, quantize_kv_cache
 
 
 def _qkv(b=2, h=4, hkv=2, sq=200, sk=200, d=64, device="cpu", seed=0, k_offset=0.0):
@@ -173,3 +174,27 @@ def test_fp8_kv_cache_refuses_a_raw_float8_query_by_name():
     cache.append(torch.randn(1, 2, 3, 16), torch.randn(1, 2, 3, 16))
     with pytest.raises(ValueError, match="q: expected a 4-D float16/bfloat16/float32/float64"):
         cache.attend(torch.randn(1, 2, 1, 16).to(torch.float8_e4m3fn))
+
+
+@pytest.mark.parametrize("quant", [None, "fp8"])
+@pytest.mark.parametrize("which", ["k", "v"])
+def test_mixed_dtypes_are_a_value_error_naming_the_argument(quant, which):
+    t = {n: torch.randn(1, 2, 16, 64) for n in "qkv"}
+    t[which] = t[which].bfloat16()
+    with pytest.raises(ValueError, match=f"{which}: torch.bfloat16, but q is torch.float32"):
+        lowprec.attention(t["q"], t["k"], t["v"], quant=quant)
+
+
+def test_varlen_mixed_dtypes_are_a_value_error():
+    q, k, v = torch.randn(16, 2, 64), torch.randn(16, 2, 64).half(), torch.randn(16, 2, 64)
+    cu = torch.tensor([0, 16], dtype=torch.int32)
+    with pytest.raises(ValueError, match="k: torch.float16, but q is torch.float32"):
+        attention_varlen(q, k, v, cu, cu, 16, 16)
+
+
+def test_quantized_kv_with_a_float_q_of_another_dtype_still_runs():
+    q = torch.randn(1, 2, 16, 64)
+    k_q, v_q = quantize_kv_cache(torch.randn(1, 2, 16, 64).bfloat16(), torch.randn(1, 2, 16, 64).bfloat16())
+    assert lowprec.attention(q, k_q, v_q, quant="fp8").shape == (1, 2, 16, 64)
+    same = [torch.randn(1, 2, 16, 64, dtype=torch.float64) for _ in range(3)]
+    assert lowprec.attention(*same).dtype == torch.float64
