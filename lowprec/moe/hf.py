@@ -40,6 +40,13 @@ def experts_module_unsupported(experts: nn.Module | None, probe: bool = True) ->
     ``gate_up_proj`` [E, 2F, H] (gate rows first) and ``down_proj`` [E, H, F], SiLU, no biases,
     not transposed, no post-expert norm, not expert-parallel. ``probe=False``: SiLU known by its
     class (``nn.SiLU``, transformers' ``SiLUActivation``), not by running it (for a traced call)."""
+    if (why := _layout_unsupported(experts)) is not None:
+        return why
+    return _activation_unsupported(getattr(experts, "act_fn", None), probe)
+
+
+def _layout_unsupported(experts: nn.Module | None) -> str | None:
+    """:func:`experts_module_unsupported` but the activation (attribute checks only: cheap)."""
     # transformers' layout flags first: a transposed / bias / ungated layout also fails the shape
     # checks below, whose message would then name the wrong cause
     if getattr(experts, "has_bias", False) or any(getattr(experts, name, None) is not None
@@ -60,7 +67,10 @@ def experts_module_unsupported(experts: nn.Module | None, probe: bool = True) ->
     if gate_fn is not None and getattr(gate_fn, "__name__", None) != "_default_apply_gate":
         return (f"a custom gate {type(experts).__name__}._apply_gate (e.g. a clamped SwiGLU): only "
                 "silu(gate) · up")
-    act = getattr(experts, "act_fn", None)
+    return None
+
+
+def _activation_unsupported(act, probe: bool) -> str | None:
     if act is torch.nn.functional.silu:  # the function itself (LFM2-MoE's experts)
         return None
     if not (_is_silu(act) if probe else type(act).__name__ in _SILU_CLASSES):
@@ -114,6 +124,47 @@ def moe_from_hf(block: nn.Module, recipe: str | None = "fp8_block") -> nn.Module
     return moe
 
 
+_COLLECTOR: list = []  # transformers' context of the outputs a forward records, looked up once (at convert)
+
+
+def _find_collector() -> None:
+    if _COLLECTOR:
+        return
+    collector = None
+    for where in ("transformers.utils.output_capturing", "transformers.utils.generic"):  # a private name
+        try:
+            collector = getattr(__import__(where, fromlist=["_active_collector"]), "_active_collector", None)
+        except ImportError:
+            continue
+        if collector is not None:
+            break
+    _COLLECTOR.append(collector)
+
+
+def _router_logits_recorded() -> bool:
+    """A transformers forward is recording router logits (``output_router_logits``, per call or config)."""
+    outputs = _COLLECTOR[0].get() if _COLLECTOR and _COLLECTOR[0] is not None else None
+    return isinstance(outputs, dict) and "router_logits" in outputs
+
+
+def _refuse_router_logits(module: nn.Module, args) -> None:
+    # convert refuses config.output_router_logits=True; a per-call model(..., output_router_logits=True)
+    # is seen only here: transformers records the logits from the router module this layer replaced,
+    # and would find none (an IndexError or a load-balancing loss of 0)
+    if _router_logits_recorded():
+        raise ValueError("output_router_logits=True: transformers records router logits from the MoE block's router "
+                         f"module, which lowprec.convert replaced with a lowprec {type(module).__name__}; keep the "
+                         "block (convert's filter_fn) and use the 'lowprec_fp8' experts implementation, which keeps "
+                         "the model's router")
+
+
+def refuse_router_logits(layer: nn.Module) -> nn.Module:
+    """``layer`` (converted from a transformers MoE block) raising in a forward that records router logits."""
+    _find_collector()  # here, not in a forward torch.compile may trace
+    layer.register_forward_pre_hook(_refuse_router_logits)
+    return layer
+
+
 EXPERTS_IMPLEMENTATIONS = {"fp8": "lowprec_fp8", "nvfp4": "lowprec_nvfp4"}
 
 
@@ -144,13 +195,22 @@ def register_transformers_experts(fmt: str = "fp8") -> str:
 
 
 def _check_module(module: nn.Module, name: str) -> None:
-    checked = module.__dict__.get("_lowprec_unsupported")  # the module's layout does not change
-    if checked is None:
-        # traced (torch.compile before any eager call): no probe, whose result depends on data
-        checked = (experts_module_unsupported(module, probe=not torch.compiler.is_compiling()),)
-        module.__dict__["_lowprec_unsupported"] = checked
-    if checked[0] is not None:
-        raise ValueError(f"experts_implementation={name!r}: {type(module).__name__}: {checked[0]}")
+    # the layout every call (attribute checks: act_fn, the weights or the flags may be replaced
+    # after a first call); the activation's probe once per act_fn object, kept as
+    # (act_fn, verdict, probed). Traced (torch.compile): no probe, whose result depends on data, and
+    # a verdict by class name is not kept for an eager call, which probes
+    why = _layout_unsupported(module)
+    if why is None:
+        act = getattr(module, "act_fn", None)
+        probe = not torch.compiler.is_compiling()
+        checked = module.__dict__.get("_lowprec_unsupported")
+        if checked is not None and checked[0] is act and (checked[2] or not probe):
+            why = checked[1]
+        else:
+            why = _activation_unsupported(act, probe)
+            module.__dict__["_lowprec_unsupported"] = (act, why, probe)
+    if why is not None:
+        raise ValueError(f"experts_implementation={name!r}: {type(module).__name__}: {why}")
 
 
 def transformers_experts_forward(module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,

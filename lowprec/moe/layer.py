@@ -34,6 +34,7 @@ from .routing import (
     Routing,
     _check_capacity_factor,
     _check_renormalize,
+    _check_size,
     _check_top_k,
     _plain_capacity_factor,
     select_experts,
@@ -153,10 +154,9 @@ def _set_config(module: nn.Module, hidden_size: int, ffn_size: int, num_experts:
                 capacity_factor: float | None, activation: str, recipe: str | None, score_func: str,
                 renormalize: bool, drop_policy: str) -> None:
     """Validate the MoE modules' arguments and set them on ``module`` (all but the recipe)."""
-    for name, value in (("hidden_size", hidden_size), ("ffn_size", ffn_size), ("num_experts", num_experts)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name}: expected an int ≥ 1, got {value!r}")
-    _check_top_k(top_k, num_experts)
+    hidden_size, ffn_size, num_experts = (_check_size(name, value) for name, value in (
+        ("hidden_size", hidden_size), ("ffn_size", ffn_size), ("num_experts", num_experts)))
+    top_k = _check_top_k(top_k, num_experts)
     _check_capacity_factor(capacity_factor)
     _check_options(recipe, activation, hidden_size, ffn_size)
     if score_func not in SCORE_FUNCS:

@@ -24,6 +24,7 @@ call it (a rank with no tokens passes an empty ``x``).
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 import torch.distributed as dist
@@ -67,6 +68,7 @@ def expert_parallel_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_id
     world = dist.get_world_size(group)
     rank = dist.get_rank(group)
     _check_args(x, topk_weights, topk_ids, w1, num_experts, world, drop_policy)
+    num_experts = int(num_experts)  # a numpy integer too
     _check_capacity_factor(capacity_factor)
     # cast here, not on arrival: the codes that travel are those the one-process MoE computes on
     x, autocast_off = follow_autocast(x)
@@ -138,7 +140,8 @@ def _sum_slots(rows: torch.Tensor, order: torch.Tensor, tokens: int, k: int) -> 
 
 
 def _check_args(x, topk_weights, topk_ids, w1, num_experts, world, drop_policy) -> None:
-    if not isinstance(num_experts, int) or num_experts <= 0 or num_experts % world:
+    if isinstance(num_experts, bool) or not isinstance(num_experts, numbers.Integral) or num_experts <= 0 \
+            or num_experts % world:
         raise ValueError(f"num_experts: expected a positive multiple of the group size {world}, got {num_experts!r}")
     # checked here, before any collective: the experts' own checks see the received rows, not x
     if not isinstance(x, torch.Tensor) or x.dtype not in _X_DTYPES or x.dim() != 2:
@@ -167,7 +170,8 @@ def _kept(local_ids, slot_numbers, weights, local_experts: int, capacity: int | 
         return torch.ones(rows, dtype=torch.bool, device=local_ids.device)
     order = torch.argsort(slot_numbers, stable=True)
     if drop_policy == "probs":
-        order = order[torch.argsort(-weights[order], stable=True)]
+        # a descending sort, as dispatch's: NaN weights rank first there (argsort(-w) put them last)
+        order = order[torch.sort(weights[order], descending=True, stable=True).indices]
     order = order[torch.argsort(local_ids[order], stable=True)]
     starts = torch.cumsum(torch.bincount(local_ids, minlength=local_experts), 0) - torch.bincount(
         local_ids, minlength=local_experts)
@@ -270,10 +274,11 @@ class ExpertParallelMoE(nn.Module):
                  dtype=None) -> None:
         super().__init__()
         world = dist.get_world_size(group)
-        if num_experts % world:
-            raise ValueError(f"num_experts: expected a multiple of the group size {world}, got {num_experts}")
         _set_config(self, hidden_size, ffn_size, num_experts, top_k, capacity_factor, activation, recipe,
                     score_func, renormalize, drop_policy)
+        num_experts = self.num_experts  # checked (a string would fail the % below as string formatting)
+        if num_experts % world:
+            raise ValueError(f"num_experts: expected a multiple of the group size {world}, got {num_experts}")
         self.recipe, self.group, self.fp8_dispatch = recipe, group, fp8_dispatch
         self.rank, self.world = dist.get_rank(group), world
         per = num_experts // world

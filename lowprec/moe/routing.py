@@ -145,11 +145,19 @@ def _check_renormalize(renormalize: bool) -> bool:
     return bool(renormalize)
 
 
-def _check_top_k(top_k: int, num_experts: int) -> None:
-    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
-        raise ValueError(f"top_k: expected an int ≥ 1, got {top_k!r}")
+def _check_size(name: str, value: int, least: int = 1) -> int:
+    """``value`` as a Python int ≥ ``least``: numpy integers too (as :func:`expert_capacity` takes
+    them; torch.compile would make them tensors), bools refused."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < least:
+        raise ValueError(f"{name}: expected an int ≥ {least}, got {value!r}")
+    return int(value)
+
+
+def _check_top_k(top_k: int, num_experts: int) -> int:
+    top_k = _check_size("top_k", top_k)
     if top_k > num_experts:
         raise ValueError(f"top_k: {top_k} is more than num_experts={num_experts}")
+    return top_k
 
 
 def expert_capacity(num_tokens: int, top_k: int, num_experts: int, capacity_factor: float | None) -> int | None:
@@ -186,7 +194,7 @@ def select_experts(logits: torch.Tensor, top_k: int, *, score_func: str = "softm
     if not isinstance(logits, torch.Tensor) or not logits.is_floating_point() or logits.dim() != 2:
         raise ValueError(f"logits: expected a 2-D float tensor [T, E], got "
                          f"{getattr(logits, 'dtype', type(logits))} {tuple(getattr(logits, 'shape', ()))}")
-    _check_top_k(top_k, logits.shape[1])
+    top_k = _check_top_k(top_k, logits.shape[1])
     if score_func not in SCORE_FUNCS:
         raise ValueError(f"score_func: expected one of {SCORE_FUNCS}, got {score_func!r}")
     renormalize = _check_renormalize(renormalize)
@@ -224,8 +232,7 @@ def dispatch(topk_weights: torch.Tensor, topk_ids: torch.Tensor, num_experts: in
         check_ids: check the ids' range (reads a flag back from the device; pass False when the
             ids come from :func:`select_experts`).
     """
-    if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
-        raise ValueError(f"num_experts: expected an int ≥ 1, got {num_experts!r}")
+    num_experts = _check_size("num_experts", num_experts)
     if not isinstance(topk_ids, torch.Tensor) or topk_ids.dtype not in (torch.int32, torch.int64) \
             or topk_ids.dim() != 2:
         raise ValueError(f"topk_ids: expected an int32/int64 tensor [T, k], got "

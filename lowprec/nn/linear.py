@@ -17,7 +17,7 @@ from ..quant import quantize
 from ..recipes import DEFAULT_TRAIN_RECIPE, get_recipe
 from ..runtime import registry
 from ..tensor import QuantizedTensor
-from .buffers import QuantizedBuffersModule
+from .buffers import QuantizedBuffersModule, check_out_dtype
 from .fsdp import GATHER_RECIPE, FP8AllGatherWeight
 from .functional import LinearRecipe, follow_autocast, fp8_linear, get_linear_recipe, quantize_linear_weight
 from .nvfp4 import NVFP4InferenceLinear
@@ -145,6 +145,7 @@ class FP8InferenceLinear(QuantizedBuffersModule):
                  device=None, out_dtype: torch.dtype = torch.bfloat16) -> None:
         super().__init__()
         _check_features(in_features, out_features)
+        check_out_dtype(out_dtype)
         self.in_features = in_features
         self.out_features = out_features
         self.recipe: LinearRecipe = get_linear_recipe(recipe)
@@ -314,6 +315,8 @@ def convert(model: nn.Module, recipe: str | None = None, filter_fn: Callable[[st
         raise TypeError(f"model: expected an nn.Module, got {type(model).__name__}")
     if min_weight_numel is None:
         min_weight_numel = 0 if inference else MIN_TRAIN_WEIGHT_NUMEL
+    elif isinstance(min_weight_numel, bool) or not isinstance(min_weight_numel, int) or min_weight_numel < 0:
+        raise ValueError(f"min_weight_numel: expected an int ≥ 0 or None, got {min_weight_numel!r}")
     if _convertible(model):
         return model if filter_fn is not None and not filter_fn("", model) else _converted(model, "", recipe,
                                                                                             inference, 0, [])
@@ -437,7 +440,7 @@ def _convertible(module: nn.Module) -> bool:
 def _converted(module: nn.Module, name: str, recipe: str, inference: bool, min_numel: int, kept: list) -> nn.Module:
     """What :func:`convert` makes of one :func:`_convertible` module (itself where nothing applies)."""
     from ..moe import FP8InferenceMoE, MoE, NVFP4InferenceMoE
-    from ..moe.hf import hf_moe_unsupported, moe_from_hf
+    from ..moe.hf import hf_moe_unsupported, moe_from_hf, refuse_router_logits
 
     if type(module) is nn.Linear:
         return _swap(module, name, recipe, inference, min_numel, kept)
@@ -445,7 +448,7 @@ def _converted(module: nn.Module, name: str, recipe: str, inference: bool, min_n
         if (why := hf_moe_unsupported(module)) is not None:
             log.warning("lowprec.convert: keeping %s as it is: %s", name or "<model>", why)
             return module
-        module = moe_from_hf(module)
+        return refuse_router_logits(_converted(moe_from_hf(module), name, recipe, inference, min_numel, kept))
     if isinstance(module, MoE):
         if not inference:
             return module

@@ -513,3 +513,84 @@ def test_ungated_experts_are_refused_for_having_no_gate():
     module.up_proj = nn.Parameter(torch.zeros(8, 64, 128))
     module.has_gate = False
     assert "has_gate=False" in experts_module_unsupported(module)
+
+
+class _ActCheckedExperts(nn.Module):
+    def __init__(self, e=4, h=128, f=64):
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.randn(e, 2 * f, h) / h**0.5)
+        self.down_proj = nn.Parameter(torch.randn(e, h, f) / f**0.5)
+        self.act_fn = nn.SiLU()
+
+
+class _ClassNameUnknownSiLU(nn.Module):  # computes SiLU; not a class name the traced check knows
+    def forward(self, x):
+        return F.silu(x)
+
+
+def _act_checked_inputs():
+    g = torch.Generator().manual_seed(0)
+    return (torch.randn(8, 128, generator=g), torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(8)]),
+            torch.rand(8, 2, generator=g))
+
+
+def test_replaced_activation_is_checked_again():
+    torch.manual_seed(0)
+    m = _ActCheckedExperts()
+    x, ids, w = _act_checked_inputs()
+    transformers_experts_forward(m, x, ids, w)
+    m.act_fn = nn.GELU()
+    with pytest.raises(ValueError, match="lowprec_fp8.*activation GELU"):
+        transformers_experts_forward(m, x, ids, w)
+    m.act_fn = nn.SiLU()  # and back
+    transformers_experts_forward(m, x, ids, w)
+
+
+def test_replaced_weights_and_flags_are_checked_again():
+    torch.manual_seed(0)
+    m = _ActCheckedExperts()
+    x, ids, w = _act_checked_inputs()
+    transformers_experts_forward(m, x, ids, w)
+    m.is_transposed = True
+    with pytest.raises(ValueError, match="is_transposed=True"):
+        transformers_experts_forward(m, x, ids, w)
+
+
+def test_a_verdict_by_class_name_is_not_kept_for_eager_calls(monkeypatch):
+    """A traced first call knows SiLU by class name only; a later eager call probes the activation.
+    (The traced call is simulated: is_compiling() True for the check.)"""
+    torch.manual_seed(0)
+    m = _ActCheckedExperts()
+    m.act_fn = _ClassNameUnknownSiLU()
+    x, ids, w = _act_checked_inputs()
+    with monkeypatch.context() as patch:
+        patch.setattr(torch.compiler, "is_compiling", lambda: True)
+        with pytest.raises(ValueError, match="_ClassNameUnknownSiLU"):
+            transformers_experts_forward(m, x, ids, w)
+    y = transformers_experts_forward(m, x, ids, w)  # eager: probed, SiLU
+    assert y.shape == x.shape
+
+
+_TINY_MOE_CONFIG = dict(vocab_size=64, hidden_size=128, intermediate_size=128, num_hidden_layers=1,
+                        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64)
+
+
+def _tiny_moe_models(transformers):
+    yield transformers.MixtralForCausalLM(transformers.MixtralConfig(**_TINY_MOE_CONFIG, num_local_experts=4,
+                                                                     num_experts_per_tok=2))
+    yield transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+        **_TINY_MOE_CONFIG, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=128, head_dim=32))
+
+
+@pytest.mark.parametrize("inference", [False, True])
+def test_per_call_output_router_logits_on_converted_blocks_is_refused(inference):
+    transformers = pytest.importorskip("transformers", minversion="5.0")
+    for model in _tiny_moe_models(transformers):
+        torch.manual_seed(0)
+        ids = torch.randint(0, 64, (2, 9))
+        lowprec.convert(model, "fp8_block", inference=inference)
+        assert "MoE" in type(model.model.layers[0].mlp).__name__
+        model(ids)  # without recording: runs
+        with pytest.raises(ValueError, match="output_router_logits"):
+            model(ids, output_router_logits=True)
+        model(ids)  # and again after the refusal

@@ -12,7 +12,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from lowprec.moe import experts
-from lowprec.moe.parallel import expert_parallel_experts
+from lowprec.moe.parallel import _kept, expert_parallel_experts
+from lowprec.moe.routing import dispatch
 
 from ..distributed import rank_body
 from ..hopper import gpu
@@ -300,3 +301,17 @@ def test_x_of_another_dtype_is_named_with_its_own_shape(one_rank_group, dtype, r
     ids, w = torch.zeros(3, 2, dtype=torch.long), torch.rand(3, 2)
     with pytest.raises(ValueError, match=rf"^x: .*{dtype}.*\(3, 128\)"):
         expert_parallel_experts(x, w, ids, w1, w2, num_experts=4, recipe=recipe)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_expert_parallel_keeps_the_slots_dispatch_keeps_with_nan_weights(seed):
+    """One rank's view (every slot local, global slot numbers 0..T·k-1) is the one-process plan."""
+    g = torch.Generator().manual_seed(seed)
+    tokens, k, e = 24, 2, 4
+    w = torch.rand(tokens, k, generator=g)
+    w[torch.rand(tokens, k, generator=g) < 0.25] = float("nan")
+    w[0, 0] = w[5, 1] = 0.5  # ties too
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(tokens)])
+    r = dispatch(w, ids, e, capacity_factor=0.5, drop_policy="probs")
+    ep = _kept(ids.flatten(), torch.arange(tokens * k), w.flatten(), e, r.capacity, "probs")
+    assert torch.equal(ep, r.kept.flatten())

@@ -1,12 +1,16 @@
+import datetime
 import math
+import tempfile
 from fractions import Fraction
 
 import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import lowprec.moe as moe
 from lowprec.moe import (
     FP8InferenceMoE,
     MoE,
@@ -288,3 +292,35 @@ def test_a_numpy_bool_is_a_bool_and_compiles_fullgraph():
         torch._dynamo.reset()
     w, _ = select_experts(torch.randn(4, 8), 2, renormalize=np.True_)
     torch.testing.assert_close(w.sum(-1), torch.ones(4))
+
+
+def test_numpy_integer_sizes_are_ints():
+    w, ids = select_experts(torch.randn(6, 8), np.int64(2))
+    assert ids.shape == (6, 2)
+    r = dispatch(w, ids, np.int64(8), capacity_factor=1.0)
+    assert r.kept.shape == (6, 2)
+    layer = moe.MoE(np.int64(16), np.int64(32), np.int64(4), np.int32(2), recipe=None)
+    assert all(type(v) is int for v in (layer.hidden_size, layer.ffn_size, layer.num_experts, layer.top_k))
+    assert layer(torch.randn(5, 16)).shape == (5, 16)
+
+
+@pytest.mark.parametrize("bad", [True, 2.0, "2", 0])
+def test_bad_sizes_still_refused_by_name(bad):
+    with pytest.raises(ValueError, match="top_k"):
+        select_experts(torch.randn(6, 8), bad)
+    with pytest.raises(ValueError, match="num_experts"):
+        moe.MoE(16, 32, bad, 1, recipe=None)
+
+
+def test_expert_parallel_moe_string_num_experts_is_a_value_error():
+    with tempfile.TemporaryDirectory() as d:
+        dist.init_process_group("gloo", init_method=f"file://{d}/init", rank=0, world_size=1,
+                                timeout=datetime.timedelta(seconds=60))
+        try:
+            from lowprec.moe.parallel import ExpertParallelMoE
+            with pytest.raises(ValueError, match="num_experts"):
+                ExpertParallelMoE(16, 32, "4", 2, recipe=None)
+            layer = ExpertParallelMoE(16, 32, np.int64(4), 2, recipe=None)
+            assert type(layer.num_experts) is int and layer.w1.shape[0] == 4
+        finally:
+            dist.destroy_process_group()
