@@ -165,7 +165,8 @@ def decode(codes: torch.Tensor, fmt: str | ElementFormat, *, check_range: bool =
     key = (f.name, codes.device)
     if key not in _TABLES:  # one table per device: no host-to-device copy per call
         _TABLES[key] = _decode_table(f).to(codes.device)
-    if check_range and f.bits < 8 and codes.numel() and int(codes.max()) >= 2**f.bits:
+    # a meta tensor has no values to check (as quantize's check_finite)
+    if check_range and f.bits < 8 and codes.numel() and codes.device.type != "meta" and int(codes.max()) >= 2**f.bits:
         raise ValueError(f"codes: {f.name} codes are {f.bits}-bit, got a value ≥ {2**f.bits}")
     return _TABLES[key][codes.long()]
 
@@ -174,8 +175,11 @@ def encode_e8m0(x: torch.Tensor, rounding: str = "ceil") -> torch.Tensor:
     """Encode positive values as E8M0 (2^(code-127)) codes, ``uint8``.
 
     ``rounding``: ``"ceil"`` (up to the next power of two: MX RCEIL), ``"floor"``, or
-    ``"nearest"`` (ties up in linear space, as torch's cast). Values below 2^-127 clamp to code 0;
-    above 2^127, Inf, NaN and negative values give the NaN code 0xFF.
+    ``"nearest"`` (ties up in linear space, as torch's cast for normal FP32 values; FP32
+    subnormals in [2^-127, 1.5 * 2^-127) round to the nearer code 0 here, where torch's bit-level
+    cast gives code 1). Values that round below 2^-127 clamp to code 0; values that round above
+    2^127 (so "floor" keeps values below 2^128 at code 254), Inf, NaN and negative values give the
+    NaN code 0xFF.
     """
     if rounding not in ("ceil", "floor", "nearest"):
         raise ValueError(f"rounding: expected 'ceil', 'floor' or 'nearest', got {rounding!r}")
@@ -213,7 +217,7 @@ def pack_fp4(codes: torch.Tensor, *, check_range: bool = True) -> torch.Tensor:
         raise TypeError(f"codes: expected uint8 codes, got {codes.dtype}")
     if codes.shape[-1] % 2:
         raise ValueError(f"codes: last dim must be even to pack pairs, got {codes.shape[-1]}")
-    if check_range and codes.numel() and int(codes.max()) >= 16:
+    if check_range and codes.numel() and codes.device.type != "meta" and int(codes.max()) >= 16:  # meta: no values
         raise ValueError(f"codes: FP4 codes are 4-bit, got a value ≥ 16 (max {int(codes.max())})")
     return codes[..., 0::2] | (codes[..., 1::2] << 4)
 

@@ -163,3 +163,20 @@ def test_encode_takes_fp8_inputs(src, fmt):
     got = encode(x, fmt)
     assert torch.equal(got, encode(x.float(), fmt))  # same codes as from the exact FP32 values
     assert torch.equal(torch.signbit(decode(got, fmt)), torch.signbit(x.float()))  # -0.0 keeps its sign
+
+
+def test_pack_fp4_and_decode_e2m1_on_meta_with_default_checks():
+    codes = torch.zeros(2, 8, dtype=torch.uint8, device="meta")
+    packed = pack_fp4(codes)
+    assert packed.device.type == "meta" and packed.shape == (2, 4) and packed.dtype == torch.uint8
+    assert unpack_fp4(packed).shape == (2, 8)
+    out = decode(codes, "e2m1")
+    assert out.device.type == "meta" and out.shape == (2, 8) and out.dtype == torch.float32
+
+
+def test_range_checks_still_apply_off_meta():
+    import pytest
+    with pytest.raises(ValueError, match="codes"):
+        pack_fp4(torch.tensor([16, 0], dtype=torch.uint8))
+    with pytest.raises(ValueError, match="codes"):
+        decode(torch.tensor([16], dtype=torch.uint8), "e2m1")

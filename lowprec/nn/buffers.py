@@ -10,6 +10,12 @@ __all__ = ["QuantizedBuffersModule"]
 _OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)  # a QuantizedTensor's dtypes
 
 
+def check_out_dtype(out_dtype: torch.dtype) -> None:
+    """At construction: an int dtype (or a typo) would fail only at the first forward."""
+    if out_dtype not in _OUT_DTYPES:
+        raise TypeError(f"out_dtype: expected one of {[str(d) for d in _OUT_DTYPES]}, got {out_dtype!r}")
+
+
 class QuantizedBuffersModule(nn.Module):
     """Base of modules keeping FP8 codes and FP32 scales as buffers (their names in
     ``_quantized``): module casts (``.half()``, ``.to(dtype)``, ...) move them between devices
@@ -72,3 +78,8 @@ class QuantizedBuffersModule(nn.Module):
                                       error_msgs)
         state_dict.update(wrong)
         missing_keys[:] = [k for k in missing_keys if k not in wrong]
+        # load_state_dict(..., assign=True) takes the state dict's bias as it is: out_dtype (the bias's
+        # dtype, as after a module cast) follows it
+        bias = self._buffers.get("bias")
+        if bias is not None and getattr(self, "out_dtype", None) in _OUT_DTYPES and bias.dtype in _OUT_DTYPES:
+            self.out_dtype = bias.dtype

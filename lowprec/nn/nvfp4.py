@@ -35,7 +35,7 @@ from ..gemm.weight_only import CHUNK_BYTES, ROW_BYTES, PackedNVFP4, pack_nvfp4, 
 from ..quant import dequantize
 from ..recipes import get_recipe
 from ..tensor import QuantizedTensor
-from .buffers import QuantizedBuffersModule
+from .buffers import QuantizedBuffersModule, check_out_dtype
 from .functional import _FLOAT_DTYPES, follow_autocast, quantize_linear_weight
 
 __all__ = ["NVFP4InferenceLinear"]
@@ -66,6 +66,7 @@ class NVFP4InferenceLinear(QuantizedBuffersModule):
             if not isinstance(value, int) or value <= 0 or value % multiple:
                 raise ValueError(f"{name}: must be a positive multiple of {multiple} for NVFP4 blocks of "
                                  f"{_BLOCK}{'x16' if weight_2d else ''}, got {value!r}")
+        check_out_dtype(out_dtype)
         self.in_features, self.out_features = in_features, out_features
         self.out_dtype, self.weight_2d = out_dtype, weight_2d
         grid = PackedNVFP4(torch.empty(0), torch.empty(0), out_features, in_features)

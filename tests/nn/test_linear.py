@@ -10,7 +10,7 @@ from torch import nn
 
 import lowprec
 from lowprec import metrics
-from lowprec.nn import FP8InferenceLinear, FP8Linear, convert, fp8_linear
+from lowprec.nn import FP8InferenceLinear, FP8Linear, NVFP4InferenceLinear, convert, fp8_linear
 
 
 class TinyBlock(nn.Module):
@@ -692,3 +692,37 @@ def test_convert_logs_the_linear_like_layers_it_leaves(caplog):
         lowprec.convert(gpt2, inference=True)
     assert "1 low-precision linear layers" in caplog.text  # lm_head
     assert "8 linear-like layers left as they are, not exactly nn.Linear (8 Conv1D)" in caplog.text
+
+
+@pytest.mark.parametrize("cls", [FP8InferenceLinear, NVFP4InferenceLinear])
+@pytest.mark.parametrize("assign", [False, True])
+def test_out_dtype_follows_a_bias_loaded_with_assign(cls, assign):
+    torch.manual_seed(0)
+    layer = cls.from_linear(nn.Linear(128, 128).bfloat16())
+    sd = layer.state_dict()
+    sd["bias"] = sd["bias"].float()
+    layer.load_state_dict(sd, assign=assign)
+    expected = torch.float32 if assign else torch.bfloat16  # without assign: copied into the bf16 bias
+    assert layer.bias.dtype == expected and layer.out_dtype == expected
+    assert layer.quantized_weight().dtype == expected
+    x = torch.randn(4, 128, dtype=torch.bfloat16)
+    assert layer(x).shape == (4, 128)
+
+
+@pytest.mark.parametrize("cls", [FP8InferenceLinear, NVFP4InferenceLinear])
+@pytest.mark.parametrize("bad", [torch.int32, torch.float8_e4m3fn, "bfloat16"])
+def test_inference_layers_check_out_dtype_at_construction(cls, bad):
+    with pytest.raises(TypeError, match="out_dtype"):
+        cls(128, 128, out_dtype=bad)
+
+
+@pytest.mark.parametrize("bad", ["5", -1, 2.5, True])
+def test_convert_checks_min_weight_numel(bad):
+    with pytest.raises(ValueError, match="min_weight_numel"):
+        lowprec.convert(nn.Sequential(nn.Linear(128, 128)), "fp8_block", min_weight_numel=bad)
+
+
+def test_valid_values_still_work():
+    assert FP8InferenceLinear(128, 128, out_dtype=torch.float16).bias.dtype == torch.float16
+    m = lowprec.convert(nn.Sequential(nn.Linear(128, 128)), "fp8_block", min_weight_numel=0)
+    assert type(m[0]).__name__ == "FP8Linear"
