@@ -45,7 +45,7 @@ def parse_args(argv=None):
     p.add_argument("--shapes", type=_shape_triples, default=None, help="M,N,K;M,N,K;... (overrides defaults)")
     p.add_argument("--out", type=str, default=None, help="JSON path (default benchmarks/results/<gpu>.json)")
     p.add_argument("--no-error", action="store_true", help="skip the fp64 error check")
-    p.add_argument("--rep", type=int, default=100, help="do_bench rep (ms)")
+    p.add_argument("--rep", type=positive_int, default=100, help="do_bench rep (ms)")
     p.add_argument("--rounds", type=positive_int, default=ROUNDS,
                    help="interleaved timing rounds per library (the median is reported)")
     return p.parse_args(argv)

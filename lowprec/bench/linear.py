@@ -25,6 +25,7 @@ from ..nn import FP8Linear, reuse_quantized_weights
 from ..nn.functional import get_linear_recipe
 from ..nn.weight_cache import quantize_weight
 from ..quant import quantize_dual
+from ..recipes import LINEAR_RECIPES
 from .common import bench_ms, positive_int, print_table, save_results, shape_pairs
 
 TOKENS = 16384
@@ -69,7 +70,8 @@ def step_parts_ms(x: torch.Tensor, weight: torch.Tensor, dy: torch.Tensor, recip
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m lowprec bench linear", description=__doc__)
-    parser.add_argument("--recipe", default="fp8_block")
+    # checked here: an unknown name would otherwise fail only after the GPU set-up, as a traceback
+    parser.add_argument("--recipe", default="fp8_block", choices=sorted(LINEAR_RECIPES))
     parser.add_argument("--tokens", type=positive_int, default=TOKENS, help=f"rows of x (default {TOKENS})")
     parser.add_argument("--shapes", type=shape_pairs, default=None,
                         help="layers as in_features x out_features, comma-separated (e.g. 1024x2816,2048x2048); "

@@ -249,8 +249,8 @@ def parse_args(argv=None):
         setattr(args, name, values)
     if args.steps < 1:
         p.error(f"--steps: expected at least 1 timed step, got {args.steps}")
-    for name in ("warmup", "train_steps"):
-        if getattr(args, name) < 0:
+    for name in ("warmup", "train_steps", "min_weight_numel"):
+        if getattr(args, name) is not None and getattr(args, name) < 0:  # min_weight_numel: None is convert's own
             p.error(f"--{name.replace('_', '-')}: expected an int ≥ 0, got {getattr(args, name)}")
     if args.train_steps and not args.sizes:
         p.error("--train-steps: trains the first of --sizes, which is empty")

@@ -146,3 +146,11 @@ def test_results_merge_into_the_saved_section():
 def test_exits_1_without_a_gpu():
     res = subprocess.run([sys.executable, "-m", "lowprec", "bench", "train"], capture_output=True, text=True)
     assert res.returncode == 1 and "needs a CUDA GPU" in res.stderr
+
+
+def test_a_negative_min_weight_numel_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        train.parse_args(["--min-weight-numel", "-1"])
+    assert exit_info.value.code == 2 and "--min-weight-numel" in capsys.readouterr().err
+    assert train.parse_args(["--min-weight-numel", "0"]).min_weight_numel == 0
+    assert train.parse_args([]).min_weight_numel is None  # convert's own default

@@ -55,3 +55,11 @@ def test_usage_names_the_command(capsys):
     with pytest.raises(SystemExit):
         bench.parse_args(["--bogus"])
     assert "usage: python -m lowprec bench gemm" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["--rep", "0"], ["--rep", "-5"]])
+def test_a_rep_below_one_is_a_usage_error(argv, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        bench.parse_args(argv)
+    assert exit_info.value.code == 2 and "--rep" in capsys.readouterr().err
+    assert bench.parse_args(["--rep", "20"]).rep == 20

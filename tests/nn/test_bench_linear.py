@@ -32,3 +32,15 @@ def test_bad_shapes_are_usage_errors(shapes):
     with pytest.raises(SystemExit) as exit_info:
         bench.main(["--shapes", shapes])
     assert exit_info.value.code == 2
+
+
+def test_unknown_linear_recipe_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(["--recipe", "no_such_recipe"])
+    assert exit_info.value.code == 2 and "--recipe" in capsys.readouterr().err
+
+
+def test_known_linear_recipes_still_parse(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit, match="needs a CUDA GPU"):  # past parsing
+        bench.main(["--recipe", "fp8_block_wgrad16"])
