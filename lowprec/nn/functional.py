@@ -41,8 +41,9 @@ def follow_autocast(x: torch.Tensor) -> tuple[torch.Tensor, contextlib.AbstractC
     context that turns autocast off for lowprec's own ops, which choose their dtypes themselves
     (master weights are quantized from their own dtype, not from a half-precision copy)."""
     device_type = x.device.type
-    # devices without autocast (meta: shape inference) raise on the query: none applies there
-    if not torch.amp.is_autocast_available(device_type) or not torch.is_autocast_enabled(device_type):
+    # meta (shape inference) has no autocast and raises on the query; a plain comparison, which
+    # dynamo traces (not torch.amp.is_autocast_available)
+    if device_type == "meta" or not torch.is_autocast_enabled(device_type):
         return x, _NO_CONTEXT
     return x.to(torch.get_autocast_dtype(device_type)), torch.autocast(device_type, enabled=False)
 
