@@ -11,6 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from lowprec.gemm.sm90 import config as sm90_config
+from lowprec.gemm.sm90 import interface as sm90_interface
+
 from ..hopper import HAS_CUTLASS, gpu, needs_cutlass, needs_gpu
 
 F8 = torch.float8_e4m3fn
@@ -638,3 +641,24 @@ def test_linear_inference_constraint_checks_the_weight_scale():
     assert config.linear_inference_unsupported(*args(torch.ones(1, 2))) is not None  # N = 256 needs 2 rows
     assert config.linear_inference_unsupported(*args(torch.ones(2, 2, dtype=torch.float64))) is not None
     assert config.linear_inference_unsupported(*args(torch.ones(2, 2))) is None
+
+
+def test_misaligned_bf16_bias_is_accepted_and_launched_aligned(monkeypatch):
+    m, n, k = 16, 32, 128
+    a = torch.zeros(m, k, dtype=torch.float8_e4m3fn)
+    b = torch.zeros(n, k, dtype=torch.float8_e4m3fn)
+    sa = torch.ones(m, 1)
+    sb = torch.ones(1, 1)
+    bias = torch.randn(n + 1, dtype=torch.bfloat16)[1:]  # an odd element offset: 2 bytes past alignment
+    assert bias.data_ptr() % 4 == 2
+    assert sm90_config._dense_unsupported(m, n, k, torch.bfloat16, bias) is None  # the registry lets it through
+
+    seen = {}
+    monkeypatch.setattr(sm90_interface, "sm_count", lambda dev: 132)
+    monkeypatch.setattr(sm90_interface, "_get_compiled", lambda *args, **kw: "compiled")
+    monkeypatch.setattr(sm90_interface, "_launch", lambda fn, a, b, d, sa, sb, bias_arg, group, m_max=0:
+                        seen.setdefault("bias", bias_arg))
+    sm90_interface._run_dense(a, sa, b, sb, torch.bfloat16, bias, 128)
+    launched = seen["bias"]
+    assert launched.stride(0) == 1 and launched.data_ptr() % 4 == 0  # what the compiled kernel declares
+    assert torch.equal(launched, bias)

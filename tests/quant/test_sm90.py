@@ -7,7 +7,9 @@ import torch
 
 import lowprec
 from lowprec.quant import quantize_dual, quantize_with_transpose
+from lowprec.quant.sm90.config import quantize_unsupported, transpose_unsupported
 from lowprec.quant.sm90.interface import KERNELS, build_kernel
+from lowprec.recipes import get_recipe
 from lowprec.runtime import cubin_arch, local_memory_ops, sass_of
 
 _SWIGLU = ("swiglu_dual", "swiglu_dgate_dual", "swiglu_dup_dual")  # bf16 / fp16 inputs only
@@ -248,3 +250,19 @@ def test_grids_past_65535_column_blocks_are_refused():
     r, sources = lowprec.get_recipe("fp8_block1x128"), torch.zeros(128, dtype=torch.int32)
     assert config.gathered_unsupported(meta(64, 65535 * 128 + 16), r, sources) is not None
     assert config.gathered_unsupported(meta(64, 65535 * 128), r, sources) is None
+
+
+def test_batch_of_one_matrix_is_one_matrix():
+    r = get_recipe("fp8_block128x128")
+    w = torch.randn(48, 256, dtype=torch.bfloat16)  # out_features 48: a multiple of 16, not of 128
+    assert transpose_unsupported(w, r) is None  # eager path (2-D): accepted
+    # what lowprec.quant.ops.quantize_128x128_t_fp8 passes the registry: x.view(-1, n, K)
+    assert transpose_unsupported(w.view(1, 48, 256), r) is None
+    assert quantize_unsupported(w.view(1, 48, 256), r) is None
+
+
+def test_real_batches_still_need_whole_blocks():
+    r = get_recipe("fp8_block128x128")
+    w = torch.randn(2, 48, 256, dtype=torch.bfloat16)
+    assert transpose_unsupported(w, r) is not None
+    assert quantize_unsupported(w, r) is not None

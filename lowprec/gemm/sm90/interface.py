@@ -461,8 +461,16 @@ def _run_dense(a, a_scale, b, b_scale, out_dtype, bias, b_block_n: int, config=N
             r += bias.float()
         d.copy_(r)
         return d
-    _launch(fn, a, b, d, a_scale, b_scale, no_bias if bias is None else bias.contiguous(), no_group)
+    _launch(fn, a, b, d, a_scale, b_scale, no_bias if bias is None else _bias_arg(bias), no_group)
     return d
+
+
+def _bias_arg(bias: torch.Tensor) -> torch.Tensor:
+    """The bias as the kernel reads it (``build_kernel``: unit stride, 4-byte aligned): a copy where a
+    view is not (a bf16 slice at an odd offset would fail TVM-FFI's alignment check)."""
+    if bias.stride(0) == 1 and bias.data_ptr() % 4 == 0:
+        return bias
+    return bias.clone(memory_format=torch.contiguous_format)  # a fresh buffer: aligned
 
 
 @functools.cache

@@ -3,6 +3,8 @@ these functions, each with the arguments of the kernel it guards."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ...runtime.arch import GRID_YZ_MAX
@@ -28,7 +30,8 @@ def rows_unsupported(x: torch.Tensor) -> str | None:
 def _recipe_unsupported(x: torch.Tensor, r) -> str | None:
     if r.name not in RECIPES or r.scale_rounding != "exact":
         return f"recipe {r.name} ({r.scale_rounding} scales) has no quantize kernel"
-    if r.is_2d and x.dim() > 2 and x.shape[-2] % r.block[0]:
+    # one tall matrix: a block must not span two matrices (a batch of one has no second to span)
+    if r.is_2d and x.dim() > 2 and x.shape[-2] % r.block[0] and math.prod(x.shape[:-2]) > 1:
         return f"the 128x128 kernel takes a batch of matrices only when rows are a multiple of {r.block[0]}"
     if r.is_2d and -(-x.shape[-1] // r.block[1]) > GRID_YZ_MAX:  # grid (row blocks, column blocks)
         return f"{x.shape[-1]} columns (the 128x128 kernel's grid: one y index per 128 columns, at most {GRID_YZ_MAX})"
