@@ -662,3 +662,20 @@ def test_misaligned_bf16_bias_is_accepted_and_launched_aligned(monkeypatch):
     launched = seen["bias"]
     assert launched.stride(0) == 1 and launched.data_ptr() % 4 == 0  # what the compiled kernel declares
     assert torch.equal(launched, bias)
+
+
+@gpu
+@needs_gpu
+def test_a_bf16_bias_view_at_an_odd_offset_runs_the_kernel(monkeypatch):
+    """The kernel reads a 4-byte aligned bias: a bf16 view 2 bytes off runs it on an aligned copy."""
+    import lowprec
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    a = lowprec.quantize(torch.randn(64, 256, device="cuda", generator=g), "fp8_block1x128")
+    b = lowprec.quantize(torch.randn(128, 256, device="cuda", generator=g), "fp8_block128x128")
+    bias = torch.randn(129, device="cuda", generator=g).to(torch.bfloat16)[1:]
+    assert bias.data_ptr() % 4 == 2
+    monkeypatch.setenv("LOWPREC_BACKEND", "kernel")  # the kernel or raise
+    y = lowprec.gemm(a, b, torch.float32, bias=bias)
+    monkeypatch.setenv("LOWPREC_BACKEND", "reference")
+    torch.testing.assert_close(y, lowprec.gemm(a, b, torch.float32, bias=bias), rtol=1e-5, atol=1e-4)

@@ -266,3 +266,18 @@ def test_real_batches_still_need_whole_blocks():
     w = torch.randn(2, 48, 256, dtype=torch.bfloat16)
     assert transpose_unsupported(w, r) is not None
     assert quantize_unsupported(w, r) is not None
+
+
+@pytest.mark.gpu
+def test_one_matrix_as_a_batch_of_one_takes_the_transposing_kernel(monkeypatch):
+    """[1, n, K] with n not a multiple of 128 (what the traced op passes for a 2-D weight): the
+    kernel's bits of the 2-D call."""
+    import lowprec
+
+    w = torch.randn(48, 256, device="cuda").to(torch.bfloat16)
+    monkeypatch.setenv("LOWPREC_BACKEND", "kernel")  # the kernel or raise
+    q3, t3 = lowprec.quant.quantize_with_transpose(w.view(1, 48, 256))
+    q2, t2 = lowprec.quant.quantize_with_transpose(w)
+    for x, y in ((q3, q2), (t3, t2)):
+        assert torch.equal(x.data.view(torch.uint8).flatten(), y.data.view(torch.uint8).flatten())
+        assert torch.equal(x.scale.flatten(), y.scale.flatten())
