@@ -23,7 +23,10 @@ import pytest
 import torch
 
 import lowprec
+from lowprec.attention.sm90 import config as sm90_config
+from lowprec.attention.sm90 import interface as sm90_interface
 from lowprec.attention.sm90.config import TILE_M, TILE_N, rescale_slack
+from lowprec.runtime.arch import GRID_YZ_MAX
 
 from ..hopper import gpu, needs_cutlass, needs_gpu
 
@@ -683,3 +686,78 @@ def test_prepass_refuses_more_than_65535_heads():
     assert config.prepass_k_unsupported(k) is not None and config.prepass_v_unsupported(k) is not None
     assert config.qkv_unsupported(_meta(8192, 8, 128, 128), k, k, False, 0.1) is not None
     assert config.prepass_k_unsupported(_meta(8191, 8, 128, 128)) is None
+
+
+def _empty_q_cache_operands(b, hkv, sk, d):
+    return (torch.zeros(b, hkv, sk, d, dtype=F8), torch.ones(b, hkv, -(-sk // 128)),
+            torch.zeros(b, hkv, d, -(-sk // 16) * 16, dtype=F8), torch.ones(b, hkv, d))
+
+
+EMPTY_Q_SHAPES = [(0, 8, 2, 1), (2, 0, 2, 1), (2, 0, 1, 16), (0, 4, 4, 128)]  # (B, H, Hkv, Sq)
+
+
+@pytest.mark.parametrize("b,h,hkv,sq", EMPTY_Q_SHAPES)
+def test_q_op_accepts_only_what_it_launches(b, h, hkv, sq, monkeypatch):
+    q = torch.zeros(b, h, sq, 64, dtype=torch.bfloat16)
+    ops = _empty_q_cache_operands(b, hkv, 2048, 64)
+
+    def q_prepass(dtype, q_row):
+        def launch(x, codes, scales):
+            # the rowwise kernel's grid is (rows, 1, 1): CUDA rejects gridDim.x = 0
+            assert x.shape[0] > 0, "Q pre-pass launched with a grid of 0 CTAs (cudaErrorInvalidConfiguration)"
+        return launch
+
+    monkeypatch.setattr(sm90_interface, "_q_prepass_kernel", q_prepass)
+    monkeypatch.setattr(sm90_interface, "_forward", lambda *a, **k: None)
+    if sm90_config.q_unsupported(q, *ops, False, 0.1) is None:
+        sm90_interface.attention_fp8_q_op(q, *ops, False, 0.1)
+    plan = torch.zeros(b, 8, dtype=torch.int32)
+    if sm90_config.cache_attention_unsupported(q, *ops, 0.1, plan) is None:
+        sm90_interface.CacheAttention(q, *ops, plan, 0.1)(q, 2048)
+
+
+def test_qkv_op_accepts_only_what_it_runs():
+    # H = 0 query heads over one KV head, decode over 8 KV blocks: kv_splits divides by 0 CTAs
+    q = torch.zeros(1, 0, 1, 64, dtype=torch.bfloat16)
+    k = torch.zeros(1, 1, 1024, 64, dtype=torch.bfloat16)
+    if sm90_config.qkv_unsupported(q, k, k, False, 0.1) is None:
+        sm90_interface.attention_fp8_qkv_op(q, k, k, False, 0.1)  # ZeroDivisionError before any launch
+
+
+def test_non_empty_still_accepted():
+    q = torch.zeros(2, 8, 1, 64, dtype=torch.bfloat16)
+    ops = _empty_q_cache_operands(2, 2, 2048, 64)
+    assert sm90_config.q_unsupported(q, *ops, False, 0.1) is None
+    assert sm90_config.cache_attention_unsupported(q, *ops, 0.1, torch.zeros(2, 8, dtype=torch.int32)) is None
+
+
+
+
+def _meta_tensor(*shape, dtype=torch.bfloat16):
+    return torch.empty(*shape, dtype=dtype, device="meta")
+
+
+def _meta_forward_args(b, h, hkv=1, sq=1, sk=16, d=64):
+    return (_meta_tensor(b, h, sq, d, dtype=F8), None, _meta_tensor(b, hkv, sk, d, dtype=F8), None,
+            _meta_tensor(b, hkv, d, -(-sk // 16) * 16, dtype=F8), None, False, 0.1, torch.bfloat16)
+
+
+def test_forward_refuses_grid_past_65535():
+    assert sm90_config.attention_unsupported(*_meta_forward_args(GRID_YZ_MAX + 1, 1)) is not None  # gridDim.z = B
+    assert sm90_config.attention_unsupported(*_meta_forward_args(1, GRID_YZ_MAX + 1)) is not None  # gridDim.y = H
+    assert sm90_config.attention_unsupported(*_meta_forward_args(GRID_YZ_MAX, 1)) is None
+
+
+def test_varlen_refuses_more_than_65535_sequences():
+    q = _meta_tensor(GRID_YZ_MAX + 1, 4, 64)
+    many = torch.empty(GRID_YZ_MAX + 2, dtype=torch.int32, device="meta")  # 65536 sequences
+    assert sm90_config.varlen_unsupported(q, q, q, many, many, 1, 1, False, 0.1, False) is not None
+    ok = torch.empty(GRID_YZ_MAX + 1, dtype=torch.int32, device="meta")
+    assert sm90_config.varlen_unsupported(q, q, q, ok, ok, 1, 1, False, 0.1, False) is None
+
+
+def test_kv_append_refuses_more_than_65535_rows():
+    new = _meta_tensor(GRID_YZ_MAX + 1, 1, 1, 64)
+    assert sm90_config.kv_append_unsupported(new, new, *(None,) * 8, None) is not None
+    new = _meta_tensor(GRID_YZ_MAX, 1, 1, 64)
+    assert sm90_config.kv_append_unsupported(new, new, *(None,) * 8, None) is None

@@ -293,6 +293,10 @@ def kv_append_unsupported(k, v, tail, amax, k_codes, k_scale, v_t, v_inv, counts
         return f"dtype {k.dtype} (the append kernel reads {', '.join(KV_APPEND_DTYPES)})"
     if d > KV_APPEND_MAX_D or 256 % d:
         return f"head dim {d} (the append kernel takes D dividing {KV_APPEND_MAX_D})"
+    from ...runtime.arch import GRID_YZ_MAX
+
+    if k.shape[0] > GRID_YZ_MAX:  # the append grid is (Hkv, B, 1)
+        return f"B={k.shape[0]} batch rows (the append grid's y dimension, at most {GRID_YZ_MAX})"
     return kv_append_tokens_unsupported(k, v, start)
 
 
@@ -322,6 +326,16 @@ def attention_unsupported(q, q_scale, k, k_scale, v_t, v_scale, causal: bool, sc
         return f"output dtype {out_dtype} (the kernel writes {' or '.join(OUT_DTYPES)})"
     if q.shape[-2] == 0 or k.shape[-2] == 0:
         return "an empty sequence (nothing to compute)"
+    return _forward_grid_unsupported(q.shape[0], q.shape[1])
+
+
+def _forward_grid_unsupported(batch: int, heads: int) -> str | None:
+    """The forward's grid (m-blocks, heads, batch · splits) (varlen: sequences for batch): gridDim.y
+    and gridDim.z are at most GRID_YZ_MAX."""
+    from ...runtime.arch import GRID_YZ_MAX
+
+    if batch > GRID_YZ_MAX or heads > GRID_YZ_MAX:
+        return f"B={batch}, H={heads} (the forward's grid takes at most {GRID_YZ_MAX} of each)"
     return None
 
 
@@ -413,6 +427,8 @@ def _q_prepass_unsupported(q) -> str | None:
         return f"q dtype {q.dtype} (the one-pass path takes {' or '.join(OUT_DTYPES)})"
     if (why := q_blocks_unsupported(sq, q.dim())) is not None:
         return why
+    if not q.numel():  # B·H = 0: a Q pre-pass grid of no CTA is a launch error (the composed path returns it)
+        return "an empty tensor"
     if not q.is_contiguous() or q.data_ptr() % 16:
         return "q must be contiguous and 16-byte aligned"
     return None
@@ -451,7 +467,8 @@ def varlen_unsupported(q, k, v, cu_q, cu_k, max_q: int, max_k: int, causal: bool
                        incoherent: bool) -> str | None:
     """Why ``interface.attention_fp8_varlen_op`` (packed sequences: the packed pre-pass and the
     varlen kernel) cannot take these inputs (None: it can)."""
-    return _float_qkv_unsupported(q, k, v)
+    # the pre-pass and forward grids are (.., heads, sequences)
+    return _float_qkv_unsupported(q, k, v) or _forward_grid_unsupported(cu_q.shape[0] - 1, q.shape[1])
 
 
 def _float_qkv_unsupported(q, k, v) -> str | None:
