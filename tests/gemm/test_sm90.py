@@ -677,5 +677,5 @@ def test_a_bf16_bias_view_at_an_odd_offset_runs_the_kernel(monkeypatch):
     assert bias.data_ptr() % 4 == 2
     monkeypatch.setenv("LOWPREC_BACKEND", "kernel")  # the kernel or raise
     y = lowprec.gemm(a, b, torch.float32, bias=bias)
-    monkeypatch.setenv("LOWPREC_BACKEND", "reference")
-    torch.testing.assert_close(y, lowprec.gemm(a, b, torch.float32, bias=bias), rtol=1e-5, atol=1e-4)
+    # a bias read 2 bytes off (or not at all) moves the error to ~5e-2
+    assert_close_fp32(y, a.dequantize(torch.float64) @ b.dequantize(torch.float64).T + bias.double())
