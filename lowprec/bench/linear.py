@@ -54,11 +54,11 @@ def step_parts_ms(x: torch.Tensor, weight: torch.Tensor, dy: torch.Tensor, recip
     ``x · weightᵀ``, run alone, keyed by :data:`STEP_PARTS`."""
     r = get_linear_recipe(recipe)
     x, dy = x.detach(), dy.detach()
-    x_q, xt_q = quantize_dual(x, r.activation)
+    x_q, xt_q = quantize_dual(x, r.activation, r.wgrad_activation)  # as FP8Linear's forward
     w_q, w_t = quantize_weight(weight.detach(), r.weight, with_transpose=True)
     dy_q, dyt_q = quantize_dual(dy, r.grad)
     calls = {
-        "quant x": lambda: quantize_dual(x, r.activation),
+        "quant x": lambda: quantize_dual(x, r.activation, r.wgrad_activation),
         "quant w": lambda: quantize_weight(weight.detach(), r.weight, with_transpose=True),
         "fprop": lambda: gemm(x_q, w_q, out_dtype=x.dtype),
         "quant dy": lambda: quantize_dual(dy, r.grad),

@@ -1,5 +1,6 @@
 """``python -m lowprec bench attention``: shapes, FLOP counts, arguments on the CPU (the bench needs CUDA)."""
 
+import json
 import subprocess
 import sys
 
@@ -64,3 +65,26 @@ def test_rows_carry_both_timing_modes_and_their_own_ratios(monkeypatch):
     assert fp8["x_best_bf16"] == pytest.approx(2.0) and fp8["x_best_bf16_queued"] == pytest.approx(0.8)
     assert cudnn["x_best_bf16"] == pytest.approx(1.0) and cudnn["x_best_bf16_queued"] == pytest.approx(1.0)
     assert "tflops" not in rows["fa4-bf16"] and rows["fa4-bf16"]["note"].startswith("missing")
+
+
+def _one_fake_row(s, args, fp8_reason):
+    return [{"shape": s.name, "impl": "fa4-bf16", "ms": 1.0}]
+
+
+def test_quick_run_keeps_the_other_shapes(tmp_path, monkeypatch):
+    path = str(tmp_path / "gpu.json")
+    full = {"rows": [{"shape": s.name, "impl": "fa4-bf16", "ms": 9.0} for s in bench.SHAPES], "note": "full run"}
+    json.dump({"attention": full, "gemm": {"rows": []}}, open(path, "w"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "FAKE GPU")
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(bench, "gpu_slug", lambda: "fake-gpu")
+    monkeypatch.setattr(bench, "fp8_kernel_status", lambda: "no kernel (test)")
+    monkeypatch.setattr(bench, "run_shape", _one_fake_row)
+    bench.main(["--quick", "--out", path])
+    saved = json.load(open(path))
+    rows = {r["shape"]: r["ms"] for r in saved["attention"]["rows"]}
+    assert set(rows) == {s.name for s in bench.SHAPES}
+    assert all(rows[name] == 1.0 for name in bench.QUICK)
+    assert all(rows[s.name] == 9.0 for s in bench.SHAPES if s.name not in bench.QUICK)
+    assert saved["gemm"] == {"rows": []}

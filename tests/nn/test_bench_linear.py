@@ -6,6 +6,7 @@ import torch
 
 from lowprec.__main__ import BENCHES
 from lowprec.bench import linear as bench
+from lowprec.recipes import get_linear_recipe
 
 
 def test_registered_with_the_issue_shapes():
@@ -44,3 +45,32 @@ def test_known_linear_recipes_still_parse(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(SystemExit, match="needs a CUDA GPU"):  # past parsing
         bench.main(["--recipe", "fp8_block_wgrad16"])
+
+
+@pytest.mark.parametrize("recipe", ["fp8_block", "fp8_block_wgrad16", "fp8_block_wgrad2d"])
+def test_step_parts_use_the_recipes_wgrad_activation(monkeypatch, recipe):
+    seen = {}
+    real_gemm, real_dual = bench.gemm, bench.quantize_dual
+
+    def gemm(a, b, **kw):
+        seen.setdefault("gemm", []).append((a.recipe.name, b.recipe.name))
+        return real_gemm(a, b, **kw)
+
+    def quantize_dual(x, r, r_t=None):
+        out = real_dual(x, r, r_t)
+        seen.setdefault("dual", []).append((tuple(x.shape), out[1].recipe.name))
+        return out
+
+    monkeypatch.setattr(bench, "bench_ms", lambda fn, **kw: (fn(), 1.0)[1])
+    monkeypatch.setattr(bench, "gemm", gemm)
+    monkeypatch.setattr(bench, "quantize_dual", quantize_dual)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(128, 256, dtype=torch.bfloat16, generator=g)
+    w = torch.randn(128, 256, dtype=torch.bfloat16, generator=g)
+    dy = torch.randn(128, 128, dtype=torch.bfloat16, generator=g)
+    bench.step_parts_ms(x, w, dy, recipe)
+    want = get_linear_recipe(recipe).wgrad_activation
+    x_duals = [name for shape, name in seen["dual"] if shape == tuple(x.shape)]
+    assert x_duals and all(name == want for name in x_duals), seen["dual"]
+    wgrad = seen["gemm"][-1]  # fprop, dgrad, wgrad in STEP_PARTS order
+    assert wgrad == ("fp8_block1x128", want), seen["gemm"]
