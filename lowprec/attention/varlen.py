@@ -119,7 +119,8 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     if outs:
         out, lse = torch.cat(outs, dim=0), torch.cat(lses, dim=1)
     else:
-        out = q.new_zeros(0, h, v.shape[-1]) + 0 * q.sum()  # keeps the graph for autograd
+        # keeps the graph for autograd: q, k and v get zero gradients, as the dense call's over no queries
+        out = q.new_zeros(0, h, v.shape[-1]) + 0 * (q.sum() + k.sum() + v.sum())
         lse = q.new_zeros(h, 0, dtype=torch.float32)
     return (out, lse) if return_lse else out
 

@@ -36,6 +36,7 @@ import dataclasses
 
 import torch
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 
 from ..gemm import grouped_gemm
 from ..gemm.reference import grouped_mm_rows
@@ -274,6 +275,7 @@ class _ExpertsFunction(torch.autograd.Function):
         return y
 
     @staticmethod
+    @once_differentiable  # the saved h, act(h) carry no graph: a second derivative is an error, not a wrong value
     def backward(ctx, dy):
         x, h, w1, w2, row_w = unflatten_all(ctx.saved_tensors, ctx.specs)
         grads = _backward_core(dy, ctx.routing, x, h, w1, w2, row_w, ctx.quantized, ctx.activation, ctx.dtypes,

@@ -131,3 +131,18 @@ def test_bad_options_are_refused_even_when_no_sequence_has_queries():
         attention_varlen(q, k, v, cq, ck, 0, 3, quant="int8")
     with pytest.raises(ValueError, match="incoherent"):
         attention_varlen(q, k, v, cq, ck, 0, 3, incoherent=True)
+
+
+@pytest.mark.parametrize("quant", [None, "fp8"])
+@pytest.mark.parametrize("cu_q", [[0, 0], [0, 0, 0]])
+def test_varlen_no_queries_gives_zero_gradients(quant, cu_q):
+    q = torch.randn(0, 2, 16, requires_grad=True)
+    k = torch.randn(5, 1, 16, requires_grad=True)
+    v = torch.randn(5, 1, 8, requires_grad=True)
+    cu_k = [0, 5] if len(cu_q) == 2 else [0, 2, 5]
+    out = attention_varlen(q, k, v, torch.tensor(cu_q), torch.tensor(cu_k), 0, 3 if len(cu_q) == 3 else 5,
+                           quant=quant)
+    assert out.shape == (0, 2, 8)
+    gq, gk, gv = torch.autograd.grad(out.sum(), (q, k, v))
+    for g, t in ((gq, q), (gk, k), (gv, v)):
+        assert g.shape == t.shape and not g.any()

@@ -371,3 +371,33 @@ def test_inference_module_refuses_float_expert_weights():
     infer = FP8InferenceMoE.from_moe(m)
     with pytest.raises(RuntimeError, match="w1: expected torch.float8_e4m3fn"):
         infer.load_state_dict({**infer.state_dict(), "w1": m.w1.detach()})
+
+
+@pytest.mark.parametrize("recipe", [None, "fp8_block"])
+@pytest.mark.parametrize("activation", ["geglu", "swiglu"])
+def test_experts_double_backward_is_an_error(recipe, activation):
+    torch.manual_seed(0)
+    t, h, f, e = 6, 16, 16, 2
+    x = torch.randn(t, h, requires_grad=True)
+    w = torch.rand(t, 1, requires_grad=True)
+    ids = torch.randint(0, e, (t, 1))
+    w1 = torch.randn(e, 2 * f, h, requires_grad=True)
+    w2 = torch.randn(e, h, f, requires_grad=True)
+    y = experts(x, w, ids, w1, w2, recipe=recipe, activation=activation)
+    (gw2,) = torch.autograd.grad(y.pow(2).sum(), w2, create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        gw2.pow(2).sum().backward()
+
+
+def test_experts_first_derivative_unchanged_with_create_graph():
+    torch.manual_seed(0)
+    x = torch.randn(6, 16, requires_grad=True)
+    w = torch.rand(6, 1, requires_grad=True)
+    ids = torch.randint(0, 2, (6, 1))
+    w1 = torch.randn(2, 32, 16, requires_grad=True)
+    w2 = torch.randn(2, 16, 16, requires_grad=True)
+    y = experts(x, w, ids, w1, w2, recipe=None, activation="geglu")
+    g1 = torch.autograd.grad(y.sum(), (x, w, w1, w2), retain_graph=True)
+    g2 = torch.autograd.grad(y.sum(), (x, w, w1, w2), create_graph=True)
+    for a, b in zip(g1, g2):
+        torch.testing.assert_close(a, b.detach(), rtol=0, atol=0)
