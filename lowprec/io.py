@@ -95,7 +95,7 @@ def _unshare(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor],
     return stored, aliases
 
 
-def load(path: str | os.PathLike, device: str | torch.device = "cpu") -> QuantizedTensor | dict:
+def load(path: str | os.PathLike, device: str | int | torch.device = "cpu") -> QuantizedTensor | dict:
     """Load what :func:`save` wrote: a QuantizedTensor, or a dict of Tensors / QuantizedTensors.
 
     Files without lowprec metadata load as plain tensors, except names holding ``::``: lowprec
@@ -103,9 +103,12 @@ def load(path: str | os.PathLike, device: str | torch.device = "cpu") -> Quantiz
     entry in the metadata (else a ValueError naming it). Damaged lowprec metadata (a format
     version or kind this version does not read, a quantized entry without its recipe, shape,
     dtype or tensors, parts that do not fit together) raises one ValueError naming the key.
+
+    ``device``: any form ``torch.device`` takes (``"cuda:1"``, ``0``, ``torch.device("cuda", 0)``,
+    ``"cpu:0"``); a CUDA device without CUDA is a ValueError.
     """
     path = os.fspath(path)
-    with safetensors.safe_open(path, framework="pt", device=str(device)) as f:
+    with safetensors.safe_open(path, framework="pt", device=_safetensors_device(device)) as f:
         meta = f.metadata() or {}
         tensors = {k: f.get_tensor(k) for k in f.keys()}
     version = meta.get("lowprec.format_version", _FORMAT_VERSION)
@@ -151,6 +154,20 @@ def load(path: str | os.PathLike, device: str | torch.device = "cpu") -> Quantiz
                              f"{sorted(out)} instead of one entry {_SINGLE_KEY!r}")
         return out[_SINGLE_KEY]
     return out
+
+
+def _safetensors_device(device: str | int | torch.device) -> str:
+    """``device`` as safetensors names it: it takes ``"cpu"``, ``"cuda"``, ``"cuda:N"``, not
+    ``"cpu:0"`` or the string of an index (``str(0)``)."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:  # an index without an accelerator, a bad string or type
+        raise ValueError(f"device: {device!r} is not a device here ({e})") from None
+    if dev.type == "cpu":
+        return "cpu"
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device: {device!r} is a CUDA device, but CUDA is not available")
+    return str(dev)
 
 
 def _json_object(meta: dict[str, str], key: str, path: str) -> dict:

@@ -1,6 +1,7 @@
 import json
 
 import pytest
+import safetensors
 import safetensors.torch
 import torch
 
@@ -214,3 +215,47 @@ def test_tied_weights_stay_tied_when_each_name_would_be_copied(tmp_path, monkeyp
     assert torch.equal(back["row"], row) and back["row"].data_ptr() != back["emb"].data_ptr()
     assert back["q"].data.data_ptr() == back["q_again"].data.data_ptr()
     assert torch.equal(back["q_again"].dequantize(), q.dequantize())
+
+
+@pytest.mark.parametrize("device", ["cpu", "cpu:0", torch.device("cpu"), torch.device("cpu", 0)])
+def test_load_takes_the_cpu_devices_torch_takes(device, tmp_path):
+    qt = lowprec.quantize(torch.randn(8, 256), "mxfp8")
+    lowprec.save({"q": qt, "w": torch.ones(3)}, tmp_path / "t.safetensors")
+    back = lowprec.load(tmp_path / "t.safetensors", device=device)
+    assert back["q"].device.type == "cpu" and torch.equal(back["q"].dequantize(), qt.dequantize())
+    assert torch.equal(back["w"], torch.ones(3))
+
+
+@pytest.mark.parametrize("device, expected", [
+    ("cuda", "cuda"), ("cuda:1", "cuda:1"), (torch.device("cuda", 0), "cuda:0"), ("cpu:0", "cpu"),
+    # torch.device(1) is the accelerator's device 1: without one, torch itself refuses it
+    pytest.param(1, "cuda:1", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))])
+def test_load_gives_safetensors_the_device_as_it_names_it(device, expected, tmp_path, monkeypatch):
+    """The forms torch takes reach safe_open as "cpu", "cuda", "cuda:N" (it refuses "cpu:0", "0")."""
+    lowprec.save({"w": torch.ones(3)}, tmp_path / "t.safetensors")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    seen = []
+    real_open = safetensors.safe_open
+
+    def safe_open(path, framework, device):
+        seen.append(device)
+        return real_open(path, framework=framework, device="cpu")
+
+    monkeypatch.setattr(safetensors, "safe_open", safe_open)
+    lowprec.load(tmp_path / "t.safetensors", device=device)
+    assert seen == [expected]
+
+
+@pytest.mark.parametrize("device", ["cuda", "cuda:0", 0, torch.device("cuda", 0)])
+def test_load_to_cuda_without_cuda_names_device(device, tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    lowprec.save({"w": torch.ones(3)}, tmp_path / "t.safetensors")
+    with pytest.raises(ValueError, match="device"):
+        lowprec.load(tmp_path / "t.safetensors", device=device)
+
+
+@pytest.mark.parametrize("device", ["cuda0", 1.5, None])
+def test_load_refuses_what_torch_refuses_naming_device(device, tmp_path):
+    lowprec.save({"w": torch.ones(3)}, tmp_path / "t.safetensors")
+    with pytest.raises(ValueError, match="device"):
+        lowprec.load(tmp_path / "t.safetensors", device=device)

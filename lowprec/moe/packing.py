@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from ..quant import quantize
 from ..recipes import ScaleRecipe, get_recipe
@@ -219,6 +220,7 @@ class _UnpackKernel(torch.autograd.Function):
         return kernel(rows.detach(), routing, w, out_dtype)
 
     @staticmethod
+    @once_differentiable  # the saved weights are detached: a second derivative is an error, not a partial value
     def backward(ctx, dout):
         rows, w = ctx.saved_tensors
         routing = ctx.routing

@@ -51,8 +51,8 @@ class _FP8SwiGLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x2, w_gate, w_up, w_down, recipe: LinearRecipe):
         dt = x2.dtype
-        need_w = any(ctx.needs_input_grad[1:4])
-        if need_w:
+        # x along tokens (xt_q) is read only by W_gate's and W_up's gradients, not by W_down's
+        if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
             x_q, xt_q = quantize_dual(x2, recipe.activation, recipe.wgrad_activation)
         else:
             x_q, xt_q = quantize(x2, recipe.activation, check_finite=False), None

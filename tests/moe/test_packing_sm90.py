@@ -321,6 +321,20 @@ def test_unpack_kernel_gradients_match_the_reference(weighted):
         assert (dweights[~r.kept] == 0).all()
 
 
+
+@pytest.mark.parametrize("first", ["rows", "weights"])
+def test_unpack_kernel_double_backward_is_an_error(first):
+    """The backward uses the weights detached (as FP32): a second derivative through it would be
+    partial, so it is an error, as for the experts."""
+    r = _routing(12, 2, 4, "balanced", "cpu", seed=1)
+    g = torch.Generator().manual_seed(5)
+    rows = torch.randn(r.num_rows, 16, generator=g, requires_grad=True)
+    weights = torch.rand(12, 2, generator=g, requires_grad=True)
+    out = _UnpackKernel.apply(_reference_unpack_rows, rows, weights, r, torch.float32)
+    (grad,) = torch.autograd.grad(out.pow(2).sum(), rows if first == "rows" else weights, create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        grad.pow(2).sum().backward()
+
 def _unpack_both(rows, r, weights, out_dtype, monkeypatch):
     monkeypatch.setenv("LOWPREC_BACKEND", "reference")
     ref = unpack(rows, r, weights, out_dtype=out_dtype)

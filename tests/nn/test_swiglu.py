@@ -10,7 +10,7 @@ from torch import nn
 
 import lowprec
 from lowprec import metrics
-from lowprec.nn import FP8InferenceLinear, FP8Linear, FP8SwiGLUMLP, SwiGLUMLP, fp8_swiglu_mlp
+from lowprec.nn import FP8InferenceLinear, FP8Linear, FP8SwiGLUMLP, SwiGLUMLP, fp8_swiglu_mlp, swiglu
 from lowprec.quant.ops import swiglu_values
 
 
@@ -140,6 +140,23 @@ def test_each_gradient_alone_equals_the_full_backward(needs, device):
         assert (got is not None) == need
         if need:
             assert torch.equal(got, ref)
+
+
+@pytest.mark.parametrize("needs", [m for m in itertools.product([False, True], repeat=4) if any(m)])
+def test_x_is_quantized_along_tokens_only_for_the_gate_and_up_gradients(needs, monkeypatch):
+    """The forward's x along tokens feeds only W_gate's and W_up's gradients: W_down's (or x's)
+    alone quantizes x once, along features, and saves no transposed x."""
+    calls = []
+    real_dual, real_quantize = swiglu.quantize_dual, swiglu.quantize
+    monkeypatch.setattr(swiglu, "quantize_dual", lambda x, *a, **k: calls.append("dual") or real_dual(x, *a, **k))
+    monkeypatch.setattr(swiglu, "quantize", lambda x, *a, **k: calls.append("one") or real_quantize(x, *a, **k))
+    torch.manual_seed(5)
+    leaves = [torch.randn(40, 128), torch.randn(256, 128), torch.randn(256, 128), torch.randn(128, 256)]
+    leaves = [t.requires_grad_(need) for t, need in zip(leaves, needs)]
+    y = fp8_swiglu_mlp(*leaves)
+    assert calls == (["dual"] if needs[1] or needs[2] else ["one"])
+    y.sum().backward()
+    assert [t.grad is not None for t in leaves] == list(needs)
 
 
 def test_inputs_not_mutated():
