@@ -66,6 +66,11 @@ class FP8Linear(nn.Module):
         self.weight = init.weight
         self.bias = init.bias
 
+    def reset_parameters(self) -> None:
+        """``nn.Linear``'s initialization of the weight and bias, in place (e.g. after building on the
+        meta device and ``to_empty``)."""
+        nn.Linear.reset_parameters(self)
+
     @classmethod
     def from_linear(cls, linear: nn.Linear, recipe: str = DEFAULT_TRAIN_RECIPE) -> FP8Linear:
         """Wrap ``linear``'s own weight and bias parameters (shared, not copied)."""

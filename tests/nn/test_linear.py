@@ -726,3 +726,16 @@ def test_valid_values_still_work():
     assert FP8InferenceLinear(128, 128, out_dtype=torch.float16).bias.dtype == torch.float16
     m = lowprec.convert(nn.Sequential(nn.Linear(128, 128)), "fp8_block", min_weight_numel=0)
     assert type(m[0]).__name__ == "FP8Linear"
+
+
+def test_reset_parameters_is_nn_linears_init():
+    """Meta-device construction, to_empty, reset_parameters: nn.Linear's values for the same seed."""
+    with torch.device("meta"):
+        layer = FP8Linear(256, 128)
+    layer.to_empty(device="cpu")
+    ref = torch.nn.Linear(256, 128)
+    torch.manual_seed(3)
+    layer.reset_parameters()
+    torch.manual_seed(3)
+    ref.reset_parameters()
+    assert torch.equal(layer.weight, ref.weight) and torch.equal(layer.bias, ref.bias)
