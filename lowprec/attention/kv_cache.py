@@ -133,6 +133,9 @@ class FP8KVCache:
         # the kernels' objects bound to these buffers (registry ops ``attention_fp8_cache_*``), made on
         # first use per key: an eager decode call skips the registry's per-call dispatch
         self._prepared: dict[tuple, object] = {}
+        # the append kernel's query-quantizing variant failed (built at the first decode step): the
+        # plain append kernel keeps serving, decode steps quantize Q in the attention's pre-pass
+        self._fused_q_failed = False
         # each row's length on the host; None: known only on the device (after a captured decode_step)
         self._lengths: list[int] | None = [0] * batch
         if v_scale is not None:
@@ -280,6 +283,10 @@ class FP8KVCache:
         try:
             why = append(k, v, start, q, q_destination)
         except Exception as err:
+            if q is not None:  # the fused variant (nothing launched): the plain append, Q left to the attention
+                kernel_failed(f"{op} (quantizing the query)", err)
+                self._fused_q_failed = True
+                return self._append_kernel(k, v, start)
             kernel_failed(op, err)
             self._prepared[op, ()] = None
             return False
@@ -357,7 +364,7 @@ class FP8KVCache:
 
         On Hopper the kernels read the length from the device (:attr:`lengths`) and advance it: each
         replay computes ``append(k, v); attend(q)`` (the append's launch quantizes ``q`` too where
-        ``q`` has the cache's dtype and is contiguous) with no host value of the length (the append's
+        ``q`` has the cache's dtype and is contiguous and 16-byte aligned) with no host value of the length (the append's
         bits exactly; the attention's split of the keys is chosen for ``max_len``, so its bits may
         differ from ``attend``'s in the last places). V's scales must be set (by an earlier append,
         or ``v_scale``). A replay past ``max_len`` stores nothing and counts the token in
@@ -378,13 +385,14 @@ class FP8KVCache:
         scale = 1.0 / math.sqrt(self.head_dim) if scale is None else float(scale)
         # the append kernel quantizes the query too where the attention kernels read it (one launch less)
         attend = self._attend_object(q, scale)
-        fuse_q = attend is not None and q.dtype == self.dtype and attend.reads(q)
+        fuse_q = attend is not None and not self._fused_q_failed and q.dtype == self.dtype and attend.reads(q)
         # past max_len the kernels store nothing (the append counts the token in ``dropped``) and read
         # max_len keys; the host reads clamp. The append kernel advances the lengths itself.
         if not self._append_kernel(k, v, None, *((q, attend.q_destination()) if fuse_q else ())):
             fuse_q = False
             self._append_rows(k, v, self._host_lengths(), [1] * self.batch)
             self._device_lengths.add_(1)
+        fuse_q = fuse_q and not self._fused_q_failed  # a failed fused launch was retried without the query
         capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
         self._lengths = None if capturing or self._lengths is None else [n + 1 for n in self._lengths]
         # splits for max_len: a graph of this step replays at every length

@@ -143,7 +143,15 @@ def _find_collector() -> None:
 
 def _router_logits_recorded() -> bool:
     """A transformers forward is recording router logits (``output_router_logits``, per call or config)."""
-    outputs = _COLLECTOR[0].get() if _COLLECTOR and _COLLECTOR[0] is not None else None
+    collector = _COLLECTOR[0] if _COLLECTOR else None
+    if collector is None:
+        return False
+    # dynamo cannot trace ContextVar.get: traced, only transformers' compile-time global (set where
+    # the model's own forward is traced) is read; a block compiled alone (regional compilation)
+    # inside an eager forward cannot see that forward's collector and is not checked
+    if torch.compiler.is_compiling() and not getattr(collector, "compiling", False):
+        return False
+    outputs = collector.get()
     return isinstance(outputs, dict) and "router_logits" in outputs
 
 

@@ -4,12 +4,14 @@ reading the cache's buffers as strided views)."""
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
 
 import lowprec
 from lowprec.attention import FP8KVCache, quantize_kv_cache
+from lowprec.attention import kv_cache as kv_cache_module
 
 from ..hopper import gpu, needs_cutlass, needs_gpu
 
@@ -724,3 +726,66 @@ def test_large_finite_values_keep_a_finite_v_scale(big, headroom):
     inf = FP8KVCache(1, 1, 16, 64, dtype=torch.float32, v_headroom=1)
     inf.append(torch.randn(1, 1, 4, 64), v)
     assert torch.isinf(inf.v_scale[0, 0, 0]) and torch.isfinite(inf.v_scale[0, 0, 1:]).all()
+
+
+class _FusedAppendFailing:
+    """Stands in for sm90.interface.CacheAppend: the plain append works; the fused one (q given)
+    fails as a compile or a TVM-FFI argument check of the new kernel would."""
+
+    def __init__(self, cache):
+        self.cache, self.plain_calls = cache, 0
+
+    def __call__(self, k, v, start, q=None, q_destination=None):
+        if q is not None:
+            raise RuntimeError("kv_append_with_q: failed to build")
+        self.plain_calls += 1
+        c = self.cache
+        starts = c._host_lengths() if start is None else [start] * c.batch
+        c._append_rows(k, v, starts, [k.shape[2]] * c.batch)
+        c._device_lengths.add_(k.shape[2])
+        return None
+
+
+class _AttendStub:
+    """Stands in for sm90.interface.CacheAttention: reads any q, but serves no call (None: the
+    cache's general path computes the output)."""
+
+    def reads(self, q):
+        return True
+
+    def q_destination(self):
+        return None, None
+
+    def __call__(self, q, length, want_lse=True, q_quantized=False):
+        return None
+
+
+def test_failed_fused_append_keeps_the_plain_append_kernel(monkeypatch):
+    torch.manual_seed(0)
+    b, hkv, h, d = 1, 2, 4, 64
+    cache = FP8KVCache(b, hkv, 256, d, dtype=torch.bfloat16, device="cpu")
+    append = _FusedAppendFailing(cache)
+
+    def kernel_for(op, device, *args, **kwargs):
+        if op == "attention_fp8_cache_append":
+            return lambda *a: append
+        if op == "attention_fp8_cache_attend":
+            return lambda *a: _AttendStub()
+        return None
+
+    monkeypatch.setattr(kv_cache_module.registry, "kernel_for", kernel_for)
+    monkeypatch.setenv("LOWPREC_BACKEND", "auto")
+    k, v = torch.randn(b, hkv, 10, d, dtype=torch.bfloat16), torch.randn(b, hkv, 10, d, dtype=torch.bfloat16)
+    cache.append(k, v)
+    assert append.plain_calls == 1
+    q = torch.randn(b, h, 1, d, dtype=torch.bfloat16)
+    k1, v1 = torch.randn(b, hkv, 1, d, dtype=torch.bfloat16), torch.randn(b, hkv, 1, d, dtype=torch.bfloat16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        out = cache.decode_step(q, k1, v1)
+    assert cache.length == 11 and out.shape == (b, h, 1, d)
+    # the step's append ran once (on the plain kernel or the torch ops), and the next append still
+    # takes the plain kernel: the failed fused variant did not disable it
+    cache.append(k1, v1)
+    assert cache.length == 12
+    assert append.plain_calls >= 2, "the plain append kernel was dropped after the fused variant failed"

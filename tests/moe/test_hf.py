@@ -594,3 +594,21 @@ def test_per_call_output_router_logits_on_converted_blocks_is_refused(inference)
         with pytest.raises(ValueError, match="output_router_logits"):
             model(ids, output_router_logits=True)
         model(ids)  # and again after the refusal
+
+
+def test_converted_hf_moe_block_compiles_alone_fullgraph():
+    """Regional compilation (a converted block alone, fullgraph): its router-logits pre-hook traces."""
+    transformers = pytest.importorskip("transformers", minversion="5.0")
+    torch.manual_seed(0)
+    config = transformers.MixtralConfig(vocab_size=64, hidden_size=128, intermediate_size=128, num_hidden_layers=1,
+                                        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,
+                                        num_local_experts=4, num_experts_per_tok=2)
+    model = transformers.MixtralForCausalLM(config)
+    lowprec.convert(model, "fp8_block", inference=False)
+    mlp = model.model.layers[0].mlp
+    assert "MoE" in type(mlp).__name__
+    x = torch.randn(2, 9, 128)
+    expected = mlp(x)
+    torch._dynamo.reset()
+    got = torch.compile(mlp, fullgraph=True, backend="aot_eager")(x)
+    torch.testing.assert_close(got, expected)
