@@ -363,12 +363,13 @@ class FP8KVCache:
         token (``k``, ``v`` ``[B, Hkv, 1, D]``) and attend with its query (``q`` ``[B, H, 1, D]``).
 
         On Hopper the kernels read the length from the device (:attr:`lengths`) and advance it: each
-        replay computes ``append(k, v); attend(q)`` (the append's launch quantizes ``q`` too where
-        ``q`` has the cache's dtype and is contiguous and 16-byte aligned) with no host value of the length (the append's
+        replay computes ``append(k, v); attend(q)`` with no host value of the length (the append's
         bits exactly; the attention's split of the keys is chosen for ``max_len``, so its bits may
-        differ from ``attend``'s in the last places). V's scales must be set (by an earlier append,
-        or ``v_scale``). A replay past ``max_len`` stores nothing and counts the token in
-        :attr:`dropped`; its output then attends over the tokens held. Elsewhere the same steps in
+        differ from ``attend``'s in the last places). The append's launch quantizes ``q`` too where
+        ``q`` has the cache's dtype and is contiguous and 16-byte aligned. V's scales must be set
+        (by an earlier append, or ``v_scale``). A replay past ``max_len`` stores nothing and counts
+        the token in :attr:`dropped`; its output then attends over the tokens held. Elsewhere the
+        same steps in
         torch ops and the emulation, reading the length back (a sync)."""
         self._check_kv(k, v)
         k, v = k.detach(), v.detach()

@@ -576,9 +576,10 @@ def attention_fp8_q_op(q: torch.Tensor, k: torch.Tensor, k_scale: torch.Tensor, 
 class CacheAttention:
     """:func:`attention_fp8_q_op` over one FP8 KV cache's whole buffers at its device-side lengths
     (``kv_lengths``), prepared for one query shape: a call is the Q pre-pass (none with
-    ``q_quantized``), the forward and (keys split) the combine, into one fresh output. The kernels, the buffers' views and
-    the workspaces (Q's codes and scales, the splits' partials) are made once per split count; the
-    workspaces are reused call after call in stream order, as the cache's own buffers are.
+    ``q_quantized``), the forward and (keys split) the combine, into one fresh output. The kernels,
+    the buffers' views and the workspaces (Q's codes and scales, the splits' partials) are made
+    once per split count; the workspaces are reused call after call in stream order, as the
+    cache's own buffers are.
     ``length``: the tokens a call's splits are chosen for (the cache's host length; its ``max_len``
     where the length lives only on the device, as in a CUDA graph)."""
 
