@@ -369,8 +369,7 @@ class FP8KVCache:
         ``q`` has the cache's dtype and is contiguous and 16-byte aligned. V's scales must be set
         (by an earlier append, or ``v_scale``). A replay past ``max_len`` stores nothing and counts
         the token in :attr:`dropped`; its output then attends over the tokens held. Elsewhere the
-        same steps in
-        torch ops and the emulation, reading the length back (a sync)."""
+        same steps in torch ops and the emulation, reading the length back (a sync)."""
         self._check_kv(k, v)
         k, v = k.detach(), v.detach()
         if k.shape[2] != 1:
