@@ -150,6 +150,13 @@ def _quantize_v_torch(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return qt.data.view(v_t.shape), qt.scale.view(v_t.shape[:-1])
 
 
+def _check_same_tokens(k, v) -> None:
+    """V's tokens are K's: a V of another length would be cut to K's (or read past its end) silently."""
+    if v.shape[:3] != k.shape[:3] or v.device != k.device:
+        raise ValueError(f"v: expected [B, Hkv, Sk] = {tuple(k.shape[:3])} on {k.device} as k, got "
+                         f"{tuple(v.shape)} on {v.device}")
+
+
 def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, smooth: bool = True,
                  incoherent: bool = False) -> FP8AttentionInputs:
     """The pre-pass of ``attention(..., quant="fp8")``: every operand of the FP8 forward kernel.
@@ -160,11 +167,8 @@ def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, smooth: b
         if not (isinstance(t, torch.Tensor) and t.is_floating_point()) or t.dim() != 4:
             raise ValueError(f"{name}: expected a 4-D float tensor, got {getattr(t, 'dtype', type(t))} "
                              f"{tuple(getattr(t, 'shape', ()))}")
-    # V's tokens are K's (as quantize_kv_cache checks): a V of other length would be cut to K's (or
-    # read past its end) silently; Q's batch and head dim are K's
-    if v.shape[:3] != k.shape[:3] or v.device != k.device:
-        raise ValueError(f"v: expected [B, Hkv, Sk] = {tuple(k.shape[:3])} on {k.device} as k, got "
-                         f"{tuple(v.shape)} on {v.device}")
+    _check_same_tokens(k, v)
+    # Q's batch and head dim are K's
     if q.shape[0] != k.shape[0] or q.shape[-1] != k.shape[-1] or q.device != k.device:
         raise ValueError(f"q: expected batch {k.shape[0]} and head dim {k.shape[-1]} on {k.device} as k, got "
                          f"{tuple(q.shape)} on {q.device}")
@@ -190,10 +194,7 @@ def quantize_kv_cache(k: torch.Tensor, v: torch.Tensor) -> tuple[QuantizedTensor
         if not (float_tensor or isinstance(t, QuantizedTensor)) or t.dim() != 4:
             raise ValueError(f"{name}: expected a 4-D float tensor or QuantizedTensor [B, Hkv, Sk, D], got "
                              f"{getattr(t, 'dtype', type(t))} {tuple(getattr(t, 'shape', ()))}")
-    # V's tokens are K's: a V of other length would be cut to K's (or read past its end) silently
-    if v.shape[:3] != k.shape[:3] or v.device != k.device:
-        raise ValueError(f"v: expected [B, Hkv, Sk] = {tuple(k.shape[:3])} on {k.device} as k, got "
-                         f"{tuple(v.shape)} on {v.device}")
+    _check_same_tokens(k, v)
     k, v = (t.dequantize() if isinstance(t, QuantizedTensor) else t.detach() for t in (k, v))
     kc, ks = _blocks(k)
     vt, vs = quantize_v(v)

@@ -28,6 +28,11 @@ def _check_common(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype
         raise ValueError(f"b: K mismatch: a has K={a.shape[-1]}, b has K={b.shape[-1]} (b is [N, K]: D = a · bᵀ)")
     if a.device != b.device:
         raise ValueError(f"b: on {b.device}, but a is on {a.device}")
+    check_out_dtype(out_dtype)
+
+
+def check_out_dtype(out_dtype: torch.dtype) -> None:
+    """The output dtypes of the GEMMs (dense, grouped, weight gradient): the kernels write no other."""
     if out_dtype not in _OUT_DTYPES:
         raise TypeError(f"out_dtype: expected one of {[str(d) for d in _OUT_DTYPES]}, got {out_dtype}")
 

@@ -127,14 +127,11 @@ def _plain_capacity_factor(capacity_factor: float | None) -> float | None:
     if capacity_factor is None or type(capacity_factor) in (int, float):
         return capacity_factor
     exact = _factor_fraction(capacity_factor)
-    for text in (str(capacity_factor), repr(float(capacity_factor))):
-        try:
-            plain = float(text)
-        except ValueError:  # a Fraction prints as "3/4"
-            continue
-        if _factor_fraction(plain) == exact:
-            return plain
-    return capacity_factor
+    try:
+        plain = float(exact)  # the float nearest the number: the one whose decimal is it, where one is
+    except OverflowError:  # past any float: kept as it is (expert_capacity reads it exactly)
+        return capacity_factor
+    return plain if _factor_fraction(plain) == exact else capacity_factor
 
 
 def _check_renormalize(renormalize: bool) -> bool:
@@ -167,8 +164,7 @@ def expert_capacity(num_tokens: int, top_k: int, num_experts: int, capacity_fact
     ``T=10, k=1, E=4, capacity_factor=1.2`` gives 3, not the 4 that float rounding would give.
     """
     for name, value, least in (("num_tokens", num_tokens, 0), ("top_k", top_k, 1), ("num_experts", num_experts, 1)):
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < least:
-            raise ValueError(f"{name}: expected an int ≥ {least}, got {value!r}")
+        _check_size(name, value, least)
     _check_capacity_factor(capacity_factor)
     if capacity_factor is None:
         return None

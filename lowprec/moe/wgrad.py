@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from ..gemm import check_out_dtype
 from ..quant import quantize_dual
 from ..recipes import WHOLE, ScaleRecipe, get_recipe
 from ..runtime import eager_under_compile, kernel_failed, registry
@@ -21,7 +22,6 @@ from ..tensor import QuantizedTensor
 __all__ = ["grouped_gemm_wgrad", "quantize_k_grouped"]
 
 _ALIGN = 128
-_OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def _check_ends(group_ends: torch.Tensor, device: torch.device) -> None:
@@ -146,9 +146,7 @@ def grouped_gemm_wgrad(a: QuantizedTensor, b: QuantizedTensor, group_ends: torch
         raise ValueError(f"b: K mismatch: a has K={a.shape[1]}, b has K={b.shape[1]}")
     if a.device != b.device:
         raise ValueError(f"b: on {b.device}, but a is on {a.device}")
-    # as lowprec.gemm: the kernel refuses other dtypes, and the reference would cast to anything (int32 too)
-    if out_dtype not in _OUT_DTYPES:
-        raise TypeError(f"out_dtype: expected one of {[str(d) for d in _OUT_DTYPES]}, got {out_dtype}")
+    check_out_dtype(out_dtype)  # the kernel writes no other; the reference would cast to anything (int32 too)
     _check_ends(group_ends, a.device)
     return registry.run("grouped_gemm_wgrad", a.device, (a, b, group_ends, out_dtype),
                     lambda: _grouped_gemm_wgrad_reference(a, b, group_ends, out_dtype))

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ...runtime.arch import GRID_YZ_MAX, INT32_OFFSET_MAX
+
 HEAD_DIMS = (64, 128, 256)  # head dims with a shipped kernel (all pass the GPU tests, H100)
 TILE_M = 128  # query rows per q_scale (and per CTA of two consumer warpgroups; three take 192)
 TILE_N = 128  # keys per KV block; one k_scale per block; the online softmax steps by this
@@ -293,8 +295,6 @@ def kv_append_unsupported(k, v, tail, amax, k_codes, k_scale, v_t, v_inv, counts
         return f"dtype {k.dtype} (the append kernel reads {', '.join(KV_APPEND_DTYPES)})"
     if d > KV_APPEND_MAX_D or 256 % d:
         return f"head dim {d} (the append kernel takes D dividing {KV_APPEND_MAX_D})"
-    from ...runtime.arch import GRID_YZ_MAX
-
     if k.shape[0] > GRID_YZ_MAX:  # the append grid is (Hkv, B, 1)
         return f"B={k.shape[0]} batch rows (the append grid's y dimension, at most {GRID_YZ_MAX})"
     return kv_append_tokens_unsupported(k, v, start)
@@ -332,8 +332,6 @@ def attention_unsupported(q, q_scale, k, k_scale, v_t, v_scale, causal: bool, sc
 def _forward_grid_unsupported(batch: int, heads: int) -> str | None:
     """The forward's grid (m-blocks, heads, batch · splits) (varlen: sequences for batch): gridDim.y
     and gridDim.z are at most GRID_YZ_MAX."""
-    from ...runtime.arch import GRID_YZ_MAX
-
     if batch > GRID_YZ_MAX or heads > GRID_YZ_MAX:
         return f"B={batch}, H={heads} (the forward's grid takes at most {GRID_YZ_MAX} of each)"
     return None
@@ -370,8 +368,6 @@ def prepass_cluster(heads: int, seqlen: int, row_bytes: int) -> int:
 def _prepass_unsupported(x) -> str | None:
     """The pre-pass kernels read ``x`` [B, H, S, D] as the quantize kernels read rows: the same
     dtypes, 16-column multiples and alignment (``quant.sm90.config.rows_unsupported``)."""
-    from ...runtime.arch import GRID_YZ_MAX
-
     if x.dim() != 4 or not x.is_contiguous():
         return "a contiguous [B, H, S, D] tensor"
     if not x.numel():
@@ -384,7 +380,6 @@ def _prepass_unsupported(x) -> str | None:
 def _prepass_rows_unsupported(x) -> str | None:
     """Rows of ``x``'s head dim the pre-pass kernels can stream (any leading dims)."""
     from ...quant.sm90.config import rows_unsupported
-    from ...runtime.arch import INT32_OFFSET_MAX
 
     if x.shape[-1] > PREPASS_MAX_D:
         return f"head dim {x.shape[-1]} (at most {PREPASS_MAX_D})"
