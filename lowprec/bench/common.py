@@ -228,23 +228,43 @@ def load_results(op: str, path: str | None = None) -> dict | None:
         return json.load(f).get(op)
 
 
-def save_results(op: str, payload: dict, path: str | None = None, merge_rows_by: str | None = None) -> str:
+def _row_key(row: dict, keys: tuple[str, ...]) -> tuple:
+    # JSON reads a tuple back as a list: compare lists as tuples (hashable, and equal to the new row's)
+    return tuple(tuple(v) if isinstance(v, list) else v for v in (row.get(k) for k in keys))
+
+
+def merge_rows(saved: list[dict], rows: list[dict], keys: str | tuple[str, ...]) -> list[dict]:
+    """``saved`` rows that ``rows`` did not measure again (their ``keys`` values differ), then ``rows``."""
+    keys = (keys,) if isinstance(keys, str) else tuple(keys)
+    measured = {_row_key(row, keys) for row in rows}
+    return [row for row in saved if _row_key(row, keys) not in measured] + list(rows)
+
+
+def merged_section(previous: dict | None, payload: dict, merge_rows_by) -> dict:
+    """``payload`` over the saved section ``previous`` (see :func:`save_results`' ``merge_rows_by``)."""
+    if merge_rows_by is None or not isinstance(previous, dict):
+        return payload
+    by_field = merge_rows_by if isinstance(merge_rows_by, dict) else {"rows": merge_rows_by}
+    merged = {**previous, **payload}
+    for field, keys in by_field.items():
+        merged[field] = merge_rows(previous.get(field) or [], payload.get(field) or [], keys)
+    return merged
+
+
+def save_results(op: str, payload: dict, path: str | None = None, merge_rows_by=None) -> str:
     """Merge ``payload`` under ``op`` into ``benchmarks/results/<gpu>.json`` (or ``path``).
 
-    ``merge_rows_by``: a row key (e.g. ``"shape"``) for a run over part of the rows: the file's
-    other rows (and its other ``op`` fields) stay, rows whose key this run measured are replaced."""
+    ``merge_rows_by``: for a run over part of the rows, the row key (e.g. ``"shape"``) or keys
+    (``("m", "n", "k")``) that name a row, or ``{list field: key or keys}`` for a section with
+    several row lists (default field ``"rows"``): the file's other rows (and its other ``op``
+    fields) stay, rows whose key this run measured are replaced."""
     path = path or os.path.join("benchmarks", "results", f"{gpu_slug()}.json")
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     data = {}
     if os.path.exists(path):
         with open(path) as f:
             data = json.load(f)
-    previous = data.get(op)
-    if merge_rows_by is not None and isinstance(previous, dict):
-        measured = {row[merge_rows_by] for row in payload["rows"]}
-        kept = [row for row in previous.get("rows", []) if row.get(merge_rows_by) not in measured]
-        payload = {**previous, **payload, "rows": kept + payload["rows"]}
-    data[op] = payload
+    data[op] = merged_section(data.get(op), payload, merge_rows_by)
     with open(path, "w") as f:
         json.dump(data, f, indent=1, sort_keys=True)
     return path

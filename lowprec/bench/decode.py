@@ -53,7 +53,7 @@ from torch import nn
 from .common import shape_pairs
 
 __all__ = ["SHAPES", "MS", "IMPLS", "MODEL_IMPLS", "weight_bytes", "ratio_summary", "decode_step", "model_decode_rows",
-           "main"]
+           "is_partial", "save", "main"]
 
 SHAPES = ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336))  # N x K
 MS = (1, 4, 16, 64, 256)
@@ -62,6 +62,7 @@ ROTATE_BYTES = 200e6
 CONTEXT = 1024  # KV-cache positions of the model decode step
 MODEL_IMPLS = ("bf16", "lowprec-fp8", "lowprec-nvfp4")
 MODEL_MODES = ("eager-ops", "compiled")
+BATCHES = (1, 8)  # model decode step: tokens per step
 _BYTES_PER_WEIGHT = {"bf16": 2.0, "fp8-cublas": 1.0, "lowprec-fp8": 1.0, "lowprec-nvfp4": 0.5 + 1 / 16}
 
 
@@ -80,7 +81,8 @@ def parse_args(argv=None):
                    help="N x K, comma-separated")
     p.add_argument("--impls", default=",".join(IMPLS),
                    help=f"projection implementations, comma-separated ({', '.join(IMPLS)})")
-    p.add_argument("--batches", default="1,8", help="model decode step: tokens per step (empty: skip)")
+    p.add_argument("--batches", default=",".join(map(str, BATCHES)),
+                   help="model decode step: tokens per step (empty: skip)")
     p.add_argument("--model-modes", default=",".join(MODEL_MODES),
                    help=f"model decode step: how its ops run, comma-separated ({', '.join(MODEL_MODES)})")
     p.add_argument("--out", default=None)
@@ -161,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench decode needs a CUDA GPU")
-    from .common import back_to_back_us, bench_graph_ms, copy_bandwidth_gbs, print_table, save_results
+    from .common import back_to_back_us, bench_graph_ms, copy_bandwidth_gbs, print_table
 
     copy_gbs = copy_bandwidth_gbs()
     print(f"# {torch.cuda.get_device_name()}: device copy {copy_gbs:.0f} GB/s; graph_us = GPU time (CUDA graph of "
@@ -206,10 +208,30 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{impl}: geomean x bf16 at M = {', '.join(map(str, SUMMARY_MS))} over the shapes: " + ", ".join(
             f"{mode} {r['geomean']:.2f}x (lowest {r['lowest']:.2f}x)" for mode, r in by_mode.items()))
     model_rows = model_decode_rows(args.batches, args.model_modes) if args.batches else []
-    path = save_results("decode", {"device": torch.cuda.get_device_name(), "copy_gbs": copy_gbs, "rows": rows,
-                                   "summary": summary, "model_step": model_rows, "context": CONTEXT}, args.out)
+    path = save({"device": torch.cuda.get_device_name(), "copy_gbs": copy_gbs, "rows": rows,
+                 "summary": summary, "model_step": model_rows, "context": CONTEXT}, args.out, is_partial(args))
     print(f"results: {path}")
     return 0
+
+
+def is_partial(args) -> bool:
+    """Whether ``args`` leave out some of the default run's rows (``--ms``, ``--shapes``, ``--impls``,
+    ``--batches``, ``--model-modes``): such a run is merged into the saved section, not over it."""
+    full = ((args.ms, MS), (args.shapes, SHAPES), (args.impls, IMPLS), (args.batches, BATCHES),
+            (args.model_modes, MODEL_MODES))
+    return any(not set(given) >= set(default) for given, default in full)
+
+
+def save(payload: dict, path: str | None = None, partial: bool = False) -> str:
+    """Save ``payload`` as the ``decode`` section; a partial run (:func:`is_partial`) replaces only
+    the saved rows and model steps it measured again, the summary recomputed over all rows."""
+    from .common import load_results, merged_section, save_results
+
+    if partial:
+        payload = merged_section(load_results("decode", path), payload,
+                                 {"rows": ("n", "k", "m", "impl"), "model_step": ("impl", "batch", "mode")})
+        payload["summary"] = ratio_summary(payload["rows"])
+    return save_results("decode", payload, path)
 
 
 def decode_step(model, tokens: torch.Tensor, caches: list, pos: int) -> torch.Tensor:

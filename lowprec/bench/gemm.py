@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from .common import cuda_graph_replay, positive_int, positive_tuples, save_results
+from .common import cuda_graph_replay, load_results, merged_section, positive_int, positive_tuples, save_results
 
 ROUNDS = 8  # timing rounds per library (4 rounds' medians swung by up to 7% under the power cap: session 35)
 DSV3_NK = [(2112, 7168), (24576, 1536), (32768, 512), (7168, 16384), (4096, 7168), (7168, 2048)]
@@ -263,6 +263,25 @@ def _geomean(xs):
     return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else float("nan")
 
 
+def summary_of(rows: list[dict]) -> dict:
+    """The geomean and worst ratios of ``rows`` (this run's, or the saved ones merged with them)."""
+    big = [r["ratio_vs_cublas_fp8"] for r in rows if r["m"] >= 4096 and r["n"] != 8192]
+    small = [r["ratio_vs_cublas_fp8"] for r in rows if r["m"] <= 128]
+    big_r = [r["ratio_vs_cublas_fp8_rowwise"] for r in rows if r["m"] >= 4096 and r["n"] != 8192]
+    small_r = [r["ratio_vs_cublas_fp8_rowwise"] for r in rows if r["m"] <= 128]
+    big_e = [r["ratio_vs_cublas_fp8_eager"] for r in rows if r["m"] >= 4096 and r["n"] != 8192]
+    small_e = [r["ratio_vs_cublas_fp8_eager"] for r in rows if r["m"] <= 128]
+    host = [r["cublas_fp8_blockwise_host_us"] / r["lowprec_host_us"] for r in rows]
+    best = [r["ratio_vs_best_peer"] for r in rows if r["m"] >= 4096]
+    best_e = [r["ratio_vs_best_peer_eager"] for r in rows if r["m"] >= 4096]
+    return dict(geomean_ratio_m4096=_geomean(big), geomean_ratio_m_le_128=_geomean(small),
+                geomean_host_time_ratio=_geomean(host),
+                geomean_ratio_eager_m4096=_geomean(big_e), geomean_ratio_eager_m_le_128=_geomean(small_e),
+                geomean_ratio_rowwise_m4096=_geomean(big_r), geomean_ratio_rowwise_m_le_128=_geomean(small_r),
+                min_ratio_vs_best_peer_m_ge_4096=min(best, default=float("nan")),
+                min_ratio_vs_best_peer_eager_m_ge_4096=min(best_e, default=float("nan")))
+
+
 def run(args=None):
     """Entry for ``python -m lowprec bench gemm``; ``args`` is an argparse Namespace, a list of
     CLI strings, or None."""
@@ -382,21 +401,7 @@ def run(args=None):
               flush=True)
         del d, d_cb, sets
 
-    big = [r["ratio_vs_cublas_fp8"] for r in rows if r["m"] >= 4096 and r["n"] != 8192]
-    small = [r["ratio_vs_cublas_fp8"] for r in rows if r["m"] <= 128]
-    big_r = [r["ratio_vs_cublas_fp8_rowwise"] for r in rows if r["m"] >= 4096 and r["n"] != 8192]
-    small_r = [r["ratio_vs_cublas_fp8_rowwise"] for r in rows if r["m"] <= 128]
-    big_e = [r["ratio_vs_cublas_fp8_eager"] for r in rows if r["m"] >= 4096 and r["n"] != 8192]
-    small_e = [r["ratio_vs_cublas_fp8_eager"] for r in rows if r["m"] <= 128]
-    host = [r["cublas_fp8_blockwise_host_us"] / r["lowprec_host_us"] for r in rows]
-    best = [r["ratio_vs_best_peer"] for r in rows if r["m"] >= 4096]
-    best_e = [r["ratio_vs_best_peer_eager"] for r in rows if r["m"] >= 4096]
-    summary = dict(geomean_ratio_m4096=_geomean(big), geomean_ratio_m_le_128=_geomean(small),
-                   geomean_host_time_ratio=_geomean(host),
-                   geomean_ratio_eager_m4096=_geomean(big_e), geomean_ratio_eager_m_le_128=_geomean(small_e),
-                   geomean_ratio_rowwise_m4096=_geomean(big_r), geomean_ratio_rowwise_m_le_128=_geomean(small_r),
-                   min_ratio_vs_best_peer_m_ge_4096=min(best, default=float("nan")),
-                   min_ratio_vs_best_peer_eager_m_ge_4096=min(best_e, default=float("nan")))
+    summary = summary_of(rows)
     print(f"geomean speedup vs cuBLAS FP8 blockwise, rot: M=4096 {summary['geomean_ratio_m4096']:.3f}x, "
           f"M<=128 {summary['geomean_ratio_m_le_128']:.3f}x | eager: "
           f"M=4096 {summary['geomean_ratio_eager_m4096']:.3f}x, "
@@ -419,9 +424,19 @@ def run(args=None):
         rows=rows, summary=summary,
         date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     )
-    out = save_results("gemm", payload, getattr(args, "out", None))
+    partial = bool(getattr(args, "shapes", None) or getattr(args, "quick", False))  # a subset of the shapes
+    out = save(payload, getattr(args, "out", None), partial)
     print(f"wrote {out}")
     return payload
+
+
+def save(payload: dict, path: str | None = None, partial: bool = False) -> str:
+    """Save ``payload`` as the ``gemm`` section; a run over some of the shapes (``--quick``,
+    ``--shapes``) replaces only the saved rows of its shapes, the summary recomputed over all rows."""
+    if partial:
+        payload = merged_section(load_results("gemm", path), payload, ("m", "n", "k"))
+        payload["summary"] = summary_of(payload["rows"])
+    return save_results("gemm", payload, path)
 
 
 def main(argv: list[str] | None = None) -> int:

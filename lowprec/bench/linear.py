@@ -26,7 +26,7 @@ from ..nn.functional import get_linear_recipe
 from ..nn.weight_cache import quantize_weight
 from ..quant import quantize_dual
 from ..recipes import LINEAR_RECIPES
-from .common import bench_ms, positive_int, print_table, save_results, shape_pairs
+from .common import bench_ms, load_results, positive_int, print_table, save_results, shape_pairs
 
 TOKENS = 16384
 SHAPES = [(4096, 4096), (4096, 14336), (14336, 4096), (8192, 8192)]
@@ -66,6 +66,17 @@ def step_parts_ms(x: torch.Tensor, weight: torch.Tensor, dy: torch.Tensor, recip
         "wgrad": lambda: gemm(dyt_q, xt_q, out_dtype=weight.dtype),
     }
     return {name: bench_ms(calls[name], queued=True) for name in STEP_PARTS}
+
+
+def save(payload: dict, path: str | None = None, sizes: bool = False) -> str:
+    """Save ``payload`` as the ``linear`` section, or with ``sizes`` (a ``--shapes`` run) into
+    ``linear_sizes``: such a run measures some layers, so the saved rows of the other layers (of
+    the same recipe: the section names one) stay."""
+    if not sizes:
+        return save_results("linear", payload, path)
+    saved = load_results("linear_sizes", path)
+    same_recipe = saved is not None and saved.get("recipe") == payload["recipe"]
+    return save_results("linear_sizes", payload, path, merge_rows_by="shape" if same_recipe else None)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -117,6 +128,6 @@ def main(argv: list[str] | None = None) -> int:
     print_table(["shape", *(f"{p} ms" for p in STEP_PARTS), *(f"{g} TFLOPS" for g in GEMM_PARTS),
                  "sum ms", "f+b queued ms"], part_rows)
     payload = {"device": torch.cuda.get_device_name(), "recipe": args.recipe, "rows": records}
-    path = save_results("linear" if args.shapes is None else "linear_sizes", payload, args.out)
+    path = save(payload, args.out, sizes=args.shapes is not None)
     print(f"saved {path}")
     return 0

@@ -77,7 +77,7 @@ from ..moe import (
 from ..nn import reuse_quantized_weights
 from ..quant import quantize
 from ..tensor import QuantizedTensor
-from .common import bench_ms, cuda_graph_replay, print_table, save_results, sustained
+from .common import bench_ms, cuda_graph_replay, load_results, print_table, save_results, sustained
 
 # (E, H, F, k, T): Mixtral-8x7B, DeepSeek-V3, Qwen3-30B-A3B-like expert shapes
 CONFIGS = [(8, 4096, 14336, 2, 4096), (64, 7168, 2048, 8, 4096), (128, 2048, 768, 8, 8192)]
@@ -482,7 +482,8 @@ def run(args: argparse.Namespace) -> dict:
                           "*_queued_ms: 20 calls without host sync between them; gemm ms: median of 4 "
                           "interleaved rounds; gemm *.sustained: back to back for --sustained s; random data"),
                "rows": records, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    path = save_results("moe", payload, args.out)
+    partial = args.configs != list(CONFIGS) or not set(args.routings) >= set(ROUTINGS)  # --quick, --configs, ...
+    path = save("moe", payload, args.out, partial)
     print(f"saved {path}")
     return payload
 
@@ -583,9 +584,21 @@ def _save_steps(section: str, dev: str, records: list[dict], args: argparse.Name
                "timing": ("bench_ms median, L2 flushed before every call; ms: host synced before each call, "
                           "queued_ms: no sync between calls; random data"),
                "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    path = save_results(section, payload, args.out)
+    path = save(section, payload, args.out, partial=True)  # the token counts are this run's choice
     print(f"saved {path}")
     return payload
+
+
+_SETTINGS = ("capacity_factor", "zipf", "tile_m", "sustained_s")  # of the section: rows of others do not mix
+
+
+def save(section: str, payload: dict, path: str | None = None, partial: bool = False) -> str:
+    """Save ``payload`` under ``section``; a run over part of the rows replaces only the saved rows
+    it measured again (same config, tokens and routing), where the saved section has its settings."""
+    keys = ("E", "H", "F", "top_k", "T") + (("routing",) if section == "moe" else ())
+    saved = load_results(section, path)
+    same = saved is not None and all(saved.get(k) == payload.get(k) for k in _SETTINGS)
+    return save_results(section, payload, path, merge_rows_by=keys if partial and same else None)
 
 
 def _train_records(num_experts: int, hidden: int, ffn: int, top_k: int, args: argparse.Namespace) -> list[dict]:

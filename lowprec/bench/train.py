@@ -434,6 +434,6 @@ def _plot(text: dict, slug: str, results_path: str | None = None) -> None:
     ax.legend()
     folder = os.path.dirname(results_path) if results_path else os.path.join("benchmarks", "results")
     path = os.path.join(folder, f"train_text_{slug}.png")
-    os.makedirs(os.path.dirname(path), exist_ok=True)
+    os.makedirs(folder or ".", exist_ok=True)  # folder is "" for an --out file in the working directory
     fig.savefig(path, dpi=120)
     print(f"loss plot: {path}")

@@ -91,6 +91,19 @@ def cache_key(kernel: str, config: Mapping, arch: str, fingerprint: str | None =
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:32]
 
 
+_DISK_CACHE_SWITCH = {"0": False, "false": False, "off": False, "no": False,
+                      "1": True, "true": True, "on": True, "yes": True}
+
+
+def _disk_cache_on() -> bool:
+    """``LOWPREC_DISK_CACHE``: ``1`` (default) or ``0``; other spellings of off (``false``, ``off``,
+    ``no``) must not leave the disk cache on, and a value that is neither is an error."""
+    value = os.environ.get("LOWPREC_DISK_CACHE", "1").strip().lower() or "1"
+    if value not in _DISK_CACHE_SWITCH:
+        raise ValueError(f"LOWPREC_DISK_CACHE: expected 0 or 1 (or false / true, off / on, no / yes), got {value!r}")
+    return _DISK_CACHE_SWITCH[value]
+
+
 class KernelCache:
     """Maps a key to a compiled (launchable) kernel; compiles once per key, thread-safely."""
 
@@ -105,7 +118,7 @@ class KernelCache:
     @property
     def directory(self) -> str | None:
         """Where kernels are kept on disk (one subdirectory per source fingerprint), or None."""
-        if os.environ.get("LOWPREC_DISK_CACHE", "1") == "0":
+        if not _disk_cache_on():
             return None
         # expanded as the default is: a '~' the shell did not expand (a quoted value, an env file,
         # os.environ) would otherwise make a directory named '~' in the working directory

@@ -3,6 +3,8 @@
 
 import subprocess
 import sys
+import types
+from unittest import mock
 
 import pytest
 import torch
@@ -154,3 +156,17 @@ def test_a_negative_min_weight_numel_is_a_usage_error(capsys):
     assert exit_info.value.code == 2 and "--min-weight-numel" in capsys.readouterr().err
     assert train.parse_args(["--min-weight-numel", "0"]).min_weight_numel == 0
     assert train.parse_args([]).min_weight_numel is None  # convert's own default
+
+
+def test_loss_plot_beside_an_out_file_in_the_working_directory(tmp_path, monkeypatch):
+    # matplotlib is not a dependency: a stub that records where the figure goes
+    fig = mock.MagicMock()
+    pyplot = types.SimpleNamespace(subplots=lambda **kwargs: (fig, mock.MagicMock()))
+    monkeypatch.setitem(sys.modules, "matplotlib", types.SimpleNamespace(use=lambda *a, **k: None, pyplot=pyplot))
+    monkeypatch.setitem(sys.modules, "matplotlib.pyplot", pyplot)
+    monkeypatch.chdir(tmp_path)
+    train._plot({"losses": {"bf16": [5.0, 4.0], "lowprec": [5.0, 4.1]}}, "gpu", "results.json")  # --out results.json
+    assert fig.savefig.call_args.args[0] == "train_text_gpu.png"
+    train._plot({"losses": {"bf16": [5.0, 4.0]}}, "gpu", str(tmp_path / "sub" / "results.json"))
+    assert fig.savefig.call_args.args[0] == str(tmp_path / "sub" / "train_text_gpu.png")
+    assert (tmp_path / "sub").is_dir()

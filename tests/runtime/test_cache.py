@@ -320,3 +320,21 @@ def test_cache_dir_from_the_environment_expands_the_home_directory(tmp_path, mon
     assert KernelCache("~/mine").directory == os.path.join(str(tmp_path), "mine")
     monkeypatch.setenv("LOWPREC_CACHE_DIR", str(tmp_path / "plain"))
     assert KernelCache().directory == str(tmp_path / "plain")
+
+
+@pytest.mark.parametrize("value", ["false", "off", "no", "FALSE", " 0 "])
+def test_disk_cache_off_spellings_turn_it_off(tmp_path, monkeypatch, value):
+    monkeypatch.setenv("LOWPREC_DISK_CACHE", value)
+    assert KernelCache(str(tmp_path)).directory is None
+
+
+@pytest.mark.parametrize("value", ["1", "true", "on", "yes", ""])
+def test_disk_cache_on_spellings_keep_it_on(tmp_path, monkeypatch, value):
+    monkeypatch.setenv("LOWPREC_DISK_CACHE", value)
+    assert KernelCache(str(tmp_path)).directory == str(tmp_path)
+
+
+def test_bad_disk_cache_value_is_an_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("LOWPREC_DISK_CACHE", "disabled")
+    with pytest.raises(ValueError, match="LOWPREC_DISK_CACHE"):
+        _ = KernelCache(str(tmp_path)).directory
