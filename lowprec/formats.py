@@ -76,7 +76,7 @@ def get_format(fmt: str | ElementFormat) -> ElementFormat:
         return fmt
     try:
         return _FORMATS[fmt]
-    except KeyError:
+    except (KeyError, TypeError):  # TypeError: an unhashable fmt
         raise ValueError(f"fmt: unknown element format {fmt!r}; expected one of {sorted(_FORMATS)}") from None
 
 

@@ -17,6 +17,7 @@ import safetensors
 import safetensors.torch
 import torch
 
+from .nn.fsdp import FP8AllGatherWeight
 from .tensor import QuantizedTensor
 
 __all__ = ["save", "load"]
@@ -52,7 +53,9 @@ def save(obj: QuantizedTensor | Mapping[str, torch.Tensor | QuantizedTensor], pa
                     tensors[f"{key}::{part}"] = t.detach()
             quantized[key] = value.metadata()
         elif isinstance(value, torch.Tensor):
-            tensors[key] = value.detach()
+            # enable_fp8_all_gather's wrapper (a parameter of named_parameters()) has no storage of its
+            # own: the master weight it wraps
+            tensors[key] = (value.hp if isinstance(value, FP8AllGatherWeight) else value).detach()
         else:
             raise TypeError(f"obj[{key!r}]: expected a Tensor or QuantizedTensor, got {type(value).__name__}")
     # ties are found on the tensors as given: .contiguous() of a strided tensor and .cpu() of a

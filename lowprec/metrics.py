@@ -16,6 +16,20 @@ def _pair(x: torch.Tensor, ref: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     return x.detach().to(torch.float64).flatten(), ref.detach().to(torch.float64).flatten().to(x.device)
 
 
+def _pow2_scale(m: float) -> float:
+    """A power of two near ``m`` (dividing by it is exact), 1 for 0, Inf or NaN."""
+    return math.ldexp(1.0, math.frexp(m)[1]) if m > 0 and math.isfinite(m) else 1.0
+
+
+def _scaled_pair(x: torch.Tensor, ref: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """:func:`_pair` over their common largest magnitude ``m`` (and ``m``): FP64 squares of values
+    beyond ~1e±154 overflow or flush to 0, so sums of squares are taken of the scaled values."""
+    x, ref = _pair(x, ref)
+    m = float(torch.maximum(x.abs().max(), ref.abs().max())) if x.numel() else 0.0
+    m = _pow2_scale(m)
+    return x / m, ref / m, m
+
+
 def cos_sim(x: torch.Tensor, ref: torch.Tensor) -> float:
     """Cosine similarity (1.0 = same direction). Two all-zero tensors give 1.0 (identical); one
     all-zero tensor against another that is not gives 0.0 (no direction in common)."""
@@ -39,9 +53,14 @@ def rel_l2(x: torch.Tensor, ref: torch.Tensor, chunk: int = 1 << 24) -> float:
     large as a layer's expert weights or their gradients need not fit)."""
     if x.shape != ref.shape:
         raise ValueError(f"x: shape {tuple(x.shape)} differs from ref's {tuple(ref.shape)}")
+    pieces = list(zip(x.detach().reshape(-1).split(chunk), ref.detach().reshape(-1).split(chunk)))
+    # over the largest magnitude, as _scaled_pair: FP64 squares past ~1e±154 overflow or flush to 0
+    m = max((float(torch.maximum(a.abs().max().double(), b.abs().max().double().to(a.device)))
+             for a, b in pieces if a.numel()), default=0.0)
+    m = _pow2_scale(m)
     diff_sq = ref_sq = 0.0
-    for a, b in zip(x.detach().reshape(-1).split(chunk), ref.detach().reshape(-1).split(chunk)):
-        a, b = a.to(torch.float64), b.to(torch.float64).to(a.device)
+    for a, b in pieces:
+        a, b = a.to(torch.float64) / m, b.to(torch.float64).to(a.device) / m
         diff_sq += float((a - b).square().sum())
         ref_sq += float(b.square().sum())
     return math.sqrt(diff_sq) / max(math.sqrt(ref_sq), 1e-300)
@@ -49,13 +68,13 @@ def rel_l2(x: torch.Tensor, ref: torch.Tensor, chunk: int = 1 << 24) -> float:
 
 def rmse(x: torch.Tensor, ref: torch.Tensor) -> float:
     """Root mean squared error."""
-    x, ref = _pair(x, ref)
-    return float((x - ref).pow(2).mean().sqrt()) if x.numel() else 0.0
+    x, ref, m = _scaled_pair(x, ref)
+    return m * float((x - ref).pow(2).mean().sqrt()) if x.numel() else 0.0
 
 
 def sqnr_db(x: torch.Tensor, ref: torch.Tensor) -> float:
     """Signal-to-quantization-noise ratio, 10·log10(Σref² / Σ(x − ref)²), in dB (inf if exact)."""
-    x, ref = _pair(x, ref)
+    x, ref, _ = _scaled_pair(x, ref)
     noise = float((x - ref).pow(2).sum())
     signal = float(ref.pow(2).sum())
     if noise == 0:
@@ -65,7 +84,7 @@ def sqnr_db(x: torch.Tensor, ref: torch.Tensor) -> float:
 
 def calc_diff(x: torch.Tensor, ref: torch.Tensor) -> float:
     """DeepGEMM's metric: 1 − 2·Σ(x·ref) / Σ(x² + ref²) (0 = identical)."""
-    x, ref = _pair(x, ref)
+    x, ref, _ = _scaled_pair(x, ref)
     denom = float((x * x + ref * ref).sum())
     return 0.0 if denom == 0 else 1 - 2 * float((x * ref).sum()) / denom
 

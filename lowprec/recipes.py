@@ -199,7 +199,7 @@ def get_recipe(recipe: str | ScaleRecipe, **options) -> ScaleRecipe:
         if options:
             raise TypeError(f"recipe: options {options} apply to named recipes only, not a ScaleRecipe")
         return recipe
-    if recipe not in _FACTORIES:
+    if not isinstance(recipe, str) or recipe not in _FACTORIES:  # a list would fail the lookup unhashable
         raise ValueError(f"recipe: unknown recipe {recipe!r}; expected one of {list(RECIPE_NAMES)}")
     if not options:
         return _DEFAULT_RECIPES[recipe]
@@ -254,6 +254,6 @@ DEFAULT_TRAIN_RECIPE = "fp8_block_wgrad16"
 def get_linear_recipe(recipe: str | LinearRecipe) -> LinearRecipe:
     if isinstance(recipe, LinearRecipe):
         return recipe
-    if recipe not in LINEAR_RECIPES:
+    if not isinstance(recipe, str) or recipe not in LINEAR_RECIPES:
         raise ValueError(f"recipe: unknown linear recipe {recipe!r}; expected one of {list(LINEAR_RECIPES)}")
     return LINEAR_RECIPES[recipe]

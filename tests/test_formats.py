@@ -180,3 +180,10 @@ def test_range_checks_still_apply_off_meta():
         pack_fp4(torch.tensor([16, 0], dtype=torch.uint8))
     with pytest.raises(ValueError, match="codes"):
         decode(torch.tensor([16], dtype=torch.uint8), "e2m1")
+
+
+def test_unhashable_format_names_the_argument():
+    with pytest.raises(ValueError, match="^fmt: unknown element format"):
+        get_format(["e4m3"])
+    with pytest.raises(ValueError, match="^fmt: unknown element format"):
+        encode(torch.randn(4), ["e4m3"])

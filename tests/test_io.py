@@ -259,3 +259,18 @@ def test_load_refuses_what_torch_refuses_naming_device(device, tmp_path):
     lowprec.save({"w": torch.ones(3)}, tmp_path / "t.safetensors")
     with pytest.raises(ValueError, match="device"):
         lowprec.load(tmp_path / "t.safetensors", device=device)
+
+
+def test_save_takes_fp8_all_gather_parameters(tmp_path):
+    """Parameters wrapped by enable_fp8_all_gather, saved as named_parameters() gives them (not
+    through state_dict()), are saved as the master weights they wrap."""
+    layers = torch.nn.Sequential(torch.nn.Linear(128, 128), torch.nn.Linear(128, 128))
+    model = lowprec.nn.convert(layers, "fp8_block", min_weight_numel=0)
+    model[1].weight = model[0].weight  # tied: stored once
+    assert lowprec.nn.enable_fp8_all_gather(model) == 1  # the tied weight is wrapped once
+    params = dict(model.named_parameters(remove_duplicate=False))
+    lowprec.save(params, tmp_path / "p.safetensors")
+    back = lowprec.load(tmp_path / "p.safetensors")
+    assert back.keys() == params.keys() and all(type(t) is torch.Tensor for t in back.values())
+    assert torch.equal(back["0.weight"], model[0].weight.hp) and torch.equal(back["1.bias"], model[1].bias)
+    assert back["1.weight"] is back["0.weight"]

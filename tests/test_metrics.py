@@ -44,3 +44,22 @@ def test_cos_sim_of_fp64_vectors_past_the_norms_range():
     assert metrics.cos_sim(-tiny, tiny) == pytest.approx(-1.0)
     big = torch.tensor([1e200, 2e200], dtype=torch.float64)
     assert metrics.cos_sim(big, big) == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("mag", [1e-170, 1e170])
+def test_squared_metrics_of_fp64_tensors_past_the_squares_range(mag):
+    ref = torch.tensor([1.0, 2.0], dtype=torch.float64)
+    x = ref * 1.5
+    plain = {name: getattr(metrics, name)(x, ref) for name in ("rel_l2", "sqnr_db", "calc_diff")}
+    assert plain["rel_l2"] == pytest.approx(0.5)
+    for name, want in plain.items():
+        assert getattr(metrics, name)(x * mag, ref * mag) == pytest.approx(want), name
+    assert metrics.rmse(x * mag, ref * mag) == pytest.approx(mag * metrics.rmse(x, ref))
+    assert math.isfinite(metrics.sqnr_db(x * mag, ref * mag))
+
+
+def test_squared_metrics_unchanged_for_ordinary_values():
+    ref = torch.tensor([3.0, -4.0])
+    x = torch.tensor([3.0, -3.0])
+    assert metrics.rel_l2(x, ref) == 0.2 and metrics.rmse(x, ref) == math.sqrt(0.5)
+    assert metrics.sqnr_db(x, ref) == pytest.approx(10 * math.log10(25))

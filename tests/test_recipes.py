@@ -1,5 +1,7 @@
 import pytest
+import torch
 
+import lowprec
 from lowprec.recipes import RECIPE_NAMES, WHOLE, ScaleRecipe, get_recipe
 
 
@@ -89,3 +91,18 @@ def test_from_spec_reads_back_a_name_with_colons():
     assert ScaleRecipe.from_spec(r.spec()) == r
     for name in RECIPE_NAMES:
         assert ScaleRecipe.from_spec(get_recipe(name).spec()) == get_recipe(name)
+
+
+@pytest.mark.parametrize("recipe", [["mxfp8"], {"name": "mxfp8"}])
+def test_unhashable_recipe_names_the_argument(recipe):
+    with pytest.raises(ValueError, match="^recipe: unknown recipe"):
+        lowprec.get_recipe(recipe)
+    with pytest.raises(ValueError, match="^recipe: unknown recipe"):
+        lowprec.quantize(torch.randn(4, 32), recipe)
+
+
+def test_unhashable_linear_recipe_names_the_argument():
+    from lowprec.recipes import get_linear_recipe
+
+    with pytest.raises(ValueError, match="^recipe: unknown linear recipe"):
+        get_linear_recipe(["fp8_block"])

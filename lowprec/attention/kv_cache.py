@@ -220,7 +220,8 @@ class FP8KVCache:
                                  f"max_len={self.max_len}")
         if not any(counts):
             return
-        if not self._v_scale_set:
+        sets_v_scale = not self._v_scale_set
+        if sets_v_scale:
             amax = self._v_amax(v, counts)
             # a finite amax times the headroom may pass FP32's max: keep the largest finite scale (an
             # Inf scale decodes every code of its channel to NaN, 0 · Inf, for the cache's life)
@@ -231,18 +232,25 @@ class FP8KVCache:
         if same_count and counts[0] < t:  # every row's padding at the same place: never read
             k, v, t = k[:, :, :counts[0]], v[:, :, :counts[0]], counts[0]
         by_kernel = False  # the append kernel also advances the device-side lengths
-        if same_count and len(set(starts)) == 1:
-            start, end = starts[0], starts[0] + t
-            # a decode step on Hopper: one kernel (sm90/kv_append.py), the same bits as the torch ops
-            by_kernel = self._append_kernel(k, v, start)
-            if not by_kernel:
-                self._append_torch(k, v, start, end)
-        elif t == 1 and same_count:  # one token at each row's own length (on the device)
-            by_kernel = self._append_kernel(k, v, None)
-            if not by_kernel:
+        try:
+            if same_count and len(set(starts)) == 1:
+                start, end = starts[0], starts[0] + t
+                # a decode step on Hopper: one kernel (sm90/kv_append.py), the same bits as the torch ops
+                by_kernel = self._append_kernel(k, v, start)
+                if not by_kernel:
+                    self._append_torch(k, v, start, end)
+            elif t == 1 and same_count:  # one token at each row's own length (on the device)
+                by_kernel = self._append_kernel(k, v, None)
+                if not by_kernel:
+                    self._append_rows(k, v, starts, counts)
+            else:
                 self._append_rows(k, v, starts, counts)
-        else:
-            self._append_rows(k, v, starts, counts)
+        except BaseException:
+            # nothing was added: the next first append chooses V's scales again (else they stay fixed
+            # from tokens the cache never held)
+            if sets_v_scale:
+                self._v_scale_set = False
+            raise
         self._lengths = [s + n for s, n in zip(starts, counts, strict=True)]
         if same_count and not by_kernel:
             self._device_lengths.add_(counts[0])  # one kernel: no host-to-device copy in a decode loop

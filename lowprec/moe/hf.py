@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from ..nn.swiglu import _is_silu
-from ..runtime import eager_under_compile
+from ..runtime import eager_under_compile, version_of
 
 HF_MOE_BLOCKS = ("MixtralSparseMoeBlock", "Qwen3MoeSparseMoeBlock")
 _SILU_CLASSES = ("SiLU", "SiLUActivation")
@@ -240,7 +240,7 @@ def _nvfp4_weights(module: nn.Module) -> tuple:
     from .nvfp4 import quantize_nvfp4_experts
 
     params = (module.gate_up_proj, module.down_proj)
-    key = tuple((p.data_ptr(), p._version, tuple(p.shape)) for p in params)
+    key = tuple((p.data_ptr(), version_of(p), tuple(p.shape)) for p in params)
     cached = module.__dict__.get("_lowprec_nvfp4")
     if cached is None or cached[0] != key:
         packs = tuple(pack_nvfp4_experts(*quantize_nvfp4_experts(p)) for p in params)

@@ -15,7 +15,7 @@ from ..gemm.ops import weight_only
 from ..gemm.weight_only import PackedFP8, pack_fp8
 from ..quant import quantize
 from ..recipes import DEFAULT_TRAIN_RECIPE, get_recipe
-from ..runtime import registry
+from ..runtime import registry, version_of
 from ..tensor import QuantizedTensor
 from .buffers import QuantizedBuffersModule, check_out_dtype
 from .fsdp import GATHER_RECIPE, FP8AllGatherWeight
@@ -184,12 +184,17 @@ class FP8InferenceLinear(QuantizedBuffersModule):
 
     def packed_weight(self) -> PackedFP8:
         """The weight in the weight-only kernel's layout (``fp8_block``), packed on first use and
-        again whenever the buffers change (load, in-place update, device move)."""
+        again whenever the buffers change (load, in-place update, device move; in-place writes to
+        buffers made under ``torch.inference_mode``, which track no version, only by a load)."""
         w, s = self.weight, self.weight_scale
-        key = (w.get_device(), w.data_ptr(), w._version, s.data_ptr(), s._version)  # ints: a cheap check per call
+        key = (w.get_device(), w.data_ptr(), version_of(w), s.data_ptr(), version_of(s))  # a cheap check per call
         if self._packed is None or self._packed[0] != key:
             self._packed = (key, pack_fp8(self.weight, self.weight_scale))
         return self._packed[1]
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        super()._load_from_state_dict(*args, **kwargs)
+        self._packed = None  # a load into inference tensors bumps no version: pack again
 
     def _weight_only(self, x2: torch.Tensor) -> bool:
         return (self.recipe.weight == "fp8_block128x128" and x2.dtype == torch.bfloat16

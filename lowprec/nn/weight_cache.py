@@ -20,6 +20,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from ..quant import quantize, quantize_with_transpose
 from ..recipes import get_recipe
+from ..runtime import version_of
 from ..tensor import QuantizedTensor
 from .fsdp import GATHER_RECIPE, FP8AllGatherWeight, FP8GatheredWeight
 
@@ -45,7 +46,7 @@ class _Entry:
 
     def __init__(self, weight: torch.Tensor, recipe: str, w_q: QuantizedTensor, w_t: QuantizedTensor | None):
         self.ref = weakref.ref(weight)
-        self.version = weight._version
+        self.version = version_of(weight)
         # module casts and moves (model.half(), .to(device)) swap param.data without a version bump
         self.dtype, self.device = weight.dtype, weight.device
         self.recipe, self.w_q, self.w_t = recipe, w_q, w_t
@@ -69,7 +70,8 @@ def reuse_quantized_weights() -> Iterator[None]:
     version bump). Writes through ``weight.data`` bypass the version counter,
     as they bypass autograd, and so do in-place writes to FSDP2's sharded parameters other than
     an optimizer step (their unsharded weight is refilled at the next all-gather): make them
-    outside the block. The FP8 copies (weight and, for training, its
+    outside the block. So do in-place writes to inference tensors (weights made under
+    ``torch.inference_mode``, which track no version). The FP8 copies (weight and, for training, its
     transpose: about two bytes per parameter) stay alive until the block ends. Blocks nest; the
     outermost one owns the cache. Per thread; ignored while ``torch.compile`` traces.
     """
@@ -104,7 +106,7 @@ def quantize_weight(weight: torch.Tensor, recipe: str, with_transpose: bool
         return _quantize(weight, recipe, with_transpose)
     key = id(weight)
     entry = cache.get(key)
-    if (entry is not None and entry.ref() is weight and entry.version == weight._version
+    if (entry is not None and entry.ref() is weight and entry.version == version_of(weight)
             and entry.dtype == weight.dtype and entry.device == weight.device and entry.recipe == recipe
             and (entry.w_t is not None or not with_transpose)):
         return entry.w_q, entry.w_t if with_transpose else None

@@ -2,7 +2,15 @@
 
 from . import registry
 from .arch import SUPPORTED_ARCHS, device_arch, on_device, sm_count
-from .backend import backend_mode, dsl_available, eager_under_compile, kernel_failed, self_check_mode, warn_once
+from .backend import (
+    backend_mode,
+    dsl_available,
+    eager_under_compile,
+    kernel_failed,
+    self_check_mode,
+    version_of,
+    warn_once,
+)
 from .cache import KernelCache, cache_key, kernel_cache, source_fingerprint
 from .compile import compile_for_arch, cubin_arch, ffi_entry, local_memory_ops, nvdisasm_path, sass_of
 
@@ -10,6 +18,6 @@ __all__ = [
     "SUPPORTED_ARCHS", "device_arch", "on_device", "sm_count", "backend_mode", "self_check_mode", "dsl_available",
     "eager_under_compile",
     "kernel_failed",
-    "warn_once", "KernelCache", "cache_key", "kernel_cache", "source_fingerprint", "compile_for_arch",
+    "version_of", "warn_once", "KernelCache", "cache_key", "kernel_cache", "source_fingerprint", "compile_for_arch",
     "cubin_arch", "ffi_entry", "local_memory_ops", "nvdisasm_path", "sass_of", "registry",
 ]

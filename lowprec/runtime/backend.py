@@ -96,3 +96,9 @@ def eager_under_compile(fn: Callable) -> Callable:
         return fn(*args, **kwargs)
 
     return wrapper
+
+
+def version_of(t: torch.Tensor) -> int | None:
+    """``t._version``, or None for an inference tensor (made under ``torch.inference_mode``: it has
+    no version counter, and reading one raises)."""
+    return None if t.is_inference() else t._version

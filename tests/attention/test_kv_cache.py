@@ -789,3 +789,26 @@ def test_failed_fused_append_keeps_the_plain_append_kernel(monkeypatch):
     cache.append(k1, v1)
     assert cache.length == 12
     assert append.plain_calls >= 2, "the plain append kernel was dropped after the fused variant failed"
+
+
+def test_a_failed_first_append_leaves_v_scales_unset(monkeypatch):
+    """The append fixed V's scales before writing the codes: when the write failed (here a kernel
+    required where none serves, LOWPREC_BACKEND=kernel on CPU; on a GPU also an out-of-memory), the
+    empty cache kept them, and the next first append was quantized with the failed call's scales
+    (values 1000x larger here: saturated), and decode_step took the empty cache as filled."""
+    g = torch.Generator().manual_seed(0)
+    cache = FP8KVCache(1, 1, 64, 64, dtype=torch.float32)
+    monkeypatch.setenv("LOWPREC_BACKEND", "kernel")
+    with pytest.raises(RuntimeError, match="LOWPREC_BACKEND=kernel"):
+        cache.append(torch.randn(1, 1, 4, 64, generator=g), torch.randn(1, 1, 4, 64, generator=g) * 1e-3)
+    monkeypatch.setenv("LOWPREC_BACKEND", "auto")
+    assert cache.length == 0
+    with pytest.raises(ValueError, match="v_scale: decode_step needs"):
+        cache.decode_step(torch.randn(1, 1, 1, 64), torch.randn(1, 1, 1, 64), torch.randn(1, 1, 1, 64))
+    k, v = torch.randn(1, 1, 4, 64, generator=g), torch.randn(1, 1, 4, 64, generator=g)
+    cache.append(k, v)
+    fresh = FP8KVCache(1, 1, 64, 64, dtype=torch.float32)
+    fresh.append(k, v)
+    assert torch.equal(cache.v_scale, fresh.v_scale)
+    assert cache.saturated.item() == 0
+    assert torch.equal(cache.dequantize()[1], fresh.dequantize()[1])

@@ -739,3 +739,17 @@ def test_reset_parameters_is_nn_linears_init():
     torch.manual_seed(3)
     ref.reset_parameters()
     assert torch.equal(layer.weight, ref.weight) and torch.equal(layer.bias, ref.bias)
+
+
+def test_fp8_inference_packed_weight_of_inference_tensors():
+    """convert / from_linear under inference_mode: the weight-only decode path's packed copy is
+    made (not a version-counter error), kept across calls, and made again after a load."""
+    lin, other = nn.Linear(256, 256), nn.Linear(256, 256)
+    with torch.inference_mode():
+        layer = FP8InferenceLinear.from_linear(lin)
+        first = layer.packed_weight()
+        assert layer.packed_weight() is first
+        layer.load_state_dict(FP8InferenceLinear.from_linear(other).state_dict())  # in place: no version bump
+        again = layer.packed_weight()
+    assert again is not first
+    assert torch.equal(again.data, FP8InferenceLinear.from_linear(other).packed_weight().data)

@@ -191,3 +191,21 @@ def test_nvfp4_layer_on_meta_loads_with_assign():
     assert layer.packed.device.type == "cpu" and layer.weight_scale_2.device.type == "cpu"
     x = torch.randn(3, 256)
     assert torch.equal(layer(x), src(x))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_inference_layers_built_under_inference_mode_decode():
+    """Layers converted inside torch.inference_mode hold inference tensors (no version counter):
+    the weight-only decode path keys its packed copy and the host copy of the global scale on
+    versions, and raised on them."""
+    torch.manual_seed(7)
+    lin = nn.Linear(512, 384, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(4, 512, device="cuda", dtype=torch.bfloat16)
+    with torch.inference_mode():
+        for make in (NVFP4InferenceLinear.from_linear, lowprec.nn.FP8InferenceLinear.from_linear):
+            layer = make(lin)
+            got = layer(x)
+            want = x.double() @ layer.quantized_weight().dequantize(torch.float64).T + lin.bias.double()
+            assert lowprec.metrics.rel_l2(got, want) < 1e-2, make
+            assert torch.equal(layer(x), got)

@@ -196,3 +196,19 @@ def test_reuse_block_still_reuses_an_unchanged_weight(monkeypatch):
         for _ in range(3):
             layer(torch.randn(4, 128, requires_grad=True)).sum().backward()
     assert len(calls) == 1
+
+
+def test_reuse_quantized_weights_takes_inference_tensors(monkeypatch):
+    """A model made under torch.inference_mode holds inference tensors, which have no version
+    counter: the block quantizes each of their weights once instead of raising."""
+    calls = []
+    real = weight_cache._quantize
+    monkeypatch.setattr(weight_cache, "_quantize", lambda *a: calls.append(a) or real(*a))
+    with torch.inference_mode():
+        layer = FP8Linear(64, 32)
+        x = torch.randn(4, 64)
+        plain = layer(x)
+        calls.clear()
+        with reuse_quantized_weights():
+            outs = [layer(x), layer(x)]
+    assert all(torch.equal(y, plain) for y in outs) and len(calls) == 1

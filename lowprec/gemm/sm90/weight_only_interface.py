@@ -8,7 +8,7 @@ import weakref
 
 import torch
 
-from ...runtime import ffi_entry, kernel_cache, on_device, sm_count
+from ...runtime import ffi_entry, kernel_cache, on_device, sm_count, version_of
 from ..weight_only import (
     CHUNK_BYTES,
     CHUNK_K,
@@ -209,8 +209,8 @@ def _host_value(scale: torch.Tensor) -> float | None:
         weakref.finalize(base, _HOST_VALUES.pop, id(base), None)
     values, offset = entry[1], scale.storage_offset()
     hit = values.get(offset)
-    if hit is None or hit[0] != base._version:
-        hit = values[offset] = (base._version, float(scale.reshape(())))
+    if hit is None or hit[0] != version_of(base):
+        hit = values[offset] = (version_of(base), float(scale.reshape(())))
     return hit[1]
 
 
