@@ -26,10 +26,15 @@ _FP32_MIN_SUBNORMAL = 2.0**-149
 
 
 def ieee_div(a: torch.Tensor, b: float | torch.Tensor) -> torch.Tensor:
-    """IEEE division on every device (CUDA turns division by a Python scalar into a reciprocal multiply)."""
+    """IEEE division (correctly rounded to ``a``'s dtype) on every device and under ``torch.compile``:
+    CUDA turns division by a Python scalar into a reciprocal multiply, and inductor's Triton divides
+    FP32 approximately (``div.full``, off by an ulp). Computed in FP64 and rounded once: for FP32 and
+    narrower that is the IEEE quotient (FP64 has more than twice their precision, plus two bits)."""
+    wide = a.to(torch.float64)
     if isinstance(b, torch.Tensor):
-        return a / b.to(dtype=a.dtype, device=a.device)
-    return a / torch.full((), b, dtype=a.dtype, device=a.device)  # a fill, not a host copy: CUDA-graph capturable
+        return (wide / b.to(dtype=torch.float64, device=a.device)).to(a.dtype)
+    # a fill, not a host copy: CUDA-graph capturable
+    return (wide / torch.full((), b, dtype=torch.float64, device=a.device)).to(a.dtype)
 
 
 def _pow2_ceil(s: torch.Tensor) -> torch.Tensor:
@@ -109,7 +114,9 @@ def quantize_reference(x: torch.Tensor, recipe: ScaleRecipe) -> QuantizedTensor:
     if global_scale is not None:
         # below 2^-128 (a global scale of tiny inputs) 1 / divisor overflows FP32: divide there.
         # FP32 and E8M0 scales are ≥ 2^-127, so their reciprocals are finite.
-        q = torch.where(inv.isinf(), ieee_div(xf, expand_scale(divisor, br, bc, rows, cols)), q)
+        # (a plain division of the whole tensor: ieee_div's FP64 copy would double its memory; only
+        # these inputs, far below any real data, could differ by an ulp under inductor's Triton)
+        q = torch.where(inv.isinf(), xf / expand_scale(divisor, br, bc, rows, cols), q)
     q = q.clamp(-recipe.element.max, recipe.element.max)
 
     if recipe.is_fp4:

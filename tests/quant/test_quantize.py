@@ -418,3 +418,23 @@ def test_nvfp4_scale_from_amax_with_global_scale():
     g = torch.tensor(2.0 / 2688.0)
     s = scale_from_amax(amax, get_recipe("nvfp4"), g)
     assert torch.equal(s, (amax / 6 / g).clamp(max=448).to(torch.float8_e4m3fn).float())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("recipe, shape", [("fp8_block16x128", (256, 512)), ("fp8_block16x128", (130, 260)),
+                                           ("fp8_block128x128", (3, 8, 200)), ("nvfp4", (256, 512)),
+                                           ("nvfp4", (3, 8, 200))])
+def test_compiled_reference_quantize_is_eager_bits_on_cuda(recipe, shape):
+    """Recipes and shapes without a kernel run the reference inside the compiled graph, in
+    inductor's Triton, whose FP32 division is approximate: scales and NVFP4 global scales came out
+    an ulp off eager's, so every value of their blocks did (ieee_div now divides in FP64)."""
+    x = torch.randn(*shape, device="cuda", generator=torch.Generator("cuda").manual_seed(0)) * 10
+
+    def quantize(t):
+        q = lowprec.quantize(t, recipe, check_finite=False)  # the check reads the device: a graph break
+        return q.data.view(torch.uint8), q.scale.float(), q.global_scale
+
+    torch._dynamo.reset()
+    for got, want in zip(torch.compile(quantize, fullgraph=True)(x), quantize(x)):
+        assert (got is None and want is None) or torch.equal(got, want)
