@@ -208,10 +208,10 @@ def fp8_cache(max_len: int, *, v_headroom: float = 4.0):
     """A transformers (>= 5) ``Cache`` keeping every layer's keys and values in FP8: one
     :class:`~lowprec.attention.FP8KVCache` of ``max_len`` tokens per layer, made at the layer's
     first update (its batch, KV heads, head dim, dtype and device from the keys; V's scales from
-    the prompt times ``v_headroom``). For models on ``"lowprec_fp8"``
-    (:func:`register_transformers_attention`); pass it as ``cache`` to ``generate`` or a forward
-    (``past_key_values`` on transformers releases before that rename). Greedy and sampled
-    generation; beam search and cropping are not supported.
+    the prompt times ``v_headroom``, as :class:`~lowprec.attention.FP8KVCache` chooses them). For
+    models on ``"lowprec_fp8"`` (:func:`register_transformers_attention`); pass it as ``cache`` to
+    ``generate`` or a forward (``past_key_values`` on transformers releases before that rename).
+    Greedy and sampled generation; beam search and cropping are not supported.
     Encoder-decoder models take it as transformers' caches are taken there, one per attention kind:
     ``EncoderDecoderCache(fp8_cache(max_len), fp8_cache(encoder_len))`` (or a ``DynamicCache`` for
     the cross-attention)."""

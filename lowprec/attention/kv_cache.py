@@ -11,12 +11,18 @@ only what each step adds:
   those ``quantize_kv_cache`` gives the same tokens.
 - **V**: Vᵀ codes, one FP32 scale per channel **fixed when the cache is first filled**: the
   channel's amax over the first append times ``v_headroom``, over 448 (or the ``v_scale`` given).
+  A row whose first append is shorter than 128 tokens takes for each channel at least its KV head's
+  amax: a channel near 0 in a few tokens says nothing of its range, and later values would
+  saturate (a tiny random Llama decoding from one token: 2880 values saturated, 56% of its
+  argmax tokens as exact attention's; with the floor none, 96%, as from a whole prompt). The
+  floor costs no precision that matters: E4M3's exponent keeps values down to ~2⁻¹³ of the
+  head's amax at full relative precision.
   E4M3 is a floating-point format, so the headroom costs no relative precision above the format's
   subnormals (2⁻⁶ of the range); later values past ``448 · scale`` saturate, and
   :attr:`FP8KVCache.saturated` counts those clipped by more than E4M3's rounding (past
   ``464 · scale``) on the device (no host sync). With the scale of the whole
-  sequence (``v_headroom=1`` and one append, or that scale passed in) the codes are
-  ``quantize_kv_cache``'s.
+  sequence (``v_headroom=1`` and one append of at least 128 tokens, or that scale passed in) the
+  codes are ``quantize_kv_cache``'s.
 
 :meth:`FP8KVCache.attend` runs the FP8 forward over the first :attr:`~FP8KVCache.length` tokens
 without copying them (on Hopper the sm_90a kernel reads the buffers in place; elsewhere the FP8
@@ -68,8 +74,9 @@ class FP8KVCache:
             share ``D``).
         dtype: the float dtype of the appended keys and values (the partial K block is kept in it).
         device: where the buffers live.
-        v_headroom: V's per-channel scale is the first append's channel amax times this, over 448
-            (≥ 1; a power of two keeps the scale the plain amax scale times it exactly).
+        v_headroom: V's per-channel scale is the first append's channel amax (at least the KV
+            head's amax where that append is shorter than 128 tokens) times this, over 448 (≥ 1; a
+            power of two keeps the scale the plain amax scale times it exactly).
         v_scale: ``[B, Hkv, D]`` FP32 V scales to use instead (e.g. from a calibration run: the
             choice when the cache starts from a short prompt or empty).
 
@@ -222,7 +229,7 @@ class FP8KVCache:
             return
         sets_v_scale = not self._v_scale_set
         if sets_v_scale:
-            amax = self._v_amax(v, counts)
+            amax = self._floor_short_rows(self._v_amax(v, counts), counts)
             # a finite amax times the headroom may pass FP32's max: keep the largest finite scale (an
             # Inf scale decodes every code of its channel to NaN, 0 · Inf, for the cache's life)
             room = torch.where(amax.isfinite(), (amax * self.v_headroom).clamp(max=torch.finfo(torch.float32).max),
@@ -352,6 +359,16 @@ class FP8KVCache:
         amax = torch.where(live[:, None, :, None], mag, 0.0).amax(dim=2)  # padding may hold anything
         empty = torch.tensor([n == 0 for n in counts], device=v.device)[:, None, None]
         return torch.where(empty, amax.amax(dim=0, keepdim=True), amax)
+
+    @staticmethod
+    def _floor_short_rows(amax: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """``amax`` [B, Hkv, D], each channel of a row given fewer than 128 tokens raised to its KV
+        head's finite amax (module docstring: few tokens say little of a channel's range)."""
+        if min(counts) >= ATTN_BLOCK:
+            return amax
+        head = torch.where(amax.isfinite(), amax, 0.0).amax(dim=-1, keepdim=True)
+        short = torch.tensor([n < ATTN_BLOCK for n in counts], device=amax.device)[:, None, None]
+        return torch.where(short, torch.maximum(amax, head), amax)
 
     def _append_rows(self, k: torch.Tensor, v: torch.Tensor, starts: list[int], counts: list[int]) -> None:
         """The torch append, row by row (rows at different lengths or adding different counts)."""

@@ -73,13 +73,36 @@ def test_first_append_sets_v_scales_with_headroom():
 def test_a_nan_in_the_first_append_moves_no_v_scale():
     """V's scales ignore NaN as quantize_kv_cache does (a NaN amax would have made the channel's
     scale 1 for the cache's life)."""
-    k, v = _kv(1, 1, 40, 64)
+    k, v = _kv(1, 1, 128, 64)  # 128 tokens: per-channel scales (no floor of short prompts)
     v = v * 0.01
     v[0, 0, 3, 5] = float("nan")
     _, vq = quantize_kv_cache(k, v)
-    cache = FP8KVCache(1, 1, 64, 64, v_headroom=1)
+    cache = FP8KVCache(1, 1, 160, 64, v_headroom=1)
     cache.append(k, v)
     assert torch.equal(cache.v_scale, vq.scale.reshape(1, 1, 64))
+
+
+def test_a_short_first_append_floors_v_scales_at_the_head_amax():
+    """A channel near 0 in a few prompt tokens got a scale that later tokens saturated (a
+    one-token prompt: hundreds of values per layer); a row of fewer than 128 tokens now takes at
+    least its KV head's amax per channel, a row of 128 or more its channels' own."""
+    k, v = _kv(2, 2, 130, 64)
+    v[:, :, :128, 7] *= 1e-4  # a channel small in the prompt, ordinary later
+    v[:, :, :, 9] = float("inf")  # an Inf channel moves no other channel's scale
+    for tokens in (1, 127, 128):
+        cache = FP8KVCache(2, 2, 256, 64)  # headroom 4, a power of two: the amax scale times 4 exactly
+        lengths = [tokens, 128]  # row 1 is long either way: its channels keep their own scales
+        cache.append(k[:, :, :128], v[:, :, :128], lengths=lengths)
+        for row, n in enumerate(lengths):
+            own = v[row, :, :n].float().abs().amax(dim=1)  # [Hkv, D]
+            head = torch.cat([own[:, :9], own[:, 10:]], -1).amax(dim=-1, keepdim=True)  # the finite channels
+            want = torch.maximum(own, head) if n < 128 else own
+            assert torch.equal(cache.v_scale[row, :, :9], want[:, :9] / 448 * 4), (tokens, row)
+        later = v[:, :, 128:].clone()
+        later[..., 9] = 0
+        cache.append(k[:, :, 128:], later)
+        # channel 7 of the 2 later tokens of both heads saturates in the long rows only
+        assert cache.saturated.item() == (4 if tokens < 128 else 8), tokens
 
 
 def test_values_past_the_headroom_saturate_and_are_counted():
