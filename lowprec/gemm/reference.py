@@ -5,16 +5,29 @@ Every product is an FP32 (or FP64) matmul of the dequantized operands, ``D = A Â
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from ..tensor import QuantizedTensor
 
-__all__ = ["gemm_reference", "grouped_mm_rows", "grouped_gemm_contiguous_reference", "grouped_gemm_masked_reference"]
+__all__ = ["gemm_reference", "grouped_mm_rows", "grouped_gemm_contiguous_reference", "grouped_gemm_masked_reference",
+           "autocast_off"]
+
+
+def autocast_off(device: torch.device) -> contextlib.AbstractContextManager:
+    """A context without ``torch.autocast`` for ``device``: autocast would run the references' FP32
+    matmuls in bf16 / fp16 (the kernels accumulate FP32 products of the exact operands whatever
+    autocast says; fp16 also overflows past 65504)."""
+    if device.type in ("cpu", "cuda"):
+        return torch.autocast(device.type, enabled=False)
+    return contextlib.nullcontext()
 
 
 def gemm_reference(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype, bias: torch.Tensor | None,
                    compute_dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    d = a.dequantize(compute_dtype) @ b.dequantize(compute_dtype).T
+    with autocast_off(a.device):
+        d = a.dequantize(compute_dtype) @ b.dequantize(compute_dtype).T
     if bias is not None:
         d = d + bias.to(compute_dtype)
     return d.to(out_dtype)
@@ -35,12 +48,15 @@ def grouped_mm_rows(a: torch.Tensor, b: torch.Tensor, group_ends: torch.Tensor) 
 def grouped_gemm_contiguous_reference(a: QuantizedTensor, b: QuantizedTensor, group_ends: torch.Tensor,
                                       out_dtype: torch.dtype,
                                       compute_dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    return grouped_mm_rows(a.dequantize(compute_dtype), b.dequantize(compute_dtype), group_ends).to(out_dtype)
+    with autocast_off(a.device):
+        out = grouped_mm_rows(a.dequantize(compute_dtype), b.dequantize(compute_dtype), group_ends)
+    return out.to(out_dtype)
 
 
 def grouped_gemm_masked_reference(a: QuantizedTensor, b: QuantizedTensor, counts: torch.Tensor,
                                   out_dtype: torch.dtype, compute_dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    out = a.dequantize(compute_dtype) @ b.dequantize(compute_dtype).transpose(-1, -2)
+    with autocast_off(a.device):
+        out = a.dequantize(compute_dtype) @ b.dequantize(compute_dtype).transpose(-1, -2)
     rows = torch.arange(a.shape[1], device=out.device)
     valid = rows[None, :] < counts.to(out.device)[:, None]
     return torch.where(valid[..., None], out, torch.zeros((), dtype=out.dtype, device=out.device)).to(out_dtype)

@@ -54,6 +54,7 @@ import torch
 
 from ..formats import E4M3, pack_fp4, unpack_fp4
 from ..formats import decode as decode_format
+from .reference import autocast_off
 
 __all__ = ["TILE_N", "TILE_MS", "SPLITS", "CHUNK_K", "CHUNK_BYTES", "FP8_CHUNK_BYTES", "PackedNVFP4", "PackedFP8",
            "PackedNVFP4Experts", "pack_nvfp4", "pack_nvfp4_experts", "pack_fp8", "unpack_nvfp4", "unpack_fp8",
@@ -484,7 +485,8 @@ def weight_only_reference(x: torch.Tensor, packed: PackedNVFP4 | PackedFP8, bias
     """``x · dequant(W)ᵀ (+ bias)`` in FP32 from the packed weight, cast to ``x``'s dtype."""
     unpack = unpack_fp8_emulated if isinstance(packed, PackedFP8) else unpack_codes_emulated
     w = unpack(packed).to(device=x.device, dtype=torch.float32)
-    y = x.float() @ w.t()
+    with autocast_off(x.device):
+        y = x.float() @ w.t()
     if bias is not None:
         y = y + bias.float()
     return y.to(x.dtype)

@@ -2,6 +2,7 @@ import pytest
 import torch
 
 import lowprec
+from lowprec.gemm.weight_only import pack_nvfp4, weight_only_reference
 from lowprec.recipes import RECIPE_NAMES
 
 
@@ -86,3 +87,37 @@ def test_grouped_errors():
         lowprec.grouped_gemm(a, b, group_ends=torch.tensor([10], dtype=torch.int32))
     with pytest.raises(ValueError, match="M_max"):
         lowprec.grouped_gemm(_q(torch.randn(2, 4, 128)), b, masked_counts=torch.tensor([1, 5], dtype=torch.int32))
+
+
+def _rel(y, ref):
+    return ((y.double() - ref).norm() / ref.norm()).item()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_reference_gemms_ignore_autocast(dtype):
+    g = torch.Generator().manual_seed(0)
+    a = lowprec.quantize(torch.randn(40, 256, generator=g), "fp8_block1x128")
+    b = lowprec.quantize(torch.randn(48, 256, generator=g), "nvfp4")
+    bias = torch.randn(48, generator=g)
+    ref = a.dequantize(torch.float64) @ b.dequantize(torch.float64).T + bias.double()
+    big = lowprec.quantize(torch.randn(4, 256, generator=g) * 1e5, "fp8_block1x128")  # past fp16's range
+    w2 = torch.randn(3, 8, 256, generator=g)
+    w = lowprec.quantize(w2, "fp8_block128x128")
+    w0 = lowprec.quantize(w2[0], "fp8_block128x128")
+    ends = torch.tensor([1, 1, 4], dtype=torch.int32)
+    counts = torch.tensor([1, 0, 3], dtype=torch.int32)
+    big3 = lowprec.quantize(torch.randn(3, 4, 256, generator=g) * 1e5, "fp8_block1x128")
+    x = torch.randn(5, 256, generator=g)
+    packed = pack_nvfp4(b.data, b.scale, b.global_scale)
+    want = (lowprec.gemm(big, w0, out_dtype=torch.float32),
+            lowprec.grouped_gemm(big, w, group_ends=ends, out_dtype=torch.float32),
+            lowprec.grouped_gemm(big3, w, masked_counts=counts, out_dtype=torch.float32),
+            weight_only_reference(x, packed))
+    with torch.autocast("cpu", dtype=dtype):
+        assert _rel(lowprec.gemm(a, b, out_dtype=torch.float32, bias=bias), ref) < 1e-6
+        got = (lowprec.gemm(big, w0, out_dtype=torch.float32),
+               lowprec.grouped_gemm(big, w, group_ends=ends, out_dtype=torch.float32),
+               lowprec.grouped_gemm(big3, w, masked_counts=counts, out_dtype=torch.float32),
+               weight_only_reference(x, packed))
+    for y, expect in zip(got, want):
+        assert torch.isfinite(y).all() and torch.equal(y, expect)
