@@ -60,19 +60,40 @@ class FP8AttentionInputs(NamedTuple):
     k_mean: torch.Tensor   # [B, Hkv, D] float32 subtracted from K (zeros: not smoothed)
 
 
-@functools.cache
-def hadamard_rotation(d: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """``diag(signs) · H_d / sqrt(d)`` in FP32 ``[d, d]``: orthogonal, fixed random signs (seeded).
+def _draw_signs(d: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(_HADAMARD_SEED)
+    return torch.randint(0, 2, (d,), generator=g, dtype=torch.float64) * 2 - 1
 
-    Cached per device: built once outside any CUDA graph capture, reused inside."""
+
+# the signs of head dims up to this, drawn once at import as host floats (a draw of d signs is the
+# first d of a longer one): torch.compile traces the rotation from these constants, not from a
+# torch.Generator (an opaque object to dynamo) or a cached tensor (a real tensor among AOT's fakes)
+_SIGNS_DRAWN = 4096
+_SIGNS = tuple(_draw_signs(_SIGNS_DRAWN).tolist())
+
+
+def _build_rotation(d: int, device: torch.device | str) -> torch.Tensor:
     if d < 1 or d & (d - 1):
         raise ValueError(f"incoherent: the Hadamard rotation needs a power-of-two head dim, got D={d}")
     h = torch.ones(1, 1, dtype=torch.float64)
     while h.shape[0] < d:
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    g = torch.Generator().manual_seed(_HADAMARD_SEED)
-    signs = torch.randint(0, 2, (d,), generator=g, dtype=torch.float64) * 2 - 1
+    signs = torch.tensor(_SIGNS[:d], dtype=torch.float64) if d <= _SIGNS_DRAWN else _draw_signs(d)
     return (signs[:, None] * h / math.sqrt(d)).to(torch.float32).to(device)
+
+
+_cached_rotation = functools.cache(_build_rotation)
+
+
+def hadamard_rotation(d: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """``diag(signs) · H_d / sqrt(d)`` in FP32 ``[d, d]``: orthogonal, fixed random signs (seeded).
+
+    Cached per device: built once outside any CUDA graph capture, reused inside. Under
+    torch.compile built in the traced graph, never cached (a cached traced tensor would outlive
+    its trace: every later call, eager too, failed)."""
+    if torch.compiler.is_compiling():
+        return _build_rotation(d, device)
+    return _cached_rotation(d, device)
 
 
 def _rotate(x: torch.Tensor, incoherent: bool) -> torch.Tensor:
@@ -213,7 +234,8 @@ def qk_from_quantized(x: QuantizedTensor, name: str) -> tuple[torch.Tensor, torc
             or x.dim() != 4:
         raise ValueError(f"{name}: a QuantizedTensor input must be [B, H, S, D] in 128-token blocks "
                          f"(lowprec.attention.ATTN_QK_RECIPE), got {r.name} {r.block} shape {tuple(x.shape)}")
-    return x.data, x.scale.reshape(*x.shape[:2], -1)
+    # the block count spelled out: -1 cannot be inferred from no elements (B = 0 or H = 0)
+    return x.data, x.scale.reshape(*x.shape[:2], -(-x.shape[2] // ATTN_BLOCK))
 
 
 def kv_views(k: torch.Tensor, k_scale: torch.Tensor, v_t: torch.Tensor, length: int

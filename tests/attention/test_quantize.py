@@ -233,3 +233,13 @@ def test_quantize_qkv_refuses_q_of_other_batch_or_head_dim():
 def test_quantize_qkv_takes_matching_inputs():
     x = quantize_qkv(torch.randn(1, 4, 16, 64), torch.randn(1, 2, 64, 64), torch.randn(1, 2, 64, 32))
     assert x.k.shape == (1, 2, 64, 64) and x.v_t.shape == (1, 2, 32, 64)
+
+
+@pytest.mark.parametrize("sk", [7, 0])
+def test_quantized_inputs_empty_batch(sk):
+    q, k, v = torch.randn(0, 4, 5, 64), torch.randn(0, 2, sk, 64), torch.randn(0, 2, sk, 64)
+    k_q, v_q = quantize_kv_cache(k, v)
+    out, lse = lowprec.attention(q, k_q, v_q, causal=True, quant="fp8", return_lse=True)
+    assert out.shape == (0, 4, 5, 64) and lse.shape == (0, 4, 5)
+    out = lowprec.attention(lowprec.quantize(q, ATTN_QK_RECIPE), k, v, quant="fp8")  # a quantized Q too
+    assert out.shape == (0, 4, 5, 64)
