@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from ..runtime import backend_mode, registry
+from ..runtime import autocast_off, backend_mode, registry
 from ..tensor import QuantizedTensor
 from . import ops
 from .quantize import (
@@ -107,12 +107,16 @@ def attention(q, k, v, causal: bool = False, scale: float | None = None, quant: 
             out, lse = ops.exact_cuda(q, k, v, bool(causal), scale, return_lse)
         else:
             out, lse = attention_reference(q, k, v, bool(causal), scale, None)
-    elif quantized:
-        out, lse = _fp8_quantized_inputs(q, k, v, bool(causal), scale, incoherent, return_lse)
     else:
-        out, lse, k_mean = ops.attention_fp8_call(q, k, v, bool(causal), scale, bool(incoherent))
-        if return_lse:  # the LSE of the unsmoothed scores (not differentiable, as the op's)
-            lse = lse + lse_correction(q.detach(), k_mean, scale, incoherent)
+        # the scheme's own arithmetic (the rotation, the LSE correction, the emulation) in its
+        # precision under torch.autocast too, as the kernel's: autocast made the LSE 4x less exact
+        with autocast_off(q.device):
+            if quantized:
+                out, lse = _fp8_quantized_inputs(q, k, v, bool(causal), scale, incoherent, return_lse)
+            else:
+                out, lse, k_mean = ops.attention_fp8_call(q, k, v, bool(causal), scale, bool(incoherent))
+                if return_lse:  # the LSE of the unsmoothed scores (not differentiable, as the op's)
+                    lse = lse + lse_correction(q.detach(), k_mean, scale, incoherent)
     return (out, lse) if return_lse else out
 
 

@@ -17,6 +17,7 @@ import math
 
 import torch
 
+from ..runtime import autocast_off
 from .dense import FLOAT_DTYPES, attention
 from .ops import _flash_ok, expand_kv_heads
 
@@ -95,8 +96,9 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     if scale is None:
         scale = 1.0 / math.sqrt(d)
     if quant == "fp8" and q.is_cuda:
-        return _fp8_on_device(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, bool(causal), scale,
-                              return_lse, bool(incoherent))
+        with autocast_off(q.device):  # as lowprec.attention's FP8 path
+            return _fp8_on_device(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, bool(causal),
+                                  scale, return_lse, bool(incoherent))
     if quant is None and q.is_cuda and q.shape[0] and k.shape[0] and _flash_ok(q, k, v):
         if incoherent:
             raise ValueError("incoherent: applies to quant='fp8' only")

@@ -5,23 +5,12 @@ Every product is an FP32 (or FP64) matmul of the dequantized operands, ``D = A Â
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
+from ..runtime import autocast_off
 from ..tensor import QuantizedTensor
 
-__all__ = ["gemm_reference", "grouped_mm_rows", "grouped_gemm_contiguous_reference", "grouped_gemm_masked_reference",
-           "autocast_off"]
-
-
-def autocast_off(device: torch.device) -> contextlib.AbstractContextManager:
-    """A context without ``torch.autocast`` for ``device``: autocast would run the references' FP32
-    matmuls in bf16 / fp16 (the kernels accumulate FP32 products of the exact operands whatever
-    autocast says; fp16 also overflows past 65504)."""
-    if device.type in ("cpu", "cuda"):
-        return torch.autocast(device.type, enabled=False)
-    return contextlib.nullcontext()
+__all__ = ["gemm_reference", "grouped_mm_rows", "grouped_gemm_contiguous_reference", "grouped_gemm_masked_reference"]
 
 
 def gemm_reference(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype, bias: torch.Tensor | None,

@@ -54,7 +54,7 @@ import torch
 
 from ..formats import E4M3, pack_fp4, unpack_fp4
 from ..formats import decode as decode_format
-from .reference import autocast_off
+from ..runtime import autocast_off
 
 __all__ = ["TILE_N", "TILE_MS", "SPLITS", "CHUNK_K", "CHUNK_BYTES", "FP8_CHUNK_BYTES", "PackedNVFP4", "PackedFP8",
            "PackedNVFP4Experts", "pack_nvfp4", "pack_nvfp4_experts", "pack_fp8", "unpack_nvfp4", "unpack_fp8",

@@ -3,6 +3,7 @@
 from . import registry
 from .arch import SUPPORTED_ARCHS, device_arch, on_device, sm_count
 from .backend import (
+    autocast_off,
     backend_mode,
     dsl_available,
     eager_under_compile,
@@ -15,8 +16,8 @@ from .cache import KernelCache, cache_key, kernel_cache, source_fingerprint
 from .compile import compile_for_arch, cubin_arch, ffi_entry, local_memory_ops, nvdisasm_path, sass_of
 
 __all__ = [
-    "SUPPORTED_ARCHS", "device_arch", "on_device", "sm_count", "backend_mode", "self_check_mode", "dsl_available",
-    "eager_under_compile",
+    "SUPPORTED_ARCHS", "device_arch", "on_device", "sm_count", "autocast_off", "backend_mode", "self_check_mode",
+    "dsl_available", "eager_under_compile",
     "kernel_failed",
     "version_of", "warn_once", "KernelCache", "cache_key", "kernel_cache", "source_fingerprint", "compile_for_arch",
     "cubin_arch", "ffi_entry", "local_memory_ops", "nvdisasm_path", "sass_of", "registry",

@@ -12,6 +12,7 @@ on CUDA (:func:`eager_under_compile`).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -102,3 +103,12 @@ def version_of(t: torch.Tensor) -> int | None:
     """``t._version``, or None for an inference tensor (made under ``torch.inference_mode``: it has
     no version counter, and reading one raises)."""
     return None if t.is_inference() else t._version
+
+
+def autocast_off(device: torch.device) -> contextlib.AbstractContextManager:
+    """A context without ``torch.autocast`` for ``device``: lowprec's own arithmetic (references,
+    emulations, host-side corrections) keeps its precision whatever autocast says, as the kernels
+    do (autocast would run FP32 matmuls in bf16 / fp16; fp16 also overflows past 65504)."""
+    if device.type in ("cpu", "cuda"):
+        return torch.autocast(device.type, enabled=False)
+    return contextlib.nullcontext()

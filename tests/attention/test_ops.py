@@ -331,3 +331,22 @@ def test_compiled_incoherent_lse_and_gradients_are_eager():
         assert torch.equal(a.grad, b.grad)
     # nothing traced stays cached: eager incoherent calls still run
     assert lowprec.attention(q, k, v, quant="fp8", incoherent=True).shape == q.shape
+
+
+@pytest.mark.parametrize("incoherent", [False, True])
+def test_fp8_attention_ignores_autocast(incoherent):
+    """The scheme's own arithmetic (the rotation, the LSE correction of smoothed K, the emulation)
+    ran in bf16 under torch.autocast: the LSE ~4x further from exact where K has a large bias.
+    Now the same bits as without autocast (as the kernel, which autocast does not touch)."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 2, 256, 128, generator=g).bfloat16()
+    k = (torch.randn(1, 2, 256, 128, generator=g) + 8 * torch.randn(1, 1, 1, 128, generator=g)).bfloat16()
+    v = torch.randn(1, 2, 256, 128, generator=g).bfloat16()
+    want = lowprec.attention(q, k, v, quant="fp8", return_lse=True, incoherent=incoherent)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = lowprec.attention(q, k, v, quant="fp8", return_lse=True, incoherent=incoherent)
+        varlen = lowprec.attention_varlen(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1),
+                                          torch.tensor([0, 256]), torch.tensor([0, 256]), 256, 256, quant="fp8",
+                                          incoherent=incoherent)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert torch.equal(varlen, want[0][0].transpose(0, 1))
