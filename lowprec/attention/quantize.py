@@ -90,10 +90,12 @@ def hadamard_rotation(d: int, device: torch.device | str = "cpu") -> torch.Tenso
 
     Cached per device: built once outside any CUDA graph capture, reused inside. Under
     torch.compile built in the traced graph, never cached (a cached traced tensor would outlive
-    its trace: every later call, eager too, failed)."""
+    its trace: every later call, eager too, failed). A normal tensor even when first built under
+    ``torch.inference_mode``: a cached inference tensor could not be saved for backward later."""
     if torch.compiler.is_compiling():
         return _build_rotation(d, device)
-    return _cached_rotation(d, device)
+    with torch.inference_mode(False):
+        return _cached_rotation(d, device)
 
 
 def _rotate(x: torch.Tensor, incoherent: bool) -> torch.Tensor:

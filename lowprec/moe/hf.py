@@ -235,7 +235,8 @@ def transformers_experts_forward(module: nn.Module, hidden_states: torch.Tensor,
 
 def _nvfp4_weights(module: nn.Module) -> tuple:
     """The module's expert weights packed in NVFP4, made again when either changed (its storage or
-    version counter)."""
+    version counter) and after a ``load_state_dict`` (a load into inference tensors, made under
+    ``torch.inference_mode``, bumps no version; other in-place writes to those go unseen)."""
     from ..gemm.weight_only import pack_nvfp4_experts
     from .nvfp4 import quantize_nvfp4_experts
 
@@ -244,8 +245,15 @@ def _nvfp4_weights(module: nn.Module) -> tuple:
     cached = module.__dict__.get("_lowprec_nvfp4")
     if cached is None or cached[0] != key:
         packs = tuple(pack_nvfp4_experts(*quantize_nvfp4_experts(p)) for p in params)
+        if not module.__dict__.get("_lowprec_nvfp4_hooked"):
+            module.register_load_state_dict_post_hook(_forget_nvfp4_weights)
+            module.__dict__["_lowprec_nvfp4_hooked"] = True
         cached = module.__dict__["_lowprec_nvfp4"] = (key, packs)
     return cached[1]
+
+
+def _forget_nvfp4_weights(module: nn.Module, incompatible_keys) -> None:
+    module.__dict__.pop("_lowprec_nvfp4", None)
 
 
 @eager_under_compile

@@ -224,8 +224,9 @@ class FP8InferenceMoE(QuantizedBuffersModule):
         for name, rows, cols in (("w1", 2 * ffn_size, hidden_size), ("w2", hidden_size, ffn_size)):
             self.register_buffer(name, torch.zeros(num_experts, rows, cols, dtype=torch.float8_e4m3fn,
                                                    device=device))
+            # FP32 as quantize's scales, whatever the default dtype (a load checks the buffers' dtypes)
             self.register_buffer(f"{name}_scale", torch.ones(num_experts, -(-rows // 128), -(-cols // 128),
-                                                             device=device))
+                                                             dtype=torch.float32, device=device))
 
     @classmethod
     def from_moe(cls, moe: MoE) -> FP8InferenceMoE:

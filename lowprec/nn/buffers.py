@@ -33,6 +33,10 @@ class QuantizedBuffersModule(nn.Module):
     the tied weight into the layer), or keep the layer out of it with ``filter_fn``."""
 
     _quantized: tuple[str, ...] = ()
+    # what the subclasses derive from those buffers and keep in __dict__ (packed weights, views of
+    # the buffers): dropped by a module cast or move, which would leave them holding the old
+    # device's tensors (model.cpu() would not free the GPU copies)
+    _derived: tuple[str, ...] = ("_packed", "_packed_view", "_packed_views")
 
     def __setattr__(self, name: str, value) -> None:
         if isinstance(value, torch.Tensor):
@@ -62,6 +66,9 @@ class QuantizedBuffersModule(nn.Module):
             target = fn(t.new_empty(0))  # where and in what dtype fn puts a tensor of t's kind
             return fn(t) if target.dtype == t.dtype else t.to(target.device)
 
+        for name in self._derived:
+            if name in self.__dict__:
+                self.__dict__[name] = None  # made again from the buffers at the next use
         return super()._apply(apply, recurse)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,

@@ -160,7 +160,7 @@ class FP8InferenceLinear(QuantizedBuffersModule):
         self.register_buffer("weight_scale", w.scale)
         self.register_buffer("bias", torch.zeros(out_features, dtype=out_dtype, device=device) if bias else None)
         self.weight_only_max_m = WEIGHT_ONLY_MAX_M
-        self._packed: tuple[tuple, PackedFP8] | None = None
+        self._packed: tuple[torch.Tensor, torch.Tensor, tuple, PackedFP8] | None = None
 
     @classmethod
     def from_linear(cls, linear: nn.Linear | FP8Linear, recipe: str = "fp8_block") -> FP8InferenceLinear:
@@ -188,9 +188,12 @@ class FP8InferenceLinear(QuantizedBuffersModule):
         buffers made under ``torch.inference_mode``, which track no version, only by a load)."""
         w, s = self.weight, self.weight_scale
         key = (w.get_device(), w.data_ptr(), version_of(w), s.data_ptr(), version_of(s))  # a cheap check per call
-        if self._packed is None or self._packed[0] != key:
-            self._packed = (key, pack_fp8(self.weight, self.weight_scale))
-        return self._packed[1]
+        # and the tensors themselves: a buffer assigned anew (layer.weight = ...) can land in a freed
+        # one's storage with the same version (0, or None for inference tensors)
+        cached = self._packed
+        if cached is None or cached[0] is not w or cached[1] is not s or cached[2] != key:
+            self._packed = cached = (w, s, key, pack_fp8(w, s))
+        return cached[3]
 
     def _load_from_state_dict(self, *args, **kwargs):
         super()._load_from_state_dict(*args, **kwargs)
@@ -216,7 +219,7 @@ class FP8InferenceLinear(QuantizedBuffersModule):
                 if not torch.compiler.is_compiling():
                     packed = self.packed_weight() if x2.is_cuda else None
                 else:  # traced: the packed weight of an earlier eager call, or the dequantized product
-                    packed = None if self._packed is None else self._packed[1]
+                    packed = None if self._packed is None else self._packed[3]
                 y = weight_only(x2, packed, self.quantized_weight, bias16)
             else:
                 bias = None if self.bias is None else self.bias.float()

@@ -191,8 +191,9 @@ class FP8SwiGLUMLP(nn.Module):
             raise ValueError("gate_proj, up_proj, down_proj: the fused MLP computes no biases; got a layer with one")
         self.gate_proj, self.up_proj, self.down_proj = gate_proj, up_proj, down_proj
         self.recipe = _swiglu_recipe(recipe).name
-        _check(torch.empty(0, gate_proj.in_features, device=gate_proj.weight.device), gate_proj.weight,
-               up_proj.weight, down_proj.weight)
+        # an FP32 probe x: the default dtype (torch.set_default_dtype(torch.float64)) would fail x's check
+        _check(torch.empty(0, gate_proj.in_features, dtype=torch.float32, device=gate_proj.weight.device),
+               gate_proj.weight, up_proj.weight, down_proj.weight)
 
     @classmethod
     def from_mlp(cls, mlp: nn.Module, recipe: str = DEFAULT_TRAIN_RECIPE) -> FP8SwiGLUMLP:

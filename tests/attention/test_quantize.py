@@ -8,6 +8,7 @@ import torch
 import lowprec
 from lowprec import metrics
 from lowprec.attention import ATTN_QK_RECIPE, quantize_kv_cache, quantize_qkv
+from lowprec.attention import quantize as attention_quantize
 from lowprec.attention.quantize import hadamard_rotation
 from lowprec.attention.reference import attention_reference, dense_rescale_slack, fp8_forward_reference, lse_correction
 
@@ -243,3 +244,17 @@ def test_quantized_inputs_empty_batch(sk):
     assert out.shape == (0, 4, 5, 64) and lse.shape == (0, 4, 5)
     out = lowprec.attention(lowprec.quantize(q, ATTN_QK_RECIPE), k, v, quant="fp8")  # a quantized Q too
     assert out.shape == (0, 4, 5, 64)
+
+
+def test_rotation_first_built_under_inference_mode_serves_autograd_later():
+    """The cached rotation is a normal tensor even when an inference_mode call builds it first: a
+    later call on a tensor that requires grad quantizes (was: 'Inference tensors cannot be saved for
+    backward' for the rest of the process)."""
+    attention_quantize._cached_rotation.cache_clear()
+    q = torch.randn(1, 2, 128, 64)
+    with torch.inference_mode():
+        first = quantize_qkv(q, q, q, incoherent=True)
+    assert not hadamard_rotation(64, q.device).is_inference()
+    x = q.clone().requires_grad_()
+    again = quantize_qkv(x, x, x, incoherent=True)
+    assert torch.equal(again.q.float(), first.q.float()) and torch.equal(again.k_scale, first.k_scale)

@@ -612,3 +612,25 @@ def test_converted_hf_moe_block_compiles_alone_fullgraph():
     torch._dynamo.reset()
     got = torch.compile(mlp, fullgraph=True, backend="aot_eager")(x)
     torch.testing.assert_close(got, expected)
+
+
+def test_nvfp4_experts_of_an_inference_mode_model_follow_a_load():
+    """A model made under torch.inference_mode holds inference tensors (no version counter): a
+    load_state_dict into it repacks the 'lowprec_nvfp4' experts (was: the old experts, silently)."""
+    transformers = pytest.importorskip("transformers", minversion="5.0")
+    cfg = transformers.MixtralConfig(vocab_size=64, hidden_size=128, intermediate_size=128, num_hidden_layers=1,
+                                     num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,
+                                     num_local_experts=4, num_experts_per_tok=2)
+    name = lowprec.moe.register_transformers_experts("nvfp4")
+    torch.manual_seed(0)
+    other = transformers.MixtralForCausalLM(cfg).bfloat16()
+    other.set_experts_implementation(name)
+    ids = torch.randint(0, 64, (2, 9))
+    with torch.inference_mode():
+        model = transformers.MixtralForCausalLM(cfg).bfloat16()
+        model.set_experts_implementation(name)
+        before = model(ids).logits
+        model.load_state_dict(other.state_dict())
+        after = model(ids).logits
+        assert not torch.equal(after, before)
+        assert torch.equal(after, other(ids).logits)

@@ -401,3 +401,20 @@ def test_experts_first_derivative_unchanged_with_create_graph():
     g2 = torch.autograd.grad(y.sum(), (x, w, w1, w2), create_graph=True)
     for a, b in zip(g1, g2):
         torch.testing.assert_close(a, b.detach(), rtol=0, atol=0)
+
+
+def test_fp8_inference_moe_scales_are_fp32_whatever_the_default_dtype():
+    """The scale buffers are FP32 (quantize's) under torch.set_default_dtype(torch.float64): a saved
+    layer loads into a fresh one and runs (was: float64 scales, the load refused, the forward raising)."""
+    torch.manual_seed(0)
+    ref = FP8InferenceMoE.from_moe(MoE(128, 128, 4, 2))
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        layer = FP8InferenceMoE(128, 128, 4, 2, dtype=torch.float32)
+        assert layer.w1_scale.dtype == layer.w2_scale.dtype == torch.float32
+        layer.load_state_dict(ref.state_dict())
+        x = torch.randn(8, 128, dtype=torch.float32)
+        assert torch.equal(layer(x), ref(x))
+    finally:
+        torch.set_default_dtype(default)

@@ -10,6 +10,7 @@ from torch import nn
 
 import lowprec
 from lowprec import metrics
+from lowprec.gemm.weight_only import pack_fp8
 from lowprec.nn import FP8InferenceLinear, FP8Linear, NVFP4InferenceLinear, convert, fp8_linear
 
 
@@ -753,3 +754,22 @@ def test_fp8_inference_packed_weight_of_inference_tensors():
         again = layer.packed_weight()
     assert again is not first
     assert torch.equal(again.data, FP8InferenceLinear.from_linear(other).packed_weight().data)
+
+
+def test_packed_weight_follows_buffers_assigned_anew():
+    """Weights assigned to the layer (a swap) are packed again even where the new buffers lie in
+    the storage of the ones packed last at the same version (was: the old pack, keyed by data_ptr
+    and version). Inference tensors (no version) in one storage make the match certain; the
+    caching allocator makes it likely for any swap."""
+    torch.manual_seed(0)
+    a, b = (lowprec.quantize(torch.randn(256, 256), "fp8_block128x128") for _ in range(2))
+    with torch.inference_mode():
+        layer = FP8InferenceLinear(256, 256)
+        w, s = a.data.clone(), a.scale.clone()
+        layer.weight, layer.weight_scale = w[:], s[:]
+        layer.packed_weight()
+        w.copy_(b.data)
+        s.copy_(b.scale)
+        layer.weight, layer.weight_scale = w[:], s[:]  # new buffers, in the old storage
+        got, expected = layer.packed_weight(), pack_fp8(b.data, b.scale)
+    assert torch.equal(got.data, expected.data) and torch.equal(got.scale, expected.scale)

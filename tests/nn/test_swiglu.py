@@ -414,3 +414,19 @@ def test_shared_mlp_is_fused_once_and_stays_shared(filter_fn):
     # unfused again (another recipe): still one module
     lowprec.convert(model, "fp8_rowwise", min_weight_numel=0)
     assert type(model[0]) is SwiGLUMLP and model[1] is model[0]
+
+
+def test_fusion_does_not_depend_on_the_default_dtype():
+    """The constructor's probe x is FP32 whatever the default dtype: an FP32 MLP converted under
+    torch.set_default_dtype(torch.float64) gives the fused layer (was: an error naming an x the
+    caller never passed)."""
+    mlp = SwiGLUMLP(128, 256, dtype=torch.float32)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        model = lowprec.convert(torch.nn.Sequential(mlp), min_weight_numel=0)
+    finally:
+        torch.set_default_dtype(default)
+    assert isinstance(model[0], FP8SwiGLUMLP)
+    x = torch.randn(4, 128)
+    assert model(x).dtype == torch.float32
