@@ -24,7 +24,6 @@ call it (a rank with no tokens passes an empty ``x``).
 from __future__ import annotations
 
 import math
-import numbers
 
 import torch
 import torch.distributed as dist
@@ -37,7 +36,7 @@ from ..recipes import get_recipe
 from ..tensor import QuantizedTensor
 from .core import _ACT_RECIPE, _X_DTYPES, _check_experts_args, _dispatch_and_apply
 from .layer import MoE, _set_config, experts
-from .routing import DROP_POLICIES, _check_capacity_factor, _check_top_k, expert_capacity, select_experts
+from .routing import DROP_POLICIES, _check_capacity_factor, _check_size, _check_top_k, expert_capacity, select_experts
 
 __all__ = ["expert_parallel_experts", "ExpertParallelMoE"]
 
@@ -140,8 +139,7 @@ def _sum_slots(rows: torch.Tensor, order: torch.Tensor, tokens: int, k: int) -> 
 
 
 def _check_args(x, topk_weights, topk_ids, w1, num_experts, world, drop_policy) -> None:
-    if isinstance(num_experts, bool) or not isinstance(num_experts, numbers.Integral) or num_experts <= 0 \
-            or num_experts % world:
+    if _check_size("num_experts", num_experts) % world:
         raise ValueError(f"num_experts: expected a positive multiple of the group size {world}, got {num_experts!r}")
     # checked here, before any collective: the experts' own checks see the received rows, not x
     if not isinstance(x, torch.Tensor) or x.dtype not in _X_DTYPES or x.dim() != 2:
