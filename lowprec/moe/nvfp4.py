@@ -55,6 +55,7 @@ class NVFP4InferenceMoE(QuantizedBuffersModule):
     """
 
     _quantized = ("w1_packed", "w1_scale_2", "w2_packed", "w2_scale_2")
+    _derived = ("_packed_views",)
 
     def __init__(self, hidden_size: int, ffn_size: int, num_experts: int, top_k: int,
                  capacity_factor: float | None = None, activation: str = "swiglu", score_func: str = "softmax",

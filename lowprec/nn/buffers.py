@@ -33,10 +33,10 @@ class QuantizedBuffersModule(nn.Module):
     the tied weight into the layer), or keep the layer out of it with ``filter_fn``."""
 
     _quantized: tuple[str, ...] = ()
-    # what the subclasses derive from those buffers and keep in __dict__ (packed weights, views of
-    # the buffers): dropped by a module cast or move, which would leave them holding the old
-    # device's tensors (model.cpu() would not free the GPU copies)
-    _derived: tuple[str, ...] = ("_packed", "_packed_view", "_packed_views")
+    # what a subclass derives from those buffers and keeps in __dict__ (packed weights, views of the
+    # buffers): dropped by a module cast or move, which would leave them holding the old device's
+    # tensors (model.cpu() would not free the GPU copies)
+    _derived: tuple[str, ...] = ()
 
     def __setattr__(self, name: str, value) -> None:
         if isinstance(value, torch.Tensor):

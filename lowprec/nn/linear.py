@@ -145,6 +145,7 @@ class FP8InferenceLinear(QuantizedBuffersModule):
     """
 
     _quantized = ("weight", "weight_scale")
+    _derived = ("_packed",)
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, recipe: str = "fp8_block",
                  device=None, out_dtype: torch.dtype = torch.bfloat16) -> None:

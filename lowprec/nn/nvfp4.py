@@ -57,6 +57,7 @@ class NVFP4InferenceLinear(QuantizedBuffersModule):
     """
 
     _quantized = ("packed", *_SCALARS)
+    _derived = ("_packed_view",)
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None,
                  out_dtype: torch.dtype = torch.bfloat16, weight_2d: bool = False) -> None:
