@@ -112,7 +112,8 @@ class NVFP4InferenceMoE(QuantizedBuffersModule):
         global scale per expert's ``W1 = [gate; up]``: a gate and an up with different
         ``weight_scale_2`` are refused (ModelOpt exports the pair with one). ``options``: the
         other :class:`NVFP4InferenceMoE` arguments (``capacity_factor``, ``activation``,
-        ``score_func``, ``renormalize``, ``drop_policy``).
+        ``score_func``, ``renormalize``, ``drop_policy``), and ``device`` (default: the weights') and
+        ``dtype`` (the router's; default: ``router_weight``'s).
         """
         experts = len(gate)
         if not (len(up) == len(down) == experts) or experts == 0:
@@ -132,7 +133,8 @@ class NVFP4InferenceMoE(QuantizedBuffersModule):
                 raise ValueError(f"gate[{e}], up[{e}]: different weight_scale_2 ({g[2].item()} and {u[2].item()}); "
                                  "the layer keeps one global scale per expert's [gate; up]")
         hidden, ffn = router_weight.shape[1], gate[0][0].shape[0]
-        layer = cls(hidden, ffn, experts, top_k, device=gate[0][0].device, dtype=router_weight.dtype, **options)
+        options = {"device": gate[0][0].device, "dtype": router_weight.dtype, **options}
+        layer = cls(hidden, ffn, experts, top_k, **options)
         with torch.no_grad():
             layer.router.weight.copy_(router_weight)
         w1 = [torch.cat([g[i], u[i]]) for g, u in zip(gate, up) for i in (0, 1)]

@@ -345,6 +345,28 @@ def test_module_under_torch_compile_on_cpu():
         assert torch.equal(compiled(x), m(x))
 
 
+def test_experts_under_torch_compile_with_a_numpy_or_fraction_capacity_factor():
+    """Dynamo makes a numpy factor a tensor and cannot trace a Fraction: without fullgraph the call
+    graph-breaks and runs eagerly (the eager result); with fullgraph the error says what to pass."""
+    import numpy as np
+    from fractions import Fraction
+
+    torch.manual_seed(0)
+    x, w1, w2 = torch.randn(T, H), torch.randn(E, 2 * FFN, H) * 0.05, torch.randn(E, H, FFN) * 0.05
+    weights, ids = torch.randn(T, E).softmax(-1).topk(K)
+    for factor in (np.float32(0.75), Fraction(3, 4), 0.75):
+        expect = experts(x, weights, ids, w1, w2, recipe=None, capacity_factor=factor)
+        torch._dynamo.reset()
+        got = torch.compile(experts, backend="aot_eager")(x, weights, ids, w1, w2, recipe=None,
+                                                          capacity_factor=factor)
+        assert torch.equal(got, expect)
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match=r"capacity_factor: expected a Python float, int or None under torch.compile "
+                                        r".*: pass float\(capacity_factor\)"):
+        torch.compile(experts, backend="aot_eager", fullgraph=True)(x, weights, ids, w1, w2, recipe=None,
+                                                                    capacity_factor=np.float32(0.75))
+
+
 @pytest.mark.parametrize("cast", [lambda m: m.half(), lambda m: m.bfloat16(), lambda m: m.to(torch.float16),
                                   lambda m: m.float()], ids=["half", "bfloat16", "to_dtype", "float"])
 def test_inference_module_casts_keep_fp8_experts_and_fp32_scales(cast):

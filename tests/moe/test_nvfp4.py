@@ -105,6 +105,15 @@ def test_from_modelopt_takes_the_tensors_as_they_are():
     assert torch.equal(sd["w1"][1, 32:], up[1][0]) and torch.equal(sd["w2_scale"][3], down[3][1])
 
 
+def test_from_modelopt_takes_a_router_dtype():
+    moe = _moe()
+    gate, up, down = _modelopt_experts(moe)
+    layer = NVFP4InferenceMoE.from_modelopt(moe.router.weight.detach(), gate, up, down, top_k=2,
+                                            dtype=torch.bfloat16)
+    assert layer.router.weight.dtype == torch.bfloat16
+    assert torch.equal(layer.router.weight, moe.router.weight.detach().bfloat16())
+
+
 def test_from_modelopt_errors():
     moe = _moe()
     gate, up, down = _modelopt_experts(moe)
