@@ -1,3 +1,6 @@
+from fractions import Fraction
+
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -348,9 +351,6 @@ def test_module_under_torch_compile_on_cpu():
 def test_experts_under_torch_compile_with_a_numpy_or_fraction_capacity_factor():
     """Dynamo makes a numpy factor a tensor and cannot trace a Fraction: without fullgraph the call
     graph-breaks and runs eagerly (the eager result); with fullgraph the error says what to pass."""
-    import numpy as np
-    from fractions import Fraction
-
     torch.manual_seed(0)
     x, w1, w2 = torch.randn(T, H), torch.randn(E, 2 * FFN, H) * 0.05, torch.randn(E, H, FFN) * 0.05
     weights, ids = torch.randn(T, E).softmax(-1).topk(K)
