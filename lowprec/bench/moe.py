@@ -388,11 +388,11 @@ def run(args: argparse.Namespace) -> dict:
     if not torch.cuda.is_available():
         raise SystemExit("bench moe needs a CUDA GPU (none is visible to torch)")
     if args.ep:
-        from .moe_ep import ep_rows, print_rows
+        from .moe_ep import EP_CONFIGS, ep_rows, print_rows, save
 
         rows = ep_rows(args.ep, args.configs, seed=args.seed)
         print_rows(rows)
-        path = save_results("moe_ep", {"device": torch.cuda.get_device_name(), "rows": rows}, args.out)
+        path = save(rows, torch.cuda.get_device_name(), args.out, partial=args.configs != list(EP_CONFIGS))
         print(f"results: {path}")
         return {"rows": rows}
     if args.decode:

@@ -31,8 +31,17 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
+from .common import save_results
+
 EP_CONFIGS = [(64, 7168, 2048, 8, 8192)]  # E, H, F, top-k, tokens per rank (issue 29's target shape)
 DISPATCHES = ("fp8", "bf16")
+ROW_KEYS = ("E", "H", "F", "top_k", "T_per_rank", "world", "dispatch")  # what names a row
+
+
+def save(rows: list[dict], device: str, path: str | None = None, partial: bool = False) -> str:
+    """Save the rows under ``moe_ep``; a run over other configs than the defaults (``partial``)
+    replaces only the saved rows it measured again."""
+    return save_results("moe_ep", {"device": device, "rows": rows}, path, merge_rows_by=ROW_KEYS if partial else None)
 
 
 def row_bytes(hidden: int, dispatch: str) -> int:

@@ -1,6 +1,7 @@
 """``python -m lowprec bench moe``: arguments, and its pieces on small CPU problems (the bench itself needs CUDA)."""
 
 import argparse
+import json
 import math
 import time
 
@@ -175,3 +176,19 @@ def test_ep_argument():
     assert parse_args(["--ep", "2"]).configs == list(EP_CONFIGS)
     with pytest.raises(SystemExit):
         parse_args(["--ep", "1"])
+
+
+def test_ep_rows_of_other_configs_merge_into_the_saved_ones(tmp_path):
+    from lowprec.bench import moe_ep
+
+    path = str(tmp_path / "r.json")
+    row = dict(E=64, H=7168, F=2048, top_k=8, T_per_rank=8192, world=2, step_ms=50.0)
+    full = [dict(row, dispatch="fp8"), dict(row, dispatch="bf16", step_ms=51.0)]
+    moe_ep.save(full, "gpu", path)
+    other = [dict(row, T_per_rank=1024, dispatch="fp8", step_ms=9.0)]
+    moe_ep.save(other, "gpu", path, partial=True)
+    rows = json.load(open(path))["moe_ep"]["rows"]
+    assert sorted((r["T_per_rank"], r["dispatch"], r["step_ms"]) for r in rows) == [
+        (1024, "fp8", 9.0), (8192, "bf16", 51.0), (8192, "fp8", 50.0)]
+    moe_ep.save(other, "gpu", path)  # the default configs (a full run) replace the section
+    assert json.load(open(path))["moe_ep"]["rows"] == other
