@@ -63,3 +63,19 @@ def test_squared_metrics_unchanged_for_ordinary_values():
     x = torch.tensor([3.0, -3.0])
     assert metrics.rel_l2(x, ref) == 0.2 and metrics.rmse(x, ref) == math.sqrt(0.5)
     assert metrics.sqnr_db(x, ref) == pytest.approx(10 * math.log10(25))
+
+
+@pytest.mark.parametrize("mag", [1e-310, 5e307])  # FP64 subnormals; magnitudes >= 2^1023
+def test_metrics_are_scale_invariant_at_fp64_extremes(mag):
+    ref = torch.tensor([1.0, 2.0], dtype=torch.float64)
+    x = ref * 1.5
+    for name in ("rel_l1", "rel_l2", "sqnr_db", "calc_diff", "max_rel_err"):
+        f = getattr(metrics, name)
+        assert f(x * mag, ref * mag) == pytest.approx(f(x, ref), rel=1e-9), name
+    assert metrics.rmse(x * mag, ref * mag) == pytest.approx(mag * metrics.rmse(x, ref), rel=1e-9)
+
+
+def test_rel_l1_and_max_rel_err_do_not_overflow():
+    ref = torch.tensor([1e308, -1e308], dtype=torch.float64)
+    assert metrics.rel_l1(-ref, ref) == pytest.approx(2.0)
+    assert metrics.max_rel_err(-ref, ref) == pytest.approx(2.0)
