@@ -73,8 +73,11 @@ def attention(q, k, v, causal: bool = False, scale: float | None = None, quant: 
     backward otherwise; plain torch elsewhere).
 
     Decode (``Sq`` of 1..16 new queries over a long ``Sk``) is this same call: with ``causal`` the
-    queries are the last rows of the prefill (bottom-right). Packed variable-length batches:
-    :func:`attention_varlen`.
+    queries are the last rows of the prefill (bottom-right). With float K and V, ``quant="fp8"``
+    quantizes all of them in every call, which at decode costs more than exact attention (B64
+    H32/8 Sk8192 on an H200: 0.3× cuDNN SDPA; ``bench attention``): keep the keys and values in FP8
+    across steps (:class:`~lowprec.attention.FP8KVCache`, or :func:`quantize_kv_cache` once; 1.4-1.8×
+    there). Packed variable-length batches: :func:`attention_varlen`.
     """
     _check_input("q", q, None)
     for name, t in (("k", k), ("v", v)):
