@@ -396,3 +396,14 @@ def test_contiguous_as_masked_valid_ends_unchanged(masked_reference_launch, ends
     ge = torch.tensor(ends, dtype=torch.int32)
     want = grouped_gemm_contiguous_reference(a, b, ge, torch.float32)
     torch.testing.assert_close(interface.grouped_gemm_quantized(a, b, torch.float32, ge, None), want)
+
+
+@pytest.mark.parametrize("pair", ["mxfp8 x mxfp8", "nvfp4 x nvfp4", "fp8_block1x128 x fp8_block128x128"])
+def test_cublas_fallback_calls_pass_torchs_argument_checks(pair):
+    """Each cuBLASLt call on the fallback's own probe operands, on the meta device: torch's checks of
+    shapes and scale layouts (what can be known here without a Blackwell GPU) accept them."""
+    from lowprec.gemm.sm100.cublas import gemm_cublas, probe
+
+    a, b, out_dtype, bias = probe(pair, torch.device("cpu"))
+    a, b = a.to("meta"), b.to("meta")
+    assert gemm_cublas(a, b, out_dtype, bias).shape == (a.shape[0], b.shape[0])
