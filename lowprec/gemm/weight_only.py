@@ -398,7 +398,7 @@ def pack_fp8(weight: torch.Tensor, scale: torch.Tensor) -> PackedFP8:
     per_step = _fp8_words(per_step.view(n_tiles, k_chunks, _THREADS, _KSTEPS, 2, 4))
     data = per_step.view(n_tiles, k_chunks, _THREADS, 2, 4, 8).permute(0, 1, 3, 2, 4, 5)  # [.., group, thread, ..]
     data = data.reshape(-1, ROW_BYTES).contiguous()
-    return PackedFP8(data, scale.detach().to(torch.float32).contiguous().clone(), n, k)
+    return PackedFP8(data, scale.detach().to(device, torch.float32).contiguous().clone(), n, k)
 
 
 def _fp8_half(code: torch.Tensor) -> torch.Tensor:

@@ -6,6 +6,7 @@ import torch
 
 from lowprec import quantize
 from lowprec.formats import E4M3, decode, unpack_fp4
+from lowprec.gemm.ops import weight_only
 from lowprec.gemm.weight_only import (
     CHUNK_BYTES,
     SPLITS,
@@ -106,6 +107,18 @@ def test_fp8_decode_emulation_is_exact(n, k):
     packed = pack_fp8(q.data, q.scale)
     assert packed.data.shape == (packed.n_tiles * packed.k_chunks * 32, 256)
     torch.testing.assert_close(unpack_fp8_emulated(packed), _exact_fp8(q), rtol=0, atol=0)
+
+
+@gpu
+@needs_gpu
+def test_pack_fp8_puts_the_scales_on_the_weights_device():
+    """A CUDA weight with host scales (e.g. loaded apart): the kernel reads both from the GPU."""
+    q = _fp8(200, 272)
+    packed = pack_fp8(q.data.cuda(), q.scale.cpu())
+    assert packed.data.is_cuda and packed.scale.is_cuda
+    x = torch.randn(4, 272, dtype=torch.bfloat16, device="cuda")
+    expect = weight_only(x, pack_fp8(q.data.cuda(), q.scale.cuda()), q.to("cuda"), None)
+    torch.testing.assert_close(weight_only(x, packed, q.to("cuda"), None), expect, rtol=0, atol=0)
 
 
 def test_fp8_decode_every_code():
