@@ -36,14 +36,13 @@ import dataclasses
 
 import torch
 import torch.nn.functional as F
-from torch.autograd.function import once_differentiable
 
 from ..gemm import grouped_gemm
 from ..gemm.reference import grouped_mm_rows
 from ..nn.weight_cache import quantize_weight
 from ..quant import quantize
 from ..recipes import LINEAR_RECIPES, get_recipe
-from ..runtime import eager_under_compile, registry
+from ..runtime import differentiable_once, eager_under_compile, registry
 from ..tensor import QuantizedTensor, flatten_all, unflatten_all
 from .packing import gather_rows, pack, pack_tokens, unpack
 from .routing import (
@@ -275,7 +274,7 @@ class _ExpertsFunction(torch.autograd.Function):
         return y
 
     @staticmethod
-    @once_differentiable  # the saved h, act(h) carry no graph: a second derivative is an error, not a wrong value
+    @differentiable_once  # the saved h, act(h) carry no graph: a second derivative is an error, not a wrong value
     def backward(ctx, dy):
         x, h, w1, w2, row_w = unflatten_all(ctx.saved_tensors, ctx.specs)
         grads = _backward_core(dy, ctx.routing, x, h, w1, w2, row_w, ctx.quantized, ctx.activation, ctx.dtypes,

@@ -9,11 +9,10 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from ..quant import quantize
 from ..recipes import ScaleRecipe, get_recipe
-from ..runtime import eager_under_compile, registry
+from ..runtime import differentiable_once, eager_under_compile, registry
 from ..tensor import QuantizedTensor
 from .routing import Routing
 
@@ -220,7 +219,7 @@ class _UnpackKernel(torch.autograd.Function):
         return kernel(rows.detach(), routing, w, out_dtype)
 
     @staticmethod
-    @once_differentiable  # the saved weights are detached: a second derivative is an error, not a partial value
+    @differentiable_once  # the saved weights are detached: a second derivative is an error, not a partial value
     def backward(ctx, dout):
         rows, w = ctx.saved_tensors
         routing = ctx.routing

@@ -88,7 +88,9 @@ class FP8AllGatherWeight(torch.Tensor):
         pads uneven shards (the plain all-gather)."""
         from ..quant import quantize
 
-        if not _whole_blocks(self.hp, tuple(outer_size), mesh.size()):
+        # one rank: FSDP2 skips the all-gather and hands on only the first input (the codes
+        # without their scales, torch PR 197999), and there is nothing to save on the wire
+        if mesh.size() == 1 or not _whole_blocks(self.hp, tuple(outer_size), mesh.size()):
             # every rank takes the same path (decided from the full shape), and a shard shorter
             # than the others (uneven sharding) is padded to their size as FSDP pads its own
             # the plain all-gather: cast before it, as FSDP does for a plain parameter, so that the

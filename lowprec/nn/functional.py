@@ -17,11 +17,11 @@ import contextlib
 import math
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from ..gemm import gemm
 from ..quant import quantize, quantize_dual
 from ..recipes import DEFAULT_TRAIN_RECIPE, LINEAR_RECIPES, LinearRecipe, get_linear_recipe
+from ..runtime import differentiable_once
 from ..tensor import QuantizedTensor, flatten_all, unflatten_all
 from .weight_cache import quantize_weight
 
@@ -66,7 +66,7 @@ class _FP8Linear(torch.autograd.Function):
         return y
 
     @staticmethod
-    @once_differentiable  # quantized GEMMs: no graph for a second derivative (an error, not a silent zero)
+    @differentiable_once
     def backward(ctx, dy):
         recipe = ctx.recipe
         xt_q, w_t = unflatten_all(ctx.saved_tensors, ctx.specs)
@@ -90,6 +90,9 @@ def quantize_linear_weight(linear: torch.nn.Module, recipe) -> QuantizedTensor:
     """``linear.weight`` quantized with ``recipe`` for an inference layer; a weight with NaN or Inf
     is an error that names it."""
     weight = linear.weight.detach()
+    if weight.dtype not in _WEIGHT_DTYPES:  # an inference layer's FP8 / NVFP4 codes, not master weights
+        raise TypeError(f"linear.weight: expected float32/bfloat16/float16/float64 weights to quantize, got "
+                        f"{weight.dtype} ({type(linear).__name__}: quantize from the master weights)")
     if weight.numel() and not bool(torch.isfinite(weight).all()):
         raise ValueError("linear.weight: contains NaN or Inf; an inference layer quantizes finite weights only")
     return quantize(weight, recipe)

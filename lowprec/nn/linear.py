@@ -243,6 +243,12 @@ class FP8InferenceLinear(QuantizedBuffersModule):
 
 
 def _swap(linear: nn.Linear, name: str, recipe: str, inference: bool, min_numel: int, kept: list) -> nn.Module:
+    if not inference and not isinstance(linear.weight, nn.Parameter):
+        # torch.nn.utils.weight_norm / spectral_norm: a forward pre-hook computes weight from the
+        # layer's own parameters (weight_g and weight_v, weight_orig), which an FP8Linear would drop
+        log.warning("lowprec.convert: keeping %s as nn.Linear: its weight is not a parameter (computed by a "
+                    "forward pre-hook, as torch.nn.utils.weight_norm's)", name or "<model>")
+        return linear
     if linear.in_features % _ALIGN or linear.out_features % _ALIGN:
         log.warning("lowprec.convert: keeping %s as nn.Linear: in_features=%d, out_features=%d are not both "
                     "multiples of %d", name or "<model>", linear.in_features, linear.out_features, _ALIGN)
@@ -293,7 +299,8 @@ def convert(model: nn.Module, recipe: str | None = None, filter_fn: Callable[[st
     projection of ``nn.MultiheadAttention`` are read directly by their owners; transformers'
     ``Conv1D`` of GPT-2 and Falcon's ``FalconLinear`` stay too): another INFO line counts such
     linear-like layers left, by type. Layers whose
-    features are not multiples of 16 stay as they are, with one log line each. With
+    features are not multiples of 16 stay as they are, with one log line each, and so do, for
+    training, layers whose weight is not a parameter (``torch.nn.utils.weight_norm``). With
     ``inference=True``, :class:`FP8Linear` layers (a model trained after ``convert``) become
     :class:`FP8InferenceLinear` with their own recipe.
 
@@ -362,6 +369,13 @@ def convert(model: nn.Module, recipe: str | None = None, filter_fn: Callable[[st
                 if not keep and type(child) is nn.Linear and _named_in(name, high_precision):
                     log.warning("lowprec.convert: keeping %s as nn.Linear: the model keeps it in high precision "
                                 "(_keep_in_fp32_modules)", name)
+                    keep = True
+                if (not keep and inference and isinstance(parent, nn.TransformerEncoderLayer)
+                        and child_name in ("linear1", "linear2")):
+                    # its fast path (eval, no grad, batch_first) multiplies by these weights itself, as
+                    # float matrices: an inference layer's codes fail there
+                    log.warning("lowprec.convert: keeping %s as it is: nn.TransformerEncoderLayer's fast path reads "
+                                "its weight directly", name)
                     keep = True
                 done[id(child)] = child if keep else _converted(child, name, recipe, inference, min_weight_numel,
                                                                  kept)

@@ -23,11 +23,11 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.autograd.function import once_differentiable
 
 from ..gemm import gemm
 from ..quant import quantize, quantize_dual, swiglu_quantize_dual
 from ..recipes import DEFAULT_TRAIN_RECIPE, LINEAR_RECIPES, LinearRecipe
+from ..runtime import differentiable_once
 from ..tensor import flatten_all, unflatten_all
 from .functional import _FLOAT_DTYPES, follow_autocast
 from .weight_cache import quantize_weight
@@ -73,7 +73,7 @@ class _FP8SwiGLU(torch.autograd.Function):
         return y
 
     @staticmethod
-    @once_differentiable
+    @differentiable_once
     def backward(ctx, dy):
         xt_q, at, g, u, wg_t, wu_t, wd_t = unflatten_all(ctx.saved_tensors, ctx.specs)
         dy = dy.contiguous()
@@ -239,6 +239,9 @@ def swiglu_mlp_unsupported(module: nn.Module) -> str | None:
     linears = [getattr(module, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
     if any(type(m) is not nn.Linear or m.bias is not None for m in linears):
         return "gate_proj, up_proj and down_proj must be nn.Linear layers without bias"
+    if any(not isinstance(m.weight, nn.Parameter) for m in linears):  # the fused MLP reads them, runs no hook
+        return ("gate_proj, up_proj and down_proj must hold their weights as parameters (not computed by a "
+                "forward pre-hook, as torch.nn.utils.weight_norm's)")
     if not _is_silu(getattr(module, "act_fn", None)):
         return f"act_fn must compute SiLU, got {type(getattr(module, 'act_fn', None)).__name__}"
     gate, up, down = linears

@@ -5,6 +5,7 @@ from .arch import SUPPORTED_ARCHS, device_arch, on_device, sm_count
 from .backend import (
     autocast_off,
     backend_mode,
+    differentiable_once,
     dsl_available,
     eager_under_compile,
     kernel_failed,
@@ -17,7 +18,7 @@ from .compile import compile_for_arch, cubin_arch, ffi_entry, local_memory_ops, 
 
 __all__ = [
     "SUPPORTED_ARCHS", "device_arch", "on_device", "sm_count", "autocast_off", "backend_mode", "self_check_mode",
-    "dsl_available", "eager_under_compile",
+    "dsl_available", "differentiable_once", "eager_under_compile",
     "kernel_failed",
     "version_of", "warn_once", "KernelCache", "cache_key", "kernel_cache", "source_fingerprint", "compile_for_arch",
     "cubin_arch", "ffi_entry", "local_memory_ops", "nvdisasm_path", "sass_of", "registry",

@@ -81,6 +81,23 @@ def _on_cuda(values) -> bool:
     return any(getattr(getattr(v, "device", None), "type", None) == "cuda" for v in values)
 
 
+def differentiable_once(backward):
+    """``once_differentiable`` for backwards whose results carry no graph (quantized GEMMs, detached
+    saved tensors): a second derivative is an error, not a silent zero, also where the incoming
+    gradients are constants (a gradient taken straight from a loss with ``create_graph=True``):
+    ``once_differentiable`` alone then returns results without the error, yet they depend on the
+    saved inputs (dX on W, dW on X)."""
+    inner = torch.autograd.function.once_differentiable(backward)
+
+    @functools.wraps(backward)
+    def wrapper(ctx, *grads):
+        if torch.is_grad_enabled() and not any(isinstance(g, torch.Tensor) and g.requires_grad for g in grads):
+            grads = tuple(g.detach().requires_grad_() if isinstance(g, torch.Tensor) else g for g in grads)
+        return inner(ctx, *grads)
+
+    return wrapper
+
+
 def eager_under_compile(fn: Callable) -> Callable:
     """Run ``fn`` eagerly when ``torch.compile`` traces it with CUDA inputs (a graph break).
 

@@ -440,3 +440,14 @@ def test_fp8_inference_moe_scales_are_fp32_whatever_the_default_dtype():
         assert torch.equal(layer(x), ref(x))
     finally:
         torch.set_default_dtype(default)
+
+
+def test_second_derivative_through_the_experts_is_an_error_not_a_silent_zero():
+    """A gradient penalty on x: dx depends on w1 and w2, which the experts' backward (quantized
+    GEMMs, no graph) cannot differentiate again: an error, also from a constant incoming gradient."""
+    torch.manual_seed(0)
+    m = MoE(H, FFN, E, K)
+    x = torch.randn(16, H, requires_grad=True)
+    (dx,) = torch.autograd.grad(m(x).sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        dx.square().sum().backward()

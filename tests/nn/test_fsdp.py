@@ -598,3 +598,34 @@ def test_state_dict_plain_after_unfusing_a_gathered_mlp(tmp_path, kw):
     torch.save(sd, buf)
     buf.seek(0)
     assert list(torch.load(buf, weights_only=True)) == list(sd)
+
+
+def test_fp8_all_gather_on_a_one_rank_mesh_trains_as_unsharded():
+    # FSDP2 skips the all-gather on one rank and hands on only the first all-gather input
+    from torch.distributed.fsdp import fully_shard
+
+    from lowprec.nn import FP8Linear
+
+    with tempfile.TemporaryDirectory() as tmp:
+        dist.init_process_group("gloo", init_method=f"file://{tmp}/init", rank=0, world_size=1)
+        try:
+            torch.manual_seed(0)
+            model = nn.Sequential(FP8Linear(128, 256, recipe="fp8_block"), nn.ReLU(),
+                                  FP8Linear(256, 128, recipe="fp8_block"))
+            ref = copy.deepcopy(model)
+            x = torch.randn(8, 128)
+            assert enable_fp8_all_gather(model) == 2
+            fully_shard(model)
+            for _ in range(2):  # the second unshard refills the first one's buffers
+                y, y_ref = model(x), ref(x)
+                torch.testing.assert_close(y, y_ref, rtol=0, atol=0)
+                y.square().mean().backward()
+                y_ref.square().mean().backward()
+                for p, q in zip(model.parameters(), ref.parameters()):
+                    torch.testing.assert_close(p.grad.full_tensor(), q.grad, rtol=0, atol=0)
+                    with torch.no_grad():
+                        p.sub_(0.1 * p.grad)
+                        q.sub_(0.1 * q.grad)
+                    p.grad = q.grad = None
+        finally:
+            dist.destroy_process_group()

@@ -2,6 +2,7 @@ import copy
 import logging
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ from torch import nn
 import lowprec
 from lowprec import metrics
 from lowprec.gemm.weight_only import pack_fp8
-from lowprec.nn import FP8InferenceLinear, FP8Linear, NVFP4InferenceLinear, convert, fp8_linear
+from lowprec.nn import FP8InferenceLinear, FP8Linear, FP8SwiGLUMLP, NVFP4InferenceLinear, SwiGLUMLP, convert, fp8_linear
 
 
 class TinyBlock(nn.Module):
@@ -773,3 +774,63 @@ def test_packed_weight_follows_buffers_assigned_anew():
         layer.weight, layer.weight_scale = w[:], s[:]  # new buffers, in the old storage
         got, expected = layer.packed_weight(), pack_fp8(b.data, b.scale)
     assert torch.equal(got.data, expected.data) and torch.equal(got.scale, expected.scale)
+
+
+def _weight_norm(linear):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # deprecated for the parametrization, still used
+        return torch.nn.utils.weight_norm(linear)
+
+
+def test_training_convert_keeps_a_weight_normed_linear_and_its_parameters():
+    # the pre-hook computes weight from weight_g and weight_v: an FP8Linear would hold that tensor
+    model = nn.Sequential(_weight_norm(nn.Linear(128, 128)), nn.Linear(128, 128))
+    lowprec.convert(model, min_weight_numel=0)
+    assert type(model[0]) is nn.Linear and isinstance(model[1], lowprec.nn.FP8Linear)
+    assert {n for n, _ in model.named_parameters()} == {"0.bias", "0.weight_g", "0.weight_v", "1.weight", "1.bias"}
+    x = torch.randn(4, 128)
+    for _ in range(2):
+        model(x).sum().backward()
+    assert model[0].weight_v.grad is not None
+
+
+@pytest.mark.parametrize("source", [FP8InferenceLinear, NVFP4InferenceLinear])
+@pytest.mark.parametrize("target", [FP8InferenceLinear, NVFP4InferenceLinear])
+def test_from_linear_of_an_inference_layer_names_its_weight(source, target):
+    layer = source.from_linear(nn.Linear(128, 64))
+    with pytest.raises(TypeError, match=r"linear\.weight: expected float32/bfloat16/float16/float64"):
+        target.from_linear(layer)
+
+
+@pytest.mark.parametrize("recipe", ["fp8_block", "nvfp4"])
+def test_inference_convert_of_a_transformer_encoder_runs_its_fast_path(recipe):
+    # eval + no_grad + batch_first: torch's fast path reads linear1 / linear2's weights as float matrices
+    layer = nn.TransformerEncoderLayer(128, 4, 256, dropout=0.0, batch_first=True)
+    encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False).eval()
+    converted = lowprec.convert(copy.deepcopy(encoder), recipe, inference=True).eval()
+    x = torch.randn(2, 5, 128)
+    with torch.no_grad():
+        torch.testing.assert_close(converted(x), encoder(x))
+
+
+@pytest.mark.parametrize("make", [lambda: FP8Linear(128, 16), lambda: FP8SwiGLUMLP.from_mlp(SwiGLUMLP(128, 256))])
+def test_second_derivative_from_a_constant_gradient_is_an_error_not_a_silent_zero(make):
+    # a gradient penalty: dX depends on the weights even when the gradient flowing in is the constant ones
+    layer = make()
+    x = torch.randn(8, 128, requires_grad=True)
+    (dx,) = torch.autograd.grad(layer(x).sum(), x, create_graph=True)
+    assert dx.requires_grad
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        dx.square().sum().backward()
+
+
+def test_create_graph_without_a_second_derivative_still_gives_the_gradients():
+    layer = FP8Linear(128, 16)
+    x = torch.randn(8, 128, requires_grad=True)
+    layer(x).sum().backward(create_graph=True)
+    ref = FP8Linear(128, 16)
+    ref.load_state_dict(layer.state_dict())
+    x2 = x.detach().clone().requires_grad_()
+    ref(x2).sum().backward()
+    torch.testing.assert_close(layer.weight.grad.detach(), ref.weight.grad, rtol=0, atol=0)
+    torch.testing.assert_close(x.grad.detach(), x2.grad, rtol=0, atol=0)

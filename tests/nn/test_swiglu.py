@@ -3,6 +3,7 @@ activation fused with its quantizations; convert's recognition of SwiGLU MLPs.""
 
 import itertools
 import logging
+import warnings
 
 import pytest
 import torch
@@ -430,3 +431,21 @@ def test_fusion_does_not_depend_on_the_default_dtype():
     assert isinstance(model[0], FP8SwiGLUMLP)
     x = torch.randn(4, 128)
     assert model(x).dtype == torch.float32
+
+
+def _weight_norm(linear):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # deprecated for the parametrization, still used
+        return torch.nn.utils.weight_norm(linear)
+
+
+def test_training_convert_does_not_fuse_an_mlp_with_a_weight_normed_layer():
+    mlp = SwiGLUMLP(128, 256)
+    _weight_norm(mlp.gate_proj)
+    model = lowprec.convert(nn.Sequential(mlp), "fp8_block", min_weight_numel=0)
+    assert type(model[0]) is SwiGLUMLP and type(model[0].gate_proj) is nn.Linear
+    assert isinstance(model[0].up_proj, lowprec.nn.FP8Linear)
+    x = torch.randn(4, 128)
+    for _ in range(2):
+        model(x).sum().backward()
+    assert model[0].gate_proj.weight_v.grad is not None
