@@ -300,7 +300,9 @@ def convert(model: nn.Module, recipe: str | None = None, filter_fn: Callable[[st
     ``Conv1D`` of GPT-2 and Falcon's ``FalconLinear`` stay too): another INFO line counts such
     linear-like layers left, by type. Layers whose
     features are not multiples of 16 stay as they are, with one log line each, and so do, for
-    training, layers whose weight is not a parameter (``torch.nn.utils.weight_norm``). With
+    training, layers whose weight is not a parameter (``torch.nn.utils.weight_norm``), and for
+    inference ``nn.TransformerEncoderLayer``'s ``linear1`` / ``linear2`` (its fast path multiplies
+    by their weights itself). With
     ``inference=True``, :class:`FP8Linear` layers (a model trained after ``convert``) become
     :class:`FP8InferenceLinear` with their own recipe.
 
