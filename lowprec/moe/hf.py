@@ -173,6 +173,11 @@ def refuse_router_logits(layer: nn.Module) -> nn.Module:
     return layer
 
 
+def refuses_router_logits(layer: nn.Module) -> bool:
+    """``layer`` came from a transformers MoE block (:func:`refuse_router_logits` hooked it)."""
+    return any(hook is _refuse_router_logits for hook in layer._forward_pre_hooks.values())
+
+
 EXPERTS_IMPLEMENTATIONS = {"fp8": "lowprec_fp8", "nvfp4": "lowprec_nvfp4"}
 
 
@@ -243,12 +248,14 @@ def _nvfp4_weights(module: nn.Module) -> tuple:
     params = (module.gate_up_proj, module.down_proj)
     key = tuple((p.data_ptr(), version_of(p), tuple(p.shape)) for p in params)
     cached = module.__dict__.get("_lowprec_nvfp4")
-    if cached is None or cached[0] != key:
+    # and the tensors themselves: a weight assigned anew (experts.gate_up_proj = ...) can land in a
+    # freed one's storage with the same version and shape
+    if cached is None or cached[0] != key or any(p is not q for p, q in zip(params, cached[2])):
         packs = tuple(pack_nvfp4_experts(*quantize_nvfp4_experts(p)) for p in params)
         if not module.__dict__.get("_lowprec_nvfp4_hooked"):
             module.register_load_state_dict_post_hook(_forget_nvfp4_weights)
             module.__dict__["_lowprec_nvfp4_hooked"] = True
-        cached = module.__dict__["_lowprec_nvfp4"] = (key, packs)
+        cached = module.__dict__["_lowprec_nvfp4"] = (key, packs, params)
     return cached[1]
 
 

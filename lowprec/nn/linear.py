@@ -470,7 +470,7 @@ def _convertible(module: nn.Module) -> bool:
 def _converted(module: nn.Module, name: str, recipe: str, inference: bool, min_numel: int, kept: list) -> nn.Module:
     """What :func:`convert` makes of one :func:`_convertible` module (itself where nothing applies)."""
     from ..moe import FP8InferenceMoE, MoE, NVFP4InferenceMoE
-    from ..moe.hf import hf_moe_unsupported, moe_from_hf, refuse_router_logits
+    from ..moe.hf import hf_moe_unsupported, moe_from_hf, refuse_router_logits, refuses_router_logits
 
     if type(module) is nn.Linear:
         return _swap(module, name, recipe, inference, min_numel, kept)
@@ -486,7 +486,9 @@ def _converted(module: nn.Module, name: str, recipe: str, inference: bool, min_n
             log.warning("lowprec.convert: keeping %s as MoE: hidden_size=%d, ffn_size=%d are not both multiples of %d",
                         name or "<model>", module.hidden_size, module.ffn_size, _ALIGN)
             return module
-        return NVFP4InferenceMoE.from_moe(module) if recipe == _NVFP4 else FP8InferenceMoE.from_moe(module)
+        layer = NVFP4InferenceMoE.from_moe(module) if recipe == _NVFP4 else FP8InferenceMoE.from_moe(module)
+        # a transformers block converted for training before: the inference layer still replaces its router
+        return refuse_router_logits(layer) if refuses_router_logits(module) else layer
     if isinstance(module, FP8Linear):
         if inference:
             if recipe == _NVFP4:  # from the master weights

@@ -11,7 +11,13 @@ from torch import nn
 import lowprec
 from lowprec import metrics
 from lowprec.moe import FP8InferenceMoE, MoE, NVFP4InferenceMoE
-from lowprec.moe.hf import experts_module_unsupported, hf_moe_unsupported, moe_from_hf, transformers_experts_forward
+from lowprec.moe.hf import (
+    experts_module_unsupported,
+    hf_moe_unsupported,
+    moe_from_hf,
+    transformers_experts_forward,
+    transformers_nvfp4_experts_forward,
+)
 
 
 class _Router(nn.Module):
@@ -634,3 +640,64 @@ def test_nvfp4_experts_of_an_inference_mode_model_follow_a_load():
         after = model(ids).logits
         assert not torch.equal(after, before)
         assert torch.equal(after, other(ids).logits)
+
+
+@pytest.mark.parametrize("recipe", [None, "nvfp4"])
+def test_blocks_converted_for_training_then_inference_still_refuse_router_logits(recipe):
+    """The README's flow (convert to train, then convert(..., inference=True)): the inference MoE
+    layers made from the training ones still refuse a forward recording router logits (was:
+    transformers' IndexError, or a load-balancing loss from the blocks filter_fn kept only)."""
+    transformers = pytest.importorskip("transformers", minversion="5.0")
+    cfg = transformers.MixtralConfig(vocab_size=64, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                                     num_experts_per_tok=2)
+    keep_layer1 = lambda name, m: not name.startswith("model.layers.1.mlp")  # noqa: E731
+    ids = torch.randint(0, 64, (2, 9))
+    for filter_fn in (None, keep_layer1):
+        torch.manual_seed(0)
+        model = transformers.MixtralForCausalLM(cfg)
+        lowprec.convert(model, filter_fn=filter_fn)
+        lowprec.convert(model, recipe, filter_fn=filter_fn, inference=True)
+        assert "InferenceMoE" in type(model.model.layers[0].mlp).__name__
+        with torch.no_grad():  # NVFP4 layers: inference only
+            model(ids)
+            with pytest.raises(ValueError, match="output_router_logits"):
+                model(ids, labels=ids, output_router_logits=True)
+
+
+class _PlainExperts(nn.Module):
+    def __init__(self, experts=4, hidden=128, ffn=64):
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.randn(experts, 2 * ffn, hidden))
+        self.down_proj = nn.Parameter(torch.randn(experts, hidden, ffn))
+        self.act_fn = nn.SiLU()
+
+
+def _in_storage_of(old: torch.Tensor, values: torch.Tensor) -> nn.Parameter:
+    """A new weight holding ``values`` in ``old``'s storage at ``old``'s version: what the allocator
+    gives a weight assigned after ``old`` was freed (same address, a fresh tensor's version 0)."""
+    new = torch.empty(0, dtype=old.dtype)
+    with torch.no_grad():
+        new.set_(old.untyped_storage(), old.storage_offset(), old.shape, old.stride())
+        new.copy_(values)
+    torch._C._autograd._unsafe_set_version_counter((new,), (0,))
+    return nn.Parameter(new)
+
+
+def test_nvfp4_experts_follow_weights_assigned_anew():
+    """A weight assigned anew can land in the freed storage of the packed one, with the same version
+    and shape: the NVFP4 copy must still be made again (was: the old experts, silently)."""
+    torch.manual_seed(0)
+    module = _PlainExperts()
+    x = torch.randn(8, 128)
+    weights, ids = torch.rand(8, 2), torch.stack([torch.randperm(4)[:2] for _ in range(8)])
+    with torch.no_grad():
+        old = transformers_nvfp4_experts_forward(module, x, ids, weights)
+        new_weight = torch.randn(module.gate_up_proj.shape)
+        module.gate_up_proj = _in_storage_of(module.gate_up_proj, new_weight)
+        assert module.gate_up_proj._version == 0
+        got = transformers_nvfp4_experts_forward(module, x, ids, weights)
+        fresh = _PlainExperts()
+        fresh.gate_up_proj, fresh.down_proj = nn.Parameter(new_weight), module.down_proj
+        torch.testing.assert_close(got, transformers_nvfp4_experts_forward(fresh, x, ids, weights), rtol=0, atol=0)
+        assert not torch.equal(got, old)
