@@ -173,11 +173,6 @@ def refuse_router_logits(layer: nn.Module) -> nn.Module:
     return layer
 
 
-def refuses_router_logits(layer: nn.Module) -> bool:
-    """``layer`` came from a transformers MoE block (:func:`refuse_router_logits` hooked it)."""
-    return any(hook is _refuse_router_logits for hook in layer._forward_pre_hooks.values())
-
-
 EXPERTS_IMPLEMENTATIONS = {"fp8": "lowprec_fp8", "nvfp4": "lowprec_nvfp4"}
 
 

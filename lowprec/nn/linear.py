@@ -20,6 +20,7 @@ from ..tensor import QuantizedTensor
 from .buffers import QuantizedBuffersModule, check_out_dtype
 from .fsdp import GATHER_RECIPE, FP8AllGatherWeight
 from .functional import LinearRecipe, follow_autocast, fp8_linear, get_linear_recipe, quantize_linear_weight
+from .hooks import carry_hooks
 from .nvfp4 import NVFP4InferenceLinear
 from .swiglu import RECIPES as SWIGLU_RECIPES
 from .swiglu import FP8SwiGLUMLP, swiglu_mlp_unsupported
@@ -257,9 +258,9 @@ def _swap(linear: nn.Linear, name: str, recipe: str, inference: bool, min_numel:
         kept.append(f"{name} ({linear.in_features}x{linear.out_features})")
         return linear
     if recipe == _NVFP4:
-        return NVFP4InferenceLinear.from_linear(linear)
+        return carry_hooks(linear, NVFP4InferenceLinear.from_linear(linear))
     cls = FP8InferenceLinear if inference else FP8Linear
-    return cls.from_linear(linear, recipe)
+    return carry_hooks(linear, cls.from_linear(linear, recipe))
 
 
 def convert(model: nn.Module, recipe: str | None = None, filter_fn: Callable[[str, nn.Module], bool] | None = None,
@@ -302,7 +303,9 @@ def convert(model: nn.Module, recipe: str | None = None, filter_fn: Callable[[st
     features are not multiples of 16 stay as they are, with one log line each, and so do, for
     training, layers whose weight is not a parameter (``torch.nn.utils.weight_norm``), and for
     inference ``nn.TransformerEncoderLayer``'s ``linear1`` / ``linear2`` (its fast path multiplies
-    by their weights itself). With
+    by their weights itself). A swapped layer keeps its forward and backward hooks (their handles
+    still remove them); a SwiGLU MLP whose layers have hooks is not fused (their layers convert one
+    by one). With
     ``inference=True``, :class:`FP8Linear` layers (a model trained after ``convert``) become
     :class:`FP8InferenceLinear` with their own recipe.
 
@@ -346,12 +349,12 @@ def convert(model: nn.Module, recipe: str | None = None, filter_fn: Callable[[st
     fuse = fuse_mlp and not inference and recipe in SWIGLU_RECIPES
     if isinstance(model, FP8SwiGLUMLP):
         if not fuse:
-            model = model.unfused()
+            model = carry_hooks(model, model.unfused())
         elif filter_fn is None or _mlp_accepted("", model, filter_fn):
             model.recipe = recipe  # as _fuse_mlps does for the fused MLPs inside a model
             return model
     if swiglu_mlp_unsupported(model) is None and fuse and (filter_fn is None or _mlp_accepted("", model, filter_fn)):
-        return FP8SwiGLUMLP.from_mlp(model, recipe)
+        return carry_hooks(model, FP8SwiGLUMLP.from_mlp(model, recipe))
     fused = _fuse_mlps(model, fuse, filter_fn, min_weight_numel, recipe)
     kept: list[str] = []
     # transformers models name the layers they read in high precision (T5's ``wo``: its MLP casts its
@@ -447,10 +450,10 @@ def _fuse_mlps(model: nn.Module, fuse: bool, filter_fn, min_numel: int, recipe: 
                         child.recipe = recipe
                     fused += 1
                 else:
-                    new = child.unfused()
+                    new = carry_hooks(child, child.unfused())
             elif (fuse and swiglu_mlp_unsupported(child) is None and child.gate_proj.weight.numel() >= min_numel
                   and (filter_fn is None or _mlp_accepted(name, child, filter_fn))):
-                new = FP8SwiGLUMLP.from_mlp(child, recipe)
+                new = carry_hooks(child, FP8SwiGLUMLP.from_mlp(child, recipe))
                 fused += 1
             if child is not None:
                 done[id(child)] = new
@@ -470,7 +473,7 @@ def _convertible(module: nn.Module) -> bool:
 def _converted(module: nn.Module, name: str, recipe: str, inference: bool, min_numel: int, kept: list) -> nn.Module:
     """What :func:`convert` makes of one :func:`_convertible` module (itself where nothing applies)."""
     from ..moe import FP8InferenceMoE, MoE, NVFP4InferenceMoE
-    from ..moe.hf import hf_moe_unsupported, moe_from_hf, refuse_router_logits, refuses_router_logits
+    from ..moe.hf import hf_moe_unsupported, moe_from_hf, refuse_router_logits
 
     if type(module) is nn.Linear:
         return _swap(module, name, recipe, inference, min_numel, kept)
@@ -487,13 +490,14 @@ def _converted(module: nn.Module, name: str, recipe: str, inference: bool, min_n
                         name or "<model>", module.hidden_size, module.ffn_size, _ALIGN)
             return module
         layer = NVFP4InferenceMoE.from_moe(module) if recipe == _NVFP4 else FP8InferenceMoE.from_moe(module)
-        # a transformers block converted for training before: the inference layer still replaces its router
-        return refuse_router_logits(layer) if refuses_router_logits(module) else layer
+        # the same call and outputs: the hooks carry over (on a transformers block converted for
+        # training before, the one refusing router logits: the inference layer still replaces its router)
+        return carry_hooks(module, layer)
     if isinstance(module, FP8Linear):
         if inference:
             if recipe == _NVFP4:  # from the master weights
-                return NVFP4InferenceLinear.from_linear(module)
-            return FP8InferenceLinear.from_linear(module, module.recipe.name)
+                return carry_hooks(module, NVFP4InferenceLinear.from_linear(module))
+            return carry_hooks(module, FP8InferenceLinear.from_linear(module, module.recipe.name))
         module.recipe = get_linear_recipe(recipe)
         return module
     if module.recipe.name != recipe:

@@ -30,6 +30,7 @@ from ..recipes import DEFAULT_TRAIN_RECIPE, LINEAR_RECIPES, LinearRecipe
 from ..runtime import differentiable_once
 from ..tensor import flatten_all, unflatten_all
 from .functional import _FLOAT_DTYPES, follow_autocast
+from .hooks import has_hooks
 from .weight_cache import quantize_weight
 
 __all__ = ["FP8SwiGLUMLP", "SwiGLUMLP", "fp8_swiglu_mlp", "SWIGLU_MLP_CLASSES"]
@@ -239,6 +240,8 @@ def swiglu_mlp_unsupported(module: nn.Module) -> str | None:
     linears = [getattr(module, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
     if any(type(m) is not nn.Linear or m.bias is not None for m in linears):
         return "gate_proj, up_proj and down_proj must be nn.Linear layers without bias"
+    if any(has_hooks(m) for m in linears):  # the fused MLP reads their weights, calls none of them
+        return "gate_proj, up_proj and down_proj must have no forward or backward hooks"
     if any(not isinstance(m.weight, nn.Parameter) for m in linears):  # the fused MLP reads them, runs no hook
         return ("gate_proj, up_proj and down_proj must hold their weights as parameters (not computed by a "
                 "forward pre-hook, as torch.nn.utils.weight_norm's)")

@@ -834,3 +834,26 @@ def test_create_graph_without_a_second_derivative_still_gives_the_gradients():
     ref(x2).sum().backward()
     torch.testing.assert_close(layer.weight.grad.detach(), ref.weight.grad, rtol=0, atol=0)
     torch.testing.assert_close(x.grad.detach(), x2.grad, rtol=0, atol=0)
+
+
+def test_convert_carries_the_layers_hooks():
+    """Forward, pre-forward and full backward hooks fire on the FP8 layer, their handles still remove
+    them, and the inference conversion of a trained model carries them again."""
+    lin = nn.Linear(128, 128)
+    model, calls = nn.Sequential(lin), []
+    pre = lin.register_forward_pre_hook(lambda m, args: calls.append(("pre", type(m).__name__)))
+    lin.register_forward_hook(lambda m, args, y: calls.append(("forward", type(m).__name__)))
+    lin.register_full_backward_hook(lambda m, grad_in, grad_out: calls.append(("backward", type(m).__name__)))
+    convert(model, min_weight_numel=0)
+    x = torch.randn(4, 128, requires_grad=True)
+    model(x).sum().backward()
+    assert calls == [("pre", "FP8Linear"), ("forward", "FP8Linear"), ("backward", "FP8Linear")]
+    pre.remove()
+    calls.clear()
+    model(x)
+    assert calls == [("forward", "FP8Linear")]
+    convert(model, inference=True)
+    calls.clear()
+    with torch.no_grad():
+        model(x)
+    assert calls == [("forward", "FP8InferenceLinear")]

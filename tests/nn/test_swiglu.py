@@ -449,3 +449,15 @@ def test_training_convert_does_not_fuse_an_mlp_with_a_weight_normed_layer():
     for _ in range(2):
         model(x).sum().backward()
     assert model[0].gate_proj.weight_v.grad is not None
+
+
+def test_convert_fuses_no_mlp_with_hooked_layers_and_carries_an_mlps_own_hooks():
+    seen = []
+    hooked_layers, hooked_mlp = SwiGLUMLP(128, 256), SwiGLUMLP(128, 256)
+    hooked_layers.gate_proj.register_forward_hook(lambda m, args, y: seen.append(type(m).__name__))
+    hooked_mlp.register_forward_hook(lambda m, args, y: seen.append(type(m).__name__))
+    model = lowprec.convert(nn.Sequential(hooked_layers, hooked_mlp), "fp8_block", min_weight_numel=0)
+    assert type(model[0]) is SwiGLUMLP and isinstance(model[0].gate_proj, FP8Linear)
+    assert isinstance(model[1], FP8SwiGLUMLP)
+    model(torch.randn(4, 128))
+    assert seen == ["FP8Linear", "FP8SwiGLUMLP"]
