@@ -40,7 +40,8 @@ def cos_sim(x: torch.Tensor, ref: torch.Tensor) -> float:
     if x_max == 0 or ref_max == 0:
         return 1.0 if x_max == ref_max else 0.0
     x, ref = x / x_max, ref / ref_max
-    return float(x @ ref / (x.norm() * ref.norm()))
+    # within [-1, 1]: the rounded quotient of equal tensors can land an ulp past 1
+    return min(1.0, max(-1.0, float(x @ ref / (x.norm() * ref.norm()))))
 
 
 def rel_l1(x: torch.Tensor, ref: torch.Tensor) -> float:

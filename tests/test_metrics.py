@@ -79,3 +79,9 @@ def test_rel_l1_and_max_rel_err_do_not_overflow():
     ref = torch.tensor([1e308, -1e308], dtype=torch.float64)
     assert metrics.rel_l1(-ref, ref) == pytest.approx(2.0)
     assert metrics.max_rel_err(-ref, ref) == pytest.approx(2.0)
+
+
+def test_cos_sim_of_equal_tensors_is_one_at_most():
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    for t in (x, x * 1e-3, x.float(), torch.linspace(-1, 7, 999)):
+        assert metrics.cos_sim(t, t) <= 1.0 and metrics.cos_sim(t, -t) >= -1.0
