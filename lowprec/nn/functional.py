@@ -133,6 +133,9 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
         raise TypeError(f"bias: expected a float tensor, got {getattr(bias, 'dtype', type(bias))}")
     if bias is not None and bias.shape != (weight.shape[0],):
         raise ValueError(f"bias: expected shape ({weight.shape[0]},), got {tuple(bias.shape)}")
+    for name, t in (("weight", weight), ("bias", bias)):
+        if t is not None and t.device != x.device:
+            raise ValueError(f"{name}: on {t.device}, but x is on {x.device}")
     x2, autocast_off = follow_autocast(x.reshape(math.prod(x.shape[:-1]), x.shape[-1]))  # -1 fails at K = 0
     bias32 = None if bias is None else bias.to(torch.float32)
     with autocast_off:

@@ -211,6 +211,8 @@ class FP8InferenceLinear(QuantizedBuffersModule):
             raise TypeError(f"x: expected a float32/bfloat16/float16 tensor, got {getattr(x, 'dtype', type(x))}")
         if x.dim() == 0 or x.shape[-1] != self.in_features:
             raise ValueError(f"x: last dim must be in_features={self.in_features}, got shape {tuple(x.shape)}")
+        if x.device != self.weight.device:
+            raise ValueError(f"x: on {x.device}, but the layer is on {self.weight.device}")
         x2, autocast_off = follow_autocast(x if x.dim() == 2 else x.reshape(-1, self.in_features))
         with autocast_off:
             if torch.is_grad_enabled() and x.requires_grad:

@@ -165,6 +165,8 @@ class NVFP4InferenceLinear(QuantizedBuffersModule):
             raise TypeError(f"x: expected a float32/bfloat16/float16 tensor, got {getattr(x, 'dtype', type(x))}")
         if x.dim() == 0 or x.shape[-1] != self.in_features:
             raise ValueError(f"x: last dim must be in_features={self.in_features}, got shape {tuple(x.shape)}")
+        if x.device != self.packed.device:
+            raise ValueError(f"x: on {x.device}, but the layer is on {self.packed.device}")
         x, autocast_off = follow_autocast(x)
         with autocast_off:
             x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)

@@ -857,3 +857,13 @@ def test_convert_carries_the_layers_hooks():
     with torch.no_grad():
         model(x)
     assert calls == [("forward", "FP8InferenceLinear")]
+
+
+@pytest.mark.parametrize("make", [lambda: FP8Linear(128, 64),
+                                  lambda: FP8InferenceLinear.from_linear(nn.Linear(128, 64)),
+                                  lambda: NVFP4InferenceLinear.from_linear(nn.Linear(128, 64))],
+                         ids=["FP8Linear", "FP8InferenceLinear", "NVFP4InferenceLinear"])
+def test_an_input_on_another_device_than_the_layer_is_named(make):
+    layer = make().to("meta")
+    with pytest.raises(ValueError, match=r"(x|weight): on (cpu|meta), but (x|the layer) is on (meta|cpu)"):
+        layer(torch.randn(4, 128))
