@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..nn.buffers import QuantizedBuffersModule
-from ..nn.functional import follow_autocast
+from ..nn.functional import follow_autocast, output_as
 from ..quant import quantize
 from ..recipes import get_recipe
 from ..tensor import QuantizedTensor
@@ -197,7 +197,7 @@ def _route_and_apply(module: MoE | FP8InferenceMoE, x: torch.Tensor, w1, w2, rec
             return traced_experts(tokens, weights, ids, w1, w2, recipe, module.capacity_factor, module.drop_policy,
                                   module.activation, False).reshape(x.shape)
         y, routing = _route_and_apply_eager(tokens, module.router.weight, w1, w2, recipe, *config)
-    return (y.reshape(x.shape), routing) if return_routing else y.reshape(x.shape)
+    return (output_as(y, x.shape), routing) if return_routing else output_as(y, x.shape)
 
 
 class FP8InferenceMoE(QuantizedBuffersModule):

@@ -30,7 +30,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from ..nn.functional import follow_autocast
+from ..nn.functional import follow_autocast, output_as
 from ..quant import quantize
 from ..recipes import get_recipe
 from ..tensor import QuantizedTensor
@@ -321,7 +321,7 @@ class ExpertParallelMoE(nn.Module):
                                         group=self.group, recipe=self.recipe, capacity_factor=self.capacity_factor,
                                         drop_policy=self.drop_policy, activation=self.activation,
                                         fp8_dispatch=self.fp8_dispatch)
-        return y.reshape(x.shape)
+        return output_as(y, x.shape)
 
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, ffn_size={self.ffn_size}, num_experts={self.num_experts} "

@@ -35,6 +35,14 @@ _WEIGHT_DTYPES = (*_FLOAT_DTYPES, torch.float64)  # what quantize takes
 _NO_CONTEXT = contextlib.nullcontext()  # reusable: entered and left per call, holds no state
 
 
+def output_as(y: torch.Tensor, shape) -> torch.Tensor:
+    """A layer's output ``y`` in ``shape`` as a tensor of its own, not a view (as ``nn.Linear``'s):
+    FSDP2 hooks a wrapped module's outputs for its backward, and an in-place op on an output that
+    is a view (``out += residual``) drops that hook, so the sharded weights get no gradients."""
+    shape = tuple(shape)
+    return y if tuple(y.shape) == shape and y._base is None else torch.ops.aten._unsafe_view(y, shape)
+
+
 def follow_autocast(x: torch.Tensor) -> tuple[torch.Tensor, contextlib.AbstractContextManager]:
     """``x`` as ``nn.Linear`` sees it under ``torch.autocast`` for ``x``'s device (cast to the
     autocast dtype, differentiably: its gradient comes back in ``x``'s dtype), else ``x``; and a
@@ -145,4 +153,4 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
             x_q = quantize(x2, r.activation, check_finite=False)
             w_q, _ = quantize_weight(weight, r.weight, with_transpose=False)
             y = gemm(x_q, w_q, out_dtype=x2.dtype, bias=bias32)
-    return y.reshape(*x.shape[:-1], weight.shape[0])
+    return output_as(y, (*x.shape[:-1], weight.shape[0]))

@@ -29,7 +29,7 @@ from ..quant import quantize, quantize_dual, swiglu_quantize_dual
 from ..recipes import DEFAULT_TRAIN_RECIPE, LINEAR_RECIPES, LinearRecipe
 from ..runtime import differentiable_once
 from ..tensor import flatten_all, unflatten_all
-from .functional import _FLOAT_DTYPES, follow_autocast
+from .functional import _FLOAT_DTYPES, follow_autocast, output_as
 from .hooks import has_hooks
 from .weight_cache import quantize_weight
 
@@ -151,7 +151,7 @@ def fp8_swiglu_mlp(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_
         if not x2.is_contiguous():
             x2 = x2.contiguous()
         y = _FP8SwiGLU.apply(x2, w_gate, w_up, w_down, r)
-    return y.view(*x.shape[:-1], y.shape[-1])
+    return output_as(y, (*x.shape[:-1], y.shape[-1]))
 
 
 class SwiGLUMLP(nn.Module):

@@ -629,3 +629,29 @@ def test_fp8_all_gather_on_a_one_rank_mesh_trains_as_unsharded():
                     p.grad = q.grad = None
         finally:
             dist.destroy_process_group()
+
+
+def _inplace_output_worker(rank, world, init_file):
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    _init_group(rank, world, init_file, "gloo")
+    with rank_body():
+        torch.manual_seed(0)
+        model = lowprec.convert(nn.Sequential(nn.Linear(128, 128), SwiGLUMLP(128, 256)), "fp8_block",
+                                min_weight_numel=0)
+        for layer in model:
+            fully_shard(layer)
+        fully_shard(model)
+        x = torch.randn(16, 128)
+        for layer in model:
+            out = layer(x)
+            out += 1.0  # in place on a sharded module's output (a residual add), fine for nn.Linear
+            out.sum().backward()
+        assert all(isinstance(p.grad, DTensor) for p in model.parameters())
+
+
+def test_an_in_place_op_on_a_sharded_layers_output_keeps_its_gradients():
+    """FSDP2 hooks a sharded module's output for its backward: an output that is a view (an
+    in-place op on it drops the hook) left the weights without their sharded gradients."""
+    _spawn(_inplace_output_worker)

@@ -867,3 +867,32 @@ def test_an_input_on_another_device_than_the_layer_is_named(make):
     layer = make().to("meta")
     with pytest.raises(ValueError, match=r"(x|weight): on (cpu|meta), but (x|the layer) is on (meta|cpu)"):
         layer(torch.randn(4, 128))
+
+
+def _fp8_layers():
+    torch.manual_seed(0)
+    mlp = lowprec.nn.SwiGLUMLP(128, 64)
+    return {
+        "FP8Linear": lowprec.nn.FP8Linear(128, 64),
+        "FP8SwiGLUMLP": lowprec.nn.FP8SwiGLUMLP.from_mlp(mlp),
+        "MoE": lowprec.moe.MoE(128, 64, num_experts=4, top_k=2),
+    }
+
+
+@pytest.mark.parametrize("name", ["FP8Linear", "FP8SwiGLUMLP", "MoE"])
+@pytest.mark.parametrize("lead", [(16,), (2, 8)])
+def test_fp8_layer_outputs_are_not_views(name, lead):
+    """As nn.Linear's (FSDP2 hooks a module's output; an in-place op on a view drops the hook)."""
+    layer = _fp8_layers()[name]
+    x = torch.randn(*lead, 128, requires_grad=True)
+    y = layer(x)
+    assert y._base is None, f"{name} output is a view (nn.Linear's is not)"
+    # and an in-place op on it leaves the gradients as the out-of-place one does
+    y2 = layer(x)
+    y2 += 1.0
+    y2.sum().backward()
+    g_inplace = [p.grad.clone() for p in layer.parameters()]
+    layer.zero_grad()
+    (layer(x) + 1.0).sum().backward()
+    for a, b in zip(g_inplace, [p.grad for p in layer.parameters()]):
+        assert torch.equal(a, b)
