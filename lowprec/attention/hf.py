@@ -26,7 +26,8 @@ Generation on an FP8 KV cache: :func:`fp8_cache` is a transformers ``Cache`` who
 :class:`lowprec.attention.FP8KVCache` objects (each step's keys and values quantized once as they
 are appended, attention reading the FP8 cache in place), for ``"lowprec_fp8"`` models::
 
-    out = model.generate(ids, past_key_values=fp8_cache(max_len=4096), max_new_tokens=256)
+    out = model.generate(ids, cache=fp8_cache(max_len=4096), max_new_tokens=256)  # past_key_values= before
+                                                                                 # transformers' rename
 
 Calls with an attention mask (padded batches) attend over the cache dequantized to the model's
 dtype with ``sdpa`` (correct, slower; one warning).
@@ -90,7 +91,8 @@ def _sdpa_reason(module, query, key, value, attention_mask, dropout: float, kwar
                 "q_len == kv_len)")
     if q_len == 1 < kv_len or (q_len <= 16 and q_len < kv_len):
         return ("decode over transformers' bf16 KV cache (the FP8 forward would quantize the whole cache at every "
-                "step; past_key_values=fp8_cache(max_len), from lowprec.attention import fp8_cache, keeps it in FP8)")
+                "step; cache=fp8_cache(max_len) (past_key_values= on older transformers), from "
+                "lowprec.attention import fp8_cache, keeps it in FP8)")
     if q_len != kv_len:
         return "queries over a longer cache (chunked prefill)"
     if query.is_cuda:

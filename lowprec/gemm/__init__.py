@@ -46,10 +46,11 @@ def gemm(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype = torch.
          bias: torch.Tensor | None = None) -> torch.Tensor:
     """``D[M, N] = dequant(a)[M, K] · dequant(b)[N, K]ᵀ (+ bias)``, accumulated in FP32.
 
-    Any recipes work through the reference path. On Hopper (sm_90a), ``a`` in
-    ``fp8_block1x128`` and ``b`` in ``fp8_block128x128`` (weights), ``fp8_block1x128`` or
-    ``fp8_block16x128`` (weight gradients) run the CuTe DSL kernel (``LOWPREC_BACKEND`` chooses,
-    see :mod:`lowprec.runtime.backend`).
+    Any recipes work through the reference path. On Hopper (sm_90a), ``a`` in ``fp8_block1x128``,
+    ``fp8_rowwise`` or ``fp8_tensorwise`` and ``b`` in ``fp8_block128x128`` (weights),
+    ``fp8_block1x128`` or ``fp8_block16x128`` (weight gradients), ``fp8_rowwise`` or
+    ``fp8_tensorwise`` run the CuTe DSL kernel (on Blackwell see README; ``LOWPREC_BACKEND``
+    chooses, see :mod:`lowprec.runtime.backend`).
 
     Args:
         a: quantized ``[M, K]``.
