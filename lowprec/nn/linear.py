@@ -246,9 +246,10 @@ class FP8InferenceLinear(QuantizedBuffersModule):
 
 
 def _swap(linear: nn.Linear, name: str, recipe: str, inference: bool, min_numel: int, kept: list) -> nn.Module:
-    if not inference and not isinstance(linear.weight, nn.Parameter):
-        # torch.nn.utils.weight_norm / spectral_norm: a forward pre-hook computes weight from the
-        # layer's own parameters (weight_g and weight_v, weight_orig), which an FP8Linear would drop
+    # torch.nn.utils.weight_norm / spectral_norm: a forward pre-hook computes weight from the layer's
+    # own parameters (weight_g and weight_v, weight_orig), which the new layer does not have
+    computed_weight = not isinstance(linear.weight, nn.Parameter)
+    if computed_weight and not inference:
         log.warning("lowprec.convert: keeping %s as nn.Linear: its weight is not a parameter (computed by a "
                     "forward pre-hook, as torch.nn.utils.weight_norm's)", name or "<model>")
         return linear
@@ -259,10 +260,11 @@ def _swap(linear: nn.Linear, name: str, recipe: str, inference: bool, min_numel:
     if linear.in_features * linear.out_features < min_numel:
         kept.append(f"{name} ({linear.in_features}x{linear.out_features})")
         return linear
-    if recipe == _NVFP4:
-        return carry_hooks(linear, NVFP4InferenceLinear.from_linear(linear))
     cls = FP8InferenceLinear if inference else FP8Linear
-    return carry_hooks(linear, cls.from_linear(linear, recipe))
+    new = NVFP4InferenceLinear.from_linear(linear) if recipe == _NVFP4 else cls.from_linear(linear, recipe)
+    # an inference layer takes the computed weight as it is now; the hook computing it has no
+    # parameters left to read there
+    return new if computed_weight else carry_hooks(linear, new)
 
 
 def convert(model: nn.Module, recipe: str | None = None, filter_fn: Callable[[str, nn.Module], bool] | None = None,

@@ -896,3 +896,18 @@ def test_fp8_layer_outputs_are_not_views(name, lead):
     (layer(x) + 1.0).sum().backward()
     for a, b in zip(g_inplace, [p.grad for p in layer.parameters()]):
         assert torch.equal(a, b)
+
+
+def test_inference_convert_of_a_weight_normed_linear_takes_its_weight_as_it_is():
+    """For inference the computed weight is quantized as it is now; weight_norm's hook, which reads
+    weight_g / weight_v, is not carried to the new layer (it has neither)."""
+    model = nn.Sequential(_weight_norm(nn.Linear(128, 128)))
+    weight = model[0].weight.detach().clone()
+    x = torch.randn(4, 128)
+    convert(model, inference=True)
+    expect = FP8InferenceLinear.from_linear(nn.Linear(128, 128))
+    expect.load_state_dict({**model[0].state_dict()})
+    with torch.no_grad():
+        assert torch.equal(model(x), expect(x))
+    assert torch.equal(model[0].quantized_weight().dequantize(torch.float32),
+                       lowprec.quantize(weight, "fp8_block128x128").dequantize(torch.float32))
