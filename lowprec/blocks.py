@@ -7,6 +7,7 @@ import torch
 
 from .formats import decode, unpack_fp4
 from .recipes import WHOLE, ScaleRecipe
+from .runtime.arch import on_operand_device
 
 __all__ = ["block_dims", "expand_scale", "times_block_scales", "dequantize_blocks"]
 
@@ -27,6 +28,7 @@ def expand_scale(scale: torch.Tensor, br: int, bc: int, rows: int, cols: int) ->
     return s[..., :rows, :cols]
 
 
+@on_operand_device
 def dequantize_blocks(qt, dtype: torch.dtype | None = None) -> torch.Tensor:
     """``q * scale (* global_scale)`` of a QuantizedTensor ``qt`` with its logical shape.
 

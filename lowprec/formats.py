@@ -25,6 +25,7 @@ __all__ = [
     "pack_fp4",
     "unpack_fp4",
     "E8M0_NAN",
+    "pow2",
 ]
 
 
@@ -85,6 +86,14 @@ def _floor_log2(a: torch.Tensor) -> torch.Tensor:
     return torch.frexp(a)[1] - 1
 
 
+def pow2(exp: torch.Tensor, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """``2^exp`` for integer ``exp`` in [-1022, 1023], exactly, as ``dtype`` (from FP64's bits).
+
+    Not ``torch.ldexp``: on a CUDA device that is not the current one it gives wrong values
+    (torch 2.11, 2x H200), and this is a shift and a bit view instead of a power and a multiply."""
+    return ((exp.to(torch.int64) + 1023) << 52).view(torch.float64).to(dtype)
+
+
 def encode(x: torch.Tensor, fmt: str | ElementFormat, saturate: bool | None = None) -> torch.Tensor:
     """Round ``x`` to nearest-even in ``fmt`` and return its codes as ``uint8``.
 
@@ -109,7 +118,7 @@ def encode(x: torch.Tensor, fmt: str | ElementFormat, saturate: bool | None = No
     a = torch.where(nan | inf, torch.zeros_like(a), a)
 
     exp = _floor_log2(a).clamp(min=1 - f.bias)  # subnormals share the smallest exponent
-    quantum = torch.ldexp(torch.ones_like(a), exp - f.man_bits)
+    quantum = pow2(exp - f.man_bits)
     r = torch.round(a / quantum) * quantum  # exact: dividing by a power of two
     overflow = (r > f.max) | inf
     r = torch.where(overflow, torch.full_like(r, f.max), r)
@@ -120,7 +129,7 @@ def encode(x: torch.Tensor, fmt: str | ElementFormat, saturate: bool | None = No
     mantissa = torch.where(
         subnormal,
         r / f.min_subnormal,
-        r / torch.ldexp(torch.ones_like(r), exp - f.man_bits) - 2**f.man_bits,
+        r / pow2(exp - f.man_bits) - 2**f.man_bits,
     ).to(torch.int64)
     code = (exp_field << f.man_bits) | mantissa
     if not saturate:
@@ -204,7 +213,7 @@ def decode_e8m0(codes: torch.Tensor) -> torch.Tensor:
     if codes.dtype != torch.uint8:
         raise TypeError(f"codes: expected uint8 codes, got {codes.dtype}")
     exp = codes.to(torch.int32) - 127
-    out = torch.ldexp(torch.ones_like(exp, dtype=torch.float64), exp).to(torch.float32)
+    out = pow2(exp, torch.float32)
     return torch.where(codes == E8M0_NAN, torch.full_like(out, float("nan")), out)
 
 

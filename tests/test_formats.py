@@ -13,6 +13,7 @@ from lowprec.formats import (
     encode_e8m0,
     get_format,
     pack_fp4,
+    pow2,
     unpack_fp4,
 )
 
@@ -187,3 +188,11 @@ def test_unhashable_format_names_the_argument():
         get_format(["e4m3"])
     with pytest.raises(ValueError, match="^fmt: unknown element format"):
         encode(torch.randn(4), ["e4m3"])
+
+
+def test_pow2_is_exact_over_fp64_normal_exponents():
+    exp = torch.arange(-1022, 1024)
+    want = torch.tensor([math.ldexp(1.0, int(e)) for e in exp], dtype=torch.float64)
+    assert torch.equal(pow2(exp), want)
+    assert torch.equal(pow2(exp.to(torch.int32)[1022 - 149:1022 + 129], torch.float32),
+                       want[1022 - 149:1022 + 129].float())  # FP32: subnormals to 2^128 = Inf

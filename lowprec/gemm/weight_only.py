@@ -54,7 +54,7 @@ import torch
 
 from ..formats import E4M3, pack_fp4, unpack_fp4
 from ..formats import decode as decode_format
-from ..runtime import autocast_off
+from ..runtime import autocast_off, on_operand_device
 
 __all__ = ["TILE_N", "TILE_MS", "SPLITS", "CHUNK_K", "CHUNK_BYTES", "FP8_CHUNK_BYTES", "PackedNVFP4", "PackedFP8",
            "PackedNVFP4Experts", "pack_nvfp4", "pack_nvfp4_experts", "pack_fp8", "unpack_nvfp4", "unpack_fp8",
@@ -110,6 +110,10 @@ class _Tiled:
     @property
     def k_chunks(self) -> int:
         return -(-self.k // CHUNK_K)
+
+    @property
+    def device(self) -> torch.device:
+        return self.data.device
 
     @functools.cached_property
     def tiles(self) -> torch.Tensor:
@@ -183,6 +187,7 @@ def _thread_coords(device):
     return r0, col, s
 
 
+@on_operand_device
 def pack_nvfp4(weight: torch.Tensor, weight_scale: torch.Tensor, weight_scale_2: torch.Tensor,
                weight_2d: bool = False) -> PackedNVFP4:
     """ModelOpt-layout NVFP4 tensors -> the kernel's layout (any device; done once per weight).
@@ -255,6 +260,7 @@ def pack_nvfp4(weight: torch.Tensor, weight_scale: torch.Tensor, weight_scale_2:
                        n, k)
 
 
+@on_operand_device
 def unpack_nvfp4(packed: PackedNVFP4, weight_2d: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Inverse of :func:`pack_nvfp4` (ModelOpt layout, on the packed weight's device): ``weight``
     uint8 ``[N, K / 2]`` and ``weight_scale`` float8_e4m3fn ``[N, K / 16]`` (``[N / 16, K / 16]``
@@ -369,6 +375,7 @@ class PackedFP8(_Tiled):
     k: int
 
 
+@on_operand_device
 def pack_fp8(weight: torch.Tensor, scale: torch.Tensor) -> PackedFP8:
     """FP8 weight ``[N, K]`` (float8_e4m3fn) and its FP32 128x128 block scales
     ``[ceil(N / 128), ceil(K / 128)]`` -> the kernel's layout (done once per weight)."""

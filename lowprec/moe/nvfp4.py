@@ -15,7 +15,7 @@ from ..nn.buffers import QuantizedBuffersModule
 from ..nn.functional import follow_autocast
 from ..quant import quantize
 from ..recipes import get_recipe
-from ..runtime import eager_under_compile
+from ..runtime import eager_under_compile, on_operand_device
 from .core import _X_DTYPES, gated_activation
 from .packing import unpack
 from .routing import Routing, route
@@ -263,6 +263,7 @@ def _unpacked(packed: PackedNVFP4Experts) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @eager_under_compile
+@on_operand_device
 def _nvfp4_experts(tokens: torch.Tensor, router_weight: torch.Tensor, w1: PackedNVFP4Experts,
                    w2: PackedNVFP4Experts, top_k: int, score_func: str, renormalize: bool,
                    capacity_factor: float | None, drop_policy: str, activation: str) -> tuple[torch.Tensor, Routing]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from ..blocks import block_dims, dequantize_blocks, expand_scale
-from ..formats import E4M3, E8M0_NAN, encode, encode_e8m0, pack_fp4
+from ..formats import E4M3, E8M0_NAN, encode, encode_e8m0, pack_fp4, pow2
 from ..recipes import ScaleRecipe
 from ..tensor import QuantizedTensor
 
@@ -40,7 +40,7 @@ def ieee_div(a: torch.Tensor, b: float | torch.Tensor) -> torch.Tensor:
 def _pow2_ceil(s: torch.Tensor) -> torch.Tensor:
     mant, exp = torch.frexp(s)  # s = mant * 2^exp, mant in [0.5, 1)
     # Inf (a block with an Inf, check_finite=False) stays Inf: frexp gives it exponent 0, i.e. 1
-    return torch.where((mant == 0.5) | ~torch.isfinite(s), s, torch.ldexp(torch.ones_like(s), exp))
+    return torch.where((mant == 0.5) | ~torch.isfinite(s), s, pow2(exp, s.dtype))
 
 
 def scale_from_amax(amax: torch.Tensor, recipe: ScaleRecipe, global_scale: torch.Tensor | None = None) -> torch.Tensor:

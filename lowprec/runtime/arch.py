@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 
 import torch
 
-__all__ = ["device_arch", "sm_count", "on_device", "SUPPORTED_ARCHS", "GRID_YZ_MAX", "INT32_OFFSET_MAX"]
+__all__ = ["device_arch", "sm_count", "on_device", "on_operand_device", "SUPPORTED_ARCHS", "GRID_YZ_MAX",
+           "INT32_OFFSET_MAX"]
 
 SUPPORTED_ARCHS = ("sm_90a", "sm_100a")
 GRID_YZ_MAX = 65535  # CUDA's gridDim.y / gridDim.z limit
@@ -60,7 +62,23 @@ _SAME_DEVICE = contextlib.nullcontext()
 def on_device(device: torch.device):
     """``torch.cuda.device(device)`` where ``device`` is not the current CUDA device, else a no-op
     context: kernels launch on the current device's stream, and the guard costs several µs of
-    host time per launch where it changes nothing."""
-    if device.index is None or device.index == torch.cuda.current_device():
+    host time per launch where it changes nothing. A no-op while torch.compile traces: the
+    compiled code guards the device of its kernels itself."""
+    if device.index is None or torch.compiler.is_compiling() or device.index == torch.cuda.current_device():
         return _SAME_DEVICE
     return torch.cuda.device(device)
+
+
+def on_operand_device(fn):
+    """Decorator: ``fn`` runs with its first argument's device current (:func:`on_device`), for
+    plain torch code on a CUDA device that may not be the current one: some torch ops give wrong
+    values there (``torch.ldexp``, torch 2.11, 2x H200)."""
+    first = next(iter(inspect.signature(fn).parameters))
+
+    @functools.wraps(fn)
+    def on_operand(*args, **kwargs):
+        device = getattr(args[0] if args else kwargs.get(first), "device", None)
+        with on_device(device) if isinstance(device, torch.device) else _SAME_DEVICE:
+            return fn(*args, **kwargs)
+
+    return on_operand

@@ -31,7 +31,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from .arch import device_arch
+from .arch import device_arch, on_device
 from .backend import backend_mode, dsl_available, kernel_failed, self_check_mode, warn_once
 
 __all__ = ["Kernel", "SelfCheck", "register", "registered", "kernel_for", "run", "why_no_kernel",
@@ -210,11 +210,14 @@ def run(op: str, device: torch.device, args: tuple, reference: Callable[[], T],
              launch: Callable[[Callable], T] | None = None) -> T:
     """Run ``op``: ``launch(kernel)`` (default ``kernel(*args)``) where a kernel serves ``args`` on
     ``device``, else ``reference()``. A kernel that fails to compile or launch warns once and falls
-    back (raises under ``LOWPREC_BACKEND=kernel``)."""
-    kernel = kernel_for(op, device, *args)
-    if kernel is not None:
-        try:
-            return kernel(*args) if launch is None else launch(kernel)
-        except Exception as err:
-            kernel_failed(op, err)
-    return reference()
+    back (raises under ``LOWPREC_BACKEND=kernel``). Both run with ``device`` current: some torch
+    ops give wrong values on a CUDA device that is not the current one (``torch.ldexp``, torch
+    2.11), and kernels launch on the current device's stream."""
+    with on_device(device):
+        kernel = kernel_for(op, device, *args)
+        if kernel is not None:
+            try:
+                return kernel(*args) if launch is None else launch(kernel)
+            except Exception as err:
+                kernel_failed(op, err)
+        return reference()
