@@ -33,7 +33,8 @@ def save(obj: QuantizedTensor | Mapping[str, torch.Tensor | QuantizedTensor], pa
     """Save a QuantizedTensor, or a flat ``{name: Tensor | QuantizedTensor}`` dict, to ``path``.
 
     ``metadata``: extra string key/values to keep in the file (keys starting ``lowprec.`` are
-    reserved).
+    reserved). The file's metadata also says ``"format": "pt"`` (unless ``metadata`` sets
+    ``"format"``), as transformers' ``save_pretrained`` writes it.
     """
     if isinstance(obj, QuantizedTensor):
         entries, kind = {_SINGLE_KEY: obj}, "quantized_tensor"
@@ -41,6 +42,11 @@ def save(obj: QuantizedTensor | Mapping[str, torch.Tensor | QuantizedTensor], pa
         entries, kind = obj, "state_dict"
     else:
         raise TypeError(f"obj: expected a QuantizedTensor or a dict of tensors, got {type(obj).__name__}")
+    if metadata is not None and not isinstance(metadata, Mapping):
+        raise TypeError(f"metadata: expected a dict of string keys and values, got {type(metadata).__name__}")
+    meta = {str(k): str(v) for k, v in (metadata or {}).items()}
+    if any(k.startswith("lowprec.") for k in meta):
+        raise ValueError("metadata: keys starting with 'lowprec.' are reserved")
     tensors: dict[str, torch.Tensor] = {}
     quantized: dict[str, dict] = {}
     for key, value in entries.items():
@@ -62,9 +68,9 @@ def save(obj: QuantizedTensor | Mapping[str, torch.Tensor | QuantizedTensor], pa
     # CUDA one make a new copy for each name, which would hide them
     tensors, aliases = _unshare(tensors)
     tensors = {name: t.contiguous().cpu() for name, t in tensors.items()}
-    meta = {str(k): str(v) for k, v in (metadata or {}).items()}
-    if any(k.startswith("lowprec.") for k in meta):
-        raise ValueError("metadata: keys starting with 'lowprec.' are reserved")
+    # as transformers' save_pretrained and huggingface_hub's save_torch_state_dict write it: readers
+    # such as transformers 4's from_pretrained refuse a file with metadata but no "format"
+    meta.setdefault("format", "pt")
     meta.update({
         "lowprec.format_version": _FORMAT_VERSION,
         "lowprec.kind": kind,

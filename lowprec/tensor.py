@@ -61,6 +61,10 @@ class QuantizedTensor:
         dtype: the dtype of the original tensor (what :meth:`dequantize` returns by default).
 
     ``x ≈ dequantize(quantize(x))``, with ``x ≈ q * scale (* global_scale)`` per block.
+
+    Pickles as its tensors and :meth:`metadata`: ``torch.save`` / ``torch.load`` (also with the
+    default ``weights_only=True``, once ``lowprec`` is imported) give it back, validated as
+    :meth:`from_parts` validates; :func:`lowprec.save` / :func:`lowprec.load` write safetensors.
     """
 
     __slots__ = ("data", "scale", "global_scale", "recipe", "shape", "dtype")
@@ -252,12 +256,28 @@ class QuantizedTensor:
         except (TypeError, ValueError) as err:
             raise ValueError(f"{where}: {err}") from None
 
+    def __reduce__(self):
+        # plain tensors and JSON values rebuilt by one allow-listed function: torch.load's default
+        # weights_only=True unpickler takes it, and validates the parts as lowprec.load does
+        return _rebuild_quantized_tensor, (self.data, self.scale, self.global_scale, self.metadata())
+
     def __repr__(self) -> str:
         return (
             f"QuantizedTensor(recipe={self.recipe.name}, shape={tuple(self.shape)}, dtype={self.dtype}, "
             f"data={self.data.dtype}{tuple(self.data.shape)}, scale={self.scale.dtype}{tuple(self.scale.shape)}, "
             f"device={self.device})"
         )
+
+
+def _rebuild_quantized_tensor(data: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor | None,
+                               metadata: dict) -> QuantizedTensor:
+    """How ``torch.load`` (and ``copy.deepcopy``) rebuild a pickled :class:`QuantizedTensor`."""
+    return QuantizedTensor.from_parts(data, scale, global_scale, metadata, "QuantizedTensor (unpickled)")
+
+
+# the only lowprec global a pickled QuantizedTensor names; its class is not allow-listed, so a
+# pickle cannot set its fields without the validation above
+torch.serialization.add_safe_globals([_rebuild_quantized_tensor])
 
 
 def flatten_all(*items: torch.Tensor | QuantizedTensor | None) -> tuple[list[torch.Tensor], list]:

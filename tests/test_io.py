@@ -72,6 +72,12 @@ def test_save_errors(tmp_path):
         lowprec.save({"a::b": torch.ones(1)}, tmp_path / "x")
 
 
+@pytest.mark.parametrize("metadata", [[("model", "tiny")], "model=tiny"])
+def test_save_refuses_metadata_that_is_not_a_dict_naming_it(metadata, tmp_path):
+    with pytest.raises(TypeError, match="metadata: expected a dict"):
+        lowprec.save({"a": torch.ones(1)}, tmp_path / "x", metadata=metadata)
+
+
 @pytest.mark.gpu
 def test_load_to_cuda(tmp_path):
     qt = lowprec.quantize(torch.randn(8, 256, device="cuda"), "mxfp8")
@@ -274,3 +280,17 @@ def test_save_takes_fp8_all_gather_parameters(tmp_path):
     assert back.keys() == params.keys() and all(type(t) is torch.Tensor for t in back.values())
     assert torch.equal(back["0.weight"], model[0].weight.hp) and torch.equal(back["1.bias"], model[1].bias)
     assert back["1.weight"] is back["0.weight"]
+
+
+@pytest.mark.parametrize("obj", [{"w": torch.ones(3)}, lowprec.quantize(torch.randn(4, 64), "mxfp8")])
+def test_saved_file_says_format_pt_as_save_pretrained_does(obj, tmp_path):
+    """transformers 4's from_pretrained (and loaders written after it) refuse a safetensors file whose
+    metadata has no "format"."""
+    lowprec.save(obj, tmp_path / "t.safetensors", metadata={"model": "tiny"})
+    with safetensors.safe_open(tmp_path / "t.safetensors", "pt") as f:
+        meta = f.metadata()
+    assert meta["format"] == "pt" and meta["model"] == "tiny" and meta["lowprec.format_version"] == "1"
+    lowprec.save(obj, tmp_path / "u.safetensors", metadata={"format": "custom"})  # the caller's own value kept
+    with safetensors.safe_open(tmp_path / "u.safetensors", "pt") as f:
+        assert f.metadata()["format"] == "custom"
+    assert type(lowprec.load(tmp_path / "u.safetensors")) is type(obj)

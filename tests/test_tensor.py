@@ -1,3 +1,6 @@
+import copy
+import pickle
+
 import pytest
 import torch
 
@@ -135,3 +138,54 @@ def test_non_square_blocks_still_refused():
     q = lowprec.quantize(torch.randn(4, 256), "fp8_block1x128")
     with pytest.raises(ValueError, match="^transpose: .*1x128"):
         q.transpose()
+
+
+def _same(a: lowprec.QuantizedTensor, b: lowprec.QuantizedTensor) -> bool:
+    return (a.recipe == b.recipe and a.shape == b.shape and a.dtype == b.dtype
+            and torch.equal(a.data.view(torch.uint8), b.data.view(torch.uint8))
+            and torch.equal(a.scale.float(), b.scale.float())
+            and (a.global_scale is None) == (b.global_scale is None)
+            and (a.global_scale is None or torch.equal(a.global_scale, b.global_scale)))
+
+
+@pytest.mark.parametrize("recipe, options", [("fp8_block128x128", {"pow2_scale": True}), ("fp8_block1x128", {}),
+                                             ("mxfp8", {}), ("nvfp4", {"weight_2d": True})])
+def test_torch_save_and_weights_only_torch_load_round_trip(recipe, options, tmp_path):
+    """torch.load's default (weights_only=True since torch 2.6) refused a pickled QuantizedTensor."""
+    qt = lowprec.quantize(torch.randn(2, 64, 256, dtype=torch.bfloat16), recipe, **options)
+    torch.save({"q": qt, "bias": torch.ones(3)}, tmp_path / "q.pt")
+    back = torch.load(tmp_path / "q.pt")
+    assert isinstance(back["q"], lowprec.QuantizedTensor) and _same(back["q"], qt)
+    assert torch.equal(back["bias"], torch.ones(3))
+
+
+def test_weights_only_torch_load_validates_a_pickled_quantized_tensor(tmp_path):
+    from lowprec.tensor import _rebuild_quantized_tensor
+
+    qt = lowprec.quantize(torch.randn(4, 256), "fp8_block1x128")
+
+    class Tampered:  # the parts of qt under the metadata of a wider tensor
+        def __reduce__(self):
+            return _rebuild_quantized_tensor, (qt.data, qt.scale, None, {**qt.metadata(), "shape": [4, 300]})
+
+    torch.save(Tampered(), tmp_path / "q.pt")
+    with pytest.raises(ValueError, match=r"QuantizedTensor \(unpickled\): data: expected shape \(4, 300\)"):
+        torch.load(tmp_path / "q.pt")
+
+
+def test_weights_only_torch_load_refuses_a_pickle_that_sets_the_fields(tmp_path, monkeypatch):
+    """Only the validating rebuild function is allow-listed, not the class: pickle's default form of
+    the object (its fields set as they are) stays refused."""
+    qt = lowprec.quantize(torch.randn(4, 256), "fp8_block1x128")
+    monkeypatch.setattr(lowprec.QuantizedTensor, "__reduce__", object.__reduce__)
+    torch.save(qt, tmp_path / "q.pt")
+    monkeypatch.undo()
+    with pytest.raises(pickle.UnpicklingError, match="QuantizedTensor"):
+        torch.load(tmp_path / "q.pt")
+
+
+def test_deepcopy_copies_and_copy_shares_the_tensors():
+    qt = lowprec.quantize(torch.randn(32, 64), "nvfp4")
+    deep, shallow = copy.deepcopy(qt), copy.copy(qt)
+    assert _same(deep, qt) and deep.data.data_ptr() != qt.data.data_ptr()
+    assert shallow.data is qt.data and shallow.scale is qt.scale and shallow.global_scale is qt.global_scale
