@@ -530,9 +530,33 @@ def _master_weights_in_state_dict(module, state_dict, prefix, local_metadata):
                                                  run_check=False, shape=value.shape, stride=value.stride())
 
 
+def _wrap_master_weights_on_assign(module, state_dict, prefix, local_metadata, *_):
+    # load_state_dict(assign=True) makes the loaded tensors the parameters: wrap each as the weight it
+    # replaces, else the FP8 all-gather would be silently lost (a copying load keeps the wrapper). The
+    # state dict is load_state_dict's own copy: the caller's dict and tensors are left as they are.
+    if not local_metadata.get("assign_to_params_buffers", False):
+        return
+    from torch.distributed.tensor import DTensor
+
+    for name, param in module._parameters.items():
+        key = prefix + name
+        value = state_dict.get(key)
+        if not isinstance(value, torch.Tensor):
+            continue
+        if isinstance(value, DTensor):  # under FSDP2: rewrap this rank's shard
+            if (isinstance(getattr(param, "_local_tensor", None), FP8AllGatherWeight)
+                    and not isinstance(value._local_tensor, FP8AllGatherWeight)):
+                state_dict[key] = DTensor.from_local(FP8AllGatherWeight(value._local_tensor.detach()),
+                                                     value.device_mesh, value.placements, run_check=False,
+                                                     shape=value.shape, stride=value.stride())
+        elif isinstance(param, FP8AllGatherWeight) and not isinstance(value, FP8AllGatherWeight):
+            state_dict[key] = FP8AllGatherWeight(value.detach())
+
+
 def _hook_master_weights(module: nn.Module) -> None:
     if not getattr(module, "_lowprec_fp8_gather_hook", False):
         module.register_state_dict_post_hook(_master_weights_in_state_dict)
+        module.register_load_state_dict_pre_hook(_wrap_master_weights_on_assign)
         module._lowprec_fp8_gather_hook = True
 
 
@@ -567,10 +591,11 @@ def enable_fp8_all_gather(module: nn.Module) -> int:
 
     Outside FSDP nothing changes: a wrapped weight behaves as the master weight, and the
     module's state dict holds the master weight itself (under FSDP, DTensors as usual:
-    ``full_tensor()`` gives the master weight). With ``MixedPrecisionPolicy(param_dtype=
-    torch.bfloat16)`` the shards are quantized from the master weights' own dtype, not from a
-    bf16 copy (the plain all-gather's layer quantizes the gathered bf16 weight), so the codes can
-    differ from the plain path's there."""
+    ``full_tensor()`` gives the master weight); ``load_state_dict(..., assign=True)`` (e.g. into a
+    model built on the meta device) wraps the loaded tensors as the weights they replace. With
+    ``MixedPrecisionPolicy(param_dtype=torch.bfloat16)`` the shards are quantized from the master
+    weights' own dtype, not from a bf16 copy (the plain all-gather's layer quantizes the gathered
+    bf16 weight), so the codes can differ from the plain path's there."""
     _check_not_sharded(module)
     # every reference to each parameter (a tied weight has several owners)
     refs: dict[int, list[tuple[nn.Module, str]]] = {}

@@ -42,7 +42,7 @@ register_optimizer_step_post_hook(_forget_after_step)
 
 
 class _Entry:
-    __slots__ = ("ref", "version", "dtype", "device", "recipe", "w_q", "w_t")
+    __slots__ = ("ref", "version", "dtype", "device", "recipe", "w_q", "w_t", "inference")
 
     def __init__(self, weight: torch.Tensor, recipe: str, w_q: QuantizedTensor, w_t: QuantizedTensor | None):
         self.ref = weakref.ref(weight)
@@ -50,6 +50,8 @@ class _Entry:
         # module casts and moves (model.half(), .to(device)) swap param.data without a version bump
         self.dtype, self.device = weight.dtype, weight.device
         self.recipe, self.w_q, self.w_t = recipe, w_q, w_t
+        # copies made under torch.inference_mode are inference tensors, which autograd cannot save
+        self.inference = torch.is_inference_mode_enabled()
 
 
 @contextlib.contextmanager
@@ -71,7 +73,9 @@ def reuse_quantized_weights() -> Iterator[None]:
     as they bypass autograd, and so do in-place writes to FSDP2's sharded parameters other than
     an optimizer step (their unsharded weight is refilled at the next all-gather): make them
     outside the block. So do in-place writes to inference tensors (weights made under
-    ``torch.inference_mode``, which track no version). The FP8 copies (weight and, for training, its
+    ``torch.inference_mode``, which track no version). Copies made under ``torch.inference_mode``
+    (an evaluation inside the block) serve only forwards under it; training forwards quantize
+    again (autograd cannot save inference tensors). The FP8 copies (weight and, for training, its
     transpose: about two bytes per parameter) stay alive until the block ends. Blocks nest; the
     outermost one owns the cache. Per thread; ignored while ``torch.compile`` traces.
     """
@@ -108,7 +112,8 @@ def quantize_weight(weight: torch.Tensor, recipe: str, with_transpose: bool
     entry = cache.get(key)
     if (entry is not None and entry.ref() is weight and entry.version == version_of(weight)
             and entry.dtype == weight.dtype and entry.device == weight.device and entry.recipe == recipe
-            and (entry.w_t is not None or not with_transpose)):
+            and (entry.w_t is not None or not with_transpose)
+            and (not entry.inference or torch.is_inference_mode_enabled())):
         return entry.w_q, entry.w_t if with_transpose else None
     w_q, w_t = _quantize(weight, recipe, with_transpose)
     cache[key] = _Entry(weight, recipe, w_q, w_t)

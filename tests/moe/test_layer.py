@@ -451,3 +451,29 @@ def test_second_derivative_through_the_experts_is_an_error_not_a_silent_zero():
     (dx,) = torch.autograd.grad(m(x).sum(), x, create_graph=True)
     with pytest.raises(RuntimeError, match="differentiate twice"):
         dx.square().sum().backward()
+
+
+@pytest.mark.parametrize("recipe", ["fp8_block", None])
+@pytest.mark.parametrize("frozen, x_grad", [(("w1",), True), (("w2",), True), (("w1", "w2"), True),
+                                            (("router.weight",), False), (("router.weight", "w1"), False)])
+def test_frozen_parameters_and_inputs_without_gradient(recipe, frozen, x_grad):
+    """Frozen expert weights or router, or x without gradient: the rest get the gradients they get
+    when everything trains, bit for bit (the float64 reference comparison: test_module_forward_backward);
+    the frozen parameters get none."""
+    torch.manual_seed(0)
+    trained = MoE(H, FFN, E, K, recipe=recipe)
+    partly = MoE(H, FFN, E, K, recipe=recipe)
+    partly.load_state_dict(trained.state_dict())
+    for name in frozen:
+        partly.get_parameter(name).requires_grad_(False)
+    x = torch.randn(T, H)
+    dy = torch.randn(T, H)
+    x_all, x_part = x.clone().requires_grad_(), x.clone().requires_grad_(x_grad)
+    trained(x_all).backward(dy)
+    partly(x_part).backward(dy)
+    for name, p in partly.named_parameters():
+        if name in frozen:
+            assert p.grad is None, name
+        else:
+            assert torch.equal(p.grad, trained.get_parameter(name).grad), name
+    assert torch.equal(x_part.grad, x_all.grad) if x_grad else x_part.grad is None

@@ -655,3 +655,66 @@ def test_an_in_place_op_on_a_sharded_layers_output_keeps_its_gradients():
     """FSDP2 hooks a sharded module's output for its backward: an output that is a view (an
     in-place op on it drops the hook) left the weights without their sharded gradients."""
     _spawn(_inplace_output_worker)
+
+
+def _gathered_models():
+    from lowprec.moe import MoE
+
+    return {"linear": lambda: nn.Sequential(nn.Linear(128, 256), nn.ReLU(), nn.Linear(256, 128)),
+            "fused mlp": lambda: nn.Sequential(SwiGLUMLP(128, 256)),
+            "moe": lambda: nn.Sequential(MoE(128, 64, num_experts=4, top_k=2))}
+
+
+@pytest.mark.parametrize("kind", ["linear", "fused mlp", "moe"])
+def test_load_state_dict_assign_keeps_the_fp8_all_gather(kind):
+    """load_state_dict(assign=True) (a meta-device skeleton filled from a checkpoint) made the plain
+    loaded tensors the parameters: the FP8 all-gather was silently off. The loaded weights are wrapped;
+    the caller's state dict is left as it was, and the model trains as the one it was saved from."""
+    from lowprec.nn import FP8AllGatherWeight
+
+    torch.manual_seed(0)
+    trained = lowprec.convert(_gathered_models()[kind](), min_weight_numel=0)
+    wrapped_before = enable_fp8_all_gather(trained)
+    state = {name: value.detach().clone() for name, value in trained.state_dict().items()}
+    with torch.device("meta"):
+        skeleton = lowprec.convert(_gathered_models()[kind](), min_weight_numel=0)
+    assert enable_fp8_all_gather(skeleton) == wrapped_before > 0
+    skeleton.load_state_dict(state, assign=True)
+    gathered = {name for name, p in skeleton.named_parameters() if isinstance(p, FP8AllGatherWeight)}
+    assert gathered == {name for name, p in trained.named_parameters() if isinstance(p, FP8AllGatherWeight)}
+    assert all(type(value) is torch.Tensor for value in state.values())
+    assert all(type(value) is torch.Tensor for value in skeleton.state_dict().values())
+    x = torch.randn(8, 128)
+    for model in (trained, skeleton):
+        model(x).square().sum().backward()
+    for (name, p), q in zip(skeleton.named_parameters(), trained.parameters()):
+        assert not p.is_meta and torch.equal(p, q) and torch.equal(p.grad, q.grad), name
+
+
+def _load_assign_worker(rank, world, init_file):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from lowprec.nn import FP8AllGatherWeight, FP8GatheredWeight
+
+    _init_group(rank, world, init_file, "gloo")
+    with rank_body():
+        torch.manual_seed(0)
+        plain = lowprec.convert(_gathered_models()["linear"](), min_weight_numel=0)  # shards of 128 rows: FP8
+        fp8 = copy.deepcopy(plain)
+        enable_fp8_all_gather(fp8)
+        mesh = init_device_mesh("cpu", (world,))
+        for model in (plain, fp8):
+            fully_shard(model, mesh=mesh)
+        fp8.load_state_dict({name: value.detach().clone() for name, value in fp8.state_dict().items()}, assign=True)
+        assert isinstance(fp8[0].weight.to_local(), FP8AllGatherWeight)
+        seen = []
+        fp8[0].register_forward_pre_hook(lambda m, args: seen.append(type(m.weight)))
+        _steps_alike((plain, fp8), rank, world, 128, 2)
+        assert seen == [FP8GatheredWeight] * 2, seen
+
+
+def test_load_state_dict_assign_under_fully_shard_keeps_the_fp8_all_gather():
+    """The sharded state dict (DTensors over plain shards) loaded with assign=True: the shards are
+    wrapped again, and the next steps gather FP8 codes, bit-identical to the plain all-gather."""
+    _spawn(_load_assign_worker)

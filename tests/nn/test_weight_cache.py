@@ -212,3 +212,45 @@ def test_reuse_quantized_weights_takes_inference_tensors(monkeypatch):
         with reuse_quantized_weights():
             outs = [layer(x), layer(x)]
     assert all(torch.equal(y, plain) for y in outs) and len(calls) == 1
+
+
+def test_inference_mode_evaluation_inside_the_block_then_training():
+    """An evaluation under torch.inference_mode inside the block cached inference tensors (the fused
+    MLP's forward makes the transposed down weight even without gradients); the next training forward
+    took them and raised ("Inference tensors cannot be saved for backward"). Steps equal those
+    without the block."""
+    from lowprec.nn import SwiGLUMLP
+
+    def train(reuse):
+        torch.manual_seed(0)
+        model = lowprec.convert(torch.nn.Sequential(torch.nn.Linear(128, 128), SwiGLUMLP(128, 256),
+                                                    lowprec.MoE(128, 64, num_experts=4, top_k=2)),
+                                min_weight_numel=0)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        x = torch.randn(8, 128, generator=torch.Generator().manual_seed(1))
+        outs = []
+        with reuse_quantized_weights() if reuse else _nothing():
+            for _ in range(2):
+                with torch.inference_mode():
+                    outs += [model(x), model(x)]
+                y = model(x)
+                y.square().sum().backward()
+                opt.step()
+                opt.zero_grad()
+                outs.append(y.detach())
+        return outs
+
+    assert all(torch.equal(a, b) for a, b in zip(train(reuse=True), train(reuse=False)))
+
+
+def test_inference_mode_forwards_share_their_copies(quantize_calls):
+    layer = FP8Linear(128, 64)
+    x = torch.randn(16, 128, requires_grad=True)
+    with reuse_quantized_weights():
+        with torch.inference_mode():
+            layer(x), layer(x)
+        layer(x).sum().backward()
+        with torch.inference_mode():
+            layer(x)
+    # the training forward quantizes again (with the transpose); its copy then serves the evaluation
+    assert quantize_calls == [(id(layer.weight), False), (id(layer.weight), True)]
