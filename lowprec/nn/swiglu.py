@@ -150,8 +150,19 @@ def fp8_swiglu_mlp(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_
         x2 = x.reshape(-1, x.shape[-1])
         if not x2.is_contiguous():
             x2 = x2.contiguous()
-        y = _FP8SwiGLU.apply(x2, w_gate, w_up, w_down, r)
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (x2, w_gate, w_up, w_down)):
+            y = _FP8SwiGLU.apply(x2, w_gate, w_up, w_down, r)
+        else:  # evaluation: the forward's own bits, without the copies along tokens and transposed weights
+            y = _swiglu_forward(x2, w_gate, w_up, w_down, r)
     return output_as(y, (*x.shape[:-1], y.shape[-1]))
+
+
+def _swiglu_forward(x2, w_gate, w_up, w_down, recipe: LinearRecipe) -> torch.Tensor:
+    x_q = quantize(x2, recipe.activation, check_finite=False)
+    wg, wu, wd = (quantize_weight(w, recipe.weight, with_transpose=False)[0] for w in (w_gate, w_up, w_down))
+    a, _ = swiglu_quantize_dual("swiglu", gemm(x_q, wg, out_dtype=x2.dtype), gemm(x_q, wu, out_dtype=x2.dtype),
+                                recipe_t=recipe.wgrad_activation)  # one fused pass; its copy along tokens unused
+    return gemm(a, wd, out_dtype=x2.dtype)
 
 
 class SwiGLUMLP(nn.Module):

@@ -160,6 +160,30 @@ def test_x_is_quantized_along_tokens_only_for_the_gate_and_up_gradients(needs, m
     assert [t.grad is not None for t in leaves] == list(needs)
 
 
+
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode", "nothing_requires_grad"])
+def test_evaluation_makes_no_copies_for_a_backward_and_gives_the_training_forwards_bits(mode, monkeypatch):
+    """An evaluation (grad mode off, or no input requiring grad) quantized x along tokens and the
+    weights transposed, as a training forward does, for a backward that cannot come."""
+    torch.manual_seed(5)
+    leaves = [torch.randn(40, 128), torch.randn(256, 128), torch.randn(256, 128), torch.randn(128, 256)]
+    want = fp8_swiglu_mlp(*[t.clone().requires_grad_() for t in leaves]).detach()
+    monkeypatch.setattr(swiglu, "quantize_dual", lambda *a, **k: pytest.fail("x quantized along tokens"))
+    real_weight = swiglu.quantize_weight
+
+    def weight_once(w, recipe, with_transpose):
+        assert not with_transpose, "a transposed weight quantized"
+        return real_weight(w, recipe, with_transpose)
+
+    monkeypatch.setattr(swiglu, "quantize_weight", weight_once)
+    if mode == "nothing_requires_grad":
+        got = fp8_swiglu_mlp(*leaves)
+    else:
+        with getattr(torch, mode)():
+            got = fp8_swiglu_mlp(*[t.requires_grad_() for t in leaves])
+    assert torch.equal(got, want)
+
+
 def test_inputs_not_mutated():
     fused, _ = _pair()
     x = torch.randn(40, 256)
