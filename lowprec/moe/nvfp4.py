@@ -150,7 +150,7 @@ class NVFP4InferenceMoE(QuantizedBuffersModule):
         stacked over the experts (validated by the packing), on the layer's device."""
         self._set_weights(name, weight, weight_scale, weight_scale_2, self.w1_packed.device)
 
-    def _set_weights(self, name, weight, weight_scale, weight_scale_2, device) -> None:
+    def _set_weights(self, name, weight, weight_scale, weight_scale_2, device, assign: bool = False) -> None:
         if name not in _PROJECTIONS:
             raise ValueError(f"name: expected one of {_PROJECTIONS}, got {name!r}")
         rows, cols = self._shapes()[_PROJECTIONS.index(name)]
@@ -162,8 +162,8 @@ class NVFP4InferenceMoE(QuantizedBuffersModule):
                 raise ValueError(f"{key}: expected {dtype} {shape}, got {getattr(t, 'dtype', type(t))} "
                                  f"{tuple(getattr(t, 'shape', ()))}")
         packed = pack_nvfp4_experts(weight.to(device), weight_scale.to(device), weight_scale_2.to(device))
-        setattr(self, f"{name}_packed", packed.data)
-        setattr(self, f"{name}_scale_2", packed.global_scale)
+        self._store(f"{name}_packed", packed.data, assign)
+        self._store(f"{name}_scale_2", packed.global_scale, assign)
 
     def packed_weights(self) -> tuple[PackedNVFP4Experts, PackedNVFP4Experts]:
         """``(W1, W2)`` in the grouped kernel's layout (views of the buffers, made again only when a
@@ -224,14 +224,15 @@ class NVFP4InferenceMoE(QuantizedBuffersModule):
                                         if t is None)
                 continue
             global_scale = state_dict.get(prefix + f"{name}_scale_2", getattr(self, f"{name}_scale_2"))
-            if local_metadata.get("assign_to_params_buffers", False):  # assign=True: the checkpoint's device
+            assign = local_metadata.get("assign_to_params_buffers", False)
+            if assign:  # the checkpoint's device
                 device = weight.device
             elif self.w1_packed.is_meta:  # as torch's load into a meta module without assign: nothing to copy into
                 continue
             else:
                 device = self.w1_packed.device
             try:
-                self._set_weights(name, weight, weight_scale, global_scale.float(), device)
+                self._set_weights(name, weight, weight_scale, global_scale.float(), device, assign)
             except ValueError as err:
                 error_msgs.append(f"{prefix}{err}")
 

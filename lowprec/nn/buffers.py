@@ -52,6 +52,19 @@ class QuantizedBuffersModule(nn.Module):
                     f"with convert(..., filter_fn=lambda name, module: name != 'lm_head')")
         super().__setattr__(name, value)
 
+    def _store(self, name: str, value: torch.Tensor, assign: bool) -> None:
+        """``self.name = value``, or ``value`` copied into the buffer ``name`` holds where it can
+        take it (same shape, dtype and device; not a meta or an inference tensor) and ``assign`` is
+        False, as torch's ``load_state_dict`` copies parameters: CUDA graphs captured before a
+        reload, and the views made of the buffer, keep reading it."""
+        own = self._buffers.get(name)
+        if (not assign and own is not None and not own.is_meta and not own.is_inference()
+                and (own.shape, own.dtype, own.device) == (value.shape, value.dtype, value.device)):
+            with torch.no_grad():
+                own.copy_(value)
+        else:
+            setattr(self, name, value)
+
     def _apply(self, fn, recurse=True):
         kept = [self._buffers[name] for name in self._quantized]
         out_dtype = getattr(self, "out_dtype", None)

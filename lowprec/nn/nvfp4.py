@@ -99,13 +99,13 @@ class NVFP4InferenceLinear(QuantizedBuffersModule):
         self._set_weight(weight, weight_scale, weight_scale_2, self.packed.device)
 
     def _set_weight(self, weight: torch.Tensor, weight_scale: torch.Tensor, weight_scale_2: torch.Tensor,
-                    device: torch.device) -> None:
+                    device: torch.device, assign: bool = False) -> None:
         if not isinstance(weight, torch.Tensor) or tuple(weight.shape) != (self.out_features, self.in_features // 2):
             raise ValueError(f"weight: expected [{self.out_features}, {self.in_features // 2}] packed codes, got "
                              f"{tuple(getattr(weight, 'shape', ()))}")
         packed = pack_nvfp4(weight.to(device), weight_scale.to(device), weight_scale_2.to(device), self.weight_2d)
-        self.packed = packed.data
-        self.weight_scale_2 = packed.global_scale.reshape(())
+        self._store("packed", packed.data, assign)
+        self._store("weight_scale_2", packed.global_scale.reshape(()), assign)
 
     @classmethod
     def from_linear(cls, linear: torch.nn.Module, weight_2d: bool = False) -> NVFP4InferenceLinear:
@@ -211,14 +211,15 @@ class NVFP4InferenceLinear(QuantizedBuffersModule):
         global_scale = state_dict.get(prefix + "weight_scale_2", self.weight_scale_2)
         if not isinstance(global_scale, torch.Tensor) or global_scale.numel() != 1:
             return  # the base load reported its shape (size mismatch)
-        if local_metadata.get("assign_to_params_buffers", False):  # assign=True: the checkpoint's device
+        assign = local_metadata.get("assign_to_params_buffers", False)
+        if assign:  # the checkpoint's device
             device = taken["weight"].device
         elif self.packed.is_meta:  # as torch's load into a meta module without assign: nothing to copy into
             return
         else:
             device = self.packed.device
         try:
-            self._set_weight(taken["weight"], taken["weight_scale"], global_scale.reshape(()).float(), device)
+            self._set_weight(taken["weight"], taken["weight_scale"], global_scale.reshape(()).float(), device, assign)
         except ValueError as err:
             error_msgs.append(f"{prefix}weight: {err}")
 

@@ -216,3 +216,15 @@ def test_nvfp4_moe_layer_fake_strides_of_a_transposed_input():
             64, 2, "softmax", True, None, "probs", "swiglu")
     torch.library.opcheck(torch.ops.lowprec.nvfp4_moe_layer.default, args,
                           test_utils=("test_faketensor", "test_aot_dispatch_dynamic"))
+
+
+def test_a_reload_writes_into_the_buffers_the_layer_has():
+    """As NVFP4InferenceLinear's: a reload keeps the buffers (CUDA graphs captured before read them)."""
+    layer, other = NVFP4InferenceMoE.from_moe(_moe(seed=0)), NVFP4InferenceMoE.from_moe(_moe(seed=1))
+    buffers = {name: b for name, b in layer.named_buffers()}
+    layer.load_state_dict(other.state_dict())
+    assert all(b is buffers[name] for name, b in layer.named_buffers())
+    x = torch.randn(6, 64)
+    assert torch.equal(layer(x), other(x))
+    layer.load_state_dict(other.state_dict(), assign=True)
+    assert layer.w1_packed is not buffers["w1_packed"]

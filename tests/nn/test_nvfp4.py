@@ -209,3 +209,21 @@ def test_inference_layers_built_under_inference_mode_decode():
             want = x.double() @ layer.quantized_weight().dequantize(torch.float64).T + lin.bias.double()
             assert lowprec.metrics.rel_l2(got, want) < 1e-2, make
             assert torch.equal(layer(x), got)
+
+
+def test_a_reload_writes_into_the_buffers_the_layer_has():
+    """load_state_dict replaced the packed buffers: a CUDA graph captured before a reload (new
+    weights pushed into an inference model) kept reading the old weights. It copies into them, as
+    torch does for parameters; assign=True takes the checkpoint's tensors."""
+    torch.manual_seed(0)
+    layer = NVFP4InferenceLinear.from_linear(nn.Linear(64, 32))
+    other = NVFP4InferenceLinear.from_linear(nn.Linear(64, 32))
+    buffers = {name: b for name, b in layer.named_buffers()}
+    layer.load_state_dict(other.state_dict())
+    assert all(b is buffers[name] for name, b in layer.named_buffers())
+    x = torch.randn(4, 64)
+    assert torch.equal(layer(x), other(x))
+    layer.set_weight(*(layer.state_dict()[k] for k in ("weight", "weight_scale", "weight_scale_2")))
+    assert layer.packed is buffers["packed"]
+    layer.load_state_dict(NVFP4InferenceLinear.from_linear(nn.Linear(64, 32)).state_dict(), assign=True)
+    assert layer.packed is not buffers["packed"]
