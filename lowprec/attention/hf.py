@@ -211,9 +211,13 @@ def fp8_cache(max_len: int, *, v_headroom: float = 4.0):
     :class:`~lowprec.attention.FP8KVCache` of ``max_len`` tokens per layer, made at the layer's
     first update (its batch, KV heads, head dim, dtype and device from the keys; V's scales from
     the prompt times ``v_headroom``, as :class:`~lowprec.attention.FP8KVCache` chooses them). For
-    models on ``"lowprec_fp8"`` (:func:`register_transformers_attention`); pass it as ``cache`` to
-    ``generate`` or a forward (``past_key_values`` on transformers releases before that rename).
-    Greedy and sampled generation; beam search and cropping are not supported.
+    models on ``"lowprec_fp8"`` (:func:`register_transformers_attention`) only: the keys and values
+    it returns are FP8 codes, which only that implementation reads with their scales (another one
+    fails on their dtype). Pass it as ``cache`` to ``generate`` or a
+    forward (``past_key_values`` on transformers releases before that rename); ``max_len`` bounds
+    the prompt plus the new tokens (more raises). Greedy and sampled generation; beam search and
+    cropping are not supported. A filled cache copies (``copy.deepcopy``, to reuse a prompt's) and
+    saves (``torch.save``; ``torch.load(..., weights_only=False)``).
     Encoder-decoder models take it as transformers' caches are taken there, one per attention kind:
     ``EncoderDecoderCache(fp8_cache(max_len), fp8_cache(encoder_len))`` (or a ``DynamicCache`` for
     the cross-attention)."""
@@ -260,6 +264,10 @@ def _fp8_cache_classes():
             _refuse_grad(key_states, value_states)
             if not self.is_initialized:
                 self.lazy_initialization(key_states, value_states)
+            if self.fp8.length + key_states.shape[2] > self.max_len:  # else append's error, naming its own "k"
+                raise ValueError(f"fp8_cache: max_len={self.max_len} tokens cannot take {key_states.shape[2]} more "
+                                 f"after {self.fp8.length}: make it with max_len ≥ the prompt's length plus "
+                                 "max_new_tokens")
             self.fp8.append(key_states, value_states)
             # what attention receives: the FP8 codes as [B, Hkv, L, D] views (one slice each, of views
             # made once), the key naming the cache
@@ -310,4 +318,13 @@ def _fp8_cache_classes():
         get_conv_state = update_conv_state = get_recurrent_state = update_recurrent_state = _no_linear_layers
         has_previous_state = _no_linear_layers
 
+    for cls in (FP8CacheLayer, FP8Cache):  # pickled by name: this module's __getattr__ finds them
+        cls.__qualname__ = cls.__name__
     return FP8CacheLayer, FP8Cache
+
+
+def __getattr__(name: str):
+    # the cache classes subclass transformers' (imported at their first use); a pickled cache names them here
+    if name in ("FP8CacheLayer", "FP8Cache"):
+        return dict(zip(("FP8CacheLayer", "FP8Cache"), _fp8_cache_classes()))[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

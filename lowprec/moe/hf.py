@@ -25,6 +25,9 @@ chooses the experts and their weights, as it always does.
 
 from __future__ import annotations
 
+import functools
+import weakref
+
 import torch
 from torch import nn
 
@@ -147,8 +150,9 @@ def _router_logits_recorded() -> bool:
     if collector is None:
         return False
     # dynamo cannot trace ContextVar.get: traced, only transformers' compile-time global (set where
-    # the model's own forward is traced) is read; a block compiled alone (regional compilation)
-    # inside an eager forward cannot see that forward's collector and is not checked
+    # the model's own forward is traced) is read; a collector set eagerly around a traced block
+    # (regional compilation, or transformers' forward breaking the graph) is refused instead by the
+    # model's hook (refuse_router_logits_calls)
     if torch.compiler.is_compiling() and not getattr(collector, "compiling", False):
         return False
     outputs = collector.get()
@@ -173,6 +177,30 @@ def refuse_router_logits(layer: nn.Module) -> nn.Module:
     return layer
 
 
+def _refuse_router_logits_call(model: nn.Module, args, kwargs) -> None:
+    # the flag as transformers reads it (the call's, else the config's): plain Python values, which
+    # torch.compile guards on, unlike the collector the layers' hook reads
+    if kwargs.get("output_router_logits", getattr(model.config, "output_router_logits", False)):
+        raise ValueError("output_router_logits=True: transformers records router logits from the MoE blocks' router "
+                         f"modules, which lowprec.convert replaced in this {type(model).__name__}; keep the blocks "
+                         "(convert's filter_fn) and use the 'lowprec_fp8' experts implementation, which keeps the "
+                         "model's router")
+
+
+def refuse_router_logits_calls(model: nn.Module) -> None:
+    """Each transformers model in ``model`` (a module with ``config.output_router_logits``) holding a
+    layer of :func:`refuse_router_logits` refuses a call that asks for router logits, before it runs:
+    the layers' own check cannot read the request inside a compiled forward (transformers' IndexError
+    there otherwise)."""
+    for module in model.modules():
+        if (hasattr(getattr(module, "config", None), "output_router_logits")
+                and not module.__dict__.get("_lowprec_refuses_router_logits")
+                and any(hook is _refuse_router_logits for m in module.modules()
+                        for hook in m._forward_pre_hooks.values())):
+            module.register_forward_pre_hook(_refuse_router_logits_call, with_kwargs=True)
+            module.__dict__["_lowprec_refuses_router_logits"] = True
+
+
 EXPERTS_IMPLEMENTATIONS = {"fp8": "lowprec_fp8", "nvfp4": "lowprec_nvfp4"}
 
 
@@ -184,9 +212,10 @@ def register_transformers_experts(fmt: str = "fp8") -> str:
     backward (gradients for the tokens, the combine weights and both projections); for inference,
     run under :func:`lowprec.nn.reuse_quantized_weights` so each expert weight is quantized once, not
     per call. ``"lowprec_nvfp4"`` (``fmt="nvfp4"``, inference only: gradients are refused) quantizes
-    each module's expert weights to NVFP4 once (again after an in-place update) and runs the
-    grouped weight-only NVFP4 GEMMs, tokens in their dtype (the decode path of
-    :class:`~lowprec.moe.NVFP4InferenceMoE`); it keeps that copy beside the module's bf16 weights.
+    each module's expert weights to NVFP4 once (again after an in-place update, a load, a cast or a
+    move) and runs the grouped weight-only NVFP4 GEMMs, tokens in their dtype (the decode path of
+    :class:`~lowprec.moe.NVFP4InferenceMoE`); it keeps that copy beside the module's bf16 weights,
+    freed with them (``model.cpu()`` frees the GPU copy).
     Either way the model's router is untouched. Use with ``model.set_experts_implementation(name)``
     or ``from_pretrained(..., experts_implementation=name)``. An experts module lowprec cannot
     compute (:func:`experts_module_unsupported`) raises with the reason at its first call.
@@ -233,29 +262,67 @@ def transformers_experts_forward(module: nn.Module, hidden_states: torch.Tensor,
                    recipe="fp8_block", activation="swiglu", check_ids=False)
 
 
+# experts module -> its NVFP4 copy, beside the module (not in its __dict__: a pickled or deep-copied
+# model would carry the copy, and the weak references below cannot be pickled)
+_NVFP4_PACKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+class _NVFP4Copy:
+    """An experts module's weights packed in NVFP4 and what identifies the weights they came from:
+    each tensor (weakly), its storage (weakly: a weight cast or moved by ``module.to()`` gets a new
+    one, possibly at the old address), its address, dtype, shape, strides and version counter."""
+
+    __slots__ = ("packs", "key", "params", "storages")
+
+    def __init__(self, module: nn.Module, params: tuple, packs: tuple):
+        self.packs, self.key = packs, _weights_key(params)
+        self.params = tuple(weakref.ref(p) for p in params)
+        # a storage freed (model.cpu(), .half(), a weight assigned anew) drops the copy at once: on a
+        # GPU it would otherwise hold its memory until the next forward
+        forget = functools.partial(_forget_storage, weakref.ref(module))
+        self.storages = tuple(weakref.ref(p.untyped_storage(), forget) for p in params)
+
+    def serves(self, params: tuple) -> bool:
+        return (all(ref() is p for ref, p in zip(self.params, params))
+                and all(ref() is p.untyped_storage() for ref, p in zip(self.storages, params))
+                and self.key == _weights_key(params))
+
+
+def _weights_key(params: tuple) -> tuple:
+    return tuple((p.data_ptr(), p.dtype, tuple(p.shape), p.stride(), version_of(p)) for p in params)
+
+
+def _forget_storage(module_ref: weakref.ref, storage_ref: weakref.ref) -> None:
+    module = module_ref()
+    entry = _NVFP4_PACKS.get(module) if module is not None else None
+    if entry is not None and any(ref is storage_ref for ref in entry.storages):
+        del _NVFP4_PACKS[module]
+
+
+@torch.compiler.disable  # a host-side cache: looked up and filled eagerly, never traced into a graph
 def _nvfp4_weights(module: nn.Module) -> tuple:
-    """The module's expert weights packed in NVFP4, made again when either changed (its storage or
-    version counter) and after a ``load_state_dict`` (a load into inference tensors, made under
-    ``torch.inference_mode``, bumps no version; other in-place writes to those go unseen)."""
+    """The module's expert weights packed in NVFP4, made again when either weight is another tensor,
+    on another storage (cast, moved), or written in place (its version counter), and after a
+    ``load_state_dict`` (a load into inference tensors, made under ``torch.inference_mode``, bumps
+    no version). Writes through ``weight.data`` and other in-place writes to inference tensors go
+    unseen: they bypass the version counter."""
     from ..gemm.weight_only import pack_nvfp4_experts
     from .nvfp4 import quantize_nvfp4_experts
 
     params = (module.gate_up_proj, module.down_proj)
-    key = tuple((p.data_ptr(), version_of(p), tuple(p.shape)) for p in params)
-    cached = module.__dict__.get("_lowprec_nvfp4")
-    # and the tensors themselves: a weight assigned anew (experts.gate_up_proj = ...) can land in a
-    # freed one's storage with the same version and shape
-    if cached is None or cached[0] != key or any(p is not q for p, q in zip(params, cached[2])):
+    cached = _NVFP4_PACKS.get(module)
+    if cached is None or not cached.serves(params):
+        _NVFP4_PACKS.pop(module, None)  # the old copy's memory first
         packs = tuple(pack_nvfp4_experts(*quantize_nvfp4_experts(p)) for p in params)
         if not module.__dict__.get("_lowprec_nvfp4_hooked"):
             module.register_load_state_dict_post_hook(_forget_nvfp4_weights)
             module.__dict__["_lowprec_nvfp4_hooked"] = True
-        cached = module.__dict__["_lowprec_nvfp4"] = (key, packs, params)
-    return cached[1]
+        cached = _NVFP4_PACKS[module] = _NVFP4Copy(module, params, packs)
+    return cached.packs
 
 
 def _forget_nvfp4_weights(module: nn.Module, incompatible_keys) -> None:
-    module.__dict__.pop("_lowprec_nvfp4", None)
+    _NVFP4_PACKS.pop(module, None)
 
 
 @eager_under_compile

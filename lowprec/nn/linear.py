@@ -332,6 +332,7 @@ def convert(model: nn.Module, recipe: str | None = None, filter_fn: Callable[[st
     ``TypeError``; tie or resize before converting.
     """
     from ..moe import FP8InferenceMoE, MoE, NVFP4InferenceMoE  # lowprec.moe imports lowprec.nn
+    from ..moe.hf import refuse_router_logits_calls
 
     if recipe is None:
         recipe = "fp8_block" if inference else DEFAULT_TRAIN_RECIPE
@@ -391,6 +392,8 @@ def convert(model: nn.Module, recipe: str | None = None, filter_fn: Callable[[st
             setattr(parent, child_name, done[id(child)])
     converted = sum(isinstance(m, (FP8Linear, FP8InferenceLinear, NVFP4InferenceLinear)) for m in done.values())
     moes = sum(isinstance(m, (MoE, FP8InferenceMoE, NVFP4InferenceMoE)) for m in done.values())
+    if moes:
+        refuse_router_logits_calls(model)
     log.info("lowprec.convert: %d fused FP8 SwiGLU MLPs; %d low-precision linear layers; %d MoE layers; %d kept in "
              "their dtype (fewer than %d weights)%s", fused, converted, moes, len(kept), min_weight_numel,
              (": " + ", ".join(kept)) if kept else "")

@@ -429,3 +429,46 @@ def test_fp8_cache_takes_a_valid_v_headroom():
 
     fp8_cache(64, v_headroom=1)
     fp8_cache(64, v_headroom=8.0)
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+@pytest.mark.parametrize("how", ["torch.save", "deepcopy"])
+def test_a_filled_fp8_cache_is_saved_or_copied_and_decodes_on(how):
+    """A prompt's cache saved (torch.save: was "Can't pickle local object ...FP8Cache") or copied
+    (transformers' prompt-reuse pattern) decodes on as the original does, which it leaves untouched."""
+    import copy
+    import io
+
+    pytest.importorskip("transformers", minversion="5.0")
+    from lowprec.attention import fp8_cache
+
+    model = _tiny_llama(register_transformers_attention(), "cpu", torch.float32)
+    ids = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        cache = fp8_cache(64)
+        model(ids[:, :32], past_key_values=cache, use_cache=True)
+        if how == "deepcopy":
+            other = copy.deepcopy(cache)
+        else:
+            buffer = io.BytesIO()
+            torch.save(cache, buffer)
+            buffer.seek(0)
+            other = torch.load(buffer, weights_only=False)
+        assert other.get_seq_length() == 32
+        got = model(ids[:, 32:], past_key_values=other, use_cache=True).logits
+        assert cache.get_seq_length() == 32  # the original did not grow with the copy
+        expected = model(ids[:, 32:], past_key_values=cache, use_cache=True).logits
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_generating_past_the_fp8_caches_max_len_names_max_len():
+    """generate past fp8_cache's max_len: the error names fp8_cache's max_len (was FP8KVCache's "k: 1
+    more tokens overflow the cache", an argument the caller never passed)."""
+    pytest.importorskip("transformers", minversion="5.0")
+    from lowprec.attention import fp8_cache
+
+    model = _tiny_llama(register_transformers_attention(), "cpu", torch.float32)
+    ids = torch.randint(0, 256, (2, 12))
+    with torch.no_grad(), pytest.raises(ValueError, match="fp8_cache: max_len=16 .* 1 more after 16"):
+        model.generate(ids, past_key_values=fp8_cache(16), max_new_tokens=10, do_sample=False)

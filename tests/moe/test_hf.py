@@ -2,6 +2,8 @@
 transformers 5's layout and forward (CI has no transformers), and the real classes when installed."""
 
 import logging
+import pickle
+import weakref
 
 import pytest
 import torch
@@ -266,13 +268,13 @@ def test_nvfp4_experts_implementation_packs_once_and_refuses_gradients():
     weights, ids = torch.rand(40, 2), torch.stack([torch.randperm(8)[:2] for _ in range(40)])
     with torch.no_grad():
         y = hf.transformers_nvfp4_experts_forward(module, x, ids, weights)
-        packed = module.__dict__["_lowprec_nvfp4"][1]
+        packed = hf._NVFP4_PACKS[module].packs
         assert metrics.cos_sim(y, module(x, ids, weights)) > 0.98  # NVFP4 weights (measured 0.985 per block)
         assert torch.equal(hf.transformers_nvfp4_experts_forward(module, x, ids, weights), y)
-        assert module.__dict__["_lowprec_nvfp4"][1] is packed  # packed once
+        assert hf._NVFP4_PACKS[module].packs is packed  # packed once
         module.down_proj.mul_(2)  # an in-place update: packed again
         y2 = hf.transformers_nvfp4_experts_forward(module, x, ids, weights)
-        assert module.__dict__["_lowprec_nvfp4"][1] is not packed
+        assert hf._NVFP4_PACKS[module].packs is not packed
         torch.testing.assert_close(y2, 2 * y, rtol=0, atol=0)  # x2 is exact in NVFP4's scales
     with pytest.raises(RuntimeError, match="lowprec_nvfp4.*inference"):
         hf.transformers_nvfp4_experts_forward(module, x, ids, weights)
@@ -302,7 +304,9 @@ def test_real_transformers_models_on_the_nvfp4_experts(family):
         expected = model(ids).logits
         model.set_experts_implementation(name)
         got = model(ids).logits
-    packed = [m for m in model.modules() if "_lowprec_nvfp4" in m.__dict__]
+    from lowprec.moe.hf import _NVFP4_PACKS
+
+    packed = [m for m in model.modules() if m in _NVFP4_PACKS]
     assert len(packed) == 2
     assert metrics.cos_sim(got, expected) > 0.98
 
@@ -602,6 +606,25 @@ def test_per_call_output_router_logits_on_converted_blocks_is_refused(inference)
         model(ids)  # and again after the refusal
 
 
+def test_compiled_model_asking_for_router_logits_over_converted_blocks_is_refused():
+    """A whole model compiled after convert: output_router_logits=True (per call or set in the config
+    afterwards) is refused with lowprec's error (was: transformers' IndexError, its collector set
+    outside the graph where the layers' hook could not read it); calls without it run."""
+    transformers = pytest.importorskip("transformers", minversion="5.0")
+    for model in _tiny_moe_models(transformers):
+        torch.manual_seed(0)
+        ids = torch.randint(0, 64, (2, 9))
+        lowprec.convert(model)
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend="eager")
+        with pytest.raises(ValueError, match="output_router_logits=True"):
+            compiled(ids, labels=ids, output_router_logits=True)
+        assert torch.isfinite(compiled(ids, labels=ids).loss)
+        model.config.output_router_logits = True
+        with pytest.raises(ValueError, match="output_router_logits=True"):
+            compiled(ids, labels=ids)
+
+
 def test_converted_hf_moe_block_compiles_alone_fullgraph():
     """Regional compilation (a converted block alone, fullgraph): its router-logits pre-hook traces."""
     transformers = pytest.importorskip("transformers", minversion="5.0")
@@ -701,3 +724,57 @@ def test_nvfp4_experts_follow_weights_assigned_anew():
         fresh.gate_up_proj, fresh.down_proj = nn.Parameter(new_weight), module.down_proj
         torch.testing.assert_close(got, transformers_nvfp4_experts_forward(fresh, x, ids, weights), rtol=0, atol=0)
         assert not torch.equal(got, old)
+
+
+def _nvfp4_inputs():
+    g = torch.Generator().manual_seed(0)
+    return (torch.randn(8, 128, generator=g), torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(8)]),
+            torch.rand(8, 2, generator=g))
+
+
+def test_nvfp4_experts_follow_a_weight_given_new_storage_at_the_old_address():
+    """model.cpu(); param.data = new; model.cuda(): the caching allocator can hand the new weight the
+    old one's address, with the parameter, its version and shape unchanged (simulated here with new
+    storage over the old memory): the NVFP4 copy must be made again (was: the old experts, silently)."""
+    torch.manual_seed(0)
+    module = _PlainExperts()
+    x, ids, weights = _nvfp4_inputs()
+    new_values = torch.randn(module.gate_up_proj.shape)
+    with torch.no_grad():
+        old = transformers_nvfp4_experts_forward(module, x, ids, weights)
+        fresh = _PlainExperts()
+        fresh.gate_up_proj, fresh.down_proj = nn.Parameter(new_values.clone()), module.down_proj
+        expected = transformers_nvfp4_experts_forward(fresh, x, ids, weights)
+        same_address = torch.from_numpy(module.gate_up_proj.detach().numpy())  # another storage, one address
+        same_address.copy_(new_values)
+        module.gate_up_proj.data = same_address
+        got = transformers_nvfp4_experts_forward(module, x, ids, weights)
+    assert not torch.equal(got, old)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("change", ["cast", "move"])
+def test_nvfp4_copy_is_freed_with_the_weights_it_came_from(change, monkeypatch):
+    """module.to(dtype) / model.cpu() free the weights the NVFP4 copy was packed from: the copy goes
+    with them (was: kept until the next forward, on a GPU its memory held after model.cpu()), and
+    the next call packs the new weights."""
+    from lowprec.gemm import weight_only
+
+    packed = []
+    pack = weight_only.pack_nvfp4_experts
+    monkeypatch.setattr(weight_only, "pack_nvfp4_experts",
+                        lambda *args: packed.append(weakref.ref((out := pack(*args)).data)) or out)
+    torch.manual_seed(0)
+    module = _PlainExperts()
+    x, ids, weights = _nvfp4_inputs()
+    with torch.no_grad():
+        transformers_nvfp4_experts_forward(module, x, ids, weights)
+        pickle.loads(pickle.dumps(module))  # the copy (beside the module, weakly keyed) does not block pickling
+        assert len(packed) == 2 and all(ref() is not None for ref in packed)
+        if change == "cast":
+            module.to(torch.bfloat16)
+        else:  # a move on CPU: new storage for each weight, as .cpu() from a GPU gives
+            module._apply(lambda t: t.clone())
+        assert all(ref() is None for ref in packed)
+        y = transformers_nvfp4_experts_forward(module, x.to(module.down_proj.dtype), ids, weights)
+    assert len(packed) == 4 and torch.isfinite(y).all()
