@@ -33,10 +33,13 @@ def _scaled_pair(x: torch.Tensor, ref: torch.Tensor) -> tuple[torch.Tensor, torc
 
 def cos_sim(x: torch.Tensor, ref: torch.Tensor) -> float:
     """Cosine similarity (1.0 = same direction). Two all-zero tensors give 1.0 (identical); one
-    all-zero tensor against another that is not gives 0.0 (no direction in common)."""
+    all-zero tensor against another that is not gives 0.0 (no direction in common); a NaN or Inf
+    in either gives NaN (no direction), as the other metrics do."""
     x, ref = _pair(x, ref)
     # each over its largest magnitude: FP64 norms of values beyond ~1e±154 underflow to 0 or overflow
     x_max, ref_max = (float(x.abs().max()), float(ref.abs().max())) if x.numel() else (0.0, 0.0)
+    if not (math.isfinite(x_max) and math.isfinite(ref_max)):  # the clamp below would make NaN -1.0
+        return math.nan
     if x_max == 0 or ref_max == 0:
         return 1.0 if x_max == ref_max else 0.0
     x, ref = x / x_max, ref / ref_max
@@ -77,13 +80,17 @@ def rmse(x: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def sqnr_db(x: torch.Tensor, ref: torch.Tensor) -> float:
-    """Signal-to-quantization-noise ratio, 10·log10(Σref² / Σ(x − ref)²), in dB (inf if exact)."""
+    """Signal-to-quantization-noise ratio, 10·log10(Σref² / Σ(x − ref)²), in dB (inf if exact,
+    -inf for an infinite error against a finite ``ref``, NaN for a NaN)."""
     x, ref, _ = _scaled_pair(x, ref)
     noise = float((x - ref).pow(2).sum())
     signal = float(ref.pow(2).sum())
     if noise == 0:
         return math.inf
-    return 10 * math.log10(max(signal, 1e-300) / noise)
+    ratio = max(signal, 1e-300) / noise
+    if ratio == 0:  # an Inf noise: math.log10(0) raises
+        return -math.inf
+    return 10 * math.log10(ratio)
 
 
 def calc_diff(x: torch.Tensor, ref: torch.Tensor) -> float:

@@ -85,3 +85,26 @@ def test_cos_sim_of_equal_tensors_is_one_at_most():
     x = torch.randn(1000, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
     for t in (x, x * 1e-3, x.float(), torch.linspace(-1, 7, 999)):
         assert metrics.cos_sim(t, t) <= 1.0 and metrics.cos_sim(t, -t) >= -1.0
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_cos_sim_of_a_non_finite_tensor_is_nan(bad):
+    ref = torch.tensor([1.0, -2.0, 3.0, 4.0])
+    x = ref.clone()
+    x[1] = bad
+    zero = torch.zeros(4)
+    # NaN, as every other metric of such a pair; not -1.0 ("opposite") or 0.0 ("no overlap")
+    for a, b in ((x, ref), (ref, x), (x, zero), (zero, x)):
+        assert math.isnan(metrics.cos_sim(a, b))
+
+
+def test_sqnr_of_an_infinite_error_is_minus_inf_not_an_exception():
+    ref = torch.tensor([1.0, -2.0, 3.0, 4.0])
+    x = ref.clone()
+    x[2] = math.inf  # e.g. an fp16 output that overflowed
+    assert metrics.sqnr_db(x, ref) == -math.inf
+    x[2] = math.nan
+    assert math.isnan(metrics.sqnr_db(x, ref))
+    x[2] = math.inf
+    report = metrics.error_report(x, ref)
+    assert report["sqnr_db"] == -math.inf and math.isnan(report["cos_sim"])

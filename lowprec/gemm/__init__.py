@@ -56,8 +56,9 @@ def gemm(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype = torch.
         a: quantized ``[M, K]``.
         b: quantized ``[N, K]`` (row-major weights, as ``nn.Linear.weight``).
         out_dtype: bfloat16 (default), float16 or float32.
-        bias: optional ``[N]`` tensor added before the cast; the only differentiable input (its
-            gradient is the output gradient summed over rows; the quantized operands get none).
+        bias: optional ``[N]`` floating-point tensor added (in FP32) before the cast; the only
+            differentiable input (its gradient is the output gradient summed over rows; the
+            quantized operands get none).
     """
     _check_operand("a", a, 2)
     _check_operand("b", b, 2)
@@ -66,6 +67,8 @@ def gemm(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype = torch.
     if bias is not None:
         if not isinstance(bias, torch.Tensor) or bias.shape != (n,):
             raise ValueError(f"bias: expected a tensor of shape ({n},), got {getattr(bias, 'shape', type(bias))}")
+        if not bias.is_floating_point():  # the FP32 cast would drop a complex bias's imaginary part
+            raise TypeError(f"bias: expected a real floating-point tensor, got {bias.dtype}")
         if bias.device != a.device:
             raise ValueError(f"bias: on {bias.device}, but a is on {a.device}")
     bias_grad = bias is not None and bias.requires_grad and torch.is_grad_enabled()
@@ -90,7 +93,7 @@ def grouped_gemm(a: QuantizedTensor, b: QuantizedTensor, *, group_ends: torch.Te
     Two layouts, pick one by the keyword given:
 
     - contiguous (``group_ends``): ``a`` is ``[M, K]`` with the rows of group ``e`` in
-      ``group_ends[e-1]:group_ends[e]`` (int32 cumulative ends, non-decreasing); ``b`` is
+      ``group_ends[e-1]:group_ends[e]`` (int32 or int64 cumulative ends, non-decreasing); ``b`` is
       ``[E, N, K]``. Returns ``[M, N]``; rows after ``group_ends[-1]`` are zero.
     - masked (``masked_counts``): ``a`` is ``[E, M_max, K]`` and group ``e`` uses its first
       ``masked_counts[e]`` rows; returns ``[E, M_max, N]`` with the other rows zero.
@@ -137,7 +140,8 @@ def _grouped_kernel(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dty
 
 def _check_groups(name: str, t: torch.Tensor, num_groups: int, device: torch.device) -> None:
     if not isinstance(t, torch.Tensor) or t.dtype not in (torch.int32, torch.int64) or t.shape != (num_groups,):
-        raise ValueError(f"{name}: expected an int32 tensor of shape ({num_groups},), got "
+        # int64 is taken too (the kernels copy it to int32): an int32-only message misled its callers
+        raise ValueError(f"{name}: expected an int32 or int64 tensor of shape ({num_groups},), got "
                          f"{getattr(t, 'dtype', type(t))} {tuple(getattr(t, 'shape', ()))}")
     if t.device != device:
         raise ValueError(f"{name}: on {t.device}, but a is on {device}")

@@ -46,6 +46,26 @@ def test_gemm_errors():
         lowprec.gemm(_q(torch.randn(2, 4, 256)), b)
 
 
+@pytest.mark.parametrize("dtype", [torch.complex64, torch.int64, torch.bool])
+def test_gemm_refuses_a_bias_that_is_not_real_floating_point(dtype):
+    a = _q(torch.randn(4, 256))
+    b = _q(torch.randn(8, 256), "fp8_block128x128")
+    bias = (torch.randn(8) + 1j * torch.randn(8)) if dtype.is_complex else torch.ones(8)
+    # a complex bias lost its imaginary part in the FP32 cast: a silently wrong output
+    with pytest.raises(TypeError, match="bias: expected a real floating-point tensor"):
+        lowprec.gemm(a, b, bias=bias.to(dtype))
+
+
+def test_gemm_takes_every_float_bias_dtype():
+    a = _q(torch.randn(4, 256))
+    b = _q(torch.randn(8, 256), "fp8_block128x128")
+    bias = torch.randn(8, dtype=torch.float64)
+    ref = a.dequantize(torch.float64) @ b.dequantize(torch.float64).T
+    for dtype in (torch.float64, torch.float32, torch.bfloat16, torch.float16):
+        d = lowprec.gemm(a, b, out_dtype=torch.float32, bias=bias.to(dtype))
+        torch.testing.assert_close(d.double(), ref + bias.to(dtype).double(), rtol=1e-5, atol=1e-5)
+
+
 def test_grouped_contiguous_matches_per_group_gemm(device):
     g = torch.Generator().manual_seed(1)
     ends = torch.tensor([5, 5, 40, 41, 41, 100], dtype=torch.int32)  # empty groups, a 1-row group
@@ -87,6 +107,22 @@ def test_grouped_errors():
         lowprec.grouped_gemm(a, b, group_ends=torch.tensor([10], dtype=torch.int32))
     with pytest.raises(ValueError, match="M_max"):
         lowprec.grouped_gemm(_q(torch.randn(2, 4, 128)), b, masked_counts=torch.tensor([1, 5], dtype=torch.int32))
+
+
+def test_grouped_takes_int64_groups_and_says_so_when_they_are_wrong():
+    a = _q(torch.randn(10, 128))
+    a3 = _q(torch.randn(2, 4, 128))
+    b = _q(torch.randn(2, 16, 128), "fp8_block128x128")
+    ends, counts = torch.tensor([4, 9]), torch.tensor([4, 1])
+    assert torch.equal(lowprec.grouped_gemm(a, b, group_ends=ends),
+                       lowprec.grouped_gemm(a, b, group_ends=ends.int()))
+    assert torch.equal(lowprec.grouped_gemm(a3, b, masked_counts=counts),
+                       lowprec.grouped_gemm(a3, b, masked_counts=counts.int()))
+    # an int64 tensor of the wrong length: the message must not suggest its dtype is the problem
+    with pytest.raises(ValueError, match=r"group_ends: expected an int32 or int64 tensor of shape \(2,\)"):
+        lowprec.grouped_gemm(a, b, group_ends=torch.tensor([10]))
+    with pytest.raises(ValueError, match=r"masked_counts: expected an int32 or int64 tensor"):
+        lowprec.grouped_gemm(a3, b, masked_counts=torch.tensor([1.0, 2.0]))
 
 
 def _rel(y, ref):

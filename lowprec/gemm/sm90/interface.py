@@ -561,7 +561,7 @@ def _validate_grouped(a, a_scale, b, b_scale, group, out_dtype, masked):
     _check(a_scale.dtype == torch.float32 and b_scale.dtype == torch.float32,
            lambda: f"a_scale, b_scale: expected torch.float32, got {a_scale.dtype} and {b_scale.dtype}")
     _check(tuple(group.shape) == (e,) and group.dtype in (torch.int32, torch.int64),
-           lambda: f"group: expected an int32 tensor of shape ({e},), got {group.dtype} {tuple(group.shape)}")
+           lambda: f"group: expected an int32 or int64 tensor of shape ({e},), got {group.dtype} {tuple(group.shape)}")
     _check_out_dtype(out_dtype)
     _check_on_cuda_like_a(a, a_scale=a_scale, b=b, b_scale=b_scale, group=group)
     return rows, e, n, k
