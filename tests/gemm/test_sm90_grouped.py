@@ -312,7 +312,7 @@ def _f8(*shape):
     ("a_k", "a: expected \\[M, K=256\\]"),
     ("a_scale", "a_scale: expected shape"),
     ("b_scale", "b_scale: expected shape"),
-    ("group", "group: expected an int32 tensor of shape \\(2,\\)"),
+    ("group", "group: expected an int32 or int64 tensor of shape \\(2,\\)"),
     ("out_dtype", "out_dtype"),
     ("both", "exactly one of"),
     ("cpu", "a: expected a CUDA tensor"),
