@@ -21,6 +21,7 @@ nvfp4               1 x 16       e2m1    e4m3    weight_2d (16 x 16 blocks); + f
 
 from __future__ import annotations
 
+import inspect
 import json
 from dataclasses import asdict, dataclass
 
@@ -203,10 +204,15 @@ def get_recipe(recipe: str | ScaleRecipe, **options) -> ScaleRecipe:
         raise ValueError(f"recipe: unknown recipe {recipe!r}; expected one of {list(RECIPE_NAMES)}")
     if not options:
         return _DEFAULT_RECIPES[recipe]
+    factory = _FACTORIES[recipe]
     try:
-        return _FACTORIES[recipe](**options)
-    except TypeError as err:
-        raise TypeError(f"recipe {recipe!r}: bad options {options}: {err}") from None
+        return factory(**options)
+    except TypeError:
+        valid = list(inspect.signature(factory).parameters)
+        unknown = [name for name in options if name not in valid]
+        if not unknown:  # the factory's own error about an option's value
+            raise
+        raise TypeError(f"recipe {recipe!r}: unknown options {unknown}; its options: {valid}") from None
 
 
 @dataclass(frozen=True)

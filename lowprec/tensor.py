@@ -196,8 +196,8 @@ class QuantizedTensor:
             opts[name] = value
         dtype = opts.get("dtype")
         if dtype is not None:
-            raise TypeError(f"dtype: QuantizedTensor.to moves between devices only, got the dtype {dtype}; "
-                            f"use dequantize({dtype}) for a {dtype} tensor")
+            hint = f"; use dequantize({dtype}) for a {dtype} tensor" if dtype in _FLOAT_DTYPES else ""
+            raise TypeError(f"dtype: QuantizedTensor.to moves between devices only, got {dtype!r}{hint}")
         memory_format = opts.get("memory_format")
         if memory_format not in (None, torch.preserve_format):
             raise TypeError(f"memory_format: a QuantizedTensor keeps its codes' layout, got {memory_format}")

@@ -77,6 +77,11 @@ def test_to_refuses_dtypes():
     with pytest.raises(TypeError, match="dequantize"):
         qt.to(torch.bfloat16)
     assert qt.data.dtype == torch.float8_e4m3fn
+    # no advice to dequantize to what dequantize refuses; a device in the dtype's place named as given
+    with pytest.raises(TypeError, match=r"devices only, got torch.int8$"):
+        qt.to(torch.int8)
+    with pytest.raises(TypeError, match=r"devices only, got 'cpu'$"):
+        qt.to("cpu", "cpu")
 
 
 def test_to_copies_only_when_asked():
