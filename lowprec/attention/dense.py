@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 
@@ -40,6 +41,21 @@ def _check_input(name: str, t, device: torch.device | None, dtype: torch.dtype |
         raise ValueError(f"{name}: {t.dtype}, but q is {dtype}: q, k and v tensors share one dtype (cast them)")
 
 
+def softmax_scale(scale, head_dim: int) -> float:
+    """``scale`` as a float (None: ``1/sqrt(head_dim)``), else a ValueError naming it: a NaN or Inf
+    scale gave NaN rows (FP8 with Inf: zeros), and a tensor's gradient was dropped without a word."""
+    if scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if isinstance(scale, torch.Tensor):
+        real = scale.numel() == 1 and not scale.is_complex() and not scale.requires_grad
+    else:
+        real = isinstance(scale, numbers.Real) and not isinstance(scale, bool)
+    if not real or not math.isfinite(float(scale)):
+        raise ValueError(f"scale: expected a finite real number (a tensor without gradient: none flows to it), "
+                         f"got {scale!r}")
+    return float(scale)
+
+
 def attention(q, k, v, causal: bool = False, scale: float | None = None, quant: str | None = None,
               return_lse: bool = False, *, incoherent: bool = False):
     """Scaled dot-product attention, ``softmax(q · kᵀ · scale) · v``.
@@ -57,7 +73,7 @@ def attention(q, k, v, causal: bool = False, scale: float | None = None, quant: 
             where they are equal the shapes cannot tell, so quantize V with :func:`quantize_kv_cache`.
         causal: mask keys after the query, bottom-right aligned when ``Sq != Sk`` (query ``i``
             sees keys ``j ≤ i + Sk − Sq``). Rows that see no key give 0 and LSE −inf.
-        scale: softmax scale, default ``1/sqrt(D)``.
+        scale: softmax scale, a finite real number (default ``1/sqrt(D)``).
         quant: None (exact) or ``"fp8"`` (the FP8 scheme in :mod:`lowprec.attention.reference`:
             the sm_90a kernel where it applies, else its plain-torch emulation).
         return_lse: also return the log-sum-exp ``[B, H, Sq]`` (FP32, natural log). With
@@ -98,9 +114,7 @@ def attention(q, k, v, causal: bool = False, scale: float | None = None, quant: 
         raise ValueError(f"quant: expected None or 'fp8', got {quant!r}")
     if incoherent and quant is None:
         raise ValueError("incoherent: applies to quant='fp8' only")
-    if scale is None:
-        scale = 1.0 / math.sqrt(d)
-    scale = float(scale)
+    scale = softmax_scale(scale, d)
     quantized = [n for n, t in (("q", q), ("k", k), ("v", v)) if isinstance(t, QuantizedTensor)]
 
     if quant is None:

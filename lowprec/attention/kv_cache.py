@@ -46,7 +46,7 @@ import torch
 from ..quant.reference import ieee_div, scale_from_amax
 from ..recipes import get_recipe
 from ..runtime import backend_mode, kernel_failed, registry
-from .dense import FLOAT_DTYPES, fp8_over_kv_operands
+from .dense import FLOAT_DTYPES, fp8_over_kv_operands, softmax_scale
 from .quantize import ATTN_BLOCK, V_PAD, _blocks, kv_views
 from .reference import _dequant_blocks
 
@@ -407,7 +407,7 @@ class FP8KVCache:
         if self._lengths is not None and max(self._lengths) + 1 > self.max_len:
             raise ValueError(f"k: 1 more token overflows the cache: it holds {max(self._lengths)} of "
                              f"max_len={self.max_len}")
-        scale = 1.0 / math.sqrt(self.head_dim) if scale is None else float(scale)
+        scale = softmax_scale(scale, self.head_dim)
         # the append kernel quantizes the query too where the attention kernels read it (one launch less)
         attend = self._attend_object(q, scale)
         fuse_q = attend is not None and not self._fused_q_failed and q.dtype == self.dtype and attend.reads(q)
@@ -494,7 +494,7 @@ class FP8KVCache:
         With rows of different lengths each row attends over its own tokens (its queries the last
         ``Sq`` positions of them when ``causal``)."""
         self._check_q(q)
-        scale = 1.0 / math.sqrt(self.head_dim) if scale is None else float(scale)
+        scale = softmax_scale(scale, self.head_dim)
         causal = bool(causal) and q.shape[2] > 1  # one query sees every key
         length = self.length
         # decode (a few queries, not causal): the kernels bound to this cache, splits for the length

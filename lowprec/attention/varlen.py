@@ -18,18 +18,19 @@ import math
 import torch
 
 from ..runtime import autocast_off
-from .dense import FLOAT_DTYPES, attention
+from .dense import FLOAT_DTYPES, attention, softmax_scale
 from .ops import _flash_ok, expand_kv_heads
 
 __all__ = ["attention_varlen", "check_cu_seqlens"]
 
 
 def check_cu_seqlens(name: str, cu: torch.Tensor, total: int, max_seqlen: int, device: torch.device) -> list[int]:
-    """Validate a ``cu_seqlens`` tensor (``[B + 1]`` int32/int64, from 0 to ``total``, non-decreasing, no
-    sequence longer than ``max_seqlen``) and return it as a host list."""
+    """Validate a ``cu_seqlens`` tensor (``[B + 1]`` int32/int64 on ``device`` or the CPU, from 0 to
+    ``total``, non-decreasing, no sequence longer than ``max_seqlen``) and return it as a host list."""
     _check_cu_shape(name, cu)
-    if cu.device != device:
-        raise ValueError(f"{name}: on {cu.device}, but q is on {device}")
+    # host tensors serve q on any device (read for free), as the flash and FP8 paths take them
+    if cu.device != device and cu.device.type != "cpu":
+        raise ValueError(f"{name}: on {cu.device}, but q is on {device} (expected q's device or the CPU)")
     values = cu.tolist()
     if values[0] != 0 or values[-1] != total:
         raise ValueError(f"{name}: must start at 0 and end at the packed length {total}, got "
@@ -62,11 +63,12 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
         q: ``[total_q, H, D]``; k: ``[total_k, Hkv, D]``; v: ``[total_k, Hkv, Dv]`` (``H`` a multiple
             of ``Hkv``): the sequences one after another, in one float dtype.
         cu_seqlens_q, cu_seqlens_k: ``[B + 1]`` int32 (or int64) prefix sums of the sequence lengths
-            (sequence ``i`` is rows ``cu[i]:cu[i+1]``); empty sequences allowed. Their values are
-            checked wherever that needs no GPU-to-host read: on the CPU, and on CUDA when they are
-            CPU tensors (then copied to the GPU). On CUDA (the FP8 kernel, or exact attention in
-            fp16/bf16) GPU tensors are not read back, as in FlashAttention: a bad value gives
-            wrong rows for its sequences, never a write outside the output.
+            (sequence ``i`` is rows ``cu[i]:cu[i+1]``), on q's device or the CPU; empty sequences
+            allowed. Their values are checked wherever that needs no GPU-to-host read: on the CPU,
+            and on CUDA when they are CPU tensors (then copied to the GPU). On CUDA (the FP8
+            kernel, or exact attention in fp16/bf16) GPU tensors are not read back, as in
+            FlashAttention: a bad value gives wrong rows for its sequences, never a write outside
+            the output.
         max_seqlen_q, max_seqlen_k: upper bounds of the lengths (checked with the values).
         causal, scale, quant, incoherent: as :func:`lowprec.attention`, per sequence.
         return_lse: also return the LSE ``[H, total_q]`` FP32 (FlashAttention's varlen layout).
@@ -93,8 +95,7 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
         raise ValueError(f"quant: expected None or 'fp8', got {quant!r}")
     if incoherent and quant is None:
         raise ValueError("incoherent: applies to quant='fp8' only")
-    if scale is None:
-        scale = 1.0 / math.sqrt(d)
+    scale = softmax_scale(scale, d)
     if quant == "fp8" and q.is_cuda:
         with autocast_off(q.device):  # as lowprec.attention's FP8 path
             return _fp8_on_device(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, bool(causal),
@@ -102,8 +103,8 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     if quant is None and q.is_cuda and q.shape[0] and k.shape[0] and _flash_ok(q, k, v):
         if incoherent:
             raise ValueError("incoherent: applies to quant='fp8' only")
-        return _exact_on_device(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, bool(causal),
-                                float(scale), return_lse)
+        return _exact_on_device(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, bool(causal), scale,
+                                return_lse)
     cq = check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q, q.device)
     ck = check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k, q.device)
     if len(cq) != len(ck):
@@ -165,7 +166,7 @@ def _device_cu_seqlens(q, k, cu_q, cu_k, max_q, max_k) -> tuple[torch.Tensor, to
             check_cu_seqlens(name, cu, total, longest, cu.device)
             cu = cu.to(q.device, non_blocking=True)
         elif cu.device != q.device:
-            raise ValueError(f"{name}: on {cu.device}, but q is on {q.device}")
+            raise ValueError(f"{name}: on {cu.device}, but q is on {q.device} (expected q's device or the CPU)")
         cus.append(cu)
     cu_q, cu_k = cus
     if cu_k.numel() != cu_q.numel():

@@ -198,3 +198,29 @@ def test_quantized_kv_with_a_float_q_of_another_dtype_still_runs():
     assert lowprec.attention(q, k_q, v_q, quant="fp8").shape == (1, 2, 16, 64)
     same = [torch.randn(1, 2, 16, 64, dtype=torch.float64) for _ in range(3)]
     assert lowprec.attention(*same).dtype == torch.float64
+
+
+@pytest.mark.parametrize("quant", [None, "fp8"])
+@pytest.mark.parametrize("scale", [float("nan"), float("inf"), "0.1", torch.tensor(0.125, requires_grad=True)])
+def test_scale_must_be_a_finite_real_number(quant, scale):
+    """A NaN or Inf scale gave NaN rows (FP8: zeros), a string was parsed, and a scale tensor that
+    requires grad silently got none: a ValueError naming ``scale`` in every entry point now."""
+    from lowprec.attention import FP8KVCache
+
+    q, k, v = _qkv(b=1, h=2, hkv=1, sq=8, sk=8, d=64)
+    cu = torch.tensor([0, 8], dtype=torch.int32)
+    cache = FP8KVCache(1, 1, 16, 64, dtype=torch.float32)
+    cache.append(k, v)
+    calls = [lambda: lowprec.attention(q, k, v, scale=scale, quant=quant),
+             lambda: attention_varlen(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), cu, cu, 8, 8,
+                                      scale=scale, quant=quant),
+             lambda: cache.attend(q, scale=scale),
+             lambda: cache.decode_step(q[:, :, :1], k[:, :, :1], v[:, :, :1], scale=scale)]
+    for call in calls:
+        with pytest.raises(ValueError, match="scale: expected a finite real number"):
+            call()
+    assert cache.length == 8  # decode_step refused before appending its token
+    # numbers and tensors without gradient are taken as their value
+    ref = lowprec.attention(q, k, v, scale=0.125, quant=quant)
+    for ok in (0.125, torch.tensor(0.125), torch.tensor([0.125], dtype=torch.float64)):
+        assert torch.equal(lowprec.attention(q, k, v, scale=ok, quant=quant), ref)

@@ -146,3 +146,16 @@ def test_varlen_no_queries_gives_zero_gradients(quant, cu_q):
     gq, gk, gv = torch.autograd.grad(out.sum(), (q, k, v))
     for g, t in ((gq, q), (gk, k), (gv, v)):
         assert g.shape == t.shape and not g.any()
+
+
+@pytest.mark.parametrize("quant", [None, "fp8"])
+def test_host_cu_seqlens_serve_q_on_another_device(quant):
+    """CPU cu_seqlens are taken for q on any device, as the docstring promises for CUDA: the
+    per-sequence path (exact fp32 attention on CUDA, say) reads them on the host; it refused them.
+    The meta device stands in for the accelerator. cu_seqlens on a third device are refused by name."""
+    q, k, v, cq, ck = _packed([5, 0, 7], [6, 3, 9])
+    out, lse = attention_varlen(*(t.to("meta") for t in (q, k, v)), cq, ck, 7, 9, causal=True, quant=quant,
+                                return_lse=True)
+    assert out.device.type == "meta" and out.shape == (12, 4, 32) and lse.shape == (4, 12)
+    with pytest.raises(ValueError, match=r"cu_seqlens_k: on meta, but q is on cpu \(expected q's device or the CPU\)"):
+        attention_varlen(q, k, v, cq, ck.to("meta"), 7, 9, quant=quant)
