@@ -14,6 +14,7 @@ attention, also without a host read. Elsewhere one dense call per sequence after
 from __future__ import annotations
 
 import math
+import operator
 
 import torch
 
@@ -96,6 +97,7 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     if incoherent and quant is None:
         raise ValueError("incoherent: applies to quant='fp8' only")
     scale = softmax_scale(scale, d)
+    max_seqlen_q, max_seqlen_k = _length("max_seqlen_q", max_seqlen_q), _length("max_seqlen_k", max_seqlen_k)
     if quant == "fp8" and q.is_cuda:
         with autocast_off(q.device):  # as lowprec.attention's FP8 path
             return _fp8_on_device(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, bool(causal),
@@ -151,6 +153,17 @@ def _fp8_on_device(q, k, v, cu_q, cu_k, max_q, max_k, causal: bool, scale: float
     if not return_lse:
         return out
     return out, lse + packed_lse_correction(q.detach(), k_mean, cu_q, scale, incoherent)
+
+
+def _length(name: str, value) -> int:
+    """A ``max_seqlen`` as a Python int: numpy integers and 0-d integer tensors as FlashAttention's
+    callers pass them (a CUDA tensor is read back to the host), not bools or floats."""
+    if isinstance(value, bool) or (isinstance(value, torch.Tensor) and value.dtype == torch.bool):
+        raise ValueError(f"{name}: expected an int ≥ the longest sequence, got {value!r}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise ValueError(f"{name}: expected an int ≥ the longest sequence, got {value!r}") from None
 
 
 def _device_cu_seqlens(q, k, cu_q, cu_k, max_q, max_k) -> tuple[torch.Tensor, torch.Tensor]:

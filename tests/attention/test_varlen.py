@@ -55,6 +55,19 @@ def test_all_empty():
     assert out.shape == (0, 4, 32) and lse.shape == (4, 0)
 
 
+
+def test_max_seqlen_takes_numpy_and_tensor_integers_not_bools_or_floats():
+    """FlashAttention's callers pass max_seqlen as numpy integers or 0-d tensors (was refused)."""
+    import numpy as np
+
+    q, k, v, cq, ck = _packed([5, 6], [5, 6])
+    want = attention_varlen(q, k, v, cq, ck, 6, 6)
+    for longest in (np.int64(6), np.int32(6), torch.tensor(6)):
+        torch.testing.assert_close(attention_varlen(q, k, v, cq, ck, longest, longest), want, rtol=0, atol=0)
+    for bad in (True, 6.0, torch.tensor(True), torch.tensor([6, 6])):
+        with pytest.raises(ValueError, match="max_seqlen_q: expected an int"):
+            attention_varlen(q, k, v, cq, ck, bad, 6)
+
 def test_bad_inputs_are_named():
     q, k, v, cq, ck = _packed([5, 6], [5, 6])
     cases = [
