@@ -100,8 +100,9 @@ def quantize_dual(x: torch.Tensor, recipe: str | ScaleRecipe = "fp8_block1x128",
                   recipe_t: str | ScaleRecipe | None = None) -> tuple[QuantizedTensor, QuantizedTensor]:
     """Quantize ``x`` [..., K] (viewed as [T, K]) along both dims in one pass, for training.
 
-    Returns ``(quantize(x, recipe), quantize(x_padᵀ, recipe_t))`` where ``x_pad`` is ``x`` with
-    zero rows appended up to ``T_pad = round_up(T, 16)``: the first feeds the forward GEMM (blocks
+    Returns ``(quantize(x2, recipe), quantize(x_padᵀ, recipe_t))`` where ``x2`` is ``x`` viewed as
+    ``[T, K]`` (leading dims flattened: the first result is 2-D whatever ``x``'s dims) and ``x_pad``
+    is ``x2`` with zero rows appended up to ``T_pad = round_up(T, 16)``: the first feeds the forward GEMM (blocks
     along K), the second the weight-gradient GEMM (``[K, T_pad]``, zero padding columns, so GEMMs
     over tokens meet the kernels' multiple-of-16 rule). ``recipe_t`` defaults to ``recipe``;
     ``"fp8_block16x128"`` or ``"fp8_block128x128"`` with ``fp8_block1x128`` gives the weight
