@@ -63,11 +63,8 @@ class _FP8SwiGLU(torch.autograd.Function):
         wg, wg_t = quantize_weight(w_gate, recipe.weight, with_transpose=need_x)
         wu, wu_t = quantize_weight(w_up, recipe.weight, with_transpose=need_x)
         wd, wd_t = quantize_weight(w_down, recipe.weight, with_transpose=any(ctx.needs_input_grad[:3]))
-        g = gemm(x_q, wg, out_dtype=dt)
-        u = gemm(x_q, wu, out_dtype=dt)
-        a, at = swiglu_quantize_dual("swiglu", g, u, recipe_t=recipe.wgrad_activation)
+        y, g, u, at = _gemms(x_q, wg, wu, wd, recipe, dt)
         ctx.recipe = recipe
-        y = gemm(a, wd, out_dtype=dt)
         ctx.weight_dtypes = (w_gate.dtype, w_up.dtype, w_down.dtype)
         tensors, ctx.specs = flatten_all(xt_q, at, g, u, wg_t, wu_t, wd_t)
         ctx.save_for_backward(*tensors)
@@ -160,9 +157,16 @@ def fp8_swiglu_mlp(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_
 def _swiglu_forward(x2, w_gate, w_up, w_down, recipe: LinearRecipe) -> torch.Tensor:
     x_q = quantize(x2, recipe.activation, check_finite=False)
     wg, wu, wd = (quantize_weight(w, recipe.weight, with_transpose=False)[0] for w in (w_gate, w_up, w_down))
-    a, _ = swiglu_quantize_dual("swiglu", gemm(x_q, wg, out_dtype=x2.dtype), gemm(x_q, wu, out_dtype=x2.dtype),
-                                recipe_t=recipe.wgrad_activation)  # one fused pass; its copy along tokens unused
-    return gemm(a, wd, out_dtype=x2.dtype)
+    return _gemms(x_q, wg, wu, wd, recipe, x2.dtype)[0]  # the activation's copy along tokens unused
+
+
+def _gemms(x_q, wg, wu, wd, recipe: LinearRecipe, dt: torch.dtype):
+    """The forward's GEMMs and the fused activation between them (training and evaluation alike):
+    ``(y, g, u, A along tokens)``."""
+    g = gemm(x_q, wg, out_dtype=dt)
+    u = gemm(x_q, wu, out_dtype=dt)
+    a, at = swiglu_quantize_dual("swiglu", g, u, recipe_t=recipe.wgrad_activation)
+    return gemm(a, wd, out_dtype=dt), g, u, at
 
 
 class SwiGLUMLP(nn.Module):
