@@ -83,12 +83,13 @@ class QuantizedTensor:
         if dtype not in _FLOAT_DTYPES:
             raise TypeError(f"dtype: expected one of {[str(d) for d in _FLOAT_DTYPES]} (the original tensor's "
                             f"dtype), got {dtype!r}")
+        given = shape  # named in the error as passed (not as the None a failed conversion leaves)
         try:
             shape = torch.Size(shape)
         except (TypeError, ValueError):
             shape = None
         if not shape or any(n < 0 for n in shape):
-            raise ValueError(f"shape: expected the logical shape, ≥ 1 dim of sizes ≥ 0, got {shape!r}")
+            raise ValueError(f"shape: expected the logical shape, ≥ 1 dim of sizes ≥ 0, got {given!r}")
         for name, t in (("data", data), ("scale", scale), ("global_scale", global_scale)):
             if t is not None and not isinstance(t, torch.Tensor):
                 raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")

@@ -1,5 +1,6 @@
 import copy
 import pickle
+import re
 
 import pytest
 import torch
@@ -59,6 +60,14 @@ def test_constructor_validates_its_fields(field, value, error, match):
     parts[field] = value
     with pytest.raises(error, match=match):
         lowprec.QuantizedTensor(**parts)
+
+
+@pytest.mark.parametrize("shape", [(4, 2.5), "4x256"])
+def test_constructor_shape_error_shows_the_shape_given(shape):
+    """A shape torch.Size cannot take is named as given, not as None."""
+    _, parts = _parts()
+    with pytest.raises(ValueError, match=r"shape: expected .*got " + re.escape(repr(shape))):
+        lowprec.QuantizedTensor(**{**parts, "shape": shape})
 
 
 def test_constructor_validates_fp4_and_global_scale():

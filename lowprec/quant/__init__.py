@@ -110,7 +110,7 @@ def quantize_dual(x: torch.Tensor, recipe: str | ScaleRecipe = "fp8_block1x128",
     kernel pass on Hopper either way). Inputs are assumed finite.
     """
     r = get_recipe(recipe)
-    r_t = r if recipe_t is None else get_recipe(recipe_t)
+    r_t = r if recipe_t is None else _get_recipe_t(recipe_t)
     if not isinstance(x, torch.Tensor) or x.dim() < 2 or x.dtype not in _FLOAT_DTYPES:
         raise ValueError(f"x: expected a float tensor with ≥ 2 dims, got "
                          f"{getattr(x, 'dtype', type(x).__name__)} {tuple(getattr(x, 'shape', ()))}")
@@ -130,6 +130,14 @@ def quantize_dual(x: torch.Tensor, recipe: str | ScaleRecipe = "fp8_block1x128",
             and r_t.scale_rounding == "exact" and _custom_op_recipe(x2, r)):
         return wrap(*ops.quantize_dual_fp8(x2, r_t.block[0]))
     return registry.run("quantize_dual", x.device, (x2, r, r_t), reference, lambda kernel: wrap(*kernel(x2, r, r_t)))
+
+
+def _get_recipe_t(recipe_t: str | ScaleRecipe) -> ScaleRecipe:
+    """``get_recipe(recipe_t)``, its error naming ``recipe_t`` (get_recipe's names ``recipe``, the other argument)."""
+    try:
+        return get_recipe(recipe_t)
+    except ValueError as err:
+        raise ValueError(f"recipe_t: {str(err).removeprefix('recipe: ')}") from None
 
 
 def _dual_tensors(r: ScaleRecipe, r_t: ScaleRecipe, shape, dtype, q, s, qt, st
@@ -156,7 +164,7 @@ def swiglu_quantize_dual(kind: str, *inputs: torch.Tensor, recipe_t: str | Scale
                          f"{[tuple(getattr(t, 'shape', ())) for t in inputs]}")
     args = tuple(t.contiguous() for t in inputs)
     r = get_recipe("fp8_block1x128")
-    r_t = r if recipe_t is None else get_recipe(recipe_t)
+    r_t = r if recipe_t is None else _get_recipe_t(recipe_t)
     if r_t.name not in _DUAL_T_RECIPES or r_t.scale_rounding != "exact":
         raise ValueError(f"recipe_t: expected one of {_DUAL_T_RECIPES} (exact scales), got {r_t.name!r}")
     if r_t.block[0] != 1 and kind != "swiglu":  # checked here: the ops below would name their t_rows

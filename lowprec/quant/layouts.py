@@ -95,7 +95,8 @@ def is_mn_major_tma_aligned(scale: torch.Tensor) -> bool:
 
 
 def to_row_major(scale: torch.Tensor) -> torch.Tensor:
-    """Plain contiguous row-major copy (inverse of :func:`to_mn_major_tma_aligned`)."""
+    """Plain contiguous row-major scales (inverse of :func:`to_mn_major_tma_aligned`): a copy, or
+    ``scale`` itself when it is contiguous already (as ``Tensor.contiguous``)."""
     return scale.contiguous()
 
 

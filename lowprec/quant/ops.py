@@ -30,8 +30,8 @@ def _empty_codes_and_scales(x: torch.Tensor, recipe: str) -> tuple[torch.Tensor,
     q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
     if recipe == "fp8_block1x128":
         s = empty_mn_major_tma_aligned(m, -(-k // 128), x.device)
-    elif recipe == "fp8_rowwise":
-        s = torch.empty(m, 1, dtype=torch.float32, device=x.device)
+    elif recipe == "fp8_rowwise":  # a row of no columns has no scale (as QuantizedTensor's grid)
+        s = torch.empty(m, min(k, 1), dtype=torch.float32, device=x.device)
     else:
         s = torch.empty(-(-m // 128), -(-k // 128), dtype=torch.float32, device=x.device)
     return q, s

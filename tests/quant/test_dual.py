@@ -54,6 +54,17 @@ def test_dual_other_recipes_and_errors():
         lowprec.quant.swiglu_quantize_dual("swiglu", g, g, recipe_t="fp8_rowwise")
 
 
+@pytest.mark.parametrize("call", [
+    lambda: quantize_dual(torch.randn(16, 128), "fp8_block1x128", "fp8_block1x64"),
+    lambda: lowprec.quant.swiglu_quantize_dual("swiglu", *(torch.randn(16, 128, dtype=torch.bfloat16),) * 2,
+                                               recipe_t="fp8_block1x64"),
+])
+def test_unknown_recipe_t_names_recipe_t(call):
+    """The error names the argument that was wrong (recipe_t), not recipe."""
+    with pytest.raises(ValueError, match="^recipe_t: unknown recipe 'fp8_block1x64'"):
+        call()
+
+
 def test_swiglu_quantize_dual_rejects_an_unknown_kind_and_wrong_inputs():
     g, u, da = (torch.randn(32, 256, dtype=torch.bfloat16) for _ in range(3))
     with pytest.raises(ValueError, match="kind"):

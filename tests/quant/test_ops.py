@@ -20,6 +20,15 @@ def test_quantize_op(recipe, shape):
     assert torch.equal(q.view(torch.uint8), want.data.view(torch.uint8)) and torch.equal(s, want.scale)
 
 
+@pytest.mark.parametrize("recipe", ["fp8_block1x128", "fp8_rowwise", "fp8_block128x128"])
+def test_quantize_op_of_rows_without_columns(recipe):
+    """No columns: the op's scales are quantize()'s grid ([M, 0] for rowwise too, not [M, 1])."""
+    x = torch.randn(5, 0)
+    torch.library.opcheck(torch.ops.lowprec.quantize_fp8.default, (x, recipe), test_utils=OPCHECK_TESTS)
+    q, s = ops.quantize_fp8(x, recipe)
+    assert q.shape == (5, 0) and s.shape == lowprec.quantize(x, recipe).scale.shape
+
+
 @pytest.mark.parametrize("t_rows", [1, 16, 128])
 @pytest.mark.parametrize("tokens", [200, 7, 128])
 def test_dual_op(tokens, t_rows):
