@@ -332,7 +332,8 @@ def decoded_tile_emulated(packed: PackedNVFP4, n_tile: int, k_chunk: int) -> tor
     the same integer decode, bit for bit (shifts and masks of the packed words, the scale's
     E4M3 -> f16 -> bf16 * 2^116 bit trick), then the exact product of the two bf16 values
     (``mul.rn.bf16x2``, exact here: a test checks it against the weight times 2^-10)."""
-    chunk = packed.data.view(packed.n_tiles, packed.k_chunks, CHUNK_BYTES)[n_tile, k_chunk]
+    # on the host, as the rest of the emulation (its index tensors are CPU ones): a CUDA weight failed
+    chunk = packed.data.view(packed.n_tiles, packed.k_chunks, CHUNK_BYTES)[n_tile, k_chunk].cpu()
     words = _bytes_to_words(chunk[:CODE_BYTES]).view(2, _THREADS, 4).permute(1, 0, 2).reshape(_THREADS, _KSTEPS)
     scw = _bytes_to_words(chunk[CODE_BYTES:]).view(_THREADS // 4, 4).repeat_interleave(4, dim=0)
     pairs = [_rotl32(words, r) & PAIR_MASK for r in PAIR_ROT]
@@ -360,6 +361,7 @@ def unpack_codes_emulated(packed: PackedNVFP4) -> torch.Tensor:
     decode of every chunk, times 2^10 and the global scale."""
     if packed.n == 0 or packed.k == 0:  # no chunks to decode
         return torch.zeros(packed.n, packed.k, dtype=torch.float64)
+    packed = PackedNVFP4(packed.data.cpu(), packed.global_scale, packed.n, packed.k)  # one copy, not one per tile
     tiles = [[decoded_tile_emulated(packed, nt, kc) for kc in range(packed.k_chunks)] for nt in range(packed.n_tiles)]
     w = torch.cat([torch.cat(row, dim=1) for row in tiles], dim=0)
     return w[: packed.n, : packed.k] * (2.0 ** DECODE_EXP) * packed.global_scale.double().cpu()

@@ -197,6 +197,27 @@ def test_grouped_reference_is_each_experts_product():
     assert torch.equal(y[10:], torch.zeros(2, 72))
 
 
+@gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_grouped_fallback_on_a_cuda_device(monkeypatch):
+    """The reference on CUDA operands (what any GPU but Hopper, or x not in bf16, runs): the
+    emulated decode mixed a CUDA chunk with its CPU index tensors and raised."""
+    from lowprec.gemm.ops import grouped_weight_only
+
+    monkeypatch.setenv("LOWPREC_BACKEND", "reference")
+    packed, dequant = _experts(3, 72, 160, device="cuda")
+    torch.testing.assert_close(unpack_codes_emulated(packed.expert(1)), dequant[1], rtol=0, atol=0)
+    counts = [3, 0, 2]
+    x = torch.randn(6, 160, device="cuda")
+    y = grouped_weight_only(x, packed, _group_ends(counts, "cuda"))
+    start = 0
+    for e, c in enumerate(counts):
+        expect = (x[start:start + c].double() @ dequant[e].cuda().t()).float()
+        torch.testing.assert_close(y[start:start + c], expect, rtol=1e-5, atol=1e-5)
+        start += c
+    assert torch.equal(y[5:], torch.zeros(1, 72, device="cuda"))
+
+
 @pytest.mark.parametrize("experts", [1, 3, 8, 64, 256])
 def test_grouped_grid_holds_every_nonempty_tile(experts):
     """The grid the launcher sizes from R and E alone has room for the non-empty tiles of any
