@@ -3,6 +3,7 @@ activations kept in their dtype (weight-only), for decode-sized batches on Hoppe
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -128,6 +129,12 @@ class NVFP4InferenceMoE(QuantizedBuffersModule):
                 if len(p) != 3:
                     raise ValueError(f"{name}[{e}]: expected (weight, weight_scale, weight_scale_2), got {len(p)} "
                                      f"tensors")
+                # stacked below: torch's stack / reshape errors would name no expert
+                shapes = [tuple(getattr(t, "shape", ())) for t in p]
+                first = [tuple(getattr(t, "shape", ())) for t in parts[0][:2]]
+                if shapes[:2] != first or math.prod(shapes[2]) != 1:
+                    raise ValueError(f"{name}[{e}]: expected a weight {first[0]}, a weight_scale {first[1]} (as "
+                                     f"{name}[0]'s) and a one-element weight_scale_2, got shapes {shapes}")
         for e, (g, u) in enumerate(zip(gate, up)):
             if not torch.equal(g[2].reshape(()).float().cpu(), u[2].reshape(()).float().cpu()):
                 raise ValueError(f"gate[{e}], up[{e}]: different weight_scale_2 ({g[2].item()} and {u[2].item()}); "

@@ -157,6 +157,9 @@ def unpack(rows: torch.Tensor | QuantizedTensor, routing: Routing, weights: torc
         ``[T, H]``; tokens whose slots were all dropped are zero.
     """
     _check_routing(routing)
+    # else an int dtype truncates the sums silently, and a string fails inside torch as a device name
+    if out_dtype is not None and not (isinstance(out_dtype, torch.dtype) and out_dtype.is_floating_point):
+        raise TypeError(f"out_dtype: expected a float torch.dtype or None, got {out_dtype!r}")
     if isinstance(rows, QuantizedTensor):
         out_dtype = rows.dtype if out_dtype is None else out_dtype  # the rows' dtype, not the FP32 dequantized
         rows = rows.dequantize(torch.float32)

@@ -153,6 +153,10 @@ def _check_args(x, topk_weights, topk_ids, w1, num_experts, world, drop_policy) 
                          f"{getattr(topk_weights, 'dtype', type(topk_weights))} "
                          f"{tuple(getattr(topk_weights, 'shape', ()))}")
     _check_top_k(topk_ids.shape[1], num_experts)  # as experts() and dispatch: k ≤ E
+    # a 3-D tensor first: a 2-D w1's first size is no expert count (or, not a tensor, an AttributeError)
+    if not isinstance(w1, (torch.Tensor, QuantizedTensor)) or w1.dim() != 3:
+        raise ValueError(f"w1: expected this rank's experts [{num_experts // world}, 2F, H], got "
+                         f"{type(w1).__name__} {tuple(getattr(w1, 'shape', ()))}")
     if w1.shape[0] != num_experts // world:
         raise ValueError(f"w1: expected this rank's {num_experts // world} experts, got {w1.shape[0]}")
     if drop_policy not in DROP_POLICIES:
@@ -296,6 +300,8 @@ class ExpertParallelMoE(nn.Module):
     @classmethod
     def from_moe(cls, moe: MoE, group: dist.ProcessGroup | None = None) -> ExpertParallelMoE:
         """This rank's share of ``moe`` (its router copied, its experts' weights sliced)."""
+        if not isinstance(moe, MoE):  # as FP8InferenceMoE.from_moe (else an AttributeError on some attribute)
+            raise TypeError(f"moe: expected a lowprec.moe.MoE, got {type(moe).__name__}")
         layer = cls(moe.hidden_size, moe.ffn_size, moe.num_experts, moe.top_k, group=group,
                     capacity_factor=moe.capacity_factor, activation=moe.activation, recipe=moe.recipe,
                     score_func=moe.score_func, renormalize=moe.renormalize, drop_policy=moe.drop_policy,
@@ -311,7 +317,7 @@ class ExpertParallelMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [..., H]`` (this rank's tokens) to ``[..., H]``."""
-        if not isinstance(x, torch.Tensor) or x.shape[-1] != self.hidden_size:
+        if not isinstance(x, torch.Tensor) or x.dim() < 1 or x.shape[-1] != self.hidden_size:  # 0-d: no shape[-1]
             raise ValueError(f"x: expected [..., H={self.hidden_size}], got {tuple(getattr(x, 'shape', ()))}")
         tokens, autocast_off = follow_autocast(x.reshape(-1, self.hidden_size))
         with autocast_off:  # the router stays FP32, as MoE's

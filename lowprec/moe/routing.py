@@ -99,15 +99,26 @@ class Routing:
             "padding_rows": float(self.num_rows - routed),
             "max_load": float(counts.max()),
             "mean_load": float(counts.mean()),
-            "capacity": math.inf if self.capacity is None else float(self.capacity),
+            "capacity": math.inf if self.capacity is None else _as_float(self.capacity),
         }
+
+
+def _as_float(n: int) -> float:
+    """``n`` as the nearest float: ``inf`` past the largest (``float(n)`` raises there)."""
+    try:
+        return float(n)
+    except OverflowError:
+        return math.inf
 
 
 def _check_capacity_factor(capacity_factor: float | None) -> None:
     if capacity_factor is None:
         return
+    # a rational (int, Fraction) is finite: math.isfinite would convert it to a float, which
+    # overflows past 1.8e308 (expert_capacity reads it exactly)
     if isinstance(capacity_factor, bool) or not isinstance(capacity_factor, numbers.Real) \
-            or not math.isfinite(capacity_factor) or capacity_factor <= 0:
+            or not (isinstance(capacity_factor, numbers.Rational) or math.isfinite(capacity_factor)) \
+            or capacity_factor <= 0:
         raise ValueError(f"capacity_factor: expected a finite number > 0 or None (dropless), got {capacity_factor!r}")
 
 

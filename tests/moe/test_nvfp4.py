@@ -130,6 +130,20 @@ def test_from_modelopt_errors():
         NVFP4InferenceMoE.from_modelopt(router, gate, up, down, top_k=2)
 
 
+def test_from_modelopt_names_the_expert_whose_tensors_do_not_stack():
+    """One expert's tensors of another shape used to fail in torch.stack / reshape, naming no expert."""
+    moe = _moe()
+    router = moe.router.weight.detach()
+    gate, up, down = _modelopt_experts(moe)
+    up[1] = (up[1][0][:16], up[1][1][:16], up[1][2])
+    with pytest.raises(ValueError, match=r"up\[1\]: expected a weight \(32, 32\), a weight_scale \(32, 4\)"):
+        NVFP4InferenceMoE.from_modelopt(router, gate, up, down, top_k=2)
+    gate, up, down = _modelopt_experts(moe)
+    down[3] = (down[3][0], down[3][1], torch.ones(2))
+    with pytest.raises(ValueError, match=r"down\[3\]: .*one-element weight_scale_2"):
+        NVFP4InferenceMoE.from_modelopt(router, gate, up, down, top_k=2)
+
+
 def test_errors():
     with pytest.raises(TypeError, match="moe: expected a lowprec.moe.MoE"):
         NVFP4InferenceMoE.from_moe(torch.nn.Linear(4, 4))

@@ -117,3 +117,12 @@ def test_unpack_of_quantized_rows_defaults_to_their_dtype():
     rows, _ = pack(torch.randn(6, 128, dtype=torch.bfloat16), routing)
     assert rows.dtype == torch.bfloat16
     assert unpack(rows, routing).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("out_dtype", [torch.int32, "bfloat16"])
+def test_unpack_refuses_an_out_dtype_that_is_not_a_float_dtype(out_dtype):
+    """An int dtype used to truncate the combined rows silently; a string failed inside torch as a
+    device name."""
+    r = make_routing()
+    with pytest.raises(TypeError, match="out_dtype: expected a float torch.dtype"):
+        unpack(torch.randn(r.num_rows, 128), r, out_dtype=out_dtype)

@@ -315,3 +315,26 @@ def test_expert_parallel_keeps_the_slots_dispatch_keeps_with_nan_weights(seed):
     r = dispatch(w, ids, e, capacity_factor=0.5, drop_policy="probs")
     ep = _kept(ids.flatten(), torch.arange(tokens * k), w.flatten(), e, r.capacity, "probs")
     assert torch.equal(ep, r.kept.flatten())
+
+
+def test_a_0d_x_and_a_w1_that_is_not_3d_are_named(one_rank_group):
+    """A 0-d x used to raise IndexError (its shape[-1]); a 2-D w1 was reported as a wrong expert
+    count (its rows), a list as an AttributeError."""
+    from lowprec.moe.parallel import ExpertParallelMoE
+
+    with pytest.raises(ValueError, match=r"x: expected \[\.\.\., H=32\]"):
+        ExpertParallelMoE(32, 32, 4, 2, recipe=None)(torch.tensor(1.0))
+    x, w, ids, w2 = torch.randn(3, 32), torch.rand(3, 2), torch.zeros(3, 2, dtype=torch.long), torch.randn(4, 32, 32)
+    for w1 in (torch.randn(64, 32), [1]):
+        with pytest.raises(ValueError, match=r"w1: expected this rank's experts \[4, 2F, H\]"):
+            expert_parallel_experts(x, w, ids, w1, w2, num_experts=4, recipe=None)
+
+
+def test_from_moe_of_something_else_is_named(one_rank_group):
+    """As FP8InferenceMoE.from_moe: a TypeError naming moe, not an AttributeError (an inference layer has no recipe)."""
+    from lowprec.moe import FP8InferenceMoE, MoE
+    from lowprec.moe.parallel import ExpertParallelMoE
+
+    for other in (FP8InferenceMoE.from_moe(MoE(32, 32, 4, 2)), torch.nn.Linear(4, 4)):
+        with pytest.raises(TypeError, match="moe: expected a lowprec.moe.MoE"):
+            ExpertParallelMoE.from_moe(other)

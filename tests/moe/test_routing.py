@@ -246,6 +246,30 @@ def test_a_huge_capacity_factor_drops_nothing(policy):
     assert torch.equal(routing.row_slots, dropless.row_slots) and torch.equal(routing.counts, dropless.counts)
 
 
+def test_stats_of_a_capacity_past_the_largest_float():
+    """capacity_factor=1e308 (finite, accepted): C = 4e308 is no float; stats() reports inf, not an OverflowError."""
+    torch.manual_seed(0)
+    routing = dispatch(torch.rand(8, 2), torch.randint(0, 4, (8, 2)), 4, capacity_factor=1e308)
+    assert routing.capacity > 10**308 and routing.kept.all()
+    assert routing.stats()["capacity"] == math.inf
+
+
+@pytest.mark.parametrize("factor", [10**400, Fraction(10**400, 3)])
+def test_an_exact_capacity_factor_past_the_largest_float_is_accepted(factor):
+    """An int or Fraction is finite whatever its size (expert_capacity reads it exactly): it used to
+    raise OverflowError from the finiteness check, in the layers' constructors too."""
+    torch.manual_seed(0)
+    assert expert_capacity(8, 2, 4, factor) == math.ceil(Fraction(4) * factor)
+    layer = MoE(32, 32, 4, 2, capacity_factor=factor, recipe=None)
+    x = torch.randn(8, 32)
+    y, routing = layer(x, return_routing=True)
+    assert routing.kept.all()
+    layer.capacity_factor = None
+    assert torch.equal(y, layer(x))
+    with pytest.raises(ValueError, match="capacity_factor"):
+        expert_capacity(8, 2, 4, -factor)
+
+
 @pytest.mark.parametrize("factor", [np.float32(1.2), np.float64(0.75), Fraction(3, 4)])
 def test_a_numpy_or_fraction_capacity_factor_compiles_fullgraph(factor):
     """A capacity factor MoE accepts keeps fullgraph=True (the docstring's promise) and its capacity."""
