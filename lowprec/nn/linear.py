@@ -308,8 +308,8 @@ def convert(model: nn.Module, recipe: str | None = None, filter_fn: Callable[[st
     training, layers whose weight is not a parameter (``torch.nn.utils.weight_norm``), and for
     inference ``nn.TransformerEncoderLayer``'s ``linear1`` / ``linear2`` (its fast path multiplies
     by their weights itself). A swapped layer keeps its forward and backward hooks (their handles
-    still remove them); a SwiGLU MLP whose layers have hooks is not fused (their layers convert one
-    by one). With
+    still remove them); a SwiGLU MLP whose layers or ``act_fn`` have hooks is not fused (their layers
+    convert one by one). With
     ``inference=True``, :class:`FP8Linear` layers (a model trained after ``convert``) become
     :class:`FP8InferenceLinear` with their own recipe.
 
@@ -518,9 +518,11 @@ def _converted(module: nn.Module, name: str, recipe: str, inference: bool, min_n
 def _master_weights_in_state_dict(module, state_dict, prefix, local_metadata):
     # every wrapped weight, not only those fp8_block_weights() names now: converting again with a
     # recipe of other blocks (fp8_rowwise, ...) leaves the wrappers in place
-    for name, _ in module.named_parameters(remove_duplicate=False):
+    for name, param in module.named_parameters(remove_duplicate=False):
         key = prefix + name
         value = state_dict.get(key)
+        if value is param:  # state_dict(keep_vars=True): the caller asked for the parameter itself
+            continue
         if isinstance(value, FP8AllGatherWeight):  # savers need a plain tensor
             state_dict[key] = value.hp
         elif isinstance(getattr(value, "_local_tensor", None), FP8AllGatherWeight):

@@ -260,7 +260,10 @@ def swiglu_mlp_unsupported(module: nn.Module) -> str | None:
     if any(not isinstance(m.weight, nn.Parameter) for m in linears):  # the fused MLP reads them, runs no hook
         return ("gate_proj, up_proj and down_proj must hold their weights as parameters (not computed by a "
                 "forward pre-hook, as torch.nn.utils.weight_norm's)")
-    if not _is_silu(getattr(module, "act_fn", None)):
+    act = getattr(module, "act_fn", None)
+    if isinstance(act, nn.Module) and has_hooks(act):  # the fused MLP calls no act_fn (and the probe would fire them)
+        return "act_fn must have no forward or backward hooks"
+    if not _is_silu(act):
         return f"act_fn must compute SiLU, got {type(getattr(module, 'act_fn', None)).__name__}"
     gate, up, down = linears
     if up.weight.shape != gate.weight.shape or down.weight.shape != gate.weight.shape[::-1]:

@@ -600,6 +600,20 @@ def test_state_dict_plain_after_unfusing_a_gathered_mlp(tmp_path, kw):
     assert list(torch.load(buf, weights_only=True)) == list(sd)
 
 
+def test_state_dict_keep_vars_gives_the_wrapped_parameters():
+    """state_dict(keep_vars=True) (torch.jit.trace, transformers' loading: they mark or collect the
+    parameters themselves) holds the parameters, as for a plain model: the plain-tensor rewrite is
+    for savers; it gave a detached copy without grad or requires_grad."""
+    model = lowprec.convert(nn.Sequential(nn.Linear(128, 128), SwiGLUMLP(128, 256)), min_weight_numel=0)
+    assert enable_fp8_all_gather(model) == 4
+    model(torch.randn(4, 128)).sum().backward()
+    sd = model.state_dict(keep_vars=True)
+    params = dict(model.named_parameters())
+    assert all(sd[name] is p for name, p in params.items()), {k: type(v).__name__ for k, v in sd.items()}
+    assert sd["0.weight"].requires_grad and sd["0.weight"].grad is not None
+    assert all(type(v) is torch.Tensor for v in model.state_dict().values())  # plain for savers, as before
+
+
 def test_fp8_all_gather_on_a_one_rank_mesh_trains_as_unsharded():
     # FSDP2 skips the all-gather on one rank and hands on only the first all-gather input
     from torch.distributed.fsdp import fully_shard

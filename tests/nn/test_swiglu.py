@@ -485,3 +485,16 @@ def test_convert_fuses_no_mlp_with_hooked_layers_and_carries_an_mlps_own_hooks()
     assert isinstance(model[1], FP8SwiGLUMLP)
     model(torch.randn(4, 128))
     assert seen == ["FP8Linear", "FP8SwiGLUMLP"]
+
+
+def test_convert_fuses_no_mlp_whose_act_fn_has_hooks():
+    """The fused MLP computes SiLU itself: a hook on act_fn (activation statistics) would never fire
+    again, and convert's SiLU probe called it on a 41-value probe tensor."""
+    seen = []
+    mlp = SwiGLUMLP(128, 256)
+    mlp.act_fn.register_forward_hook(lambda m, args, y: seen.append(tuple(y.shape)))
+    model = lowprec.convert(nn.Sequential(mlp), "fp8_block", min_weight_numel=0)
+    assert seen == []
+    assert type(model[0]) is SwiGLUMLP and isinstance(model[0].gate_proj, FP8Linear)
+    model(torch.randn(4, 128))
+    assert seen == [(4, 256)]
