@@ -102,6 +102,9 @@ def parse_args(argv=None):
     unknown = [i for i in args.impls if i not in IMPLS]
     if unknown:
         p.error(f"--impls: unknown {unknown}; choose from {IMPLS}")
+    odd = [f"{n}x{k}" for n, k in args.shapes if n % 16 or k % 16]
+    if odd and set(args.impls) != {"bf16"}:  # else the FP8 / NVFP4 layers raise after the GPU set-up
+        p.error(f"--shapes: the FP8 and NVFP4 projections need N and K in multiples of 16, got {odd}")
     return args
 
 

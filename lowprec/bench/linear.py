@@ -90,6 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     shapes = SHAPES if args.shapes is None else args.shapes
+    if odd := [f"{k}x{n}" for k, n in shapes if k % 16 or n % 16]:  # else FP8Linear raises after the GPU set-up
+        parser.error(f"--shapes: FP8Linear needs in_features and out_features in multiples of 16, got {odd}")
     tokens = args.tokens
     if not torch.cuda.is_available():
         raise SystemExit("bench linear needs a CUDA GPU")

@@ -110,8 +110,14 @@ def test_decode_step_traces_in_one_graph_with_nvfp4_layers():
     torch.testing.assert_close(compiled, eager)
 
 
-@pytest.mark.parametrize("argv", [["--shapes", "x"], ["--shapes", "4096"], ["--ms", "a"], ["--batches", "b"]])
+@pytest.mark.parametrize("argv", [["--shapes", "x"], ["--shapes", "4096"], ["--ms", "a"], ["--batches", "b"],
+                                  ["--shapes", "100x4096"], ["--shapes", "4096x100", "--impls", "bf16,lowprec-nvfp4"]])
 def test_bad_lists_are_usage_errors(argv):
     with pytest.raises(SystemExit) as exit_info:
         decode.parse_args(argv)
     assert exit_info.value.code == 2
+
+
+def test_odd_shapes_parse_for_bf16_only():
+    """Only the FP8 / NVFP4 projections need multiples of 16; a bf16-only run takes any shape."""
+    assert decode.parse_args(["--shapes", "100x200", "--impls", "bf16"]).shapes == [(100, 200)]

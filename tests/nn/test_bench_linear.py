@@ -28,7 +28,7 @@ def test_step_parts_cover_every_kernel_of_the_step():
     assert x.grad is None and w.grad is None  # no autograd work behind the caller's back
 
 
-@pytest.mark.parametrize("shapes", ["abc", "1024x", "12", "0x128"])
+@pytest.mark.parametrize("shapes", ["abc", "1024x", "12", "0x128", "100x256", "256x4096,4096x100"])
 def test_bad_shapes_are_usage_errors(shapes):
     with pytest.raises(SystemExit) as exit_info:
         bench.main(["--shapes", shapes])
