@@ -31,6 +31,7 @@ import weakref
 import torch
 from torch import nn
 
+from ..nn.hooks import has_hooks
 from ..nn.swiglu import _is_silu
 from ..runtime import eager_under_compile, version_of
 
@@ -40,7 +41,8 @@ _SILU_CLASSES = ("SiLU", "SiLUActivation")
 
 def experts_module_unsupported(experts: nn.Module | None, probe: bool = True) -> str | None:
     """Why lowprec cannot compute a transformers experts module (None: it can): parameters
-    ``gate_up_proj`` [E, 2F, H] (gate rows first) and ``down_proj`` [E, H, F], SiLU, no biases,
+    ``gate_up_proj`` [E, 2F, H] (gate rows first) and ``down_proj`` [E, H, F], SiLU (an ``act_fn``
+    without hooks: lowprec does not call it), no biases,
     not transposed, no post-expert norm, not expert-parallel. ``probe=False``: SiLU known by its
     class (``nn.SiLU``, transformers' ``SiLUActivation``), not by running it (for a traced call)."""
     if (why := _layout_unsupported(experts)) is not None:
@@ -70,6 +72,9 @@ def _layout_unsupported(experts: nn.Module | None) -> str | None:
     if gate_fn is not None and getattr(gate_fn, "__name__", None) != "_default_apply_gate":
         return (f"a custom gate {type(experts).__name__}._apply_gate (e.g. a clamped SwiGLU): only "
                 "silu(gate) · up")
+    act = getattr(experts, "act_fn", None)
+    if isinstance(act, nn.Module) and has_hooks(act):  # lowprec calls no act_fn (and the probe would fire them)
+        return "act_fn must have no forward or backward hooks"
     return None
 
 

@@ -556,6 +556,17 @@ def test_replaced_activation_is_checked_again():
     transformers_experts_forward(m, x, ids, w)
 
 
+def test_an_act_fn_with_hooks_is_refused_before_any_probe():
+    """lowprec computes SiLU itself: a hook on act_fn would never fire (nor on the SiLU probe)."""
+    m = _ActCheckedExperts()
+    calls = []
+    m.act_fn.register_forward_hook(lambda *args: calls.append(1))
+    assert "hooks" in experts_module_unsupported(m)
+    with pytest.raises(ValueError, match="lowprec_fp8.*act_fn must have no forward or backward hooks"):
+        transformers_experts_forward(m, *_act_checked_inputs())
+    assert calls == []
+
+
 def test_replaced_weights_and_flags_are_checked_again():
     torch.manual_seed(0)
     m = _ActCheckedExperts()
