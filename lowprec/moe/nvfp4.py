@@ -65,6 +65,10 @@ class NVFP4InferenceMoE(QuantizedBuffersModule):
         from .layer import _set_config
 
         super().__init__()
+        for name, size in (("hidden_size", hidden_size), ("ffn_size", ffn_size)):  # before _set_config's FP8 wording
+            if isinstance(size, int) and size > 0 and size % 16:
+                raise ValueError(f"{name}: must be a multiple of 16 for NVFP4 experts (16-value scale blocks), "
+                                 f"got {size}")
         _set_config(self, hidden_size, ffn_size, num_experts, top_k, capacity_factor, activation, "fp8_block",
                     score_func, renormalize, drop_policy)
         self.router = nn.Linear(hidden_size, num_experts, bias=False, device=device, dtype=dtype)

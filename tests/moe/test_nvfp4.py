@@ -147,8 +147,10 @@ def test_from_modelopt_names_the_expert_whose_tensors_do_not_stack():
 def test_errors():
     with pytest.raises(TypeError, match="moe: expected a lowprec.moe.MoE"):
         NVFP4InferenceMoE.from_moe(torch.nn.Linear(4, 4))
-    with pytest.raises(ValueError, match="hidden_size"):
-        NVFP4InferenceMoE(40, 32, 4, 2)  # not a multiple of 16
+    with pytest.raises(ValueError, match="hidden_size: must be a multiple of 16 for NVFP4 experts"):
+        NVFP4InferenceMoE(40, 32, 4, 2)  # not a multiple of 16 (the error said FP8's recipe)
+    with pytest.raises(ValueError, match="ffn_size: must be a multiple of 16 for NVFP4 experts"):
+        NVFP4InferenceMoE(64, 24, 4, 2)
     layer = NVFP4InferenceMoE(64, 32, 4, 2)
     with pytest.raises(ValueError, match=r"x: expected a float32/bfloat16/float16 tensor \[..., H=64\]"):
         layer(torch.randn(3, 32))
