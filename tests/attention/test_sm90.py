@@ -678,6 +678,27 @@ def test_prepass_refuses_more_than_2_31_values():
     assert config.prepass_k_unsupported(k) is None and config.prepass_v_unsupported(k) is None
 
 
+def test_forward_refuses_heads_of_more_than_2_31_values():
+    """The forward's direct Q loads (Q quantized in the kernel) and O stores (D = 256) address a
+    head's [Sq, D] rows as row·D + col in Int32 (static stride D): past 2^31 values it would wrap."""
+    from lowprec.attention.sm90 import config
+
+    f8 = torch.float8_e4m3fn
+    for d in (128, 256):
+        long_sq = (1 << 31) // d + 128  # a whole number of 128-row Q blocks
+        q, k, v = _meta(1, 1, long_sq, d), _meta(1, 1, 128, d), _meta(1, 1, 128, d)
+        assert config.qkv_unsupported(q, k, v, False, 0.1) is not None
+        args = (_meta(1, 1, long_sq, d, dtype=f8), None, _meta(1, 1, 128, d, dtype=f8), None,
+                _meta(1, 1, d, 128, dtype=f8), None, False, 0.1, torch.bfloat16)
+        assert config.attention_unsupported(*args) is not None
+        ops = (_meta(1, 1, 128, d, dtype=f8), _meta(1, 1, 1, dtype=torch.float32), _meta(1, 1, d, 128, dtype=f8),
+               _meta(1, 1, d, dtype=torch.float32))
+        assert config.q_unsupported(q, *ops, False, 0.1) is not None
+        q = _meta(1, 1, (1 << 31) // d, d)  # exactly 2^31 values: the last offset is 2^31 - 1
+        assert config.qkv_unsupported(q, k, v, False, 0.1) is None
+        assert config.q_unsupported(q, *ops, False, 0.1) is None
+
+
 def test_prepass_refuses_more_than_65535_heads():
     """The dense pre-pass grid is (cluster, B·H, 1): gridDim.y is at most 65535."""
     from lowprec.attention.sm90 import config

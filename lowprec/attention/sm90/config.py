@@ -326,7 +326,15 @@ def attention_unsupported(q, q_scale, k, k_scale, v_t, v_scale, causal: bool, sc
         return f"output dtype {out_dtype} (the kernel writes {' or '.join(OUT_DTYPES)})"
     if q.shape[-2] == 0 or k.shape[-2] == 0:
         return "an empty sequence (nothing to compute)"
-    return _forward_grid_unsupported(q.shape[0], q.shape[1])
+    return _forward_grid_unsupported(q.shape[0], q.shape[1]) or _head_rows_unsupported(q.shape[-2], d)
+
+
+def _head_rows_unsupported(sq: int, d: int) -> str | None:
+    """A head's [Sq, D] rows of the static stride D: the forward's direct Q loads (Q quantized in the
+    kernel) and O stores (D = 256) compute row·D + col in Int32, which wraps past 2^31."""
+    if sq * d > INT32_OFFSET_MAX:
+        return f"Sq·D={sq * d} values per head (the forward addresses a head's rows with 32-bit offsets: at most 2^31)"
+    return None
 
 
 def _forward_grid_unsupported(batch: int, heads: int) -> str | None:
@@ -455,7 +463,7 @@ def qkv_unsupported(q, k, v, causal: bool, scale: float) -> str | None:
     host pass) cannot take these inputs (None: it can); the caller then composes the steps, each
     on its kernel or reference."""
     return (_float_qkv_unsupported(q, k, v) or _q_prepass_unsupported(q) or prepass_k_unsupported(k)
-            or prepass_v_unsupported(v))
+            or prepass_v_unsupported(v) or _head_rows_unsupported(q.shape[-2], q.shape[-1]))
 
 
 def varlen_unsupported(q, k, v, cu_q, cu_k, max_q: int, max_k: int, causal: bool, scale: float,
