@@ -349,17 +349,17 @@ def convert(model: nn.Module, recipe: str | None = None, filter_fn: Callable[[st
     elif isinstance(min_weight_numel, bool) or not isinstance(min_weight_numel, int) or min_weight_numel < 0:
         raise ValueError(f"min_weight_numel: expected an int ≥ 0 or None, got {min_weight_numel!r}")
     if _convertible(model):
-        return model if filter_fn is not None and not filter_fn("", model) else _converted(model, "", recipe,
-                                                                                            inference, 0, [])
+        return model if filter_fn is not None and not filter_fn("", model) else _same_mode(
+            model, _converted(model, "", recipe, inference, 0, []))
     fuse = fuse_mlp and not inference and recipe in SWIGLU_RECIPES
     if isinstance(model, FP8SwiGLUMLP):
         if not fuse:
-            model = carry_hooks(model, model.unfused())
+            model = _same_mode(model, carry_hooks(model, model.unfused()))
         elif filter_fn is None or _mlp_accepted("", model, filter_fn):
             model.recipe = recipe  # as _fuse_mlps does for the fused MLPs inside a model
             return model
     if swiglu_mlp_unsupported(model) is None and fuse and (filter_fn is None or _mlp_accepted("", model, filter_fn)):
-        return carry_hooks(model, FP8SwiGLUMLP.from_mlp(model, recipe))
+        return _same_mode(model, carry_hooks(model, FP8SwiGLUMLP.from_mlp(model, recipe)))
     fused = _fuse_mlps(model, fuse, filter_fn, min_weight_numel, recipe)
     kept: list[str] = []
     # transformers models name the layers they read in high precision (T5's ``wo``: its MLP casts its
@@ -387,8 +387,8 @@ def convert(model: nn.Module, recipe: str | None = None, filter_fn: Callable[[st
                     log.warning("lowprec.convert: keeping %s as it is: nn.TransformerEncoderLayer's fast path reads "
                                 "its weight directly", name)
                     keep = True
-                done[id(child)] = child if keep else _converted(child, name, recipe, inference, min_weight_numel,
-                                                                 kept)
+                done[id(child)] = child if keep else _same_mode(
+                    child, _converted(child, name, recipe, inference, min_weight_numel, kept))
             setattr(parent, child_name, done[id(child)])
     converted = sum(isinstance(m, (FP8Linear, FP8InferenceLinear, NVFP4InferenceLinear)) for m in done.values())
     moes = sum(isinstance(m, (MoE, FP8InferenceMoE, NVFP4InferenceMoE)) for m in done.values())
@@ -401,6 +401,14 @@ def convert(model: nn.Module, recipe: str | None = None, filter_fn: Callable[[st
         log.info("lowprec.convert: %d linear-like layers left as they are, not exactly nn.Linear (%s)",
                  sum(left.values()), ", ".join(f"{n} {t}" for t, n in left.items()))
     return model
+
+
+def _same_mode(old: nn.Module, new: nn.Module) -> nn.Module:
+    """``new`` in ``old``'s train / eval mode (a module built anew is in training mode: converting a
+    model after ``model.eval()`` would leave its new layers in it)."""
+    if new is not old and new.training != old.training:
+        new.train(old.training)
+    return new
 
 
 def _linear_like_left(model: nn.Module) -> dict[str, int]:
@@ -465,7 +473,7 @@ def _fuse_mlps(model: nn.Module, fuse: bool, filter_fn, min_numel: int, recipe: 
             if child is not None:
                 done[id(child)] = new
             if new is not child:
-                setattr(parent, child_name, new)
+                setattr(parent, child_name, _same_mode(child, new))
     return fused
 
 
@@ -507,7 +515,11 @@ def _converted(module: nn.Module, name: str, recipe: str, inference: bool, min_n
             return carry_hooks(module, FP8InferenceLinear.from_linear(module, module.recipe.name))
         module.recipe = get_linear_recipe(recipe)
         return module
-    if module.recipe.name != recipe:
+    # fp8_block_wgrad16 / _wgrad2d name fp8_block's forward (a layer from a trained FP8Linear keeps its name)
+    asked = None if recipe == _NVFP4 else get_linear_recipe(recipe)
+    same = inference and asked is not None and (asked.activation, asked.weight) == (module.recipe.activation,
+                                                                                    module.recipe.weight)
+    if module.recipe.name != recipe and not same:
         log.warning("lowprec.convert: keeping %s as FP8InferenceLinear in %s, not %s: its FP8 weights cannot be "
                     "requantized without the master weights", name or "<model>", module.recipe.name, recipe)
     return module

@@ -911,3 +911,30 @@ def test_inference_convert_of_a_weight_normed_linear_takes_its_weight_as_it_is()
         assert torch.equal(model(x), expect(x))
     assert torch.equal(model[0].quantized_weight().dequantize(torch.float32),
                        lowprec.quantize(weight, "fp8_block128x128").dequantize(torch.float32))
+
+
+@pytest.mark.parametrize("recipe, inference", [("fp8_block", False), ("fp8_block", True), ("nvfp4", True)])
+@pytest.mark.parametrize("training", [False, True])
+def test_converted_layers_keep_the_models_train_or_eval_mode(recipe, inference, training):
+    """New modules are built in training mode: converting after model.eval() left them in it."""
+    model = nn.Sequential(TinyBlock(), SwiGLUMLP(128, 256), lowprec.moe.MoE(128, 64, num_experts=4, top_k=2))
+    model.train(training)
+    convert(model, recipe, inference=inference, min_weight_numel=0)
+    assert isinstance(model[0].qkv, NVFP4InferenceLinear if recipe == "nvfp4" else
+                      FP8InferenceLinear if inference else FP8Linear)
+    assert [n for n, m in model.named_modules() if m.training != training] == []
+    for bare in (nn.Linear(128, 64), SwiGLUMLP(128, 256)):  # a bare layer passed as the model
+        new = convert(bare.train(training), recipe, inference=inference)
+        assert [n for n, m in new.named_modules() if m.training != training] == []
+
+
+def test_converting_again_for_inference_logs_nothing_for_the_same_forward(caplog):
+    """An inference layer from a trained FP8Linear keeps its recipe's name (fp8_block_wgrad16), which
+    computes fp8_block's forward: converting again (default fp8_block) warned for every such layer."""
+    model = convert(convert(TinyBlock(), min_weight_numel=0), inference=True)
+    assert model.qkv.recipe.name == "fp8_block_wgrad16"
+    with caplog.at_level(logging.WARNING, logger="lowprec"):
+        convert(model, inference=True)
+        assert "qkv" not in caplog.text
+        convert(model, "fp8_rowwise", inference=True)  # another forward: still said
+    assert "qkv" in caplog.text and model.qkv.recipe.name == "fp8_block_wgrad16"
