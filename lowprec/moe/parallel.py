@@ -82,10 +82,19 @@ def _expert_parallel(x, topk_weights, topk_ids, w1, w2, num_experts, group, worl
     tokens, k = topk_ids.shape
     device = x.device
 
-    # every rank's token count: the global slot numbers and the global capacity
-    gathered = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world)]
-    dist.all_gather(gathered, torch.tensor([tokens], dtype=torch.int64, device=device), group=group)
-    counts = torch.cat(gathered)
+    # every rank's token count (the global slot numbers and the global capacity), and whether any
+    # rank's x / topk_weights needs a gradient: every rank's backward must then take part in the
+    # exchanges that return it (a rank whose own x needs none, e.g. a plain empty x, skipped them: hang)
+    grad = torch.is_grad_enabled()
+    mine = [tokens, grad and x.requires_grad, grad and topk_weights.requires_grad]
+    gathered = [torch.zeros(3, dtype=torch.int64, device=device) for _ in range(world)]
+    dist.all_gather(gathered, torch.tensor(mine, dtype=torch.int64, device=device), group=group)
+    table = torch.stack(gathered)
+    counts, needs = table[:, 0], table[:, 1:].any(dim=0).tolist()
+    if grad and needs[0] and not x.requires_grad:
+        x = x.detach().requires_grad_()
+    if grad and needs[1] and not topk_weights.requires_grad:
+        topk_weights = topk_weights.detach().requires_grad_()
     offset, total = int(counts[:rank].sum()), int(counts.sum())
     capacity = expert_capacity(total, k, num_experts, capacity_factor)
 

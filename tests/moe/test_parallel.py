@@ -172,6 +172,33 @@ def test_a_rank_whose_experts_get_no_slot():
                  nprocs=2, join=True)
 
 
+def _worker_plain_empty_x(rank, world, init_file, recipe):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=30))  # the bug was a hang: fail soon
+    with rank_body():
+        x, weights, ids, w1, w2, dy = _problem((20, 0))
+        y_ref, g_ref = _grads(lambda x, w, a, b: experts(x, w, ids, a, b, recipe=recipe), x, weights, w1, w2, dy)
+        lo, hi = (0, 20) if rank == 0 else (20, 20)
+        per = E // world
+        xr = x[lo:hi].clone().requires_grad_(rank == 0)  # rank 1: a plain empty x, as the docstring allows
+        w1r = w1[rank * per:(rank + 1) * per].clone().requires_grad_()
+        y = expert_parallel_experts(xr, weights[lo:hi], ids[lo:hi], w1r, w2[rank * per:(rank + 1) * per],
+                                    num_experts=E, recipe=recipe)
+        (y * dy[lo:hi]).sum().backward()
+        torch.testing.assert_close(y.detach(), y_ref[lo:hi], rtol=1e-5, atol=1e-5)
+        if rank == 0:
+            torch.testing.assert_close(xr.grad, g_ref[0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(w1r.grad, g_ref[2][rank * per:(rank + 1) * per], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("recipe", [None, "fp8_block"])
+def test_a_rank_with_a_plain_empty_x_takes_part_in_backward(recipe):
+    """Rank 1 has no tokens and passes an empty x without grad; rank 0's x needs its gradient, part
+    of which comes back from rank 1's experts: rank 1's backward skipped that exchange (a hang)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_worker_plain_empty_x, args=(2, os.path.join(tmp, "init"), recipe), nprocs=2, join=True)
+
+
 def _module_worker(rank, world, init_file, token_counts, recipe, backend="gloo"):
     from lowprec.moe import MoE
     from lowprec.moe.parallel import ExpertParallelMoE
