@@ -272,8 +272,10 @@ def summary_of(rows: list[dict]) -> dict:
     big_e = [r["ratio_vs_cublas_fp8_eager"] for r in rows if r["m"] >= 4096 and r["n"] != 8192]
     small_e = [r["ratio_vs_cublas_fp8_eager"] for r in rows if r["m"] <= 128]
     host = [r["cublas_fp8_blockwise_host_us"] / r["lowprec_host_us"] for r in rows]
-    best = [r["ratio_vs_best_peer"] for r in rows if r["m"] >= 4096]
-    best_e = [r["ratio_vs_best_peer_eager"] for r in rows if r["m"] >= 4096]
+    # finite only, as _geomean: min() over a NaN (a failed capture) depends on where the NaN sits
+    best = [r["ratio_vs_best_peer"] for r in rows if r["m"] >= 4096 and math.isfinite(r["ratio_vs_best_peer"])]
+    best_e = [r["ratio_vs_best_peer_eager"] for r in rows
+              if r["m"] >= 4096 and math.isfinite(r["ratio_vs_best_peer_eager"])]
     return dict(geomean_ratio_m4096=_geomean(big), geomean_ratio_m_le_128=_geomean(small),
                 geomean_host_time_ratio=_geomean(host),
                 geomean_ratio_eager_m4096=_geomean(big_e), geomean_ratio_eager_m_le_128=_geomean(small_e),

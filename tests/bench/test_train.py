@@ -1,6 +1,7 @@
 """``python -m lowprec bench train``: the Llama-style model, the step and the arguments, on the CPU
 (timings need CUDA)."""
 
+import json
 import subprocess
 import sys
 import types
@@ -170,3 +171,32 @@ def test_loss_plot_beside_an_out_file_in_the_working_directory(tmp_path, monkeyp
     train._plot({"losses": {"bf16": [5.0, 4.0]}}, "gpu", str(tmp_path / "sub" / "results.json"))
     assert fig.savefig.call_args.args[0] == str(tmp_path / "sub" / "train_text_gpu.png")
     assert (tmp_path / "sub").is_dir()
+
+
+def test_peak_memory_is_the_steps_not_the_timers_flush_buffer(tmp_path, monkeypatch):
+    """bench_ms allocates its 256 MiB L2-flush buffer before the first step and frees it after the
+    last: the row's peak_gib is the step's own peak, without it."""
+    from lowprec.bench import common
+
+    step_peak = 3 << 30
+    peak = {"now": 0}
+
+    def fake_bench_ms(fn, warmup=10, rep=50, queued=False, before=None):
+        peak["now"] = common._FLUSH_BYTES + step_peak  # the flush buffer lives through every step
+        return 1.0
+
+    monkeypatch.setitem(train.SIZES, "tiny", TINY)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "FAKE GPU")
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda *a: peak.update(now=0))
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: peak["now"])
+    monkeypatch.setattr(train.torch, "randint",  # the tokens: on the CPU
+                        lambda low, high, size, device=None: torch.zeros(size, dtype=torch.long))
+    real_make_model = train.make_model
+    monkeypatch.setattr(train, "make_model", lambda *a, **k: real_make_model(*a, **{**k, "device": "cpu"}))
+    monkeypatch.setattr(common, "bench_ms", fake_bench_ms)
+    out = str(tmp_path / "gpu.json")
+    train.main(["--sizes", "tiny", "--impls", "bf16", "--weights", "bf16", "--modes", "eager", "--out", out])
+    (row,) = json.load(open(out))["train"]["rows"]
+    assert row["peak_gib"] == pytest.approx(step_peak / 2**30)

@@ -63,3 +63,18 @@ def test_a_rep_below_one_is_a_usage_error(argv, capsys):
         bench.parse_args(argv)
     assert exit_info.value.code == 2 and "--rep" in capsys.readouterr().err
     assert bench.parse_args(["--rep", "20"]).rep == 20
+
+
+def test_summary_worst_ratio_skips_rows_without_a_timing():
+    """A row whose timing failed (NaN: graph capture failed) is left out of the worst ratio, as
+    out of the geomeans, wherever it sits among the rows."""
+    def row(m, ratio):
+        return {"m": m, "n": 2112, "k": 7168, "ratio_vs_cublas_fp8": 1.1, "ratio_vs_cublas_fp8_rowwise": 1.1,
+                "ratio_vs_cublas_fp8_eager": 1.1, "cublas_fp8_blockwise_host_us": 30.0, "lowprec_host_us": 30.0,
+                "ratio_vs_best_peer": ratio, "ratio_vs_best_peer_eager": ratio}
+
+    for rows in ([row(4096, float("nan")), row(4096, 0.97), row(4096, 1.05)],
+                 [row(4096, 0.97), row(4096, float("nan")), row(4096, 1.05)]):
+        summary = bench.summary_of(rows)
+        assert summary["min_ratio_vs_best_peer_m_ge_4096"] == 0.97
+        assert summary["min_ratio_vs_best_peer_eager_m_ge_4096"] == 0.97
