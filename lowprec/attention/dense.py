@@ -81,6 +81,10 @@ def attention(q, k, v, causal: bool = False, scale: float | None = None, quant: 
         incoherent: ``quant="fp8"`` only: rotate Q and K by one random ±1 · Hadamard matrix before
             quantizing (FlashAttention-3's incoherent processing; D a power of two). Off by default.
 
+    Inputs are assumed finite with ``quant="fp8"`` (as :func:`~lowprec.quantize` with
+    ``check_finite=False``): an Inf reaches every value that shares its scale or K's mean, so one
+    Inf in Q makes its 128-row block NaN, and one in K or V every row of its head.
+
     Exact attention (``quant=None``) on CUDA runs PyTorch's fused kernels
     (``F.scaled_dot_product_attention``; with ``return_lse`` the flash attention op), forward and
     backward; elsewhere the FP32 reference (FP64 for FP64 inputs). ``quant="fp8"`` is
