@@ -9,7 +9,10 @@ model's ``load_state_dict`` takes those tensors as they are published, with no r
   (``[out / 16, in / 16]`` with ``weight_2d=True``: 16x16 blocks);
 - ``weight_scale_2``: FP32 scalar, the global scale: ``W = e2m1 · weight_scale · weight_scale_2``;
 - ``input_scale``: FP32 scalar of the activations for W4A4 engines; kept so that checkpoints
-  load strictly, unused by this weight-only layer.
+  load strictly, unused by this weight-only layer (optional on load: ModelOpt's weight-only
+  ``W4A16_NVFP4`` exports none);
+- ``k_scale`` / ``v_scale`` (on ``k_proj`` / ``v_proj``): ModelOpt's FP8 KV-cache scales; taken on
+  load and dropped (this layer does not quantize the KV cache).
 
 In memory the layer holds the codes and scales once, re-arranged for the weight-only kernel
 (the ``packed`` buffer, ``lowprec.gemm.weight_only``: the same 4.5 bits per weight); ``weight``
@@ -42,6 +45,7 @@ __all__ = ["NVFP4InferenceLinear"]
 
 _BLOCK = 16
 _SCALARS = ("weight_scale_2", "input_scale")
+_KV_SCALES = ("k_scale", "v_scale")
 
 
 class NVFP4InferenceLinear(QuantizedBuffersModule):
@@ -190,9 +194,17 @@ class NVFP4InferenceLinear(QuantizedBuffersModule):
             if isinstance(t, torch.Tensor) and t.dim() == 1 and t.numel() == 1:
                 state_dict[prefix + name] = t.reshape(())
         taken = {name: state_dict.pop(prefix + name, None) for name in ("weight", "weight_scale")}
+        # ModelOpt writes the KV-cache scales under k_proj / v_proj: not this layer's, not unexpected
+        kv_scales = {name: state_dict.pop(prefix + name, None) for name in _KV_SCALES}
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
-        for name, t in taken.items():
+        if prefix + "input_scale" not in state_dict:  # weight-only checkpoints have none; unused here
+            if prefix + "input_scale" in missing_keys:
+                missing_keys.remove(prefix + "input_scale")
+            if self.input_scale.is_meta and local_metadata.get("assign_to_params_buffers", False) \
+                    and taken["weight"] is not None:
+                self.input_scale = torch.ones((), dtype=torch.float32, device=taken["weight"].device)
+        for name, t in (*taken.items(), *kv_scales.items()):
             if t is not None:
                 state_dict[prefix + name] = t
         expected = {"weight": torch.uint8, "weight_scale": torch.float8_e4m3fn}

@@ -71,6 +71,27 @@ def test_modelopt_checkpoint_loads_as_published(tmp_path):
                                atol=1e-6)
 
 
+def test_modelopt_kv_cache_scales_and_weight_only_layers_load_strictly():
+    """ModelOpt writes FP8 KV-cache scales as k_proj.k_scale / v_proj.v_scale, and no input_scale
+    for weight-only (W4A16_NVFP4) layers: both load with strict=True."""
+    attn = nn.Module()
+    attn.k_proj, attn.v_proj = nn.Linear(64, 32, bias=False), nn.Linear(64, 32, bias=False)
+    k, w_k = _modelopt_tensors(32, 64, seed=3)
+    v, w_v = _modelopt_tensors(32, 64, seed=4)
+    del v["input_scale"]
+    state = {**{f"k_proj.{n}": t for n, t in k.items()}, "k_proj.k_scale": torch.tensor(0.02),
+             **{f"v_proj.{n}": t for n, t in v.items()}, "v_proj.v_scale": torch.tensor(0.03)}
+    model = convert(attn, "nvfp4", inference=True)
+    model.load_state_dict(state)
+    x = torch.randn(3, 64)
+    torch.testing.assert_close(model.k_proj(x), x @ w_k.t(), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(model.v_proj(x), x @ w_v.t(), rtol=1e-6, atol=1e-6)
+    meta = NVFP4InferenceLinear.from_linear(nn.Linear(64, 32, bias=False, device="meta"))
+    meta.load_state_dict(v, assign=True)  # a skeleton: input_scale made where the weight is
+    assert meta.input_scale.device.type == "cpu" and meta.input_scale.item() == 1.0
+    torch.testing.assert_close(meta(x), x @ w_v.t(), rtol=1e-6, atol=1e-6)
+
+
 def test_save_load_roundtrip_and_casts(tmp_path):
     torch.manual_seed(1)
     model = convert(Mlp().to(torch.bfloat16), "nvfp4", inference=True)
