@@ -4,6 +4,7 @@ activations kept in their dtype (weight-only), for decode-sized batches on Hoppe
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Sequence
 
 import torch
@@ -114,8 +115,11 @@ class NVFP4InferenceMoE(QuantizedBuffersModule):
         ``[out, in / 16]``, an FP32 scalar or ``[1]``); e.g. Mixtral's ``w1`` / ``w3`` / ``w2``, or
         DeepSeek's and Qwen's ``gate_proj`` / ``up_proj`` / ``down_proj``. ``router_weight``:
         ``[E, H]`` (the gate's weight, any float dtype; the router's dtype). The layer keeps one
-        global scale per expert's ``W1 = [gate; up]``: a gate and an up with different
-        ``weight_scale_2`` are refused (ModelOpt exports the pair with one). ``options``: the
+        global scale per expert's ``W1 = [gate; up]``: where a checkpoint's gate and up have
+        different ``weight_scale_2`` (ModelOpt usually exports one per pair, but published
+        checkpoints exist with both), the larger is kept and the other half's E4M3 block scales are
+        multiplied by ``its / larger`` (<= 1) and rounded once to E4M3 (a warning says so), as
+        vLLM and TensorRT-LLM reconcile such pairs. ``options``: the
         other :class:`NVFP4InferenceMoE` arguments (``capacity_factor``, ``activation``,
         ``score_func``, ``renormalize``, ``drop_policy``), and ``device`` (default: the weights') and
         ``dtype`` (the router's; default: ``router_weight``'s).
@@ -139,10 +143,18 @@ class NVFP4InferenceMoE(QuantizedBuffersModule):
                 if shapes[:2] != first or math.prod(shapes[2]) != 1:
                     raise ValueError(f"{name}[{e}]: expected a weight {first[0]}, a weight_scale {first[1]} (as "
                                      f"{name}[0]'s) and a one-element weight_scale_2, got shapes {shapes}")
+        gate, up, differ = list(gate), list(up), []
         for e, (g, u) in enumerate(zip(gate, up)):
-            if not torch.equal(g[2].reshape(()).float().cpu(), u[2].reshape(()).float().cpu()):
-                raise ValueError(f"gate[{e}], up[{e}]: different weight_scale_2 ({g[2].item()} and {u[2].item()}); "
-                                 "the layer keeps one global scale per expert's [gate; up]")
+            gs, us = g[2].reshape(()).float(), u[2].reshape(()).float().to(g[2].device)
+            if not torch.equal(gs, us):  # one global scale per [gate; up]: rescale the smaller half's blocks
+                differ.append(e)
+                top = torch.maximum(gs, us)
+                gate[e] = (g[0], (g[1].float() * (gs / top)).to(torch.float8_e4m3fn), top)
+                up[e] = (u[0], (u[1].float() * (us / top).to(u[1].device)).to(torch.float8_e4m3fn), top)
+        if differ:
+            warnings.warn(f"NVFP4InferenceMoE.from_modelopt: {len(differ)} of {experts} experts have a gate and an "
+                          "up with different weight_scale_2; the smaller one's block scales were rescaled to the "
+                          "larger global scale (one E4M3 rounding)", stacklevel=2)
         hidden, ffn = router_weight.shape[1], gate[0][0].shape[0]
         options = {"device": gate[0][0].device, "dtype": router_weight.dtype, **options}
         layer = cls(hidden, ffn, experts, top_k, **options)

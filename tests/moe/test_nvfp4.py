@@ -105,6 +105,32 @@ def test_from_modelopt_takes_the_tensors_as_they_are():
     assert torch.equal(sd["w1"][1, 32:], up[1][0]) and torch.equal(sd["w2_scale"][3], down[3][1])
 
 
+def test_from_modelopt_reconciles_a_gate_and_up_of_different_weight_scale_2():
+    """Published ModelOpt checkpoints can hold a gate and an up with
+    different weight_scale_2: the larger is kept, the other half's block scales rescaled (one
+    E4M3 rounding), each half's dequantized weight kept."""
+    moe = _moe()
+    gate, up, down = _modelopt_experts(moe)
+    up[2] = (up[2][0], up[2][1], up[2][2] * 3)  # gate's blocks now rescaled by 1/3
+    with pytest.warns(UserWarning, match="1 of 4 experts"):
+        layer = NVFP4InferenceMoE.from_modelopt(moe.router.weight.detach(), gate, up, down, top_k=2)
+
+    def dequant(codes, scale, scale_2):
+        e2m1 = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6, 0, -0.5, -1, -1.5, -2, -3, -4, -6], dtype=torch.float64)
+        vals = e2m1[torch.stack([codes & 0xF, codes >> 4], -1).flatten(-2).long()]
+        return vals * scale.double().repeat_interleave(16, -1) * scale_2.double().reshape(())
+
+    sd = layer.state_dict()
+    got = dequant(sd["w1"][2], sd["w1_scale"][2], sd["w1_scale_2"][2])
+    want_gate, want_up = dequant(*gate[2]), dequant(*up[2])
+    assert torch.equal(got[32:], want_up)  # the half whose global scale was kept: exact
+    torch.testing.assert_close(got[:32], want_gate, rtol=2.0 ** -4, atol=2.0 ** -9 * gate[2][2].item())
+    assert sd["w1_scale_2"][2].item() == up[2][2].item()
+    for e in (0, 1, 3):  # the matching pairs: as they are
+        assert torch.equal(sd["w1"][e], torch.cat([gate[e][0], up[e][0]]))
+        assert torch.equal(sd["w1_scale"][e].view(torch.uint8), torch.cat([gate[e][1], up[e][1]]).view(torch.uint8))
+
+
 def test_from_modelopt_takes_a_router_dtype():
     moe = _moe()
     gate, up, down = _modelopt_experts(moe)
@@ -122,9 +148,6 @@ def test_from_modelopt_errors():
         NVFP4InferenceMoE.from_modelopt(router, gate, up[:3], down, top_k=2)
     with pytest.raises(ValueError, match=r"router_weight: expected \[E=4, H\]"):
         NVFP4InferenceMoE.from_modelopt(router[:3], gate, up, down, top_k=2)
-    up[2] = (up[2][0], up[2][1], up[2][2] * 2)
-    with pytest.raises(ValueError, match=r"gate\[2\], up\[2\]: different weight_scale_2"):
-        NVFP4InferenceMoE.from_modelopt(router, gate, up, down, top_k=2)
     down[0] = down[0][:2]
     with pytest.raises(ValueError, match=r"down\[0\]: expected \(weight, weight_scale, weight_scale_2\)"):
         NVFP4InferenceMoE.from_modelopt(router, gate, up, down, top_k=2)
