@@ -118,8 +118,8 @@ class NVFP4InferenceMoE(QuantizedBuffersModule):
         global scale per expert's ``W1 = [gate; up]``: where a checkpoint's gate and up have
         different ``weight_scale_2`` (ModelOpt usually exports one per pair, but published
         checkpoints exist with both), the larger is kept and the other half's E4M3 block scales are
-        multiplied by ``its / larger`` (<= 1) and rounded once to E4M3 (a warning says so), as
-        vLLM and TensorRT-LLM reconcile such pairs. ``options``: the
+        multiplied by ``its / larger`` (<= 1) and rounded once to E4M3 (a warning says so), the
+        larger kept as TensorRT-LLM's loader does (NVIDIA/TensorRT-LLM#18772). ``options``: the
         other :class:`NVFP4InferenceMoE` arguments (``capacity_factor``, ``activation``,
         ``score_func``, ``renormalize``, ``drop_policy``), and ``device`` (default: the weights') and
         ``dtype`` (the router's; default: ``router_weight``'s).
