@@ -173,7 +173,8 @@ class FP8KVCache:
 
     @property
     def v_scale(self) -> torch.Tensor:
-        """V's per-channel scales ``[B, Hkv, D]`` (ones until the first append sets them)."""
+        """V's per-channel scales ``[B, Hkv, D]`` (ones until the first append sets them; after
+        :meth:`reset`, the last ones until the next append chooses new ones)."""
         return self._v_scale
 
     def set_v_scale(self, v_scale: torch.Tensor) -> None:
@@ -492,7 +493,9 @@ class FP8KVCache:
         (``causal``: the queries are the last ``Sq`` positions). Q is quantized per call. Returns
         ``out`` in q's dtype (and the LSE ``[B, H, Sq]`` FP32 with ``return_lse``). No gradients.
         With rows of different lengths each row attends over its own tokens (its queries the last
-        ``Sq`` positions of them when ``causal``)."""
+        ``Sq`` positions of them when ``causal``): a right-padded ``q`` of a ragged prefill puts a
+        shorter row's real queries first, where ``causal`` would align them wrongly; attend such a
+        prefill row by row, or left-align each row's queries to its end."""
         self._check_q(q)
         scale = softmax_scale(scale, self.head_dim)
         causal = bool(causal) and q.shape[2] > 1  # one query sees every key
