@@ -495,7 +495,7 @@ class FP8KVCache:
         With rows of different lengths each row attends over its own tokens (its queries the last
         ``Sq`` positions of them when ``causal``): a right-padded ``q`` of a ragged prefill puts a
         shorter row's real queries first, where ``causal`` would align them wrongly; attend such a
-        prefill row by row, or left-align each row's queries to its end."""
+        prefill row by row, or left-pad ``q`` (each row's real queries last)."""
         self._check_q(q)
         scale = softmax_scale(scale, self.head_dim)
         causal = bool(causal) and q.shape[2] > 1  # one query sees every key
