@@ -17,6 +17,7 @@ import contextlib
 import math
 
 import torch
+from torch.autograd import forward_ad
 
 from ..gemm import gemm
 from ..quant import quantize, quantize_dual
@@ -54,6 +55,14 @@ def follow_autocast(x: torch.Tensor) -> tuple[torch.Tensor, contextlib.AbstractC
     if device_type == "meta" or not torch.is_autocast_enabled(device_type):
         return x, _NO_CONTEXT
     return x.to(torch.get_autocast_dtype(device_type)), torch.autocast(device_type, enabled=False)
+
+
+def reject_tangents(name: str, *tensors: torch.Tensor | None) -> None:
+    """Forward-mode AD (``torch.func.jvp``, ``torch.autograd.forward_ad``) is not supported: the
+    quantize and GEMM ops would drop the tangents, a silent zero (the autograd Functions raise)."""
+    if any(t is not None and forward_ad.unpack_dual(t).tangent is not None for t in tensors):
+        raise NotImplementedError(f"{name}: forward-mode AD (torch.func.jvp, forward_ad dual tensors) is not "
+                                  "supported; use reverse mode (backward, torch.autograd.grad)")
 
 
 class _FP8Linear(torch.autograd.Function):
@@ -150,6 +159,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
         if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias)):
             y = _FP8Linear.apply(x2, weight, bias32, r)
         else:  # evaluation: no transposed copies to make or save
+            reject_tangents("fp8_linear", x, weight, bias)
             x_q = quantize(x2, r.activation, check_finite=False)
             w_q, _ = quantize_weight(weight, r.weight, with_transpose=False)
             y = gemm(x_q, w_q, out_dtype=x2.dtype, bias=bias32)

@@ -19,7 +19,14 @@ from ..runtime import registry, version_of
 from ..tensor import QuantizedTensor
 from .buffers import QuantizedBuffersModule, check_out_dtype
 from .fsdp import GATHER_RECIPE, FP8AllGatherWeight
-from .functional import LinearRecipe, follow_autocast, fp8_linear, get_linear_recipe, quantize_linear_weight
+from .functional import (
+    LinearRecipe,
+    follow_autocast,
+    fp8_linear,
+    get_linear_recipe,
+    quantize_linear_weight,
+    reject_tangents,
+)
 from .hooks import carry_hooks
 from .nvfp4 import NVFP4InferenceLinear
 from .swiglu import RECIPES as SWIGLU_RECIPES
@@ -226,6 +233,7 @@ class FP8InferenceLinear(QuantizedBuffersModule):
                     packed = None if self._packed is None else self._packed[3]
                 y = weight_only(x2, packed, self.quantized_weight, bias16)
             else:
+                reject_tangents("FP8InferenceLinear", x2)
                 bias = None if self.bias is None else self.bias.float()
 
                 def composed():

@@ -29,7 +29,7 @@ from ..quant import quantize, quantize_dual, swiglu_quantize_dual
 from ..recipes import DEFAULT_TRAIN_RECIPE, LINEAR_RECIPES, LinearRecipe
 from ..runtime import differentiable_once
 from ..tensor import flatten_all, unflatten_all
-from .functional import _FLOAT_DTYPES, follow_autocast, output_as
+from .functional import _FLOAT_DTYPES, follow_autocast, output_as, reject_tangents
 from .hooks import has_hooks
 from .weight_cache import quantize_weight
 
@@ -150,6 +150,7 @@ def fp8_swiglu_mlp(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_
         if torch.is_grad_enabled() and any(t.requires_grad for t in (x2, w_gate, w_up, w_down)):
             y = _FP8SwiGLU.apply(x2, w_gate, w_up, w_down, r)
         else:  # evaluation: the forward's own bits, without the copies along tokens and transposed weights
+            reject_tangents("fp8_swiglu_mlp", x2, w_gate, w_up, w_down)
             y = _swiglu_forward(x2, w_gate, w_up, w_down, r)
     return output_as(y, (*x.shape[:-1], y.shape[-1]))
 

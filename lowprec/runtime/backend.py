@@ -87,13 +87,25 @@ def differentiable_once(backward):
     gradients are constants (a gradient taken straight from a loss with ``create_graph=True``):
     ``once_differentiable`` alone then returns results without the error, yet they depend on the
     saved inputs (dX on W, dW on X)."""
-    inner = torch.autograd.function.once_differentiable(backward)
-
     @functools.wraps(backward)
     def wrapper(ctx, *grads):
-        if torch.is_grad_enabled() and not any(isinstance(g, torch.Tensor) and g.requires_grad for g in grads):
-            grads = tuple(g.detach().requires_grad_() if isinstance(g, torch.Tensor) else g for g in grads)
-        return inner(ctx, *grads)
+        with torch.no_grad():
+            outputs = backward(ctx, *grads)
+        if not torch.is_grad_enabled():
+            return outputs
+        outs = outputs if isinstance(outputs, tuple) else (outputs,)
+        # once_differentiable's error node hangs on detached copies only: a second derivative taken
+        # w.r.t. chosen tensors (torch.autograd.grad(..., weight), backward(inputs=...)) never reached
+        # it and silently lacked this node's term. Also hang it on the incoming gradients' graph and on
+        # the leaf inputs (their AccumulateGrad nodes hold them), so such a derivative fails too.
+        anchors = [g for g in grads if isinstance(g, torch.Tensor) and g.requires_grad]
+        anchors += [node.variable for node, _ in ctx.next_functions if hasattr(node, "variable")]
+        fakes = [o.detach().requires_grad_() if isinstance(o, torch.Tensor) else o for o in outs]
+        err = torch._C._functions.DelayedError(
+            b"trying to differentiate twice a function that was marked with @once_differentiable",
+            len(fakes) + len(anchors))
+        results = err(*fakes, *anchors)[:len(fakes)]
+        return results if isinstance(outputs, tuple) else results[0]
 
     return wrapper
 

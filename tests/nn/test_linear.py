@@ -824,6 +824,31 @@ def test_second_derivative_from_a_constant_gradient_is_an_error_not_a_silent_zer
         dx.square().sum().backward()
 
 
+@pytest.mark.parametrize("make", [lambda: (lambda x: fp8_linear(x, torch.randn(64, 128))),
+                                  lambda: FP8InferenceLinear.from_linear(nn.Linear(128, 64))])
+def test_forward_mode_ad_is_an_error_not_a_silent_zero_tangent(make):
+    # without requires_grad the evaluation path runs: its quantize and GEMM ops dropped the tangent
+    layer = make()
+    x = torch.randn(8, 128)
+    with pytest.raises(NotImplementedError, match="forward-mode AD"):
+        torch.func.jvp(layer, (x,), (torch.ones_like(x),))
+    with torch.autograd.forward_ad.dual_level(), pytest.raises(NotImplementedError, match="forward-mode AD"):
+        layer(torch.autograd.forward_ad.make_dual(x, torch.ones_like(x)))
+
+
+@pytest.mark.parametrize("square", [False, True])
+@pytest.mark.parametrize("make", [lambda: FP8Linear(128, 16), lambda: FP8SwiGLUMLP.from_mlp(SwiGLUMLP(128, 256))])
+def test_second_derivative_wrt_chosen_tensors_is_an_error_not_a_dropped_term(make, square):
+    # torch.autograd.grad(..., weights) runs only the nodes on paths to the weights: the error node
+    # hung on detached copies, so the penalty's term was silently missing from the weights' gradient
+    layer = make()
+    x = torch.randn(8, 128, requires_grad=True)
+    y = layer(x)
+    (dx,) = torch.autograd.grad(y.square().sum() if square else y.sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        torch.autograd.grad(y.sum() + dx.square().sum(), list(layer.parameters()))
+
+
 def test_create_graph_without_a_second_derivative_still_gives_the_gradients():
     layer = FP8Linear(128, 16)
     x = torch.randn(8, 128, requires_grad=True)

@@ -498,3 +498,11 @@ def test_convert_fuses_no_mlp_whose_act_fn_has_hooks():
     assert type(model[0]) is SwiGLUMLP and isinstance(model[0].gate_proj, FP8Linear)
     model(torch.randn(4, 128))
     assert seen == [(4, 256)]
+
+
+def test_forward_mode_ad_is_an_error_not_a_silent_zero_tangent():
+    # without requires_grad the evaluation path runs: its quantize and GEMM ops dropped the tangent
+    w_gate, w_up, w_down = torch.randn(256, 128), torch.randn(256, 128), torch.randn(128, 256)
+    x = torch.randn(8, 128)
+    with pytest.raises(NotImplementedError, match="forward-mode AD"):
+        torch.func.jvp(lambda x: fp8_swiglu_mlp(x, w_gate, w_up, w_down), (x,), (torch.ones_like(x),))
