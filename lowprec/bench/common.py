@@ -37,6 +37,11 @@ def shape_pairs(text: str) -> list[tuple[int, int]]:
     return positive_tuples(text, ",", "x", 2)
 
 
+def off_16(pairs: list[tuple[int, int]]) -> list[str]:
+    """The ``AxB`` pairs with a size not a multiple of 16 (the FP8 / NVFP4 layers' alignment), as given."""
+    return [f"{a}x{b}" for a, b in pairs if a % 16 or b % 16]
+
+
 def positive_int(text: str) -> int:
     """argparse type of a count (runs, rounds, steps, tokens): an int ≥ 1."""
     try:

@@ -50,7 +50,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .common import shape_pairs
+from .common import off_16, shape_pairs
 
 __all__ = ["SHAPES", "MS", "IMPLS", "MODEL_IMPLS", "weight_bytes", "ratio_summary", "decode_step", "model_decode_rows",
            "is_partial", "save", "main"]
@@ -102,7 +102,7 @@ def parse_args(argv=None):
     unknown = [i for i in args.impls if i not in IMPLS]
     if unknown:
         p.error(f"--impls: unknown {unknown}; choose from {IMPLS}")
-    odd = [f"{n}x{k}" for n, k in args.shapes if n % 16 or k % 16]
+    odd = off_16(args.shapes)
     if odd and set(args.impls) != {"bf16"}:  # else the FP8 / NVFP4 layers raise after the GPU set-up
         p.error(f"--shapes: the FP8 and NVFP4 projections need N and K in multiples of 16, got {odd}")
     return args

@@ -26,7 +26,7 @@ from ..nn.functional import get_linear_recipe
 from ..nn.weight_cache import quantize_weight
 from ..quant import quantize_dual
 from ..recipes import LINEAR_RECIPES
-from .common import bench_ms, load_results, positive_int, print_table, save_results, shape_pairs
+from .common import bench_ms, load_results, off_16, positive_int, print_table, save_results, shape_pairs
 
 TOKENS = 16384
 SHAPES = [(4096, 4096), (4096, 14336), (14336, 4096), (8192, 8192)]
@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     shapes = SHAPES if args.shapes is None else args.shapes
-    if odd := [f"{k}x{n}" for k, n in shapes if k % 16 or n % 16]:  # else FP8Linear raises after the GPU set-up
+    if odd := off_16(shapes):  # else FP8Linear raises after the GPU set-up
         parser.error(f"--shapes: FP8Linear needs in_features and out_features in multiples of 16, got {odd}")
     tokens = args.tokens
     if not torch.cuda.is_available():
