@@ -83,10 +83,12 @@ def _on_cuda(values) -> bool:
 
 def differentiable_once(backward):
     """``once_differentiable`` for backwards whose results carry no graph (quantized GEMMs, detached
-    saved tensors): a second derivative is an error, not a silent zero, also where the incoming
-    gradients are constants (a gradient taken straight from a loss with ``create_graph=True``):
-    ``once_differentiable`` alone then returns results without the error, yet they depend on the
-    saved inputs (dX on W, dW on X)."""
+    saved tensors): a second derivative is an error, not a silent zero or a missing term. Its error
+    node (torch's ``DelayedError``, as ``once_differentiable`` makes) takes the results also where
+    the incoming gradients are constants (a gradient taken straight from a loss with
+    ``create_graph=True``: ``once_differentiable`` then adds none, yet dX depends on W and dW on X),
+    and also hangs on the incoming gradients and the leaf inputs, so a derivative taken w.r.t.
+    chosen tensors reaches it too."""
     @functools.wraps(backward)
     def wrapper(ctx, *grads):
         with torch.no_grad():
