@@ -197,6 +197,18 @@ def test_generation_on_an_fp8_cache(device):
 
 
 @pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_fp8_cache_on_another_attention_implementation_fails():
+    """README: fp8_cache's keys and values are FP8 codes, which only "lowprec_fp8" reads with their
+    scales; on "sdpa" the forward fails on their dtype (never a result from the raw codes)."""
+    pytest.importorskip("transformers", minversion="5.0")
+    from lowprec.attention import fp8_cache
+
+    model = _tiny_llama("sdpa", "cpu", torch.float32)
+    with torch.no_grad(), pytest.raises((RuntimeError, ValueError), match="dtype"):
+        model(torch.randint(0, 256, (1, 16)), past_key_values=fp8_cache(32), use_cache=True)
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
 def test_fp8_cache_from_a_one_token_prompt():
     """Decoding from one prompt token (BOS): V's scales came from that token's channels, and a
     channel near 0 there saturated later (2880 values, 56% of greedy tokens kept, on this model).

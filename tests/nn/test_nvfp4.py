@@ -71,6 +71,24 @@ def test_modelopt_checkpoint_loads_as_published(tmp_path):
                                atol=1e-6)
 
 
+def test_a_tied_head_stays_tied_through_a_modelopt_load():
+    """README: a tied model's checkpoint has no lm_head.weight; with strict=False that is the only
+    missing key and the kept (excluded) head reads the loaded embedding."""
+    model = nn.Module()
+    model.embed, model.proj = nn.Embedding(16, 64), nn.Linear(64, 32, bias=False)
+    model.lm_head = nn.Linear(64, 16, bias=False)
+    model.lm_head.weight = model.embed.weight
+    convert(model, "nvfp4", inference=True, filter_fn=lambda name, module: name != "lm_head")
+    tensors, w = _modelopt_tensors(32, 64, seed=5)
+    embedding = torch.randn(16, 64)
+    result = model.load_state_dict({"embed.weight": embedding, **{f"proj.{n}": t for n, t in tensors.items()}},
+                                   strict=False)
+    assert result.missing_keys == ["lm_head.weight"] and not result.unexpected_keys
+    assert model.lm_head.weight is model.embed.weight and torch.equal(model.lm_head.weight, embedding)
+    x = torch.randn(3, 64)
+    torch.testing.assert_close(model.proj(x), x @ w.t(), rtol=1e-6, atol=1e-6)
+
+
 def test_modelopt_kv_cache_scales_and_weight_only_layers_load_strictly():
     """ModelOpt writes FP8 KV-cache scales as k_proj.k_scale / v_proj.v_scale, and no input_scale
     for weight-only (W4A16_NVFP4) layers: both load with strict=True."""
