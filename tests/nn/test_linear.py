@@ -649,6 +649,29 @@ def test_fp8_linear_training_step_compiles_with_dynamic_shapes():
     assert torch.equal(got, layer.weight.grad)
 
 
+@pytest.mark.parametrize("way", ["dynamic=None", "mark_dynamic", "specialize_float"])
+def test_two_fp8_layers_compile_with_changing_shapes_the_readme_ways(way, monkeypatch):
+    """README: dynamic=True over two FP8Linear in a row hits a torch 2.13 dynamo bug
+    (benchmarks/dynamo_symfloat_repro.py); the three ways it names compile them, equal to eager."""
+    torch._dynamo.reset()
+    if way == "specialize_float":
+        monkeypatch.setattr(torch._dynamo.config, "specialize_float", True)
+    torch.manual_seed(0)
+    model = nn.Sequential(FP8Linear(128, 128), FP8Linear(128, 64))
+    step = torch.compile(lambda x: model(x).square().sum(), fullgraph=True, backend="aot_eager",
+                         dynamic=True if way == "specialize_float" else None)
+    for rows in (16, 32, 48):
+        x = torch.randn(rows, 128)
+        if way == "mark_dynamic":
+            torch._dynamo.mark_dynamic(x, 0)
+        step(x).backward()
+        got = [p.grad.clone() for p in model.parameters()]
+        model.zero_grad()
+        model(x).square().sum().backward()
+        assert all(torch.equal(g, p.grad) for g, p in zip(got, model.parameters())), rows
+        model.zero_grad()
+
+
 @pytest.mark.parametrize("recipe", ["fp8_block", "nvfp4"])
 def test_tie_weights_after_inference_convert_raises_a_clear_error_and_keeps_the_layer(recipe):
     """transformers' tie_weights() sets a tied lm_head's weight to the bf16 input embedding: the
