@@ -126,13 +126,17 @@ def to_blocked(scale: torch.Tensor) -> torch.Tensor:
     return tiles.reshape(-1)
 
 
-def from_blocked(blocked: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
-    """Inverse of :func:`to_blocked`: flat tiled scales -> row-major ``[rows, cols]``."""
+def from_blocked(blocked: torch.Tensor, rows: int, cols: int, batch: tuple[int, ...] = ()) -> torch.Tensor:
+    """Inverse of :func:`to_blocked`: flat tiled scales -> row-major ``[*batch, rows, cols]``
+    (``batch``: the leading shape of the stack of grids that :func:`to_blocked` was given)."""
     pr, pc = _round_up(rows, 128), _round_up(cols, 4)
-    if blocked.dim() != 1 or blocked.numel() != pr * pc:
+    batch = tuple(batch)
+    count = math.prod(batch)
+    if blocked.dim() != 1 or blocked.numel() != count * pr * pc:
+        grids = f"{count} {rows}x{cols} grids" if batch else f"a {rows}x{cols} grid"
         raise ValueError(
-            f"blocked: expected a 1-D tensor of {pr * pc} elements for a {rows}x{cols} grid, "
+            f"blocked: expected a 1-D tensor of {count * pr * pc} elements for {grids}, "
             f"got shape {tuple(blocked.shape)}"
         )
-    tiles = blocked.view(pr // 128, pc // 4, 32, 4, 4).permute(0, 3, 2, 1, 4)
-    return tiles.reshape(pr, pc)[:rows, :cols].contiguous()
+    tiles = blocked.view(count, pr // 128, pc // 4, 32, 4, 4).permute(0, 1, 4, 3, 2, 5)
+    return tiles.reshape(*batch, pr, pc)[..., :rows, :cols].contiguous()

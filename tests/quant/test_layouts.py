@@ -85,3 +85,11 @@ def test_to_blocked_of_an_empty_grid():
     blocked = to_blocked(s)
     assert blocked.dim() == 1 and blocked.numel() == 0
     assert from_blocked(blocked, 0, 8).shape == (0, 8)
+
+
+def test_from_blocked_inverts_a_stack_of_grids():
+    stacked = torch.randn(2, 3, 130, 6)
+    blocked = to_blocked(stacked)
+    assert torch.equal(from_blocked(blocked, 130, 6, batch=(2, 3)), stacked)
+    with pytest.raises(ValueError, match="6 130x6 grids"):
+        from_blocked(blocked[:-1], 130, 6, batch=(2, 3))
