@@ -407,3 +407,18 @@ def test_cublas_fallback_calls_pass_torchs_argument_checks(pair):
     a, b, out_dtype, bias = probe(pair, torch.device("cpu"))
     a, b = a.to("meta"), b.to("meta")
     assert gemm_cublas(a, b, out_dtype, bias).shape == (a.shape[0], b.shape[0])
+
+
+@pytest.mark.parametrize("pair", ["mxfp8 x mxfp8", "nvfp4 x nvfp4", "fp8_block1x128 x fp8_block128x128"])
+def test_cublas_fallback_rounds_once_with_a_bias(pair, monkeypatch):
+    """The bias joins the FP32 product before the one rounding to bf16, as the reference does: a
+    product of 1 + 2^-8 (a bf16 tie) plus a bias of 2^-8 is 1 + 2^-7, not round(1 + 2^-8) + 2^-8 = 1."""
+    from lowprec.gemm.sm100.cublas import gemm_cublas, probe
+
+    a, b, _, _ = probe(pair, torch.device("cpu"))
+    if pair == "nvfp4 x nvfp4":  # the global scales multiply the product: 1 keeps it a tie
+        a.global_scale = b.global_scale = torch.tensor(1.0)
+    monkeypatch.setattr(torch, "_scaled_mm", lambda *args, out_dtype, **kw: torch.full(
+        (a.shape[0], b.shape[0]), 1 + 2 ** -8, dtype=out_dtype))
+    y = gemm_cublas(a, b, torch.bfloat16, torch.full((b.shape[0],), 2 ** -8))
+    assert y.dtype == torch.bfloat16 and (y == 1 + 2 ** -7).all()

@@ -47,19 +47,20 @@ def cublas_unsupported(a, b, out_dtype, bias) -> str | None:
 def gemm_cublas(a, b, out_dtype, bias):
     """``dequant(a) · dequant(b)ᵀ (+ bias)`` by ``torch._scaled_mm`` (``cublas_unsupported`` holds)."""
     pair = pair_of(a, b)
+    acc_dtype = out_dtype if bias is None else torch.float32  # the bias joins before the one rounding
     if pair == "mxfp8 x mxfp8":
-        y = torch._scaled_mm(a.data, b.data.t(), to_blocked(a.scale), to_blocked(b.scale), out_dtype=out_dtype)
+        y = torch._scaled_mm(a.data, b.data.t(), to_blocked(a.scale), to_blocked(b.scale), out_dtype=acc_dtype)
     elif pair == "nvfp4 x nvfp4":
         fp4 = torch.float4_e2m1fn_x2
         y = torch._scaled_mm(a.data.view(fp4), b.data.view(fp4).t(), to_blocked(a.scale), to_blocked(b.scale),
                              out_dtype=torch.float32)
-        y = (y * (a.global_scale * b.global_scale)).to(out_dtype)
+        y = (y * (a.global_scale * b.global_scale)).to(acc_dtype)
     else:
         sa = a.scale.t().contiguous().t()  # [M, K/128], outer-dim-major
         # scale_b is the grid of b.data.t(): [K/128, N/128] (torch's argument check)
-        y = torch._scaled_mm(a.data, b.data.t(), scale_a=sa, scale_b=b.scale.contiguous().t(), out_dtype=out_dtype)
+        y = torch._scaled_mm(a.data, b.data.t(), scale_a=sa, scale_b=b.scale.contiguous().t(), out_dtype=acc_dtype)
     if bias is not None:
-        y = (y.float() + bias.float()).to(out_dtype)
+        y = (y + bias.float()).to(out_dtype)
     return y
 
 
