@@ -63,6 +63,7 @@ def test_compiles_sm90a(config):
     assert local_memory_ops(sass) == 0
     if config.overlap:
         assert_softmax_under_pv(sass)
+        assert_pv_wait_branch_is_warp_uniform(sass)
     if config.quantize_q:  # Q by 16-byte loads, its codes into sQ by 8-byte stores, fenced; no Q TMA
         runs = 64 * config.head_dim // 8 // 128  # per thread and half block
         # three warpgroups read the block's other half too; two hold the block between them
@@ -81,6 +82,21 @@ def assert_softmax_under_pv(sass: str):
     i = ops.index("WARPGROUP.DEPBAR.LE gsb0, 0x1")
     j = ops.index("WARPGROUP.DEPBAR.LE gsb0, 0x0", i)
     assert j - i - 1 >= TILE_M * TILE_N // 256, f"{j - i - 1} exponentials between the S and the P.V waits"
+
+
+def assert_pv_wait_branch_is_warp_uniform(sass: str):
+    """The branch around the P.V wait (fwd_fp8._wait_pv_after, a warp-collective wait on each side)
+    tests its row sum with a comparison that is true for NaN (FSETP.GEU): a NaN query row, or a
+    tile row past the data, must not split a warp there."""
+    lines = sass.splitlines()
+    branches = [i for i, line in enumerate(lines) if " BRA " in line
+                and any("WARPGROUP.DEPBAR.LE gsb0, 0x0" in x for x in lines[i + 1:i + 4])
+                and any("WARPSYNC.ALL" in x for x in lines[i + 1:i + 4])]
+    assert branches, "no branch around the P.V wait"
+    for i in branches:
+        pred = re.search(r"@!?(P\d) BRA", lines[i]).group(1)
+        setp = next(x for x in reversed(lines[:i]) if re.search(rf"FSETP\.\w+\.AND {pred},", x))
+        assert "FSETP.GEU." in setp, setp
 
 
 @needs_cutlass

@@ -78,7 +78,7 @@ class AttnConfig:
         object.__setattr__(self, "skip_unit_rescale", self.skip_unit_rescale and not self.two_level_pv)
         object.__setattr__(self, "lazy_rescale", self.lazy_rescale and not self.two_level_pv)
         object.__setattr__(self, "overlap", overlap)
-        object.__setattr__(self, "pingpong", self.pingpong and overlap and wgs > 1)
+        object.__setattr__(self, "pingpong", self.pingpong and overlap and wgs == 2)  # its barriers pair two
 
     @property
     def tile_m(self) -> int:

@@ -946,10 +946,12 @@ class FP8AttentionFwdSm90:
         ptxas treats a wgmma's A registers (P) as free once it is issued: left alone it lifts the
         wait to the top of the softmax's basic block and reuses P's registers there, so the
         softmax never overlaps the P.V (measured: the whole intra-warpgroup overlap lost). The
-        wait sits in its own basic blocks behind a branch on the row sum (both sides wait, so
-        the condition does not matter); ptxas does not move it across them and allocates the
-        softmax around P's registers."""
-        if row_sum[0] >= cutlass.Float32(0.0):
+        wait sits in its own basic blocks behind a branch on the row sum (both sides wait);
+        ptxas does not move it across them and allocates the softmax around P's registers. The
+        wait is warp-collective (``.aligned``), so the branch must never split a warp: its
+        condition holds for every row sum (never negative) and for NaN, which one query row's
+        NaN (or a tile row past the data) gives (``>= 0`` split such warps: session 58)."""
+        if not (row_sum[0] < cutlass.Float32(0.0)):
             warpgroup.wait_group(0)
         else:
             warpgroup.wait_group(0)
