@@ -199,13 +199,16 @@ class FP8KVCache:
         self._v_scale_set = True
 
     def reset(self) -> None:
-        """Empty the cache (its buffers stay allocated; V's scales are chosen again at the next
-        append unless :meth:`set_v_scale` fixes them)."""
+        """Empty the cache: its buffers stay allocated and hold what a new cache's hold, but for
+        :attr:`v_scale` (the last ones; chosen again at the next append unless
+        :meth:`set_v_scale` fixes them)."""
         self._lengths = [0] * self.batch
-        self._plan.zero_()
-        self._v_t_u8.zero_()
+        # all of K too: a shorter row's keys past its length (operands, dequantize) read zeros, not
+        # the last sequence's (V past the length must be zeros: the kernels read it under P = 0)
+        for buffer in (self._plan, self._k_u8, self._k_tail, self._k_tail_amax, self._v_t_u8, self._counts):
+            buffer.zero_()
+        self._k_scale.fill_(1.0)
         self._v_scale_set = False
-        self._counts.zero_()
 
     def append(self, k: torch.Tensor, v: torch.Tensor, lengths=None) -> None:
         """Add ``t`` tokens to each row: ``k``, ``v`` ``[B, Hkv, t, D]`` of the cache's dtype and

@@ -153,6 +153,20 @@ def test_empty_cache_and_reset():
     _close(cache.attend(q), first)
 
 
+def test_a_reset_cache_holds_what_a_new_one_holds():
+    """After reset the last sequence's K is gone too: a shorter row's keys past its length (which
+    operands and dequantize return) were its keys before, zeros in a new cache."""
+    k, v = _kv(2, 2, 200, 64)
+    used, new = FP8KVCache(2, 2, 256, 64), FP8KVCache(2, 2, 256, 64)
+    used.append(k, v)
+    used.reset()
+    for cache in (used, new):
+        cache.append(k[:, :, :150], v[:, :, :150], lengths=[150, 20])
+    for a, b in zip(used.operands() + used.dequantize(), new.operands() + new.dequantize(), strict=True):
+        assert torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
+                           b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b)
+
+
 def test_bad_input_is_named():
     cache = FP8KVCache(2, 2, 128, 64)
     k, v = _kv(2, 2, 100, 64)
