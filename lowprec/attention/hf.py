@@ -262,6 +262,16 @@ def _fp8_cache_classes():
 
         def update(self, key_states, value_states, *args, **kwargs):
             _refuse_grad(key_states, value_states)
+            if self.is_initialized and not self._holds(key_states):
+                fp8 = self.fp8
+                if fp8.length:  # else append's error, naming its own "k"
+                    raise ValueError(f"fp8_cache: key_states: expected [B={fp8.batch}, Hkv={fp8.kv_heads}, t, "
+                                     f"D={fp8.head_dim}] {fp8.dtype} on {fp8.device} (those of the {fp8.length} "
+                                     f"tokens it holds; reset() it before another batch), got "
+                                     f"{tuple(key_states.shape)} {key_states.dtype} on {key_states.device}")
+                # empty (reset): it takes the new batch's shape, dtype and device, as transformers' dynamic
+                # layers do (generate with another batch size after reset())
+                self.is_initialized = False
             if not self.is_initialized:
                 self.lazy_initialization(key_states, value_states)
             if self.fp8.length + key_states.shape[2] > self.max_len:  # else append's error, naming its own "k"
@@ -278,6 +288,13 @@ def _fp8_cache_classes():
             # layer's ``keys`` / ``values`` at later steps instead of calling update again
             self.keys, self.values = keys, self._values[:, :, :length]
             return self.keys, self.values
+
+        def _holds(self, key_states) -> bool:
+            """Whether the FP8KVCache takes ``key_states``' rows, heads, head dim, dtype and device."""
+            fp8 = self.fp8
+            b, hkv, _, d = key_states.shape
+            return ((b, hkv, d, key_states.dtype, key_states.device)
+                    == (fp8.batch, fp8.kv_heads, fp8.head_dim, fp8.dtype, fp8.device))
 
         def get_seq_length(self) -> int:
             return self.fp8.length if self.is_initialized else 0

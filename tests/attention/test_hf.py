@@ -484,3 +484,29 @@ def test_generating_past_the_fp8_caches_max_len_names_max_len():
     ids = torch.randint(0, 256, (2, 12))
     with torch.no_grad(), pytest.raises(ValueError, match="fp8_cache: max_len=16 .* 1 more after 16"):
         model.generate(ids, past_key_values=fp8_cache(16), max_new_tokens=10, do_sample=False)
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_a_reset_fp8_cache_generates_for_another_batch_size():
+    """reset() then generate with another batch size (or dtype) generates as a new cache does (was
+    FP8KVCache's "k: expected [B=2, ...]": the layers kept the first batch's shape); without reset()
+    the error names fp8_cache's key_states and says to reset it."""
+    pytest.importorskip("transformers", minversion="5.0")
+    from lowprec.attention import fp8_cache
+
+    model = _tiny_llama(register_transformers_attention(), "cpu", torch.float32)
+    ids = torch.randint(0, 256, (3, 24), generator=torch.Generator().manual_seed(0))
+    cache = fp8_cache(64)
+    with torch.no_grad():
+        for prompt in (ids[:2], ids, ids[:2]):
+            cache.reset()
+            got = model.generate(prompt, past_key_values=cache, max_new_tokens=4, do_sample=False)
+            assert torch.equal(got, model.generate(prompt, past_key_values=fp8_cache(64), max_new_tokens=4,
+                                                   do_sample=False))
+        cache.reset()
+        model.to(torch.bfloat16)
+        got = model.generate(ids, past_key_values=cache, max_new_tokens=4, do_sample=False)
+        assert cache.layers[0].fp8.dtype == torch.bfloat16
+        assert torch.equal(got, model.generate(ids, past_key_values=fp8_cache(64), max_new_tokens=4, do_sample=False))
+        with pytest.raises(ValueError, match=r"fp8_cache: key_states: expected \[B=3, .* reset\(\) it"):
+            model.generate(ids[:2], past_key_values=cache, max_new_tokens=4, do_sample=False)
