@@ -376,6 +376,25 @@ class PackedFP8(_Tiled):
     n: int
     k: int
 
+    def __post_init__(self):
+        # built by hand too: the kernel reads data and scale as raw grids of these shapes and dtypes
+        # (the emulation silently sliced a larger scale grid)
+        for name, value in (("n", self.n), ("k", self.k)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{name}: expected an int ≥ 0, got {value!r}")
+        rows = (self.n_tiles * self.k_chunks * FP8_CHUNK_BYTES // ROW_BYTES, ROW_BYTES)
+        if not isinstance(self.data, torch.Tensor) or self.data.dtype != torch.uint8 or tuple(self.data.shape) != rows:
+            raise ValueError(f"data: expected uint8 {rows} (pack_fp8's layout for N={self.n}, K={self.k}), got "
+                             f"{getattr(self.data, 'dtype', type(self.data))} {tuple(getattr(self.data, 'shape', ()))}")
+        grid = (-(-self.n // FP8_SCALE_BLOCK), -(-self.k // FP8_SCALE_BLOCK))
+        if not isinstance(self.scale, torch.Tensor) or self.scale.dtype != torch.float32 \
+                or tuple(self.scale.shape) != grid or not self.scale.is_contiguous():
+            raise ValueError(f"scale: expected a contiguous float32 {grid} tensor (one per 128x128 block), got "
+                             f"{getattr(self.scale, 'dtype', type(self.scale))} "
+                             f"{tuple(getattr(self.scale, 'shape', ()))}")
+        if self.scale.device != self.data.device:
+            raise ValueError(f"scale: on {self.scale.device}, but data is on {self.data.device}")
+
 
 @on_operand_device
 def pack_fp8(weight: torch.Tensor, scale: torch.Tensor) -> PackedFP8:

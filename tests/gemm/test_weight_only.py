@@ -10,6 +10,7 @@ from lowprec.gemm.ops import weight_only
 from lowprec.gemm.weight_only import (
     CHUNK_BYTES,
     SPLITS,
+    PackedFP8,
     decoded_tile_emulated,
     grouped_weight_only_reference,
     pack_fp8,
@@ -145,6 +146,27 @@ def test_pack_fp8_rejects_bad_tensors(bad, match):
     args.update(bad(q))
     with pytest.raises(ValueError, match=match):
         pack_fp8(**args)
+
+
+@pytest.mark.parametrize("bad,match", [
+    (lambda p: dict(scale=torch.ones(200, 3)), r"scale: expected a contiguous float32 \(2, 3\)"),  # per row
+    (lambda p: dict(scale=p.scale.half()), "scale: expected a contiguous float32"),
+    (lambda p: dict(scale=p.scale[:, :1]), r"scale: expected .* \(2, 3\)"),
+    (lambda p: dict(scale=torch.ones(3, 2).t()), "scale: expected a contiguous"),
+    (lambda p: dict(scale=p.scale.to("meta")), "scale: on meta, but data is on cpu"),
+    (lambda p: dict(data=p.data[:-32]), r"data: expected uint8 \(384, 256\)"),
+    (lambda p: dict(data=p.data.view(torch.float8_e4m3fn)), "data: expected uint8"),
+    (lambda p: dict(n=-1), "n: expected an int"),
+])
+def test_a_hand_built_packed_fp8_is_checked(bad, match):
+    """PackedFP8 built by hand (not pack_fp8): a scale grid of another shape, dtype or layout was
+    taken as it was (the emulation sliced a larger grid: a silent wrong product)."""
+    q = _fp8(200, 272)
+    packed = pack_fp8(q.data, q.scale)
+    args = dict(data=packed.data, scale=packed.scale, n=packed.n, k=packed.k)
+    args.update(bad(packed))
+    with pytest.raises(ValueError, match=match):
+        PackedFP8(**args)
 
 
 # ----------------------------------------------------------------------------- grouped (CPU)
