@@ -267,3 +267,14 @@ def test_a_reload_writes_into_the_buffers_the_layer_has():
     assert torch.equal(layer(x), other(x))
     layer.load_state_dict(other.state_dict(), assign=True)
     assert layer.w1_packed is not buffers["w1_packed"]
+
+
+def test_a_data_assignment_reaches_the_kernels_view():
+    """``buffer.data = ...`` keeps the buffer tensor but not its storage: the tile view the grouped
+    kernel reads (made at an earlier forward) must follow it."""
+    layer, other = NVFP4InferenceMoE.from_moe(_moe(seed=0)), NVFP4InferenceMoE.from_moe(_moe(seed=1))
+    assert not torch.equal(layer.packed_weights()[0].tiles, other.packed_weights()[0].tiles)
+    for name in ("w1_packed", "w1_scale_2", "w2_packed", "w2_scale_2"):
+        getattr(layer, name).data = getattr(other, name).clone()
+    for mine, theirs in zip(layer.packed_weights(), other.packed_weights()):
+        assert torch.equal(mine.tiles, theirs.tiles) and torch.equal(mine.global_scale, theirs.global_scale)

@@ -209,6 +209,14 @@ def test_packed_weight_views_follow_the_buffers():
     other = NVFP4InferenceLinear.from_linear(nn.Linear(128, 64, bias=False))
     layer.packed, layer.weight_scale_2 = other.packed.clone(), other.weight_scale_2.clone()
     torch.testing.assert_close(layer(x), other(x), rtol=0, atol=0)
+    third = NVFP4InferenceLinear.from_linear(nn.Linear(128, 64, bias=False))
+    assert layer.packed_weight().tiles.data_ptr() == layer.packed.data_ptr()  # the view a GPU call makes
+    # `.data` assigned: the same tensors on new storage (the views read the old storage before)
+    layer.packed.data, layer.weight_scale_2.data = third.packed.clone(), third.weight_scale_2.clone()
+    view = layer.packed_weight()
+    assert view.tiles.data_ptr() == layer.packed.data_ptr()
+    assert view.global_scale.data_ptr() == layer.weight_scale_2.data_ptr()
+    torch.testing.assert_close(layer(x), third(x), rtol=0, atol=0)
 
 
 def test_weight_scale_2_of_a_wrong_shape_is_a_clear_load_error():
