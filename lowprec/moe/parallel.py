@@ -338,6 +338,11 @@ class ExpertParallelMoE(nn.Module):
                                         fp8_dispatch=self.fp8_dispatch)
         return output_as(y, x.shape)
 
+    def fp8_block_weights(self) -> tuple[str, ...]:
+        """As :meth:`MoE.fp8_block_weights <lowprec.moe.MoE.fp8_block_weights>`: this rank's expert
+        weights (:func:`lowprec.nn.enable_fp8_all_gather`)."""
+        return ("w1", "w2") if self.recipe == "fp8_block" else ()
+
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, ffn_size={self.ffn_size}, num_experts={self.num_experts} "
                 f"({self.num_experts // self.world} on rank {self.rank} of {self.world}), top_k={self.top_k}, "

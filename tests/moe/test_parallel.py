@@ -365,3 +365,19 @@ def test_from_moe_of_something_else_is_named(one_rank_group):
     for other in (FP8InferenceMoE.from_moe(MoE(32, 32, 4, 2)), torch.nn.Linear(4, 4)):
         with pytest.raises(TypeError, match="moe: expected a lowprec.moe.MoE"):
             ExpertParallelMoE.from_moe(other)
+
+
+@pytest.mark.parametrize("recipe", ["fp8_block", None])
+def test_enable_fp8_all_gather_wraps_the_expert_weights_as_moes(one_rank_group, recipe):
+    """As MoE's: the fp8_block experts all-gather in FP8 under FSDP2 (EP x FSDP); outside it the
+    wrapped weights compute as the master weights."""
+    from lowprec.moe.parallel import ExpertParallelMoE
+    from lowprec.nn import FP8AllGatherWeight, enable_fp8_all_gather
+
+    torch.manual_seed(0)
+    layer = ExpertParallelMoE(128, 64, 4, 2, recipe=recipe)
+    x = torch.randn(16, 128)
+    expect = layer(x)
+    assert enable_fp8_all_gather(layer) == (2 if recipe else 0)
+    assert all(isinstance(w, FP8AllGatherWeight) == (recipe is not None) for w in (layer.w1, layer.w2))
+    assert torch.equal(layer(x), expect)
