@@ -27,7 +27,7 @@ _ALIGN = 128
 def _check_ends(group_ends: torch.Tensor, device: torch.device) -> None:
     if not isinstance(group_ends, torch.Tensor) or group_ends.dtype not in (torch.int32, torch.int64) \
             or group_ends.dim() != 1 or group_ends.numel() == 0:
-        raise ValueError(f"group_ends: expected a non-empty 1-D int32 tensor, got "
+        raise ValueError(f"group_ends: expected a non-empty 1-D int32/int64 tensor, got "
                          f"{getattr(group_ends, 'dtype', type(group_ends))} {tuple(getattr(group_ends, 'shape', ()))}")
     if group_ends.device != device:
         raise ValueError(f"group_ends: on {group_ends.device}, but the rows are on {device}")
@@ -42,11 +42,13 @@ def quantize_k_grouped(rows: torch.Tensor, group_ends: torch.Tensor, recipe: str
         rows: ``[M, C]`` float rows grouped by expert: expert ``e`` owns rows
             ``group_ends[e-1]:group_ends[e]``; rows after ``group_ends[-1]`` are ignored.
             With ``row_index``, any ``[R, C]`` rows (e.g. one per token) that it indexes.
-        group_ends: ``[E]`` int32 cumulative ends (non-decreasing, at most M).
+        group_ends: ``[E]`` int32 cumulative ends (non-decreasing, at most M; checked on the
+            CPU, not on a GPU: no host sync).
         recipe: 1 x N block recipe with N dividing 128 (default ``fp8_block1x128``).
-        row_index: optional ``[M]`` integer map: packed row ``p`` is ``rows[row_index[p]]``, a zero
-            row where ``row_index[p] < 0``. Saves gathering token rows into packed order first
-            (the GPU kernel reads them through the map); the result is the same bits.
+        row_index: optional ``[M]`` int32/int64 map: packed row ``p`` is ``rows[row_index[p]]``, a
+            zero row where ``row_index[p] < 0``. Saves gathering token rows into packed order first
+            (the GPU kernel reads them through the map); the result is the same bits. Entries
+            must be below ``R``: checked on the CPU, not on a GPU (no host sync).
 
     Returns:
         ``(q, aligned_ends)``: ``q`` quantizes the transposed rows, expert ``e``'s tokens in
@@ -60,16 +62,25 @@ def quantize_k_grouped(rows: torch.Tensor, group_ends: torch.Tensor, recipe: str
                          f"{getattr(rows, 'dtype', type(rows))} {tuple(getattr(rows, 'shape', ()))}")
     _check_ends(group_ends, rows.device)
     if row_index is not None:
-        if not isinstance(row_index, torch.Tensor) or row_index.dim() != 1 or row_index.is_floating_point() \
-                or row_index.device != rows.device:
-            raise ValueError(f"row_index: expected a 1-D integer tensor on {rows.device}, got "
+        # int32 / int64 only: a bool mask would be taken as rows 0 and 1
+        if not isinstance(row_index, torch.Tensor) or row_index.dim() != 1 \
+                or row_index.dtype not in (torch.int32, torch.int64) or row_index.device != rows.device:
+            raise ValueError(f"row_index: expected a 1-D int32/int64 tensor on {rows.device}, got "
                              f"{getattr(row_index, 'dtype', type(row_index))} {tuple(getattr(row_index, 'shape', ()))} "
                              f"on {getattr(row_index, 'device', None)}")
+        # on the CPU only: on a GPU the check would sync (the kernel reads through the map unchecked)
+        if row_index.device.type == "cpu" and row_index.numel() and int(row_index.max()) >= rows.shape[0]:
+            raise ValueError(f"row_index: expected entries below R={rows.shape[0]} (rows' count; negative for a "
+                             f"zero row), got {int(row_index.max())}")
     r = get_recipe(recipe)
     if r.block[0] != 1 or r.block[1] == WHOLE or _ALIGN % r.block[1] or r.global_scale:
         raise ValueError(f"recipe: expected 1 x N blocks with N dividing {_ALIGN} and no global scale, "
                          f"got {r.name!r} with block {r.block}")
     m = rows.shape[0] if row_index is None else row_index.shape[0]
+    if group_ends.device.type == "cpu":  # as row_index's range: on a GPU the check would sync
+        ends = group_ends.tolist()
+        if ends[0] < 0 or ends[-1] > m or any(b < a for a, b in zip(ends, ends[1:])):
+            raise ValueError(f"group_ends: expected non-decreasing ends within [0, M={m}], got {ends}")
     (q,), aligned_ends = quantize_k_grouped_many([(rows, row_index)], group_ends, r, m)
     return q, aligned_ends
 

@@ -57,8 +57,26 @@ def test_quantize_k_grouped_row_index_equals_gathering_first():
     assert torch.equal(out_ends, ref_ends) and out.shape == ref.shape
     assert torch.equal(out.data.view(torch.uint8), ref.data.view(torch.uint8))
     assert torch.equal(out.scale, ref.scale)
-    with pytest.raises(ValueError, match="row_index: expected a 1-D integer tensor"):
+    with pytest.raises(ValueError, match="row_index: expected a 1-D int32/int64 tensor"):
         quantize_k_grouped(tokens, ends, row_index=index.float())
+
+
+def test_quantize_k_grouped_refuses_a_bad_row_index():
+    """A bool mask was taken as rows 0 and 1, an entry R as a zero row (the reference's appended
+    one): silent wrong operands. Larger entries raised torch's IndexError, naming no argument."""
+    tokens, ends = torch.randn(4, 128), torch.tensor([2, 5], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"row_index: expected a 1-D int32/int64 tensor on cpu, got torch.bool \(5,\)"):
+        quantize_k_grouped(tokens, ends, row_index=torch.tensor([True, False, True, True, False]))
+    for bad in (4, 9):
+        with pytest.raises(ValueError, match=rf"row_index: expected entries below R=4 .*, got {bad}"):
+            quantize_k_grouped(tokens, ends, row_index=torch.tensor([0, 1, -1, bad, 2]))
+
+
+@pytest.mark.parametrize("ends", [[4, 2], [3, 11], [-1, 5]])
+def test_quantize_k_grouped_refuses_group_ends_past_the_rows(ends):
+    """Decreasing, negative or past M=10: silently zero rows or garbage groups before."""
+    with pytest.raises(ValueError, match=r"group_ends: expected non-decreasing ends within \[0, M=10\]"):
+        quantize_k_grouped(torch.randn(10, 128), torch.tensor(ends, dtype=torch.int32))
 
 
 def test_errors():
