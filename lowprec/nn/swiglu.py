@@ -66,6 +66,8 @@ class _FP8SwiGLU(torch.autograd.Function):
         y, g, u, at = _gemms(x_q, wg, wu, wd, recipe, dt)
         ctx.recipe = recipe
         ctx.weight_dtypes = (w_gate.dtype, w_up.dtype, w_down.dtype)
+        # A along tokens is read only by W_down's gradient: not kept until the backward without it
+        at = at if ctx.needs_input_grad[3] else None
         tensors, ctx.specs = flatten_all(xt_q, at, g, u, wg_t, wu_t, wd_t)
         ctx.save_for_backward(*tensors)
         return y

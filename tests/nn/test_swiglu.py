@@ -160,6 +160,20 @@ def test_x_is_quantized_along_tokens_only_for_the_gate_and_up_gradients(needs, m
     assert [t.grad is not None for t in leaves] == list(needs)
 
 
+@pytest.mark.parametrize("need_down", [False, True])
+def test_the_activation_along_tokens_is_kept_only_for_w_downs_gradient(need_down):
+    """A along tokens ([F, T padded] FP8 and its scales) feeds only W_down's gradient: with W_down
+    frozen it was kept until the backward all the same."""
+    torch.manual_seed(5)
+    leaves = [torch.randn(40, 128), torch.randn(256, 128), torch.randn(256, 128), torch.randn(128, 256)]
+    for t, need in zip(leaves, (True, True, True, need_down)):
+        t.requires_grad_(need)
+    y = fp8_swiglu_mlp(*leaves)
+    saved = [tuple(t.shape) for t in y.grad_fn.saved_tensors]
+    assert ((256, 48) in saved) == need_down  # F = 256 rows, 40 tokens padded to 48
+    y.sum().backward()
+    assert (leaves[3].grad is not None) == need_down
+
 
 @pytest.mark.parametrize("mode", ["no_grad", "inference_mode", "nothing_requires_grad"])
 def test_evaluation_makes_no_copies_for_a_backward_and_gives_the_training_forwards_bits(mode, monkeypatch):
