@@ -1,13 +1,14 @@
-"""``python -m lowprec demo``: every recipe on a weight-like tensor, a block-scaled GEMM, and an FP8
-mixture-of-experts layer (training module and its FP8 inference form)."""
+"""``python -m lowprec demo``: every recipe on a weight-like tensor, a block-scaled GEMM, an FP8
+mixture-of-experts layer (training module and its FP8 inference form) and FP8 attention."""
 
 from __future__ import annotations
 
 import time
 
 import torch
+import torch.nn.functional as F
 
-from . import convert, gemm, metrics, quantize
+from . import attention, convert, gemm, metrics, quantize
 from .moe import MoE
 from .recipes import RECIPE_NAMES
 
@@ -94,12 +95,35 @@ def moe_on(device: torch.device) -> None:
           f"rel L2 {metrics.rel_l2(y4, ref):.2e}")
 
 
+def attention_on(device: torch.device) -> None:
+    """FP8 attention's output and gradients next to exact attention in FP64, and bf16 SDPA's."""
+    g = torch.Generator(device="cpu").manual_seed(2)
+    b, h, s, d = 1, 8, 1024, 128
+    q, k, v = (torch.randn(b, h, s, d, generator=g) for _ in range(3))
+    k = k + 3 * torch.randn(1, h, 1, d, generator=g)  # a per-channel key bias, as trained models' keys have
+    q, k, v = (t.to(device, torch.bfloat16).requires_grad_() for t in (q, k, v))
+    w = torch.randn(b, h, s, d, generator=g).to(device)
+    exact = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref = F.scaled_dot_product_attention(*exact, is_causal=True)
+    ref_grads = torch.autograd.grad((ref * w).sum(), exact)
+    rows = []
+    for label, fn in (('lowprec.attention(quant="fp8")', lambda: attention(q, k, v, causal=True, quant="fp8")),
+                      ("SDPA bf16", lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True))):
+        out = fn()
+        grads = torch.autograd.grad((out.float() * w).sum(), (q, k, v))
+        rows.append([label, f"{metrics.cos_sim(out, ref):.5f}", f"{metrics.rel_l2(out, ref):.2e}",
+                     f"{min(metrics.cos_sim(a, r) for a, r in zip(grads, ref_grads)):.5f}"])
+    print(f"\nAttention B{b} H{h} S{s} d{d} causal, keys with a per-channel bias, vs exact attention in FP64 "
+          f"(speed: python -m lowprec bench attention, on a GPU)")
+    print(_table(["", "out cos-sim", "out rel L2", "grad cos-sim (min of q, k, v)"], rows))
+
+
 def main() -> None:
-    print("lowprec demo: quantization recipes (x ≈ q · scale), a block-scaled GEMM and an FP8 MoE layer")
-    run_on(torch.device("cpu"))
-    moe_on(torch.device("cpu"))
-    if torch.cuda.is_available():
-        run_on(torch.device("cuda"))
-        moe_on(torch.device("cuda"))
-    else:
+    print("lowprec demo: quantization recipes (x ≈ q · scale), a block-scaled GEMM, an FP8 MoE layer and FP8 "
+          "attention")
+    for device in [torch.device("cpu")] + ([torch.device("cuda")] if torch.cuda.is_available() else []):
+        run_on(device)
+        moe_on(device)
+        attention_on(device)
+    if not torch.cuda.is_available():
         print("\n(no CUDA device: GPU part skipped)")
