@@ -108,6 +108,8 @@ def encode(x: torch.Tensor, fmt: str | ElementFormat, saturate: bool | None = No
         raise TypeError(f"x: expected a floating-point tensor, got {x.dtype}")
     if saturate is None:
         saturate = f is not E5M2
+    elif not isinstance(saturate, bool):  # "no" would be truthy
+        raise TypeError(f"saturate: expected a bool or None, got {saturate!r}")
     if f.nan_code is None:
         saturate = True
     xd = x.detach().to(torch.float64)
@@ -224,6 +226,8 @@ def pack_fp4(codes: torch.Tensor, *, check_range: bool = True) -> torch.Tensor:
     :func:`decode`'s); callers whose codes fit by construction pass it."""
     if codes.dtype != torch.uint8:
         raise TypeError(f"codes: expected uint8 codes, got {codes.dtype}")
+    if codes.dim() == 0:
+        raise ValueError("codes: expected ≥ 1 dim (pairs along the last), got a 0-dim tensor")
     if codes.shape[-1] % 2:
         raise ValueError(f"codes: last dim must be even to pack pairs, got {codes.shape[-1]}")
     if check_range and codes.numel() and codes.device.type != "meta" and int(codes.max()) >= 16:  # meta: no values
@@ -235,4 +239,6 @@ def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
     """Inverse of :func:`pack_fp4`: ``[..., n]`` packed bytes to ``[..., 2n]`` 4-bit codes."""
     if packed.dtype != torch.uint8:
         raise TypeError(f"packed: expected uint8, got {packed.dtype}")
+    if packed.dim() == 0:
+        raise ValueError("packed: expected ≥ 1 dim (pairs along the last), got a 0-dim tensor")
     return torch.stack((packed & 0xF, packed >> 4), dim=-1).flatten(-2)

@@ -61,8 +61,9 @@ def rel_l2(x: torch.Tensor, ref: torch.Tensor, chunk: int = 1 << 24) -> float:
     if x.shape != ref.shape:
         raise ValueError(f"x: shape {tuple(x.shape)} differs from ref's {tuple(ref.shape)}")
     pieces = list(zip(x.detach().reshape(-1).split(chunk), ref.detach().reshape(-1).split(chunk)))
-    # over the largest magnitude, as _scaled_pair: FP64 squares past ~1e±154 overflow or flush to 0
-    m = max((float(torch.maximum(a.abs().max().double(), b.abs().max().double().to(a.device)))
+    # over the largest magnitude, as _scaled_pair: FP64 squares past ~1e±154 overflow or flush to 0;
+    # taken in FP64, as the other metrics take theirs: torch has no abs() of a bool tensor
+    m = max((float(torch.maximum(a.double().abs().max(), b.double().abs().max().to(a.device)))
              for a, b in pieces if a.numel()), default=0.0)
     m = _pow2_scale(m)
     diff_sq = ref_sq = 0.0

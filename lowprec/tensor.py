@@ -230,7 +230,9 @@ class QuantizedTensor:
 
     def metadata(self) -> dict:
         """Everything but the tensors, JSON-serializable: recipe, logical shape, original dtype."""
-        return {"recipe": json.loads(self.recipe.to_json()), "shape": list(self.shape),
+        # int(): torch.Size keeps numpy integers (a shape from numpy), which JSON and torch.load's
+        # weights_only unpickler refuse
+        return {"recipe": json.loads(self.recipe.to_json()), "shape": [int(n) for n in self.shape],
                 "dtype": str(self.dtype).removeprefix("torch.")}
 
     @classmethod

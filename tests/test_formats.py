@@ -196,3 +196,18 @@ def test_pow2_is_exact_over_fp64_normal_exponents():
     assert torch.equal(pow2(exp), want)
     assert torch.equal(pow2(exp.to(torch.int32)[1022 - 149:1022 + 129], torch.float32),
                        want[1022 - 149:1022 + 129].float())  # FP32: subnormals to 2^128 = Inf
+
+
+@pytest.mark.parametrize("saturate", ["no", 0, 1])
+def test_encode_refuses_a_saturate_that_is_not_a_bool(saturate):
+    """encode(x, E4M3, saturate="no") saturated: any truthy value did."""
+    with pytest.raises(TypeError, match="saturate: expected a bool or None"):
+        encode(torch.tensor([1e6]), E4M3, saturate=saturate)
+
+
+def test_fp4_packing_of_a_0_dim_tensor_names_the_argument():
+    """A 0-dim tensor has no last dim: pack_fp4 raised IndexError, unpack_fp4 torch's "Dimension out of range"."""
+    with pytest.raises(ValueError, match="codes: expected ≥ 1 dim"):
+        pack_fp4(torch.tensor(3, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="packed: expected ≥ 1 dim"):
+        unpack_fp4(torch.tensor(3, dtype=torch.uint8))

@@ -108,3 +108,11 @@ def test_sqnr_of_an_infinite_error_is_minus_inf_not_an_exception():
     x[2] = math.inf
     report = metrics.error_report(x, ref)
     assert report["sqnr_db"] == -math.inf and math.isnan(report["cos_sim"])
+
+
+def test_metrics_take_bool_and_integer_tensors():
+    """rel_l2 took abs() of the tensors as given, which torch has not for bool."""
+    x, ref = torch.tensor([True, False, True]), torch.tensor([True, True, True])
+    report = metrics.error_report(x, ref)
+    assert report["rel_l2"] == pytest.approx(math.sqrt(1 / 3)) and report["rel_l1"] == pytest.approx(1 / 3)
+    assert metrics.error_report(x.to(torch.int8), ref.to(torch.int8)) == report

@@ -203,3 +203,16 @@ def test_deepcopy_copies_and_copy_shares_the_tensors():
     deep, shallow = copy.deepcopy(qt), copy.copy(qt)
     assert _same(deep, qt) and deep.data.data_ptr() != qt.data.data_ptr()
     assert shallow.data is qt.data and shallow.scale is qt.scale and shallow.global_scale is qt.global_scale
+
+
+def test_a_shape_of_numpy_integers_saves_and_pickles(tmp_path):
+    """torch.Size keeps numpy integers: the metadata held them, which json.dumps (lowprec.save) and
+    weights_only torch.load refused."""
+    np = pytest.importorskip("numpy")
+    qt, parts = _parts()
+    qt = lowprec.QuantizedTensor(**{**parts, "shape": np.array(qt.shape)})
+    assert all(type(n) is int for n in qt.metadata()["shape"])
+    lowprec.save(qt, tmp_path / "q.safetensors")
+    torch.save(qt, tmp_path / "q.pt")
+    for back in (lowprec.load(tmp_path / "q.safetensors"), torch.load(tmp_path / "q.pt")):
+        assert _same(back, qt)
