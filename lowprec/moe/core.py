@@ -42,7 +42,7 @@ from ..gemm.reference import grouped_mm_rows
 from ..nn.weight_cache import quantize_weight
 from ..quant import quantize
 from ..recipes import LINEAR_RECIPES, get_recipe
-from ..runtime import differentiable_once, eager_under_compile, registry
+from ..runtime import differentiable_once, eager_under_compile, graph_anchors, registry
 from ..tensor import QuantizedTensor, flatten_all, unflatten_all
 from .packing import gather_rows, pack, pack_tokens, unpack
 from .routing import (
@@ -271,6 +271,7 @@ class _ExpertsFunction(torch.autograd.Function):
         ctx.routing = dataclasses.replace(routing, topk_weights=routing.topk_weights.detach())
         ctx.quantized, ctx.activation = quantized, activation
         ctx.dtypes = (x.dtype, topk_weights.dtype, w1.dtype, w2.dtype)
+        ctx.graph_anchors = graph_anchors(x, topk_weights, w1, w2)  # for differentiable_once
         return y
 
     @staticmethod

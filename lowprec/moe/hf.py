@@ -31,11 +31,13 @@ import weakref
 import torch
 from torch import nn
 
-from ..nn.hooks import has_hooks
+from ..nn.hooks import _CALLED_HOOKS, has_hooks
 from ..nn.swiglu import _is_silu
 from ..runtime import eager_under_compile, version_of
 
 HF_MOE_BLOCKS = ("MixtralSparseMoeBlock", "Qwen3MoeSparseMoeBlock")
+# where transformers defines its output capturing hooks and their collector (a private name, moved in 5.x)
+_OUTPUT_CAPTURING = ("transformers.utils.output_capturing", "transformers.utils.generic")
 _SILU_CLASSES = ("SiLU", "SiLUActivation")
 
 
@@ -115,6 +117,17 @@ def hf_moe_unsupported(block: nn.Module, recipe: str | None = "fp8_block") -> st
     return None
 
 
+def hf_moe_hooked(block: nn.Module) -> str | None:
+    """Which of ``block``'s ``gate`` and ``experts`` have forward or backward hooks (None: neither),
+    which the lowprec MoE would drop: it reads their weights and calls neither. transformers' own
+    output capturing hooks are not counted (on the router: its logits, which a converted block
+    refuses to record)."""
+    hooked = [name for name in ("gate", "experts") if any(
+        getattr(hook, "__module__", None) not in _OUTPUT_CAPTURING
+        for hooks in _CALLED_HOOKS for hook in getattr(getattr(block, name, None), hooks, {}).values())]
+    return " and ".join(hooked) or None
+
+
 def moe_from_hf(block: nn.Module, recipe: str | None = "fp8_block") -> nn.Module:
     """A :class:`lowprec.moe.MoE` computing ``block`` (see the module docstring), on the block's
     own parameters (shared, not copied: training one trains the other). ``recipe``: the MoE's."""
@@ -139,7 +152,7 @@ def _find_collector() -> None:
     if _COLLECTOR:
         return
     collector = None
-    for where in ("transformers.utils.output_capturing", "transformers.utils.generic"):  # a private name
+    for where in _OUTPUT_CAPTURING:
         try:
             collector = getattr(__import__(where, fromlist=["_active_collector"]), "_active_collector", None)
         except ImportError:

@@ -22,7 +22,7 @@ from torch.autograd import forward_ad
 from ..gemm import gemm
 from ..quant import quantize, quantize_dual
 from ..recipes import DEFAULT_TRAIN_RECIPE, LINEAR_RECIPES, LinearRecipe, get_linear_recipe
-from ..runtime import differentiable_once
+from ..runtime import differentiable_once, graph_anchors
 from ..tensor import QuantizedTensor, flatten_all, unflatten_all
 from .weight_cache import quantize_weight
 
@@ -80,6 +80,7 @@ class _FP8Linear(torch.autograd.Function):
         ctx.weight_dtype = weight.dtype
         tensors, ctx.specs = flatten_all(xt_q, w_t)
         ctx.save_for_backward(*tensors)
+        ctx.graph_anchors = graph_anchors(x2, weight)  # dX depends on W, dW on X (differentiable_once)
         return y
 
     @staticmethod

@@ -1,6 +1,6 @@
 """A module's forward and backward hooks, carried over when :func:`~lowprec.nn.convert` swaps it for
 a layer with the same call and outputs (``nn.Linear`` -> FP8 layers, a SwiGLU MLP -> fused, a
-lowprec ``MoE`` -> an inference MoE; not a transformers MoE block, whose outputs differ)."""
+transformers MoE block -> a lowprec ``MoE``, a lowprec ``MoE`` -> an inference MoE)."""
 
 from __future__ import annotations
 

@@ -8,14 +8,16 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
-from torch.autograd.function import once_differentiable
+from torch.nn.utils.prune import BasePruningMethod
+from torch.nn.utils.spectral_norm import SpectralNorm
+from torch.nn.utils.weight_norm import WeightNorm
 
 from ..gemm import gemm
 from ..gemm.ops import weight_only
 from ..gemm.weight_only import PackedFP8, pack_fp8
 from ..quant import quantize
 from ..recipes import DEFAULT_TRAIN_RECIPE, get_recipe
-from ..runtime import registry, version_of
+from ..runtime import differentiable_once, registry, version_of
 from ..tensor import QuantizedTensor
 from .buffers import QuantizedBuffersModule, check_out_dtype
 from .fsdp import GATHER_RECIPE, FP8AllGatherWeight
@@ -27,7 +29,7 @@ from .functional import (
     quantize_linear_weight,
     reject_tangents,
 )
-from .hooks import carry_hooks
+from .hooks import _CALLED_HOOKS, carry_hooks
 from .nvfp4 import NVFP4InferenceLinear
 from .swiglu import RECIPES as SWIGLU_RECIPES
 from .swiglu import FP8SwiGLUMLP, swiglu_mlp_unsupported
@@ -43,6 +45,7 @@ _ALIGN = 16  # the GEMM kernels take N and K in multiples of 16
 MIN_TRAIN_WEIGHT_NUMEL = 4096 * 4096
 _X_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _NVFP4 = "nvfp4"  # convert's weight-only inference recipe (NVFP4InferenceLinear)
+_WEIGHT_HOOKS = (WeightNorm, SpectralNorm, BasePruningMethod)  # torch's forward pre-hooks computing a weight
 
 
 def _check_features(in_features: int, out_features: int) -> None:
@@ -116,7 +119,7 @@ class _FrozenFP8Linear(torch.autograd.Function):
         return gemm(quantize(x2, recipe.activation, check_finite=False), w, out_dtype=x2.dtype, bias=bias)
 
     @staticmethod
-    @once_differentiable
+    @differentiable_once(grads_only=True)  # dX depends on dy alone (the weight is a constant)
     def backward(ctx, dy):
         w = ctx.w
         w_t = w.transpose() if w.transposable else quantize(w.dequantize(torch.float32).t(), w.recipe,
@@ -261,6 +264,13 @@ def _swap(linear: nn.Linear, name: str, recipe: str, inference: bool, min_numel:
         log.warning("lowprec.convert: keeping %s as nn.Linear: its weight is not a parameter (computed by a "
                     "forward pre-hook, as torch.nn.utils.weight_norm's)", name or "<model>")
         return linear
+    if computed_weight and any(not isinstance(hook, _WEIGHT_HOOKS) for hooks in _CALLED_HOOKS
+                               for hook in getattr(linear, hooks).values()):
+        # hooks carry over all or none, and the one computing the weight cannot run on the inference layer
+        log.warning("lowprec.convert: keeping %s as nn.Linear: its weight is computed by a forward pre-hook (as "
+                    "torch.nn.utils.weight_norm's), which the inference layer would drop with its other hooks",
+                    name or "<model>")
+        return linear
     if linear.in_features % _ALIGN or linear.out_features % _ALIGN:
         log.warning("lowprec.convert: keeping %s as nn.Linear: in_features=%d, out_features=%d are not both "
                     "multiples of %d", name or "<model>", linear.in_features, linear.out_features, _ALIGN)
@@ -305,7 +315,8 @@ def convert(model: nn.Module, recipe: str | None = None, filter_fn: Callable[[st
             three GEMMs in FP8, the activation fused with its quantizations; the same parameters),
             when ``filter_fn`` accepts all three layers and the gate's weight has at least
             ``min_weight_numel`` entries. Other recipes, ``inference=True`` or ``fuse_mlp=False``
-            turn such an MLP back into a plain one whose layers convert one by one.
+            turn such an MLP back into a plain one whose layers convert one by one (one that
+            ``filter_fn`` rejects stays as it is).
 
     One log line (logger ``lowprec``, INFO) says how many layers were converted and which were
     kept for their size. Only exact ``nn.Linear`` instances are swapped (subclasses such as the attention output
@@ -314,12 +325,12 @@ def convert(model: nn.Module, recipe: str | None = None, filter_fn: Callable[[st
     linear-like layers left, by type. Layers whose
     features are not multiples of 16 stay as they are, with one log line each, and so do, for
     training, layers whose weight is not a parameter (``torch.nn.utils.weight_norm``), and for
-    inference ``nn.TransformerEncoderLayer``'s ``linear1`` / ``linear2`` (its fast path multiplies
-    by their weights itself). A swapped layer keeps its forward and backward hooks (their handles
-    still remove them); a SwiGLU MLP whose layers or ``act_fn`` have hooks is not fused (their layers
-    convert one by one). With
-    ``inference=True``, :class:`FP8Linear` layers (a model trained after ``convert``) become
-    :class:`FP8InferenceLinear` with their own recipe.
+    inference such layers with hooks of their own (the inference layer takes the weight as it is,
+    and runs none of its hooks) and ``nn.TransformerEncoderLayer``'s ``linear1`` / ``linear2`` (its
+    fast path multiplies by their weights itself). A swapped layer keeps its forward and backward
+    hooks (their handles still remove them); a SwiGLU MLP whose layers or ``act_fn`` have hooks is
+    not fused (their layers convert one by one). With ``inference=True``, :class:`FP8Linear` layers
+    (a model trained after ``convert``) become :class:`FP8InferenceLinear` with their own recipe.
 
     Mixture-of-experts layers (:class:`lowprec.moe.MoE`) train in FP8 already (their own
     ``recipe``) and their router is never quantized: training conversion leaves them as they
@@ -328,7 +339,9 @@ def convert(model: nn.Module, recipe: str | None = None, filter_fn: Callable[[st
     :class:`lowprec.moe.NVFP4InferenceMoE` (NVFP4 expert weights, tokens in their dtype).
     transformers' sparse MoE blocks (Mixtral, Qwen3-MoE; transformers 5's layout, see
     :mod:`lowprec.moe.hf`) become such a :class:`~lowprec.moe.MoE` first, on the block's own
-    parameters (``fp8_block`` experts for training; the state dict takes lowprec's names).
+    parameters (``fp8_block`` experts for training; the state dict takes lowprec's names), keeping
+    the block's hooks; a block whose ``gate`` or ``experts`` have hooks (the MoE calls neither) stays
+    as it is, with one log line.
 
     Converting again: :class:`FP8Linear` layers take the new ``recipe`` (the same master
     weights); :class:`FP8InferenceLinear` layers of another recipe stay as they are, with one log
@@ -360,10 +373,10 @@ def convert(model: nn.Module, recipe: str | None = None, filter_fn: Callable[[st
         return model if filter_fn is not None and not filter_fn("", model) else _same_mode(
             model, _converted(model, "", recipe, inference, 0, []))
     fuse = fuse_mlp and not inference and recipe in SWIGLU_RECIPES
-    if isinstance(model, FP8SwiGLUMLP):
+    if isinstance(model, FP8SwiGLUMLP) and (filter_fn is None or _mlp_accepted("", model, filter_fn)):
         if not fuse:
             model = _same_mode(model, carry_hooks(model, model.unfused()))
-        elif filter_fn is None or _mlp_accepted("", model, filter_fn):
+        else:
             model.recipe = recipe  # as _fuse_mlps does for the fused MLPs inside a model
             return model
     if swiglu_mlp_unsupported(model) is None and fuse and (filter_fn is None or _mlp_accepted("", model, filter_fn)):
@@ -468,12 +481,13 @@ def _fuse_mlps(model: nn.Module, fuse: bool, filter_fn, min_numel: int, recipe: 
             name = f"{parent_name}.{child_name}" if parent_name else child_name
             new = child
             if isinstance(child, FP8SwiGLUMLP):
-                if fuse:
-                    if filter_fn is None or _mlp_accepted(name, child, filter_fn):  # rejected: kept as it is
+                if filter_fn is None or _mlp_accepted(name, child, filter_fn):  # rejected: kept as it is
+                    if fuse:
                         child.recipe = recipe
+                    else:
+                        new = carry_hooks(child, child.unfused())
+                if new is child:
                     fused += 1
-                else:
-                    new = carry_hooks(child, child.unfused())
             elif (fuse and swiglu_mlp_unsupported(child) is None and child.gate_proj.weight.numel() >= min_numel
                   and (filter_fn is None or _mlp_accepted(name, child, filter_fn))):
                 new = carry_hooks(child, FP8SwiGLUMLP.from_mlp(child, recipe))
@@ -496,7 +510,7 @@ def _convertible(module: nn.Module) -> bool:
 def _converted(module: nn.Module, name: str, recipe: str, inference: bool, min_numel: int, kept: list) -> nn.Module:
     """What :func:`convert` makes of one :func:`_convertible` module (itself where nothing applies)."""
     from ..moe import FP8InferenceMoE, MoE, NVFP4InferenceMoE
-    from ..moe.hf import hf_moe_unsupported, moe_from_hf, refuse_router_logits
+    from ..moe.hf import hf_moe_hooked, hf_moe_unsupported, moe_from_hf, refuse_router_logits
 
     if type(module) is nn.Linear:
         return _swap(module, name, recipe, inference, min_numel, kept)
@@ -504,7 +518,13 @@ def _converted(module: nn.Module, name: str, recipe: str, inference: bool, min_n
         if (why := hf_moe_unsupported(module)) is not None:
             log.warning("lowprec.convert: keeping %s as it is: %s", name or "<model>", why)
             return module
-        return refuse_router_logits(_converted(moe_from_hf(module), name, recipe, inference, min_numel, kept))
+        if (hooked := hf_moe_hooked(module)) is not None:
+            log.warning("lowprec.convert: keeping %s as it is: forward or backward hooks on its %s, which the "
+                        "lowprec MoE would not call (it reads their weights)", name or "<model>", hooked)
+            return module
+        # the block's own hooks carry over: the same call and output
+        moe = carry_hooks(module, moe_from_hf(module))
+        return refuse_router_logits(_converted(moe, name, recipe, inference, min_numel, kept))
     if isinstance(module, MoE):
         if not inference:
             return module

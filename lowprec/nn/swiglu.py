@@ -27,7 +27,7 @@ from torch import nn
 from ..gemm import gemm
 from ..quant import quantize, quantize_dual, swiglu_quantize_dual
 from ..recipes import DEFAULT_TRAIN_RECIPE, LINEAR_RECIPES, LinearRecipe
-from ..runtime import differentiable_once
+from ..runtime import differentiable_once, graph_anchors
 from ..tensor import flatten_all, unflatten_all
 from .functional import _FLOAT_DTYPES, follow_autocast, output_as, reject_tangents
 from .hooks import has_hooks
@@ -70,6 +70,7 @@ class _FP8SwiGLU(torch.autograd.Function):
         at = at if ctx.needs_input_grad[3] else None
         tensors, ctx.specs = flatten_all(xt_q, at, g, u, wg_t, wu_t, wd_t)
         ctx.save_for_backward(*tensors)
+        ctx.graph_anchors = graph_anchors(x2, w_gate, w_up, w_down)  # for differentiable_once
         return y
 
     @staticmethod

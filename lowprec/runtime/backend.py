@@ -81,14 +81,20 @@ def _on_cuda(values) -> bool:
     return any(getattr(getattr(v, "device", None), "type", None) == "cuda" for v in values)
 
 
-def differentiable_once(backward):
+def differentiable_once(backward=None, *, grads_only: bool = False):
     """``once_differentiable`` for backwards whose results carry no graph (quantized GEMMs, detached
     saved tensors): a second derivative is an error, not a silent zero or a missing term. Its error
     node (torch's ``DelayedError``, as ``once_differentiable`` makes) takes the results also where
     the incoming gradients are constants (a gradient taken straight from a loss with
     ``create_graph=True``: ``once_differentiable`` then adds none, yet dX depends on W and dW on X),
-    and also hangs on the incoming gradients and the leaf inputs, so a derivative taken w.r.t.
-    chosen tensors reaches it too."""
+    and also hangs on the incoming gradients, the leaf inputs and the forward's ``ctx.graph_anchors``
+    (:func:`graph_anchors` of the non-leaf inputs), so a derivative taken w.r.t. chosen tensors
+    reaches it too. ``grads_only=True``: the results depend on the incoming gradients alone (an
+    input gradient through a constant weight): the error node hangs on those only, and constant
+    ones give constant results, as with ``once_differentiable``."""
+    if backward is None:
+        return functools.partial(differentiable_once, grads_only=grads_only)
+
     @functools.wraps(backward)
     def wrapper(ctx, *grads):
         with torch.no_grad():
@@ -98,10 +104,15 @@ def differentiable_once(backward):
         outs = outputs if isinstance(outputs, tuple) else (outputs,)
         # once_differentiable's error node hangs on detached copies only: a second derivative taken
         # w.r.t. chosen tensors (torch.autograd.grad(..., weight), backward(inputs=...)) never reached
-        # it and silently lacked this node's term. Also hang it on the incoming gradients' graph and on
-        # the leaf inputs (their AccumulateGrad nodes hold them), so such a derivative fails too.
+        # it and silently lacked this node's term. Also hang it on the incoming gradients' graph, on
+        # the leaf inputs (their AccumulateGrad nodes hold them) and on the non-leaf ones' anchors, so
+        # such a derivative fails too.
         anchors = [g for g in grads if isinstance(g, torch.Tensor) and g.requires_grad]
-        anchors += [node.variable for node, _ in ctx.next_functions if hasattr(node, "variable")]
+        if grads_only and not anchors:
+            return outputs
+        if not grads_only:
+            anchors += [node.variable for node, _ in ctx.next_functions if hasattr(node, "variable")]
+            anchors += getattr(ctx, "graph_anchors", ())
         fakes = [o.detach().requires_grad_() if isinstance(o, torch.Tensor) else o for o in outs]
         err = torch._C._functions.DelayedError(
             b"trying to differentiate twice a function that was marked with @once_differentiable",
@@ -110,6 +121,18 @@ def differentiable_once(backward):
         return results if isinstance(outputs, tuple) else results[0]
 
     return wrapper
+
+
+def graph_anchors(*tensors) -> list[torch.Tensor]:
+    """For an autograd Function's forward (``ctx.graph_anchors = graph_anchors(x, ...)``): an empty
+    tensor on the graph of each non-leaf input, holding none of its memory. A backward with
+    :func:`differentiable_once` hangs its error node on them: else a second derivative w.r.t. a
+    tensor reached only through such an input (the layer's input, itself a view) never met it and
+    silently lacked this node's term (when the incoming gradient is a constant)."""
+    if torch.compiler.is_compiling():  # traced: the compiled backward is aot_autograd's, without the error node
+        return []
+    with torch.enable_grad():  # forward runs without grad: the slice must record its graph
+        return [t[:0].clone() for t in tensors if isinstance(t, torch.Tensor) and t.grad_fn is not None and t.dim()]
 
 
 def eager_under_compile(fn: Callable) -> Callable:

@@ -15,6 +15,7 @@ from lowprec import metrics
 from lowprec.moe import FP8InferenceMoE, MoE, NVFP4InferenceMoE
 from lowprec.moe.hf import (
     experts_module_unsupported,
+    hf_moe_hooked,
     hf_moe_unsupported,
     moe_from_hf,
     transformers_experts_forward,
@@ -150,6 +151,54 @@ def test_blocks_it_does_not_take_stay_as_they_are():
     assert "not one of" in hf_moe_unsupported(nn.Linear(4, 4))
     with pytest.raises(ValueError, match="block: .*transformers 5"):
         moe_from_hf(block)
+
+
+def test_convert_carries_the_blocks_hooks():
+    """The block's hooks fire on the MoE (the same call and output), and on the inference MoE after
+    converting again (were: silently dropped)."""
+    torch.manual_seed(0)
+    block, calls = Qwen3MoeSparseMoeBlock(), []
+    pre = block.register_forward_pre_hook(lambda m, args: calls.append(("pre", type(m).__name__)))
+    block.register_forward_hook(lambda m, args, y: calls.append(("forward", type(m).__name__)))
+    block.register_full_backward_hook(lambda m, grad_in, grad_out: calls.append(("backward", type(m).__name__)))
+    model = nn.Sequential(block)
+    lowprec.convert(model)
+    model(torch.randn(4, 128, requires_grad=True)).sum().backward()
+    assert calls == [("pre", "MoE"), ("forward", "MoE"), ("backward", "MoE")]
+    pre.remove()
+    calls.clear()
+    lowprec.convert(model, inference=True)
+    with torch.no_grad():
+        model(torch.randn(4, 128))
+    assert calls == [("forward", "FP8InferenceMoE")]
+
+
+@pytest.mark.parametrize("part", ["gate", "experts"])
+def test_blocks_whose_gate_or_experts_have_hooks_stay_as_they_are(part, caplog):
+    """The lowprec MoE reads the router's and the experts' weights and calls neither module: their
+    hooks would be dropped (were: silently), so the block stays, with a warning naming it."""
+    block, calls = Qwen3MoeSparseMoeBlock(), []
+    getattr(block, part).register_forward_hook(lambda m, args, y: calls.append(part))
+    assert part in hf_moe_hooked(block) and hf_moe_hooked(Qwen3MoeSparseMoeBlock()) is None
+    model = nn.Sequential(block)
+    with caplog.at_level(logging.WARNING, logger="lowprec"):
+        lowprec.convert(model)
+    assert model[0] is block
+    assert f"keeping 0 as it is: forward or backward hooks on its {part}" in caplog.text
+    model(torch.randn(4, 128))
+    assert calls == [part]
+
+
+def test_blocks_of_a_model_run_before_convert_are_converted():
+    """transformers hooks the routers at the first forward recording outputs (capturing router logits,
+    which converted blocks refuse to record): those hooks do not keep the blocks."""
+    transformers = pytest.importorskip("transformers", minversion="5.0")
+    for model in _tiny_moe_models(transformers):
+        torch.manual_seed(0)
+        model(torch.randint(0, 64, (2, 9)), output_hidden_states=True)
+        assert model.model.layers[0].mlp.gate._forward_hooks
+        lowprec.convert(model)
+        assert type(model.model.layers[0].mlp) is MoE
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])

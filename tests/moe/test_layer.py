@@ -453,6 +453,18 @@ def test_second_derivative_through_the_experts_is_an_error_not_a_silent_zero():
         dx.square().sum().backward()
 
 
+def test_second_derivative_through_a_non_leaf_input_is_an_error_not_a_dropped_term():
+    """A weight-gradient penalty from a constant incoming gradient, differentiated w.r.t. what feeds the
+    layer: dW1 depends on x, reached only through the non-leaf inputs the error node did not hang on."""
+    torch.manual_seed(0)
+    m = MoE(H, FFN, E, K)
+    x0 = torch.randn(16, H, requires_grad=True)
+    y = m(x0 * 2)
+    (dw1,) = torch.autograd.grad(y.sum(), m.w1, create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        torch.autograd.grad(y.sum() + dw1.square().sum(), x0)
+
+
 @pytest.mark.parametrize("recipe", ["fp8_block", None])
 @pytest.mark.parametrize("frozen, x_grad", [(("w1",), True), (("w2",), True), (("w1", "w2"), True),
                                             (("router.weight",), False), (("router.weight", "w1"), False)])

@@ -873,6 +873,40 @@ def test_second_derivative_wrt_chosen_tensors_is_an_error_not_a_dropped_term(mak
         torch.autograd.grad(y.sum() + dx.square().sum(), list(layer.parameters()))
 
 
+@pytest.mark.parametrize("make", [lambda: FP8Linear(128, 16), lambda: FP8SwiGLUMLP.from_mlp(SwiGLUMLP(128, 256))])
+def test_second_derivative_through_a_non_leaf_input_is_an_error_not_a_dropped_term(make):
+    # a weight-gradient penalty from a constant incoming gradient, differentiated w.r.t. what feeds the
+    # layer: dW depends on X, reached only through the non-leaf input the error node did not hang on
+    layer = make()
+    x0 = torch.randn(8, 128, requires_grad=True)
+    y = layer(x0 * 2)
+    dws = torch.autograd.grad(y.sum(), list(layer.parameters()), create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        torch.autograd.grad(y.sum() + sum(dw.square().sum() for dw in dws), x0)
+
+
+def test_second_derivative_through_a_non_leaf_weight_is_an_error_not_a_dropped_term():
+    w0 = torch.randn(16, 128, requires_grad=True)
+    x = torch.randn(8, 128, requires_grad=True)
+    y = fp8_linear(x, w0 * 2)
+    (dx,) = torch.autograd.grad(y.sum(), x, create_graph=True)  # dX depends on the weight
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        torch.autograd.grad(y.sum() + dx.square().sum(), w0)
+
+
+def test_inference_layer_second_derivative_wrt_its_input_is_an_error_not_a_dropped_term():
+    # dX depends on x through the incoming gradient dY = 2y: once_differentiable's error node hung
+    # on detached copies only, so the penalty's term was silently missing from x's gradient
+    layer = FP8InferenceLinear.from_linear(nn.Linear(128, 16))
+    x = torch.randn(8, 128, requires_grad=True)
+    y = layer(x)
+    (dx,) = torch.autograd.grad(y.square().sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        torch.autograd.grad(y.sum() + dx.square().sum(), x)
+    (dx,) = torch.autograd.grad(layer(x).sum(), x, create_graph=True)
+    assert not dx.requires_grad  # from a constant dY a constant: no second derivative to refuse
+
+
 def test_create_graph_without_a_second_derivative_still_gives_the_gradients():
     layer = FP8Linear(128, 16)
     x = torch.randn(8, 128, requires_grad=True)
@@ -960,6 +994,21 @@ def test_inference_convert_of_a_weight_normed_linear_takes_its_weight_as_it_is()
         assert torch.equal(model(x), expect(x))
     assert torch.equal(model[0].quantized_weight().dequantize(torch.float32),
                        lowprec.quantize(weight, "fp8_block128x128").dequantize(torch.float32))
+
+
+@pytest.mark.parametrize("make", [_weight_norm, torch.nn.utils.spectral_norm,
+                                  lambda lin: torch.nn.utils.prune.l1_unstructured(lin, "weight", 0.5)])
+def test_inference_convert_keeps_a_computed_weight_layer_with_hooks_of_its_own(make, caplog):
+    # the inference layer takes the computed weight and runs no hook: the user's was silently dropped
+    lin, calls = make(nn.Linear(128, 128)), []
+    lin.register_forward_hook(lambda m, args, y: calls.append(type(m).__name__))
+    model = nn.Sequential(lin, make(nn.Linear(128, 128)))
+    with caplog.at_level(logging.WARNING, logger="lowprec"):
+        convert(model, inference=True)
+    assert model[0] is lin and isinstance(model[1], FP8InferenceLinear)  # only the hook computing its weight
+    assert "keeping 0 as nn.Linear: its weight is computed by a forward pre-hook" in caplog.text
+    model(torch.randn(2, 128))
+    assert calls == ["Linear"]
 
 
 @pytest.mark.parametrize("recipe, inference", [("fp8_block", False), ("fp8_block", True), ("nvfp4", True)])

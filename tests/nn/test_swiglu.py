@@ -429,6 +429,20 @@ def test_convert_again_leaves_a_fused_mlp_the_filter_rejects_as_it_is():
     assert model[2].recipe == "fp8_block_wgrad2d"  # an accepted one takes the new recipe
 
 
+@pytest.mark.parametrize("inference", [False, True])
+def test_unfusing_convert_leaves_a_fused_mlp_the_filter_rejects_as_it_is(inference):
+    # was: unfused anyway, its rejected layers left as nn.Linear (the FP8 MLP silently in high precision)
+    recipe, layer = ("fp8_block", FP8InferenceLinear) if inference else ("fp8_rowwise", FP8Linear)
+    model = nn.Sequential(SwiGLUMLP(128, 256), SwiGLUMLP(128, 256))
+    lowprec.convert(model, "fp8_block", min_weight_numel=0)
+    lowprec.convert(model, recipe, inference=inference, min_weight_numel=0,
+                    filter_fn=lambda name, m: not name.startswith("0"))
+    assert isinstance(model[0], FP8SwiGLUMLP) and model[0].recipe == "fp8_block"
+    assert type(model[1]) is SwiGLUMLP and isinstance(model[1].gate_proj, layer)  # accepted: unfused, converted
+    bare = FP8SwiGLUMLP.from_mlp(SwiGLUMLP(128, 256))
+    assert lowprec.convert(bare, recipe, inference=inference, filter_fn=lambda name, m: False) is bare
+
+
 @pytest.mark.parametrize("i", range(3))
 def test_a_second_derivative_is_an_error_not_a_silent_zero(i):
     """The quantized backwards build no graph: a gradient penalty must fail, not drop its term."""
