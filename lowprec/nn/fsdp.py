@@ -62,6 +62,17 @@ class FP8AllGatherWeight(torch.Tensor):
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
+    @property
+    def data(self) -> torch.Tensor:
+        return torch.Tensor.data.__get__(self)
+
+    @data.setter
+    def data(self, value: torch.Tensor) -> None:
+        # torch's own set_data would swap the wrapper's metadata only: every op would still read the old hp
+        hp = (value.hp if isinstance(value, FP8AllGatherWeight) else value).detach()
+        torch.Tensor.data.__set__(self, FP8AllGatherWeight(hp))
+        self.hp = hp
+
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         out = func(*tree_map_only(cls, lambda t: t.hp, args), **tree_map_only(cls, lambda t: t.hp, kwargs or {}))

@@ -124,8 +124,8 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
         x: ``[..., in_features]`` float32 / bfloat16 / float16; the output has its dtype, or
             the autocast dtype inside ``torch.autocast`` (as ``nn.Linear``'s; gradients come back
             in each input's dtype).
-        weight: ``[out_features, in_features]`` master weight (any float dtype; it is quantized
-            on every call, so optimizer updates are seen, or once per
+        weight: ``[out_features, in_features]`` master weight (float32 / bfloat16 / float16 /
+            float64; it is quantized on every call, so optimizer updates are seen, or once per
             :func:`~lowprec.nn.reuse_quantized_weights` block).
         bias: optional ``[out_features]``.
         recipe: ``"fp8_block_wgrad16"`` (the default: activations and gradients 1x128, weights

@@ -11,12 +11,14 @@ the weight changes or the block ends.
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import weakref
 from collections.abc import Iterator
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from ..quant import quantize, quantize_with_transpose
 from ..recipes import get_recipe
@@ -42,16 +44,34 @@ register_optimizer_step_post_hook(_forget_after_step)
 
 
 class _Entry:
-    __slots__ = ("ref", "version", "dtype", "device", "recipe", "w_q", "w_t", "inference")
+    __slots__ = ("ref", "storage", "version", "dtype", "device", "recipe", "w_q", "w_t", "inference")
 
-    def __init__(self, weight: torch.Tensor, recipe: str, w_q: QuantizedTensor, w_t: QuantizedTensor | None):
-        self.ref = weakref.ref(weight)
+    def __init__(self, cache: dict, weight: torch.Tensor, recipe: str, w_q: QuantizedTensor,
+                 w_t: QuantizedTensor | None):
+        # a weight or storage freed (a weight made per forward, a cast, model.cpu()) drops the FP8
+        # copies at once, not at the block's end
+        forget = functools.partial(_forget, cache, id(weight))
+        self.ref = weakref.ref(weight, forget)
         self.version = version_of(weight)
-        # module casts and moves (model.half(), .to(device)) swap param.data without a version bump
+        # module casts and moves (model.half(), .to(device)) and ``weight.data = t`` swap param.data
+        # without a version bump: a new storage, in the old dtype after a cast back (.half().float())
+        storage = _storage(weight)
+        self.storage = None if storage is None else weakref.ref(storage, forget)
         self.dtype, self.device = weight.dtype, weight.device
         self.recipe, self.w_q, self.w_t = recipe, w_q, w_t
         # copies made under torch.inference_mode are inference tensors, which autograd cannot save
         self.inference = torch.is_inference_mode_enabled()
+
+
+def _storage(weight: torch.Tensor):
+    """``weight``'s storage; None for a wrapper subclass (DTensor, ...), which has none."""
+    return None if is_traceable_wrapper_subclass(weight) else weight.untyped_storage()
+
+
+def _forget(cache: dict, key: int, ref: weakref.ref) -> None:
+    entry = cache.get(key)
+    if entry is not None and (entry.ref is ref or entry.storage is ref):
+        cache.pop(key, None)  # freed in another thread: the owner may have dropped it meanwhile
 
 
 @contextlib.contextmanager
@@ -66,18 +86,19 @@ def reuse_quantized_weights() -> Iterator[None]:
         optimizer.step()
 
     A weight modified in place inside the block (``optimizer.step()``, ``weight.copy_(...)``
-    under ``no_grad``: anything that bumps the tensor's version counter) or cast / moved by the
-    module (``model.half()``, ``model.to(device)``) is quantized again at its next use; an
-    optimizer step drops every FP8 copy (under FSDP2 the unsharded weights are refilled without a
-    version bump). Writes through ``weight.data`` bypass the version counter,
+    under ``no_grad``: anything that bumps the tensor's version counter) or given new storage
+    (``model.half()``, ``model.to(device)``, ``weight.data = t``) is quantized again at its next
+    use; an optimizer step drops every FP8 copy (under FSDP2 the unsharded weights are refilled
+    without a version bump). In-place writes through ``weight.data`` bypass the version counter,
     as they bypass autograd, and so do in-place writes to FSDP2's sharded parameters other than
     an optimizer step (their unsharded weight is refilled at the next all-gather): make them
     outside the block. So do in-place writes to inference tensors (weights made under
     ``torch.inference_mode``, which track no version). Copies made under ``torch.inference_mode``
     (an evaluation inside the block) serve only forwards under it; training forwards quantize
     again (autograd cannot save inference tensors). The FP8 copies (weight and, for training, its
-    transpose: about two bytes per parameter) stay alive until the block ends. Blocks nest; the
-    outermost one owns the cache. Per thread; ignored while ``torch.compile`` traces.
+    transpose: about two bytes per parameter) stay alive until the block ends or the weight or its
+    storage is freed. Blocks nest; the outermost one owns the cache. Per thread; ignored while
+    ``torch.compile`` traces.
     """
     outer = getattr(_state, "cache", None)
     if outer is not None:
@@ -87,6 +108,7 @@ def reuse_quantized_weights() -> Iterator[None]:
     try:
         yield
     finally:
+        _state.cache.clear()  # the entries' weakref callbacks hold the dict: no cycle left for the gc
         _state.cache = None
 
 
@@ -111,12 +133,13 @@ def quantize_weight(weight: torch.Tensor, recipe: str, with_transpose: bool
     key = id(weight)
     entry = cache.get(key)
     if (entry is not None and entry.ref() is weight and entry.version == version_of(weight)
+            and (entry.storage is None or entry.storage() is _storage(weight))
             and entry.dtype == weight.dtype and entry.device == weight.device and entry.recipe == recipe
             and (entry.w_t is not None or not with_transpose)
             and (not entry.inference or torch.is_inference_mode_enabled())):
         return entry.w_q, entry.w_t if with_transpose else None
     w_q, w_t = _quantize(weight, recipe, with_transpose)
-    cache[key] = _Entry(weight, recipe, w_q, w_t)
+    cache[key] = _Entry(cache, weight, recipe, w_q, w_t)
     return w_q, w_t
 
 

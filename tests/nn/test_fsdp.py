@@ -614,6 +614,24 @@ def test_state_dict_keep_vars_gives_the_wrapped_parameters():
     assert all(type(v) is torch.Tensor for v in model.state_dict().values())  # plain for savers, as before
 
 
+def test_data_assignment_to_a_wrapped_weight_is_seen():
+    """``weight.data = t`` on a wrapped weight (a cast back included) makes ``t`` the master weight
+    (was: the wrapper took t's shape and dtype but every op, the layer's forward too, read the old
+    one)."""
+    from lowprec.nn import FP8AllGatherWeight, fp8_linear
+
+    torch.manual_seed(0)
+    layer = lowprec.convert(nn.Linear(256, 128, bias=False), "fp8_block")
+    assert enable_fp8_all_gather(layer) == 1
+    x = torch.randn(4, 256)
+    new = torch.randn(128, 256)
+    layer.weight.data = new
+    assert torch.equal(layer(x), fp8_linear(x, new, recipe=layer.recipe))
+    layer.weight.data = new.half()
+    assert isinstance(layer.weight, FP8AllGatherWeight) and layer.weight.hp.dtype == torch.float16
+    assert torch.equal(layer.weight.float(), new.half().float()) and layer.weight.requires_grad
+
+
 def test_fp8_all_gather_on_a_one_rank_mesh_trains_as_unsharded():
     # FSDP2 skips the all-gather on one rank and hands on only the first all-gather input
     from torch.distributed.fsdp import fully_shard

@@ -1,4 +1,6 @@
+import gc
 import threading
+import weakref
 
 import pytest
 import torch
@@ -254,3 +256,51 @@ def test_inference_mode_forwards_share_their_copies(quantize_calls):
             layer(x)
     # the training forward quantizes again (with the transpose); its copy then serves the evaluation
     assert quantize_calls == [(id(layer.weight), False), (id(layer.weight), True)]
+
+
+@pytest.mark.parametrize("swap", ["cast_back", "data"])
+def test_new_storage_of_the_same_dtype_inside_the_block_is_seen(swap):
+    """A cast there and back (model.bfloat16().float()) or ``weight.data = t`` gives the weight new
+    values in the same dtype without a version bump: the block quantizes it again (was: the FP8
+    copy of the old values)."""
+    torch.manual_seed(0)
+    layer = FP8Linear(128, 128, bias=False, recipe="fp8_rowwise")
+    x = torch.randn(4, 128)
+    with reuse_quantized_weights():
+        layer(x)
+        if swap == "cast_back":
+            layer.bfloat16().float()
+        else:
+            layer.weight.data = torch.randn(128, 128)
+        inside = layer(x)
+    assert torch.equal(inside, layer(x))
+
+
+@pytest.mark.parametrize("free", ["temporary", "cast"])
+def test_copies_of_a_freed_weight_are_freed_inside_the_block(free, monkeypatch):
+    """A weight made per call (fp8_linear(x, w * s)) or a module cast frees the old weight or its
+    storage: its FP8 copies go with it (were kept until the block's end, one per micro-batch)."""
+    copies = []
+    real = weight_cache._quantize
+
+    def recording(*args):
+        out = real(*args)
+        copies.append(weakref.ref(out[0].data))
+        return out
+
+    monkeypatch.setattr(weight_cache, "_quantize", recording)
+    layer = FP8Linear(128, 128)
+    x = torch.randn(4, 128)
+    gc.disable()  # freed by reference counting, at once (not by a later gc pass)
+    try:
+        with reuse_quantized_weights():
+            if free == "temporary":
+                lowprec.nn.fp8_linear(x, layer.weight.detach() * 2)
+            else:
+                layer(x)
+                layer.half()
+            assert copies[0]() is None
+            layer(x.half())
+        assert copies[1]() is None  # the block's end frees the copies of live weights
+    finally:
+        gc.enable()
