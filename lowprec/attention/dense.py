@@ -7,10 +7,12 @@ import numbers
 
 import torch
 
+from ..nn.functional import reject_tangents
 from ..runtime import autocast_off, backend_mode, registry
 from ..tensor import QuantizedTensor
 from . import ops
 from .quantize import (
+    FLOAT_DTYPES,
     kv_views,
     qk_from_quantized,
     quantize_v,
@@ -18,11 +20,16 @@ from .quantize import (
 )
 from .reference import attention_reference, lse_correction
 
-__all__ = ["attention"]
+__all__ = ["attention", "check_flag"]
 
 _QUANT = (None, "fp8")
-# float8 tensors are floating point too, but their codes carry no scale: they come as QuantizedTensors
-FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def check_flag(name: str, value) -> None:
+    """A TypeError naming ``name`` unless ``value`` is a bool: a float passed positionally (a scale,
+    or FlashAttention's dropout_p in ``causal``'s place) read as True silently changed the mask."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name}: expected a bool, got {value!r}")
 
 
 def _check_input(name: str, t, device: torch.device | None, dtype: torch.dtype | None = None) -> None:
@@ -99,6 +106,8 @@ def attention(q, k, v, causal: bool = False, scale: float | None = None, quant: 
     across steps (:class:`~lowprec.attention.FP8KVCache`, or :func:`quantize_kv_cache` once; 1.4-1.8×
     there). Packed variable-length batches: :func:`attention_varlen`.
     """
+    check_flag("causal", causal)
+    check_flag("incoherent", incoherent)
     _check_input("q", q, None)
     for name, t in (("k", k), ("v", v)):
         _check_input(name, t, q.device, q.dtype if isinstance(q, torch.Tensor) else None)
@@ -127,8 +136,11 @@ def attention(q, k, v, causal: bool = False, scale: float | None = None, quant: 
         if q.is_cuda and backend_mode() != "reference" and sq and k.shape[2]:
             out, lse = ops.exact_cuda(q, k, v, bool(causal), scale, return_lse)
         else:
-            out, lse = attention_reference(q, k, v, bool(causal), scale, None)
+            with autocast_off(q.device):  # the FP32 reference: autocast ran its matmuls in fp16 (NaN past 65504)
+                out, lse = attention_reference(q, k, v, bool(causal), scale, None)
     else:
+        # the quantizers and the custom backward drop tangents: an error, not a silent zero
+        reject_tangents("attention(quant='fp8')", *(t for t in (q, k, v) if isinstance(t, torch.Tensor)))
         # the scheme's own arithmetic (the rotation, the LSE correction, the emulation) in its
         # precision under torch.autocast too, as the kernel's: autocast made the LSE 4x less exact
         with autocast_off(q.device):

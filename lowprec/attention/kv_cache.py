@@ -46,7 +46,7 @@ import torch
 from ..quant.reference import ieee_div, scale_from_amax
 from ..recipes import get_recipe
 from ..runtime import backend_mode, kernel_failed, registry
-from .dense import FLOAT_DTYPES, fp8_over_kv_operands, softmax_scale
+from .dense import FLOAT_DTYPES, check_flag, fp8_over_kv_operands, softmax_scale
 from .quantize import ATTN_BLOCK, V_PAD, _blocks, kv_views
 from .reference import _dequant_blocks
 
@@ -499,9 +499,10 @@ class FP8KVCache:
         ``Sq`` positions of them when ``causal``): a right-padded ``q`` of a ragged prefill puts a
         shorter row's real queries first, where ``causal`` would align them wrongly; attend such a
         prefill row by row, or left-pad ``q`` (each row's real queries last)."""
+        check_flag("causal", causal)
         self._check_q(q)
         scale = softmax_scale(scale, self.head_dim)
-        causal = bool(causal) and q.shape[2] > 1  # one query sees every key
+        causal = causal and q.shape[2] > 1  # one query sees every key
         length = self.length
         # decode (a few queries, not causal): the kernels bound to this cache, splits for the length
         result = self._attend_kernel(q, scale, length, return_lse) if length and not causal else None

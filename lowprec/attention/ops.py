@@ -2,9 +2,10 @@
 
 - ``lowprec::attention_fp8_forward``: the FP8 forward on the kernel's operands (the contract of
   ``sm90/CONTRACT.md``): the sm_90a kernel where it applies, else the reference emulation.
-- ``lowprec::attention_fp8``: Q, K, V in, ``(out, lse)`` out: the quantization pre-pass, the forward
-  and the smoothing correction of the LSE. Differentiable: its backward is exact attention's,
-  from the FP8 forward's ``out`` and (unsmoothed) ``lse``, as FlashAttention's backward computes it.
+- ``lowprec::attention_fp8``: Q, K, V in, ``(out, lse, k_mean)`` out: the quantization pre-pass and
+  the forward; the LSE is of the smoothed scores (the caller adds the correction). Differentiable:
+  its backward is exact attention's, from the FP8 forward's ``out`` and that ``lse`` on K smoothed
+  by ``k_mean``, as FlashAttention's backward computes it.
   The LSE output is not differentiable (as with the aten flash attention op).
 - ``lowprec::attention_backward``: ``(dq, dk, dv)`` from ``(dout, q, k, v, out, lse)``: on CUDA for
   fp16/bf16 PyTorch's cuDNN attention backward (``aten._scaled_dot_product_cudnn_attention_backward``,
@@ -23,7 +24,7 @@ import math
 
 import torch
 
-from ..runtime import backend_mode, kernel_failed, registry, warn_once
+from ..runtime import autocast_off, backend_mode, kernel_failed, registry, warn_once
 from .quantize import quantize_qkv, token_mean
 from .reference import attention_backward_reference, dense_rescale_slack, fp8_forward_reference, lse_correction
 
@@ -118,12 +119,14 @@ def _fp8_backward(ctx, dout, _dlse, _dk_mean):
     of 5 that leak took dQ's cosine to FP64 from 0.9999 to 0.966. With ``K − mean(K)`` and the LSE of
     the smoothed scores (the same P, dP, dK, dV in exact math) it is gone."""
     q, k, v, out, lse, k_mean = ctx.saved_tensors
-    if ctx.incoherent:  # the forward's mean is of the rotated K: smooth the unrotated K by its own
-        own_mean = token_mean(k)
-        lse = lse + lse_correction(q, k_mean, ctx.scale, True) - lse_correction(q, own_mean, ctx.scale)
-        k_mean = own_mean
-    k_smooth = (k.float() - k_mean[:, :, None, :]).to(k.dtype)
-    dq, dk, dv = attention_backward(dout, q, k_smooth, v, out, lse, ctx.causal, ctx.scale)
+    # as the forward, in its precision when backward() runs under torch.autocast
+    with autocast_off(q.device):
+        if ctx.incoherent:  # the forward's mean is of the rotated K: smooth the unrotated K by its own
+            own_mean = token_mean(k)
+            lse = lse + lse_correction(q, k_mean, ctx.scale, True) - lse_correction(q, own_mean, ctx.scale)
+            k_mean = own_mean
+        k_smooth = (k.float() - k_mean[:, :, None, :]).to(k.dtype)
+        dq, dk, dv = attention_backward(dout, q, k_smooth, v, out, lse, ctx.causal, ctx.scale)
     return dq, dk, dv, None, None, None
 
 

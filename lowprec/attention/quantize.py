@@ -46,6 +46,8 @@ V_PAD = 16  # v_t's token dim is padded to a multiple of this (16-byte TMA rows)
 ATTN_QK_RECIPE = ScaleRecipe("fp8_attn_qk", (ATTN_BLOCK, WHOLE))
 _ROWWISE = get_recipe("fp8_rowwise")  # Vᵀ: one scale per channel; Q, K: one per 128-token row of a view
 _HADAMARD_SEED = 0x1A77
+# float8 tensors are floating point too, but their codes carry no scale: they come as QuantizedTensors
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 class FP8AttentionInputs(NamedTuple):
@@ -72,9 +74,14 @@ _SIGNS_DRAWN = 4096
 _SIGNS = tuple(_draw_signs(_SIGNS_DRAWN).tolist())
 
 
-def _build_rotation(d: int, device: torch.device | str) -> torch.Tensor:
+def check_rotation_dim(d: int) -> None:
+    """A ValueError naming ``incoherent`` unless the head dim ``d`` is a power of two."""
     if d < 1 or d & (d - 1):
         raise ValueError(f"incoherent: the Hadamard rotation needs a power-of-two head dim, got D={d}")
+
+
+def _build_rotation(d: int, device: torch.device | str) -> torch.Tensor:
+    check_rotation_dim(d)
     h = torch.ones(1, 1, dtype=torch.float64)
     while h.shape[0] < d:
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
@@ -187,9 +194,9 @@ def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, smooth: b
     ``q`` ``[B, H, Sq, D]``, ``k`` ``[B, Hkv, Sk, D]``, ``v`` ``[B, Hkv, Sk, Dv]`` float tensors.
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
-        if not (isinstance(t, torch.Tensor) and t.is_floating_point()) or t.dim() != 4:
-            raise ValueError(f"{name}: expected a 4-D float tensor, got {getattr(t, 'dtype', type(t))} "
-                             f"{tuple(getattr(t, 'shape', ()))}")
+        if not (isinstance(t, torch.Tensor) and t.dtype in FLOAT_DTYPES) or t.dim() != 4:
+            raise ValueError(f"{name}: expected a 4-D float16/bfloat16/float32/float64 tensor, got "
+                             f"{getattr(t, 'dtype', type(t))} {tuple(getattr(t, 'shape', ()))}")
     _check_same_tokens(k, v)
     # Q's batch and head dim are K's
     if q.shape[0] != k.shape[0] or q.shape[-1] != k.shape[-1] or q.device != k.device:
@@ -213,10 +220,10 @@ def quantize_kv_cache(k: torch.Tensor, v: torch.Tensor) -> tuple[QuantizedTensor
     codes and scales carry no gradient (K and V are read detached).
     """
     for name, t in (("k", k), ("v", v)):
-        float_tensor = isinstance(t, torch.Tensor) and t.is_floating_point()
+        float_tensor = isinstance(t, torch.Tensor) and t.dtype in FLOAT_DTYPES
         if not (float_tensor or isinstance(t, QuantizedTensor)) or t.dim() != 4:
-            raise ValueError(f"{name}: expected a 4-D float tensor or QuantizedTensor [B, Hkv, Sk, D], got "
-                             f"{getattr(t, 'dtype', type(t))} {tuple(getattr(t, 'shape', ()))}")
+            raise ValueError(f"{name}: expected a 4-D float16/bfloat16/float32/float64 tensor or QuantizedTensor "
+                             f"[B, Hkv, Sk, D], got {getattr(t, 'dtype', type(t))} {tuple(getattr(t, 'shape', ()))}")
     _check_same_tokens(k, v)
     k, v = (t.dequantize() if isinstance(t, QuantizedTensor) else t.detach() for t in (k, v))
     kc, ks = _blocks(k)

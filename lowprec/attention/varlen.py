@@ -19,8 +19,9 @@ import operator
 import torch
 
 from ..runtime import autocast_off
-from .dense import FLOAT_DTYPES, attention, softmax_scale
+from .dense import FLOAT_DTYPES, attention, check_flag, softmax_scale
 from .ops import _flash_ok, expand_kv_heads
+from .quantize import check_rotation_dim
 
 __all__ = ["attention_varlen", "check_cu_seqlens"]
 
@@ -76,6 +77,8 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
 
     Returns ``out [total_q, H, Dv]`` in q's dtype (and the LSE). Differentiable as the dense call.
     """
+    check_flag("causal", causal)
+    check_flag("incoherent", incoherent)
 
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dtype not in FLOAT_DTYPES or t.dim() != 3:
@@ -96,6 +99,8 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
         raise ValueError(f"quant: expected None or 'fp8', got {quant!r}")
     if incoherent and quant is None:
         raise ValueError("incoherent: applies to quant='fp8' only")
+    if incoherent:  # here too: no sequence with queries, no rotation built to refuse it
+        check_rotation_dim(d)
     scale = softmax_scale(scale, d)
     max_seqlen_q, max_seqlen_k = _length("max_seqlen_q", max_seqlen_q), _length("max_seqlen_k", max_seqlen_k)
     if quant == "fp8" and q.is_cuda:
@@ -103,8 +108,6 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
             return _fp8_on_device(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, bool(causal),
                                   scale, return_lse, bool(incoherent))
     if quant is None and q.is_cuda and q.shape[0] and k.shape[0] and _flash_ok(q, k, v):
-        if incoherent:
-            raise ValueError("incoherent: applies to quant='fp8' only")
         return _exact_on_device(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, bool(causal), scale,
                                 return_lse)
     cq = check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q, q.device)

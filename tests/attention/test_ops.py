@@ -350,3 +350,21 @@ def test_fp8_attention_ignores_autocast(incoherent):
                                           incoherent=incoherent)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     assert torch.equal(varlen, want[0][0].transpose(0, 1))
+
+
+@pytest.mark.parametrize("incoherent", [False, True])
+def test_fp8_backward_ignores_autocast(incoherent):
+    """backward() under torch.autocast ran the custom backward's FP32 math in bf16 (the forward
+    turns autocast off): other gradients than the same call's backward outside it."""
+    q, k, v = _qkv(b=1, sq=128, sk=128, k_offset=3.0, dtype=torch.float32)
+    grads = []
+    for inside in (False, True):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = lowprec.attention(*leaves, quant="fp8", incoherent=incoherent)
+            if inside:
+                out.sum().backward()
+        if not inside:
+            out.sum().backward()
+        grads.append([t.grad for t in leaves])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))

@@ -209,12 +209,25 @@ def test_quantize_kv_cache_checks_its_inputs_by_name():
         quantize_kv_cache(k, torch.randn(1, 2, 7, 16))   # not cut to K's 5 tokens silently
     with pytest.raises(ValueError, match=r"v: expected \[B, Hkv, Sk\]"):
         quantize_kv_cache(k, torch.randn(1, 1, 5, 16))
-    with pytest.raises(ValueError, match="k: expected a 4-D float tensor"):
+    with pytest.raises(ValueError, match="k: expected a 4-D float16/bfloat16/float32/float64 tensor"):
         quantize_kv_cache(k[0], torch.randn(2, 5, 16))
     kq, vq = quantize_kv_cache(k, torch.randn(1, 2, 5, 8))  # Dv may differ from D
     assert tuple(kq.shape) == (1, 2, 5, 16) and tuple(vq.shape) == (1, 2, 8, 5)
     kq_in = lowprec.quantize(k, "fp8_block1x128")  # a QuantizedTensor: its dequantized value
     assert tuple(quantize_kv_cache(kq_in, torch.randn(1, 2, 5, 8))[0].shape) == (1, 2, 5, 16)
+
+
+def test_raw_float8_tensors_are_refused_by_name():
+    """float8 codes carry no scale: they were taken as float tensors, then refused by the quantizer
+    as a TypeError naming its own argument "x"."""
+    x = torch.randn(1, 2, 16, 64)
+    f8 = x.to(torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="k: expected a 4-D float16/bfloat16/float32/float64 tensor, got "
+                                         "torch.float8_e4m3fn"):
+        quantize_qkv(x, f8, x)
+    with pytest.raises(ValueError, match="v: expected a 4-D float16/bfloat16/float32/float64 tensor or "
+                                         "QuantizedTensor"):
+        quantize_kv_cache(x, f8)
 
 
 @pytest.mark.parametrize("v_shape", [(1, 2, 40, 64), (1, 1, 64, 64), (2, 2, 64, 64)])

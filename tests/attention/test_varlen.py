@@ -144,6 +144,9 @@ def test_bad_options_are_refused_even_when_no_sequence_has_queries():
         attention_varlen(q, k, v, cq, ck, 0, 3, quant="int8")
     with pytest.raises(ValueError, match="incoherent"):
         attention_varlen(q, k, v, cq, ck, 0, 3, incoherent=True)
+    # no rotation is built for no queries: a head dim it cannot rotate was taken
+    with pytest.raises(ValueError, match="incoherent: the Hadamard rotation needs a power-of-two head dim, got D=24"):
+        attention_varlen(q[..., :24], k[..., :24], v, cq, ck, 0, 3, quant="fp8", incoherent=True)
 
 
 @pytest.mark.parametrize("quant", [None, "fp8"])
