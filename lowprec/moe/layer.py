@@ -6,6 +6,7 @@ the custom ops of :mod:`.ops`."""
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -126,6 +127,10 @@ class MoE(nn.Module):
         super().__init__()
         _set_config(self, hidden_size, ffn_size, num_experts, top_k, capacity_factor, activation, recipe,
                     score_func, renormalize, drop_policy)
+        if self.top_k == 1 and self.renormalize:
+            warnings.warn("MoE: top_k=1 with renormalize=True makes every routing weight 1, so the router "
+                          "gets no gradient and never trains; pass renormalize=False to weight each token's "
+                          "expert by its score", UserWarning, stacklevel=2)
         self.recipe = recipe
         factory = {"device": device, "dtype": dtype}
         self.router = nn.Linear(hidden_size, num_experts, bias=False, **factory)

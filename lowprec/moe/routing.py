@@ -174,8 +174,9 @@ def expert_capacity(num_tokens: int, top_k: int, num_experts: int, capacity_fact
     Computed exactly, with ``capacity_factor`` read as the decimal it prints as (1.2 is 6/5), so
     ``T=10, k=1, E=4, capacity_factor=1.2`` gives 3, not the 4 that float rounding would give.
     """
-    for name, value, least in (("num_tokens", num_tokens, 0), ("top_k", top_k, 1), ("num_experts", num_experts, 1)):
-        _check_size(name, value, least)
+    # Python ints: numpy's int32 product T·k would wrap around
+    num_tokens, top_k, num_experts = (_check_size(name, value, least) for name, value, least in (
+        ("num_tokens", num_tokens, 0), ("top_k", top_k, 1), ("num_experts", num_experts, 1)))
     _check_capacity_factor(capacity_factor)
     if capacity_factor is None:
         return None
@@ -191,7 +192,8 @@ def select_experts(logits: torch.Tensor, top_k: int, *, score_func: str = "softm
         top_k: experts per token, ``1 ≤ top_k ≤ E``.
         score_func: ``"softmax"`` (over all E experts) or ``"sigmoid"`` (per expert), in FP32.
         renormalize: divide the k selected scores by their sum (so they add up to 1). With
-            softmax and ``top_k=1`` this makes every weight 1, and the router gets no gradient.
+            ``top_k=1`` this makes every weight 1 (softmax and sigmoid alike), and the router gets
+            no gradient.
 
     Returns:
         ``(topk_weights, topk_ids)``: FP32 ``[T, k]`` scores of the chosen experts (differentiable

@@ -1,3 +1,4 @@
+import warnings
 from fractions import Fraction
 
 import numpy as np
@@ -489,3 +490,16 @@ def test_frozen_parameters_and_inputs_without_gradient(recipe, frozen, x_grad):
         else:
             assert torch.equal(p.grad, trained.get_parameter(name).grad), name
     assert torch.equal(x_part.grad, x_all.grad) if x_grad else x_part.grad is None
+
+
+def test_top_1_with_renormalize_warns_that_the_router_cannot_train():
+    """Renormalizing one weight makes it 1: the router's gradient is zero (softmax and sigmoid alike)."""
+    with pytest.warns(UserWarning, match="top_k=1 with renormalize=True"):
+        layer = MoE(32, 32, 4, 1, recipe=None, score_func="sigmoid")
+    x = torch.randn(6, 32)
+    layer(x).sum().backward()
+    assert layer.router.weight.grad.abs().max() < 1e-6
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        MoE(32, 32, 4, 1, recipe=None, renormalize=False)
+        MoE(32, 32, 4, 2, recipe=None)

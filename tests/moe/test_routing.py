@@ -291,8 +291,8 @@ def test_the_capacity_read_as_printed_is_kept():
     """np.float32(1.2) is 1.2 for expert_capacity (T=10, k=1, E=4: 3, not float32's 4): the layers keep that."""
     moe = FP8InferenceMoE(128, 128, 4, 1, capacity_factor=np.float32(1.2))
     assert expert_capacity(10, 1, 4, moe.capacity_factor) == 3
-    assert MoE(128, 128, 4, 1, capacity_factor=Fraction(1, 3)).capacity_factor == Fraction(1, 3)  # 1/3 has no float
-    assert MoE(128, 128, 4, 1, capacity_factor=1.2).capacity_factor == 1.2
+    assert MoE(128, 128, 4, 2, capacity_factor=Fraction(1, 3)).capacity_factor == Fraction(1, 3)  # 1/3 has no float
+    assert MoE(128, 128, 4, 2, capacity_factor=1.2).capacity_factor == 1.2
 
 
 @pytest.mark.parametrize("bad", ["false", "no", None, 2, torch.ones(2)])
@@ -326,6 +326,12 @@ def test_numpy_integer_sizes_are_ints():
     layer = moe.MoE(np.int64(16), np.int64(32), np.int64(4), np.int32(2), recipe=None)
     assert all(type(v) is int for v in (layer.hidden_size, layer.ffn_size, layer.num_experts, layer.top_k))
     assert layer(torch.randn(5, 16)).shape == (5, 16)
+
+
+def test_expert_capacity_of_numpy_int32_sizes_does_not_wrap_around():
+    """T·k past int32 (numpy's int32 product wraps to a negative capacity): computed on Python ints."""
+    capacity = expert_capacity(np.int32(300_000_000), np.int32(8), np.int32(4), 1.0)
+    assert type(capacity) is int and capacity == 600_000_000
 
 
 @pytest.mark.parametrize("bad", [True, 2.0, "2", 0])
