@@ -85,10 +85,10 @@ def experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
     with autocast_off:
         if torch.compiler.is_compiling():
             if capacity_factor is not None and type(capacity_factor) not in (int, float):
-                # dynamo makes numpy scalars tensors and cannot trace Fraction / Decimal; without
+                # dynamo makes numpy scalars tensors and cannot trace Fraction; without
                 # fullgraph this graph-breaks and the call runs eagerly
                 raise TypeError("capacity_factor: expected a Python float, int or None under torch.compile "
-                                "(numpy scalars, Fraction and Decimal do not trace): pass float(capacity_factor)")
+                                "(numpy scalars and Fraction do not trace): pass float(capacity_factor)")
             return traced_experts(x, topk_weights, topk_ids, w1, w2, recipe, capacity_factor, drop_policy,
                                   activation, check_ids)
         return _dispatch_and_apply(x, topk_weights, topk_ids, w1, w2, recipe, capacity_factor, drop_policy,

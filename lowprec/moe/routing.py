@@ -133,7 +133,7 @@ def _factor_fraction(capacity_factor: float) -> Fraction:
 
 def _plain_capacity_factor(capacity_factor: float | None) -> float | None:
     """A valid ``capacity_factor`` as a Python float where :func:`expert_capacity` reads both as
-    the same number (numpy scalars, ``Decimal``, ``Fraction(3, 4)``): torch.compile turns numpy
+    the same number (numpy scalars, ``Fraction(3, 4)``): torch.compile turns numpy
     scalars into tensors, which the custom ops' float argument refuses. Others stay as they are."""
     if capacity_factor is None or type(capacity_factor) in (int, float):
         return capacity_factor
