@@ -192,19 +192,8 @@ class NVFP4InferenceMoE(QuantizedBuffersModule):
         """``(W1, W2)`` in the grouped kernel's layout (views of the buffers, made again only when a
         buffer is replaced or its ``.data`` assigned anew)."""
         key = tuple(getattr(self, f"{name}_{part}") for name in _PROJECTIONS for part in ("packed", "scale_2"))
-
-        def views():
-            return tuple(PackedNVFP4Experts(key[2 * i], key[2 * i + 1], *shape)
-                         for i, shape in enumerate(self._shapes()))
-
-        if torch.compiler.is_compiling():  # traced views of the buffers (dynamo cannot trace the check)
-            return views()
-        # the storages too: `buffer.data = ...` keeps the tensor, but the kernel's tile view would read the old one
-        where = tuple((t.get_device(), t.data_ptr()) for t in key)
-        cached = self.__dict__.get("_packed_views")
-        if cached is None or any(a is not b for a, b in zip(cached[0], key)) or cached[1] != where:
-            cached = self.__dict__["_packed_views"] = (key, where, views())
-        return cached[2]
+        return self._views_of("_packed_views", key, lambda: tuple(
+            PackedNVFP4Experts(key[2 * i], key[2 * i + 1], *shape) for i, shape in enumerate(self._shapes())))
 
     def forward(self, x: torch.Tensor, return_routing: bool = False) -> torch.Tensor | tuple[torch.Tensor, Routing]:
         """``x [..., H]`` to ``[..., H]`` in ``x``'s dtype (the autocast dtype inside

@@ -52,6 +52,19 @@ class QuantizedBuffersModule(nn.Module):
                     f"with convert(..., filter_fn=lambda name, module: name != 'lm_head')")
         super().__setattr__(name, value)
 
+    def _views_of(self, slot: str, tensors: tuple[torch.Tensor, ...], build):
+        """``build()`` (views of ``tensors``, the buffers), kept in ``__dict__[slot]`` (one of
+        ``_derived``) and made again when a buffer is replaced or given new storage: ``buffer.data =
+        ...`` keeps the tensor, but the views would read the old storage. Traced by
+        ``torch.compile``, made each time (dynamo cannot trace the storage check)."""
+        if torch.compiler.is_compiling():
+            return build()
+        where = tuple((t.get_device(), t.data_ptr()) for t in tensors)
+        cached = self.__dict__.get(slot)
+        if cached is None or any(a is not b for a, b in zip(cached[0], tensors)) or cached[1] != where:
+            cached = self.__dict__[slot] = (tensors, where, build())
+        return cached[2]
+
     def _store(self, name: str, value: torch.Tensor, assign: bool) -> None:
         """``self.name = value``, or ``value`` copied into the buffer ``name`` holds where it can
         take it (same shape, dtype and device; not a meta or an inference tensor) and ``assign`` is

@@ -157,15 +157,8 @@ class NVFP4InferenceLinear(QuantizedBuffersModule):
         the buffers, made again only when a buffer is replaced (load, device move) or its
         ``.data`` assigned anew; in-place updates show through the views."""
         packed, scale = self.packed, self.weight_scale_2
-        if torch.compiler.is_compiling():  # traced views of the buffers (dynamo cannot trace the check)
-            return PackedNVFP4(packed, scale.reshape(1), self.out_features, self.in_features)
-        # the storages too: `buffer.data = ...` keeps the tensor, but the views would read the old one
-        where = tuple((t.get_device(), t.data_ptr()) for t in (packed, scale))
-        cached = self.__dict__.get("_packed_view")
-        if cached is None or cached[0] is not packed or cached[1] is not scale or cached[2] != where:
-            cached = self.__dict__["_packed_view"] = (
-                packed, scale, where, PackedNVFP4(packed, scale.reshape(1), self.out_features, self.in_features))
-        return cached[3]
+        return self._views_of("_packed_view", (packed, scale), lambda: PackedNVFP4(
+            packed, scale.reshape(1), self.out_features, self.in_features))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x · Wᵀ + b`` in ``x``'s dtype (the autocast dtype inside ``torch.autocast``)."""
