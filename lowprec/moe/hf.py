@@ -31,7 +31,7 @@ import weakref
 import torch
 from torch import nn
 
-from ..nn.hooks import _CALLED_HOOKS, has_hooks
+from ..nn.hooks import has_hooks
 from ..nn.swiglu import _is_silu
 from ..runtime import eager_under_compile, version_of
 
@@ -122,9 +122,8 @@ def hf_moe_hooked(block: nn.Module) -> str | None:
     which the lowprec MoE would drop: it reads their weights and calls neither. transformers' own
     output capturing hooks are not counted (on the router: its logits, which a converted block
     refuses to record)."""
-    hooked = [name for name in ("gate", "experts") if any(
-        getattr(hook, "__module__", None) not in _OUTPUT_CAPTURING
-        for hooks in _CALLED_HOOKS for hook in getattr(getattr(block, name, None), hooks, {}).values())]
+    hooked = [name for name in ("gate", "experts") if has_hooks(
+        getattr(block, name, None), ignore=lambda hook: getattr(hook, "__module__", None) in _OUTPUT_CAPTURING)]
     return " and ".join(hooked) or None
 
 

@@ -4,6 +4,8 @@ transformers MoE block -> a lowprec ``MoE``, a lowprec ``MoE`` -> an inference M
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from torch import nn
 
 # the registries of register_forward_pre_hook / register_forward_hook / register_full_backward_(pre_)hook
@@ -12,9 +14,11 @@ _HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward
 _CALLED_HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
 
 
-def has_hooks(module: nn.Module) -> bool:
-    """Whether ``module`` has forward or backward hooks of its own."""
-    return any(getattr(module, name, None) for name in _CALLED_HOOKS)
+def has_hooks(module: nn.Module, ignore: Callable[[Callable], bool] | None = None) -> bool:
+    """Whether ``module`` has forward or backward hooks of its own (those ``ignore`` accepts aside)."""
+    if ignore is None:
+        return any(getattr(module, name, None) for name in _CALLED_HOOKS)
+    return any(not ignore(hook) for name in _CALLED_HOOKS for hook in getattr(module, name, {}).values())
 
 
 def carry_hooks(old: nn.Module, new: nn.Module) -> nn.Module:

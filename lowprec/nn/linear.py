@@ -29,7 +29,7 @@ from .functional import (
     quantize_linear_weight,
     reject_tangents,
 )
-from .hooks import _CALLED_HOOKS, carry_hooks
+from .hooks import carry_hooks, has_hooks
 from .nvfp4 import NVFP4InferenceLinear
 from .swiglu import RECIPES as SWIGLU_RECIPES
 from .swiglu import FP8SwiGLUMLP, swiglu_mlp_unsupported
@@ -264,8 +264,7 @@ def _swap(linear: nn.Linear, name: str, recipe: str, inference: bool, min_numel:
         log.warning("lowprec.convert: keeping %s as nn.Linear: its weight is not a parameter (computed by a "
                     "forward pre-hook, as torch.nn.utils.weight_norm's)", name or "<model>")
         return linear
-    if computed_weight and any(not isinstance(hook, _WEIGHT_HOOKS) for hooks in _CALLED_HOOKS
-                               for hook in getattr(linear, hooks).values()):
+    if computed_weight and has_hooks(linear, ignore=lambda hook: isinstance(hook, _WEIGHT_HOOKS)):
         # hooks carry over all or none, and the one computing the weight cannot run on the inference layer
         log.warning("lowprec.convert: keeping %s as nn.Linear: its weight is computed by a forward pre-hook (as "
                     "torch.nn.utils.weight_norm's), which the inference layer would drop with its other hooks",
