@@ -12,7 +12,7 @@ import torch
 
 from ..quant import quantize
 from ..recipes import ScaleRecipe, get_recipe
-from ..runtime import differentiable_once, eager_under_compile, registry
+from ..runtime import differentiable_once, eager_under_compile, graph_anchors, registry
 from ..tensor import QuantizedTensor
 from .routing import Routing
 
@@ -217,6 +217,7 @@ class _UnpackKernel(torch.autograd.Function):
     def forward(ctx, kernel, rows, weights, routing: Routing, out_dtype):
         w = _fp32_weights(rows, routing, weights)
         ctx.save_for_backward(rows, w)
+        ctx.graph_anchors = graph_anchors(rows, weights)  # for differentiable_once
         ctx.routing = dataclasses.replace(routing, topk_weights=routing.topk_weights.detach())
         ctx.weights_dtype = None if weights is None else weights.dtype
         return kernel(rows.detach(), routing, w, out_dtype)

@@ -335,6 +335,22 @@ def test_unpack_kernel_double_backward_is_an_error(first):
     with pytest.raises(RuntimeError, match="differentiate twice"):
         grad.pow(2).sum().backward()
 
+
+@pytest.mark.parametrize("first", ["rows", "weights"])
+def test_unpack_kernel_second_derivative_through_computed_inputs_is_an_error(first):
+    """Rows and weights computed from leaves, a gradient from a loss (constant incoming gradient):
+    a second derivative w.r.t. the other input's leaf must fail, not silently lack this term."""
+    r = _routing(12, 2, 4, "balanced", "cpu", seed=1)
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(r.num_rows, 16, generator=g, requires_grad=True)
+    logits = torch.randn(12, 2, generator=g, requires_grad=True)
+    out = _UnpackKernel.apply(_reference_unpack_rows, x * 1.5, logits.softmax(-1), r, torch.float32)
+    wrt, other = (x, logits) if first == "rows" else (logits, x)
+    (grad,) = torch.autograd.grad(out.sum(), wrt, create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        torch.autograd.grad(grad.pow(2).sum() + other.sum(), other)
+
+
 def _unpack_both(rows, r, weights, out_dtype, monkeypatch):
     monkeypatch.setenv("LOWPREC_BACKEND", "reference")
     ref = unpack(rows, r, weights, out_dtype=out_dtype)
