@@ -406,6 +406,44 @@ def test_variants_match_emulation(flags, case, monkeypatch):
     assert (lse[~dead].double() - emu_lse[~dead]).abs().max() <= 2e-3
 
 
+NAN_ROW_CASES = [
+    # (B, H, Hkv, Sq, Sk, D, causal), consumer warpgroups
+    ((2, 4, 4, 1, 1000, 128, False), 3),  # MHA decode: one warpgroup, overlapped
+    ((2, 32, 8, 8, 3000, 128, False), 3),  # GQA decode, 32 packed rows per tile
+    ((1, 32, 8, 32, 2000, 128, True), 3),  # 128 packed rows: two warpgroups, overlapped
+    ((1, 4, 2, 384, 640, 64, True), 3),  # three warpgroups at D = 64
+    ((1, 4, 2, 384, 640, 128, False), 3),
+    ((1, 4, 2, 384, 640, 128, True), 2),  # two warpgroups, overlapped and ping-pong
+]
+
+
+@gpu
+@needs_gpu
+@pytest.mark.parametrize("case,wgs", NAN_ROW_CASES, ids=lambda c: "x".join(map(str, c)) if isinstance(c, tuple)
+                         else f"wg{c}")
+def test_a_nan_query_row_stays_in_its_row(case, wgs, monkeypatch):
+    """A NaN in one query row makes that row's output NaN and leaves the others as they were: its NaN
+    row sum must not split a warp at the warp-collective P.V wait (it hung the GPU once)."""
+    from lowprec.attention.sm90 import interface
+
+    monkeypatch.setattr(interface, "CONSUMER_WGS", wgs)
+    B, H, Hkv, Sq, Sk, D, causal = case
+    *_, (qc, qs, kc, ks, vt, vs, scale) = _run(*case)
+    clean, _ = interface.fp8_attention_forward(qc, qs, kc, ks, vt, vs, causal=causal, softmax_scale=scale,
+                                              out_dtype=torch.bfloat16)
+    poisoned = qc.clone()
+    row = (B - 1, H // 2, Sq // 2)
+    poisoned[row] = float("nan")
+    o, lse = interface.fp8_attention_forward(poisoned, qs, kc, ks, vt, vs, causal=causal, softmax_scale=scale,
+                                             out_dtype=torch.bfloat16)
+    torch.cuda.synchronize()
+    assert torch.isnan(o[row]).all() and torch.isnan(lse[row])
+    others = torch.ones(o.shape[:-1], dtype=torch.bool, device=o.device)
+    others[row] = False
+    assert torch.isfinite(o[others]).all()
+    assert (o[others].float() - clean[others].float()).abs().max() <= 1e-2 * clean.float().abs().max()
+
+
 @gpu
 @needs_gpu
 @pytest.mark.parametrize("s,d", [(256, 128), (300, 64), (1, 256)])
