@@ -70,7 +70,7 @@ class AttnConfig:
             3 if self.consumer_wgs == 3 and self.head_dim <= 128 else 2)
         if wgs == 3:
             object.__setattr__(self, "two_level_pv", False)
-            overlap = False
+            overlap = overlap and self.head_dim <= 64  # at D = 128 three overlapped warpgroups spill
         object.__setattr__(self, "consumer_wgs", wgs)
         if self.varlen:  # one tile per (sequence, query block, head): no packing, splits or persistence
             for flag in ("pack_gqa", "split_kv", "persistent"):
