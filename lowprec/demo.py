@@ -52,15 +52,19 @@ def run_on(device: torch.device) -> None:
     x = torch.randn(256, 4096, generator=g).to(device)
     a = quantize(x, "fp8_block1x128")
     b = quantize(w, "fp8_block128x128")
-    t0 = time.perf_counter()
-    d = gemm(a, b, out_dtype=torch.float32)
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    ms = (time.perf_counter() - t0) * 1e3
+    timings = []
+    for _ in range(2 if device.type == "cuda" else 1):  # the first CUDA call compiles or loads the kernel
+        t0 = time.perf_counter()
+        d = gemm(a, b, out_dtype=torch.float32)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        timings.append((time.perf_counter() - t0) * 1e3)
+    took = (f"{timings[0]:.1f} ms on the reference path" if len(timings) == 1 else
+            f"first call {timings[0]:.1f} ms with the kernel's compile or cache load, then {timings[1]:.2f} ms")
     ref = x.double() @ w.double().T
     print(f"\nGEMM D = A·Bᵀ, A {tuple(x.shape)} fp8_block1x128, B {tuple(w.shape)} fp8_block128x128, fp32 out: "
           f"SQNR {metrics.sqnr_db(d, ref):.2f} dB, rel L2 {metrics.rel_l2(d, ref):.2e} vs the fp64 product "
-          f"of the unquantized inputs ({ms:.1f} ms)")
+          f"of the unquantized inputs ({took})")
 
 
 def moe_on(device: torch.device) -> None:
