@@ -124,6 +124,7 @@ class FP8KVCache:
         self._v_scale = torch.ones(batch, kv_heads, head_dim, dtype=torch.float32, device=device)
         self._v_inv = torch.ones_like(self._v_scale)
         self._v_scale_set = False
+        self._v_scale_given = False  # by v_scale or set_v_scale: kept across reset
         # on the device: [values saturated, row-tokens dropped past max_len]
         self._counts = torch.zeros(2, dtype=torch.int64, device=device)
         #: V values clipped by more than E4M3's rounding (past ``464 · scale``) since the cache was
@@ -173,12 +174,14 @@ class FP8KVCache:
 
     @property
     def v_scale(self) -> torch.Tensor:
-        """V's per-channel scales ``[B, Hkv, D]`` (ones until the first append sets them; after
-        :meth:`reset`, the last ones until the next append chooses new ones)."""
+        """V's per-channel scales ``[B, Hkv, D]``: the ones given (``v_scale``, :meth:`set_v_scale`),
+        else ones until the first append chooses them (after :meth:`reset`, the last ones until the
+        next append chooses new ones)."""
         return self._v_scale
 
     def set_v_scale(self, v_scale: torch.Tensor) -> None:
-        """Fix V's per-channel scales ``[B, Hkv, D]`` (positive, finite) before any token is added."""
+        """Fix V's per-channel scales ``[B, Hkv, D]`` (positive, finite) before any token is added;
+        they stay across :meth:`reset`."""
         if self.length:
             raise ValueError("v_scale: the cache already holds tokens quantized with its scales; reset() it first")
         shape = (self.batch, self.kv_heads, self.head_dim)
@@ -192,6 +195,7 @@ class FP8KVCache:
             raise ValueError(f"v_scale: expected positive finite scales of at least {_FP32_TINY:.3g} (FP32's "
                              "smallest normal: their inverses must be finite)")
         self._fix_v_scale(v_scale)
+        self._v_scale_given = True
 
     def _fix_v_scale(self, v_scale: torch.Tensor) -> None:
         self._v_scale.copy_(v_scale)
@@ -200,15 +204,15 @@ class FP8KVCache:
 
     def reset(self) -> None:
         """Empty the cache: its buffers stay allocated and hold what a new cache's hold, but for
-        :attr:`v_scale` (the last ones; chosen again at the next append unless
-        :meth:`set_v_scale` fixes them)."""
+        :attr:`v_scale`: given ones (``v_scale``, :meth:`set_v_scale`) stay; ones the first append
+        chose are chosen again at the next append (they hold the last ones until then)."""
         self._lengths = [0] * self.batch
         # all of K too: a shorter row's keys past its length (operands, dequantize) read zeros, not
         # the last sequence's (V past the length must be zeros: the kernels read it under P = 0)
         for buffer in (self._plan, self._k_u8, self._k_tail, self._k_tail_amax, self._v_t_u8, self._counts):
             buffer.zero_()
         self._k_scale.fill_(1.0)
-        self._v_scale_set = False
+        self._v_scale_set = self._v_scale_given
 
     def append(self, k: torch.Tensor, v: torch.Tensor, lengths=None) -> None:
         """Add ``t`` tokens to each row: ``k``, ``v`` ``[B, Hkv, t, D]`` of the cache's dtype and

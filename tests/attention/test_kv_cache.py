@@ -153,6 +153,27 @@ def test_empty_cache_and_reset():
     _close(cache.attend(q), first)
 
 
+@pytest.mark.parametrize("given", ["constructor", "set_v_scale"])
+def test_given_v_scales_stay_across_reset(given):
+    """Calibrated V scales (a serving cache reset between requests) stay; chosen ones are chosen again."""
+    k, v = _kv(1, 2, 40, 64)
+    calibrated = torch.full((1, 2, 64), 0.05)
+    if given == "constructor":
+        cache = FP8KVCache(1, 2, 64, 64, v_scale=calibrated)
+    else:
+        cache = FP8KVCache(1, 2, 64, 64)
+        cache.set_v_scale(calibrated)
+    chosen = FP8KVCache(1, 2, 64, 64)
+    for c in (cache, chosen):
+        c.append(k, v)
+        c.reset()
+        c.append(k * 3, v * 3)
+    assert torch.equal(cache.v_scale, calibrated)
+    fresh = FP8KVCache(1, 2, 64, 64)
+    fresh.append(k * 3, v * 3)
+    assert torch.equal(chosen.v_scale, fresh.v_scale) and not torch.equal(fresh.v_scale, calibrated)
+
+
 def test_a_reset_cache_holds_what_a_new_one_holds():
     """After reset the last sequence's K is gone too: a shorter row's keys past its length (which
     operands and dequantize return) were its keys before, zeros in a new cache."""
