@@ -16,6 +16,7 @@ from .quantize import (
     kv_views,
     qk_from_quantized,
     quantize_v,
+    unpermute_v_keys,
     v_from_quantized,
 )
 from .reference import attention_reference, lse_correction
@@ -176,20 +177,23 @@ def _fp8_quantized_inputs(q, k, v, causal: bool, scale: float, incoherent: bool,
     return out, lse
 
 
-def fp8_over_kv_operands(q, kc, ks, vt, vs, causal: bool, scale: float, kv_lengths: torch.Tensor | None = None):
+def fp8_over_kv_operands(q, kc, ks, vt, vs, causal: bool, scale: float, kv_lengths: torch.Tensor | None = None,
+                         v_keys_permuted: bool = False):
     """The FP8 forward of a float (or quantized) Q over K / Vᵀ already in the kernel's operands
     (an FP8 KV cache; K, Vᵀ and K's scales may be length-Sk views of longer buffers). Returns
     ``(out, lse)``, the LSE of the scores as the operands give them. ``kv_lengths``: the cache's
     ``[B, 8]`` int32 plan of device-side lengths (field 5), the operands its whole buffers: on
     sm_90a the decode kernels read the lengths (CUDA graphs); else they are read back (a sync) and
-    each row attends over its own."""
+    each row attends over its own. ``v_keys_permuted``: ``vt`` in the kernel's permuted key order
+    (an :class:`~lowprec.attention.FP8KVCache`'s), which the paths without the kernel undo first."""
     from .quantize import quantize_q
 
     out_dtype = q.dtype if q.dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64) else torch.float32
 
     def composed():
         qc, qs = qk_from_quantized(q, "q") if isinstance(q, QuantizedTensor) else quantize_q(q)
-        return ops.attention_fp8_forward_call(qc, qs, kc, ks, vt, vs, causal, scale, out_dtype)
+        plain = unpermute_v_keys(vt) if v_keys_permuted else vt
+        return ops.attention_fp8_forward_call(qc, qs, kc, ks, plain, vs, causal, scale, out_dtype)
 
     if kv_lengths is not None:
         def per_row():  # the host path: each row over its own length
@@ -197,11 +201,13 @@ def fp8_over_kv_operands(q, kc, ks, vt, vs, causal: bool, scale: float, kv_lengt
             for b, n in enumerate(kv_lengths[:, 5].tolist()):
                 row = slice(b, b + 1)
                 rows.append(fp8_over_kv_operands(q[row], *kv_views(kc[row], ks[row], vt[row], n), vs[row], causal,
-                                                 scale))
+                                                 scale, v_keys_permuted=v_keys_permuted))
             return torch.cat([r[0] for r in rows]), torch.cat([r[1] for r in rows])
 
-        return registry.run("attention_fp8_q", q.device, (q, kc, ks, vt, vs, causal, scale, kv_lengths), per_row)
+        return registry.run("attention_fp8_q", q.device, (q, kc, ks, vt, vs, causal, scale, kv_lengths,
+                                                          v_keys_permuted), per_row)
     if isinstance(q, QuantizedTensor) or torch.compiler.is_compiling():
         return composed()
     # eager: on Hopper one lean host pass (Q pre-pass + forward)
-    return registry.run("attention_fp8_q", q.device, (q, kc, ks, vt, vs, causal, scale), composed)
+    return registry.run("attention_fp8_q", q.device, (q, kc, ks, vt, vs, causal, scale, None, v_keys_permuted),
+                        composed)

@@ -256,7 +256,8 @@ def _fp8_cache_classes():
             self.dtype, self.device = key_states.dtype, key_states.device
             self.fp8 = FP8KVCache(b, hkv, self.max_len, d, dtype=key_states.dtype, device=key_states.device,
                                   v_headroom=self.v_headroom)
-            # the whole code buffers, values as [B, Hkv, max_len', D]: each update slices them once
+            # the whole code buffers, values as [B, Hkv, max_len', D] (keys in the kernel's permuted order: only
+            # the cache reads them): each update slices them once
             self._keys, self._values = self.fp8._k, self.fp8._v_t.transpose(-1, -2)
             self.is_initialized = True
 

@@ -47,7 +47,7 @@ from ..quant.reference import ieee_div, scale_from_amax
 from ..recipes import get_recipe
 from ..runtime import backend_mode, kernel_failed, registry
 from .dense import FLOAT_DTYPES, check_flag, fp8_over_kv_operands, softmax_scale
-from .quantize import ATTN_BLOCK, V_PAD, _blocks, kv_views
+from .quantize import ATTN_BLOCK, V_PAD, _blocks, kv_views, permuted_v_positions, unpermute_v_keys
 from .reference import _dequant_blocks
 
 __all__ = ["FP8KVCache"]
@@ -119,6 +119,8 @@ class FP8KVCache:
         self._k_scale = torch.ones(batch, kv_heads, blocks, dtype=torch.float32, device=device)
         self._k_tail = torch.zeros(batch, kv_heads, ATTN_BLOCK, head_dim, dtype=dtype, device=device)
         self._k_tail_amax = torch.zeros(batch, kv_heads, dtype=torch.float32, device=device)
+        # Vᵀ with its keys in the kernel's permuted order (quantize.permuted_v_positions): P needs no
+        # shuffles, 8-15% of a prefill's forward on the H200 (attention NOTES, session 59)
         self._v_t = torch.zeros(batch, kv_heads, head_dim, padded, dtype=torch.float8_e4m3fn, device=device)
         self._v_t_u8 = self._v_t.view(u8)
         self._v_scale = torch.ones(batch, kv_heads, head_dim, dtype=torch.float32, device=device)
@@ -320,7 +322,7 @@ class FP8KVCache:
     def _attend_object(self, q: torch.Tensor, scale: float):
         """The cache-attention kernels bound to this cache for queries shaped as ``q``, or None."""
         return self._kernel_object("attention_fp8_cache_attend", (q.shape, q.dtype, scale), q, self._k,
-                                   self._k_scale, self._v_t, self._v_scale, scale, self._plan)
+                                   self._k_scale, self._v_t, self._v_scale, scale, self._plan, True)
 
     def _attend_kernel(self, q: torch.Tensor, scale: float, length: int, want_lse: bool, q_quantized: bool = False,
                        attend=_UNSET):
@@ -432,7 +434,7 @@ class FP8KVCache:
         result = self._attend_kernel(q, scale, self.max_len, False, fuse_q, attend)
         if result is None:
             result = fp8_over_kv_operands(q, self._k, self._k_scale, self._v_t, self._v_scale, False, scale,
-                                          kv_lengths=self._plan)
+                                          kv_lengths=self._plan, v_keys_permuted=True)
         return result[0]
 
     def _append_torch(self, k: torch.Tensor, v: torch.Tensor, start: int, end: int,
@@ -442,7 +444,8 @@ class FP8KVCache:
         scaled = v.float() * self._v_inv[rows, :, None, :]
         self.saturated += (scaled.abs() > _SATURATES_PAST).sum()
         codes = scaled.clamp(-_E4M3_MAX, _E4M3_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
-        self._v_t_u8[rows, ..., start:end] = codes.transpose(-1, -2)
+        positions = permuted_v_positions(torch.arange(start, end, device=self.device))
+        self._v_t_u8[rows, :, :, positions] = codes.transpose(-1, -2)
 
     def _append_k(self, k: torch.Tensor, start: int, end: int, rows: slice) -> None:
         # from the first token of the block being filled: its earlier tokens (kept in float) then k
@@ -480,11 +483,13 @@ class FP8KVCache:
             raise ValueError(f"v: expected as many tokens as k ({k.shape[2]}), got {v.shape[2]}")
 
     def operands(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The FP8 forward's K-side operands over the current length, as views of the buffers:
-        ``(k [B, Hkv, L, D] E4M3, k_scale [B, Hkv, ceil(L/128)], v_t [B, Hkv, D, round_up(L, 16)] E4M3,
-        v_scale [B, Hkv, D])`` (``sm90/CONTRACT.md``). With rows of different lengths ``L`` is the
-        longest; row ``b``'s tokens past ``lengths[b]`` are not its keys (:meth:`attend` knows)."""
-        return (*kv_views(self._k, self._k_scale, self._v_t, self.length), self._v_scale)
+        """The FP8 forward's K-side operands over the current length: ``(k [B, Hkv, L, D] E4M3,
+        k_scale [B, Hkv, ceil(L/128)], v_t [B, Hkv, D, round_up(L, 16)] E4M3, v_scale [B, Hkv, D])``
+        (``sm90/CONTRACT.md``), views of the buffers but for ``v_t``, a copy in key order (the cache
+        keeps the kernel's permuted order). With rows of different lengths ``L`` is the longest; row
+        ``b``'s tokens past ``lengths[b]`` are not its keys (:meth:`attend` knows)."""
+        k, k_scale, v_t = kv_views(self._k, self._k_scale, self._v_t, self.length)
+        return k, k_scale, unpermute_v_keys(v_t), self._v_scale
 
     def dequantize(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The cached keys and values ``[B, Hkv, L, D]`` decoded from their codes, in the cache's
@@ -514,9 +519,10 @@ class FP8KVCache:
             out, lse = result
         elif self.ragged:  # the lengths on the device: the decode kernels read them, else row by row
             out, lse = fp8_over_kv_operands(q, self._k, self._k_scale, self._v_t, self._v_scale, causal, scale,
-                                            kv_lengths=self._plan)
+                                            kv_lengths=self._plan, v_keys_permuted=True)
         else:
-            out, lse = fp8_over_kv_operands(q, *self.operands(), causal, scale)
+            out, lse = fp8_over_kv_operands(q, *kv_views(self._k, self._k_scale, self._v_t, length), self._v_scale,
+                                            causal, scale, v_keys_permuted=True)
         return (out, lse) if return_lse else out
 
     def _check_q(self, q) -> None:

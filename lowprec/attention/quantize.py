@@ -255,6 +255,19 @@ def kv_views(k: torch.Tensor, k_scale: torch.Tensor, v_t: torch.Tensor, length: 
             v_t[..., :-(-length // V_PAD) * V_PAD])
 
 
+def permuted_v_positions(keys: torch.Tensor) -> torch.Tensor:
+    """Where each key index of ``keys`` sits in Vᵀ's permuted layout (the kernel's ``V_KEY_PERM``
+    within each aligned 16 keys: position ``p`` holds key ``V_KEY_PERM[p]``; P needs no shuffles)."""
+    j = keys % V_PAD
+    return keys - j + (j % 8) // 2 * 4 + j // 8 * 2 + j % 2
+
+
+def unpermute_v_keys(v_t: torch.Tensor) -> torch.Tensor:
+    """Vᵀ ``[..., Sk_pad]`` in the permuted layout back in key order (a copy)."""
+    keys = torch.arange(v_t.shape[-1], device=v_t.device)
+    return v_t.index_select(-1, permuted_v_positions(keys))
+
+
 def v_from_quantized(x: QuantizedTensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(v_t, v_scale)`` of a Vᵀ QuantizedTensor in ``fp8_rowwise``: codes padded to a multiple of 16
     tokens (a copy of the FP8 codes only when Sk is not), no requantization."""

@@ -12,6 +12,7 @@ import torch
 import lowprec
 from lowprec.attention import FP8KVCache, quantize_kv_cache
 from lowprec.attention import kv_cache as kv_cache_module
+from lowprec.attention.quantize import kv_views, unpermute_v_keys
 
 from ..hopper import gpu, needs_cutlass, needs_gpu
 
@@ -174,6 +175,29 @@ def test_given_v_scales_stay_across_reset(given):
     assert torch.equal(chosen.v_scale, fresh.v_scale) and not torch.equal(fresh.v_scale, calibrated)
 
 
+def test_the_cache_keeps_v_in_the_kernels_key_order():
+    """Vᵀ's buffer holds the forward's permuted key order (no P shuffles); operands() gives key order
+    and the paths without a kernel undo the permutation (the same result as on key-order operands)."""
+    from lowprec.attention.sm90.config import V_KEY_PERM
+    from lowprec.attention.dense import fp8_over_kv_operands
+    from lowprec.attention.quantize import permuted_v_positions
+
+    assert [V_KEY_PERM[p] for p in permuted_v_positions(torch.arange(16)).tolist()] == list(range(16))
+    k, v = _kv(2, 2, 40, 64)
+    cache = FP8KVCache(2, 2, 64, 64)
+    cache.append(k[:, :, :33], v[:, :, :33])
+    cache.append(k[:, :, 33:], v[:, :, 33:])
+    plain = cache.operands()[2].view(torch.uint8)
+    stored = cache._v_t.view(torch.uint8)[..., :48]
+    for p in range(48):
+        assert torch.equal(stored[..., p], plain[..., p - p % 16 + V_KEY_PERM[p % 16]])
+    q = torch.randn(2, 4, 5, 64).to(BF16)
+    views = kv_views(cache._k, cache._k_scale, cache._v_t, cache.length)
+    out = fp8_over_kv_operands(q, *views, cache.v_scale, True, 0.125, v_keys_permuted=True)
+    ref = fp8_over_kv_operands(q, *cache.operands(), True, 0.125)
+    assert torch.equal(out[0], ref[0]) and torch.equal(out[1], ref[1])
+
+
 def test_a_reset_cache_holds_what_a_new_one_holds():
     """After reset the last sequence's K is gone too: a shorter row's keys past its length (which
     operands and dequantize return) were its keys before, zeros in a new cache."""
@@ -234,7 +258,7 @@ class _RowCaches:
         for b, row in enumerate(self.rows):
             n = row.length
             whole = (cache._k[b:b + 1, :, :n], cache._k_scale[b:b + 1, :, :-(-n // 128)],
-                     cache._v_t[b:b + 1, ..., :n], cache._v_scale[b:b + 1])
+                     unpermute_v_keys(cache._v_t[b:b + 1])[..., :n], cache._v_scale[b:b + 1])
             own = row.operands()
             for name, x, y in zip(("k", "k_scale", "v_t", "v_scale"), whole, (*own[:2], own[2][..., :n], own[3]),
                                   strict=True):
@@ -355,7 +379,8 @@ def test_kernel_operands_may_be_views_of_longer_buffers():
     f8 = torch.float8_e4m3fn
     cache = FP8KVCache(2, 2, 512, 128)
     cache.append(*_kv(2, 2, 200, 128))
-    kc, ks, vt, vs = cache.operands()
+    kc, ks, vt = kv_views(cache._k, cache._k_scale, cache._v_t, cache.length)  # what the kernels get
+    vs = cache.v_scale
     q = torch.zeros(2, 4, 1, 128).to(f8)
     qs = torch.ones(2, 4, 1)
     assert head_stride(kc) == 512 * 128 and head_stride(vt) == 128 * 512
@@ -447,7 +472,8 @@ def test_decode_step_is_append_then_attend():
         b.append(k[:, :, i:i + 1], v[:, :, i:i + 1])
         _close(out, b.attend(q))
     assert a.length == 300 and a.lengths.tolist() == [300, 300]
-    full = fp8_over_kv_operands(q, a._k, a._k_scale, a._v_t, a._v_scale, False, 0.125, kv_lengths=a._plan)
+    full = fp8_over_kv_operands(q, a._k, a._k_scale, a._v_t, a._v_scale, False, 0.125, kv_lengths=a._plan,
+                                v_keys_permuted=True)
     _close(full[0], b.attend(q))
     with pytest.raises(ValueError, match="one token per row"):
         a.decode_step(q, k[:, :, :2], v[:, :, :2])

@@ -156,7 +156,7 @@ def shipped_configs() -> tuple[AttnConfig, ...]:
 
 def kv_lengths_configs() -> tuple[AttnConfig, ...]:
     """What ``FP8KVCache.decode_step`` launches (device-side lengths; one query per row, so not
-    causal; Vᵀ as the cache stores it): packed GQA rows on one or two warpgroups and unpacked rows
+    causal; Vᵀ as the cache stores it, keys permuted): packed GQA rows on one or two warpgroups and unpacked rows
     on one, each with and without split keys."""
     out = []
     for d in HEAD_DIMS:
@@ -164,8 +164,8 @@ def kv_lengths_configs() -> tuple[AttnConfig, ...]:
             for split in (False, True):
                 for wgs in (1, 2):
                     out.append(AttnConfig(d, False, o, pack_gqa=True, split_kv=split, consumer_wgs=wgs,
-                                          kv_lengths=True))
-                out.append(AttnConfig(d, False, o, split_kv=split, consumer_wgs=1,
+                                          v_keys_permuted=True, kv_lengths=True))
+                out.append(AttnConfig(d, False, o, split_kv=split, consumer_wgs=1, v_keys_permuted=True,
                                       two_level_pv=AttnConfig(d).two_level_pv, kv_lengths=True))
     return tuple(out)
 
@@ -440,10 +440,12 @@ def _q_prepass_unsupported(q) -> str | None:
 KV_LENGTHS_MAX_SQ = 16  # device-side cache lengths: decode grids only (the compiled configurations)
 
 
-def q_unsupported(q, k, k_scale, v_t, v_scale, causal: bool, scale: float, kv_lengths=None) -> str | None:
+def q_unsupported(q, k, k_scale, v_t, v_scale, causal: bool, scale: float, kv_lengths=None,
+                  v_keys_permuted: bool = False) -> str | None:
     """Why ``interface.attention_fp8_q_op`` (float Q quantized per call over an FP8 K / Vᵀ cache, in
     one host pass) cannot take these inputs (None: it can); the caller then composes the steps.
-    ``kv_lengths``: the cache's ``[B, 8]`` int32 plan of device-side lengths (decode only)."""
+    ``kv_lengths``: the cache's ``[B, 8]`` int32 plan of device-side lengths (decode only); Vᵀ in
+    either key layout."""
     if kv_lengths is not None and q.shape[2] > KV_LENGTHS_MAX_SQ:
         return f"device-side cache lengths serve decode (Sq <= {KV_LENGTHS_MAX_SQ}), got Sq={q.shape[2]}"
     if kv_lengths is not None and causal:
@@ -452,7 +454,8 @@ def q_unsupported(q, k, k_scale, v_t, v_scale, causal: bool, scale: float, kv_le
             or operands_unsupported(q, None, k, k_scale, v_t, v_scale))
 
 
-def cache_attention_unsupported(q, k, k_scale, v_t, v_scale, scale: float, plan) -> str | None:
+def cache_attention_unsupported(q, k, k_scale, v_t, v_scale, scale: float, plan,
+                                v_keys_permuted: bool = False) -> str | None:
     """Why ``interface.cache_attention_op`` (FP8 attention over a KV cache's whole buffers at its
     device-side lengths, ``plan`` field 5) cannot serve queries shaped as ``q`` (None: it can)."""
     return q_unsupported(q, k, k_scale, v_t, v_scale, False, scale, plan)

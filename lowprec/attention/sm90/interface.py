@@ -552,15 +552,16 @@ def _attention_fp8_qkv(q, k, v, causal: bool, scale: float):
 
 
 def attention_fp8_q_op(q: torch.Tensor, k: torch.Tensor, k_scale: torch.Tensor, v_t: torch.Tensor,
-                       v_scale: torch.Tensor, causal: bool, scale: float,
-                       kv_lengths: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                       v_scale: torch.Tensor, causal: bool, scale: float, kv_lengths: torch.Tensor | None = None,
+                       v_keys_permuted: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``lowprec.attention(q, k_cache, v_cache, quant="fp8")`` on sm_90a in one lean host pass: float
     Q quantized per call (the Q pre-pass kernel, the bits of
     :func:`~lowprec.attention.quantize.quantize_q`) and the forward on the FP8 cache's operands
     (``k`` [B, Hkv, Sk, D] E4M3 with ``k_scale`` [B, Hkv, ceil(Sk/128)], ``v_t`` [B, Hkv, D,
     round_up(Sk, 16)] E4M3 with ``v_scale`` [B, Hkv, D]: CONTRACT.md). The registry's constraints
     (``config.q_unsupported``) hold. ``kv_lengths``: the cache's plan of device-side lengths (the
-    operands are then its whole buffers; see :func:`_forward`). Returns ``(out in q's dtype, lse FP32)``."""
+    operands are then its whole buffers; see :func:`_forward`). ``v_keys_permuted``: ``v_t`` in
+    :func:`permute_v_keys`'s layout (the cache's). Returns ``(out in q's dtype, lse FP32)``."""
     b, h, sq, d = q.shape
     q_block = TILE_M if sq % TILE_M == 0 else sq
     q_kernel = _q_prepass_kernel(q.dtype, q_block * d)
@@ -570,7 +571,7 @@ def attention_fp8_q_op(q: torch.Tensor, k: torch.Tensor, k_scale: torch.Tensor, 
     with on_device(q.device):
         q_kernel(q.view(-1, q_block * d), q_codes.view(-1, q_block * d), q_scale.view(-1, 1))
         return _forward(q_codes, q_scale, k.view(u8), k_scale, v_t.view(u8), v_scale, causal, scale, q.dtype,
-                        kv_lengths=kv_lengths)
+                        v_keys_permuted=v_keys_permuted, kv_lengths=kv_lengths)
 
 
 class CacheAttention:
@@ -581,12 +582,14 @@ class CacheAttention:
     once per split count; the workspaces are reused call after call in stream order, as the
     cache's own buffers are.
     ``length``: the tokens a call's splits are chosen for (the cache's host length; its ``max_len``
-    where the length lives only on the device, as in a CUDA graph)."""
+    where the length lives only on the device, as in a CUDA graph). ``v_keys_permuted``: ``v_t`` in
+    :func:`permute_v_keys`'s layout."""
 
-    def __init__(self, q, k, k_scale, v_t, v_scale, plan, scale: float):
+    def __init__(self, q, k, k_scale, v_t, v_scale, plan, scale: float, v_keys_permuted: bool):
         b, h, sq, d = q.shape
         self.out_shape, self.lse_shape, self.dtype, self.device = (b, h, sq, d), (b, h, sq), q.dtype, q.device
         self.hkv, self.scale_log2, self.plan = k.shape[1], scale * math.log2(math.e), plan
+        self.v_keys_permuted = v_keys_permuted
         u8 = torch.uint8
         self.k, self.k_scale, self.v_t, self.v_scale = k.view(u8), k_scale, v_t.view(u8), v_scale
         self.q_row = sq * d  # Sq <= 16: one Q block per (batch, head)
@@ -599,8 +602,8 @@ class CacheAttention:
 
     def _prepare(self, splits: int) -> tuple:
         b, h, sq, d = self.out_shape
-        launch = _Launch(b, h, self.hkv, sq, self.k.shape[2], d, False, self.dtype, False, False, True, self.device,
-                         splits)
+        launch = _Launch(b, h, self.hkv, sq, self.k.shape[2], d, False, self.dtype, self.v_keys_permuted, False, True,
+                         self.device, splits)
         front = launch.operands(self.q_codes, self.k, self.v_t, self.q_scale, self.k_scale, self.v_scale)
         back = parts = None
         if splits > 1:
@@ -641,11 +644,12 @@ class CacheAttention:
         return out, lse
 
 
-def cache_attention_op(q, k, k_scale, v_t, v_scale, scale: float, plan) -> CacheAttention:
+def cache_attention_op(q, k, k_scale, v_t, v_scale, scale: float, plan, v_keys_permuted: bool = False
+                       ) -> CacheAttention:
     """The registry's implementation of ``attention_fp8_cache_attend``: a :class:`CacheAttention` for
     queries shaped as ``q`` over an FP8 KV cache's buffers and its ``[B, 8]`` plan of device-side
     lengths (``config.cache_attention_unsupported`` holds)."""
-    return CacheAttention(q, k, k_scale, v_t, v_scale, plan, scale)
+    return CacheAttention(q, k, k_scale, v_t, v_scale, plan, scale, v_keys_permuted)
 
 
 class CacheAppend:

@@ -11,8 +11,8 @@ length (no second launch for it):
   grew (a growing set's maximum moves ~ln 128 ≈ 5 times per block for random data); the new tokens
   copied into the kept ones;
 - V: the new tokens times the channel's fixed inverse scale, saturated to E4M3, written into Vᵀ's
-  columns; the values clipped by more than E4M3's rounding (past 464) counted with one 64-bit
-  reduction per warp.
+  columns (each key at its position in the forward's permuted order, ``V_KEY_PERM``); the values
+  clipped by more than E4M3's rounding (past 464) counted with one 64-bit reduction per warp.
 
 The arithmetic is the torch path's (``scale_and_inverse``: amax / 448, all-zero blocks 1; codes
 ``x · (1 / scale)`` rounded to nearest and saturated), so the bits are the same.
@@ -112,7 +112,11 @@ def _append_row(mKn, mVn, mTail, mAmax, mK_u8, mKs, mVt_u8, mVinv, mCounts, star
         cute.autovec_copy(cute.local_tile(src, (2,), (pair,)), values)
         _store_codes(mK[batch, head, start + r, None], values.load().to(Float32) * inv, pair)
         cute.autovec_copy(values, cute.local_tile(mTail[batch, head, kept + r, None], (2,), (pair,)))
-        # V: the new token at the channel's fixed scale, into Vᵀ's column start + r
+        # V: the new token at the channel's fixed scale, into Vᵀ's column of key start + r in the
+        # permuted order (within each 16, key j at 4·((j % 8) / 2) + 2·(j / 8) + j % 2)
+        key = start + r
+        in_16 = key % 16
+        column = key - in_16 + (in_16 % 8) // 2 * 4 + in_16 // 8 * 2 + in_16 % 2
         inv_v = cute.make_rmem_tensor((2,), Float32)
         cute.autovec_copy(cute.local_tile(mVinv[batch, head, None], (2,), (pair,)), inv_v)
         scaled = cute.make_rmem_tensor((2,), Float32)
@@ -120,7 +124,7 @@ def _append_row(mKn, mVn, mTail, mAmax, mK_u8, mKs, mVt_u8, mVinv, mCounts, star
         codes = cute.make_rmem_tensor((2,), cutlass.Float8E4M3FN)
         codes.store(scaled.load().to(cutlass.Float8E4M3FN))
         for j in cutlass.range_constexpr(2):
-            mVt[batch, head, pair * 2 + j, start + r] = codes[j]
+            mVt[batch, head, pair * 2 + j, column] = codes[j]
             if abs(scaled[j]) > Float32(SATURATES_PAST):
                 saturated = saturated + cutlass.Int64(1)
     saturated = cute.arch.warp_reduction_sum(saturated)
