@@ -1,8 +1,8 @@
 """``python -m lowprec bench attention``: FP8 attention vs the bf16 attention a user would pick.
 
 Rows per shape, in one run: lowprec FP8 with its quantization pre-pass (``lowprec.attention(...,
-quant="fp8")``, bf16 in and out), with K and V from an FP8 cache (``quantize_kv_cache`` once, Q
-quantized per call: how a decoder runs it) and kernel only (pre-quantized operands, Vᵀ in the permuted
+quant="fp8")``, bf16 in and out), with K and V in an FP8 cache (an ``FP8KVCache`` filled once,
+``attend`` quantizing Q per call: how a decoder runs it) and kernel only (pre-quantized operands, Vᵀ in the permuted
 key order the pre-pass writes), cuDNN SDPA bf16, SDPA
 flash bf16 and FlashAttention-4 bf16 (``flash_attn.cute``, when it imports). The FP8 rows need the
 sm_90a kernel: without it they are listed as missing with the reason (never timed on the
@@ -137,7 +137,7 @@ def _peers(s: Shape, q, k, v, fp8_reason: str | None) -> dict:
     causal = s.causal
     peers: dict = {}
     if fp8_reason is None:
-        from ..attention import quantize_kv_cache, quantize_qkv
+        from ..attention import FP8KVCache, quantize_kv_cache, quantize_qkv
         from ..attention.sm90.interface import fp8_attention_forward, permute_v_keys
         from ..runtime import registry
 
@@ -146,9 +146,12 @@ def _peers(s: Shape, q, k, v, fp8_reason: str | None) -> dict:
                                         x.v_scale, causal, s.d ** -0.5, torch.bfloat16)
         peers["lowprec-fp8+quant"] = (lambda: lowprec.attention(q, k, v, causal=causal, quant="fp8")) \
             if served is None else f"missing: {served}"
-        # as a decoder runs it: K and V quantized once into an FP8 cache, Q per call
-        k_cache, v_cache = quantize_kv_cache(k, v)
-        peers["lowprec-fp8-kv-cache"] = (lambda: lowprec.attention(q, k_cache, v_cache, causal=causal, quant="fp8")) \
+        # as a decoder runs it: K and V appended once to an FP8KVCache (V's scales quantize_kv_cache's,
+        # so the codes are its), Q quantized per call
+        v_scale = quantize_kv_cache(k, v)[1].scale.reshape(s.b, s.hkv, s.d)
+        cache = FP8KVCache(s.b, s.hkv, s.sk, s.d, dtype=k.dtype, device=k.device, v_scale=v_scale)
+        cache.append(k, v)
+        peers["lowprec-fp8-kv-cache"] = (lambda: cache.attend(q, causal=causal)) \
             if served is None else f"missing: {served}"
         # the kernel the pre-pass path runs: Vᵀ with its keys permuted (no P shuffles)
         v_perm = permute_v_keys(x.v_t)
