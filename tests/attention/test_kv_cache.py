@@ -178,9 +178,9 @@ def test_given_v_scales_stay_across_reset(given):
 def test_the_cache_keeps_v_in_the_kernels_key_order():
     """Vᵀ's buffer holds the forward's permuted key order (no P shuffles); operands() gives key order
     and the paths without a kernel undo the permutation (the same result as on key-order operands)."""
-    from lowprec.attention.sm90.config import V_KEY_PERM
     from lowprec.attention.dense import fp8_over_kv_operands
     from lowprec.attention.quantize import permuted_v_positions
+    from lowprec.attention.sm90.config import V_KEY_PERM
 
     assert [V_KEY_PERM[p] for p in permuted_v_positions(torch.arange(16)).tolist()] == list(range(16))
     k, v = _kv(2, 2, 40, 64)
