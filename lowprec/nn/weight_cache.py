@@ -44,13 +44,13 @@ register_optimizer_step_post_hook(_forget_after_step)
 
 
 class _Entry:
-    __slots__ = ("ref", "storage", "version", "dtype", "device", "recipe", "w_q", "w_t", "inference")
+    __slots__ = ("ref", "storage", "version", "dtype", "device", "w_q", "w_t", "inference")
 
     def __init__(self, cache: dict, weight: torch.Tensor, recipe: str, w_q: QuantizedTensor,
                  w_t: QuantizedTensor | None):
         # a weight or storage freed (a weight made per forward, a cast, model.cpu()) drops the FP8
         # copies at once, not at the block's end
-        forget = functools.partial(_forget, cache, id(weight))
+        forget = functools.partial(_forget, cache, (id(weight), recipe))
         self.ref = weakref.ref(weight, forget)
         self.version = version_of(weight)
         # module casts and moves (model.half(), .to(device)) and ``weight.data = t`` swap param.data
@@ -58,7 +58,7 @@ class _Entry:
         storage = _storage(weight)
         self.storage = None if storage is None else weakref.ref(storage, forget)
         self.dtype, self.device = weight.dtype, weight.device
-        self.recipe, self.w_q, self.w_t = recipe, w_q, w_t
+        self.w_q, self.w_t = w_q, w_t
         # copies made under torch.inference_mode are inference tensors, which autograd cannot save
         self.inference = torch.is_inference_mode_enabled()
 
@@ -68,7 +68,7 @@ def _storage(weight: torch.Tensor):
     return None if is_traceable_wrapper_subclass(weight) else weight.untyped_storage()
 
 
-def _forget(cache: dict, key: int, ref: weakref.ref) -> None:
+def _forget(cache: dict, key: tuple[int, str], ref: weakref.ref) -> None:
     entry = cache.get(key)
     if entry is not None and (entry.ref is ref or entry.storage is ref):
         cache.pop(key, None)  # freed in another thread: the owner may have dropped it meanwhile
@@ -130,11 +130,11 @@ def quantize_weight(weight: torch.Tensor, recipe: str, with_transpose: bool
     cache = None if torch.compiler.is_compiling() else getattr(_state, "cache", None)
     if cache is None:
         return _quantize(weight, recipe, with_transpose)
-    key = id(weight)
+    key = (id(weight), recipe)  # a weight two layers share under two recipes keeps both copies
     entry = cache.get(key)
     if (entry is not None and entry.ref() is weight and entry.version == version_of(weight)
             and (entry.storage is None or entry.storage() is _storage(weight))
-            and entry.dtype == weight.dtype and entry.device == weight.device and entry.recipe == recipe
+            and entry.dtype == weight.dtype and entry.device == weight.device
             and (entry.w_t is not None or not with_transpose)
             and (not entry.inference or torch.is_inference_mode_enabled())):
         return entry.w_q, entry.w_t if with_transpose else None

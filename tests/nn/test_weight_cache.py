@@ -304,3 +304,17 @@ def test_copies_of_a_freed_weight_are_freed_inside_the_block(free, monkeypatch):
         assert copies[1]() is None  # the block's end frees the copies of live weights
     finally:
         gc.enable()
+
+
+def test_a_weight_shared_under_two_recipes_keeps_both_copies(quantize_calls):
+    """Tied layers quantizing one weight under two recipes reuse a copy each (they evicted each
+    other's, so every forward quantized again)."""
+    a = FP8Linear(128, 64, bias=False, recipe="fp8_block")
+    b = FP8Linear(128, 64, bias=False, recipe="fp8_rowwise")
+    b.weight = a.weight
+    x = torch.randn(16, 128)
+    with reuse_quantized_weights():
+        for _ in range(3):
+            ya, yb = a(x), b(x)
+    assert quantize_calls == [(id(a.weight), False)] * 2
+    assert torch.equal(ya, a(x)) and torch.equal(yb, b(x))
