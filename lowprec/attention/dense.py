@@ -104,8 +104,9 @@ def attention(q, k, v, causal: bool = False, scale: float | None = None, quant: 
     queries are the last rows of the prefill (bottom-right). With float K and V, ``quant="fp8"``
     quantizes all of them in every call, which at decode costs more than exact attention (B64
     H32/8 Sk8192 on an H200: 0.3× cuDNN SDPA; ``bench attention``): keep the keys and values in FP8
-    across steps (:class:`~lowprec.attention.FP8KVCache`, or :func:`quantize_kv_cache` once; 1.4-1.8×
-    there). Packed variable-length batches: :func:`attention_varlen`.
+    across steps (:class:`~lowprec.attention.FP8KVCache` and its ``attend``: 1.8× there; or
+    :func:`quantize_kv_cache` once, whose plain Vᵀ layout the forward reads 8-15% slower than the
+    cache's). Packed variable-length batches: :func:`attention_varlen`.
     """
     check_flag("causal", causal)
     check_flag("incoherent", incoherent)
