@@ -137,7 +137,8 @@ def _peers(s: Shape, q, k, v, fp8_reason: str | None) -> dict:
     causal = s.causal
     peers: dict = {}
     if fp8_reason is None:
-        from ..attention import FP8KVCache, quantize_kv_cache, quantize_qkv
+        from ..attention import FP8KVCache, quantize_qkv
+        from ..attention.quantize import quantize_v
         from ..attention.sm90.interface import fp8_attention_forward, permute_v_keys
         from ..runtime import registry
 
@@ -147,9 +148,8 @@ def _peers(s: Shape, q, k, v, fp8_reason: str | None) -> dict:
         peers["lowprec-fp8+quant"] = (lambda: lowprec.attention(q, k, v, causal=causal, quant="fp8")) \
             if served is None else f"missing: {served}"
         # as a decoder runs it: K and V appended once to an FP8KVCache (V's scales quantize_kv_cache's,
-        # so the codes are its), Q quantized per call
-        v_scale = quantize_kv_cache(k, v)[1].scale.reshape(s.b, s.hkv, s.d)
-        cache = FP8KVCache(s.b, s.hkv, s.sk, s.d, dtype=k.dtype, device=k.device, v_scale=v_scale)
+        # quantize_v's, so the codes are its), Q quantized per call
+        cache = FP8KVCache(s.b, s.hkv, s.sk, s.d, dtype=k.dtype, device=k.device, v_scale=quantize_v(v)[1])
         cache.append(k, v)
         peers["lowprec-fp8-kv-cache"] = (lambda: cache.attend(q, causal=causal)) \
             if served is None else f"missing: {served}"
