@@ -1,7 +1,7 @@
 """Where a synced eager call's time goes between its kernels: the `bench attention` synced mode
 (L2 flush, then the call, host waits), traced with torch.profiler; per call, each kernel's start
 and end relative to the flush's end (µs), so host-bound gaps before and between launches show.
-    python benchmarks/attention_call_gaps.py [d128|d128-causal|b16-s1k-causal ...]"""
+    python benchmarks/attention_call_gaps.py [d128|d128-causal|b16-s1k-causal|d64 ...]"""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from torch.profiler import ProfilerActivity, profile
 import lowprec
 
 SHAPES = {"d128": (4, 32, 32, 4096, 128, False), "d128-causal": (4, 32, 32, 4096, 128, True),
-          "b16-s1k-causal": (16, 32, 32, 1024, 128, True)}
+          "b16-s1k-causal": (16, 32, 32, 1024, 128, True), "d64": (4, 32, 32, 4096, 64, False)}
 
 
 def main(names):
