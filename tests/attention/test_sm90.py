@@ -209,6 +209,13 @@ def test_prepass_cluster_sizes():
     assert prepass_cluster(1, 100, 256) == 1
 
 
+def test_prepass_k_fold():
+    from lowprec.attention.sm90.config import prepass_k_fold
+
+    assert [prepass_k_fold(d) for d in (16, 32, 64, 128, 256)] == [8, 4, 2, 1, 1]
+    assert prepass_k_fold(48) == prepass_k_fold(96) == 1  # 128 is not a whole number of their rows
+
+
 # ----------------------------------------------------------------------------- helpers
 def quantize_inputs(q, k, v):
     """The kernel's operands from float q [B,H,Sq,D], k/v [B,Hkv,Sk,D] (contract of CONTRACT.md)."""
@@ -470,11 +477,13 @@ def test_prepass_v_permuted_is_the_plain_one_permuted(s, d):
 @gpu
 @needs_gpu
 @pytest.mark.parametrize("s,d,dtype", [(4096, 128, torch.bfloat16), (1280, 256, torch.float16),
-                                       (384, 64, torch.float32), (128, 128, torch.bfloat16)])
+                                       (384, 64, torch.float32), (128, 128, torch.bfloat16),
+                                       (4096, 64, torch.bfloat16), (256, 32, torch.bfloat16)])
 def test_prepass_kernels_are_deterministic_and_the_torch_arithmetic(s, d, dtype):
     """The K and V pre-pass kernels (a cluster of CTAs per head, statistics exchanged at a cluster
     barrier) give the same bits on every run, equal to the torch arithmetic on the kernel's own K
-    mean (its FP32 sum in its own order); V's tail tokens are zeros."""
+    mean (its FP32 sum in its own order); V's tail tokens are zeros. D = 64 and 32: the K kernel
+    reads 2 and 4 tokens per 128-column row."""
     from lowprec.attention.sm90.interface import attention_prepass_k_op, attention_prepass_v_op
 
     g = torch.Generator(device="cuda").manual_seed(3)

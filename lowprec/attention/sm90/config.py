@@ -361,6 +361,12 @@ def prepass_ring_stages(head_dim: int, elem_bytes: int) -> int:
     return stages if stages >= 2 else 0
 
 
+def prepass_k_fold(head_dim: int) -> int:
+    """Tokens per 128-column row of the K pre-pass kernel's view of dense K: ``128 / D`` where that
+    divides (D < 128: else most of each row's 16 lanes would idle), else 1."""
+    return TILE_N // head_dim if head_dim < TILE_N and TILE_N % head_dim == 0 else 1
+
+
 def prepass_cluster(heads: int, seqlen: int, row_bytes: int) -> int:
     """CTAs per head of the pre-pass kernels over ``heads`` heads of ``seqlen`` tokens of
     ``row_bytes``: a power of two, the smallest that gives the launch PREPASS_TARGET_CTAS, at most

@@ -33,6 +33,7 @@ from .config import (
     packed_prepass_unsupported,
     packed_wgs,
     prepass_cluster,
+    prepass_k_fold,
     prepass_ring_stages,
     q_blocks_unsupported,
     unpacked_one_wg,
@@ -738,8 +739,10 @@ def build_prepass_kernel(kind: str, dtype: torch.dtype, head_dim: int, cluster: 
     if not stages:
         raise ValueError(f"{dtype} rows of {head_dim} values do not fit the pre-pass kernels' shared-memory ring")
     if kind == "k":
-        args = (x, fake_rows(cutlass.Uint8), fake_scales(), vec(cutlass.Float32), vec(cutlass.Float32), one, one,
-                head_dim, stages, cluster, pdl, stream)
+        width = head_dim * prepass_k_fold(head_dim)
+        rows = make_fake_tensor(cutlass_dtype(dtype), (cute.sym_int(), width), stride=(width, 1), assumed_align=16)
+        args = (rows, fake_rows(cutlass.Uint8), fake_scales(), vec(cutlass.Float32), vec(cutlass.Float32), one, one,
+                head_dim, stages, cluster, pdl, prepass_k_fold(head_dim), stream)
         return compile_for_arch(prepass.k_smooth_quant, *args, arch=arch, tvm_ffi=True)
     if kind.endswith("_packed"):
         # the query or key half of a sequence plan
@@ -772,7 +775,8 @@ def _launch_prepass_k(k, codes, scales, k_mean, partials):
     ``partials``: FP32 workspace of ``prepass_partials_numel`` values."""
     b, h, s, d = k.shape
     kernel = _prepass_entry("k", k.dtype, d, prepass_cluster(b * h, s, d * k.element_size()))
-    kernel(k.view(-1, d), codes.view(-1, d), scales, k_mean, partials.view(-1, d), s, b * h)
+    width = d * prepass_k_fold(d)  # the kernel's rows: whole 128-column rows where D < 128
+    kernel(k.view(-1, width), codes.view(-1, width), scales, k_mean, partials.view(-1, d), s, b * h)
 
 
 def _launch_prepass_v(kind, v, v_t, scale, partials):

@@ -17,7 +17,8 @@ holding registers, and a thread reads back only what it copied (no CTA barrier).
 
 - ``k_smooth_quant``: ``k - k_mean`` in FP32 per 128-token block of all D columns (D <= 256: up to
   two 128-column tiles in registers), the block's amax, codes and scale; ``k_mean`` (the FP32
-  column sum over the sequence / S) is written too.
+  column sum over the sequence / S) is written too. Dense K of D < 128 is read as rows of
+  ``128 / D`` tokens (``config.prepass_k_fold``), so every lane of a 128-column row has work.
 - ``v_quant_t``: per 128 tokens x 128 channels, codes ``v · inv_scale[channel]`` staged transposed
   in shared memory and stored as rows of ``v_t`` (16-byte stores), tokens past Sk as zeros up to
   ``round_up(Sk, 16)``; each channel's scale from its amax over the sequence. The fused attention
@@ -46,8 +47,8 @@ from ...cute.pdl import after_previous_grid
 from ...cute.utils import LoopInvariant
 
 
-def _alloc_ring(smem, dtype, stages: int, head_dim: int):
-    return smem.allocate_tensor(dtype, cute.make_layout((stages * TILE, head_dim), stride=(head_dim, 1)),
+def _alloc_ring(smem, dtype, stages: int, width: int, rows: int = TILE):
+    return smem.allocate_tensor(dtype, cute.make_layout((stages * rows, width), stride=(width, 1)),
                                 byte_alignment=128)
 
 
@@ -73,32 +74,33 @@ def _copy_chunk(atom, src: cute.Tensor, dst: cute.Tensor, src_row, dst_row, col)
 
 @cute.jit
 def _issue_block(atom, mX: cute.Tensor, ring: cute.Tensor, stage, walk, block, seqlen, rgrp, lane,
-                 col_tiles: cutlass.Constexpr, d: cutlass.Constexpr, consecutive: cutlass.Constexpr):
-    """cp.async of the thread's chunks of 128-token ``block`` of the walk's head into ring ``stage``
-    (tokens past ``seqlen`` are not copied: :func:`_read_block` reads them as 0)."""
+                 col_tiles: cutlass.Constexpr, d: cutlass.Constexpr, consecutive: cutlass.Constexpr,
+                 rows: cutlass.Constexpr = TILE):
+    """cp.async of the thread's chunks of 128-token ``block`` (``rows`` rows of ``mX``) of the walk's
+    head into ring ``stage`` (rows past ``seqlen`` are not copied: :func:`_read_block` reads them as 0)."""
     for ct in cutlass.range_constexpr(col_tiles):
         col = ct * TILE + lane * VEC
         if col < d:
-            for p in cutlass.range_constexpr(PASSES):
+            for p in cutlass.range_constexpr(rows // ROW_GROUPS):
                 row = _row_in_block(rgrp, p, consecutive)
-                if block * TILE + row < seqlen:
-                    _copy_chunk(atom, mX, ring, walk.head_row0 + (block * TILE + row) * walk.token_stride,
-                                stage * TILE + row, col)
+                if block * rows + row < seqlen:
+                    _copy_chunk(atom, mX, ring, walk.head_row0 + (block * rows + row) * walk.token_stride,
+                                stage * rows + row, col)
 
 
 @cute.jit
 def _read_block(ring: cute.Tensor, stage, block, seqlen, rgrp, lane, ct, d: cutlass.Constexpr,
-                consecutive: cutlass.Constexpr):
-    """The thread's PASSES x VEC values of column tile ``ct`` of the block in ring ``stage`` as FP32
-    (zeros past ``seqlen`` or D)."""
+                consecutive: cutlass.Constexpr, rows: cutlass.Constexpr = TILE):
+    """The thread's ``rows / ROW_GROUPS`` x VEC values of column tile ``ct`` of the block in ring
+    ``stage`` as FP32 (zeros past ``seqlen`` or D)."""
     col = ct * TILE + lane * VEC
     values = []
-    for p in cutlass.range_constexpr(PASSES):
+    for p in cutlass.range_constexpr(rows // ROW_GROUPS):
         row = _row_in_block(rgrp, p, consecutive)
         frag = cute.make_rmem_tensor((1, VEC), ring.element_type)
         frag.fill(0)
-        if col < d and block * TILE + row < seqlen:
-            cute.autovec_copy(cute.local_tile(ring, (1, VEC), (stage * TILE + row, col // VEC)), frag)
+        if col < d and block * rows + row < seqlen:
+            cute.autovec_copy(cute.local_tile(ring, (1, VEC), (stage * rows + row, col // VEC)), frag)
         values.append(frag.load().to(Float32))
     return values
 
@@ -124,30 +126,33 @@ class _Walk(LoopInvariant):
 
 @cute.jit
 def _issue_step(atom, mX, ring, walk: _Walk, t, seqlen, rgrp, lane, stages: cutlass.Constexpr,
-                col_tiles: cutlass.Constexpr, d: cutlass.Constexpr, consecutive: cutlass.Constexpr):
+                col_tiles: cutlass.Constexpr, d: cutlass.Constexpr, consecutive: cutlass.Constexpr,
+                rows: cutlass.Constexpr = TILE):
     """cp.async of step ``t``'s block into its ring stage, if there is one; one commit group."""
     if t < walk.steps:
         block = walk.block(t)
         if block < walk.blocks:
-            _issue_block(atom, mX, ring, t % stages, walk, block, seqlen, rgrp, lane, col_tiles, d, consecutive)
+            _issue_block(atom, mX, ring, t % stages, walk, block, seqlen, rgrp, lane, col_tiles, d, consecutive, rows)
     cute.arch.cp_async_commit_group()
 
 
 @cute.jit
 def _fill_ring(atom, mX, ring, walk: _Walk, seqlen, rgrp, lane, stages: cutlass.Constexpr,
-               col_tiles: cutlass.Constexpr, d: cutlass.Constexpr, consecutive: cutlass.Constexpr):
+               col_tiles: cutlass.Constexpr, d: cutlass.Constexpr, consecutive: cutlass.Constexpr,
+               rows: cutlass.Constexpr = TILE):
     """The ring's first ``stages - 1`` steps."""
     for t in cutlass.range_constexpr(stages - 1):
-        _issue_step(atom, mX, ring, walk, t, seqlen, rgrp, lane, stages, col_tiles, d, consecutive)
+        _issue_step(atom, mX, ring, walk, t, seqlen, rgrp, lane, stages, col_tiles, d, consecutive, rows)
 
 
 @cute.jit
 def _advance_ring(atom, mX, ring, walk: _Walk, t, seqlen, rgrp, lane, stages: cutlass.Constexpr,
-                  col_tiles: cutlass.Constexpr, d: cutlass.Constexpr, consecutive: cutlass.Constexpr):
+                  col_tiles: cutlass.Constexpr, d: cutlass.Constexpr, consecutive: cutlass.Constexpr,
+                  rows: cutlass.Constexpr = TILE):
     """Wait for step ``t``'s block, then refill the stage read at step ``t - 1`` with the block of
     step ``t + stages - 1``. Returns the stage of step ``t``."""
     cute.arch.cp_async_wait_group(stages - 2)
-    _issue_step(atom, mX, ring, walk, t + stages - 1, seqlen, rgrp, lane, stages, col_tiles, d, consecutive)
+    _issue_step(atom, mX, ring, walk, t + stages - 1, seqlen, rgrp, lane, stages, col_tiles, d, consecutive, rows)
     return t % stages
 
 
@@ -206,6 +211,21 @@ def _exchange(acc, part_smem: cute.Tensor, mPart: cute.Tensor, head, rank, lane,
 
 
 @cute.jit
+def _fold_lanes(frag: cute.Tensor, d: cutlass.Constexpr, gather: cutlass.Constexpr):
+    """Rows of ``fold`` tokens: lane ``l`` of a row's 16 holds channels ``(l % (d / VEC)) * VEC ..``.
+    ``gather``: lanes below ``d / VEC`` take the sum over every lane of their channels (butterfly
+    over the lanes of the other tokens); else every lane takes lane ``l % (d / VEC)``'s values."""
+    owners = d // VEC
+    for j in cutlass.range_constexpr(VEC):
+        if cutlass.const_expr(gather):
+            for i in cutlass.range_constexpr((LANES // owners).bit_length() - 1):
+                frag[0, j] = frag[0, j] + cute.arch.shuffle_sync_bfly(frag[0, j], offset=owners << i)
+        else:
+            lane = cute.arch.lane_idx()
+            frag[0, j] = cute.arch.shuffle_sync(frag[0, j], lane - lane % LANES + lane % owners)
+
+
+@cute.jit
 def _combine(total: cute.Tensor, part: cute.Tensor, is_max: cutlass.Constexpr):
     other = cute.make_rmem_tensor((1, VEC), Float32)
     cute.autovec_copy(part, other)
@@ -229,15 +249,19 @@ def _sequence(mSeq: cute.Tensor, batch, head, heads, out_rows):
 def _k_smooth_quant_kernel(mK: cute.Tensor, mQ_u8: cute.Tensor, mS: cute.Tensor, mMean: cute.Tensor,
                            mPart: cute.Tensor, mSeq: cute.Tensor, seqlen: cutlass.Int32, heads: cutlass.Int32,
                            d: cutlass.Constexpr, stages: cutlass.Constexpr, cluster: cutlass.Constexpr,
-                           varlen: cutlass.Constexpr, smooth: cutlass.Constexpr, pdl: cutlass.Constexpr):
+                           varlen: cutlass.Constexpr, smooth: cutlass.Constexpr, pdl: cutlass.Constexpr,
+                           fold: cutlass.Constexpr):
     tidx, _, _ = cute.arch.thread_idx()
     rank, head, batch = cute.arch.block_idx()
     if cutlass.const_expr(pdl):
         after_previous_grid()
-    d_tiles = (d + TILE - 1) // TILE
+    # ``fold`` tokens per row of mK / mQ (dense D < 128: every lane of a 128-column row busy); the
+    # statistic stays per channel, ``d`` of them
+    width, rows = d * fold, TILE // fold
+    d_tiles = (width + TILE - 1) // TILE
     mQ = as_fp8(mQ_u8)
     smem = cutlass.memory.SmemAllocator()
-    ring = _alloc_ring(smem, mK.element_type, stages, d)
+    ring = _alloc_ring(smem, mK.element_type, stages, width, rows)
     warp_max = smem.allocate_tensor(Float32, cute.make_layout(WARPS_PER_CTA), byte_alignment=16)
     part_smem = _alloc_row_group_partials(smem, d_tiles)
     atom = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(), mK.element_type, num_bits_per_copy=128)
@@ -247,23 +271,28 @@ def _k_smooth_quant_kernel(mK: cute.Tensor, mQ_u8: cute.Tensor, mS: cute.Tensor,
         blocks = (seqlen + TILE - 1) // TILE
     else:
         blocks = seqlen // TILE  # seqlen % 128 == 0
-        in_row0, token_stride, out_row0, stat = head * seqlen, 1, head * seqlen, head
+        in_row0, token_stride, out_row0, stat = head * (seqlen // fold), 1, head * (seqlen // fold), head
+    row_len = seqlen // fold
     # no statistic (Q): no cluster, the CTAs along x split a head's blocks
     walk = _Walk(rank, cluster if smooth else cute.arch.grid_dim()[0], in_row0, blocks, token_stride,
                  2 if smooth else 1)
-    _fill_ring(atom, mK, ring, walk, seqlen, rgrp, lane, stages, d_tiles, d, False)
+    _fill_ring(atom, mK, ring, walk, row_len, rgrp, lane, stages, d_tiles, width, False, rows)
     means = _zero_fragments(d_tiles)
     if cutlass.const_expr(smooth):
         sums = _zero_fragments(d_tiles)
         for t in cutlass.range(walk.per_head):  # the statistics
-            stage = _advance_ring(atom, mK, ring, walk, t, seqlen, rgrp, lane, stages, d_tiles, d, False)
+            stage = _advance_ring(atom, mK, ring, walk, t, row_len, rgrp, lane, stages, d_tiles, width, False, rows)
             block = walk.block(t)
             if block < blocks:
                 for ct in cutlass.range_constexpr(d_tiles):
-                    tile = _read_block(ring, stage, block, seqlen, rgrp, lane, ct, d, False)
-                    for p in cutlass.range_constexpr(PASSES):
+                    tile = _read_block(ring, stage, block, row_len, rgrp, lane, ct, width, False, rows)
+                    for p in cutlass.range_constexpr(rows // ROW_GROUPS):
                         sums[ct].store(sums[ct].load() + tile[p])
+        if cutlass.const_expr(fold > 1):  # lanes 0 .. d / VEC - 1 take their channels' sums of the row
+            _fold_lanes(sums[0], d, True)
         totals = _exchange(sums, part_smem, mPart, stat, rank, lane, rgrp, d, d_tiles, cluster, False)
+        if cutlass.const_expr(fold > 1):  # ... and give the head's sums back to the lanes of the other tokens
+            _fold_lanes(totals[0], d, False)
         count = Float32(seqlen)
         if cutlass.const_expr(varlen):  # an empty sequence's mean is 0
             count = Float32(cutlass.max(seqlen, 1))
@@ -272,14 +301,14 @@ def _k_smooth_quant_kernel(mK: cute.Tensor, mQ_u8: cute.Tensor, mS: cute.Tensor,
             if rank == 0 and rgrp == 0 and ct * TILE + lane * VEC < d:
                 cute.autovec_copy(means[ct], cute.local_tile(mMean, (1, VEC), (stat, (ct * TILE + lane * VEC) // VEC)))
     for t in cutlass.range(walk.steps - walk.per_head, walk.steps):  # the quantization
-        stage = _advance_ring(atom, mK, ring, walk, t, seqlen, rgrp, lane, stages, d_tiles, d, False)
+        stage = _advance_ring(atom, mK, ring, walk, t, row_len, rgrp, lane, stages, d_tiles, width, False, rows)
         block = walk.block(t)
         if block < blocks:  # the same branch for the whole CTA
             values = []
             amax = Float32(0.0)
             for ct in cutlass.range_constexpr(d_tiles):
-                tile = _read_block(ring, stage, block, seqlen, rgrp, lane, ct, d, False)
-                for p in cutlass.range_constexpr(PASSES):
+                tile = _read_block(ring, stage, block, row_len, rgrp, lane, ct, width, False, rows)
+                for p in cutlass.range_constexpr(rows // ROW_GROUPS):
                     tile[p] = tile[p] - means[ct].load()  # columns past D: 0 - 0
                     if cutlass.const_expr(varlen and smooth):  # tokens past the sequence stay 0
                         row = block * TILE + _row_in_block(rgrp, p, False)
@@ -292,27 +321,27 @@ def _k_smooth_quant_kernel(mK: cute.Tensor, mQ_u8: cute.Tensor, mS: cute.Tensor,
                 values.append(tile)
             amax = cta_max(amax, warp_max, tidx)
             scale, inv = scale_and_inverse(amax)
-            row0 = out_row0 + block * TILE
+            row0 = out_row0 + block * rows
             for ct in cutlass.range_constexpr(d_tiles):
                 out_col = ct * TILE + lane * VEC
-                if out_col < d:
-                    for p in cutlass.range_constexpr(PASSES):
+                if out_col < width:
+                    for p in cutlass.range_constexpr(rows // ROW_GROUPS):
                         store_row_chunk(mQ, values[ct][p] * inv, row0 + rgrp + ROW_GROUPS * p, out_col)
             if tidx == 0:
-                mS[out_row0 // TILE + block, 0] = scale
+                mS[out_row0 // rows + block, 0] = scale
             cute.arch.sync_threads()  # warp_max is rewritten by the next block
 
 
 @cute.jit
 def k_smooth_quant(mK: cute.Tensor, mQ_u8: cute.Tensor, mS: cute.Tensor, mMean: cute.Tensor, mPart: cute.Tensor,
                    seqlen: cutlass.Int32, heads: cutlass.Int32, d: cutlass.Constexpr, stages: cutlass.Constexpr,
-                   cluster: cutlass.Constexpr, pdl: cutlass.Constexpr, stream):
-    """``mK`` [heads·S, D] (S % 128 == 0) -> codes [heads·S, D] of K minus its token mean, scales
-    [heads·S/128, 1], ``mMean`` [heads, D] FP32; ``mPart`` [heads·cluster, D] FP32 workspace;
-    ``stages``: ``config.prepass_ring_stages``; ``cluster`` CTAs per head; ``pdl``: programmatic
-    dependent launch."""
+                   cluster: cutlass.Constexpr, pdl: cutlass.Constexpr, fold: cutlass.Constexpr, stream):
+    """``mK`` [heads·S/fold, fold·D] (S % 128 == 0; ``fold`` tokens per row, ``config.prepass_k_fold``)
+    -> codes of the same shape of K minus its token mean, scales [heads·S/128, 1], ``mMean`` [heads,
+    D] FP32; ``mPart`` [heads·cluster, D] FP32 workspace; ``stages``: ``config.prepass_ring_stages``;
+    ``cluster`` CTAs per head; ``pdl``: programmatic dependent launch."""
     _k_smooth_quant_kernel(mK, mQ_u8, mS, mMean, mPart, mS, seqlen, heads, d, stages, cluster, False, True,
-                           pdl).launch(grid=(cluster, heads, 1), block=(THREADS, 1, 1), cluster=(cluster, 1, 1),
+                           pdl, fold).launch(grid=(cluster, heads, 1), block=(THREADS, 1, 1), cluster=(cluster, 1, 1),
                                        stream=stream, use_pdl=pdl)
 
 
@@ -328,7 +357,7 @@ def packed_quant(mX: cute.Tensor, mQ_u8: cute.Tensor, mS: cute.Tensor, mMean: cu
     ``mSeq`` [B, 4] int32: first token, length, first padded row. One cluster per (sequence, head)
     with ``smooth``; else ``ctas`` CTAs (no cluster)."""
     _k_smooth_quant_kernel(mX, mQ_u8, mS, mMean, mPart, mSeq, cutlass.Int32(0), heads, d, stages, cluster, True,
-                           smooth, pdl).launch(grid=(cluster if smooth else ctas, heads, mSeq.shape[0]),
+                           smooth, pdl, 1).launch(grid=(cluster if smooth else ctas, heads, mSeq.shape[0]),
                                                block=(THREADS, 1, 1), cluster=(cluster if smooth else 1, 1, 1),
                                                stream=stream, use_pdl=pdl)
 
