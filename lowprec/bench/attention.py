@@ -11,9 +11,11 @@ over the fastest bf16 peer's. Accuracy per row vs an FP64 reference on batch 0, 
 cosine, rel-L1, RMSE. Median time between CUDA events, L2 flushed before each run, in two modes:
 synced (the host waits for each run, so host time to the first launch counts where it exceeds the
 flush: a lone eager call) and queued (``... q``: runs queued back to back, as ``do_bench`` and a
-training step run them: host time counts only where it exceeds the GPU's).
+training step run them: host time counts only where it exceeds the GPU's). ``--after-gemm``: each
+run follows a bf16 GEMM instead of the flush, so the chip is at its power cap when the call starts,
+as between a model's projections (a separate section of the results, ``attention_after_gemm``).
 
-    python -m lowprec bench attention [--quick] [--only NAME,...] [--no-accuracy] [--out FILE]
+    python -m lowprec bench attention [--quick] [--only NAME,...] [--no-accuracy] [--after-gemm] [--out FILE]
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ SHAPES = [
 QUICK = ("d128", "d128-causal", "decode")
 BF16_PEERS = ("cudnn-sdpa-bf16", "sdpa-flash-bf16", "fa4-bf16")
 REF_HEADS = 4  # FP64 reference on batch 0, heads 0..REF_HEADS-1
+GEMM_BEFORE = 8192  # --after-gemm: a bf16 GEMM of this size (~1.6 ms on an H100 / H200) before each run
 
 
 def parse_args(argv=None):
@@ -70,6 +73,9 @@ def parse_args(argv=None):
     p.add_argument("--no-accuracy", action="store_true", help="skip the FP64 accuracy columns")
     p.add_argument("--rep", type=positive_int, default=30, help="timed runs per row")
     p.add_argument("--no-fp8", action="store_true", help="leave the FP8 rows out (the bf16 peers only)")
+    p.add_argument("--after-gemm", action="store_true",
+                   help=f"each run follows a bf16 {GEMM_BEFORE}^3 GEMM instead of the L2 flush (the chip at its "
+                        "power cap, as inside a model); results under 'attention_after_gemm'")
     p.add_argument("--out", type=str, default=None, help="JSON path (default benchmarks/results/<gpu>.json)")
     return p.parse_args(argv)
 
@@ -184,7 +190,8 @@ def _peers(s: Shape, q, k, v, fp8_reason: str | None) -> dict:
     return peers
 
 
-def run_shape(s: Shape, args, fp8_reason: str | None) -> list[dict]:
+def run_shape(s: Shape, args, fp8_reason: str | None, before=None) -> list[dict]:
+    """The rows of one shape; ``before``: called before every timed run instead of the L2 flush."""
     q, k, v = _inputs(s)
     ref = None if args.no_accuracy else _reference(s, q, k, v)
     rows = []
@@ -198,8 +205,8 @@ def run_shape(s: Shape, args, fp8_reason: str | None) -> list[dict]:
         try:
             with torch.no_grad():
                 out = fn()
-                ms = bench_ms(fn, warmup=5, rep=args.rep)
-                ms_q = bench_ms(fn, warmup=5, rep=args.rep, queued=True)
+                ms = bench_ms(fn, warmup=5, rep=args.rep, before=before)
+                ms_q = bench_ms(fn, warmup=5, rep=args.rep, queued=True, before=before)
         except Exception as err:  # a peer that does not take this shape: say so, go on
             row["note"] = f"error: {type(err).__name__}: {str(err).splitlines()[0][:120]}"
             rows.append(row)
@@ -227,19 +234,25 @@ def main(argv: list[str] | None = None) -> int:
     fp8_reason = "left out (--no-fp8)" if args.no_fp8 else fp8_kernel_status()
     print(f"{torch.cuda.get_device_name()} ({gpu_slug()}); FP8 rows: "
           f"{'sm_90a kernel' if fp8_reason is None else 'missing (' + fp8_reason + ')'}")
+    before, section, preceded = None, "attention", "L2 flushed"
+    if args.after_gemm:  # its 128 MB output also flushes the L2
+        a = torch.randn(GEMM_BEFORE, GEMM_BEFORE, device="cuda", dtype=torch.bfloat16)
+        c = torch.empty_like(a)
+        before, section = (lambda: torch.mm(a, a, out=c)), "attention_after_gemm"
+        preceded = f"after a bf16 {GEMM_BEFORE}^3 GEMM (the chip at its power cap)"
     rows = []
     for s in shapes:
-        rows += run_shape(s, args, fp8_reason)
+        rows += run_shape(s, args, fp8_reason, before)
         torch.cuda.empty_cache()
     header = ["shape", "impl", "ms", "TFLOPS", "x best bf16", "ms q", "x best bf16 q", "cos", "rel-L1", "RMSE", "note"]
     print_table(header, [[r["shape"], r["impl"], r.get("ms", "-"), r.get("tflops", "-"), r.get("x_best_bf16", "-"),
                           r.get("ms_queued", "-"), r.get("x_best_bf16_queued", "-"),
                           r.get("cos", "-"), r.get("rel_l1", "-"), r.get("rmse", "-"), r.get("note", "")]
                          for r in rows])
-    path = save_results("attention", {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                                      "fp8_missing": fp8_reason, "rows": rows,
-                                      "timing": "ms: synced per run; ms_queued: queued back to back; "
-                                                "both L2 flushed, median"}, args.out,
+    path = save_results(section, {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                                  "fp8_missing": fp8_reason, "rows": rows,
+                                  "timing": f"ms: synced per run; ms_queued: queued back to back; both {preceded}, "
+                                            "median"}, args.out,
                         merge_rows_by="shape" if args.only or args.quick else None)  # a subset of the shapes
     print(f"results: {path}")
     return 0
