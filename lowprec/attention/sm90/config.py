@@ -361,10 +361,13 @@ def prepass_ring_stages(head_dim: int, elem_bytes: int) -> int:
     return stages if stages >= 2 else 0
 
 
+PREPASS_K_FOLD_DIMS = (32, 64)  # the head dims whose folded K pre-pass ran on the GPU (NOTES, session 60)
+
+
 def prepass_k_fold(head_dim: int) -> int:
-    """Tokens per 128-column row of the K pre-pass kernel's view of dense K: ``128 / D`` where that
-    divides (D < 128: else most of each row's 16 lanes would idle), else 1."""
-    return TILE_N // head_dim if head_dim < TILE_N and TILE_N % head_dim == 0 else 1
+    """Tokens per 128-column row of the K pre-pass kernel's view of dense K: ``128 / D`` at
+    :data:`PREPASS_K_FOLD_DIMS` (else most of each row's 16 lanes would idle), else 1."""
+    return TILE_N // head_dim if head_dim in PREPASS_K_FOLD_DIMS else 1
 
 
 def prepass_cluster(heads: int, seqlen: int, row_bytes: int) -> int:

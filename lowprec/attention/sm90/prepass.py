@@ -17,8 +17,8 @@ holding registers, and a thread reads back only what it copied (no CTA barrier).
 
 - ``k_smooth_quant``: ``k - k_mean`` in FP32 per 128-token block of all D columns (D <= 256: up to
   two 128-column tiles in registers), the block's amax, codes and scale; ``k_mean`` (the FP32
-  column sum over the sequence / S) is written too. Dense K of D < 128 is read as rows of
-  ``128 / D`` tokens (``config.prepass_k_fold``), so every lane of a 128-column row has work.
+  column sum over the sequence / S) is written too. Dense K of D = 32 and 64 is read as
+  rows of ``128 / D`` tokens (``config.prepass_k_fold``), so every lane of a 128-column row has work.
 - ``v_quant_t``: per 128 tokens x 128 channels, codes ``v · inv_scale[channel]`` staged transposed
   in shared memory and stored as rows of ``v_t`` (16-byte stores), tokens past Sk as zeros up to
   ``round_up(Sk, 16)``; each channel's scale from its amax over the sequence. The fused attention
