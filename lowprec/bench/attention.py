@@ -226,6 +226,18 @@ def run_shape(s: Shape, args, fp8_reason: str | None, before=None) -> list[dict]
     return rows
 
 
+def timing_setup(args, device="cuda") -> tuple:
+    """``(before, section, preceded)``: what runs before each timed run (None: the L2 flush), the
+    results section the rows go to, and the timing note's words for it."""
+    if not args.after_gemm:
+        return None, "attention", "L2 flushed"
+    # a model's projection: the chip at its power cap when the call starts (its output flushes the L2)
+    a = torch.randn(GEMM_BEFORE, GEMM_BEFORE, device=device, dtype=torch.bfloat16)
+    c = torch.empty_like(a)
+    return (lambda: torch.mm(a, a, out=c)), "attention_after_gemm", \
+        f"after a bf16 {GEMM_BEFORE}^3 GEMM (the chip at its power cap)"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if not torch.cuda.is_available():
@@ -234,12 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     fp8_reason = "left out (--no-fp8)" if args.no_fp8 else fp8_kernel_status()
     print(f"{torch.cuda.get_device_name()} ({gpu_slug()}); FP8 rows: "
           f"{'sm_90a kernel' if fp8_reason is None else 'missing (' + fp8_reason + ')'}")
-    before, section, preceded = None, "attention", "L2 flushed"
-    if args.after_gemm:  # its 128 MB output also flushes the L2
-        a = torch.randn(GEMM_BEFORE, GEMM_BEFORE, device="cuda", dtype=torch.bfloat16)
-        c = torch.empty_like(a)
-        before, section = (lambda: torch.mm(a, a, out=c)), "attention_after_gemm"
-        preceded = f"after a bf16 {GEMM_BEFORE}^3 GEMM (the chip at its power cap)"
+    before, section, preceded = timing_setup(args)
     rows = []
     for s in shapes:
         rows += run_shape(s, args, fp8_reason, before)

@@ -56,7 +56,7 @@ def test_rows_carry_both_timing_modes_and_their_own_ratios(monkeypatch):
     fns = {"lowprec-fp8+quant": lambda: torch.zeros(1), "cudnn-sdpa-bf16": lambda: torch.ones(1)}
     monkeypatch.setattr(bench, "_inputs", lambda s: (None, None, None))
     monkeypatch.setattr(bench, "_peers", lambda s, q, k, v, reason: {**fns, "fa4-bf16": "missing: no flash_attn"})
-    monkeypatch.setattr(bench, "bench_ms", lambda fn, warmup, rep, queued=False: times[
+    monkeypatch.setattr(bench, "bench_ms", lambda fn, warmup, rep, queued=False, before=None: times[
         ("fp8" if fn is fns["lowprec-fp8+quant"] else "cudnn", queued)])
     args = bench.parse_args(["--no-accuracy", "--rep", "3"])
     rows = {r["impl"]: r for r in bench.run_shape(bench.Shape("x", 1, 2, 2, 128, 128, 64, False), args, None)}
@@ -67,7 +67,7 @@ def test_rows_carry_both_timing_modes_and_their_own_ratios(monkeypatch):
     assert "tflops" not in rows["fa4-bf16"] and rows["fa4-bf16"]["note"].startswith("missing")
 
 
-def _one_fake_row(s, args, fp8_reason):
+def _one_fake_row(s, args, fp8_reason, before=None):
     return [{"shape": s.name, "impl": "fa4-bf16", "ms": 1.0}]
 
 
@@ -88,3 +88,29 @@ def test_quick_run_keeps_the_other_shapes(tmp_path, monkeypatch):
     assert all(rows[name] == 1.0 for name in bench.QUICK)
     assert all(rows[s.name] == 9.0 for s in bench.SHAPES if s.name not in bench.QUICK)
     assert saved["gemm"] == {"rows": []}
+
+
+def test_after_gemm_runs_a_gemm_before_each_run_into_its_own_section(tmp_path, monkeypatch):
+    """``--after-gemm``: every timed run follows a bf16 GEMM (the chip at its power cap); its rows go
+    to ``attention_after_gemm``, leaving the flushed runs' section as it was."""
+    monkeypatch.setattr(bench, "GEMM_BEFORE", 16)
+    assert bench.timing_setup(bench.parse_args([]))[:2] == (None, "attention")
+    before, section, preceded = bench.timing_setup(bench.parse_args(["--after-gemm"]), device="cpu")
+    assert section == "attention_after_gemm" and "GEMM" in preceded
+    assert before().shape == (16, 16) and before().dtype == torch.bfloat16
+
+    path = str(tmp_path / "gpu.json")
+    json.dump({"attention": {"rows": [{"shape": "d128", "ms": 9.0}]}}, open(path, "w"))
+    seen = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "FAKE GPU")
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(bench, "fp8_kernel_status", lambda: "no kernel (test)")
+    monkeypatch.setattr(bench, "timing_setup", lambda args, setup=bench.timing_setup: setup(args, device="cpu"))
+    monkeypatch.setattr(bench, "run_shape", lambda s, args, reason, before=None: seen.append(before) or
+                        [{"shape": s.name, "impl": "fa4-bf16", "ms": 1.0}])
+    bench.main(["--only", "d128", "--after-gemm", "--out", path])
+    saved = json.load(open(path))
+    assert saved["attention"] == {"rows": [{"shape": "d128", "ms": 9.0}]}
+    assert saved["attention_after_gemm"]["rows"] == [{"shape": "d128", "impl": "fa4-bf16", "ms": 1.0}]
+    assert "GEMM" in saved["attention_after_gemm"]["timing"] and callable(seen[0])

@@ -145,8 +145,3 @@ def test_moe_partial_runs_merge_rows_of_the_same_settings(tmp_path):
     moe.save("moe_decode", {"rows": [{**row(8, None, 1.0), "T": 1}]}, path, partial=True)
     moe.save("moe_decode", {"rows": [{**row(8, None, 1.0), "T": 256}]}, path, partial=True)
     assert [r["T"] for r in json.load(open(path))["moe_decode"]["rows"]] == [1, 256]
-
-
-def test_bench_attention_after_gemm_is_an_option():
-    assert attention.parse_args(["--after-gemm"]).after_gemm
-    assert not attention.parse_args([]).after_gemm
