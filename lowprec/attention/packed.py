@@ -21,7 +21,7 @@ import torch
 
 from ..quant.reference import ieee_div, scale_from_amax
 from ..recipes import get_recipe
-from .quantize import ATTN_BLOCK, _blocks, _rotate
+from .quantize import ATTN_BLOCK, _blocks, _rotate, v_keys_at_positions
 
 __all__ = ["PaddedLayout", "padded_rows", "padded_layout", "pad_rows", "PackedFP8Inputs", "quantize_packed",
            "sequence_means",
@@ -145,9 +145,8 @@ def quantize_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: tor
     v_scale = scale_from_amax(amax, _ROWWISE, None)
     inv = ieee_div(torch.ones_like(v_scale), v_scale)
     codes = (vp * inv[:, lk.seq]).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
-    if permute_v_keys:  # stored position p of each 16 holds key V_KEY_PERM[p] (arithmetic: no host copy)
-        p = torch.arange(lk.rows, device=v.device)
-        codes = codes.index_select(1, p - p % 16 + (p % 16) // 4 * 2 + (p // 2) % 2 * 8 + p % 2)
+    if permute_v_keys:  # stored position p of each 16 holds key V_KEY_PERM[p]
+        codes = codes.index_select(1, v_keys_at_positions(torch.arange(lk.rows, device=v.device)))
     v_t = codes.transpose(1, 2).contiguous()
     return PackedFP8Inputs(q_codes[0], q_scale[0], k_codes[0], k_scale[0], v_t, v_scale.transpose(0, 1).contiguous(),
                            k_mean.transpose(0, 1).contiguous())

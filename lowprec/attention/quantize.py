@@ -255,6 +255,13 @@ def kv_views(k: torch.Tensor, k_scale: torch.Tensor, v_t: torch.Tensor, length: 
             v_t[..., :-(-length // V_PAD) * V_PAD])
 
 
+def v_keys_at_positions(positions: torch.Tensor) -> torch.Tensor:
+    """The key each position of Vᵀ's permuted layout holds (position ``p`` of each aligned 16 holds
+    key ``V_KEY_PERM[p]``); the inverse of :func:`permuted_v_positions`."""
+    p = positions % V_PAD
+    return positions - p + p // 4 * 2 + (p // 2) % 2 * 8 + p % 2
+
+
 def permuted_v_positions(keys: torch.Tensor) -> torch.Tensor:
     """Where each key index of ``keys`` sits in Vᵀ's permuted layout (the kernel's ``V_KEY_PERM``
     within each aligned 16 keys: position ``p`` holds key ``V_KEY_PERM[p]``; P needs no shuffles)."""

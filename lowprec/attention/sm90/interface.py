@@ -17,12 +17,12 @@ import math
 import torch
 
 from ...runtime import ffi_entry, on_device
+from ..quantize import v_keys_at_positions
 from .config import (
     PERSISTENT_HEAD_DIMS,
     PREPASS_MAX_CLUSTER,
     TILE_M,
     TILE_N,
-    V_KEY_PERM,
     V_PAD,
     AttnConfig,
     head_stride,
@@ -211,9 +211,7 @@ def _validate(q, q_scale, k, k_scale, v_t, v_scale, out_dtype, out):
 def permute_v_keys(v_t: torch.Tensor) -> torch.Tensor:
     """v_t [..., Sk_pad] with its keys permuted within each aligned 16 as V_KEY_PERM (the layout
     ``fp8_attention_forward(..., v_keys_permuted=True)`` reads). Contiguous copy."""
-    idx = torch.tensor(V_KEY_PERM, device=v_t.device)
-    n = v_t.shape[-1] // V_PAD
-    return v_t.view(*v_t.shape[:-1], n, V_PAD).index_select(-1, idx).reshape(v_t.shape).contiguous()
+    return v_t.index_select(-1, v_keys_at_positions(torch.arange(v_t.shape[-1], device=v_t.device)))
 
 
 def fp8_attention_forward(q, q_scale, k, k_scale, v_t, v_scale, *, causal: bool, softmax_scale: float,
