@@ -11,17 +11,20 @@ over the fastest bf16 peer's. Accuracy per row vs an FP64 reference on batch 0, 
 cosine, rel-L1, RMSE. Median time between CUDA events, L2 flushed before each run, in two modes:
 synced (the host waits for each run, so host time to the first launch counts where it exceeds the
 flush: a lone eager call) and queued (``... q``: runs queued back to back, as ``do_bench`` and a
-training step run them: host time counts only where it exceeds the GPU's). ``--after-gemm``: each
+training step run them: host time counts only where it exceeds the GPU's); each mode's time is the
+median of ``--rounds`` rounds that interleave the peers. ``--after-gemm``: each
 run follows a bf16 GEMM instead of the flush, so the chip is at its power cap when the call starts,
 as between a model's projections (a separate section of the results, ``attention_after_gemm``).
 
-    python -m lowprec bench attention [--quick] [--only NAME,...] [--no-accuracy] [--after-gemm] [--out FILE]
+    python -m lowprec bench attention [--quick] [--only NAME,...] [--no-accuracy] [--after-gemm] [--rounds N]
+        [--out FILE]
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import statistics
 from dataclasses import dataclass
 
 import torch
@@ -71,7 +74,9 @@ def parse_args(argv=None):
     p.add_argument("--quick", action="store_true", help=f"only {', '.join(QUICK)}")
     p.add_argument("--only", type=str, default=None, help="comma-separated shape names")
     p.add_argument("--no-accuracy", action="store_true", help="skip the FP64 accuracy columns")
-    p.add_argument("--rep", type=positive_int, default=30, help="timed runs per row")
+    p.add_argument("--rep", type=positive_int, default=30, help="timed runs per row and mode")
+    p.add_argument("--rounds", type=positive_int, default=3,
+                   help="interleaved rounds over the peers (each mode's time: the median of its rounds)")
     p.add_argument("--no-fp8", action="store_true", help="leave the FP8 rows out (the bf16 peers only)")
     p.add_argument("--after-gemm", action="store_true",
                    help=f"each run follows a bf16 {GEMM_BEFORE}^3 GEMM instead of the L2 flush (the chip at its "
@@ -191,33 +196,49 @@ def _peers(s: Shape, q, k, v, fp8_reason: str | None) -> dict:
 
 
 def run_shape(s: Shape, args, fp8_reason: str | None, before=None) -> list[dict]:
-    """The rows of one shape; ``before``: called before every timed run instead of the L2 flush."""
+    """The rows of one shape; ``before``: called before every timed run instead of the L2 flush.
+
+    The peers are timed in ``args.rounds`` interleaved rounds (each round every peer, synced then
+    queued, ``rep / rounds`` runs each) and each mode's time is the median of its rounds: a phase of
+    slow host launches (one lasted ~0.1-1 s, hitting whichever rows ran then) skews one round of a
+    few peers instead of whole rows."""
     q, k, v = _inputs(s)
     ref = None if args.no_accuracy else _reference(s, q, k, v)
-    rows = []
+    rows, timed = [], {}
     for name, fn in _peers(s, q, k, v, fp8_reason).items():
         row = {"shape": s.name, "impl": name, "B": s.b, "H": s.h, "Hkv": s.hkv, "Sq": s.sq, "Sk": s.sk, "D": s.d,
                "causal": s.causal}
+        rows.append(row)
         if isinstance(fn, str):
             row["note"] = fn
-            rows.append(row)
             continue
         try:
             with torch.no_grad():
                 out = fn()
-                ms = bench_ms(fn, warmup=5, rep=args.rep, before=before)
-                ms_q = bench_ms(fn, warmup=5, rep=args.rep, queued=True, before=before)
         except Exception as err:  # a peer that does not take this shape: say so, go on
             row["note"] = f"error: {type(err).__name__}: {str(err).splitlines()[0][:120]}"
-            rows.append(row)
             continue
-        row.update(ms=ms, tflops=s.flops / ms / 1e9, ms_queued=ms_q, tflops_queued=s.flops / ms_q / 1e9)
         if ref is not None:
             got = out[0, : ref.shape[0]]
             row.update(cos=metrics.cos_sim(got, ref), rel_l1=metrics.rel_l1(got, ref), rmse=metrics.rmse(got, ref))
-        rows.append(row)
-        print(f"  {s.name} {name}: {ms:.3f} ms, {row['tflops']:.0f} TFLOPS; queued {ms_q:.3f} ms", flush=True)
         del out
+        timed[name] = (fn, row, [], [])
+    per_round = max(1, math.ceil(args.rep / args.rounds))
+    for r in range(args.rounds):
+        for name, (fn, row, synced, queued) in list(timed.items()):
+            try:
+                with torch.no_grad():
+                    synced.append(bench_ms(fn, warmup=5 if r == 0 else 2, rep=per_round, before=before))
+                    queued.append(bench_ms(fn, warmup=2, rep=per_round, queued=True, before=before))
+            except Exception as err:  # e.g. out of memory only when timed: the row says so
+                row["note"] = f"error: {type(err).__name__}: {str(err).splitlines()[0][:120]}"
+                del timed[name]
+    for name, (_, row, synced, queued) in timed.items():
+        ms, ms_q = statistics.median(synced), statistics.median(queued)
+        row.update(ms=ms, tflops=s.flops / ms / 1e9, ms_queued=ms_q, tflops_queued=s.flops / ms_q / 1e9,
+                   ms_rounds=synced, ms_queued_rounds=queued)
+        print(f"  {s.name} {name}: {ms:.3f} ms, {row['tflops']:.0f} TFLOPS; queued {ms_q:.3f} ms "
+              f"(rounds {' '.join(f'{t:.3f}' for t in synced)} / {' '.join(f'{t:.3f}' for t in queued)})", flush=True)
     for mode in ("", "_queued"):
         best = max((r["tflops" + mode] for r in rows if r["impl"] in BF16_PEERS and "tflops" in r), default=None)
         for r in rows:
@@ -258,8 +279,9 @@ def main(argv: list[str] | None = None) -> int:
                          for r in rows])
     path = save_results(section, {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                                   "fp8_missing": fp8_reason, "rows": rows,
-                                  "timing": f"ms: synced per run; ms_queued: queued back to back; both {preceded}, "
-                                            "median"}, args.out,
+                                  "timing": f"ms: synced per run; ms_queued: queued back to back; both {preceded}; "
+                                            f"the median of {args.rounds} rounds interleaving the peers, each "
+                                            "round's the median of its runs"}, args.out,
                         merge_rows_by="shape" if args.only or args.quick else None)  # a subset of the shapes
     print(f"results: {path}")
     return 0

@@ -67,6 +67,48 @@ def test_rows_carry_both_timing_modes_and_their_own_ratios(monkeypatch):
     assert "tflops" not in rows["fa4-bf16"] and rows["fa4-bf16"]["note"].startswith("missing")
 
 
+def test_rounds_interleave_the_peers_and_report_their_median(monkeypatch):
+    """Each round times every peer (synced, then queued) before the next round starts; a row's time
+    is the median of its rounds, so one slow round (a phase of slow host launches) does not move
+    it; the rounds themselves are kept in the row."""
+    calls = []
+    slow = {("a", False, 0): 9.0}  # peer a's first synced round ran in a slow phase
+
+    def fake_bench_ms(fn, warmup, rep, queued=False, before=None):
+        name = fn()
+        nth = sum(1 for c in calls if c == (name, queued))
+        calls.append((name, queued))
+        assert rep == 2  # --rep 5 over 3 rounds: ceil(5 / 3) runs a round
+        return slow.get((name, queued, nth), 1.0 if name == "a" else 2.0)
+
+    fns = {"lowprec-fp8+quant": lambda: "a", "cudnn-sdpa-bf16": lambda: "b"}
+    monkeypatch.setattr(bench, "_inputs", lambda s: (None, None, None))
+    monkeypatch.setattr(bench, "_peers", lambda s, q, k, v, reason: fns)
+    monkeypatch.setattr(bench, "bench_ms", fake_bench_ms)
+    args = bench.parse_args(["--no-accuracy", "--rep", "5", "--rounds", "3"])
+    rows = {r["impl"]: r for r in bench.run_shape(bench.Shape("x", 1, 2, 2, 128, 128, 64, False), args, None)}
+    assert calls == [("a", False), ("a", True), ("b", False), ("b", True)] * 3
+    a = rows["lowprec-fp8+quant"]
+    assert a["ms"] == 1.0 and a["ms_rounds"] == [9.0, 1.0, 1.0] and a["ms_queued_rounds"] == [1.0] * 3
+    assert a["x_best_bf16"] == pytest.approx(2.0)
+
+
+def test_a_peer_failing_when_timed_becomes_a_note(monkeypatch):
+    def fake_bench_ms(fn, warmup, rep, queued=False, before=None):
+        if fn() == "b":
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (test)")
+        return 1.0
+
+    monkeypatch.setattr(bench, "_inputs", lambda s: (None, None, None))
+    monkeypatch.setattr(bench, "_peers", lambda s, q, k, v, reason: {"lowprec-fp8+quant": lambda: "a",
+                                                                     "cudnn-sdpa-bf16": lambda: "b"})
+    monkeypatch.setattr(bench, "bench_ms", fake_bench_ms)
+    rows = {r["impl"]: r for r in bench.run_shape(bench.Shape("x", 1, 2, 2, 128, 128, 64, False),
+                                                  bench.parse_args(["--no-accuracy"]), None)}
+    assert rows["cudnn-sdpa-bf16"]["note"].startswith("error: OutOfMemoryError") and "ms" not in rows["cudnn-sdpa-bf16"]
+    assert rows["lowprec-fp8+quant"]["ms"] == 1.0 and "x_best_bf16" not in rows["lowprec-fp8+quant"]
+
+
 def _one_fake_row(s, args, fp8_reason, before=None):
     return [{"shape": s.name, "impl": "fa4-bf16", "ms": 1.0}]
 
