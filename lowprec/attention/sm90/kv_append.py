@@ -30,6 +30,7 @@ from cutlass import Float32
 from ...cute.fp8_block import as_fp8, scale_and_inverse
 from ...cute.fp8_tile import group_max
 from ...cute.pdl import after_previous_grid
+from ..quantize import permuted_v_positions
 
 THREADS = 256  # D / 2 threads per row (one per column pair), the rest of the CTA on further rows
 BLOCK = 128  # tokens per K scale
@@ -113,10 +114,8 @@ def _append_row(mKn, mVn, mTail, mAmax, mK_u8, mKs, mVt_u8, mVinv, mCounts, star
         _store_codes(mK[batch, head, start + r, None], values.load().to(Float32) * inv, pair)
         cute.autovec_copy(values, cute.local_tile(mTail[batch, head, kept + r, None], (2,), (pair,)))
         # V: the new token at the channel's fixed scale, into Vᵀ's column of key start + r in the
-        # permuted order (within each 16, key j at 4·((j % 8) / 2) + 2·(j / 8) + j % 2)
-        key = start + r
-        in_16 = key % 16
-        column = key - in_16 + (in_16 % 8) // 2 * 4 + in_16 // 8 * 2 + in_16 % 2
+        # forward's permuted key order
+        column = permuted_v_positions(start + r)
         inv_v = cute.make_rmem_tensor((2,), Float32)
         cute.autovec_copy(cute.local_tile(mVinv[batch, head, None], (2,), (pair,)), inv_v)
         scaled = cute.make_rmem_tensor((2,), Float32)
