@@ -201,7 +201,8 @@ def run_shape(s: Shape, args, fp8_reason: str | None, before=None) -> list[dict]
     The peers are timed in ``args.rounds`` interleaved rounds (each round every peer, synced then
     queued, ``rep / rounds`` runs each) and each mode's time is the median of its rounds: a phase of
     slow host launches (one lasted ~0.1-1 s, hitting whichever rows ran then) skews one round of a
-    few peers instead of whole rows."""
+    few peers instead of whole rows, and the peer timed first after the untimed calls (on a chip with
+    power to spare, as ``bench gemm`` found for its eager column) gains in one round only."""
     q, k, v = _inputs(s)
     ref = None if args.no_accuracy else _reference(s, q, k, v)
     rows, timed = [], {}
